@@ -1,0 +1,1 @@
+"""The decode node's event loop and queues: prealloc, transfer, running, retracted."""

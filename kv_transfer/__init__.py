@@ -1,0 +1,1 @@
+"""Per-rank KV page movement between prefill and decode ranks over the Mooncake transfer engine."""

