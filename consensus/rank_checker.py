@@ -1,0 +1,78 @@
+"""Rank consensus checker: proves that every PP rank makes the same decisions.
+
+Decision points (scheduling result, prefix-cache match/insert/evict, allocator, finish checks) are
+decorated with `@rank_consensus("name", args=..., result=...)`. When `PDSERVE_RANK_CONSENSUS_CHECK=1`
+each call appends `(name, selected args, selected result)` to a per-process log and folds it into a
+running SHA-1 digest. The slot loop calls `checker.digest()` every few iterations and compares the
+digests across ranks (MIN/MAX all-reduce of the digest's leading 63 bits); on a mismatch every rank
+prints its recent calls so the first diverging call can be found, and exits.
+
+When the switch is off, the decorator returns the function itself: zero overhead.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections import deque
+from typing import Any, Callable
+
+ENABLED = os.environ.get("PDSERVE_RANK_CONSENSUS_CHECK", "0") not in ("", "0", "false", "False")
+
+
+def _canon(x: Any) -> Any:
+    """A rank-independent representation: no ids, no addresses, no unordered containers."""
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_canon(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return sorted(_canon(v) for v in x)
+    if isinstance(x, dict):
+        return sorted((str(k), _canon(v)) for k, v in x.items())
+    rid = getattr(x, "rid", None)
+    if rid is not None:
+        return f"req:{rid}"
+    return type(x).__name__
+
+
+class RankChecker:
+    def __init__(self, keep: int = 256):
+        self._sha = hashlib.sha1()
+        self.calls = 0
+        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)
+        self.planted: Callable[[str, Any], Any] | None = None   # test hook: alter a rank's decision
+
+    def record(self, name: str, args: Any, result: Any) -> None:
+        line = repr((name, _canon(args), _canon(result)))
+        self._sha.update(line.encode())
+        self.calls += 1
+        self.recent.append((self.calls, name, line))
+
+    def digest63(self) -> int:
+        return int.from_bytes(self._sha.digest()[:8], "big") & ((1 << 63) - 1)
+
+    def dump(self, n: int = 20) -> str:
+        return "\n".join(f"  #{i} {line}" for i, _, line in list(self.recent)[-n:])
+
+
+CHECKER = RankChecker()
+
+
+def rank_consensus(name: str, args: Callable[..., Any] | None = None,
+                   result: Callable[[Any], Any] | None = None):
+    """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across ranks."""
+    def deco(fn):
+        if not ENABLED:
+            return fn
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            chosen = args(*a, **kw) if args else None     # before the call: it may mutate them
+            r = fn(*a, **kw)
+            if CHECKER.planted is not None:
+                r = CHECKER.planted(name, r)
+            CHECKER.record(name, chosen, result(r) if result else None)
+            return r
+        return wrapper
+    return deco

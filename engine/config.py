@@ -1,0 +1,62 @@
+"""Engine configuration: one frozen dataclass, validated with `raise` (python -O strips asserts)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from engine.scheduler import SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None          # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
+    dtype: str = "float32"            # fp32 by default: token-identical to the fp32 reference (README)
+    page_size: int = 16
+    max_total_tokens: int = 32768     # KV pool capacity in tokens, the same on every rank
+    chunk_size: int = 512
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    max_context: int = 2048
+    enable_prefix_cache: bool = True
+    threads: int = 0                  # torch intra-op threads; 0 => all cores of this process
+    seed: int = 0                     # the node's generator for unseeded sampling
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be >= page_size ({self.page_size})")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    def scheduler_config(self, num_slots: int = 1, enable_prefix_cache: bool | None = None) -> SchedulerConfig:
+        return SchedulerConfig(
+            page_size=self.page_size, chunk_size=self.chunk_size, max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running, max_context=self.max_context, num_slots=num_slots,
+            enable_prefix_cache=self.enable_prefix_cache if enable_prefix_cache is None else enable_prefix_cache)
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def apply_threads(threads: int) -> int:
+    """Sets torch's intra-op threads (0 => every core this process may run on); returns the count."""
+    if threads <= 0:
+        threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,55 @@
+"""Runs one scheduled batch through this rank's model slice over its KV pool.
+
+Shared by the offline engine (one slice = the whole model) and by every PP rank. The first slice
+embeds token ids; the others take the previous slice's hidden states. Only the last slice returns
+logits, and only it samples.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.core import SamplingParams
+from engine.forward_batch import BatchItem, build_forward_batch
+from engine.kv_cache import KVLayout, KVPool
+from engine.model import ModelSlice
+from engine.sampling import sample
+from engine.scheduler import SampleOut, ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: ModelSlice, num_pages: int, page_size: int, dtype: torch.dtype, seed: int = 0):
+        cfg = model.cfg
+        self.model = model
+        self.pool = KVPool(KVLayout(num_pages=num_pages, page_size=page_size, layer_start=model.layer_start,
+                                    layer_end=model.layer_end, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, dtype=dtype))
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    def input_ids(self, batch: ScheduledBatch) -> torch.Tensor:
+        ids: list[int] = []
+        for e in batch.entries:
+            ids.extend(e.req.all_ids[e.start:e.start + e.num_new])
+        return torch.tensor(ids, dtype=torch.long)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] (not last slice) or logits [sampling entries, vocab] (last)."""
+        items = [BatchItem(e.pages, e.start, e.num_new, e.need_logits) for e in batch.entries]
+        fb = build_forward_batch(items, self.pool.page_size)
+        x = self.input_ids(batch) if self.is_first else hidden_in
+        assert x is not None and x.shape[0] == batch.num_tokens, "hidden states do not match the batch"
+        return self.model(x, fb, self.pool)
+
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SampleOut:
+        entries = batch.sampling_entries
+        params: list[SamplingParams] = [e.req.params for e in entries]
+        steps = [len(e.req.output_ids) for e in entries]
+        return sample(logits, params, steps, self.generator)

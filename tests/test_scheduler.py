@@ -1,0 +1,183 @@
+"""Scheduler, allocator and prefix cache, driven by a deterministic token oracle instead of a model.
+
+The oracle makes the next token a function of the whole sequence, so a request's output is only
+right if the scheduler fed it its real history (including after retraction and prefix sharing).
+"""
+import random
+
+import pytest
+
+from engine.core import ParamError, Req, SamplingParams
+from engine.kv_cache import PageAllocator
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import SampleOut, Scheduler, SchedulerConfig
+
+VOCAB = 97
+
+
+def oracle(ids: list[int]) -> int:
+    h = 0
+    for t in ids:
+        h = (h * 31 + t + 7) % 1_000_003
+    return h % VOCAB
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(oracle(seq))
+    return seq[len(prompt):]
+
+
+def run_to_end(s: Scheduler, max_steps: int = 10_000) -> dict[str, Req]:
+    done, kv_written = {}, {}
+    for _ in range(max_steps):
+        if not s.has_work:
+            break
+        for mb in range(s.cfg.num_slots):
+            b = s.schedule(mb)
+            toks = []
+            for e in b.entries:
+                # The KV a batch "writes" must be exactly the request's real tokens at those positions.
+                kv_written[e.req.rid] = e.start + e.num_new
+                if e.need_logits:
+                    toks.append(oracle(e.req.all_ids[: e.start + e.num_new]))
+            s.harvest(b, SampleOut(toks) if toks else None)
+            for r in s.drain_finished():
+                done[r.rid] = r
+    assert not s.has_work, "scheduler did not finish in time"
+    return done
+
+
+def make(num_pages=256, page=4, slots=1, cache=True, **kw) -> Scheduler:
+    cfg = SchedulerConfig(page_size=page, chunk_size=kw.pop("chunk", 8), max_batch_tokens=kw.pop("mbt", 32),
+                          max_running=kw.pop("max_running", 16), max_context=512, num_slots=slots,
+                          enable_prefix_cache=cache)
+    return Scheduler(cfg, PageAllocator(num_pages))
+
+
+def test_allocator_never_hands_out_a_page_twice():
+    a = PageAllocator(10)
+    got = a.alloc(4) + a.alloc(3)
+    assert len(set(got)) == 7 and a.num_free == 3
+    a.free(got[:2])
+    again = a.alloc(2)
+    assert set(again) == set(got[:2]) and a.num_free == 3
+    with pytest.raises(MemoryError):
+        a.alloc(4)
+    with pytest.raises(AssertionError):
+        a.free([got[0], got[0]])
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("cache", [True, False])
+def test_all_requests_complete_correctly_and_pages_return(slots, cache):
+    rng = random.Random(slots)
+    s = make(slots=slots, cache=cache)
+    reqs = {}
+    for i in range(24):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+        n = rng.randint(1, 12)
+        reqs[f"r{i}"] = (prompt, n)
+        s.add(Req(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+    done = run_to_end(s)
+    for rid, (prompt, n) in reqs.items():
+        assert done[rid].output_ids == expected(prompt, n), rid
+        assert done[rid].finish.kind == "length"
+    assert s.held_pages() == 0 and s.used_tokens == 0
+
+
+def test_prefix_cache_shares_pages_and_output_is_unchanged():
+    shared = list(range(1, 33))
+    s = make()
+    s.add(Req("a", shared + [50, 51], SamplingParams(max_tokens=4, ignore_eos=True)))
+    run_to_end(s)
+    s.add(Req("b", shared + [60], SamplingParams(max_tokens=4, ignore_eos=True)))
+    done = run_to_end(s)
+    assert done["b"].cached_len == 32, "the 32-token shared prefix (8 pages of 4) should come from the cache"
+    assert s.cache.hit_tokens_total == 32
+    assert done["b"].output_ids == expected(shared + [60], 4)
+    assert s.held_pages() == 0
+
+
+def test_retraction_completes_everything_with_a_tiny_pool():
+    rng = random.Random(5)
+    s = make(num_pages=24, page=4, max_running=8, chunk=16, mbt=32)
+    reqs = {}
+    for i in range(12):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(8, 30))]
+        reqs[f"r{i}"] = (prompt, 40)
+        s.add(Req(f"r{i}", prompt, SamplingParams(max_tokens=40, ignore_eos=True)))
+    done = run_to_end(s)
+    assert s.num_retractions > 0, "the pool was meant to be too small for the batch"
+    for rid, (prompt, n) in reqs.items():
+        assert done[rid].output_ids == expected(prompt, n), rid
+    assert s.held_pages() == 0
+
+
+def test_two_schedulers_with_the_same_inputs_decide_the_same():
+    def trace(seed):
+        rng = random.Random(seed)
+        s = make(num_pages=40, slots=2)
+        log = []
+        for i in range(10):
+            s.add(Req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))],
+                      SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True)))
+        for _ in range(400):
+            if not s.has_work:
+                break
+            for mb in range(2):
+                b = s.schedule(mb)
+                log.append([(e.req.rid, e.start, e.num_new, tuple(e.pages)) for e in b.entries])
+                toks = [oracle(e.req.all_ids[: e.start + e.num_new]) for e in b.entries if e.need_logits]
+                s.harvest(b, SampleOut(toks) if toks else None)
+        return log
+    assert trace(1) == trace(1)
+
+
+def test_abort_everywhere_frees_everything():
+    s = make(slots=2)
+    for i in range(6):
+        s.add(Req(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True)))
+    b0 = s.schedule(0)                      # some requests in flight in slot 0
+    assert s.abort("r5") is not None        # still waiting => removed at once
+    inflight = b0.entries[0].req.rid
+    s.abort(inflight)                       # in flight => ends at harvest
+    assert s.reqs[inflight].to_finish is not None
+    s.harvest(b0, SampleOut([0] * len(b0.sampling_entries)) if b0.sampling_entries else None)
+    assert inflight not in s.reqs
+    for rid in list(s.reqs):
+        s.abort(rid)
+    run_to_end(s)
+    assert s.held_pages() == 0 and s.used_tokens == 0
+    kinds = {r.finish.kind for r in s.drain_finished()}
+    assert kinds <= {"abort"}
+
+
+def test_prefix_cache_evicts_lru_deterministically():
+    a = PageAllocator(8)
+    c = PrefixCache(a, 2)
+    for i, toks in enumerate([[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]]):
+        pages, h = c.match(toks, len(toks))
+        c.lock(h)
+        own = a.alloc(2 - len(pages) if len(toks) == 4 else 1)
+        free = c.insert(toks, pages + own, len(toks), len(pages))
+        a.free(free)
+        c.unlock(h)
+    c.check_integrity()
+    assert c.num_cached_pages == 4    # [1,2] shared, [3,4], [5,6], [7,8]
+    c.match([7, 8], 2)                # touch [7,8]: now [3,4] is the least recently used leaf
+    assert c.evict(1) == 1
+    assert c.match([1, 2, 3, 4], 4)[0].__len__() == 1 and len(c.match([7, 8], 2)[0]) == 1
+
+
+def test_unfit_requests_are_rejected_with_the_field_named():
+    s = make(num_pages=4, page=4)
+    with pytest.raises(ParamError) as e:
+        s.add(Req("x", list(range(10)), SamplingParams(max_tokens=20)))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ParamError):
+        SamplingParams.from_dict({"temperature": -1})
+    with pytest.raises(ParamError) as e:
+        SamplingParams.from_dict({"top_q": 0.5})
+    assert e.value.field == "top_q"
