@@ -40,14 +40,34 @@ class RankChecker:
     def __init__(self, keep: int = 256):
         self._sha = hashlib.sha1()
         self.calls = 0
-        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)
-        self.planted: Callable[[str, Any], Any] | None = None   # test hook: alter a rank's decision
+        self.keep = keep
+        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)   # (call index, name, record)
 
     def record(self, name: str, args: Any, result: Any) -> None:
         line = repr((name, _canon(args), _canon(result)))
         self._sha.update(line.encode())
         self.calls += 1
         self.recent.append((self.calls, name, line))
+
+    @staticmethod
+    def line_hash(line: str) -> int:
+        return int.from_bytes(hashlib.sha1(line.encode()).digest()[:8], "big") & ((1 << 63) - 1)
+
+    def window(self) -> list[int]:
+        """[index of the oldest kept call, then one hash per kept call], padded to a fixed length."""
+        first = self.recent[0][0] if self.recent else self.calls + 1
+        hashes = [self.line_hash(line) for _, _, line in self.recent]
+        return [first] + hashes + [-1] * (self.keep - len(hashes))
+
+    def describe_first_divergence(self, windows: list[list[int]]) -> str:
+        """Given every rank's `window()`, the first call index at which they differ, and this rank's call."""
+        first = max(w[0] for w in windows)
+        for idx in range(first, self.calls + 1):
+            vals = {w[1 + idx - w[0]] if 0 <= idx - w[0] < self.keep else None for w in windows}
+            if len(vals) > 1:
+                mine = next((line for i, _, line in self.recent if i == idx), "<no call>")
+                return f"first diverging call #{idx}: {mine}"
+        return "no diverging call inside the kept window; this rank's last calls:\n" + self.dump()
 
     def digest63(self) -> int:
         return int.from_bytes(self._sha.digest()[:8], "big") & ((1 << 63) - 1)
@@ -70,8 +90,6 @@ def rank_consensus(name: str, args: Callable[..., Any] | None = None,
         def wrapper(*a, **kw):
             chosen = args(*a, **kw) if args else None     # before the call: it may mutate them
             r = fn(*a, **kw)
-            if CHECKER.planted is not None:
-                r = CHECKER.planted(name, r)
             CHECKER.record(name, chosen, result(r) if result else None)
             return r
         return wrapper

@@ -1,15 +1,60 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: wires the packages together, nothing more."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 
+def _generate(args) -> int:
+    """Offline generation with the engine in this process (a smoke test of a model)."""
+    from engine.config import EngineConfig
+    from engine.core import SamplingParams
+    from engine.engine import Engine
+    from engine.procs import setup_logging
+
+    setup_logging("[generate]", args.log_level)
+    eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
+    prompts = args.prompt or ["What is the capital of France?", "Write a haiku about pipelines."]
+    msgs = [eng.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True) for p in prompts]
+    ids = [eng.tokenizer(m, add_special_tokens=False)["input_ids"] for m in msgs]
+    outs = eng.generate(ids, SamplingParams(max_tokens=args.max_tokens))
+    for p, o in zip(prompts, outs):
+        print(f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, finish={o.finish_reason.kind}]\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="offline generation in this process")
+    g.add_argument("--model", default=None)
+    g.add_argument("--prompt", action="append")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--log-level", default="WARNING")
+
+    from engine.serve import add_node_args
+    s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
+    add_node_args(s, default_port=30000)
+
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
+    from engine.loader import ModelLoadError
+    try:
+        return _run(args)
+    except ModelLoadError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    if args.cmd == "generate":
+        return _generate(args)
+    if args.cmd == "serve":
+        from engine.serve import serve_main
+        return serve_main(args)
     if args.cmd == "version":
         from importlib.metadata import version
         print(version("pdserve"))

@@ -1,0 +1,42 @@
+"""Incremental detokenization for streaming: emit only text that can no longer change.
+
+A token can end in the middle of a UTF-8 character (decoded as U+FFFD until the next token arrives)
+and a stop string can start in this chunk and finish in a later one, so the tail that could still
+change is held back until the next token or the end.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0                      # characters of the full text already sent
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the new text that is safe to send now."""
+        self.ids.extend(token_ids)
+        full = self.text()
+        safe = len(full) - self.hold
+        while safe > self.emitted and full[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.emitted:
+            return ""
+        out = full[self.emitted:safe]
+        self.emitted = safe
+        return out
+
+    def finish(self, matched_stop: str | None) -> str:
+        """The rest of the text at the end, cut before the stop string that ended the request."""
+        full = self.text()
+        if matched_stop:
+            cut = full.find(matched_stop, max(0, self.emitted - len(matched_stop)))
+            if cut >= 0:
+                full = full[:cut]
+        out = full[self.emitted:] if len(full) > self.emitted else ""
+        self.emitted = max(self.emitted, len(full))
+        return out

@@ -1,0 +1,98 @@
+"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info, /metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.node_front import NodeFront, RequestError, sse
+
+MAX_BODY = 4 * 1024 * 1024
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise RequestError(413, f"request body over {MAX_BODY} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    return body
+
+
+def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
+    app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _req_error(_: Request, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def check_internal(request: Request) -> None:
+        if internal_token:
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {internal_token}".encode()):
+                raise RequestError(401, "missing or wrong internal token")
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await read_json(request)
+        p = front.admit(body)
+        if body.get("stream"):
+            async def stream():
+                async for chunk in front.events(p):
+                    yield sse(chunk)
+                yield sse("[DONE]")
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        text, last = [], None
+        async for chunk in front.events(p):
+            text.append(chunk["text"])
+            last = chunk
+        if "error" in last:
+            status = 400 if last["error"]["param"] else 503
+            return JSONResponse({"error": last["error"]}, status_code=status)
+        meta = dict(last["meta_info"])
+        if p.params.logprobs:
+            meta["logprobs"] = p.logprobs
+        return {"rid": p.rid, "text": "".join(text), "token_ids": p.token_ids, "meta_info": meta}
+
+    @app.post("/abort")
+    async def abort(request: Request):
+        check_internal(request)
+        body = await read_json(request)
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise RequestError(400, "'rid' (string) is required", "rid")
+        return {"aborted": front.abort(rid)}
+
+    @app.get("/health")
+    async def health():
+        ok, why = front.healthy()
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "detail": why}, status_code=200 if ok else 503)
+
+    @app.get("/server_info")
+    async def server_info():
+        return front.server_info()
+
+    @app.get("/metrics")
+    async def metrics():
+        if front.metrics is None:
+            return Response("", media_type="text/plain")
+        body, ctype = front.metrics.render(front)
+        return Response(body, media_type=ctype)
+
+    @app.on_event("startup")
+    async def _start():
+        front.start()
+
+    @app.on_event("shutdown")
+    async def _stop():
+        await front.close()
+
+    return app

@@ -1,0 +1,84 @@
+"""Prometheus metrics of a node front: request latencies observed here, pool and queues per rank.
+
+Every rank pushes its stats to the front (engine.rank_process.StatsReporter), so one scrape of the
+front covers every rank of the node. Each app gets its own CollectorRegistry.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer", "retracted")
+
+
+class _RankCollector:
+    def __init__(self, node: str, role: str):
+        self.node, self.role, self.front = node, role, None
+
+    def collect(self):
+        labels = ["node", "role", "pp_rank"]
+        used = GaugeMetricFamily("pdserve_kv_pool_used_tokens", "KV tokens held by live requests", labels=labels)
+        cap = GaugeMetricFamily("pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=labels)
+        evict = GaugeMetricFamily("pdserve_kv_cache_evictable_tokens", "prefix-cache tokens that can be evicted",
+                                  labels=labels)
+        hits = CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                   labels=labels)
+        queue = GaugeMetricFamily("pdserve_queue_requests", "requests per queue", labels=labels + ["queue"])
+        up = GaugeMetricFamily("pdserve_rank_up", "1 while the rank reports stats", labels=labels)
+        stats = self.front.rank_stats if self.front is not None else {}
+        for r in range(self.front.pp_size if self.front is not None else 0):
+            st = stats.get(r)
+            lv = [self.node, self.role, str(r)]
+            up.add_metric(lv, 1.0 if st else 0.0)
+            if not st:
+                continue
+            ps = st["page_size"]
+            used.add_metric(lv, st["held_pages"] * ps)
+            cap.add_metric(lv, st["num_pages"] * ps)
+            evict.add_metric(lv, st["cached_pages"] * ps)
+            hits.add_metric(lv, st["prefix_hit_tokens"])
+            for q in QUEUES:
+                queue.add_metric(lv + [q], st.get(q, 0))
+        yield from (used, cap, evict, hits, queue, up)
+
+
+class NodeMetrics:
+    def __init__(self, node: str, role: str):
+        self.registry = CollectorRegistry()
+        self.node, self.role = node, role
+        lab = ["node", "role"]
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "time to first token", lab,
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "mean time between output tokens", lab,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request latency", lab,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("pdserve_requests", "finished requests", lab + ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", lab, registry=self.registry)
+        self.gen_tokens = Counter("pdserve_generation_tokens", "generated tokens", lab, registry=self.registry)
+        self.aborted = Counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"], registry=self.registry)
+        self._ranks = _RankCollector(node, role)
+        self.registry.register(self._ranks)
+
+    def observe_request(self, p: Any, finish: str) -> None:
+        lv = (self.node, self.role)
+        now = time.monotonic()
+        self.requests.labels(*lv, finish).inc()
+        self.prompt_tokens.labels(*lv).inc(p.prompt_tokens)
+        self.gen_tokens.labels(*lv).inc(len(p.token_ids))
+        self.e2e.labels(*lv).observe(now - p.t_start)
+        if p.t_first is not None:
+            self.ttft.labels(*lv).observe(p.t_first - p.t_start)
+            if len(p.token_ids) > 1:
+                self.itl.labels(*lv).observe((now - p.t_first) / (len(p.token_ids) - 1))
+        if finish == "abort":
+            self.aborted.labels(*lv, "abort").inc()
+
+    def render(self, front) -> tuple[bytes, str]:
+        self._ranks.front = front
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

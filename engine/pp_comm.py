@@ -1,0 +1,186 @@
+"""Point-to-point messages between the PP ranks of one node (torch.distributed: gloo or NCCL).
+
+Every message is a small int64 header on the CPU (gloo) group, then a payload:
+plain objects (meta, votes, sampled outputs) as msgpack bytes on the CPU group, tensors (hidden
+states) on the device group (the same gloo group on CPU, an NCCL group on GPU). Between two ranks
+messages arrive in the order they were sent; each carries a type, and a receiver that finds a type
+it did not ask for parks the message in an inbox until it is asked for (hidden states and outputs
+share the link with different rhythms, DESIGN.md section 3).
+
+Sends are asynchronous: `send_*` returns at once and keeps the buffers alive; `commit()` waits for
+the previous turn's sends. Receives block, with the group's timeout, so a dead or stuck peer ends in
+an exception (the rank then exits), never in an endless wait.
+
+On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits only
+on the event of the receive that produced its input, and a forward whose output buffer is reused
+(CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
+"""
+from __future__ import annotations
+
+import datetime
+import enum
+import logging
+from collections import defaultdict, deque
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_DTYPES = [torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_HEADER = 8   # kind, dtype, ndim, dims[0..4]
+
+
+class Msg(enum.IntEnum):
+    META = 1      # the replicated request stream of one iteration
+    HIDDEN = 2    # a slice's output activations for the current slot
+    OUTPUT = 3    # sampled tokens of the slot being harvested (the ring)
+    VOTE = 4      # consensus traffic
+    SYNC = 5      # start-up agreement (capacities, addresses)
+
+
+class PPComm:
+    def __init__(self, rank: int, size: int, *, init_method: str, backend: str = "gloo",
+                 timeout_s: float = 60.0, device: str = "cpu", comm_stream: bool = False):
+        self.rank, self.size = rank, size
+        self.device = torch.device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        # Objects and headers always go over gloo; on NCCL, tensors get their own group.
+        self.cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        self.dev_group = dist.group.WORLD
+        # Collectives (start-up agreement, consensus checker) get a group of their own: on a shared
+        # gloo group they can interleave with the point-to-point stream and stall it.
+        self.coll_group = dist.new_group(backend="gloo")
+        self._sends: deque[tuple[int, tuple[Any, ...]]] = deque()   # (turn due, handles + buffers)
+        self.turn = 0
+        self._inbox: dict[tuple[int, int], deque] = defaultdict(deque)
+        self.stream = None
+        if comm_stream and self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=self.device)
+        self._send_done: torch.cuda.Event | None = None
+        self.bytes_sent = 0
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    # --- sending ----------------------------------------------------------------------------------
+    def _header(self, kind: Msg, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > _HEADER - 3:
+            raise ValueError(f"tensor of {t.dim()} dims is too many for a PP message")
+        h = torch.zeros(_HEADER, dtype=torch.int64)
+        h[0], h[1], h[2] = int(kind), _DTYPES.index(t.dtype), t.dim()
+        h[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        return h
+
+    def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
+        """`commit_after`: turns until the receiver surely took it (the ring's last hop: pp_size)."""
+        payload = torch.frombuffer(bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8)
+        h = self._header(kind, payload)
+        self._sends.append((self.turn + commit_after, (dist.isend(h, dst, group=self.cpu_group),
+                                                       dist.isend(payload, dst, group=self.cpu_group), h, payload)))
+        self.bytes_sent += payload.numel()
+
+    def send_tensor(self, dst: int, t: torch.Tensor, kind: Msg = Msg.HIDDEN) -> None:
+        t = t.contiguous()
+        h = self._header(kind, t)
+        hw = dist.isend(h, dst, group=self.cpu_group)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                tw = dist.isend(t, dst, group=self.dev_group)
+            self._send_done = torch.cuda.Event()
+            self._send_done.record(self.stream)
+        else:
+            tw = dist.isend(t, dst, group=self.dev_group)
+        self._sends.append((self.turn + 1, (hw, tw, h, t)))
+        self.bytes_sent += t.numel() * t.element_size()
+
+    def commit(self) -> None:
+        """Starts a turn: waits for the sends due by now, then releases their buffers.
+
+        A gloo send completes when the peer receives it. Hidden states and meta are received in the
+        same iteration, so they are due one turn later. PP0 receives the last rank's outputs up to
+        pp_size - 1 turns after they were sent; waiting for them sooner would tie the last rank to
+        PP0's progress and, with a collective in between (the consensus checker), deadlock.
+        """
+        self.turn += 1
+        keep: deque = deque()
+        while self._sends:
+            due, item = self._sends.popleft()
+            if due <= self.turn:
+                for w in item[:2]:
+                    if w is not None:
+                        w.wait()
+            else:
+                keep.append((due, item))
+        self._sends = keep
+
+    def flush(self) -> None:
+        """Waits for every send so far (shutdown)."""
+        while self._sends:
+            _, item = self._sends.popleft()
+            for w in item[:2]:
+                w.wait()
+
+    def fence_reused_output(self) -> None:
+        """Before a forward overwrites a buffer that an earlier send still reads (CUDA graphs)."""
+        if self._send_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._send_done)
+
+    # --- receiving --------------------------------------------------------------------------------
+    def _recv_one(self, src: int) -> tuple[int, Any]:
+        h = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(h, src, group=self.cpu_group)
+        kind, dt, nd = int(h[0]), _DTYPES[int(h[1])], int(h[2])
+        shape = [int(x) for x in h[3:3 + nd]]
+        if kind in (Msg.HIDDEN,):
+            buf = torch.empty(shape, dtype=dt, device=self.device)
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    dist.recv(buf, src, group=self.dev_group)
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            else:
+                dist.recv(buf, src, group=self.dev_group)
+            return kind, buf
+        buf = torch.empty(shape, dtype=dt)
+        dist.recv(buf, src, group=self.cpu_group)
+        return kind, msgpack.unpackb(buf.numpy().tobytes(), raw=False, strict_map_key=False)
+
+    def recv(self, src: int, kind: Msg) -> Any:
+        """Blocks until a message of `kind` from `src` is there; parks other kinds in the inbox."""
+        box = self._inbox[(src, int(kind))]
+        if box:
+            return box.popleft()
+        while True:
+            k, val = self._recv_one(src)
+            if k == kind:
+                return val
+            self._inbox[(src, k)].append(val)
+
+    # --- collectives (start-up agreement and the consensus checker) --------------------------------
+    def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
+        t = torch.tensor(values, dtype=torch.int64)
+        lo, hi = t.clone(), t.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.coll_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.coll_group)
+        return lo.tolist(), hi.tolist()
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        t = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t, group=self.coll_group)
+        return [o.tolist() for o in out]
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # the peers may already be gone; nothing is left to release then
+            log.debug("destroy_process_group: %s", e)

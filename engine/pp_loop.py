@@ -1,0 +1,271 @@
+"""The slot loop: one iteration of DESIGN.md section 3 on one PP rank.
+
+    L = pp_size + async_depth slots; iteration t works on slot mb = t % L and harvests slot (t+1) % L
+
+    ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives PP0's list
+                   from its predecessor; forwarded unchanged down the chain, even when empty
+    apply meta     new requests and aborts, in list order, before scheduling (all ranks, same slot)
+    schedule       the same deterministic scheduler on every rank => the same batch for slot mb
+    forward        hidden states in from rank k-1, out to rank k+1, only for a non-empty batch;
+                   the last rank samples and queues the outputs, sent `async_depth` turns later
+    ring+harvest   the sampled outputs of slot (t+1) % L go last -> PP0 -> PP1 -> ...; every rank
+                   applies them to its requests, so slot (t+1) % L is up to date before it is reused
+
+A batch with no sampling entries (empty, or pure intermediate prefill chunks when
+`skip_pure_chunk_comm` is on) has no ring message: every rank knows that from its own schedule.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from consensus import rank_checker
+from engine.core import ParamError, Req, SamplingParams
+from engine.model_runner import ModelRunner
+from engine.pp_comm import Msg, PPComm
+from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class FrontIO(Protocol):
+    """PP0's seam to the front (ZMQ in a node, in-memory in tests)."""
+    def poll(self, timeout_ms: int) -> list[list[Any]]: ...
+    def report(self, events: list[list[Any]]) -> None: ...
+
+
+@dataclass
+class LoopConfig:
+    pp_size: int = 1
+    async_depth: int = 0
+    skip_pure_chunk_comm: bool = True
+    idle_wait_ms: int = 5              # PP0 waits this long for requests when it has no work
+    check_every: int = 8               # consensus-checker digest comparison period (iterations)
+    waiting_timeout_s: float = 0.0     # PP0 aborts a request queued longer than this (0 = off)
+    running_timeout_s: float = 0.0     # PP0 aborts a request alive longer than this (0 = off)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pp_size + self.async_depth
+
+
+@dataclass
+class LoopStats:
+    iterations: int = 0
+    forwards: int = 0
+    last_progress: float = field(default_factory=time.monotonic)   # watchdog only, never decisions
+
+
+def decode_sampling(d: dict) -> SamplingParams:
+    return SamplingParams.from_dict(d)
+
+
+def out_to_wire(out: SampleOut | None) -> list | None:
+    if out is None:
+        return None
+    tops = [[list(p) for p in row] for row in out.top_logprobs] if out.top_logprobs is not None else None
+    return [out.token_ids, out.logprobs, tops]
+
+
+def out_from_wire(w: list | None) -> SampleOut | None:
+    if w is None:
+        return None
+    tops = [[(int(i), float(v)) for i, v in row] for row in w[2]] if w[2] is not None else None
+    return SampleOut(list(w[0]), w[1], tops)
+
+
+class SlotLoop:
+    def __init__(self, cfg: LoopConfig, comm: PPComm | None, runner: ModelRunner, scheduler: Scheduler,
+                 front: FrontIO | None, on_meta: Callable[[list[Any]], bool] | None = None):
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = comm.rank if comm else 0
+        self.size = cfg.pp_size
+        self.runner = runner
+        self.sched = scheduler
+        self.front = front                 # PP0 only
+        self.on_meta = on_meta             # a PD loop's own message kinds; returns True if handled
+        self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots   # scheduled, not harvested
+        self.last_outputs: dict[int, SampleOut | None] = {}                  # last rank: slot -> outputs
+        self.send_queue: deque[tuple[int, SampleOut | None]] = deque()        # last rank, async_depth
+        self.stats = LoopStats()
+        self.stop = threading.Event()
+        self._events: list[list[Any]] = []      # PP0: what to tell the front this iteration
+        self._arrived: dict[str, float] = {}    # PP0: rid -> monotonic arrival, for timeouts only
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    # --- one iteration ----------------------------------------------------------------------------
+    def run(self) -> None:
+        t = 0
+        while not self.stop.is_set():
+            self.iteration(t)
+            t += 1
+
+    def iteration(self, t: int) -> None:
+        mb = t % self.cfg.num_slots
+        if self.comm:
+            self.comm.commit()
+        meta = self.ingest_meta()
+        self.apply_meta(meta)
+        batch = self.sched.schedule(mb)
+        self.batches[mb] = batch
+        hidden_or_logits = self.forward(batch)
+        self.exchange_and_harvest(t, mb, batch, hidden_or_logits)
+        self.report()
+        self.stats.iterations += 1
+        self.stats.last_progress = time.monotonic()
+        if rank_consensus_enabled() and self.comm and t % self.cfg.check_every == 0:
+            self.check_consensus(t)
+
+    def ingest_meta(self) -> list[list[Any]]:
+        if self.is_first:
+            idle = not self.sched.has_work and not any(b is not None and b.entries for b in self.batches)
+            meta = self.front.poll(self.cfg.idle_wait_ms if idle else 0) if self.front else []
+            meta.extend(self.timeout_aborts(meta))
+        else:
+            meta = self.comm.recv(self.comm.prev, Msg.META)
+        if self.comm and not self.is_last:
+            self.comm.send_obj(self.comm.next, meta, Msg.META)
+        return meta
+
+    def timeout_aborts(self, incoming: list[list[Any]]) -> list[list[Any]]:
+        """PP0 only: wall-clock timeouts become abort messages in the meta stream (DESIGN.md 5.1)."""
+        wt, rt = self.cfg.waiting_timeout_s, self.cfg.running_timeout_s
+        if not (wt or rt):
+            return []
+        now = time.monotonic()
+        for m in incoming:
+            if m[0] == "add":
+                self._arrived[m[1]] = now
+        out = []
+        for rid, t0 in list(self._arrived.items()):
+            req = self.sched.reqs.get(rid)
+            if req is None:
+                if all(m[1] != rid for m in incoming):
+                    del self._arrived[rid]
+                continue
+            waited = now - t0
+            if wt and req.status.value == "waiting" and waited > wt:
+                out.append(["abort", rid, f"waiting timeout: queued for more than {wt:g} s"])
+            elif rt and waited > rt:
+                out.append(["abort", rid, f"running timeout: alive for more than {rt:g} s"])
+            else:
+                continue
+            del self._arrived[rid]
+        return out
+
+    def apply_meta(self, meta: list[list[Any]]) -> None:
+        for msg in meta:
+            kind = msg[0]
+            if kind == "add":
+                _, rid, input_ids, params = msg[:4]
+                try:
+                    self.sched.add(Req(rid, list(input_ids), decode_sampling(params)))
+                except ParamError as e:      # every rank rejects it the same way; PP0 answers
+                    self._events.append(["error", rid, str(e), e.field])
+            elif kind == "abort":
+                req = self.sched.abort(msg[1], msg[2] if len(msg) > 2 else "aborted by client")
+                if req is None:
+                    self._events.append(["abort_unknown", msg[1]])
+            elif self.on_meta is None or not self.on_meta(msg):
+                log.warning("unknown meta message kind %r dropped", kind)
+
+    def forward(self, batch: ScheduledBatch) -> Any:
+        if not batch.entries:
+            if self.is_last:
+                self.last_outputs[batch.mb] = None
+                self.send_queue.append((batch.mb, None))
+            return None
+        hidden_in = self.comm.recv(self.comm.prev, Msg.HIDDEN) if not self.is_first else None
+        y = self.runner.forward(batch, hidden_in)
+        self.stats.forwards += 1
+        if self.is_last:
+            out = self.runner.sample(batch, y) if batch.sampling_entries else None
+            self.last_outputs[batch.mb] = out
+            self.send_queue.append((batch.mb, out))
+        return y
+
+    def _needs_ring(self, batch: ScheduledBatch | None) -> bool:
+        if batch is None or not batch.entries:
+            return False
+        return bool(batch.sampling_entries) or not self.cfg.skip_pure_chunk_comm
+
+    def exchange_and_harvest(self, t: int, mb: int, batch: ScheduledBatch, y: Any) -> None:
+        hb = (t + 1) % self.cfg.num_slots
+        hbatch = self.batches[hb] if t + 1 >= self.cfg.num_slots else None
+        send_hidden = (lambda: self.comm.send_tensor(self.comm.next, y, Msg.HIDDEN)) \
+            if (self.comm and not self.is_last and batch.entries) else None
+        recv_ring = None
+        if self.size > 1 and not self.is_last and self._needs_ring(hbatch):
+            src = self.size - 1 if self.is_first else self.comm.prev
+            recv_ring = lambda: self.comm.recv(src, Msg.OUTPUT)  # noqa: E731
+        wire = None
+        # Even ranks send-then-receive, odd ranks receive-then-send: no cycle of blocking sends.
+        if self.rank % 2 == 0:
+            if send_hidden:
+                send_hidden()
+            if recv_ring:
+                wire = recv_ring()
+        else:
+            if recv_ring:
+                wire = recv_ring()
+            if send_hidden:
+                send_hidden()
+        if self.is_last and self.size > 1:
+            while len(self.send_queue) > self.cfg.async_depth:
+                slot, out = self.send_queue.popleft()
+                if self._needs_ring(self.batches[slot]):
+                    self.comm.send_obj(0, out_to_wire(out), Msg.OUTPUT, commit_after=self.size)
+        elif self.is_last:
+            self.send_queue.clear()
+        if recv_ring and self.rank + 1 < self.size - 1:
+            self.comm.send_obj(self.comm.next, wire, Msg.OUTPUT)
+        if hbatch is not None:
+            out = self.last_outputs.pop(hb, None) if self.is_last else out_from_wire(wire)
+            self.harvest(hbatch, out)
+            self.batches[hb] = None
+
+    def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> None:
+        got = self.sched.harvest(batch, out)
+        if self.is_first:
+            for req in got:
+                lp = req.output_logprobs[-1] if req.params.logprobs else None
+                top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
+                self._events.append(["token", req.rid, req.output_ids[-1], lp, top])
+
+    def report(self) -> None:
+        for req in self.sched.drain_finished():
+            if self.is_first:
+                f = req.finish
+                self._events.append(["finish", req.rid, f.kind, f.message, f.matched,
+                                     req.prompt_len, len(req.output_ids), req.cached_len])
+        if self.is_first and self._events and self.front:
+            self.front.report(self._events)
+        self._events = []
+
+    def check_consensus(self, t: int) -> None:
+        d = rank_checker.CHECKER.digest63()
+        lo, hi = self.comm.all_min_max([d])
+        if lo[0] != hi[0]:
+            where = rank_checker.CHECKER.describe_first_divergence(self.comm.all_gather(rank_checker.CHECKER.window()))
+            log.error("rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where)
+            raise RankDivergence(f"pp_rank {self.rank} diverged at iteration {t}: {where}")
+
+
+class RankDivergence(RuntimeError):
+    pass
+
+
+def rank_consensus_enabled() -> bool:
+    return rank_checker.ENABLED

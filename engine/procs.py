@@ -1,0 +1,45 @@
+"""Process hygiene shared by every launcher: children die with their parent, and are always reaped."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+
+log = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM, wait up to `grace_s`, then SIGKILL; always waits so nothing is left as a zombie."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        left = deadline - time.monotonic()
+        try:
+            p.wait(timeout=max(0.05, left))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0f s; killing it", p.pid, grace_s)
+            p.kill()
+            p.wait(timeout=5)
+
+
+def setup_logging(prefix: str, level: str | None = None) -> None:
+    level = level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s {prefix} pid={os.getpid()} %(levelname)s %(name)s: %(message)s")

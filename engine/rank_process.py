@@ -1,0 +1,218 @@
+"""One PP rank of a node: `python -m engine.rank_process --spec JSON`.
+
+Loads its layer slice, joins the node's PP group, agrees on capacities, and runs the slot loop
+until told to stop. PP0 talks to the front over ZMQ; every rank pushes its stats (queues, pool) to
+the front twice a second, which is also the front's liveness signal. A watchdog ends the rank when
+it makes no progress for `watchdog_s` seconds; any communication error (a dead peer) ends it too,
+with one clear log line and a non-zero exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+import zmq
+
+from engine.config import EngineConfig, apply_threads
+from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.pp_comm import PPComm
+from engine.pp_loop import LoopConfig, SlotLoop
+from engine.procs import die_with_parent, setup_logging
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("pdserve.rank")
+
+
+@dataclass
+class RankSpec:
+    model: str | None
+    engine: dict[str, Any]
+    pp_size: int
+    pp_rank: int
+    dist_init: str                      # tcp://host:port of the PP group's rendezvous
+    req_addr: str = ""                  # front -> PP0 (PP0 only)
+    evt_addr: str = ""                  # PP0 -> front (PP0 only)
+    stats_addr: str = ""                # every rank -> front
+    async_depth: int = 0
+    skip_pure_chunk_comm: bool = True
+    watchdog_s: float = 120.0
+    pp_timeout_s: float = 60.0
+    backend: str = "gloo"
+    device: str = "cpu"
+    role: str = "colocated"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous slices, earlier ranks one layer longer when it does not divide (30/4: 8,8,7,7)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp size {pp_size} must be between 1 and the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for r in range(pp_size):
+        n = base + (1 if r < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+class ZmqFrontIO:
+    """PP0's end of the front link: requests in (PULL), events out (PUSH)."""
+
+    def __init__(self, ctx: zmq.Context, req_addr: str, evt_addr: str):
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.connect(req_addr)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(evt_addr)
+
+    def poll(self, timeout_ms: int) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        if not self.pull.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = msgpack.unpackb(raw, raw=False)
+            except Exception as e:     # the front is ours, but never trust bytes from a socket
+                log.warning("undecodable message from the front dropped: %s", e)
+                continue
+            if isinstance(msg, list) and msg and isinstance(msg[0], str):
+                out.append(msg)
+            else:
+                log.warning("malformed message from the front dropped")
+
+    def report(self, events: list[list[Any]]) -> None:
+        self.push.send(msgpack.packb(events, use_bin_type=True))
+
+
+class StatsReporter:
+    def __init__(self, ctx: zmq.Context, addr: str, spec: RankSpec, loop: SlotLoop, period_s: float = 0.5):
+        self.sock = ctx.socket(zmq.PUSH) if addr else None
+        if self.sock is not None:
+            self.sock.setsockopt(zmq.SNDHWM, 16)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(addr)
+        self.spec, self.loop, self.period = spec, loop, period_s
+        self._next = 0.0
+
+    def maybe_send(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.sock is None or (now < self._next and not force):
+            return
+        self._next = now + self.period
+        s, alloc = self.loop.sched, self.loop.sched.allocator
+        stats = {
+            "pp_rank": self.spec.pp_rank, "pid": os.getpid(), "iterations": self.loop.stats.iterations,
+            "forwards": self.loop.stats.forwards, "waiting": len(s.waiting), "running": s.num_running,
+            "held_pages": s.held_pages(), "used_tokens": s.used_tokens, "num_pages": alloc.num_pages,
+            "free_pages": alloc.num_free, "page_size": s.cfg.page_size,
+            "cached_pages": s.cache.num_cached_pages if s.cache else 0,
+            "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
+            "retractions": s.num_retractions,
+        }
+        try:
+            self.sock.send(msgpack.packb(stats), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
+    def watch():
+        while True:
+            time.sleep(min(1.0, timeout_s / 4))
+            stalled = time.monotonic() - loop.stats.last_progress
+            if stalled > timeout_s:
+                s = loop.sched
+                log.error("watchdog: no progress for %.0f s on pp_rank %d; waiting=%s running=%s "
+                          "free_pages=%d/%d; exiting", stalled, loop.rank, [r.rid for r in s.waiting][:20],
+                          [[r.rid for r in slot] for slot in s.slots], s.allocator.num_free,
+                          s.allocator.num_pages)
+                logging.shutdown()
+                os._exit(3)
+    threading.Thread(target=watch, name="watchdog", daemon=True).start()
+
+
+def build_rank(spec: RankSpec):
+    cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
+    threads = apply_threads(cfg.threads)
+    path = resolve_model(cfg.model)
+    mcfg = load_model_config(path)
+    start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
+    log.info("pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads, dtype %s",
+             spec.pp_rank, spec.pp_size, start, end, mcfg.num_layers, threads, cfg.dtype)
+    comm = None
+    if spec.pp_size > 1:
+        comm = PPComm(spec.pp_rank, spec.pp_size, init_method=spec.dist_init, backend=spec.backend,
+                      timeout_s=spec.pp_timeout_s, device=spec.device)
+        # Capacities every decision reads are agreed once: the minimum over ranks.
+        lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
+        cfg = replace(cfg, max_total_tokens=lo[0] * cfg.page_size, max_running=lo[1], chunk_size=lo[2],
+                      max_batch_tokens=lo[3])
+    model = load_slice(path, start, end, cfg.torch_dtype)
+    runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank):
+        # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
+        # consensus checker exists for; this rank then hands out different page ids.
+        runner.pool.allocator.alloc(1)
+    tok = load_tokenizer(path)
+    loop_cfg = LoopConfig(pp_size=spec.pp_size, async_depth=spec.async_depth,
+                          skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
+                          waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
+                          running_timeout_s=float(spec.extra.get("running_timeout_s", 0.0)))
+    sched_cfg = replace(cfg.scheduler_config(num_slots=loop_cfg.num_slots),
+                        max_context=min(cfg.max_context, mcfg.max_position_embeddings))
+    sched = Scheduler(sched_cfg, runner.pool.allocator, mcfg.eos_token_ids,
+                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    return cfg, comm, runner, sched, loop_cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
+    ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    spec = RankSpec(**json.loads(ap.parse_args(argv).spec))
+    setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    ctx = zmq.Context()
+    comm = None
+    try:
+        cfg, comm, runner, sched, loop_cfg = build_rank(spec)
+        front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr) if spec.pp_rank == 0 else None
+        loop = SlotLoop(loop_cfg, comm, runner, sched, front)
+        stats = StatsReporter(ctx, spec.stats_addr, spec, loop)
+        start_watchdog(loop, spec.watchdog_s)
+        log.info("pp_rank %d ready: %d KV pages of %d tokens", spec.pp_rank, cfg.num_pages, cfg.page_size)
+        stats.maybe_send(force=True)
+        t = 0
+        while True:
+            loop.iteration(t)
+            stats.maybe_send()
+            t += 1
+    except SystemExit:
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:
+        log.error("pp_rank %d stops: %s: %s", spec.pp_rank, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logging.shutdown()
+        os._exit(1)
+    finally:
+        ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

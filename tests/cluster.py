@@ -1,0 +1,74 @@
+"""Starting real pdserve processes from tests, and always stopping them (no orphans)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(p: subprocess.Popen, grace: float = 8.0) -> None:
+    """SIGTERM the process group (front + ranks), then SIGKILL whatever is left; reap the leader."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(timeout=5)
+
+
+def group_alive(pgid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode} before it was healthy:\n"
+                               + (log.read_text()[-4000:] if log else ""))
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n" + (log.read_text()[-4000:] if log else ""))
+
+
+@contextlib.contextmanager
+def start(cmd: list[str], port: int, log_path: Path, env: dict | None = None, timeout: float = 120.0,
+          wait: bool = True):
+    """Runs `pdserve <cmd>` in its own process group; yields (url, Popen); stops the whole group."""
+    e = dict(os.environ, **(env or {}))
+    e.setdefault("PDSERVE_LOG_LEVEL", "INFO")
+    with open(log_path, "wb") as logf:
+        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], cwd=ROOT, env=e,
+                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait:
+            wait_healthy(url, p, timeout, log_path)
+        yield url, p
+    finally:
+        kill_group(p)

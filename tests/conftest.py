@@ -1,0 +1,25 @@
+import random
+
+import pytest
+
+from tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """4 layers, hidden 64: the default test model."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny4"), num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny30(tmp_path_factory):
+    """30 layers like SmolLM2 (so PP splits are the real ones), hidden 64."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny30"), num_layers=30, seed=1)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts():
+    """16 prompts of mixed lengths; with chunk size 16 the long ones take more than two chunks."""
+    rng = random.Random(7)
+    lengths = [3, 5, 9, 16, 17, 24, 33, 40, 47, 52, 60, 64, 70, 12, 2, 38]
+    return [[rng.randrange(3, 380) for _ in range(n)] for n in lengths]

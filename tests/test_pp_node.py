@@ -1,0 +1,158 @@
+"""A colocated PP node made of real processes: correctness per layout, aborts, divergence, rank death."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cluster import free_port, group_alive, start
+from reference import hf_greedy, load_hf
+
+MAX_NEW = 12
+NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
+             "--max-running", "32", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny30, mixed_prompts):
+    return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
+
+
+def generate_all(url: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    def one(ids):
+        r = httpx.post(f"{url}/generate", timeout=120, json={
+            "input_ids": ids, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["token_ids"]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))
+
+
+def rank_stats(url: str, settle_s: float = 3.0) -> list[dict]:
+    """Per-rank stats, after the ranks had time to push fresh ones."""
+    time.sleep(settle_s)
+    return httpx.get(f"{url}/server_info", timeout=10).json()["ranks"]
+
+
+@pytest.mark.parametrize("pp,depth", [(1, 0), (2, 0), (3, 0), (4, 0), (2, 1)],
+                         ids=["pp1", "pp2", "pp3", "pp4-uneven-8/8/7/7", "pp2-async1"])
+def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference, tmp_path):
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny30), "--pp", str(pp), "--port", str(port), "--async-depth", str(depth),
+           *NODE_ARGS]
+    with start(cmd, port, tmp_path / "node.log", env={"PDSERVE_RANK_CONSENSUS_CHECK": "1"}) as (url, _):
+        got = generate_all(url, mixed_prompts)
+        for i, (g, want) in enumerate(zip(got, reference)):
+            assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
+        stats = rank_stats(url)
+        assert [s["held_pages"] for s in stats] == [0] * pp
+        assert httpx.get(f"{url}/health").status_code == 200, "the consensus checker or a rank failed"
+    log = (tmp_path / "node.log").read_text()
+    assert "diverged" not in log
+    if pp == 4:
+        assert "layers [0, 8)" in log and "layers [23, 30)" in log
+
+
+async def _storm(url: str, prompts, n: int, seed: int) -> tuple[list, int]:
+    """n streaming requests, each cancelled at a random moment (or not at all)."""
+    rng = random.Random(seed)
+    done: list[tuple[int, list[int]]] = []
+    cancelled = 0
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        async def one(i):
+            nonlocal cancelled
+            k = i % len(prompts)
+            mode = rng.choice(["before", "early", "mid", "none"])
+            cut_after = {"before": 0, "early": 1, "mid": rng.randint(2, MAX_NEW - 1), "none": 10**9}[mode]
+            delay = rng.uniform(0, 0.05)
+            toks = []
+            try:
+                async with client.stream("POST", f"{url}/generate", json={
+                        "input_ids": prompts[k], "stream": True,
+                        "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}}) as r:
+                    if cut_after == 0:
+                        await asyncio.sleep(delay)
+                        cancelled += 1
+                        return
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        toks.extend(json.loads(line[6:])["token_ids"])
+                        if len(toks) >= cut_after:
+                            cancelled += 1
+                            return
+                done.append((k, toks))
+            except httpx.HTTPError:
+                cancelled += 1
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return done, cancelled
+
+
+def test_abort_storm_pp3(tiny30, mixed_prompts, reference, tmp_path):
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]
+    with start(cmd, port, tmp_path / "node.log") as (url, _):
+        t0 = time.monotonic()
+        done, cancelled = asyncio.run(asyncio.wait_for(_storm(url, mixed_prompts, 200, seed=3), timeout=240))
+        assert cancelled > 50 and len(done) > 20, (cancelled, len(done))
+        for k, toks in done:
+            assert toks == reference[k], f"completed request for prompt {k} is wrong"
+        stats = rank_stats(url)
+        assert [s["held_pages"] for s in stats] == [0, 0, 0], "pages still held after every request ended"
+        assert [s["running"] + s["waiting"] for s in stats] == [0, 0, 0]
+        # The node still serves correctly afterwards.
+        assert generate_all(url, mixed_prompts[:4]) == reference[:4]
+        assert time.monotonic() - t0 < 300
+
+
+def test_planted_divergence_is_caught(tiny30, mixed_prompts, tmp_path):
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny30), "--pp", "2", "--port", str(port), *NODE_ARGS]
+    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
+    with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
+        with pytest.raises(httpx.HTTPError):
+            generate_all(url, mixed_prompts[:2])
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert httpx.get(f"{url}/health").status_code == 503
+    log = (tmp_path / "node.log").read_text()
+    assert "rank consensus check FAILED" in log
+    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
+
+
+def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny30, tmp_path):
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]
+    with start(cmd, port, tmp_path / "node.log") as (url, proc):
+        pids = [s["pid"] for s in httpx.get(f"{url}/server_info").json()["ranks"]]
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            if httpx.get(f"{url}/health").status_code == 503:
+                break
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}, timeout=10)
+        assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"]
+        while time.monotonic() - t0 < 30 and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "rank processes outlived the failure"
+    assert group_alive(proc.pid) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
