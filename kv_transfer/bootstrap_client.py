@@ -1,0 +1,80 @@
+"""HTTP calls to a prefill node's bootstrap server: register (with backoff), route query, heartbeat."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+
+from kv_transfer.bootstrap import PrefillRankInfo
+
+logger = logging.getLogger(__name__)
+
+
+class BootstrapTimeout(RuntimeError):
+    pass
+
+
+class BootstrapClient:
+    """One bootstrap server address ("host:port"); every call has a per-request timeout."""
+
+    def __init__(self, addr: str, token: str | None = None, request_timeout_s: float = 2.0):
+        self.addr = addr
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=f"http://{addr}", headers=headers, timeout=request_timeout_s,
+                                  trust_env=False)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def register(self, info: PrefillRankInfo, deadline: float | None = None,
+                 stop: threading.Event | None = None) -> None:
+        """PUT /route until it answers 200; exponential backoff 0.05 s .. 2 s."""
+        delay = 0.05
+        while True:
+            try:
+                r = self._http.put("/route", json=info.to_wire())
+                if r.status_code == 200:
+                    return
+                if r.status_code in (400, 401):
+                    raise ValueError(f"bootstrap server {self.addr} refused registration: {r.text}")
+                why = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                why = type(e).__name__
+            if (deadline is not None and time.monotonic() + delay > deadline) or (stop and stop.is_set()):
+                raise BootstrapTimeout(f"could not register with bootstrap server {self.addr}: {why}")
+            logger.info("bootstrap server %s not reachable (%s), retrying in %.2fs", self.addr, why, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def route(self, layer_start: int, layer_end: int, session: str, deadline: float) -> list[PrefillRankInfo]:
+        """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until deadline."""
+        delay = 0.05
+        params = {"layer_start": layer_start, "layer_end": layer_end, "session": session}
+        while True:
+            try:
+                r = self._http.get("/route", params=params)
+                if r.status_code == 200:
+                    ranks = [PrefillRankInfo.from_wire(d) for d in r.json()["ranks"]]
+                    if not ranks:
+                        raise ValueError(f"no prefill rank of {self.addr} holds layers [{layer_start}, {layer_end})")
+                    return ranks
+                if r.status_code in (400, 401):
+                    raise ValueError(f"bootstrap server {self.addr}: {r.text}")
+                why = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                why = type(e).__name__
+            if time.monotonic() + delay > deadline:
+                raise BootstrapTimeout(f"bootstrap server {self.addr} gave no route in time ({why})")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def heartbeat(self, session: str, peers: list[str]) -> list[str]:
+        """One try; returns the dead peers, raises httpx.HTTPError (or ValueError) on failure."""
+        r = self._http.post("/heartbeat", json={"session": session, "peers": peers})
+        r.raise_for_status()
+        dead = r.json()["dead"]
+        if not isinstance(dead, list):
+            raise ValueError("bad heartbeat answer")
+        return [d for d in dead if isinstance(d, str)]

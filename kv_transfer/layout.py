@@ -1,0 +1,178 @@
+"""Which bytes move where: layer-slice mapping and transfer descriptors (pure functions).
+
+A rank's KV pool is `kv[page, local_layer, k_or_v, token_in_page, kv_head, head_dim]` (the engine's
+KVLayout, DESIGN.md section 6), described here as plain data by `PoolDesc`. Byte offsets:
+
+    addr(page, layer, kv, t) = base + page * page_bytes + (layer - layer_start) * layer_bytes
+                                    + kv * page_size * token_bytes + t * token_bytes
+    layer_bytes = 2 * page_size * token_bytes        page_bytes = num_layers * layer_bytes
+
+so inside one page any contiguous run of layers is one contiguous byte range, and consecutive pages
+with the same layer slice on both sides are one range too.
+
+Page tables: `page_ids[i]` is the page holding tokens [i * page_size, (i + 1) * page_size) of the
+request, on either side.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping, Sequence
+
+Desc = tuple[int, int, int]          # (source address, destination address, length in bytes)
+
+LAYOUT_NAME = "page:layer:kv:token"  # the only pool layout this package moves
+
+
+@dataclass(frozen=True)
+class PoolDesc:
+    """One rank's KV pool as plain data (mirrors engine.kv_cache.KVLayout plus the base pointer)."""
+    base_ptr: int
+    num_pages: int
+    page_size: int
+    layer_start: int
+    layer_end: int
+    token_bytes: int        # one token's K (or V) of one layer: kv_heads * head_dim * element size
+    dtype: str
+
+    def __post_init__(self):
+        if not (0 <= self.layer_start < self.layer_end):
+            raise ValueError(f"bad layer slice [{self.layer_start}, {self.layer_end})")
+        if self.num_pages < 1 or self.page_size < 1 or self.token_bytes < 1 or self.base_ptr < 0:
+            raise ValueError(f"bad pool geometry {self}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.layer_start, self.layer_end)
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * self.page_size * self.token_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def addr(self, page: int, layer: int, kv: int = 0, token: int = 0) -> int:
+        return (self.base_ptr + page * self.page_bytes + (layer - self.layer_start) * self.layer_bytes
+                + kv * self.page_size * self.token_bytes + token * self.token_bytes)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> "PoolDesc":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous slices, the first `num_layers % pp_size` ranks one layer longer (tests, bench)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers over {pp_size} ranks")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for r in range(pp_size):
+        end = start + base + (1 if r < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def overlapping(mine: tuple[int, int], others: Mapping[int, tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(rank, lo, hi) for every rank of `others` whose slice intersects `mine`, by rank."""
+    out = []
+    for rank in sorted(others):
+        inter = intersect(mine, others[rank])
+        if inter is not None:
+            out.append((rank, inter[0], inter[1]))
+    return out
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
+    if src.token_bytes != dst.token_bytes or src.dtype != dst.dtype:
+        raise ValueError(f"KV formats differ: prefill {src.dtype}/{src.token_bytes} B per token, "
+                         f"decode {dst.dtype}/{dst.token_bytes} B per token")
+
+
+def _check_table(pool: PoolDesc, page_ids: Sequence[int], num_tokens: int, side: str) -> None:
+    need = pages_for(num_tokens, pool.page_size)
+    if len(page_ids) < need:
+        raise ValueError(f"{side} page table has {len(page_ids)} pages, {need} needed for {num_tokens} tokens")
+    for p in page_ids[:need]:
+        if not 0 <= p < pool.num_pages:
+            raise ValueError(f"{side} page id {p} outside the pool of {pool.num_pages} pages")
+
+
+def build_descriptors(src: PoolDesc, dst: PoolDesc, src_pages: Sequence[int], dst_pages: Sequence[int],
+                      token_start: int, token_end: int) -> list[Desc]:
+    """Descriptors moving tokens [token_start, token_end) of the layers both pools hold.
+
+    Equal page sizes: whole pages move (the chunk's range rounded out to page boundaries; the bytes
+    before `token_start` in the first page were already valid, those after `token_end` in the last
+    page are overwritten by later chunks or by decode itself), one descriptor per page for the
+    shared layer run, then merged across pages where both sides are consecutive. Different page
+    sizes: one descriptor per (layer, k/v, token run inside one page on both sides).
+    """
+    check_compatible(src, dst)
+    layers = intersect(src.layers, dst.layers)
+    if layers is None or token_end <= token_start:
+        return []
+    if token_start < 0:
+        raise ValueError(f"bad token range [{token_start}, {token_end})")
+    _check_table(src, src_pages, token_end, "prefill")
+    _check_table(dst, dst_pages, token_end, "decode")
+    lo, hi = layers
+    out: list[Desc] = []
+    if src.page_size == dst.page_size:
+        ps = src.page_size
+        length = (hi - lo) * src.layer_bytes
+        for i in range(token_start // ps, pages_for(token_end, ps)):
+            out.append((src.addr(src_pages[i], lo), dst.addr(dst_pages[i], lo), length))
+        return coalesce(out)
+    tb = src.token_bytes
+    t = token_start
+    while t < token_end:
+        s_page, s_off = divmod(t, src.page_size)
+        d_page, d_off = divmod(t, dst.page_size)
+        u = min(token_end, t + src.page_size - s_off, t + dst.page_size - d_off)
+        for layer in range(lo, hi):
+            for kv in (0, 1):
+                out.append((src.addr(src_pages[s_page], layer, kv, s_off),
+                            dst.addr(dst_pages[d_page], layer, kv, d_off), (u - t) * tb))
+        t = u
+    return coalesce(out)
+
+
+def coalesce(descs: Iterable[Desc]) -> list[Desc]:
+    """Merges each descriptor into the previous one when both its source and destination follow on."""
+    out: list[Desc] = []
+    for s, d, n in descs:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            ps, pd, pn = out[-1]
+            out[-1] = (ps, pd, pn + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+def batches(descs: Sequence[Desc], max_per_batch: int) -> list[Sequence[Desc]]:
+    """Splits descriptors into engine calls of at most `max_per_batch` each."""
+    if max_per_batch < 1:
+        raise ValueError("max_per_batch must be >= 1")
+    return [descs[i:i + max_per_batch] for i in range(0, len(descs), max_per_batch)]

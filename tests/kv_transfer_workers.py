@@ -1,0 +1,168 @@
+"""A rank process for the kv_transfer tests: hosts KV managers and obeys commands over a Pipe.
+
+Started with multiprocessing's spawn context (`worker_main(conn)`). One Mooncake engine per process,
+shared by all the managers it hosts, so several layouts and rooms reuse one process. Reference KV
+bytes are a pure function of (room, global layer, k/v), so prefill fills and decode checks without
+shipping data through the test.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import random
+import time
+import traceback
+
+
+def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int) -> bytes:
+    return random.Random(f"{room}/{layer}/{kv}").randbytes(num_tokens * token_bytes)
+
+
+class Host:
+    def __init__(self):
+        from kv_transfer.engine import MooncakeEngine
+        self.engine = MooncakeEngine("127.0.0.1", "tcp")
+        self.mgrs, self.buffers, self.rooms = {}, {}, {}
+
+    def _pool(self, name, num_pages, page_size, layers, token_bytes):
+        from kv_transfer.layout import PoolDesc
+        nbytes = num_pages * (layers[1] - layers[0]) * 2 * page_size * token_bytes
+        buf = (ctypes.c_char * nbytes)()
+        ctypes.memset(buf, 0xEE, nbytes)
+        self.buffers[name] = buf
+        return PoolDesc(ctypes.addressof(buf), num_pages, page_size, layers[0], layers[1], token_bytes, "float32")
+
+    def prefill(self, name, cfg, pp_rank, pp_size, layers, num_pages, page_size, token_bytes, bootstrap_addr):
+        from kv_transfer import PrefillKVManager, TransferConfig
+        pool = self._pool(name, num_pages, page_size, layers, token_bytes)
+        self.mgrs[name] = PrefillKVManager(TransferConfig(**cfg), pool, pp_rank, pp_size, bootstrap_addr, self.engine)
+        return self.mgrs[name].ctrl_port
+
+    def decode(self, name, cfg, pp_rank, dst_slices, num_pages, page_size, token_bytes, aux_slots=16):
+        from kv_transfer import DecodeKVManager, TransferConfig
+        pool = self._pool(name, num_pages, page_size, dst_slices[pp_rank], token_bytes)
+        self.mgrs[name] = DecodeKVManager(TransferConfig(**cfg), pool, pp_rank, dst_slices, aux_slots, self.engine)
+        return self.mgrs[name].ctrl_port
+
+    def wait_registered(self, name, timeout):
+        return self.mgrs[name].registered.wait(timeout)
+
+    def close(self, name):
+        self.mgrs.pop(name).close()
+        self.buffers.pop(name)
+        self.rooms = {k: v for k, v in self.rooms.items() if k[0] != name}
+
+    def fill(self, name, room, page_ids, num_tokens):
+        pool = self.mgrs[name].pool
+        ps, tb = pool.page_size, pool.token_bytes
+        for layer in range(*pool.layers):
+            for kv in (0, 1):
+                data = ref_bytes(room, layer, kv, num_tokens, tb)
+                for t0 in range(0, num_tokens, ps):
+                    n = min(ps, num_tokens - t0)
+                    ctypes.memmove(pool.addr(page_ids[t0 // ps], layer, kv, 0), data[t0 * tb:(t0 + n) * tb], n * tb)
+
+    def check(self, name, room, page_ids, num_tokens):
+        """Number of (layer, k/v, page) pieces that differ from the reference (0 = byte-exact)."""
+        pool = self.mgrs[name].pool
+        ps, tb = pool.page_size, pool.token_bytes
+        bad = 0
+        for layer in range(*pool.layers):
+            for kv in (0, 1):
+                data = ref_bytes(room, layer, kv, num_tokens, tb)
+                for t0 in range(0, num_tokens, ps):
+                    n = min(ps, num_tokens - t0)
+                    got = ctypes.string_at(pool.addr(page_ids[t0 // ps], layer, kv, 0), n * tb)
+                    bad += got != data[t0 * tb:(t0 + n) * tb]
+        return bad
+
+    def create_sender(self, name, room):
+        self.rooms[(name, room)] = self.mgrs[name].create_sender(room)
+
+    def create_receiver(self, name, room, addr):
+        self.rooms[(name, room)] = self.mgrs[name].create_receiver(room, addr)
+
+    def send_chunk(self, name, room, page_ids, start, end, last=False, aux=None):
+        self.rooms[(name, room)].send_chunk(page_ids, start, end, last, aux)
+
+    def register(self, name, room, page_ids, aux_slot=None):
+        self.rooms[(name, room)].register(page_ids, aux_slot)
+
+    def abort(self, name, room):
+        self.rooms[(name, room)].abort()
+
+    def poll(self, name, rooms):
+        return {r: (int(self.rooms[(name, r)].poll()), self.rooms[(name, r)].reason) for r in rooms}
+
+    def wait(self, name, rooms, statuses, timeout):
+        """Waits until every room's status is in `statuses`; returns {room: (status, reason, seconds)}."""
+        t0 = time.monotonic()
+        while True:
+            polled = self.poll(name, rooms)
+            if all(s in statuses for s, _ in polled.values()) or time.monotonic() - t0 > timeout:
+                return {r: (s, why, time.monotonic() - t0) for r, (s, why) in polled.items()}
+            time.sleep(0.02)
+
+    def read_aux(self, name, room):
+        return self.rooms[(name, room)].read_aux()
+
+    def stats(self, name):
+        return self.mgrs[name].stats.snapshot()
+
+
+def worker_main(conn) -> None:
+    os.environ.setdefault("GLOG_minloglevel", "2")      # Mooncake's glog INFO/WARNING lines
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    host = Host()
+    conn.send(("ok", host.engine.session_id))
+    while True:
+        try:
+            cmd, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(Host, cmd)(host, *args, **kwargs)))
+        except Exception:
+            conn.send(("err", traceback.format_exc()))
+
+
+class RankProcess:
+    """The test's handle on one worker process: `call(cmd, *args)` runs `Host.cmd` there."""
+
+    def __init__(self, ctx, name: str, start_timeout: float = 60.0):
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child,), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+        self.session_id = self._reply(start_timeout)
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.name}: no answer in {timeout}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+    def call(self, cmd: str, *args, timeout: float = 30.0, **kwargs):
+        self.conn.send((cmd, args, kwargs))
+        return self._reply(timeout)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=5)
+            except Exception:
+                pass
+        self.proc.join(timeout=5)
+        self.kill()

@@ -1,0 +1,212 @@
+"""Failure paths of kv_transfer over real Mooncake (TCP, loopback) with separate rank processes:
+every affected room ends Failed within its timeout on every surviving rank, the others complete.
+
+Two prefill nodes (PA, PB) and two decode nodes (DA, DB), PP 1 each, bootstrap servers hosted here
+(as the prefill fronts would). Tests run in file order; the last two kill processes.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import socket
+
+import msgpack
+import pytest
+import zmq
+
+from consensus.kvpoll import KVPoll
+from kv_transfer import BootstrapServer
+from kv_transfer.messages import KVStatus, encode_message
+from kv_transfer_workers import RankProcess
+
+LAYERS = (0, 30)
+TB, PS, NUM_PAGES, N = 128, 16, 256, 100         # tokens per room
+CFG = dict(bootstrap_timeout_s=3.0, waiting_timeout_s=4.0, transfer_timeout_s=3.0, heartbeat_interval_s=0.3,
+           heartbeat_misses=3)
+HB_TIMEOUT = 2.5
+FAILED, SUCCESS, WAITING = int(KVPoll.Failed), int(KVPoll.Success), int(KVPoll.WaitingForInput)
+DONE = [FAILED, SUCCESS]
+rng = random.Random(7)
+
+
+class Cluster:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.procs, self.servers = {}, {}
+        for node in ("A", "B"):
+            self.servers[node] = BootstrapServer(heartbeat_timeout_s=HB_TIMEOUT).start()
+        for name in ("PA", "PB", "DA", "DB"):
+            self.procs[name] = RankProcess(ctx, name)
+        self.ports = {}
+        for node in ("A", "B"):
+            self.ports[f"P{node}"] = self.procs[f"P{node}"].call(
+                "prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, self.servers[node].addr)
+            self.ports[f"D{node}"] = self.procs[f"D{node}"].call("decode", "m", CFG, 0, [LAYERS], NUM_PAGES, PS, TB)
+        assert all(self.procs[p].call("wait_registered", "m", 10) for p in ("PA", "PB"))
+        self.pages = {name: list(range(NUM_PAGES)) for name in self.procs}
+
+    def take(self, name: str, n: int) -> list[int]:
+        free = self.pages[name]
+        pick = rng.sample(free, n)
+        self.pages[name] = [p for p in free if p not in pick]
+        return pick
+
+    def room(self, p: str, d: str, register: bool = True, sender: bool = True) -> tuple[int, list, list]:
+        room = rng.getrandbits(63)
+        ptab, dtab = self.take(p, 7), self.take(d, 7)
+        if sender:
+            self.procs[p].call("fill", "m", room, ptab, N)
+            self.procs[p].call("create_sender", "m", room)
+        self.procs[d].call("create_receiver", "m", room, self.servers[p[1]].addr)
+        if register:
+            self.procs[d].call("register", "m", room, dtab, len(dtab) % 16)
+        return room, ptab, dtab
+
+    def send_all(self, p: str, room: int, ptab: list, start: int = 0, end: int = N) -> None:
+        self.procs[p].call("send_chunk", "m", room, ptab, start, end, end == N, b"tok" if end == N else None)
+
+    def wait(self, name: str, rooms: list[int], statuses=DONE, timeout: float = 15.0) -> dict:
+        return self.procs[name].call("wait", "m", rooms, statuses, timeout, timeout=timeout + 10)
+
+    def stop(self):
+        for p in self.procs.values():
+            p.stop()
+        for s in self.servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = None
+    try:
+        c = Cluster()
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+
+
+def _assert(got: dict, want: int, within: float | None = None):
+    for room, (status, reason, seconds) in got.items():
+        assert status == want, (room, status, reason)
+        if within is not None:
+            assert seconds <= within, (room, reason, seconds)
+
+
+def test_normal_rooms_complete(cluster):
+    c = cluster
+    rooms = [c.room("PA", "DA"), c.room("PA", "DB"), c.room("PB", "DA")]
+    for p, (room, ptab, _) in zip(["PA", "PA", "PB"], rooms):
+        _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
+        c.send_all(p, room, ptab, 0, 40)
+        c.send_all(p, room, ptab, 40, N)
+    for d, (room, _, dtab) in zip(["DA", "DB", "DA"], rooms):
+        _assert(c.wait(d, [room]), SUCCESS)
+        assert c.procs[d].call("check", "m", room, dtab, N) == 0
+        assert c.procs[d].call("read_aux", "m", room) == b"tok"
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_abort_from_either_side(cluster, side):
+    c = cluster
+    (ra, pa, _), (rb, pb, _) = c.room("PA", "DA"), c.room("PA", "DA")
+    _assert(c.wait("PA", [ra, rb], [WAITING, FAILED]), WAITING)
+    c.send_all("PA", ra, pa, 0, 16)           # ra is mid-transfer when aborted
+    c.procs["PA" if side == "prefill" else "DA"].call("abort", "m", ra)
+    c.send_all("PA", rb, pb)
+    _assert(c.wait("PA", [ra], timeout=5), FAILED, within=2)
+    _assert(c.wait("DA", [ra], timeout=5), FAILED, within=2)
+    _assert(c.wait("DA", [rb]), SUCCESS)
+    _assert(c.wait("PA", [rb]), SUCCESS)
+    reason = c.procs["PA"].call("poll", "m", [ra])[ra][1]
+    assert reason == ("aborted" if side == "prefill" else "aborted_by_decode")
+
+
+def test_room_nobody_registered(cluster):
+    c = cluster
+    lonely, _, _ = c.room("PA", "DA", register=False)            # sender, decode never registers
+    orphan, _, _ = c.room("PA", "DB", sender=False)              # decode registers, no sender ever
+    ok, ptab, _ = c.room("PA", "DA")
+    _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
+    c.send_all("PA", ok, ptab)
+    _assert(c.wait("DA", [ok]), SUCCESS)
+    _assert(c.wait("PA", [lonely], timeout=8), FAILED, within=CFG["bootstrap_timeout_s"] + 1.5)
+    _assert(c.wait("DB", [orphan], timeout=8), FAILED, within=CFG["bootstrap_timeout_s"] + 1.5)
+    assert c.procs["PA"].call("poll", "m", [lonely])[lonely][1] == "bootstrap_timeout"
+
+
+def test_bootstrap_server_never_answers(cluster):
+    c = cluster
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)                           # accepts connections in the kernel, never answers
+    try:
+        c.procs["DA"].call("create_receiver", "m", 424242, f"127.0.0.1:{mute.getsockname()[1]}")
+        c.procs["DA"].call("register", "m", 424242, [0, 1], None)
+        ok, ptab, _ = c.room("PA", "DA")
+        _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
+        c.send_all("PA", ok, ptab)
+        _assert(c.wait("DA", [ok]), SUCCESS)
+        _assert(c.wait("DA", [424242], timeout=10), FAILED, within=CFG["bootstrap_timeout_s"] + 2.5)
+    finally:
+        mute.close()
+
+
+def test_malformed_control_messages_dropped(cluster):
+    c = cluster
+    before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
+    ctx = zmq.Context()
+    try:
+        for name in ("PA", "DA"):
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.connect(f"tcp://127.0.0.1:{c.ports[name]}")
+            s.send(b"\xc1 garbage")                                            # not msgpack
+            s.send(msgpack.packb({"t": "status", "room": "x"}))                 # wrong keys/types
+            s.send(msgpack.packb({"t": "abort", "room": 1, "side": "decode", "rank": -1, "reason": "r"}))
+            s.send(msgpack.packb([1, 2, 3]))                                    # not a map
+            s.send(encode_message(KVStatus(99, 0, int(KVPoll.Success), "", 1, 0, None)))   # unknown room / wrong way
+            s.close()
+    finally:
+        ctx.term()
+    ok, ptab, dtab = c.room("PA", "DA")
+    _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
+    c.send_all("PA", ok, ptab)
+    _assert(c.wait("DA", [ok]), SUCCESS)
+    assert c.procs["DA"].call("check", "m", ok, dtab, N) == 0
+    after = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
+    grew = {n: {k: v - before[n].get(k, 0) for k, v in after[n].items()} for n in after}
+    assert grew["PA"].get("malformed") == 4 and grew["PA"].get("unexpected") == 1, grew
+    assert grew["DA"].get("malformed") == 4 and grew["DA"].get("unknown_room") == 1, grew
+
+
+def test_decode_killed_mid_transfer(cluster):
+    c = cluster
+    to_da = [c.room("PA", "DA"), c.room("PB", "DA")]
+    to_db = [c.room("PA", "DB"), c.room("PB", "DB")]
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+        _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
+        c.send_all(p, room, ptab, 0, 32)
+    c.procs["DA"].kill()
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+        c.send_all(p, room, ptab, 32, N)
+    limit = max(CFG["transfer_timeout_s"], HB_TIMEOUT + 2 * CFG["heartbeat_interval_s"]) + 1.5
+    _assert(c.wait("PA", [to_da[0][0]], timeout=10), FAILED, within=limit)
+    _assert(c.wait("PB", [to_da[1][0]], timeout=10), FAILED, within=limit)
+    _assert(c.wait("DB", [r for r, _, _ in to_db]), SUCCESS)
+    _assert(c.wait("PA", [to_db[0][0]]), SUCCESS)
+    _assert(c.wait("PB", [to_db[1][0]]), SUCCESS)
+
+
+def test_prefill_killed(cluster):
+    c = cluster
+    (doomed, _, _), (ok, ptab, _) = c.room("PB", "DB"), c.room("PA", "DB")
+    _assert(c.wait("PB", [doomed], [WAITING, FAILED]), WAITING)
+    _assert(c.wait("DB", [doomed, ok], [WAITING, FAILED]), WAITING)
+    c.procs["PB"].kill()
+    c.send_all("PA", ok, ptab)
+    limit = HB_TIMEOUT + 2 * CFG["heartbeat_interval_s"] + 1.5
+    got = c.wait("DB", [doomed], timeout=10)
+    _assert(got, FAILED, within=limit)
+    assert got[doomed][1] == "peer_dead", got
+    _assert(c.wait("DB", [ok]), SUCCESS)
