@@ -31,13 +31,15 @@ when all ballots are empty (the empty messages are the metronome):
         mb = i % L
         vote.pass1(mb, ballots)            # PP0: send | middle: recv, merge, send | last: recv, merge, keep
         ...                                # schedule, launch, exchange hidden states
-        verdicts = vote.pass2((mb + 1) % L)  # last: send kept verdict to PP0 | PP0: recv, forward |
-                                           # middle: recv, forward unless next is last
+        verdicts = vote.pass2((mb + 1) % L)  # last: return the verdict it sent to PP0 in pass 1 |
+                                           # PP0: recv, forward | middle: recv, forward unless next is last
         apply(verdicts)                    # same verdicts, same iteration, every rank
 
 pass2(h) returns the verdict of the latest pass1(h) (empty verdicts while slot h never voted), so a
-vote cast in iteration j is applied in iteration j + L - 1. PP0 waits in pass 2 for the last rank's
-same iteration, and the last rank never waits on pass 2, so no cycle of waits forms.
+vote cast in iteration j is applied in iteration j + L - 1. The last rank sends a slot's verdict to
+PP0 as soon as its pass 1 completes, and PP0 receives it when it harvests that slot, L - 1 turns
+later: like the sampled outputs, the verdict never makes PP0 wait for the last rank's current
+iteration, so the pipeline stays full, and the last rank never waits on pass 2.
 
 Applying safely: `Verdict.partition(is_done)` splits off ids whose local status is not final. The
 invariant above makes that split empty on a correct rank (every rank had the id final in pass 1,
@@ -172,7 +174,11 @@ class RingVote:
             tally = [merge(tk, g, b) for tk, (g, b) in zip(self._recv("v1", mb)[1], mine)]
         self._voted[mb] = True
         if self.t.is_last:
+            # The verdict leaves at once; PP0 takes it when it harvests slot `mb` (L - 1 turns later),
+            # so PP0 never waits for the last rank's current iteration and the pipeline stays full.
             self._kept[mb] = self._without_pending(mb, tally)
+            if self.t.size > 1:
+                self.t.send_next(["v2", mb, _pack(self._kept[mb])])
         else:
             self.t.send_next(["v1", mb, _pack(tally)])
 
@@ -190,11 +196,12 @@ class RingVote:
     def pass2(self, mb: int) -> dict[str, Verdict]:
         """The verdicts of slot `mb`'s latest pass1, on every rank in the same iteration."""
         self._check_slot(mb)
+        if not self._voted[mb]:
+            # Slot `mb` has not voted yet (the first turns): every rank knows it, nothing travels.
+            return {k: Verdict() for k in self.kinds}
         if self.t.is_last:
-            kept = self._kept[mb] or [(_EMPTY, _EMPTY)] * len(self.kinds)
+            kept = self._kept[mb]
             self._kept[mb] = None
-            if self.t.size > 1:
-                self.t.send_next(["v2", mb, _pack(kept)])
         else:
             raw, kept = self._recv("v2", mb)
             if self.t.rank + 1 < self.t.size - 1:

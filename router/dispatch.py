@@ -1,0 +1,110 @@
+"""PD dispatch: pick a (prefill, decode) pair with the policies and open an attempt on it,
+retrying failed attempts on new pairs with backoff, until one opens or retries run out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+
+import httpx
+
+from router.attempt import Attempt, Failure, Route
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.node_clients import NodeClients
+from router.openai_protocol import ApiError
+from router.policies import make_policy
+from router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, clients: NodeClients,
+                 metrics: RouterMetrics, rng: random.Random | None = None):
+        self.cfg, self.registry, self.clients, self.metrics = cfg, registry, clients, metrics
+        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache_aware),
+                         "decode": make_policy(cfg.decode_policy, cfg.cache_aware),
+                         "colocated": make_policy(cfg.decode_policy, cfg.cache_aware)}
+        self.node_headers = ({"Authorization": f"Bearer {cfg.internal_token}"}
+                             if cfg.internal_token else {})
+        self._rng = rng or random.Random()
+        self._background: set[asyncio.Task] = set()
+
+    # --- choosing -------------------------------------------------------------------------
+    def _choose(self, role: str, key: str, exclude: set[str]) -> Worker | None:
+        eligible = self.registry.eligible(role)
+        fresh = [w for w in eligible if w.url not in exclude] or eligible
+        return self.policies[role].select(fresh, key) if fresh else None
+
+    def pick(self, key: str, exclude: set[str]) -> Route:
+        if self.registry.has_role("prefill") or self.registry.has_role("decode"):
+            prefill = self._choose("prefill", key, exclude)
+            decode = self._choose("decode", key, exclude)
+            if prefill and decode:
+                return Route(prefill, decode)
+        colocated = self._choose("colocated", key, exclude)
+        if colocated:
+            return Route(None, colocated)
+        counts = ", ".join(f"{role}: {len(self.registry.eligible(role))} of "
+                           f"{sum(w.role == role for w in self.registry.all())}"
+                           for role in ("prefill", "decode", "colocated"))
+        raise ApiError(503, f"no healthy workers to serve the request (eligible {counts})",
+                       type="server_error", code="no_available_workers")
+
+    def can_route(self) -> bool:
+        """Whether `pick` would find a pair or a colocated worker now (no policy is consulted)."""
+        eligible = self.registry.eligible
+        return bool(eligible("prefill") and eligible("decode")) or bool(eligible("colocated"))
+
+    def backoff(self, n: int) -> float:
+        r = self.cfg.retry
+        base = min(r.max_backoff_s, r.initial_backoff_s * r.multiplier ** n)
+        return base * (1 + self._rng.uniform(-r.jitter, r.jitter))
+
+    # --- running --------------------------------------------------------------------------
+    async def open(self, body: dict, key: str, stream: bool) -> "Attempt":
+        """Open an attempt, retrying on new pairs; raises ApiError when every try failed."""
+        exclude: set[str] = set()
+        n, last = 0, None
+        while True:
+            try:
+                route = self.pick(key, exclude)
+            except ApiError:
+                if last is None:
+                    raise
+                raise last.to_api_error() from None    # the cause says more than "none left"
+            attempt = Attempt(self, route, body, stream)
+            try:
+                await attempt.start()
+                return attempt
+            except Failure as failure:
+                last = failure
+                log = logger.warning if failure.status >= 500 else logger.info
+                log("rid=%s attempt %d failed: %s", attempt.rid, n, failure.message)
+                if not failure.retryable or n >= self.cfg.retry.max_retries:
+                    raise failure.to_api_error() from None
+                if failure.culprit is not None:
+                    exclude.add(failure.culprit.url)
+            self.metrics.retries.inc()
+            await asyncio.sleep(self.backoff(n))
+            n += 1
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort(self, worker: Worker, rid: str) -> None:
+        try:
+            client = self.clients.get(worker.url)
+            resp = await client.post(f"{worker.url}/abort", json={"rid": rid},
+                                     headers=self.node_headers, timeout=5.0)
+            logger.debug("abort rid=%s on %s: %s", rid, worker.url, resp.status_code)
+        except httpx.HTTPError as exc:
+            logger.warning("abort rid=%s on %s failed: %r", rid, worker.url, exc)
+
+    async def drain(self, timeout: float = 3.0) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)

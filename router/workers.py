@@ -1,0 +1,184 @@
+"""The worker registry and its health checker.
+
+A worker is eligible for new requests when it is healthy (its `GET /health` probes pass), its
+circuit breaker lets requests through, and (prefill only) its bootstrap port is known.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+from router.circuit import CircuitBreaker
+from router.config import RouterConfig, WorkerSpec
+from router.metrics import RouterMetrics
+from router.node_clients import NodeClients
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    breaker: CircuitBreaker
+    bootstrap_port: int | None = None
+    model: str | None = None            # learnt from /server_info
+    max_context: int | None = None      # learnt from /server_info
+    healthy: bool = False
+    ever_healthy: bool = False
+    good_probes: int = 0                # consecutive
+    bad_probes: int = 0                 # consecutive
+    in_flight: int = 0                  # requests the router has open on this worker
+    bootstrap_host: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bootstrap_host = urlparse(self.url).hostname or ""
+
+    def eligible(self) -> bool:
+        if self.role == "prefill" and self.bootstrap_port is None:
+            return False
+        return self.healthy and self.breaker.can_pass()
+
+    def describe(self) -> dict:
+        return {"url": self.url, "role": self.role, "model": self.model, "healthy": self.healthy,
+                "circuit": self.breaker.state.name.lower(), "in_flight": self.in_flight,
+                "bootstrap_port": self.bootstrap_port, "max_context": self.max_context}
+
+
+class WorkerRegistry:
+    """Owns the workers and the background health loop. All methods run on the app's event loop."""
+
+    def __init__(self, cfg: RouterConfig, clients: NodeClients, metrics: RouterMetrics):
+        self._cfg = cfg
+        self._clients = clients
+        self._metrics = metrics
+        self._workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+
+    # --- membership -------------------------------------------------------------------------
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.url in self._workers:
+            raise ValueError(f"worker {spec.url} is already registered")
+        worker = Worker(url=spec.url, role=spec.role, bootstrap_port=spec.bootstrap_port,
+                        breaker=CircuitBreaker(self._cfg.breaker))
+        self._workers[spec.url] = worker
+        self._report(worker)
+        logger.info("worker added: %s role=%s", spec.url, spec.role)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        worker = self._workers.pop(url)          # KeyError: caller answers 404
+        self._metrics.forget_worker(url, worker.role)
+        logger.info("worker removed: %s", url)
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def eligible(self, role: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.eligible()]
+
+    def has_role(self, role: str) -> bool:
+        return any(w.role == role for w in self._workers.values())
+
+    def models(self) -> list[str]:
+        names = {w.model for w in self._workers.values() if w.model}
+        if self._cfg.served_model_name:
+            names.add(self._cfg.served_model_name)
+        return sorted(names)
+
+    def max_context(self) -> int | None:
+        limits = [w.max_context for w in self._workers.values() if w.max_context]
+        return min(limits) if limits else None
+
+    def report(self, worker: Worker) -> None:
+        """Refresh the worker's gauges (after a health or breaker change)."""
+        if self._workers.get(worker.url) is worker:
+            self._report(worker)
+
+    def _report(self, worker: Worker) -> None:
+        self._metrics.set_worker(worker.url, worker.role, worker.healthy, int(worker.breaker.state))
+
+    # --- health -----------------------------------------------------------------------------
+    async def probe(self, worker: Worker) -> bool:
+        """One health probe: `/server_info` while the worker's facts are unknown, then `/health`.
+        Updates the worker's health by the configured thresholds; returns the probe's verdict."""
+        ok = await self._probe_once(worker)
+        if ok:
+            worker.good_probes += 1
+            worker.bad_probes = 0
+            if not worker.healthy and (not worker.ever_healthy
+                                       or worker.good_probes >= self._cfg.health.success_threshold):
+                worker.healthy = worker.ever_healthy = True
+                logger.info("worker healthy: %s", worker.url)
+        else:
+            worker.bad_probes += 1
+            worker.good_probes = 0
+            if worker.healthy and worker.bad_probes >= self._cfg.health.failure_threshold:
+                worker.healthy = False
+                logger.warning("worker unhealthy after %d failed probes: %s",
+                               worker.bad_probes, worker.url)
+        self.report(worker)
+        return ok
+
+    async def _probe_once(self, worker: Worker) -> bool:
+        timeout = self._cfg.health.timeout_s
+        client = self._clients.get(worker.url)
+        try:
+            if worker.model is None or (worker.role == "prefill" and worker.bootstrap_port is None):
+                resp = await client.get(f"{worker.url}/server_info", timeout=timeout)
+                if resp.status_code == 200:
+                    self._learn(worker, resp.json())
+            resp = await client.get(f"{worker.url}/health", timeout=timeout)
+            return resp.status_code == 200
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("probe of %s failed: %r", worker.url, exc)
+            return False
+
+    @staticmethod
+    def _learn(worker: Worker, info: dict) -> None:
+        if not isinstance(info, dict):
+            return
+        if isinstance(info.get("model"), str):
+            worker.model = info["model"]
+        if isinstance(info.get("max_context"), int):
+            worker.max_context = info["max_context"]
+        port = info.get("bootstrap_port")
+        if worker.role == "prefill" and worker.bootstrap_port is None and isinstance(port, int):
+            worker.bootstrap_port = port
+        role = info.get("role")
+        if isinstance(role, str) and role != worker.role:
+            logger.warning("worker %s registered as %s reports role %s", worker.url, worker.role, role)
+
+    async def probe_all(self) -> None:
+        workers = self.all()
+        if workers:
+            await asyncio.gather(*(self.probe(w) for w in workers))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.health.interval_s)
+            await self.probe_all()
+            for worker in self.all():      # breakers move open -> half-open with time
+                self.report(worker)
