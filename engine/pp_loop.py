@@ -118,15 +118,31 @@ class SlotLoop:
             self.comm.commit()
         meta = self.ingest_meta()
         self.apply_meta(meta)
+        self.before_schedule(t, mb)
         batch = self.sched.schedule(mb)
         self.batches[mb] = batch
         hidden_or_logits = self.forward(batch)
+        self.after_forward(batch)
         self.exchange_and_harvest(t, mb, batch, hidden_or_logits)
+        self.after_harvest(t, (t + 1) % self.cfg.num_slots)
         self.report()
         self.stats.iterations += 1
         self.stats.last_progress = time.monotonic()
         if rank_consensus_enabled() and self.comm and t % self.cfg.check_every == 0:
             self.check_consensus(t)
+
+    # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration ----
+    def before_schedule(self, t: int, mb: int) -> None:
+        """Runs on every rank after the meta was applied and before slot `mb` is scheduled."""
+
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Runs on every rank after this rank's forward of `batch` (its KV pages are written)."""
+
+    def after_harvest(self, t: int, hb: int) -> None:
+        """Runs on every rank once slot `hb` was harvested (or had nothing to harvest)."""
+
+    def on_finished(self, req: Req) -> None:
+        """Runs on every rank for each request the scheduler finished this iteration."""
 
     def ingest_meta(self) -> list[list[Any]]:
         if self.is_first:
@@ -175,11 +191,21 @@ class SlotLoop:
                 except ParamError as e:      # every rank rejects it the same way; PP0 answers
                     self._events.append(["error", rid, str(e), e.field])
             elif kind == "abort":
-                req = self.sched.abort(msg[1], msg[2] if len(msg) > 2 else "aborted by client")
-                if req is None:
+                why = msg[2] if len(msg) > 2 else "aborted by client"
+                req = self.sched.abort(msg[1], why)
+                if req is None and not self.abort_elsewhere(msg[1], why):
                     self._events.append(["abort_unknown", msg[1]])
             elif self.on_meta is None or not self.on_meta(msg):
                 log.warning("unknown meta message kind %r dropped", kind)
+
+    def abort_elsewhere(self, rid: str, why: str) -> bool:
+        """A PD loop aborts a request that sits in one of its own queues; True if it knew it."""
+        return False
+
+    def emit(self, event: list[Any]) -> None:
+        """PP0 tells the front (every rank may call it; only PP0's events leave)."""
+        if self.is_first:
+            self._events.append(event)
 
     def forward(self, batch: ScheduledBatch) -> Any:
         if not batch.entries:
@@ -246,6 +272,7 @@ class SlotLoop:
 
     def report(self) -> None:
         for req in self.sched.drain_finished():
+            self.on_finished(req)
             if self.is_first:
                 f = req.finish
                 self._events.append(["finish", req.rid, f.kind, f.message, f.matched,
@@ -253,6 +280,9 @@ class SlotLoop:
         if self.is_first and self._events and self.front:
             self.front.report(self._events)
         self._events = []
+
+    def close(self) -> None:
+        """Releases what the loop owns (a PD loop closes its KV manager and store)."""
 
     def check_consensus(self, t: int) -> None:
         d = rank_checker.CHECKER.digest63()

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import zmq
@@ -146,7 +146,21 @@ def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
     threading.Thread(target=watch, name="watchdog", daemon=True).start()
 
 
-def build_rank(spec: RankSpec):
+@dataclass
+class RankParts:
+    """What a rank is made of; a PD loop builds its own pieces (KV manager, votes) on top."""
+    spec: RankSpec
+    cfg: EngineConfig
+    mcfg: Any
+    comm: PPComm | None
+    runner: ModelRunner
+    sched: Scheduler
+    loop_cfg: LoopConfig
+    tokenizer: Any
+    front: "ZmqFrontIO | None" = None
+
+
+def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None) -> RankParts:
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
     threads = apply_threads(cfg.threads)
     path = resolve_model(cfg.model)
@@ -173,14 +187,21 @@ def build_rank(spec: RankSpec):
                           skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
                           waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
                           running_timeout_s=float(spec.extra.get("running_timeout_s", 0.0)))
-    sched_cfg = replace(cfg.scheduler_config(num_slots=loop_cfg.num_slots),
+    sched_cfg = replace(cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
                         max_context=min(cfg.max_context, mcfg.max_position_embeddings))
     sched = Scheduler(sched_cfg, runner.pool.allocator, mcfg.eos_token_ids,
-                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    return cfg, comm, runner, sched, loop_cfg
+                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                      hold_kv_on_finish=hold_kv_on_finish)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, tok)
 
 
-def main(argv: list[str] | None = None) -> int:
+def colocated_loop(parts: RankParts) -> SlotLoop:
+    return SlotLoop(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
+
+
+def run_rank(argv: list[str] | None, make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
+             build_kwargs: dict[str, Any] | None = None) -> int:
+    """Parses the spec, builds the rank and runs its loop until SIGTERM or a fatal error."""
     ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
     spec = RankSpec(**json.loads(ap.parse_args(argv).spec))
@@ -188,30 +209,36 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     ctx = zmq.Context()
-    comm = None
+    loop = None
     try:
-        cfg, comm, runner, sched, loop_cfg = build_rank(spec)
-        front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr) if spec.pp_rank == 0 else None
-        loop = SlotLoop(loop_cfg, comm, runner, sched, front)
+        parts = build_rank(spec, **(build_kwargs or {}))
+        if spec.pp_rank == 0:
+            parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr)
+        loop = make_loop(parts)
         stats = StatsReporter(ctx, spec.stats_addr, spec, loop)
         start_watchdog(loop, spec.watchdog_s)
-        log.info("pp_rank %d ready: %d KV pages of %d tokens", spec.pp_rank, cfg.num_pages, cfg.page_size)
+        log.info("pp_rank %d ready: %d KV pages of %d tokens", spec.pp_rank, parts.cfg.num_pages, parts.cfg.page_size)
         stats.maybe_send(force=True)
         t = 0
         while True:
             loop.iteration(t)
             stats.maybe_send()
             t += 1
-    except SystemExit:
-        return 0
-    except KeyboardInterrupt:
+    except (SystemExit, KeyboardInterrupt):
         return 0
     except Exception as e:
-        log.error("pp_rank %d stops: %s: %s", spec.pp_rank, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.error("pp_rank %d stops: %s: %s", spec.pp_rank, type(e).__name__,
+                  str(e).splitlines()[0] if str(e) else "", exc_info=log.isEnabledFor(logging.DEBUG))
         logging.shutdown()
         os._exit(1)
     finally:
+        if loop is not None:
+            loop.close()
         ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank(argv)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def _batch_digest(b: "ScheduledBatch") -> list:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, eos_token_ids: tuple[int, ...] = (),
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None, hold_kv_on_finish: bool = False):
         self.cfg = cfg
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
@@ -99,6 +99,10 @@ class Scheduler:
         self.just_finished: list[Req] = []                 # drained by the caller
         self._arrivals = 0
         self.num_retractions = 0
+        # Prefill side of PD: a request that ends normally keeps its pages until `release(rid)`
+        # (its KV is still being sent); an abort frees them at once.
+        self.hold_kv_on_finish = hold_kv_on_finish
+        self.held: dict[str, Req] = {}
 
     # --- inputs ------------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
@@ -288,7 +292,10 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         if req.status == ReqStatus.RUNNING:
             self.slots[self._slot_of(req)].remove(req)
-            self._release_kv(req)
+            if self.hold_kv_on_finish and reason.kind != "abort":
+                self.held[req.rid] = req
+            else:
+                self._release_kv(req)
         req.finish = reason
         req.status = ReqStatus.FINISHED
         self.reqs.pop(req.rid, None)
@@ -304,6 +311,23 @@ class Scheduler:
         self.allocator.free(free)
         req.pages = []
 
+    @rank_consensus("release", args=lambda self, rid: rid)
+    def release(self, rid: str) -> None:
+        """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
+        self._release_kv(self.held.pop(rid))
+
+    @rank_consensus("add_prefilled", args=lambda self, req, pages, mb: [req.rid, list(pages), mb])
+    def add_prefilled(self, req: Req, pages: list[int], mb: int) -> None:
+        """Decode side of PD: the prompt's KV arrived in `pages` and `req.output_ids` holds the first
+        token; the request joins slot `mb` as a running decode (it may finish at once)."""
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, 0
+        req.status = ReqStatus.RUNNING
+        self.reqs[req.rid] = req
+        self.slots[mb].append(req)
+        self._check_stop(req)
+
     def drain_finished(self) -> list[Req]:
         out, self.just_finished = self.just_finished, []
         return out
@@ -312,7 +336,7 @@ class Scheduler:
     @property
     def used_tokens(self) -> int:
         """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
-        return sum(r.kv_len for s in self.slots for r in s)
+        return sum(r.kv_len for s in self.slots for r in s) + sum(r.kv_len for r in self.held.values())
 
     def held_pages(self) -> int:
         cached = self.cache.num_cached_pages if self.cache is not None else 0

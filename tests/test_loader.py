@@ -1,0 +1,195 @@
+"""Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their layers,
+and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF model."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engine.loader import ModelLoadError, load_model_config, load_slice, load_tokenizer, resolve_model
+from tests.test_model import PLAN, TOTAL, max_err, run_plan
+from tests.tiny_model import build_tiny_model
+
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), tie=True, rope_scaling=LINEAR)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf LlamaModel.permute (what the loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir, out, arch="llama"):
+    """The HF tiny model as an F32 GGUF file, with llama.cpp's names and Q/K permutation."""
+    import gguf
+    from safetensors.torch import load_file
+
+    c = json.loads((hf_dir / "config.json").read_text())
+    w = load_file(str(hf_dir / "model.safetensors"))
+    g = gguf.GGUFWriter(str(out), arch)
+    g.add_block_count(c["num_hidden_layers"])
+    g.add_context_length(c["max_position_embeddings"])
+    g.add_embedding_length(c["hidden_size"])
+    g.add_feed_forward_length(c["intermediate_size"])
+    g.add_head_count(c["num_attention_heads"])
+    g.add_head_count_kv(c["num_key_value_heads"])
+    g.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    g.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    g.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    g.add_rope_scaling_factor(c["rope_parameters"]["factor"])
+    g.add_eos_token_id(c["eos_token_id"])
+    g.add_bos_token_id(c["bos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in w.items():
+        a = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            part, kind = rest.rsplit(".", 1)
+            if part == "self_attn.q_proj":
+                a = _permute(a, c["num_attention_heads"])
+            elif part == "self_attn.k_proj":
+                a = _permute(a, c["num_key_value_heads"])
+            gname = f"blk.{i}.{parts[part]}.{kind}"
+        else:
+            gname = names[name]
+        g.add_tensor(gname, np.ascontiguousarray(a))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return out
+
+
+def test_gguf_slices_match_hf(tiny, tmp_path):
+    from tests.test_model import hf_logits
+
+    path = write_gguf(tiny, tmp_path / "tiny.gguf")
+    cfg = load_model_config(path)
+    hf_cfg = load_model_config(tiny)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0} and cfg.tie_word_embeddings
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
+        (hf_cfg.num_layers, hf_cfg.num_heads, hf_cfg.num_kv_heads, hf_cfg.head_dim)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    ref = hf_logits(tiny, seqs)
+    got = run_plan([load_slice(path, 0, 3), load_slice(path, 3, 4)], cfg, seqs, PLAN)
+    assert max_err(got, ref) < 1e-4
+
+
+def test_slice_loads_only_its_layers(tiny):
+    cfg = load_model_config(tiny)
+    per_layer = 6   # norms, fused qkv, o, fused gate_up, down (no bias in llama)
+    mid = load_slice(tiny, 1, 3)
+    names = [n for n, _ in mid.named_parameters()]
+    assert not mid.is_first and not mid.is_last
+    assert len(names) == 2 * per_layer and all(n.startswith(("layers.0.", "layers.1.")) for n in names)
+    assert not any("layers.0." in n or "layers.3." in n for n in mid.weight_names())
+    first, last = load_slice(tiny, 0, 1), load_slice(tiny, 1, 4)
+    assert [n for n, _ in first.named_parameters() if not n.startswith("layers.")] == ["embed_weight"]
+    assert [n for n, _ in last.named_parameters() if not n.startswith("layers.")] == ["norm_weight", "lm_head_weight"]
+    assert len(list(last.layers)) == 3
+    # tied embeddings: the last slice reads the embedding matrix as its LM head
+    assert "model.embed_tokens.weight" in last.weight_names()
+    assert torch.equal(last.lm_head_weight, first.embed_weight)
+    total = sum(p.numel() for p in load_slice(tiny, 0, 4).parameters())
+    assert total == sum(p.numel() for p in first.parameters()) + sum(p.numel() for p in last.parameters()) \
+        - cfg.vocab_size * cfg.hidden_size   # one slice shares embedding and head
+
+
+def _one_line_error(fn, *match) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg and msg
+    for m in match:
+        assert m in msg, msg
+    return msg
+
+
+def test_bad_path(tmp_path):
+    _one_line_error(lambda: load_slice(tmp_path / "nope", 0, 1), "not found", "nope")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(lambda: load_model_config(tmp_path / "empty"), "config.json")
+    (tmp_path / "x.bin").write_bytes(b"hello")
+    _one_line_error(lambda: resolve_model(tmp_path / "x.bin"), "not a GGUF")
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    d = tmp_path / "gpt2"
+    shutil.copytree(tiny, d)
+    c = json.loads((d / "config.json").read_text())
+    c["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(c))
+    _one_line_error(lambda: load_slice(d, 0, 1), "unsupported architecture 'gpt2'", "llama")
+    c["model_type"], c["rope_parameters"] = "llama", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    (d / "config.json").write_text(json.dumps(c))
+    _one_line_error(lambda: load_model_config(d), "rope_type 'yarn'")
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+
+    g = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gpt2")
+    g.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    _one_line_error(lambda: load_slice(tmp_path / "m.gguf", 0, 1), "unsupported architecture 'gpt2'")
+
+
+def test_corrupt_safetensors(tiny, tmp_path):
+    d = tmp_path / "bad"
+    shutil.copytree(tiny, d)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])      # truncated
+    _one_line_error(lambda: load_slice(d, 0, 4), "model.safetensors")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    _one_line_error(lambda: load_slice(d, 0, 4), "model.safetensors")
+
+
+def test_corrupt_gguf(tiny, tmp_path):
+    good = write_gguf(tiny, tmp_path / "good.gguf")
+    data = good.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[: len(data) // 2])                             # truncated in the tensor data
+    _one_line_error(lambda: load_slice(bad, 0, 4), "bad.gguf")
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)                    # garbage after the magic
+    _one_line_error(lambda: load_model_config(bad), "bad.gguf")
+
+
+def test_bad_slice_bounds(tiny):
+    _one_line_error(lambda: load_slice(tiny, 2, 9), "[2, 9)", "4 layers")
+
+
+def test_resolve_default_model():
+    p = resolve_model(None)
+    assert p.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and p.is_file()
+    assert resolve_model("SmolLM2-135M-Instruct") == p == resolve_model("HuggingFaceTB/smollm2-135m-instruct")
+
+
+def test_hf_tokenizer_and_eos(tiny):
+    tok = load_tokenizer(tiny)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+    assert load_model_config(tiny).eos_token_ids == (tok.eos_token_id,)

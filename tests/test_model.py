@@ -1,0 +1,197 @@
+"""ModelSlice over the paged KV pool vs Hugging Face transformers on the same weights.
+
+Each scenario runs several requests in pieces: prefill in two chunks (the second attends to the
+first chunk's cached KV), mixed prefill + decode batches, then decode steps; every logit row we
+compute is compared to HF's full-sequence logits at the same position. Page tables are scattered.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import forward_batch
+from engine.forward_batch import BatchItem, build_forward_batch
+from engine.kv_cache import KVLayout, KVPool, pages_needed
+from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from tests.tiny_model import build_tiny_model
+
+PAGE_SIZE = 4
+PROMPTS = (5, 11, 17, 2, 140)   # the last one: a long chunk alone, causal from 0, then a masked one
+DECODE_STEPS = 4
+# (request, new tokens, logits wanted); requests start at different steps, so batches mix kinds.
+PLAN = [
+    [(0, 3, False), (1, 6, True), (3, 2, True), (4, 70, False)],
+    [(0, 2, True), (1, 5, True), (3, 1, True), (2, 9, False), (4, 70, True)],
+    [(0, 1, True), (1, 1, True), (2, 8, True), (3, 1, True), (4, 1, True)],
+] + [[(r, 1, True) for r in range(5)]] * DECODE_STEPS
+TOTAL = [sum(n for step in PLAN for r, n, _ in step if r == req) for req in range(len(PROMPTS))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only add wake-up latency (a lot of it on a shared machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def scattered_tables(lengths, page_size, num_pages, seed=0):
+    pages = list(range(num_pages))
+    random.Random(seed).shuffle(pages)
+    tables = []
+    for n in lengths:
+        k = pages_needed(n, page_size)
+        tables.append(pages[:k])
+        pages = pages[k:]
+    return tables
+
+
+def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
+    """Runs `plan` through the chained slices; returns {(request, position): logits row}."""
+    num_pages = sum(pages_needed(len(s), page_size) for s in seqs) + 3
+    pools = [KVPool(KVLayout(num_pages, page_size, s.layer_start, s.layer_end, cfg.num_kv_heads,
+                             cfg.head_dim, dtype)) for s in slices]
+    tables = scattered_tables([len(s) for s in seqs], page_size, num_pages)
+    done = [0] * len(seqs)
+    got = {}
+    for step in plan:
+        items, toks = [], []
+        for r, n, logits in step:
+            items.append(BatchItem(tables[r], done[r], n, logits))
+            toks += seqs[r][done[r]:done[r] + n]
+            done[r] += n
+        fb = build_forward_batch(items, page_size)
+        x = torch.tensor(toks)
+        for s, pool in zip(slices, pools):
+            x = s(x, fb, pool)
+        wanted = [(r, done[r] - 1) for r, _, logits in step if logits]
+        assert x.dtype == torch.float32 and x.shape == (len(wanted), cfg.vocab_size)
+        got.update(zip(wanted, x))
+    return got
+
+
+def hf_logits(path, seqs, **kw):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return [ref(torch.tensor([s])).logits[0] for s in seqs]
+
+
+def max_err(got, ref):
+    return max(rel_err(row, ref[r][p]) for (r, p), row in got.items())
+
+
+VARIANTS = {
+    "llama": dict(),
+    "llama_tied_llama3": dict(tie=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 32}),
+    "qwen2_bias": dict(arch="qwen2"),
+    "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def build_variant(tmp_path_factory):
+    """variant name -> (path, config, token sequences, HF logits per sequence); each built once per module."""
+    built = {}
+
+    def build(name):
+        if name not in built:
+            path = build_tiny_model(tmp_path_factory.mktemp(name), **VARIANTS[name])
+            cfg = load_model_config(path)
+            rng = random.Random(1)
+            seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+            built[name] = path, cfg, seqs, hf_logits(path, seqs)
+        return built[name]
+    return build
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request, build_variant):
+    return build_variant(request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(build_variant):
+    return build_variant("llama")
+
+
+@pytest.mark.parametrize("cuts", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["one_slice", "three_slices"])
+def test_tiny_matches_hf(tiny, cuts):
+    path, cfg, seqs, ref = tiny
+    slices = [load_slice(path, a, b) for a, b in cuts]
+    assert slices[0].is_first and slices[-1].is_last
+    got = run_plan(slices, cfg, seqs, PLAN)
+    assert len(got) == sum(logits for step in PLAN for *_, logits in step)
+    assert max_err(got, ref) < 1e-4
+
+
+def test_small_groups_and_page_size(tiny_llama, monkeypatch):
+    """Several decode/extend attention groups per batch (sorted, padded), and a page size of 1 and 16."""
+    path, cfg, seqs, ref = tiny_llama
+    monkeypatch.setattr(forward_batch, "DECODE_GROUP_SIZE", 2)
+    monkeypatch.setattr(forward_batch, "EXTEND_GROUP_SIZE", 2)
+    monkeypatch.setattr(forward_batch, "LONG_EXTEND", 1000)
+    s = [load_slice(path, 0, 2), load_slice(path, 2, 4)]
+    for page_size in (1, 16):
+        assert max_err(run_plan(s, cfg, seqs, PLAN, page_size=page_size), ref) < 1e-4
+
+
+def test_bf16(tiny_llama):
+    path, cfg, seqs, ref = tiny_llama
+    got = run_plan([load_slice(path, 0, 4, dtype=torch.bfloat16)], cfg, seqs, PLAN[:3], dtype=torch.bfloat16)
+    assert all(row.dtype == torch.float32 for row in got.values())
+    assert max_err(got, ref) < 0.1
+
+
+def test_forward_batch_layout():
+    items = [BatchItem([7, 3], 5, 2, True), BatchItem([1], 0, 1, False), BatchItem([4, 9, 2], 0, 9, True)]
+    fb = build_forward_batch(items, page_size=4)
+    assert fb.num_tokens == 12
+    assert fb.positions.tolist() == [5, 6, 0] + list(range(9))
+    assert fb.out_slots.tolist() == [3 * 4 + 1, 3 * 4 + 2, 4] + [16, 17, 18, 19, 36, 37, 38, 39, 8]
+    assert fb.logit_rows.tolist() == [1, 11]
+    # every token's output row is produced by exactly one group
+    rows = sorted(r for g in fb.groups for r in g.out_rows.tolist())
+    assert rows == list(range(12))
+    with pytest.raises(ValueError, match="pages"):
+        build_forward_batch([BatchItem([0], 3, 2, True)], page_size=4)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = resolve_model(None)
+    cfg = load_model_config(path)
+    tok = load_tokenizer(path)
+    texts = ["The capital of France is Paris, and the capital of Italy is",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+             "Pipeline parallelism splits the layers of a model across several processes."]
+    seqs = [tok(t).input_ids for t in texts]
+    return path, cfg, tok, seqs, hf_logits(path.parent, seqs, gguf_file=path.name)
+
+
+@pytest.mark.heavy
+def test_smollm2_gguf_matches_hf(smollm2):
+    path, cfg, tok, seqs, ref = smollm2
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == \
+        (30, 576, 9, 3, 64, 49152)
+    assert cfg.tie_word_embeddings and 2 in cfg.eos_token_ids
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+    decode = 3   # the last tokens of each text are fed one by one as decode steps
+    plan = [[(r, (len(s) - decode) // 2, False) for r, s in enumerate(seqs)],
+            [(r, len(s) - decode - (len(s) - decode) // 2, True) for r, s in enumerate(seqs)]]
+    plan += [[(r, 1, True) for r in range(len(seqs))]] * decode
+    for cuts in ([(0, 30)], [(0, 11), (11, 30)]):
+        got = run_plan([load_slice(path, a, b) for a, b in cuts], cfg, seqs, plan, page_size=16)
+        assert len(got) == len(seqs) * (decode + 1)
+        assert max_err(got, ref) < 1e-4
