@@ -44,6 +44,8 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
     async def generate(request: Request):
         body = await read_json(request)
         p = front.admit(body)
+        if front.role == "prefill":
+            return await front.prefill_result(p)
         if body.get("stream"):
             async def stream():
                 async for chunk in front.events(p):

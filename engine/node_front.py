@@ -149,14 +149,18 @@ class NodeFront:
             raise RequestError(400, "'rid' must be a string of at most 256 characters", "rid")
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
+        extra = self.extra_add_fields(body)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
         self.pending[rid] = p
-        self.send(["add", rid, ids, params.to_dict()] + self.extra_add_fields(body))
+        self.send([self.add_kind(), rid, ids, params.to_dict()] + extra)
         return p
 
     def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
         """PD fronts append their fields (bootstrap address and room) to the add message."""
         return []
+
+    def add_kind(self) -> str:
+        return "add"
 
     def send(self, msg: list[Any]) -> None:
         self.req_sock.send(msgpack.packb(msg, use_bin_type=True))
@@ -249,7 +253,7 @@ class NodeFront:
                 p = self.pending.get(ev[1])
                 if p is not None:
                     p.events.put_nowait(ev)
-                    if ev[0] in ("finish", "error"):
+                    if ev[0] in ("finish", "error", "prefill_done"):
                         del self.pending[ev[1]]     # over on the ranks; `p` still streams its queue
 
     async def _read_stats(self) -> None:

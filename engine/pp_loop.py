@@ -198,6 +198,10 @@ class SlotLoop:
             elif self.on_meta is None or not self.on_meta(msg):
                 log.warning("unknown meta message kind %r dropped", kind)
 
+    def queue_sizes(self) -> dict[str, int]:
+        """Sizes of the PD loop's own queues, for stats and metrics."""
+        return {}
+
     def abort_elsewhere(self, rid: str, why: str) -> bool:
         """A PD loop aborts a request that sits in one of its own queues; True if it knew it."""
         return False

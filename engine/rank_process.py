@@ -122,7 +122,8 @@ class StatsReporter:
             "free_pages": alloc.num_free, "page_size": s.cfg.page_size,
             "cached_pages": s.cache.num_cached_pages if s.cache else 0,
             "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
-            "retractions": s.num_retractions,
+            "retractions": s.num_retractions, "retracted": sum(r.status.value == "retracted" for r in s.waiting),
+            **self.loop.queue_sizes(),
         }
         try:
             self.sock.send(msgpack.packb(stats), zmq.NOBLOCK)

@@ -99,8 +99,8 @@ class Scheduler:
         self.just_finished: list[Req] = []                 # drained by the caller
         self._arrivals = 0
         self.num_retractions = 0
-        # Prefill side of PD: a request that ends normally keeps its pages until `release(rid)`
-        # (its KV is still being sent); an abort frees them at once.
+        # Prefill side of PD: a request that ends keeps its pages until `release(rid)`: its KV may
+        # still be on the wire (even after an abort, a transfer thread may be reading them).
         self.hold_kv_on_finish = hold_kv_on_finish
         self.held: dict[str, Req] = {}
 
@@ -292,7 +292,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         if req.status == ReqStatus.RUNNING:
             self.slots[self._slot_of(req)].remove(req)
-            if self.hold_kv_on_finish and reason.kind != "abort":
+            if self.hold_kv_on_finish:
                 self.held[req.rid] = req
             else:
                 self._release_kv(req)

@@ -95,13 +95,13 @@ def engine_dict(args, threads: int) -> dict[str, Any]:
 class RankSet:
     """The local rank processes of a node, and a thread that notices when one of them exits."""
 
-    def __init__(self, specs: list[RankSpec], on_exit):
+    def __init__(self, specs: list[RankSpec], on_exit, module: str = "engine.rank_process"):
         self.procs: list[subprocess.Popen] = []
         self.on_exit = on_exit
         self._stopping = False
         for spec in specs:
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.rank_process", "--spec", json.dumps(asdict(spec))]))
+                [sys.executable, "-m", module, "--spec", json.dumps(asdict(spec))]))
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -131,11 +131,12 @@ def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, An
                      pp_timeout_s=args.pp_timeout, role=role, device=args.device,
                      backend="nccl" if args.device.startswith("cuda") else "gloo",
                      extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
-                            **(extra or {})})
+                            "internal_token": args.internal_token, **(extra or {})})
             for r in ranks]
 
 
-def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None) -> int:
+def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
+             module: str = "engine.rank_process") -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -149,7 +150,7 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None) -
         else:
             front.dead = why
 
-    ranks = RankSet(specs, on_rank_exit)
+    ranks = RankSet(specs, on_rank_exit, module)
 
     @app.on_event("startup")
     async def _grab_loop():
@@ -163,17 +164,25 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None) -
     return 0
 
 
-def serve_main(args) -> int:
+def make_front(args, role: str, cls=None, **kw):
+    """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
     from engine.loader import load_model_config, load_tokenizer, resolve_model
     from engine.node_app import build_app
     from engine.node_front import NodeFront
     from engine.node_metrics import NodeMetrics
 
-    setup_logging("[colocated front]", args.log_level)
+    setup_logging(f"[{role} front]", args.log_level)
+    if args.nnodes > 1 and args.node_rank > 0:
+        raise SystemExit("only --node-rank 0 runs the front; use `pdserve ranks` on the other hosts")
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
-    front = NodeFront(load_tokenizer(path), model_name=path.stem, role="colocated", pp_size=args.pp,
-                      max_context=min(args.max_context, mcfg.max_position_embeddings), vocab_size=mcfg.vocab_size)
-    front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role="colocated")
-    app = build_app(front, args.internal_token)
+    front = (cls or NodeFront)(load_tokenizer(path), model_name=path.stem, role=role, pp_size=args.pp,
+                               max_context=min(args.max_context, mcfg.max_position_embeddings),
+                               vocab_size=mcfg.vocab_size, **kw)
+    front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
+    return front, build_app(front, args.internal_token)
+
+
+def serve_main(args) -> int:
+    front, app = make_front(args, "colocated")
     return run_node(args, front, app, "colocated")

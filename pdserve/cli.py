@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
     add_node_args(s, default_port=30000)
 
+    from prefill_node.serve import add_prefill_args
+    add_prefill_args(sub.add_parser("prefill", help="a prefill node of a PD cluster"))
+    from decode_node.serve import add_decode_args
+    add_decode_args(sub.add_parser("decode", help="a decode node of a PD cluster"))
+    from router.main import add_router_args
+    add_router_args(sub.add_parser("router", help="the OpenAI-compatible PD router"))
+
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     from engine.loader import ModelLoadError
@@ -55,6 +62,21 @@ def _run(args) -> int:
     if args.cmd == "serve":
         from engine.serve import serve_main
         return serve_main(args)
+    if args.cmd == "prefill":
+        from prefill_node.serve import prefill_main
+        return prefill_main(args)
+    if args.cmd == "decode":
+        from decode_node.serve import decode_main
+        return decode_main(args)
+    if args.cmd == "router":
+        from router.main import router_config_from_args, serve
+        try:
+            cfg = router_config_from_args(args)
+        except ValueError as e:
+            print(f"pdserve router: error: {e}", file=sys.stderr)
+            return 2
+        serve(cfg)
+        return 0
     if args.cmd == "version":
         from importlib.metadata import version
         print(version("pdserve"))

@@ -1,0 +1,150 @@
+"""The decode node's slot loop: prealloc -> transfer -> running (decode) -> finished (+ retracted).
+
+Added around the engine's slot loop (engine/pp_loop.py), on every rank:
+
+  meta "pd_add"   a receiver for the room is created; the request joins the `prealloc` queue
+  prealloc        first come first served, the same decision on every rank (same pool, same
+                  history): pages for the prompt and an aux slot; each rank registers them with
+                  the prefill ranks that hold its layers
+  prealloc vote   good = registered (WaitingForInput or later), bad = Failed, aborted => bad;
+                  admitted requests move to `transfer` on every rank in the same iteration
+  transfer vote   good = Success (every prefill rank's KV and the aux data landed), bad = Failed;
+                  the first token comes from the aux data and the request joins the running
+                  batch of the slot being harvested, so it is decoded on every rank together
+  running         the engine's scheduler; under KV pressure it retracts the youngest request of
+                  the slot (deterministic) and re-prefills it from prompt + outputs later
+
+A request whose KV did not fully arrive on every rank is never decoded: only the transfer vote's
+good set reaches the scheduler.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Any
+
+from consensus.kvpoll import done_for
+from consensus.vote import PREALLOC, TRANSFERRED, Ballot, RingVote
+from engine.core import ParamError, Req, SamplingParams
+from engine.kv_cache import pages_needed
+from engine.pd import PDReq, decode_aux, vote_transport
+from engine.pp_loop import SlotLoop
+from engine.rank_process import RankParts
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeLoop(SlotLoop):
+    def __init__(self, parts: RankParts, kv_mgr, aux_slots: int):
+        super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
+        self.kv = kv_mgr
+        ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
+        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED))
+        self.prealloc: list[PDReq] = []          # arrival order, the same on every rank
+        self.transfer: dict[int, PDReq] = {}     # room -> admitted request whose KV is arriving
+        self.by_rid: dict[str, PDReq] = {}
+        self.aux_free = list(range(aux_slots))   # a heap: lowest free slot first, like the pages
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer)}
+
+    # --- meta ---------------------------------------------------------------------------------------
+    def _on_meta(self, msg: list[Any]) -> bool:
+        if msg[0] != "pd_add":
+            return False
+        _, rid, ids, params_d, room, bootstrap_addr = msg[:6]
+        try:
+            params = SamplingParams.from_dict(params_d)
+            self.sched.check_admissible(len(ids), params)
+            if rid in self.by_rid or rid in self.sched.reqs:
+                raise ParamError("rid", f"duplicate request id {rid!r}")
+        except ParamError as e:
+            self.emit(["error", rid, str(e), e.field])
+            return True
+        pd = PDReq(rid, int(room), Req(rid, list(ids), params), self.kv.create_receiver(int(room), bootstrap_addr))
+        self.prealloc.append(pd)
+        self.by_rid[rid] = pd
+        return True
+
+    def abort_elsewhere(self, rid: str, why: str) -> bool:
+        pd = self.by_rid.get(rid)
+        if pd is None:
+            return False
+        pd.aborted, pd.reason = True, why
+        pd.kv.abort(why)
+        if not pd.pages:                     # never registered: nothing can be written to it
+            self.prealloc.remove(pd)
+            self._end(pd, why)
+        return True
+
+    # --- prealloc and the votes ----------------------------------------------------------------------
+    def before_schedule(self, t: int, mb: int) -> None:
+        self._preallocate()
+        registered = [pd for pd in self.prealloc if pd.pages]
+        self.vote.pass1(mb, {
+            PREALLOC: Ballot.from_statuses(PREALLOC, {pd.room: pd.kv.poll() for pd in registered},
+                                           [pd.room for pd in registered if pd.aborted]),
+            TRANSFERRED: Ballot.from_statuses(TRANSFERRED, {r: pd.kv.poll() for r, pd in self.transfer.items()},
+                                              [r for r, pd in self.transfer.items() if pd.aborted]),
+        })
+
+    def _preallocate(self) -> None:
+        alloc, ps = self.sched.allocator, self.sched.cfg.page_size
+        reserve = self.sched.num_running           # one page of decode headroom per running request
+        for pd in self.prealloc:
+            if pd.pages:
+                continue
+            need = pages_needed(pd.req.prompt_len, ps)
+            if not self.aux_free or not alloc.can_alloc(need + reserve):
+                break                               # first come first served
+            pd.pages = alloc.alloc(need)
+            pd.aux_slot = heapq.heappop(self.aux_free)
+            pd.kv.register(pd.pages, pd.aux_slot)
+
+    def after_harvest(self, t: int, hb: int) -> None:
+        verdicts = self.vote.pass2(hb)
+        pre = {pd.room: pd for pd in self.prealloc if pd.pages}
+        good, bad, _ = verdicts[PREALLOC].partition(
+            lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC)
+        for room in sorted(good | bad):
+            pd = pre[room]
+            self.prealloc.remove(pd)
+            if room in good:
+                self.transfer[room] = pd
+            else:
+                self._fail(pd, "KV preallocation failed")
+        good, bad, _ = verdicts[TRANSFERRED].partition(
+            lambda room: room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll()), TRANSFERRED)
+        for room in sorted(good | bad):
+            pd = self.transfer.pop(room)
+            if room in good:
+                self._start_decoding(pd, hb)
+            else:
+                self._fail(pd, "KV transfer failed")
+
+    def _start_decoding(self, pd: PDReq, mb: int) -> None:
+        tok, lp, top = decode_aux(pd.kv.read_aux())
+        req = pd.req
+        req.output_ids.append(tok)
+        if req.params.logprobs and lp is not None:
+            req.output_logprobs.append(lp)
+            req.output_top_logprobs.append(top or [])
+        heapq.heappush(self.aux_free, pd.aux_slot)
+        self.by_rid.pop(pd.rid, None)
+        self.emit(["token", pd.rid, tok, lp if req.params.logprobs else None,
+                   top if req.params.top_logprobs else None])
+        self.sched.add_prefilled(req, pd.pages, mb)
+
+    def _fail(self, pd: PDReq, what: str) -> None:
+        self.sched.allocator.free(pd.pages)
+        pd.pages = []
+        if pd.aux_slot is not None:
+            heapq.heappush(self.aux_free, pd.aux_slot)
+        self._end(pd, pd.reason if pd.aborted else f"{what}: {pd.kv.reason or 'a decode rank failed'}")
+
+    def _end(self, pd: PDReq, why: str) -> None:
+        self.by_rid.pop(pd.rid, None)
+        self.emit(["error", pd.rid, why, None])
+
+    def close(self) -> None:
+        self.kv.close()

@@ -1,0 +1,17 @@
+"""`pdserve decode`: the decode node (front + one process per PP rank)."""
+from __future__ import annotations
+
+import argparse
+
+from engine.serve import add_node_args, make_front, run_node
+
+
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    add_node_args(ap, default_port=30001)
+
+
+def decode_main(args) -> int:
+    from decode_node.front import DecodeFront
+
+    front, app = make_front(args, "decode", DecodeFront)
+    return run_node(args, front, app, "decode", module="decode_node.rank", extra={"transfer_host": args.host})

@@ -1,0 +1,167 @@
+"""The prefill node's slot loop: bootstrap -> waiting -> running (chunked prefill) -> inflight -> released.
+
+Added around the engine's slot loop (engine/pp_loop.py), on every rank:
+
+  meta "pd_add"    a sender for the room is created; the request joins the `bootstrap` queue
+  bootstrap        each rank writes its sender's status into the PPConsensusStore; PP0 reads
+                   min over ranks for the queue, in order, and sends its list down the chain
+                   (leader sync); every rank moves the same requests in the same iteration:
+                   WaitingForInput => the scheduler's waiting queue, Failed => error to the router
+  after forward    each rank hands the chunk's pages (its own layers) to its sender
+  harvest          the sampled first token is the aux data, sent after the last chunk; the
+                   request's pages stay held (`inflight`) while the KV is on the wire
+  release vote     two-pass ring vote over terminal transfer states (Success or Failed); the
+                   verdict frees the pages on every rank in the same iteration and answers PP0's
+                   front: done, or failed with the reason
+
+An abort marks the sender Failed wherever the request is; the store (bootstrap) or the vote
+(inflight) turns that into the same decision on every rank, and pages are only freed by the vote,
+once no transfer thread reads them any more.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from consensus.kvpoll import KVPoll, done_for
+from consensus.leader_sync import LeaderSync
+from consensus.store import PPConsensusStore
+from consensus.vote import RELEASE, Ballot, RingVote
+from engine.core import ParamError, Req, SamplingParams
+from engine.pd import PDReq, encode_aux, vote_transport
+from engine.pp_comm import Msg
+from engine.pp_loop import SlotLoop
+from engine.rank_process import RankParts
+from engine.scheduler import ScheduledBatch, SampleOut
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillLoop(SlotLoop):
+    def __init__(self, parts: RankParts, kv_mgr, store: PPConsensusStore | None):
+        super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
+        self.kv = kv_mgr
+        self.store = store
+        ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
+        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(RELEASE,))
+        self.sync = LeaderSync(ring) if parts.comm else None
+        self.bootstrap: list[PDReq] = []          # queue order is arrival order, the same on every rank
+        self.inflight: dict[int, PDReq] = {}      # room -> request whose KV is on the wire
+        self.by_rid: dict[str, PDReq] = {}
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
+
+    # --- meta ---------------------------------------------------------------------------------------
+    def _on_meta(self, msg: list[Any]) -> bool:
+        if msg[0] != "pd_add":
+            return False
+        _, rid, ids, params_d, room = msg[:5]
+        try:
+            params = SamplingParams.from_dict(params_d)
+            self.sched.check_admissible(len(ids), params)
+            if rid in self.by_rid or rid in self.sched.reqs:
+                raise ParamError("rid", f"duplicate request id {rid!r}")
+        except ParamError as e:
+            self.emit(["error", rid, str(e), e.field])
+            return True
+        # The prefill side samples the first token only; the decode side continues the same params.
+        req = Req(rid, list(ids), replace(params, max_tokens=1, stop=()))
+        pd = PDReq(rid, int(room), req, self.kv.create_sender(int(room)))
+        self.bootstrap.append(pd)
+        self.by_rid[rid] = pd
+        return True
+
+    def abort_elsewhere(self, rid: str, why: str) -> bool:
+        pd = self.by_rid.get(rid)
+        if pd is None:
+            return False
+        pd.aborted, pd.reason = True, why
+        pd.kv.abort(why)
+        return True
+
+    # --- bootstrap (PPConsensusStore + leader sync) ------------------------------------------------
+    def before_schedule(self, t: int, mb: int) -> None:
+        if self.bootstrap:
+            self._bootstrap_step()
+        statuses = {room: pd.kv.poll() for room, pd in self.inflight.items()}
+        aborted = [room for room, pd in self.inflight.items() if pd.aborted]
+        self.vote.pass1(mb, {RELEASE: Ballot.from_statuses(RELEASE, statuses, aborted)})
+
+    def _bootstrap_step(self) -> None:
+        local = [pd.kv.poll() for pd in self.bootstrap]
+        if self.store is not None:
+            for pd, st in zip(self.bootstrap, local):
+                self.store.update_status(pd.room, st)
+            polls = self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
+            polls = self.sync.sync_polls(polls)
+        else:
+            polls = local
+        keep = []
+        for pd, st in zip(self.bootstrap, polls):
+            if st == KVPoll.Failed:
+                self._end(pd, f"bootstrap failed: {pd.reason or pd.kv.reason or 'decode side never registered'}")
+            elif st >= KVPoll.WaitingForInput:
+                self.sched.add(pd.req)
+            else:
+                keep.append(pd)
+        self.bootstrap = keep
+
+    # --- chunks and first token ---------------------------------------------------------------------
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        for e in batch.entries:
+            pd = self.by_rid.get(e.req.rid)
+            if pd is not None and not pd.aborted:
+                end = e.start + e.num_new
+                pd.kv.send_chunk(e.pages, pd.sent_upto, end, last=False)
+                pd.sent_upto = end
+
+    def on_finished(self, req: Req) -> None:
+        pd = self.by_rid.get(req.rid)
+        if pd is None:
+            return
+        if req.finish.kind == "abort":
+            pd.aborted, pd.reason = True, req.finish.message or "aborted"
+            pd.kv.abort(pd.reason)
+            if pd.sent_upto == 0 and req.rid in self.sched.held:
+                self.sched.release(req.rid)         # no transfer thread ever saw its pages
+            if req.rid in self.sched.held:
+                self.inflight[pd.room] = pd         # freed by the release vote, once no thread reads them
+            else:
+                self._end(pd, pd.reason)
+            return
+        lp = req.output_logprobs[-1] if req.output_logprobs else None
+        top = req.output_top_logprobs[-1] if req.output_top_logprobs else None
+        pd.kv.send_chunk(req.pages, pd.sent_upto, req.kv_len, last=True,
+                         aux=encode_aux(req.output_ids[-1], lp, top))
+        self.inflight[pd.room] = pd
+
+    # --- release vote ------------------------------------------------------------------------------
+    def after_harvest(self, t: int, hb: int) -> None:
+        verdict = self.vote.pass2(hb)[RELEASE]
+        good, bad, _retry = verdict.partition(
+            lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()), RELEASE)
+        for room in sorted(good | bad):
+            pd = self.inflight.pop(room)
+            if pd.rid in self.sched.held:
+                self.sched.release(pd.rid)
+            if room in good and not pd.aborted:
+                self.emit(["prefill_done", pd.rid, pd.req.prompt_len, pd.req.cached_len])
+                self._forget(pd)
+            else:
+                self._end(pd, pd.reason or f"KV transfer failed: {pd.kv.reason or 'a prefill rank failed'}")
+
+    def _end(self, pd: PDReq, why: str) -> None:
+        self.emit(["error", pd.rid, why, None])
+        self._forget(pd)
+
+    def _forget(self, pd: PDReq) -> None:
+        self.by_rid.pop(pd.rid, None)
+        if self.store is not None:
+            self.store.pop(pd.room, None)
+
+    def close(self) -> None:
+        self.kv.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,50 @@
+"""One prefill PP rank: `python -m prefill_node.rank --spec JSON` (started by `pdserve prefill`)."""
+from __future__ import annotations
+
+import sys
+
+from consensus.store import PPConsensusStore
+from engine.pp_comm import Msg
+from engine.rank_process import RankParts, run_rank
+from kv_transfer.layout import PoolDesc
+from kv_transfer.manager import TransferConfig
+from kv_transfer.sender import PrefillKVManager
+from prefill_node.loop import PrefillLoop
+
+
+def pool_desc(parts: RankParts) -> PoolDesc:
+    pool = parts.runner.pool
+    lay = pool.layout
+    return PoolDesc(pool.data_ptr, lay.num_pages, lay.page_size, lay.layer_start, lay.layer_end,
+                    lay.token_bytes, str(lay.dtype).removeprefix("torch."))
+
+
+def consensus_store(parts: RankParts) -> PPConsensusStore | None:
+    """PP0 binds the store's socket and tells every other rank its address over the PP group."""
+    comm, spec = parts.comm, parts.spec
+    if comm is None:
+        return None
+    host = spec.extra.get("transfer_host", "127.0.0.1")
+    if spec.pp_rank == 0:
+        store = PPConsensusStore(0, spec.pp_size, host=host)
+        for r in range(1, spec.pp_size):
+            comm.send_obj(r, store.address, Msg.SYNC)
+        comm.flush()
+        return store
+    return PPConsensusStore(spec.pp_rank, spec.pp_size, address=comm.recv(0, Msg.SYNC))
+
+
+def make_loop(parts: RankParts) -> PrefillLoop:
+    spec = parts.spec
+    cfg = TransferConfig.from_env(host=spec.extra.get("transfer_host", "127.0.0.1"),
+                                  auth_token=spec.extra.get("internal_token"))
+    kv = PrefillKVManager(cfg, pool_desc(parts), spec.pp_rank, spec.pp_size, spec.extra["bootstrap_addr"])
+    return PrefillLoop(parts, kv, consensus_store(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank(argv, make_loop, build_kwargs={"hold_kv_on_finish": True})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
