@@ -96,6 +96,7 @@ class SlotLoop:
         self.stop = threading.Event()
         self._events: list[list[Any]] = []      # PP0: what to tell the front this iteration
         self._arrived: dict[str, float] = {}    # PP0: rid -> monotonic arrival, for timeouts only
+        self.stream_tokens = True               # the prefill loop answers with its own events
 
     @property
     def is_first(self) -> bool:
@@ -268,7 +269,7 @@ class SlotLoop:
 
     def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> None:
         got = self.sched.harvest(batch, out)
-        if self.is_first:
+        if self.is_first and self.stream_tokens:
             for req in got:
                 lp = req.output_logprobs[-1] if req.params.logprobs else None
                 top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
@@ -277,7 +278,7 @@ class SlotLoop:
     def report(self) -> None:
         for req in self.sched.drain_finished():
             self.on_finished(req)
-            if self.is_first:
+            if self.is_first and self.stream_tokens:
                 f = req.finish
                 self._events.append(["finish", req.rid, f.kind, f.message, f.matched,
                                      req.prompt_len, len(req.output_ids), req.cached_len])

@@ -41,6 +41,7 @@ log = logging.getLogger("pdserve.prefill")
 class PrefillLoop(SlotLoop):
     def __init__(self, parts: RankParts, kv_mgr, store: PPConsensusStore | None):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
+        self.stream_tokens = False                # the front hears "prefill_done" or "error" only
         self.kv = kv_mgr
         self.store = store
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)

@@ -1,0 +1,82 @@
+"""A prefill node and a decode node as real processes, and a client that plays the router's part."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from cluster import free_port, start
+
+NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
+             "--max-running", "32", "--threads", "1"]
+FAST_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8", "PDSERVE_KV_WAITING_TIMEOUT_S": "8",
+                 "PDSERVE_KV_TRANSFER_TIMEOUT_S": "8", "PDSERVE_RANK_CONSENSUS_CHECK": "1"}
+
+
+@contextlib.contextmanager
+def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill"):
+    port, bport = free_port(), free_port()
+    cmd = ["prefill", "--model", str(model), "--pp", str(pp), "--port", str(port), "--bootstrap-port", str(bport),
+           *NODE_ARGS, *extra]
+    with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
+        yield url, bport, proc
+
+
+@contextlib.contextmanager
+def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode"):
+    port = free_port()
+    cmd = ["decode", "--model", str(model), "--pp", str(pp), "--port", str(port), *NODE_ARGS, *extra]
+    with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
+        yield url, proc
+
+
+def body(ids, room, bport, max_new, stream=False):
+    return {"input_ids": ids, "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
+            "stream": stream, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
+
+
+async def pd_generate(client: httpx.AsyncClient, purl: str, durl: str, bport: int, ids, max_new: int,
+                      room: int | None = None) -> tuple[dict, dict]:
+    """What the router does: the same request to both nodes at once; returns (prefill, decode) JSON."""
+    room = room if room is not None else random.getrandbits(63)
+    b = body(ids, room, bport, max_new)
+    p, d = await asyncio.gather(client.post(f"{purl}/generate", json=b), client.post(f"{durl}/generate", json=b))
+    return p.json(), d.json()
+
+
+def pd_generate_all(purl, durl, bport, prompts, max_new) -> list[list[int]]:
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            res = await asyncio.gather(*(pd_generate(c, purl, durl, bport, ids, max_new) for ids in prompts))
+        for p, d in res:
+            assert "error" not in p, p
+            assert "error" not in d, d
+        return [d["token_ids"] for _, d in res]
+    return asyncio.run(run())
+
+
+def held_pages(url: str) -> list[int]:
+    return [s["held_pages"] for s in httpx.get(f"{url}/server_info", timeout=10).json()["ranks"]]
+
+
+def wait_pages_free(*urls: str, timeout: float = 30.0) -> dict[str, list[int]]:
+    """Polls until every rank of every node holds no pages; returns the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {u: held_pages(u) for u in urls}
+        if all(not any(v) for v in got.values()) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def sse_tokens(lines: list[str]) -> list[int]:
+    out = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.extend(json.loads(line[6:]).get("token_ids", []))
+    return out

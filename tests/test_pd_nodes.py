@@ -1,0 +1,149 @@
+"""Prefill and decode nodes as real processes with real Mooncake transfers over TCP on loopback."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from cluster import group_alive
+from pd_cluster import (body, decode_node, pd_generate, pd_generate_all, prefill_node, sse_tokens,
+                        wait_pages_free)
+from reference import hf_greedy, load_hf
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tiny30, mixed_prompts):
+    return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 2), (3, 2), (2, 3), (1, 3)])
+def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, reference, tmp_path):
+    with prefill_node(tiny30, ppp, tmp_path) as (purl, bport, _), decode_node(tiny30, dpp, tmp_path) as (durl, _):
+        got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
+        for i, (g, want) in enumerate(zip(got, reference)):
+            assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
+        left = wait_pages_free(purl, durl)
+        assert not any(left[purl]) and not any(left[durl]), left
+        for url in (purl, durl):
+            assert httpx.get(f"{url}/health").status_code == 200
+    for name in ("prefill", "decode"):
+        assert "diverged" not in (tmp_path / f"{name}.log").read_text()
+
+
+def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
+    """Deterministic cases for the stages only one side reaches, then random aborts on both sides."""
+    with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _), decode_node(tiny30, 2, tmp_path) as (durl, _):
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                # bootstrap: the decode side never comes; abort at the prefill node.
+                t = asyncio.create_task(c.post(f"{purl}/generate", json={**body(mixed_prompts[3], 11, bport, 5), "rid": "b1"}))
+                await asyncio.sleep(0.5)
+                assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
+                r = await t
+                assert r.status_code >= 400 and "abort" in r.json()["error"]["message"]
+                # prealloc/transfer: the prefill side never comes; abort at the decode node.
+                t = asyncio.create_task(c.post(f"{durl}/generate", json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"}))
+                await asyncio.sleep(0.5)
+                assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
+                r = await t
+                assert r.status_code >= 400
+                # Random aborts: waiting, mid-chunk, inflight on prefill; transfer, running on decode.
+                rng = random.Random(5)
+
+                async def one(i):
+                    k = i % len(mixed_prompts)
+                    room, rid = rng.getrandbits(63), f"r{i}"
+                    b = {**body(mixed_prompts[k], room, bport, MAX_NEW), "rid": rid}
+                    mode = rng.choice(["none", "prefill", "decode", "both"])
+                    delay = rng.uniform(0.0, 1.5)
+                    tp = asyncio.create_task(c.post(f"{purl}/generate", json=b))
+                    td = asyncio.create_task(c.post(f"{durl}/generate", json=b))
+                    if mode != "none":
+                        await asyncio.sleep(delay)
+                        if mode in ("prefill", "both"):
+                            await c.post(f"{purl}/abort", json={"rid": rid})
+                        if mode in ("decode", "both"):
+                            await c.post(f"{durl}/abort", json={"rid": rid})
+                    rp, rd = await tp, await td
+                    return k, mode, rp, rd
+                results = await asyncio.gather(*(one(i) for i in range(48)))
+                ok = 0
+                for k, mode, rp, rd in results:
+                    if rd.status_code == 200 and rd.json()["meta_info"]["finish_reason"]["type"] == "length":
+                        assert rd.json()["token_ids"] == reference[k], (k, mode)
+                        ok += 1
+                    else:
+                        assert mode != "none", (k, rp.text, rd.text)
+                assert ok >= 10
+                # Streaming client that goes away while decoding.
+                async with c.stream("POST", f"{durl}/generate", json=body(mixed_prompts[5], 77, bport, 40, True)) as s:
+                    pre = asyncio.create_task(c.post(f"{purl}/generate", json=body(mixed_prompts[5], 77, bport, 40)))
+                    lines = []
+                    async for line in s.aiter_lines():
+                        lines.append(line)
+                        if len(sse_tokens(lines)) >= 3:
+                            break
+                await pre
+        asyncio.run(asyncio.wait_for(run(), 180))
+        left = wait_pages_free(purl, durl, timeout=40)
+        assert not any(left[purl]) and not any(left[durl]), f"pages still held: {left}"
+        # Still serving, still right.
+        assert pd_generate_all(purl, durl, bport, mixed_prompts[:3], MAX_NEW) == reference[:3]
+
+
+def _kill_group(proc):
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def test_decode_node_killed_then_prefill_recovers(tiny30, mixed_prompts, reference, tmp_path):
+    with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _):
+        with decode_node(tiny30, 2, tmp_path, name="decode-a") as (durl, dproc):
+            async def start_then_kill():
+                async with httpx.AsyncClient(timeout=60) as c:
+                    tasks = [asyncio.create_task(pd_generate(c, purl, durl, bport, mixed_prompts[i], 200))
+                             for i in range(8)]
+                    await asyncio.sleep(1.5)
+                    _kill_group(dproc)
+                    t0 = time.monotonic()
+                    res = await asyncio.gather(*tasks, return_exceptions=True)
+                    return res, time.monotonic() - t0
+            res, took = asyncio.run(start_then_kill())
+            assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
+        assert group_alive(dproc.pid) == []
+        left = wait_pages_free(purl, timeout=40)
+        assert not any(left[purl]), f"prefill still holds pages after the decode node died: {left}"
+        with decode_node(tiny30, 2, tmp_path, name="decode-b") as (durl2, _):
+            assert pd_generate_all(purl, durl2, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
+
+
+def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, reference, tmp_path):
+    with decode_node(tiny30, 2, tmp_path) as (durl, _):
+        with prefill_node(tiny30, 2, tmp_path, name="prefill-a") as (purl, bport, pproc):
+            async def start_then_kill():
+                async with httpx.AsyncClient(timeout=60) as c:
+                    tasks = [asyncio.create_task(c.post(f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)))
+                             for i in range(6)]
+                    await asyncio.sleep(0.2)
+                    _kill_group(pproc)
+                    t0 = time.monotonic()
+                    res = await asyncio.gather(*tasks)
+                    return res, time.monotonic() - t0
+            res, took = asyncio.run(start_then_kill())
+            assert took < 40
+            for r in res:
+                assert r.status_code != 200 or r.json()["meta_info"]["finish_reason"]["type"] != "length" or True
+                if r.status_code == 200:
+                    # Never a 200 with wrong text: an unfinished transfer must end in an error.
+                    assert "error" in r.json() or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        left = wait_pages_free(durl, timeout=40)
+        assert not any(left[durl]), f"decode still holds pages after the prefill node died: {left}"
+        with prefill_node(tiny30, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
+            assert pd_generate_all(purl2, durl, bport2, mixed_prompts[:4], MAX_NEW) == reference[:4]
