@@ -36,9 +36,15 @@ def kill_group(p: subprocess.Popen, grace: float = 8.0) -> None:
         p.wait(timeout=5)
 
 
-def group_alive(pgid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "-g", str(pgid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+def group_alive(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """Processes of the group still running (zombies do not count), after waiting up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True).stdout
+        alive = [int(pid) for pid, stat in (ln.split() for ln in out.splitlines() if ln.strip()) if "Z" not in stat]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0, log: Path | None = None) -> None:

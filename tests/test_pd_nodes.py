@@ -139,7 +139,6 @@ def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, referen
             res, took = asyncio.run(start_then_kill())
             assert took < 40
             for r in res:
-                assert r.status_code != 200 or r.json()["meta_info"]["finish_reason"]["type"] != "length" or True
                 if r.status_code == 200:
                     # Never a 200 with wrong text: an unfinished transfer must end in an error.
                     assert "error" in r.json() or r.json()["meta_info"]["finish_reason"]["type"] == "abort"

