@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -271,7 +272,7 @@ class NodeFront:
 
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()
-        return {"model": self.model_name, "role": self.role, "max_context": self.max_context,
+        return {"model": self.model_name, "role": self.role, "max_context": self.max_context, "pid": os.getpid(),
                 "pp_size": self.pp_size, "bootstrap_port": None, "healthy": ok, "status": why,
                 "load": {"running": sum(s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0),
                          "waiting": self.rank_stats.get(0, {}).get("waiting", 0),

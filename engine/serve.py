@@ -176,7 +176,8 @@ def make_front(args, role: str, cls=None, **kw):
         raise SystemExit("only --node-rank 0 runs the front; use `pdserve ranks` on the other hosts")
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
-    front = (cls or NodeFront)(load_tokenizer(path), model_name=path.stem, role=role, pp_size=args.pp,
+    name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name    # SmolLM2-135M-Instruct
+    front = (cls or NodeFront)(load_tokenizer(path), model_name=name, role=role, pp_size=args.pp,
                                max_context=min(args.max_context, mcfg.max_position_embeddings),
                                vocab_size=mcfg.vocab_size, **kw)
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     from router.main import add_router_args
     add_router_args(sub.add_parser("router", help="the OpenAI-compatible PD router"))
 
+    from pdserve.up import add_up_args
+    add_up_args(sub.add_parser("up", help="a whole local PD cluster: router + prefill + decode nodes"))
+
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     from engine.loader import ModelLoadError
@@ -62,6 +65,9 @@ def _run(args) -> int:
     if args.cmd == "serve":
         from engine.serve import serve_main
         return serve_main(args)
+    if args.cmd == "up":
+        from pdserve.up import up_main
+        return up_main(args)
     if args.cmd == "prefill":
         from prefill_node.serve import prefill_main
         return prefill_main(args)

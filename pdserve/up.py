@@ -1,0 +1,167 @@
+"""`pdserve up`: a whole local PD cluster in one command (router + prefill nodes + decode nodes).
+
+Every node is a `pdserve prefill|decode` process (which starts its own rank processes); the router
+is a `pdserve router` process. All of them die with this launcher (PR_SET_PDEATHSIG), and Ctrl-C
+or SIGTERM stops them in order: router first, then the nodes, each of which stops its ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from engine.procs import die_with_parent, stop_processes
+from engine.serve import free_port
+
+
+def add_up_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
+                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--host", default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
+                    help="router bind address")
+    ap.add_argument("--port", type=int, default=8000, help="router port")
+    ap.add_argument("--prefill-pp", type=int, default=2)
+    ap.add_argument("--decode-pp", type=int, default=2)
+    ap.add_argument("--prefill-nodes", type=int, default=1)
+    ap.add_argument("--decode-nodes", type=int, default=1)
+    ap.add_argument("--policy", default=None, help="router policy (round_robin, random, power_of_two, "
+                                                   "least_load, cache_aware)")
+    ap.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    ap.add_argument("--node-args", default="", help="extra flags for every node, e.g. '--max-total-tokens 16384'")
+    ap.add_argument("--router-args", default="", help="extra flags for the router")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+class Cluster:
+    def __init__(self, args):
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.nodes: list[tuple[str, str]] = []      # (name, url)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=die_with_parent)
+        self.procs.append((name, p))
+        return p
+
+    def start(self) -> str:
+        a = self.args
+        total = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
+        env = dict(os.environ, PDSERVE_HOST_RANKS=str(total))
+        model = ["--model", a.model] if a.model else []
+        extra = shlex.split(a.node_args)
+        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
+        for i in range(a.prefill_nodes):
+            port, bport = free_port(), free_port()
+            self._spawn(f"prefill-{i}", ["prefill", *model, "--pp", str(a.prefill_pp), "--port", str(port),
+                                         "--bootstrap-port", str(bport), *extra], env)
+            self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
+            router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
+        for i in range(a.decode_nodes):
+            port = free_port()
+            self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port), *extra], env)
+            self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
+            router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
+        print(f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
+              f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores", flush=True)
+        self._wait_nodes()
+        if a.policy:
+            router_cmd += ["--policy", a.policy]
+        if a.api_key:
+            router_cmd += ["--api-key", a.api_key]
+        self._spawn("router", router_cmd + shlex.split(a.router_args), env)
+        url = f"http://{a.host}:{a.port}"
+        self._wait(url, "router")
+        return url
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode} during start-up")
+
+    def _wait_nodes(self) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        last = ""
+        while True:
+            self._check_alive()
+            states, ready = [], 0
+            for name, url in self.nodes:
+                try:
+                    info = httpx.get(f"{url}/server_info", timeout=2).json()
+                    n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])
+                    ok = info["healthy"]
+                    states.append(f"{name} " + ("ready" if ok else f"{n}/{total} ranks"))
+                    ready += ok
+                except (httpx.HTTPError, ValueError, KeyError):
+                    states.append(f"{name} starting")
+            line = "[up] loading: " + ", ".join(states)
+            if line != last:
+                print(line, flush=True)
+                last = line
+            if ready == len(self.nodes):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes not ready after {self.args.startup_timeout:.0f} s")
+            time.sleep(0.5)
+
+    def _wait(self, url: str, name: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} not healthy after 60 s")
+
+    def watch(self) -> int:
+        """Runs until the router exits; a node that dies is reported and routed around."""
+        reported: set[str] = set()
+        while True:
+            for name, p in self.procs:
+                if p.poll() is None or name in reported:
+                    continue
+                if name == "router":
+                    print(f"[up] the router exited with code {p.returncode}; stopping the cluster", flush=True)
+                    return 1
+                reported.add(name)
+                print(f"[up] {name} exited with code {p.returncode}; the router routes around it", flush=True)
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        routers = [p for n, p in self.procs if n == "router"]
+        stop_processes(routers)
+        stop_processes([p for n, p in self.procs if n != "router"], grace_s=15)
+
+
+def up_main(args) -> int:
+    cluster = Cluster(args)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = cluster.start()
+        key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [{"id": "default"}]
+        print(f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
+              f"    -d '{{\"model\": \"{models[0]['id']}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
+        return cluster.watch()
+    except KeyboardInterrupt:
+        print("[up] stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"[up] error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cluster.stop()

@@ -1,0 +1,217 @@
+"""A cluster started the way `pdserve up` starts it, driven by the official openai SDK."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from cluster import ROOT, free_port, group_alive, kill_group
+from reference import hf_greedy, load_hf
+
+NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 8192 --threads 1"
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny30, tmp_path_factory):
+    """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny30), "--port", str(port),
+           "--decode-nodes", "2", "--node-args", NODE_ARGS,
+           "--router-args", "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while "[up] ready" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url, proc, log
+    finally:
+        kill_group(proc, grace=20)
+
+
+@pytest.fixture(scope="module")
+def chat_reference(tiny30):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny30))
+    model = load_hf(tiny30)
+    eos = tok.eos_token_id
+    out = {}
+    for q in ["the cache page", "prefill decode rank", "router slot layer token"]:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        toks = hf_greedy(model, [ids], MAX_NEW)[0]
+        if eos in toks:
+            toks = toks[: toks.index(eos) + 1]
+        out[q] = (len(ids), toks, tok.decode(toks, skip_special_tokens=True))
+    return out
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
+def test_ready_line_and_models(cluster):
+    url, _, log = cluster
+    text = log.read_text()
+    assert "curl " in text and "/v1/chat/completions" in text
+    assert model_name(url)
+
+
+def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
+    url, _, _ = cluster
+    name = model_name(url)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    for q, (n_prompt, toks, text) in chat_reference.items():
+        msgs = [{"role": "user", "content": q}]
+        r = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].message.content == text, q
+        assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == len(toks)
+        assert r.usage.total_tokens == n_prompt + len(toks)
+        stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        parts, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage:
+                usage = chunk.usage
+        assert "".join(parts) == text and usage.completion_tokens == len(toks)
+
+    async def run_async():
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        qs = list(chat_reference)
+        rs = await asyncio.gather(*(ac.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": q}], max_tokens=MAX_NEW, temperature=0) for q in qs))
+        for q, r in zip(qs, rs):
+            assert r.choices[0].message.content == chat_reference[q][2]
+        s = await ac.chat.completions.create(model=name, messages=[{"role": "user", "content": qs[0]}],
+                                             max_tokens=MAX_NEW, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
+        assert text == chat_reference[qs[0]][2]
+        await ac.close()
+    asyncio.run(run_async())
+
+
+def test_sse_ends_with_done_and_completions_work(cluster):
+    url, _, _ = cluster
+    name = model_name(url)
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+            "model": name, "prompt": "the cache", "max_tokens": 5, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": name, "prompt": "the cache", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def node_urls(url: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for w in httpx.get(f"{url}/workers").json()["workers"]:
+        out.setdefault(w["role"], []).append(w["url"])
+    return out
+
+
+def pages(node: str) -> list[int]:
+    return [s["held_pages"] for s in httpx.get(f"{node}/server_info").json()["ranks"]]
+
+
+def test_client_disconnect_frees_kv_on_both_nodes(cluster):
+    url, _, _ = cluster
+    name = model_name(url)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": [{"role": "user", "content": "the page " * 30}], "max_tokens": 400,
+            "stream": True, "ignore_eos": True}) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 4:
+                break
+    nodes = node_urls(url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = {n: pages(n) for role in ("prefill", "decode") for n in nodes[role]}
+        if not any(any(v) for v in held.values()):
+            break
+        time.sleep(0.5)
+    assert not any(any(v) for v in held.values()), held
+
+
+def test_bad_inputs_get_4xx_and_the_router_stays_up(cluster):
+    url, _, _ = cluster
+    name = model_name(url)
+    cases = [
+        (b"{not json", 400),
+        (json.dumps({"model": name, "messages": []}).encode(), 400),
+        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
+        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400),
+        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
+        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400),
+        (json.dumps({"model": name, "messages": [{"role": "user", "content": "the " * 3000}]}).encode(), 400),
+    ]
+    for raw, want in cases:
+        r = httpx.post(f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == want, (raw[:80], r.status_code, r.text)
+        assert "error" in r.json() and r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_429_under_saturation(cluster):
+    url, _, _ = cluster
+    name = model_name(url)
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120) as c:
+            reqs = [c.post(f"{url}/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": f"load {i}"}], "max_tokens": 30,
+                "ignore_eos": True}) for i in range(64)]
+            return await asyncio.gather(*reqs)
+    res = asyncio.run(flood())
+    codes = [r.status_code for r in res]
+    assert 429 in codes and 200 in codes, codes
+    r429 = next(r for r in res if r.status_code == 429)
+    assert int(r429.headers["retry-after"]) >= 1
+
+
+def test_one_decode_node_killed_requests_keep_succeeding(cluster):
+    url, _, _ = cluster
+    name = model_name(url)
+    decodes = node_urls(url)["decode"]
+    victim = httpx.get(f"{decodes[0]}/server_info").json()["pid"]
+    os.kill(victim, signal.SIGKILL)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    ok = 0
+    for i in range(8):
+        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": f"q {i}"}],
+                                           max_tokens=4, temperature=0)
+        ok += bool(r.choices[0].message.content is not None)
+    assert ok == 8
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        ws = {w["url"]: w for w in httpx.get(f"{url}/workers").json()["workers"]}
+        if not ws[decodes[0]]["healthy"]:
+            break
+        time.sleep(0.5)
+    assert not ws[decodes[0]]["healthy"]
+
+
+def test_ctrl_c_stops_every_process(cluster):
+    """Runs last: SIGINT to `pdserve up` stops the router, the nodes and every rank."""
+    url, proc, log = cluster
+    assert len(group_alive(proc.pid, wait_s=0)) >= 7      # up, router, fronts, ranks (one decode node died)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+    assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
+    assert "[up] stopping" in log.read_text()
