@@ -1,0 +1,255 @@
+{{/* Names and labels. */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Secrets: an existing Secret, or the one templates/secret.yaml creates. */}}
+{{- define "pdserve.internalTokenSecret" -}}
+{{- .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdserve.apiKeyEnabled" -}}
+{{- if or .Values.apiKey.existingSecret .Values.apiKey.value -}}true{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.apiKeySecret" -}}
+{{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+A node group (role = prefill | decode) is `replicas` PP nodes of `pp` ranks each, spread over
+pp / ranksPerPod pods. Pod names and DNS (headless service = "<fullname>-<role>"):
+  StatefulSet mode: StatefulSet "<fullname>-<role>-<i>", node-rank r is pod "<fullname>-<role>-<i>-<r>"
+  LWS mode:         LeaderWorkerSet "<fullname>-<role>", group i's leader (node-rank 0) is pod
+                    "<fullname>-<role>-<i>", its workers "<fullname>-<role>-<i>-<r>"
+*/}}
+{{- define "pdserve.groupService" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .root) .role -}}
+{{- end -}}
+
+{{- define "pdserve.podsPerNode" -}}
+{{- $g := index .root.Values .role -}}
+{{- if or (lt (int $g.ranksPerPod) 1) (ne (mod (int $g.pp) (int $g.ranksPerPod)) 0) -}}
+{{- fail (printf "%s.pp (%v) must be a multiple of %s.ranksPerPod (%v)" .role $g.pp .role $g.ranksPerPod) -}}
+{{- end -}}
+{{- div (int $g.pp) (int $g.ranksPerPod) -}}
+{{- end -}}
+
+{{/* Host name of node-rank 0 (HTTP front, bootstrap server, PP rendezvous) of node .index. */}}
+{{- define "pdserve.leaderHost" -}}
+{{- $svc := include "pdserve.groupService" . -}}
+{{- if .root.Values.lws.enabled -}}
+{{- printf "%s-%d.%s" $svc (int .index) $svc -}}
+{{- else -}}
+{{- printf "%s-%d-0.%s" $svc (int .index) $svc -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The pod template spec of a node group. Arguments: .root, .role, .index (node index, StatefulSet
+mode), .leader: "true" (LWS leader), "false" (LWS worker) or "auto" (StatefulSet: by NODE_RANK).
+*/}}
+{{- define "pdserve.nodePodSpec" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- $g := index $root.Values $role -}}
+{{- $pods := int (include "pdserve.podsPerNode" .) -}}
+{{- $svc := include "pdserve.groupService" . -}}
+{{- $health := printf "[ \"$NODE_RANK\" != \"0\" ] || python -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:%d/health', timeout=4)\"" (int $g.port) -}}
+{{- if $g.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: 30
+containers:
+  - name: {{ $role }}
+    image: {{ include "pdserve.image" $root }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    args:
+      - pdserve
+      - {{ $role }}
+      {{- if $root.Values.model.path }}
+      - --model
+      - {{ $root.Values.model.path | quote }}
+      {{- end }}
+      - --pp
+      - {{ $g.pp | quote }}
+      - --host
+      - 0.0.0.0
+      - --port
+      - {{ $g.port | quote }}
+      {{- if eq $role "prefill" }}
+      - --bootstrap-port
+      - {{ $g.bootstrapPort | quote }}
+      {{- end }}
+      {{- if gt $pods 1 }}
+      - --nnodes
+      - {{ $pods | quote }}
+      - --node-rank
+      - $(NODE_RANK)
+      - --dist-init-addr
+      {{- if $root.Values.lws.enabled }}
+      - {{ printf "$(LWS_LEADER_ADDRESS):%d" (int $g.distPort) | quote }}
+      {{- else }}
+      - {{ printf "%s:%d" (include "pdserve.leaderHost" .) (int $g.distPort) | quote }}
+      {{- end }}
+      {{- end }}
+      - --device
+      - {{ $g.device | quote }}
+      {{- range $g.extraArgs }}
+      - {{ . | quote }}
+      {{- end }}
+    env:
+      - name: NODE_RANK
+        valueFrom:
+          fieldRef:
+            {{- if $root.Values.lws.enabled }}
+            fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']
+            {{- else }}
+            fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+            {{- end }}
+      - name: POD_IP
+        valueFrom:
+          fieldRef:
+            fieldPath: status.podIP
+      - name: PDSERVE_ADVERTISE_HOST
+        value: $(POD_IP)
+      - name: PDSERVE_INTERNAL_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ include "pdserve.internalTokenSecret" $root }}
+            key: {{ $root.Values.internalToken.key }}
+      - name: PDSERVE_TRANSFER_PROTOCOL
+        value: {{ $root.Values.transfer.protocol | quote }}
+      {{- if $root.Values.transfer.device }}
+      - name: PDSERVE_TRANSFER_DEVICE
+        value: {{ $root.Values.transfer.device | quote }}
+      {{- end }}
+      - name: PDSERVE_THREADS
+        value: {{ $g.threads | quote }}
+      - name: PDSERVE_LOG_LEVEL
+        value: {{ $root.Values.logLevel | quote }}
+      {{- with $g.extraEnv }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    ports:
+      - name: http
+        containerPort: {{ $g.port }}
+      {{- if eq $role "prefill" }}
+      - name: bootstrap
+        containerPort: {{ $g.bootstrapPort }}
+      {{- end }}
+      - name: dist
+        containerPort: {{ $g.distPort }}
+    {{- if or (eq .leader "true") (eq $pods 1) }}
+    startupProbe:
+      httpGet: {path: /health, port: http}
+      {{- toYaml $root.Values.probes.startup | nindent 6 }}
+    readinessProbe:
+      httpGet: {path: /health, port: http}
+      {{- toYaml $root.Values.probes.readiness | nindent 6 }}
+    livenessProbe:
+      httpGet: {path: /health, port: http}
+      {{- toYaml $root.Values.probes.liveness | nindent 6 }}
+    {{- else if eq .leader "auto" }}
+    # One pod template for every node-rank: only node-rank 0 serves HTTP, the others pass.
+    startupProbe:
+      exec:
+        command: [sh, -c, {{ $health | quote }}]
+      {{- toYaml $root.Values.probes.startup | nindent 6 }}
+    readinessProbe:
+      exec:
+        command: [sh, -c, {{ $health | quote }}]
+      {{- toYaml $root.Values.probes.readiness | nindent 6 }}
+    livenessProbe:
+      exec:
+        command: [sh, -c, {{ $health | quote }}]
+      {{- toYaml $root.Values.probes.liveness | nindent 6 }}
+    {{- end }}
+    {{- $res := deepCopy ($g.resources | default dict) }}
+    {{- if $g.rdma.enabled }}
+    {{- $limits := get $res "limits" | default dict }}
+    {{- $_ := set $limits $g.rdma.resourceName (int $g.rdma.count) }}
+    {{- $_ := set $res "limits" $limits }}
+    {{- end }}
+    resources:
+      {{- toYaml $res | nindent 6 }}
+    {{- if $g.rdma.enabled }}
+    securityContext:
+      capabilities:
+        add: [IPC_LOCK]
+    {{- end }}
+    volumeMounts:
+      - name: shm
+        mountPath: /dev/shm
+      {{- if ne $root.Values.model.source "image" }}
+      - name: model
+        mountPath: {{ $root.Values.model.mountPath }}
+        readOnly: true
+      {{- end }}
+volumes:
+  - name: shm
+    emptyDir:
+      medium: Memory
+      {{- with $g.shmSize }}
+      sizeLimit: {{ . }}
+      {{- end }}
+  {{- if eq $root.Values.model.source "pvc" }}
+  - name: model
+    persistentVolumeClaim:
+      claimName: {{ required "model.pvc.claimName is required when model.source=pvc" $root.Values.model.pvc.claimName }}
+      readOnly: true
+  {{- else if eq $root.Values.model.source "hostPath" }}
+  - name: model
+    hostPath:
+      path: {{ required "model.hostPath.path is required when model.source=hostPath" $root.Values.model.hostPath.path }}
+      type: ""
+  {{- end }}
+{{- with $g.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $g.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $g.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
