@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.serve import add_node_args, make_front, run_node
+from engine.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_decode_args(ap: argparse.ArgumentParser) -> None:
@@ -13,5 +13,8 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
 def decode_main(args) -> int:
     from decode_node.front import DecodeFront
 
+    extra = {"transfer_host": advertise_host(args)}
+    if args.node_rank > 0:
+        return run_remote_ranks(args, "decode", "decode_node.rank", extra)
     front, app = make_front(args, "decode", DecodeFront)
-    return run_node(args, front, app, "decode", module="decode_node.rank", extra={"transfer_host": args.host})
+    return run_node(args, front, app, "decode", module="decode_node.rank", extra=extra)

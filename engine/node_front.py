@@ -54,7 +54,7 @@ class Pending:
 
 class NodeFront:
     def __init__(self, tokenizer, *, model_name: str, role: str, pp_size: int, max_context: int,
-                 vocab_size: int, host: str = "127.0.0.1"):
+                 vocab_size: int, host: str = "127.0.0.1", stats_port: int = 0):
         self.tok = tokenizer
         self.model_name, self.role, self.pp_size = model_name, role, pp_size
         self.max_context, self.vocab_size = max_context, vocab_size
@@ -65,7 +65,11 @@ class NodeFront:
         self.stats_sock = self.ctx.socket(zmq.PULL)
         self.req_addr = self._bind(self.req_sock, host)
         self.evt_addr = self._bind(self.evt_sock, host)
-        self.stats_addr = self._bind(self.stats_sock, host)
+        if stats_port:      # multi-host: ranks on other hosts report to a port they can derive
+            self.stats_sock.bind(f"tcp://{host}:{stats_port}")
+            self.stats_addr = f"tcp://{host}:{stats_port}"
+        else:
+            self.stats_addr = self._bind(self.stats_sock, host)
         self.pending: dict[str, Pending] = {}
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.rank_seen: dict[int, float] = {}

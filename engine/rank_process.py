@@ -172,7 +172,8 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
     comm = None
     if spec.pp_size > 1:
         comm = PPComm(spec.pp_rank, spec.pp_size, init_method=spec.dist_init, backend=spec.backend,
-                      timeout_s=spec.pp_timeout_s, device=spec.device)
+                      timeout_s=spec.pp_timeout_s, device=spec.device,
+                      comm_stream=bool(spec.extra.get("comm_stream")))
         # Capacities every decision reads are agreed once: the minimum over ranks.
         lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
         cfg = replace(cfg, max_total_tokens=lo[0] * cfg.page_size, max_running=lo[1], chunk_size=lo[2],

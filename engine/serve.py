@@ -68,6 +68,8 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
                     help="token required on internal endpoints (/abort)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
+    ap.add_argument("--pp-comm-stream", action="store_true",
+                    help="CUDA: PP sends/receives on their own stream, overlapping forwards")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
@@ -119,6 +121,25 @@ class RankSet:
         stop_processes(self.procs)
 
 
+def advertise_host(args) -> str:
+    """The address other hosts reach this one at (Mooncake, control sockets, stats)."""
+    host = os.environ.get("PDSERVE_ADVERTISE_HOST") or args.host
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def front_host(args) -> str:
+    return args.host if args.nnodes > 1 else "127.0.0.1"
+
+
+def stats_port(args) -> int:
+    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1 (known to every host)."""
+    if args.nnodes > 1:
+        if not args.dist_init_addr:
+            raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (the host of --node-rank 0)")
+        return int(args.dist_init_addr.rsplit(":", 1)[1]) + 1
+    return 0
+
+
 def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None) -> list[RankSpec]:
     ranks = local_ranks(args)
     dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
@@ -131,7 +152,8 @@ def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, An
                      pp_timeout_s=args.pp_timeout, role=role, device=args.device,
                      backend="nccl" if args.device.startswith("cuda") else "gloo",
                      extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
-                            "internal_token": args.internal_token, **(extra or {})})
+                            "internal_token": args.internal_token, "comm_stream": args.pp_comm_stream,
+                            **(extra or {})})
             for r in ranks]
 
 
@@ -172,18 +194,37 @@ def make_front(args, role: str, cls=None, **kw):
     from engine.node_metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level)
-    if args.nnodes > 1 and args.node_rank > 0:
-        raise SystemExit("only --node-rank 0 runs the front; use `pdserve ranks` on the other hosts")
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name    # SmolLM2-135M-Instruct
     front = (cls or NodeFront)(load_tokenizer(path), model_name=name, role=role, pp_size=args.pp,
                                max_context=min(args.max_context, mcfg.max_position_embeddings),
-                               vocab_size=mcfg.vocab_size, **kw)
+                               vocab_size=mcfg.vocab_size, host=front_host(args),
+                               stats_port=stats_port(args), **kw)
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
     return front, build_app(front, args.internal_token)
 
 
+def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:
+    """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
+    setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
+    port = stats_port(args)
+    host0 = args.dist_init_addr.rsplit(":", 1)[0]
+    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, extra)
+    stopped = threading.Event()
+    ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
+    try:
+        while not stopped.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ranks.stop()
+    return 1 if stopped.is_set() else 0
+
+
 def serve_main(args) -> int:
+    if args.node_rank > 0:
+        return run_remote_ranks(args, "colocated", "engine.rank_process")
     front, app = make_front(args, "colocated")
     return run_node(args, front, app, "colocated")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.serve import add_node_args, make_front, run_node
+from engine.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_prefill_args(ap: argparse.ArgumentParser) -> None:
@@ -15,10 +15,15 @@ def prefill_main(args) -> int:
     from kv_transfer.bootstrap import BootstrapServer
     from prefill_node.front import PrefillFront
 
+    extra = {"transfer_host": advertise_host(args)}
+    if args.node_rank > 0:
+        host0 = args.dist_init_addr.rsplit(":", 1)[0]
+        return run_remote_ranks(args, "prefill", "prefill_node.rank",
+                                {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"})
     front, app = make_front(args, "prefill", PrefillFront, bootstrap_port=args.bootstrap_port)
     server = BootstrapServer(host=args.host, port=args.bootstrap_port, token=args.internal_token).start()
     try:
         return run_node(args, front, app, "prefill", module="prefill_node.rank",
-                        extra={"bootstrap_addr": f"{args.host}:{args.bootstrap_port}", "transfer_host": args.host})
+                        extra={**extra, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"})
     finally:
         server.stop()

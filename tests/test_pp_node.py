@@ -156,3 +156,19 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp_path):
+    """`--nnodes 2`: the same command on two "hosts" (here two process trees on loopback)."""
+    from cluster import wait_healthy
+    port, dist = free_port(), free_port()
+    common = ["serve", "--model", str(tiny30), "--pp", "2", "--nnodes", "2", "--dist-init-addr",
+              f"127.0.0.1:{dist}", *NODE_ARGS]
+    with start([*common, "--node-rank", "0", "--port", str(port)], port, tmp_path / "host0.log", wait=False) as (url, p0):
+        with start([*common, "--node-rank", "1", "--port", str(free_port())], port, tmp_path / "host1.log",
+                   wait=False) as (_, p1):
+            wait_healthy(url, p0, 120, tmp_path / "host0.log")
+            assert generate_all(url, mixed_prompts[:6]) == reference[:6]
+            ranks = httpx.get(f"{url}/server_info").json()["ranks"]
+            assert [r["pp_rank"] for r in ranks] == [0, 1]
+    assert "node-rank 1" in (tmp_path / "host1.log").read_text()
