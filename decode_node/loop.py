@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from consensus.kvpoll import done_for
+from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, TRANSFERRED, Ballot, RingVote
 from engine.core import ParamError, Req, SamplingParams
 from engine.kv_cache import pages_needed
@@ -88,9 +89,11 @@ class DecodeLoop(SlotLoop):
                                               [r for r, pd in self.transfer.items() if pd.aborted]),
         })
 
-    def _preallocate(self) -> None:
+    @rank_consensus("pd_prealloc", result=lambda placed: placed)
+    def _preallocate(self) -> list[tuple[int, list[int], int]]:
         alloc, ps = self.sched.allocator, self.sched.cfg.page_size
         reserve = self.sched.num_running           # one page of decode headroom per running request
+        placed = []
         for pd in self.prealloc:
             if pd.pages:
                 continue
@@ -100,12 +103,21 @@ class DecodeLoop(SlotLoop):
             pd.pages = alloc.alloc(need)
             pd.aux_slot = heapq.heappop(self.aux_free)
             pd.kv.register(pd.pages, pd.aux_slot)
+            placed.append((pd.room, pd.pages, pd.aux_slot))
+        return placed
 
     def after_harvest(self, t: int, hb: int) -> None:
         verdicts = self.vote.pass2(hb)
         pre = {pd.room: pd for pd in self.prealloc if pd.pages}
         good, bad, _ = verdicts[PREALLOC].partition(
             lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC)
+        self._apply_prealloc(pre, good, bad)
+        good, bad, _ = verdicts[TRANSFERRED].partition(
+            lambda room: room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll()), TRANSFERRED)
+        self._apply_transferred(good, bad, hb)
+
+    @rank_consensus("pd_prealloc_verdict", args=lambda self, pre, good, bad: [sorted(good), sorted(bad)])
+    def _apply_prealloc(self, pre: dict[int, PDReq], good: frozenset, bad: frozenset) -> None:
         for room in sorted(good | bad):
             pd = pre[room]
             self.prealloc.remove(pd)
@@ -113,8 +125,9 @@ class DecodeLoop(SlotLoop):
                 self.transfer[room] = pd
             else:
                 self._fail(pd, "KV preallocation failed")
-        good, bad, _ = verdicts[TRANSFERRED].partition(
-            lambda room: room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll()), TRANSFERRED)
+
+    @rank_consensus("pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb])
+    def _apply_transferred(self, good: frozenset, bad: frozenset, hb: int) -> None:
         for room in sorted(good | bad):
             pd = self.transfer.pop(room)
             if room in good:

@@ -26,6 +26,7 @@ from typing import Any
 
 from consensus.kvpoll import KVPoll, done_for
 from consensus.leader_sync import LeaderSync
+from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
 from engine.core import ParamError, Req, SamplingParams
@@ -99,6 +100,11 @@ class PrefillLoop(SlotLoop):
             polls = self.sync.sync_polls(polls)
         else:
             polls = local
+        self._apply_bootstrap(polls)
+
+    @rank_consensus("pd_bootstrap", args=lambda self, polls: [[pd.room for pd in self.bootstrap],
+                                                               [int(p) for p in polls]])
+    def _apply_bootstrap(self, polls: list[KVPoll]) -> None:
         keep = []
         for pd, st in zip(self.bootstrap, polls):
             if st == KVPoll.Failed:
@@ -143,6 +149,10 @@ class PrefillLoop(SlotLoop):
         verdict = self.vote.pass2(hb)[RELEASE]
         good, bad, _retry = verdict.partition(
             lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()), RELEASE)
+        self._apply_release(good, bad)
+
+    @rank_consensus("pd_release", args=lambda self, good, bad: [sorted(good), sorted(bad)])
+    def _apply_release(self, good: frozenset, bad: frozenset) -> None:
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
             if pd.rid in self.sched.held:
