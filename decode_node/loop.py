@@ -15,7 +15,9 @@ Added around the engine's slot loop (engine/pp_loop.py), on every rank:
                   the slot (deterministic) and re-prefills it from prompt + outputs later
 
 A request whose KV did not fully arrive on every rank is never decoded: only the transfer vote's
-good set reaches the scheduler.
+good set reaches the scheduler. A failed room's pages are not reused while a prefill write could
+still land in them: they wait in `quarantine` until the release vote finds the room quiesced on
+every rank (each prefill peer sent its final word, or a grace period beyond the write timeout).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from consensus.kvpoll import done_for
 from consensus.rank_checker import rank_consensus
-from consensus.vote import PREALLOC, TRANSFERRED, Ballot, RingVote
+from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from engine.core import ParamError, Req, SamplingParams
 from engine.kv_cache import pages_needed
 from engine.pd import PDReq, decode_aux, vote_transport
@@ -40,14 +42,15 @@ class DecodeLoop(SlotLoop):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
         self.kv = kv_mgr
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
-        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED))
+        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))
         self.prealloc: list[PDReq] = []          # arrival order, the same on every rank
         self.transfer: dict[int, PDReq] = {}     # room -> admitted request whose KV is arriving
         self.by_rid: dict[str, PDReq] = {}
+        self.quarantine: dict[int, PDReq] = {}   # failed rooms whose pages a late write could still hit
         self.aux_free = list(range(aux_slots))   # a heap: lowest free slot first, like the pages
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer)}
+        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "quarantine": len(self.quarantine)}
 
     # --- meta ---------------------------------------------------------------------------------------
     def _on_meta(self, msg: list[Any]) -> bool:
@@ -87,6 +90,8 @@ class DecodeLoop(SlotLoop):
                                            [pd.room for pd in registered if pd.aborted]),
             TRANSFERRED: Ballot.from_statuses(TRANSFERRED, {r: pd.kv.poll() for r, pd in self.transfer.items()},
                                               [r for r, pd in self.transfer.items() if pd.aborted]),
+            RELEASE: Ballot(good=frozenset(r for r, pd in self.quarantine.items()
+                                           if pd.kv.quiesced(self.kv.config.quarantine_s))),
         })
 
     @rank_consensus("pd_prealloc", result=lambda placed: placed)
@@ -115,6 +120,16 @@ class DecodeLoop(SlotLoop):
         good, bad, _ = verdicts[TRANSFERRED].partition(
             lambda room: room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll()), TRANSFERRED)
         self._apply_transferred(good, bad, hb)
+        good, _, _ = verdicts[RELEASE].partition(lambda room: room in self.quarantine, RELEASE)
+        self._release_quarantine(good)
+
+    @rank_consensus("pd_quarantine_release", args=lambda self, good: sorted(good))
+    def _release_quarantine(self, good: frozenset) -> None:
+        for room in sorted(good):
+            pd = self.quarantine.pop(room)
+            self.sched.allocator.free(pd.pages)
+            pd.pages = []
+            heapq.heappush(self.aux_free, pd.aux_slot)
 
     @rank_consensus("pd_prealloc_verdict", args=lambda self, pre, good, bad: [sorted(good), sorted(bad)])
     def _apply_prealloc(self, pre: dict[int, PDReq], good: frozenset, bad: frozenset) -> None:
@@ -149,10 +164,9 @@ class DecodeLoop(SlotLoop):
         self.sched.add_prefilled(req, pd.pages, mb)
 
     def _fail(self, pd: PDReq, what: str) -> None:
-        self.sched.allocator.free(pd.pages)
-        pd.pages = []
-        if pd.aux_slot is not None:
-            heapq.heappush(self.aux_free, pd.aux_slot)
+        """The client hears at once; the pages (and aux slot) wait in quarantine until every rank
+        agrees, by the release vote, that no prefill write can land in them any more."""
+        self.quarantine[pd.room] = pd
         self._end(pd, pd.reason if pd.aborted else f"{what}: {pd.kv.reason or 'a decode rank failed'}")
 
     def _end(self, pd: PDReq, why: str) -> None:

@@ -47,6 +47,8 @@ class TransferConfig:
     checksum: bool = False              # debug: decode verifies a crc32 of what it received
     auth_token: str | None = None       # bearer token of the bootstrap server
     terminal_ttl_s: float = 60.0        # finished rooms are kept this long to answer late messages
+    quarantine_s: float = 45.0          # decode: pages of a failed room without every peer's final word
+                                        # wait this long (beyond the engine's write timeout) before reuse
     tick_s: float = 0.05
 
     def __post_init__(self):

@@ -43,6 +43,7 @@ class KVReceiver:
         self.registered_at: float | None = None
         self.finished_at: float | None = None
         self._aux: bytes | None = None
+        self._quiet: set[int] = set()       # prefill ranks that sent a terminal message: no more writes
 
     def poll(self) -> KVPoll:
         return self._status
@@ -102,7 +103,26 @@ class KVReceiver:
             mgr.send(r.host, r.ctrl_port, KVRegister(self.room, mgr.pp_rank, mgr.dst_slices, mgr.config.host,
                                                      mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len))
 
+    def note_quiet(self, prefill_rank: int) -> None:
+        with self._lock:
+            self._quiet.add(prefill_rank)
+
+    def quiesced(self, grace_s: float) -> bool:
+        """True once no prefill rank can write into this room's pages any more: Success, never
+        registered, every prefill rank of the route sent its terminal message (senders send it only
+        after their last write returned), a dead peer, or `grace_s` after the failure (beyond the
+        transfer engine's own write timeout). Pages of a failed room are reused only then."""
+        with self._lock:
+            if self._status == KVPoll.Success or (self._status == KVPoll.Failed and not self._sent):
+                return True
+            if self._status != KVPoll.Failed:
+                return False
+            if self._route is not None and {r.pp_rank for r in self._route} <= self._quiet:
+                return True
+            return self.reason == "peer_dead" or time.monotonic() - self.finished_at > grace_s
+
     def on_status(self, msg: KVStatus) -> None:
+        self.note_quiet(msg.src_rank)
         if msg.status == KVPoll.Failed:
             self._fail(f"prefill_failed:{msg.reason}" if msg.reason else "prefill_failed")
             return
@@ -224,6 +244,7 @@ class DecodeKVManager(KVManagerBase):
         if recv is None:
             self.stats.add_dropped("unknown_room")
         elif isinstance(msg, KVAbort):
+            recv.note_quiet(msg.rank)
             recv._fail("aborted_by_prefill", detail=msg.reason)
         else:
             recv.on_status(msg)

@@ -50,6 +50,7 @@ class KVSender:
         self._expected: frozenset[int] | None = None
         self._chunks: deque[Chunk] = deque()
         self._busy = False
+        self._deferred: tuple[str, bool] | None = None   # failure notice held back while a write runs
         self._last_queued = False
         now = time.monotonic()
         self.created_at, self._progress_at, self._inflight_since = now, now, None
@@ -139,13 +140,32 @@ class KVSender:
             self._chunks.clear()
             self.finished_at = time.monotonic()
             peers = list(self._peers.values())
+            if self._busy:
+                # A write may still be on the wire: the peers hear of the failure when it returned,
+                # so a terminal message from this rank means it never writes into their pages again.
+                self._deferred, peers = (reason, abort), []
         mgr = self._mgr
         mgr.stats.add_failure(reason)
         mgr.warn("room %d failed: %s", self.room, reason)
+        self._notify(peers, reason, abort)
+
+    def _notify(self, peers: list[KVRegister], reason: str, abort: bool) -> None:
+        mgr = self._mgr
         for p in peers:
             msg = (KVAbort(self.room, "prefill", mgr.pp_rank, reason) if abort
                    else _status(self.room, mgr.pp_rank, KVPoll.Failed, reason))
             mgr.send(p.ctrl_host, p.ctrl_port, msg)
+
+    def on_decode_abort(self, dst_rank: int) -> None:
+        """The decode side gave up the room; it waits for a terminal message before reusing pages."""
+        with self._lock:
+            quiet = self._status in (KVPoll.Failed, KVPoll.Success) and not self._busy
+            peer = self._peers.get(dst_rank)
+        if not quiet:
+            self._fail("aborted_by_decode")
+        elif peer is not None:
+            self._mgr.send(peer.ctrl_host, peer.ctrl_port,
+                           _status(self.room, self._mgr.pp_rank, KVPoll.Failed, self.reason or "aborted_by_decode"))
 
     def _kick(self) -> None:
         with self._lock:
@@ -159,7 +179,16 @@ class KVSender:
             with self._lock:
                 if self._status == KVPoll.Failed or not self._chunks:
                     self._busy = False
-                    return
+                    deferred, self._deferred = self._deferred, None
+                    peers = list(self._peers.values())
+                    done = True
+                else:
+                    done = False
+            if done:
+                if deferred is not None:
+                    self._notify(peers, *deferred)
+                return
+            with self._lock:
                 chunk = self._chunks.popleft()
                 self._status = KVPoll.Transferring
                 self._inflight_since = time.monotonic()
@@ -277,7 +306,7 @@ class PrefillKVManager(KVManagerBase):
             if sender is None:
                 self.stats.add_dropped("unknown_room")
             else:
-                sender._fail("aborted_by_decode")
+                sender.on_decode_abort(msg.rank)
         else:
             self.stats.add_dropped("unexpected")
 
