@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from typing import Any
 
 from consensus.kvpoll import done_for
@@ -47,7 +48,20 @@ class DecodeLoop(SlotLoop):
         self.transfer: dict[int, PDReq] = {}     # room -> admitted request whose KV is arriving
         self.by_rid: dict[str, PDReq] = {}
         self.quarantine: dict[int, PDReq] = {}   # failed rooms whose pages a late write could still hit
+        self._t_stage: dict[str, float] = {}     # metrics only: when the request entered its queue
+        self._t_cast: dict[int, float] = {}      # metrics only: slot -> when its votes were cast
         self.aux_free = list(range(aux_slots))   # a heap: lowest free slot first, like the pages
+
+    def kv_stats(self) -> dict:
+        return self.kv.stats.snapshot()
+
+    def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> None:
+        t0 = self._t_stage.pop(rid, None)
+        if t0 is not None:
+            now = time.monotonic()
+            self.observe(f"queue:{queue}", now - t0)
+            if next_queue:
+                self._t_stage[rid] = now
 
     def queue_sizes(self) -> dict[str, int]:
         return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "quarantine": len(self.quarantine)}
@@ -68,6 +82,7 @@ class DecodeLoop(SlotLoop):
         pd = PDReq(rid, int(room), Req(rid, list(ids), params), self.kv.create_receiver(int(room), bootstrap_addr))
         self.prealloc.append(pd)
         self.by_rid[rid] = pd
+        self._t_stage[rid] = time.monotonic()
         return True
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
@@ -85,6 +100,8 @@ class DecodeLoop(SlotLoop):
     def before_schedule(self, t: int, mb: int) -> None:
         self._preallocate()
         registered = [pd for pd in self.prealloc if pd.pages]
+        if self.is_first and (registered or self.transfer or self.quarantine):
+            self._t_cast[mb] = time.monotonic()
         self.vote.pass1(mb, {
             PREALLOC: Ballot.from_statuses(PREALLOC, {pd.room: pd.kv.poll() for pd in registered},
                                            [pd.room for pd in registered if pd.aborted]),
@@ -113,6 +130,9 @@ class DecodeLoop(SlotLoop):
 
     def after_harvest(self, t: int, hb: int) -> None:
         verdicts = self.vote.pass2(hb)
+        t_cast = self._t_cast.pop(hb, None)
+        if t_cast is not None:
+            self.observe("consensus:decode_votes", time.monotonic() - t_cast)
         pre = {pd.room: pd for pd in self.prealloc if pd.pages}
         good, bad, _ = verdicts[PREALLOC].partition(
             lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC)
@@ -138,13 +158,16 @@ class DecodeLoop(SlotLoop):
             self.prealloc.remove(pd)
             if room in good:
                 self.transfer[room] = pd
+                self._stage_done(pd.rid, "prealloc", "transfer")
             else:
+                self._stage_done(pd.rid, "prealloc")
                 self._fail(pd, "KV preallocation failed")
 
     @rank_consensus("pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb])
     def _apply_transferred(self, good: frozenset, bad: frozenset, hb: int) -> None:
         for room in sorted(good | bad):
             pd = self.transfer.pop(room)
+            self._stage_done(pd.rid, "transfer")
             if room in good:
                 self._start_decoding(pd, hb)
             else:
@@ -162,6 +185,8 @@ class DecodeLoop(SlotLoop):
         self.emit(["token", pd.rid, tok, lp if req.params.logprobs else None,
                    top if req.params.top_logprobs else None])
         self.sched.add_prefilled(req, pd.pages, mb)
+        if self.is_first and req.rid in self.sched.reqs:
+            self._t_running[req.rid] = time.monotonic()
 
     def _fail(self, pd: PDReq, what: str) -> None:
         """The client hears at once; the pages (and aux slot) wait in quarantine until every rank
@@ -171,6 +196,7 @@ class DecodeLoop(SlotLoop):
 
     def _end(self, pd: PDReq, why: str) -> None:
         self.by_rid.pop(pd.rid, None)
+        self._t_stage.pop(pd.rid, None)
         self.emit(["error", pd.rid, why, None])
 
     def close(self) -> None:

@@ -273,6 +273,11 @@ class NodeFront:
             if 0 <= r < self.pp_size:
                 self.rank_stats[r] = st
                 self.rank_seen[r] = time.monotonic()
+                if self.metrics is not None:
+                    try:
+                        self.metrics.ingest(st)
+                    except (TypeError, ValueError, KeyError) as e:
+                        log.warning("bad metric samples from pp_rank %d dropped: %s", r, e)
 
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()

@@ -30,6 +30,10 @@ class _RankCollector:
                                    labels=labels)
         queue = GaugeMetricFamily("pdserve_queue_requests", "requests per queue", labels=labels + ["queue"])
         up = GaugeMetricFamily("pdserve_rank_up", "1 while the rank reports stats", labels=labels)
+        kv_bytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)",
+                                       labels=labels)
+        kv_fail = CounterMetricFamily("pdserve_kv_transfer_failures", "rooms whose KV transfer failed",
+                                      labels=labels + ["reason"])
         stats = self.front.rank_stats if self.front is not None else {}
         for r in range(self.front.pp_size if self.front is not None else 0):
             st = stats.get(r)
@@ -44,7 +48,12 @@ class _RankCollector:
             hits.add_metric(lv, st["prefix_hit_tokens"])
             for q in QUEUES:
                 queue.add_metric(lv + [q], st.get(q, 0))
-        yield from (used, cap, evict, hits, queue, up)
+            kv = st.get("kv")
+            if kv is not None:
+                kv_bytes.add_metric(lv, kv["bytes"])
+                for reason, n in sorted(kv["failures"].items()):
+                    kv_fail.add_metric(lv + [reason], n)
+        yield from (used, cap, evict, hits, queue, up, kv_bytes, kv_fail)
 
 
 class NodeMetrics:
@@ -62,8 +71,31 @@ class NodeMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", lab, registry=self.registry)
         self.gen_tokens = Counter("pdserve_generation_tokens", "generated tokens", lab, registry=self.registry)
         self.aborted = Counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"], registry=self.registry)
+        self.queue_time = Histogram("pdserve_queue_time_seconds", "time a request spent in a queue", lab + ["queue"],
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.bootstrap = Histogram("pdserve_bootstrap_seconds", "prefill: request arrival to bootstrap decision",
+                                   lab, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "per-room KV transfer latency", lab + ["pp_rank"],
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.consensus = Histogram("pdserve_consensus_round_seconds", "vote cast to verdict applied (PP0)",
+                                   lab + ["kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._ranks = _RankCollector(node, role)
         self.registry.register(self._ranks)
+
+    def ingest(self, st: dict[str, Any]) -> None:
+        """Latency samples a rank forwarded with its stats."""
+        lv = (self.node, self.role)
+        for name, values in (st.get("samples") or {}).items():
+            kind, _, label = name.partition(":")
+            for v in values:
+                if kind == "queue":
+                    self.queue_time.labels(*lv, label).observe(v)
+                elif kind == "bootstrap":
+                    self.bootstrap.labels(*lv).observe(v)
+                elif kind == "consensus":
+                    self.consensus.labels(*lv, label).observe(v)
+        for v in (st.get("kv") or {}).get("latencies", []):
+            self.kv_seconds.labels(*lv, str(st["pp_rank"])).observe(v)
 
     def observe_request(self, p: Any, finish: str) -> None:
         lv = (self.node, self.role)

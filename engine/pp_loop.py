@@ -97,6 +97,10 @@ class SlotLoop:
         self._events: list[list[Any]] = []      # PP0: what to tell the front this iteration
         self._arrived: dict[str, float] = {}    # PP0: rid -> monotonic arrival, for timeouts only
         self.stream_tokens = True               # the prefill loop answers with its own events
+        # Metrics only (PP0; wall clock never reaches a decision): samples since the last stats push.
+        self.samples: dict[str, list[float]] = {}
+        self._t_queued: dict[str, float] = {}   # rid -> entered the scheduler's waiting queue
+        self._t_running: dict[str, float] = {}  # rid -> first scheduled
 
     @property
     def is_first(self) -> bool:
@@ -122,6 +126,8 @@ class SlotLoop:
         self.before_schedule(t, mb)
         batch = self.sched.schedule(mb)
         self.batches[mb] = batch
+        if self._t_queued:
+            self._time_admissions(batch)
         hidden_or_logits = self.forward(batch)
         self.after_forward(batch)
         self.exchange_and_harvest(t, mb, batch, hidden_or_logits)
@@ -189,6 +195,7 @@ class SlotLoop:
                 _, rid, input_ids, params = msg[:4]
                 try:
                     self.sched.add(Req(rid, list(input_ids), decode_sampling(params)))
+                    self.mark_queued(rid)
                 except ParamError as e:      # every rank rejects it the same way; PP0 answers
                     self._events.append(["error", rid, str(e), e.field])
             elif kind == "abort":
@@ -198,6 +205,23 @@ class SlotLoop:
                     self._events.append(["abort_unknown", msg[1]])
             elif self.on_meta is None or not self.on_meta(msg):
                 log.warning("unknown meta message kind %r dropped", kind)
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Records a latency sample for the front's histograms (PP0 only, metrics only)."""
+        if self.is_first:
+            self.samples.setdefault(name, []).append(seconds)
+
+    def mark_queued(self, rid: str) -> None:
+        if self.is_first:
+            self._t_queued[rid] = time.monotonic()
+
+    def drain_samples(self) -> dict[str, list[float]]:
+        out, self.samples = self.samples, {}
+        return out
+
+    def kv_stats(self) -> dict | None:
+        """The PD loops' transfer counters (bytes, failures, per-room latencies)."""
+        return None
 
     def queue_sizes(self) -> dict[str, int]:
         """Sizes of the PD loop's own queues, for stats and metrics."""
@@ -275,8 +299,20 @@ class SlotLoop:
                 top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
                 self._events.append(["token", req.rid, req.output_ids[-1], lp, top])
 
+    def _time_admissions(self, batch: ScheduledBatch) -> None:
+        now = time.monotonic()
+        for e in batch.entries:
+            t0 = self._t_queued.pop(e.req.rid, None)
+            if t0 is not None:
+                self.observe("queue:waiting", now - t0)
+                self._t_running[e.req.rid] = now
+
     def report(self) -> None:
         for req in self.sched.drain_finished():
+            self._t_queued.pop(req.rid, None)
+            t0 = self._t_running.pop(req.rid, None)
+            if t0 is not None:
+                self.observe("queue:running", time.monotonic() - t0)
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
                 f = req.finish

@@ -108,6 +108,7 @@ class StatsReporter:
             self.sock.connect(addr)
         self.spec, self.loop, self.period = spec, loop, period_s
         self._next = 0.0
+        self._kv_latencies_seen = 0
 
     def maybe_send(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -124,7 +125,14 @@ class StatsReporter:
             "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
             "retractions": s.num_retractions, "retracted": sum(r.status.value == "retracted" for r in s.waiting),
             **self.loop.queue_sizes(),
+            "samples": self.loop.drain_samples(),
         }
+        kv = self.loop.kv_stats()
+        if kv is not None:
+            new = kv["latency_count"] - self._kv_latencies_seen
+            stats["kv"] = {"bytes": kv["bytes_sent"] + kv["bytes_received"], "failures": kv["failures"],
+                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else []}
+            self._kv_latencies_seen = kv["latency_count"]
         try:
             self.sock.send(msgpack.packb(stats), zmq.NOBLOCK)
         except zmq.Again:

@@ -21,6 +21,7 @@ once no transfer thread reads them any more.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -51,9 +52,21 @@ class PrefillLoop(SlotLoop):
         self.bootstrap: list[PDReq] = []          # queue order is arrival order, the same on every rank
         self.inflight: dict[int, PDReq] = {}      # room -> request whose KV is on the wire
         self.by_rid: dict[str, PDReq] = {}
+        self._t_stage: dict[str, float] = {}       # metrics only: when the request entered its queue
+        self._t_cast: dict[int, float] = {}        # metrics only: slot -> when its release vote was cast
 
     def queue_sizes(self) -> dict[str, int]:
         return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
+
+    def kv_stats(self) -> dict:
+        return self.kv.stats.snapshot()
+
+    def _stage_done(self, rid: str, queue: str) -> None:
+        t0 = self._t_stage.pop(rid, None)
+        if t0 is not None:
+            self.observe(f"queue:{queue}", time.monotonic() - t0)
+            if queue == "bootstrap":
+                self.observe("bootstrap", time.monotonic() - t0)
 
     # --- meta ---------------------------------------------------------------------------------------
     def _on_meta(self, msg: list[Any]) -> bool:
@@ -73,6 +86,7 @@ class PrefillLoop(SlotLoop):
         pd = PDReq(rid, int(room), req, self.kv.create_sender(int(room)))
         self.bootstrap.append(pd)
         self.by_rid[rid] = pd
+        self._t_stage[rid] = time.monotonic()
         return True
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
@@ -89,15 +103,19 @@ class PrefillLoop(SlotLoop):
             self._bootstrap_step()
         statuses = {room: pd.kv.poll() for room, pd in self.inflight.items()}
         aborted = [room for room, pd in self.inflight.items() if pd.aborted]
+        if self.inflight and self.is_first:
+            self._t_cast[mb] = time.monotonic()
         self.vote.pass1(mb, {RELEASE: Ballot.from_statuses(RELEASE, statuses, aborted)})
 
     def _bootstrap_step(self) -> None:
+        t0 = time.monotonic()
         local = [pd.kv.poll() for pd in self.bootstrap]
         if self.store is not None:
             for pd, st in zip(self.bootstrap, local):
                 self.store.update_status(pd.room, st)
             polls = self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
             polls = self.sync.sync_polls(polls)
+            self.observe("consensus:bootstrap_sync", time.monotonic() - t0)
         else:
             polls = local
         self._apply_bootstrap(polls)
@@ -108,9 +126,12 @@ class PrefillLoop(SlotLoop):
         keep = []
         for pd, st in zip(self.bootstrap, polls):
             if st == KVPoll.Failed:
+                self._stage_done(pd.rid, "bootstrap")
                 self._end(pd, f"bootstrap failed: {pd.reason or pd.kv.reason or 'decode side never registered'}")
             elif st >= KVPoll.WaitingForInput:
+                self._stage_done(pd.rid, "bootstrap")
                 self.sched.add(pd.req)
+                self.mark_queued(pd.rid)
             else:
                 keep.append(pd)
         self.bootstrap = keep
@@ -143,10 +164,14 @@ class PrefillLoop(SlotLoop):
         pd.kv.send_chunk(req.pages, pd.sent_upto, req.kv_len, last=True,
                          aux=encode_aux(req.output_ids[-1], lp, top))
         self.inflight[pd.room] = pd
+        self._t_stage[pd.rid] = time.monotonic()
 
     # --- release vote ------------------------------------------------------------------------------
     def after_harvest(self, t: int, hb: int) -> None:
         verdict = self.vote.pass2(hb)[RELEASE]
+        t_cast = self._t_cast.pop(hb, None)
+        if t_cast is not None:
+            self.observe("consensus:prefill_release", time.monotonic() - t_cast)
         good, bad, _retry = verdict.partition(
             lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()), RELEASE)
         self._apply_release(good, bad)
@@ -155,6 +180,7 @@ class PrefillLoop(SlotLoop):
     def _apply_release(self, good: frozenset, bad: frozenset) -> None:
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
+            self._stage_done(pd.rid, "inflight")
             if pd.rid in self.sched.held:
                 self.sched.release(pd.rid)
             if room in good and not pd.aborted:
@@ -169,6 +195,7 @@ class PrefillLoop(SlotLoop):
 
     def _forget(self, pd: PDReq) -> None:
         self.by_rid.pop(pd.rid, None)
+        self._t_stage.pop(pd.rid, None)
         if self.store is not None:
             self.store.pop(pd.room, None)
 

@@ -207,6 +207,44 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     assert not ws[decodes[0]]["healthy"]
 
 
+def test_metrics_of_router_and_nodes(cluster):
+    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the traffic
+    above, and the pool is empty when idle."""
+    from prometheus_client.parser import text_string_to_metric_families
+    url, _, _ = cluster
+    expected = [ln.strip() for ln in (ROOT / "deploy" / "metrics.txt").read_text().splitlines() if ln.strip()]
+    nodes = node_urls(url)
+    live = [n for n in nodes["prefill"] + nodes["decode"] if httpx.get(f"{n}/health").status_code == 200]
+    families: dict[str, dict] = {}
+    samples: dict[tuple[str, str], float] = {}
+    for target in [url, *live]:
+        text = httpx.get(f"{target}/metrics").text
+        for fam in text_string_to_metric_families(text):
+            families[fam.name] = fam
+            for smp in fam.samples:
+                key = (target, smp.name)
+                samples[key] = samples.get(key, 0.0) + smp.value
+    names = set(families) | {f + "_total" for f in families}
+    missing = [m for m in expected if m not in names]
+    assert not missing, f"not exported: {missing}"
+    prefill, decode = nodes["prefill"][0], live[-1]
+    assert samples[(decode, "pdserve_generation_tokens_total")] > 0
+    assert samples[(prefill, "pdserve_kv_transfer_bytes_total")] > 0
+    assert samples[(decode, "pdserve_kv_transfer_bytes_total")] > 0
+    assert samples[(prefill, "pdserve_bootstrap_seconds_count")] > 0
+    assert samples[(decode, "pdserve_queue_time_seconds_count")] > 0
+    assert samples[(prefill, "pdserve_consensus_round_seconds_count")] > 0
+    assert samples[(url, "pdserve_router_requests_total")] > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        used = {n: [s.value for s in next(f for f in text_string_to_metric_families(httpx.get(f"{n}/metrics").text)
+                                          if f.name == "pdserve_kv_pool_used_tokens").samples] for n in live}
+        if all(v and not any(v) for v in used.values()):
+            break
+        time.sleep(0.5)
+    assert all(v and not any(v) for v in used.values()), used
+
+
 def test_ctrl_c_stops_every_process(cluster):
     """Runs last: SIGINT to `pdserve up` stops the router, the nodes and every rank."""
     url, proc, log = cluster
