@@ -43,3 +43,5 @@ def setup_logging(prefix: str, level: str | None = None) -> None:
     level = level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
     logging.basicConfig(level=level.upper(),
                         format=f"%(asctime)s {prefix} pid={os.getpid()} %(levelname)s %(name)s: %(message)s")
+    # One line per heartbeat and bootstrap poll is noise at INFO; failures still show as warnings.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
