@@ -29,7 +29,7 @@ from typing import Any
 from consensus.kvpoll import done_for
 from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
-from engine.core import ParamError, Req, SamplingParams
+from engine.core import Req
 from engine.kv_cache import pages_needed
 from engine.pd import PDReq, decode_aux, vote_transport
 from engine.pp_loop import SlotLoop
@@ -71,13 +71,8 @@ class DecodeLoop(SlotLoop):
         if msg[0] != "pd_add":
             return False
         _, rid, ids, params_d, room, bootstrap_addr = msg[:6]
-        try:
-            params = SamplingParams.from_dict(params_d)
-            self.sched.check_admissible(len(ids), params)
-            if rid in self.by_rid or rid in self.sched.reqs:
-                raise ParamError("rid", f"duplicate request id {rid!r}")
-        except ParamError as e:
-            self.emit(["error", rid, str(e), e.field])
+        params = self.admissible(rid, ids, params_d, known=rid in self.by_rid)
+        if params is None:
             return True
         pd = PDReq(rid, int(room), Req(rid, list(ids), params), self.kv.create_receiver(int(room), bootstrap_addr))
         self.prealloc.append(pd)

@@ -227,6 +227,18 @@ class SlotLoop:
         """Sizes of the PD loop's own queues, for stats and metrics."""
         return {}
 
+    def admissible(self, rid: str, ids: list[int], params: dict, known: bool = False) -> SamplingParams | None:
+        """Validates a PD loop's new request the same way on every rank; PP0 reports a rejection."""
+        try:
+            sp = decode_sampling(params)
+            self.sched.check_admissible(len(ids), sp)
+            if known or rid in self.sched.reqs:
+                raise ParamError("rid", f"duplicate request id {rid!r}")
+            return sp
+        except ParamError as e:
+            self.emit(["error", rid, str(e), e.field])
+            return None
+
     def abort_elsewhere(self, rid: str, why: str) -> bool:
         """A PD loop aborts a request that sits in one of its own queues; True if it knew it."""
         return False

@@ -30,7 +30,7 @@ from consensus.leader_sync import LeaderSync
 from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
-from engine.core import ParamError, Req, SamplingParams
+from engine.core import Req
 from engine.pd import PDReq, encode_aux, vote_transport
 from engine.pp_comm import Msg
 from engine.pp_loop import SlotLoop
@@ -73,13 +73,8 @@ class PrefillLoop(SlotLoop):
         if msg[0] != "pd_add":
             return False
         _, rid, ids, params_d, room = msg[:5]
-        try:
-            params = SamplingParams.from_dict(params_d)
-            self.sched.check_admissible(len(ids), params)
-            if rid in self.by_rid or rid in self.sched.reqs:
-                raise ParamError("rid", f"duplicate request id {rid!r}")
-        except ParamError as e:
-            self.emit(["error", rid, str(e), e.field])
+        params = self.admissible(rid, ids, params_d, known=rid in self.by_rid)
+        if params is None:
             return True
         # The prefill side samples the first token only; the decode side continues the same params.
         req = Req(rid, list(ids), replace(params, max_tokens=1, stop=()))
