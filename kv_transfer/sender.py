@@ -211,6 +211,10 @@ class KVSender:
         mgr, cfg = self._mgr, self._mgr.config
         stop = lambda: self._status == KVPoll.Failed  # noqa: E731
         for _, p in peers:
+            if p.session_id in mgr.failed_sessions:
+                # A peer that already failed another room fails this one at once, instead of holding a
+                # transfer thread (and the healthy peers' rooms queued behind it) in another write.
+                raise TransferError(f"session {p.session_id} failed before", p.session_id)
             descs = build_descriptors(mgr.pool, p.pool, chunk.page_ids, p.page_ids, chunk.token_start, chunk.token_end)
             moved = mgr.engine.write(p.session_id, descs, cfg.max_batch_descriptors, stop)
             mgr.stats.add_write(-(-len(descs) // cfg.max_batch_descriptors), len(descs), moved)

@@ -21,7 +21,7 @@ from kv_transfer_workers import RankProcess
 
 LAYERS = (0, 30)
 TB, PS, NUM_PAGES, N = 128, 16, 256, 100         # tokens per room
-CFG = dict(bootstrap_timeout_s=3.0, waiting_timeout_s=4.0, transfer_timeout_s=3.0, heartbeat_interval_s=0.3,
+CFG = dict(bootstrap_timeout_s=3.0, waiting_timeout_s=8.0, transfer_timeout_s=3.0, heartbeat_interval_s=0.3,
            heartbeat_misses=3)
 HB_TIMEOUT = 2.5
 FAILED, SUCCESS, WAITING = int(KVPoll.Failed), int(KVPoll.Success), int(KVPoll.WaitingForInput)
