@@ -20,6 +20,15 @@ def make(model, **kw) -> Engine:
     return Engine(EngineConfig(**{**base, **kw}))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads():
+    """The engines here set torch to 1 thread; later modules in this process get theirs back."""
+    import torch
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     return make(tiny_model)
