@@ -30,7 +30,7 @@ class ParamError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0          # 0 => greedy
+    temperature: float = 0.0          # 0 (below 1e-5) => greedy
     top_p: float = 1.0
     top_k: int = -1                   # -1 => off
     min_p: float = 0.0
@@ -43,7 +43,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 sampling is argmax anyway, and logits / temperature can overflow float32.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> "SamplingParams":
         def need(ok: bool, name: str, msg: str) -> None:
@@ -58,16 +59,19 @@ class SamplingParams:
         need(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        need(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-             "top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        need(isinstance(self.top_k, int) and (self.top_k == -1 or 1 <= self.top_k < 2**63),
+             "top_k", f"must be -1 (off) or in [1, 2^63), got {self.top_k!r}")
         need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
              "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids", "must be non-negative integers")
+        need(all(isinstance(t, int) and 0 <= t < 2**63 for t in self.stop_token_ids),
+             "stop_token_ids", "must be integers in [0, 2^63)")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        need(isinstance(self.logprobs, bool), "logprobs", f"must be a boolean, got {self.logprobs!r}")
         need(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
              "top_logprobs", f"must be an integer in [0, 20], got {self.top_logprobs!r}")
+        need(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs: true")
         return self
 
     @classmethod

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from engine.node_front import NodeFront, RequestError, sse
 
@@ -15,7 +16,11 @@ MAX_BODY = 4 * 1024 * 1024
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # The caller (the router) gave up before sending the whole body: nobody reads the answer.
+        raise RequestError(499, "client disconnected before the request body was read") from None
     if len(raw) > MAX_BODY:
         raise RequestError(413, f"request body over {MAX_BODY} bytes")
     try:

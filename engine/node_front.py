@@ -133,7 +133,7 @@ class NodeFront:
                                                     and 0 <= t < self.vocab_size for t in ids):
                 raise RequestError(400, f"'input_ids' must be a list of integers in [0, {self.vocab_size})", "input_ids")
         if not ids:
-            raise RequestError(400, "the prompt is empty", kind)
+            raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
         return list(ids)
 
     def admit(self, body: dict[str, Any]) -> Pending:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -21,10 +20,12 @@ from router.admission import Admission, Rejected
 from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt
 from router.dispatch import Dispatcher
+from router.json_body import read_json_body
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
 from router.openai_protocol import (ApiError, ChatRequest, CompletionRequest, native_prompt_key,
                                     parse_native, parse_request)
+from router.openapi import openapi_document
 from router.responses import StreamShaper, chat_completion, text_completion
 from router.streams import native_stream, openai_stream
 from router.workers import WorkerRegistry
@@ -68,20 +69,7 @@ class Router:
                            code="invalid_api_key")
 
     async def read_json(self, request: Request):
-        limit = self.cfg.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        return await read_json_body(request, self.cfg.max_body_bytes)
 
     def check_model(self, model: str) -> None:
         known = self.registry.models()
@@ -89,11 +77,11 @@ class Router:
             raise ApiError(404, f"model {model!r} does not exist; served: {', '.join(known)}",
                            param="model", code="model_not_found")
 
-    def check_context(self, max_new_tokens: int | None) -> None:
+    def check_context(self, max_new_tokens: int | None, field: str = "max_tokens") -> None:
         limit = self.registry.max_context()
         if limit and max_new_tokens and max_new_tokens >= limit:
-            raise ApiError(400, f"max_tokens={max_new_tokens} leaves no room for the prompt in "
-                           f"the {limit}-token context", param="max_tokens",
+            raise ApiError(400, f"{field}={max_new_tokens} leaves no room for the prompt in "
+                           f"the {limit}-token context", param=field,
                            code="context_length_exceeded")
 
     async def admit(self) -> None:
@@ -115,7 +103,11 @@ class Router:
             watcher.cancel()
             if not task.done():
                 task.cancel()
-        if task.cancelled():
+                await asyncio.wait({task})     # cancel() only asks; its cleanup closes and aborts
+        client_left = watcher.done() and not watcher.cancelled()
+        if task.cancelled() or client_left:
+            if not task.cancelled() and task.exception() is None:
+                task.result().close(None, abort=True)    # it opened just as the client left
             raise ApiError(499, "client closed the request", code="client_closed")
         return task.result()
 
@@ -137,7 +129,9 @@ class Router:
         req = parse_request(model_cls, await self.read_json(request))
         self.check_model(req.model)
         max_new = req.max_new_tokens() if kind == "chat" else req.max_tokens
-        self.check_context(max_new)
+        field = ("max_completion_tokens" if kind == "chat" and req.max_completion_tokens
+                 else "max_tokens")
+        self.check_context(max_new, field)
         native, key = req.to_native(), req.prompt_key()
         await self.admit()
         handed_over = False
@@ -251,6 +245,15 @@ def build_app(config: RouterConfig) -> FastAPI:
                     for m in router.registry.models()]
             return JSONResponse({"object": "list", "data": data})
         return await router.serve("/v1/models", request, handler)
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request):
+        async def handler(r: Request, t0: float) -> Response:
+            router.check_bearer(r, config.api_key, "API key")
+            return JSONResponse(openapi_document(router.registry.models(),
+                                                 router.registry.max_context(),
+                                                 auth=bool(config.api_key)))
+        return await router.serve("/openapi.json", request, handler)
 
     @app.get("/health")
     async def health():

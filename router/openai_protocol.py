@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import field_validator
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Int64 = Annotated[int, Field(strict=True, lt=2**63)]      # nodes pass ints on as msgpack int64
+StopText = Annotated[str, Field(strict=True, min_length=1)]
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+
+# `json_schema_extra` below states in the OpenAPI document (router/openapi.py) what a validator
+# enforces, so that a client (or a fuzzer) reading the document knows which values are accepted.
 
 
 class ApiError(Exception):
@@ -41,16 +47,16 @@ class _Common(_Model):
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Float | None = Field(None, ge=0.0, le=2.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+    seed: Int64 | None = Field(None, ge=0)
+    stop: StopText | list[StopText] | None = Field(None, json_schema_extra={"maxItems": 16})
+    n: StrictInt = Field(1, json_schema_extra={"const": 1})
+    presence_penalty: Float | None = Field(None, json_schema_extra={"enum": [0, None]})
+    frequency_penalty: Float | None = Field(None, json_schema_extra={"enum": [0, None]})
     # Extensions that nodes understand (SGLang names).
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: Int64 | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}})
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: StrictBool | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
 
     @field_validator("n")
     @classmethod
@@ -58,6 +64,13 @@ class _Common(_Model):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_on_or_off(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -102,7 +115,7 @@ class ChatMessage(_Model):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
@@ -132,12 +145,23 @@ class ChatRequest(_Common):
         return self.logprobs
 
 
+TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
+                    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}
+_PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [token ids]
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    TOKEN_IDS_SCHEMA,
+    {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1},
+]
+
+
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
+        json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA))
     max_tokens: StrictInt | None = Field(16, ge=1)     # the OpenAI default for completions
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
+    echo: StrictBool = Field(False, json_schema_extra={"const": False})
+    suffix: StrictStr | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("prompt")
     @classmethod
@@ -182,16 +206,28 @@ class CompletionRequest(_Common):
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after"}
 
 
+def _is_tag(part: Any) -> bool:
+    """A union branch or validator name pydantic puts in a location (`str`, `list[int]`,
+    `constrained-str`); field names never hold '[' or '-'."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part.lower() in _TYPE_TAGS)
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of the errors about the first bad field, the one that says most: for a union, a value
+    error in the branch of the right type (`prompt.0: >= 0`) beats "should be a valid string"."""
+    field = errors[0]["loc"][:1]
+    same = [e for e in errors if e["loc"][:1] == field]
+    return min(same, key=lambda e: (e["type"].endswith("_type"), -len(e["loc"])))
+
+
 def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        loc = [str(p) for p in err["loc"]
-               if not (isinstance(p, str) and ("[" in p or p.lower() in _TYPE_TAGS))]
-        param = ".".join(loc) or None
+        err = _most_telling(exc.errors(include_url=False))
+        param = ".".join(str(p) for p in err["loc"] if not _is_tag(p)) or None
         msg = err["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param,
                        code="invalid_value") from None
