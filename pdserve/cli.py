@@ -25,6 +25,14 @@ def _generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The load client needs none of the serving stack: skip importing torch (seconds per run).
+        from pdserve.bench.main import add_bench_args, bench_main
+        bp = argparse.ArgumentParser(prog="pdserve bench",
+                                     description="a load client for any OpenAI-compatible endpoint")
+        add_bench_args(bp)
+        return bench_main(bp.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -48,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.up import add_up_args
     add_up_args(sub.add_parser("up", help="a whole local PD cluster: router + prefill + decode nodes"))
+
+    from pdserve.bench.main import add_bench_args
+    add_bench_args(sub.add_parser("bench", help="a load client for any OpenAI-compatible endpoint"))
 
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
@@ -83,6 +94,9 @@ def _run(args) -> int:
             return 2
         serve(cfg)
         return 0
+    if args.cmd == "bench":
+        from pdserve.bench.main import bench_main
+        return bench_main(args)
     if args.cmd == "version":
         from importlib.metadata import version
         print(version("pdserve"))

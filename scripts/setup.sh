@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything pdserve needs on a fresh machine: system libraries, a venv, torch, the package.
-# Idempotent: a second run only checks. Used by `make serve` and `make test`.
+# Idempotent: a second run only checks. Used by `make serve` and `make test` (which passes --test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -53,4 +53,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 "$VENV/bin/python" -c 'import torch, zmq, msgpack, fastapi, gguf, transformers; from mooncake.engine import TransferEngine' \
     || { say "ERROR: the environment does not import; see the messages above"; exit 1; }
+# 5. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
+#    venv, because it pins exact versions that would downgrade ours (pyzmq, prometheus-client, ...).
+if [ "${1:-}" = "--test" ] && [ ! -x "$VENV/aiperf/bin/aiperf" ]; then
+    say "installing aiperf==0.13.0 into $VENV/aiperf (tests only; its own venv)"
+    "$PY" -m venv "$VENV/aiperf"
+    "$VENV/aiperf/bin/python" -m pip install -q aiperf==0.13.0
+fi
 say "ready: $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
