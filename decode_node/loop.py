@@ -4,8 +4,9 @@ Added around the engine's slot loop (engine/pp_loop.py), on every rank:
 
   meta "pd_add"   a receiver for the room is created; the request joins the `prealloc` queue
   prealloc        first come first served, the same decision on every rank (same pool, same
-                  history): pages for the prompt and an aux slot; each rank registers them with
-                  the prefill ranks that hold its layers
+                  history): pages for the prompt and an aux slot, after the pages retracted
+                  requests need to resume; each rank registers them with the prefill ranks that
+                  hold its layers
   prealloc vote   good = registered (WaitingForInput or later), bad = Failed, aborted => bad;
                   admitted requests move to `transfer` on every rank in the same iteration
   transfer vote   good = Success (every prefill rank's KV and the aux data landed), bad = Failed;
@@ -63,6 +64,9 @@ class DecodeLoop(SlotLoop):
             if next_queue:
                 self._t_stage[rid] = now
 
+    def has_outstanding(self) -> bool:
+        return bool(self.by_rid or self.quarantine)
+
     def queue_sizes(self) -> dict[str, int]:
         return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "quarantine": len(self.quarantine)}
 
@@ -110,6 +114,10 @@ class DecodeLoop(SlotLoop):
     def _preallocate(self) -> list[tuple[int, list[int], int]]:
         alloc, ps = self.sched.allocator, self.sched.cfg.page_size
         reserve = self.sched.num_running           # one page of decode headroom per running request
+        # Retracted requests (the scheduler's waiting queue) come back before new rooms take pages:
+        # prealloc runs first in every iteration, so without this it takes each freed page and a
+        # retracted request starves for as long as new requests keep arriving.
+        reserve += sum(pages_needed(r.seq_len, ps) for r in self.sched.waiting)
         placed = []
         for pd in self.prealloc:
             if pd.pages:

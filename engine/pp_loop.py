@@ -43,7 +43,8 @@ class LoopConfig:
     pp_size: int = 1
     async_depth: int = 0
     skip_pure_chunk_comm: bool = True
-    idle_wait_ms: int = 5              # PP0 waits this long for requests when it has no work
+    idle_wait_ms: int = 5              # PP0 waits this long for requests when it has no work ...
+    idle_max_wait_ms: int = 100        # ... doubling while it stays idle (a request still wakes it at once)
     check_every: int = 8               # consensus-checker digest comparison period (iterations)
     waiting_timeout_s: float = 0.0     # PP0 aborts a request queued longer than this (0 = off)
     running_timeout_s: float = 0.0     # PP0 aborts a request alive longer than this (0 = off)
@@ -101,6 +102,7 @@ class SlotLoop:
         self.samples: dict[str, list[float]] = {}
         self._t_queued: dict[str, float] = {}   # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
+        self._idle_ms = 0                       # PP0: current idle wait (timing only, never a decision)
 
     @property
     def is_first(self) -> bool:
@@ -151,10 +153,28 @@ class SlotLoop:
     def on_finished(self, req: Req) -> None:
         """Runs on every rank for each request the scheduler finished this iteration."""
 
+    def has_outstanding(self) -> bool:
+        """Requests that wait on something outside the scheduler (PD loops: bootstrap, transfers,
+        release votes, quarantined pages): PP0 keeps polling at `idle_wait_ms` for them."""
+        return False
+
+    def _idle_wait_ms(self) -> int:
+        if self.sched.has_work or any(b is not None and b.entries for b in self.batches):
+            self._idle_ms = 0
+        elif self.has_outstanding():
+            self._idle_ms = self.cfg.idle_wait_ms
+        else:
+            # Each idle iteration wakes every rank; backing off keeps an idle node from costing a
+            # sizeable share of a core per rank, which a node sharing its host (PD on one machine)
+            # would pay for. A request still wakes PP0 at once.
+            self._idle_ms = min(max(2 * self._idle_ms, self.cfg.idle_wait_ms), self.cfg.idle_max_wait_ms)
+        return self._idle_ms
+
     def ingest_meta(self) -> list[list[Any]]:
         if self.is_first:
-            idle = not self.sched.has_work and not any(b is not None and b.entries for b in self.batches)
-            meta = self.front.poll(self.cfg.idle_wait_ms if idle else 0) if self.front else []
+            meta = self.front.poll(self._idle_wait_ms()) if self.front else []
+            if meta:
+                self._idle_ms = 0
             meta.extend(self.timeout_aborts(meta))
         else:
             meta = self.comm.recv(self.comm.prev, Msg.META)

@@ -55,6 +55,9 @@ class PrefillLoop(SlotLoop):
         self._t_stage: dict[str, float] = {}       # metrics only: when the request entered its queue
         self._t_cast: dict[int, float] = {}        # metrics only: slot -> when its release vote was cast
 
+    def has_outstanding(self) -> bool:
+        return bool(self.by_rid)
+
     def queue_sizes(self) -> dict[str, int]:
         return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
 
