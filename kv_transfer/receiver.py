@@ -110,8 +110,10 @@ class KVReceiver:
     def quiesced(self, grace_s: float) -> bool:
         """True once no prefill rank can write into this room's pages any more: Success, never
         registered, every prefill rank of the route sent its terminal message (senders send it only
-        after their last write returned), a dead peer, or `grace_s` after the failure (beyond the
-        transfer engine's own write timeout). Pages of a failed room are reused only then."""
+        after their last write returned), or `grace_s` after the failure (beyond the transfer
+        engine's own write timeout). Pages of a failed room are reused only then. A `peer_dead`
+        room waits for the grace too: heartbeat silence does not tell a dead rank from a stalled
+        one (SIGSTOP, a long pause), and a stalled rank resumes the write it was in."""
         with self._lock:
             if self._status == KVPoll.Success or (self._status == KVPoll.Failed and not self._sent):
                 return True
@@ -119,7 +121,7 @@ class KVReceiver:
                 return False
             if self._route is not None and {r.pp_rank for r in self._route} <= self._quiet:
                 return True
-            return self.reason == "peer_dead" or time.monotonic() - self.finished_at > grace_s
+            return time.monotonic() - self.finished_at > grace_s
 
     def on_status(self, msg: KVStatus) -> None:
         self.note_quiet(msg.src_rank)

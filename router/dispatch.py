@@ -85,8 +85,10 @@ class Dispatcher:
                 log("rid=%s attempt %d failed: %s", attempt.rid, n, failure.message)
                 if not failure.retryable or n >= self.cfg.retry.max_retries:
                     raise failure.to_api_error() from None
-                if failure.culprit is not None:
-                    exclude.add(failure.culprit.url)
+                # A new pair, not just a new culprit: a decode node reports a failed handoff (the
+                # prefill node's bootstrap server unreachable, its rank silent) as its own abort,
+                # and cache_aware would send the retry to the same prefill node again.
+                exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
             self.metrics.retries.inc()
             await asyncio.sleep(self.backoff(n))
             n += 1
