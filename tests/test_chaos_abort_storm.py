@@ -426,10 +426,11 @@ def test_kv_pools_and_queues_are_empty_on_every_rank(storm, cluster):
 
 def test_the_storm_made_the_cluster_queue_and_retract(storm):
     """The small pools really were under pressure (otherwise the storm tests less than it claims):
-    decodes were retracted, requests waited for decode pages (prealloc) and for the prefill pool."""
+    decodes were retracted, requests waited for decode pages (prealloc) and so did their prefill
+    senders (bootstrap: the decode side registers only once it has the pages)."""
     assert storm.retractions > 0
     peak = storm.peak_queues
-    assert peak["decode"]["prealloc"] > 0 and peak["prefill"]["waiting"] > 0, peak
+    assert peak["decode"]["prealloc"] > 1 and peak["prefill"]["bootstrap"] > 1, peak
 
 
 def test_router_and_node_counters_agree(storm, cluster, prompts):
