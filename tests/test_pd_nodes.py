@@ -23,9 +23,15 @@ def reference(tiny30, mixed_prompts):
     return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
 
 
+# All prompts are sent at once and queue behind each other on a loaded machine: the fast 8 s KV
+# timeouts (meant for the failure tests) would fail a room that merely waited its turn to prefill.
+QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
+
+
 @pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 2), (3, 2), (2, 3), (1, 3)])
 def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, reference, tmp_path):
-    with prefill_node(tiny30, ppp, tmp_path) as (purl, bport, _), decode_node(tiny30, dpp, tmp_path) as (durl, _):
+    with prefill_node(tiny30, ppp, tmp_path, env=QUEUE_TIMEOUTS) as (purl, bport, _), \
+            decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
