@@ -8,19 +8,28 @@ VENV=${VENV:-.venv}
 
 say() { printf '[setup] %s\n' "$*"; }
 
-# 1. Mooncake's Python wheel links libibverbs even when it runs over TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+# Debian packages, as root or with sudo; otherwise say what to install and stop.
+apt_install() {
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
     elif command -v sudo >/dev/null && command -v apt-get >/dev/null; then
-        say "installing libibverbs1 librdmacm1 with sudo"
-        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null
+        sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
     else
-        say "ERROR: libibverbs.so.1 is missing. Install your distribution's libibverbs1 and librdmacm1"
-        say "       (Debian/Ubuntu: apt-get install libibverbs1 librdmacm1; RHEL: dnf install rdma-core), then rerun."
+        say "ERROR: install these packages (Debian/Ubuntu names): $*, then rerun"
         exit 1
     fi
+}
+
+# 1. Mooncake's Python wheel links libibverbs even when it runs over TCP (RHEL: dnf install rdma-core).
+# grep without -q: it reads all of ldconfig's output, so pipefail never sees a SIGPIPE'd ldconfig.
+if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1' >/dev/null; then
+    say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
+    apt_install libibverbs1 librdmacm1
+fi
+# Debian's python3 has no venv/ensurepip without python3-venv.
+if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
+    say "installing python3-venv (to create $VENV)"
+    apt_install python3-venv
 fi
 
 # 2. The venv.
