@@ -14,6 +14,7 @@ cluster with the reference command, request counts as given by --levels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -76,9 +77,10 @@ def bench_levels(url: str, levels, tok_dir: Path, out_dir: Path, name: str) -> l
     return rows
 
 
-def run_pd(levels, tok_dir, out_dir, logdir) -> list[dict]:
+@contextlib.contextmanager
+def pd_cluster(log: Path):
+    """`pdserve up` (prefill PP 2 + decode PP 2) on a free port; yields the port, always stopped."""
     port = free_port()
-    log = logdir / "pd_up.log"
     p = spawn(["up", "--port", str(port), "--prefill-pp", "2", "--decode-pp", "2"], log)
     try:
         t0 = time.monotonic()
@@ -87,10 +89,14 @@ def run_pd(levels, tok_dir, out_dir, logdir) -> list[dict]:
                 raise RuntimeError("pdserve up did not start:\n" + log.read_text()[-3000:])
             time.sleep(1)
         print(f"  pd: ready in {time.monotonic() - t0:.0f} s", flush=True)
-        rows = bench_levels(f"http://127.0.0.1:{port}", levels, tok_dir, out_dir, "pd")
-        return rows
+        yield port
     finally:
         kill_group(p, grace=30)
+
+
+def run_pd(levels, tok_dir, out_dir, logdir) -> list[dict]:
+    with pd_cluster(logdir / "pd_up.log") as port:
+        return bench_levels(f"http://127.0.0.1:{port}", levels, tok_dir, out_dir, "pd")
 
 
 def run_colocated(levels, tok_dir, out_dir, logdir) -> list[dict]:
@@ -165,18 +171,8 @@ def run_aiperf(url_port: int, tok_dir: Path, levels, out_dir: Path) -> list[dict
 
 
 def run_pd_aiperf(levels, tok_dir, out_dir, logdir) -> list[dict]:
-    port = free_port()
-    log = logdir / "pd_up_aiperf.log"
-    p = spawn(["up", "--port", str(port), "--prefill-pp", "2", "--decode-pp", "2"], log)
-    try:
-        t0 = time.monotonic()
-        while "[up] ready" not in log.read_text():
-            if p.poll() is not None or time.monotonic() - t0 > 900:
-                raise RuntimeError("pdserve up did not start:\n" + log.read_text()[-3000:])
-            time.sleep(1)
+    with pd_cluster(logdir / "pd_up_aiperf.log") as port:
         return run_aiperf(port, tok_dir, levels, out_dir)
-    finally:
-        kill_group(p, grace=30)
 
 
 def md_table(results: dict) -> str:
