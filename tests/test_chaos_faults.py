@@ -161,6 +161,18 @@ class Chaos:
     def router_healthy(self, node: Node) -> bool:
         return self.workers()[node.url]["healthy"]
 
+    def kill_rank1(self, node: Node, seen: dict, what: str) -> dict:
+        """SIGKILLs the node's pp_rank 1; records when, and when the router marked the node unhealthy."""
+        ranks = self.ranks(node)
+        assert sorted(ranks) == [0, 1], ranks
+        seen["ranks"] = ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        seen["killed"] = time.monotonic()
+        wait_for(lambda: not self.router_healthy(node), 20, f"the router to mark {what} unhealthy")
+        seen["marked"] = time.monotonic()
+        time.sleep(3)                           # the load goes on through the healthy nodes
+        return seen
+
     def assert_whole(self) -> None:
         """Every node healthy (node and router), no request in flight anywhere, no KV page held."""
         urls = [n.url for n in self.nodes.values()]
@@ -359,15 +371,7 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
 
     def fault():
         wait_for(lambda: (chaos.rank_stats(d1)[0] or {}).get("running", 0) > 0, 60, "requests decoding on D1")
-        ranks = chaos.ranks(d1)
-        assert sorted(ranks) == [0, 1], ranks
-        seen["ranks"] = ranks
-        os.kill(ranks[1], signal.SIGKILL)
-        seen["killed"] = time.monotonic()
-        wait_for(lambda: not chaos.router_healthy(d1), 20, "the router to mark D1 unhealthy")
-        seen["marked"] = time.monotonic()
-        time.sleep(3)                           # the load goes on through D2
-        return seen
+        return chaos.kill_rank1(d1, seen, "D1")
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     outs, seen = under_load(chaos.router, ["short"] * CLIENTS, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
@@ -472,15 +476,7 @@ def test_prefill_rank_sigkill_mid_transfer(chaos, refs):
 
     def fault():
         wait_for(prefilling, 60, "P1 prefilling")
-        ranks = chaos.ranks(p1)
-        assert sorted(ranks) == [0, 1], ranks
-        seen["ranks"] = ranks
-        os.kill(ranks[1], signal.SIGKILL)
-        seen["killed"] = time.monotonic()
-        wait_for(lambda: not chaos.router_healthy(p1), 20, "the router to mark P1 unhealthy")
-        seen["marked"] = time.monotonic()
-        time.sleep(3)
-        return seen
+        return chaos.kill_rank1(p1, seen, "P1")
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     outs, seen = under_load(chaos.router, ["long"] * CLIENTS, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
