@@ -70,6 +70,10 @@ class DecodeLoop(SlotLoop):
     def queue_sizes(self) -> dict[str, int]:
         return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "quarantine": len(self.quarantine)}
 
+    def request_phase(self, rid: str) -> str | None:
+        # by_rid holds the requests in prealloc and transfer: no decode step yet, so waiting.
+        return "waiting" if rid in self.by_rid else super().request_phase(rid)
+
     # --- meta ---------------------------------------------------------------------------------------
     def _on_meta(self, msg: list[Any]) -> bool:
         if msg[0] != "pd_add":

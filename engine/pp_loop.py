@@ -158,6 +158,15 @@ class SlotLoop:
         release votes, quarantined pages): PP0 keeps polling at `idle_wait_ms` for them."""
         return False
 
+    def request_phase(self, rid: str) -> str | None:
+        """"waiting" (queued, no forward yet), "running", or None (not known here); for timeouts.
+        The PD loops add their own queues: a request waiting for its KV bootstrap or transfer
+        is waiting too."""
+        req = self.sched.reqs.get(rid)
+        if req is None:
+            return None
+        return "waiting" if req.status.value == "waiting" else "running"
+
     def _idle_wait_ms(self) -> int:
         if self.sched.has_work or any(b is not None and b.entries for b in self.batches):
             self._idle_ms = 0
@@ -189,17 +198,17 @@ class SlotLoop:
             return []
         now = time.monotonic()
         for m in incoming:
-            if m[0] == "add":
+            if m[0] in ("add", "pd_add"):
                 self._arrived[m[1]] = now
         out = []
         for rid, t0 in list(self._arrived.items()):
-            req = self.sched.reqs.get(rid)
-            if req is None:
+            phase = self.request_phase(rid)
+            if phase is None:
                 if all(m[1] != rid for m in incoming):
                     del self._arrived[rid]
                 continue
             waited = now - t0
-            if wt and req.status.value == "waiting" and waited > wt:
+            if wt and phase == "waiting" and waited > wt:
                 out.append(["abort", rid, f"waiting timeout: queued for more than {wt:g} s"])
             elif rt and waited > rt:
                 out.append(["abort", rid, f"running timeout: alive for more than {rt:g} s"])

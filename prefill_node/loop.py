@@ -61,6 +61,12 @@ class PrefillLoop(SlotLoop):
     def queue_sizes(self) -> dict[str, int]:
         return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
 
+    def request_phase(self, rid: str) -> str | None:
+        pd = self.by_rid.get(rid)
+        if pd is None or rid in self.sched.reqs:
+            return super().request_phase(rid)
+        return "running" if pd.room in self.inflight else "waiting"     # else still bootstrapping
+
     def kv_stats(self) -> dict:
         return self.kv.stats.snapshot()
 

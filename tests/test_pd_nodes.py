@@ -104,6 +104,26 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
         assert pd_generate_all(purl, durl, bport, mixed_prompts[:3], MAX_NEW) == reference[:3]
 
 
+def test_waiting_timeout_covers_the_pd_queues(tiny30, mixed_prompts, reference, tmp_path):
+    """`--waiting-timeout` also ends requests stuck in the PD queues (prefill bootstrap, decode
+    prealloc/transfer) with a clear error, well before the 8 s KV bootstrap/waiting timeouts."""
+    extra = ["--waiting-timeout", "3"]
+    with prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _), \
+            decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _):
+        with httpx.Client(timeout=30) as c:
+            for url, room in ((purl, 21), (durl, 22)):     # the other side never comes
+                t0 = time.monotonic()
+                r = c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
+                took = time.monotonic() - t0
+                assert r.status_code >= 400, r.text
+                assert "waiting timeout" in r.json()["error"]["message"], (url, r.text)
+                assert took < 8, (url, took)
+        # A request that is not stuck is not touched.
+        assert pd_generate_all(purl, durl, bport, mixed_prompts[:2], MAX_NEW) == reference[:2]
+        left = wait_pages_free(purl, durl, timeout=40)
+        assert not any(left[purl]) and not any(left[durl]), f"pages still held: {left}"
+
+
 def _kill_group(proc):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
