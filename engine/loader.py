@@ -10,9 +10,15 @@ missing tensor, wrong shape) raises `ModelLoadError` with a one-line message nam
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -200,7 +206,9 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     elif kind not in ("none", None):
         raise ModelLoadError(f"{path}: unsupported rope scaling {kind!r} (supported: linear)")
     if "rope_freqs.weight" in names:   # llama3-style scaling, stored by llama.cpp as per-frequency factors
-        scaling = {"rope_type": "freq_factors", "freq_factors": _dequant(names["rope_freqs.weight"]).tolist()}
+        t = names["rope_freqs.weight"]
+        scaling = {"rope_type": "freq_factors",
+                   "freq_factors": _dequant(np.asarray(t.data), int(t.tensor_type), t.shape.tolist()).tolist()}
     eos = [int(_meta(reader, "tokenizer.ggml.eos_token_id"))]
     eot = _meta(reader, "tokenizer.ggml.eot_token_id", None)
     if eot is not None:
@@ -220,10 +228,12 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos))
 
 
-def _dequant(t) -> torch.Tensor:
+def _dequant(raw: np.ndarray, qtype: int, shape: list[int]) -> torch.Tensor:
+    """A tensor from its raw bytes in the file (`shape` in GGUF order, innermost first)."""
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    arr = dequantize(t.data, t.tensor_type).reshape([int(x) for x in reversed(t.shape.tolist())])
+    arr = dequantize(raw, GGMLQuantizationType(qtype)).reshape([int(x) for x in reversed(shape)])
     if arr.dtype != np.float32 or not arr.flags.writeable:   # F32/F16 tensors come back as views of the mmap
         arr = arr.astype(np.float32)
     return torch.from_numpy(arr)
@@ -234,8 +244,8 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_fetcher(reader, cfg: ModelConfig, path: Path):
-    tensors = {t.name: t for t in reader.tensors}
+def _gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
+    data = np.memmap(path, dtype=np.uint8, mode="r")
 
     def fetch(name: str) -> torch.Tensor | None:
         if name in _GGUF_GLOBAL:
@@ -245,14 +255,51 @@ def _gguf_fetcher(reader, cfg: ModelConfig, path: Path):
             gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
         if gname not in tensors:
             return None
+        qtype, shape, offset, nbytes = tensors[gname]
+        if offset + nbytes > data.size:
+            raise ModelLoadError(f"{path}: tensor {gname} ends past the end of the file (truncated?)")
         try:
-            w = _dequant(tensors[gname])
+            w = _dequant(data[offset:offset + nbytes], qtype, shape)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize {gname}: {_reason(e)}") from None
         if cfg.arch in ("llama", "mistral") and (".attn_q." in gname or ".attn_k." in gname):
             w = _unpermute(w, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
         return w
     return fetch
+
+
+def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
+    """The config and the tensor table (GGUF name -> (ggml type, shape, file offset, bytes)) of a
+    GGUF file. Parsing its metadata takes ~4.5 s for SmolLM2 (98k tokenizer strings) in every
+    process that loads the model (node front and each rank): the first parse is saved in the
+    model's cache folder and later loads read that (keyed by path, size and mtime)."""
+    cache = gguf_cache_dir(path) / "index.json"
+    try:
+        d = json.loads(cache.read_text())
+        c = d["config"]
+        cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"])})
+        return cfg, {k: (int(q), [int(x) for x in sh], int(o), int(n)) for k, (q, sh, o, n) in d["tensors"].items()}
+    except (OSError, ValueError, TypeError, KeyError):
+        pass                                  # no cache yet, or unreadable: parse the file
+    reader = _open_gguf(path)
+    cfg = _gguf_config(reader, path)
+    tensors = {t.name: (int(t.tensor_type), [int(x) for x in t.shape.tolist()], int(t.data_offset), int(t.n_bytes))
+               for t in reader.tensors}
+    _write_atomic(cache, json.dumps({"config": dataclasses.asdict(cfg), "tensors": tensors}))
+    return cfg, tensors
+
+
+def _write_atomic(dest: Path, text: str) -> None:
+    """Writes a temporary file and renames it into place (readers never see half a file); a cache
+    that cannot be written is skipped."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, dest)
+    except OSError:
+        pass
 
 
 class _SliceWeights(Mapping):
@@ -296,7 +343,7 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 
 def load_model_config(path) -> ModelConfig:
     p = resolve_model(path)
-    return _gguf_config(_open_gguf(p), p) if _is_gguf(p) else _hf_config(p)
+    return _gguf_index(p)[0] if _is_gguf(p) else _hf_config(p)
 
 
 def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> ModelSlice:
@@ -304,9 +351,8 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> M
     p = resolve_model(path)
     with contextlib.ExitStack() as stack:
         if _is_gguf(p):
-            reader = _open_gguf(p)
-            cfg = _gguf_config(reader, p)
-            fetch = _gguf_fetcher(reader, cfg, p)
+            cfg, tensors = _gguf_index(p)
+            fetch = _gguf_fetcher(tensors, cfg, p)
         else:
             cfg = _hf_config(p)
             fetch = _hf_fetcher(p, stack)
@@ -319,11 +365,18 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> M
 
 
 def load_tokenizer(path):
-    """The transformers tokenizer of a HF folder or GGUF file, with its chat template."""
+    """The transformers tokenizer of a HF folder or GGUF file, with its chat template.
+
+    Building a tokenizer from GGUF metadata takes ~8 s on a small CPU and every process of a node
+    (front and ranks) needs one, so the first load saves it as a plain tokenizer folder in the
+    cache (`gguf_cache_dir`); later loads read that folder."""
     from transformers import AutoTokenizer
 
     p = resolve_model(path)
+    cached = gguf_cache_dir(p) / "tokenizer" if _is_gguf(p) else None
     try:
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
         if _is_gguf(p):
             tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         else:
@@ -332,4 +385,66 @@ def load_tokenizer(path):
         raise ModelLoadError(f"cannot load the tokenizer of {p}: {_reason(e)}") from None
     if not tok.chat_template and _is_gguf(p):
         tok.chat_template = _meta(_open_gguf(p), "tokenizer.chat_template", None)
+    if cached is not None:
+        _save_tokenizer(tok, cached)
     return tok
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """This GGUF file's cache folder (its tokenizer, its metadata index): keyed by path, size and
+    mtime, so a replaced file never meets an old entry. Under `PDSERVE_CACHE_DIR` (default
+    ~/.cache/pdserve)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    return root / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _save_tokenizer(tok, dest: Path) -> None:
+    """Writes into a fresh folder, then renames it into place: processes starting together may all
+    write, and a reader only ever sees a complete folder. A cache that cannot be written is skipped."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(dest)
+        except OSError:                     # another process was first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+
+
+class StopDetokenizer:
+    """`ids -> text` for stop-string checks on a rank, loaded on first use (most requests have no
+    stop strings; a prefill rank never checks one). With a tokenizer.json (a HF folder, or a cached
+    GGUF tokenizer) it is the `tokenizers` library alone, ~50 ms and no transformers import, which
+    decodes exactly like transformers' fast tokenizer unless the tokenizer asks for the clean-up
+    of tokenization spaces; otherwise the transformers tokenizer."""
+
+    def __init__(self, path):
+        self.path = resolve_model(path)
+        self._decode = None
+        self._lock = threading.Lock()
+
+    def __call__(self, ids: list[int]) -> str:
+        if self._decode is None:
+            with self._lock:
+                if self._decode is None:
+                    self._decode = self._load()
+        return self._decode(ids)
+
+    def _load(self):
+        folder = gguf_cache_dir(self.path) / "tokenizer" if _is_gguf(self.path) else self.path
+        tj, tc = folder / "tokenizer.json", folder / "tokenizer_config.json"
+        try:
+            cleanup = json.loads(tc.read_text()).get("clean_up_tokenization_spaces", False) if tc.is_file() else False
+        except (OSError, ValueError):
+            cleanup = True
+        if tj.is_file() and not cleanup:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(tj))
+            return lambda ids: tok.decode(ids, skip_special_tokens=True)
+        tok = load_tokenizer(self.path)
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)

@@ -23,7 +23,7 @@ import msgpack
 import zmq
 
 from engine.config import EngineConfig, apply_threads
-from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
 from engine.pp_comm import PPComm
 from engine.pp_loop import LoopConfig, SlotLoop
@@ -165,7 +165,6 @@ class RankParts:
     runner: ModelRunner
     sched: Scheduler
     loop_cfg: LoopConfig
-    tokenizer: Any
     front: "ZmqFrontIO | None" = None
 
 
@@ -192,7 +191,6 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
         # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
         # consensus checker exists for; this rank then hands out different page ids.
         runner.pool.allocator.alloc(1)
-    tok = load_tokenizer(path)
     loop_cfg = LoopConfig(pp_size=spec.pp_size, async_depth=spec.async_depth,
                           skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
                           waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
@@ -200,9 +198,9 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
     sched_cfg = replace(cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
                         max_context=min(cfg.max_context, mcfg.max_position_embeddings))
     sched = Scheduler(sched_cfg, runner.pool.allocator, mcfg.eos_token_ids,
-                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                      detokenize=StopDetokenizer(path),
                       hold_kv_on_finish=hold_kv_on_finish)
-    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, tok)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg)
 
 
 def colocated_loop(parts: RankParts) -> SlotLoop:

@@ -96,6 +96,38 @@ def test_gguf_slices_match_hf(tiny, tmp_path):
     assert max_err(got, ref) < 1e-4
 
 
+def test_gguf_metadata_cache(tiny, tmp_path, monkeypatch):
+    """The first load parses the GGUF and caches its index; later loads (other processes, in
+    production) read the index instead and get the same config and weights; a rewritten file gets
+    a new cache entry."""
+    from engine import loader
+
+    path = write_gguf(tiny, tmp_path / "tiny.gguf")
+    cfg = load_model_config(path)
+    parsed = load_slice(path, 0, 4).state_dict()
+    assert (loader.gguf_cache_dir(path) / "index.json").is_file()
+
+    def no_reader(_path):
+        raise AssertionError("the GGUF was parsed again instead of read from the cache")
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_open_gguf", no_reader)
+        assert load_model_config(path) == cfg
+        cached = load_slice(path, 0, 4).state_dict()
+    assert parsed.keys() == cached.keys() and all(torch.equal(parsed[k], cached[k]) for k in parsed)
+    before = loader.gguf_cache_dir(path)
+    write_gguf(tiny, path)                        # same bytes, new mtime: never trusted blindly
+    assert loader.gguf_cache_dir(path) != before
+
+
+def test_stop_detokenizer_decodes_like_transformers(tiny):
+    from engine.loader import StopDetokenizer
+
+    tok, detok, rng = load_tokenizer(tiny), StopDetokenizer(tiny), random.Random(4)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+        assert detok(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
 def test_slice_loads_only_its_layers(tiny):
     cfg = load_model_config(tiny)
     per_layer = 6   # norms, fused qkv, o, fused gate_up, down (no bias in llama)

@@ -14,7 +14,8 @@ import torch
 from engine import forward_batch
 from engine.forward_batch import BatchItem, build_forward_batch
 from engine.kv_cache import KVLayout, KVPool, pages_needed
-from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine import loader
+from engine.loader import StopDetokenizer, gguf_cache_dir, load_model_config, load_slice, load_tokenizer, resolve_model
 from tests.tiny_model import build_tiny_model
 
 PAGE_SIZE = 4
@@ -195,3 +196,30 @@ def test_smollm2_gguf_matches_hf(smollm2):
         got = run_plan([load_slice(path, a, b) for a, b in cuts], cfg, seqs, plan, page_size=16)
         assert len(got) == len(seqs) * (decode + 1)
         assert max_err(got, ref) < 1e-4
+
+
+@pytest.mark.heavy
+def test_smollm2_caches_read_back_the_same(smollm2, monkeypatch):
+    """The first loads (the fixture's) parsed the GGUF and cached its metadata index and tokenizer;
+    with the GGUF reader unavailable, config and tokenizer now come from the cache, equal to the
+    parsed ones, and the ranks' stop-string decoder decodes like the transformers tokenizer."""
+    path, cfg, tok, seqs, _ = smollm2
+    cache = gguf_cache_dir(path)
+    assert (cache / "index.json").is_file() and (cache / "tokenizer" / "tokenizer.json").is_file()
+
+    def no_reader(_path):
+        raise AssertionError("the GGUF was parsed again instead of read from the cache")
+    monkeypatch.setattr(loader, "_open_gguf", no_reader)
+    assert load_model_config(path) == cfg
+    tok2 = load_tokenizer(path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode ✓ 漢字 and code: x**2"}]
+    assert tok2.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    text = tok.decode(seqs[1]) + " <|im_end|>\n\t漢字"
+    assert tok2(text).input_ids == tok(text).input_ids
+    assert (tok2.eos_token_id, tok2.bos_token_id, tok2.all_special_ids) == (tok.eos_token_id, tok.bos_token_id,
+                                                                            tok.all_special_ids)
+    detok, rng = StopDetokenizer(path), random.Random(3)
+    for _ in range(200):
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(rng.randrange(1, 30))]
+        assert detok(ids) == tok.decode(ids, skip_special_tokens=True) == tok2.decode(ids, skip_special_tokens=True)
