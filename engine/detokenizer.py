@@ -12,6 +12,7 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.ids: list[int] = []
         self.emitted = 0                      # characters of the full text already sent
+        self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def text(self) -> str:
@@ -22,6 +23,10 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         full = self.text()
         safe = len(full) - self.hold
+        for s in self.stop:       # a stop string completed by these tokens: nothing from its start on
+            i = full.find(s, max(0, self.emitted - len(s) + 1))
+            if i >= 0:
+                safe = min(safe, i)
         while safe > self.emitted and full[safe - 1] == "\ufffd":
             safe -= 1
         if safe <= self.emitted:

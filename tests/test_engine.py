@@ -114,3 +114,23 @@ def test_invalid_sampling_params_name_the_field(engine, bad, field):
     with pytest.raises(ParamError) as e:
         engine.add_request([1, 2, 3], SamplingParams.from_dict(bad))
     assert e.value.field == field and field in str(e.value)
+
+
+def test_streamed_text_never_shows_a_completed_stop_string(engine):
+    """The front's incremental detokenizer: whether the tokens arrive one by one or all at once, the
+    text sent is what precedes the stop string, even when the token completing the stop string
+    arrives in the same chunk as the text before it."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    tok = engine.tokenizer
+    ids = tok.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=True)
+    for stop in (" gamma", "ta gam", "a"):
+        want = full[:full.find(stop)]
+        for step in (1, 2, len(ids)):
+            d = IncrementalDetokenizer(tok, (stop,))
+            sent = ""
+            for i in range(0, len(ids), step):
+                sent += d.add(ids[i:i + step])
+                assert not any(s in sent for s in (stop,)), (stop, step, sent)
+            assert sent + d.finish(stop) == want, (stop, step)

@@ -51,6 +51,8 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
         got = generate_all(url, mixed_prompts)
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
+        if (pp, depth) == (2, 0):
+            _check_stop_string(url, tiny30, mixed_prompts, reference)
         stats = rank_stats(url)
         assert [s["held_pages"] for s in stats] == [0] * pp
         assert httpx.get(f"{url}/health").status_code == 200, "the consensus checker or a rank failed"
@@ -58,6 +60,33 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
     assert "diverged" not in log
     if pp == 4:
         assert "layers [0, 8)" in log and "layers [23, 30)" in log
+
+
+def _check_stop_string(url, model, prompts, refs):
+    """A stop string the greedy answer reaches mid-way ends it there: the ranks decode the output
+    tail for the check (engine.loader.StopDetokenizer, loaded on first use). The stop string is
+    the text of one answer token whose first occurrence starts where that token starts."""
+    from engine.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    for prompt, ref in zip(prompts, refs):
+        for k in range(3, len(ref) - 2):
+            head = tok.decode(ref[:k], skip_special_tokens=True)
+            full = tok.decode(ref, skip_special_tokens=True)
+            stop = tok.decode(ref[:k + 1], skip_special_tokens=True)[len(head):]
+            if len(stop.strip()) >= 2 and full.find(stop) == len(head):
+                break
+        else:
+            continue
+        r = httpx.post(f"{url}/generate", timeout=120, json={
+            "input_ids": prompt, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True, "stop": [stop]}})
+        r.raise_for_status()
+        got = r.json()
+        assert got["meta_info"]["finish_reason"]["type"] == "stop", got
+        assert got["token_ids"] == ref[:k + 1], (stop, got)
+        assert got["text"] == head, (stop, got["text"], full)
+        return
+    raise AssertionError("no reference answer has a usable stop string")
 
 
 async def _storm(url: str, prompts, n: int, seed: int) -> tuple[list, int]:
