@@ -22,16 +22,10 @@ from typing import Any
 import uvicorn
 
 from engine.config import EngineConfig
-from engine.procs import setup_logging, stop_processes
+from engine.procs import free_port, setup_logging, stop_processes
 from engine.rank_process import RankSpec
 
 log = logging.getLogger("pdserve.serve")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

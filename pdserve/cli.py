@@ -24,6 +24,17 @@ def _generate(args) -> int:
     return 0
 
 
+def _router(args) -> int:
+    from router.main import router_config_from_args, serve
+    try:
+        cfg = router_config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
+    serve(cfg)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -33,6 +44,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description="a load client for any OpenAI-compatible endpoint")
         add_bench_args(bp)
         return bench_main(bp.parse_args(argv[1:]))
+    if argv[:1] == ["up"]:
+        # The launcher only starts processes: skip importing torch (~2 s before the first line).
+        from pdserve.up import add_up_args, up_main
+        up = argparse.ArgumentParser(prog="pdserve up",
+                                     description="a whole local PD cluster: router + prefill + decode nodes")
+        add_up_args(up)
+        return up_main(up.parse_args(argv[1:]))
+    if argv[:1] == ["router"]:
+        from router.main import add_router_args
+        rp = argparse.ArgumentParser(prog="pdserve router", description="the OpenAI-compatible PD router")
+        add_router_args(rp)
+        return _router(rp.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -86,14 +109,7 @@ def _run(args) -> int:
         from decode_node.serve import decode_main
         return decode_main(args)
     if args.cmd == "router":
-        from router.main import router_config_from_args, serve
-        try:
-            cfg = router_config_from_args(args)
-        except ValueError as e:
-            print(f"pdserve router: error: {e}", file=sys.stderr)
-            return 2
-        serve(cfg)
-        return 0
+        return _router(args)
     if args.cmd == "bench":
         from pdserve.bench.main import bench_main
         return bench_main(args)

@@ -16,8 +16,7 @@ import time
 
 import httpx
 
-from engine.procs import die_with_parent, stop_processes
-from engine.serve import free_port
+from engine.procs import die_with_parent, free_port, stop_processes
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
