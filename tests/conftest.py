@@ -32,6 +32,14 @@ def tiny30(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny6(tmp_path_factory):
+    """6 layers, hidden 64: whole-cluster load tests (abort storm, faults, bench tool), where the
+    per-request work (not the layer split) sets the run time; 6 still splits over 2 and 3 ranks
+    with the cross-rank overlaps of the real layouts (prefill 2/2/2 against decode 3/3)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny6"), num_layers=6, seed=1)
+
+
+@pytest.fixture(scope="session")
 def mixed_prompts():
     """16 prompts of mixed lengths; with chunk size 16 the long ones take more than two chunks."""
     rng = random.Random(7)

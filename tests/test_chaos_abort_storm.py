@@ -70,13 +70,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda lay: f"prefill{lay[0]}-decode{lay[1]}")
-def cluster(request, tiny30, tmp_path_factory):
-    """`pdserve up --prefill-pp P --decode-pp D` on tiny30: small pools, a short quarantine, long
+def cluster(request, tiny6, tmp_path_factory):
+    """`pdserve up --prefill-pp P --decode-pp D` on tiny6: small pools, a short quarantine, long
     bootstrap timeouts, and the rank consensus checker on (a divergence would kill a rank)."""
     ppp, dpp = request.param
     port = free_port()
     log = tmp_path_factory.mktemp(f"storm{ppp}{dpp}") / "up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny30), "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny6), "--port", str(port),
            "--prefill-pp", str(ppp), "--decode-pp", str(dpp), "--node-args", NODE_ARGS,
            "--router-args", "--health-interval 1"]
     env = {**os.environ, **KV_TIMEOUTS, "PDSERVE_LOG_LEVEL": "WARNING"}
@@ -109,10 +109,10 @@ class Prompt:
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny30) -> list[Prompt]:
+def prompts(tiny6) -> list[Prompt]:
     """24 distinct prompts (12 completions as token ids, 12 chats), reused by the whole storm."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(tiny30))
+    tok = AutoTokenizer.from_pretrained(str(tiny6))
     rng = random.Random(2024)
     out = []
     for n in (3, 5, 8, 12, 17, 23, 31, 40, 52, 64, 80, 100):
@@ -124,7 +124,7 @@ def prompts(tiny30) -> list[Prompt]:
         text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out.append(Prompt("chat", {"messages": [{"role": "user", "content": q}]}, ids, [], []))
-    model = load_hf(tiny30)
+    model = load_hf(tiny6)
     for p, ref in zip(out, hf_greedy(model, [p.ids for p in out], MAX_NEW)):
         p.ref = ref
         p.ref_text = [tok.decode(ref[:n], skip_special_tokens=True) for n in range(MAX_NEW + 1)]
