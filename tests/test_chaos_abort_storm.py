@@ -35,9 +35,9 @@ LAYOUTS = [(2, 2), (3, 2)]               # (prefill PP, decode PP)
 N_REQUESTS = 1000                        # per layout
 CONCURRENCY = 48                         # client requests in flight
 MAX_NEW = 16                             # the longest answer; references are computed this long
-# Small pools (96 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
+# Small pools (128 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
 # chunk 16 so the long prompts take up to 7 prefill chunks.
-NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 384 --threads 1"
+NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 512 --threads 1"
 # Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the tests'
 # 8 s KV timeouts would turn that queueing into failures. Quarantine stays short for the settle time.
 KV_TIMEOUTS = {**FAST_TIMEOUTS, "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90", "PDSERVE_KV_WAITING_TIMEOUT_S": "90",
