@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -167,6 +168,7 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
             front.dead = why
 
     ranks = RankSet(specs, on_rank_exit, module)
+    ready = getattr(front.tok, "ready", None)
 
     @app.on_event("startup")
     async def _grab_loop():
@@ -174,15 +176,39 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
         log.info("%s node front on http://%s:%d (pp=%d)", role, args.host, args.port, args.pp)
 
     try:
+        if ready is not None:
+            ready()              # a tokenizer that cannot load stops the node now, with its error
         server.run()
     finally:
         ranks.stop()
     return 0
 
 
+class TokenizerLoading:
+    """The front's tokenizer, loading in a thread while the node starts its ranks: the ranks'
+    start-up (mostly importing torch) and the tokenizer's (importing transformers, reading the
+    files) overlap instead of running one after the other. Any use waits for the load."""
+
+    def __init__(self, path):
+        from engine.loader import load_tokenizer
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+        self._future = self._pool.submit(load_tokenizer, path)
+        self._pool.shutdown(wait=False)
+
+    def ready(self):
+        return self._future.result()
+
+    def __getattr__(self, name):
+        return getattr(self._future.result(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._future.result()(*args, **kwargs)
+
+
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
-    from engine.loader import load_model_config, load_tokenizer, resolve_model
+    from engine.loader import load_model_config, resolve_model
     from engine.node_app import build_app
     from engine.node_front import NodeFront
     from engine.node_metrics import NodeMetrics
@@ -191,7 +217,7 @@ def make_front(args, role: str, cls=None, **kw):
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name    # SmolLM2-135M-Instruct
-    front = (cls or NodeFront)(load_tokenizer(path), model_name=name, role=role, pp_size=args.pp,
+    front = (cls or NodeFront)(TokenizerLoading(path), model_name=name, role=role, pp_size=args.pp,
                                max_context=min(args.max_context, mcfg.max_position_embeddings),
                                vocab_size=mcfg.vocab_size, host=front_host(args),
                                stats_port=stats_port(args), **kw)
