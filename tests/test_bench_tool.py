@@ -290,5 +290,8 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
     print(f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
           f"TTFT p50 ms {ttfts}, ITL mean ms {itls}")
     assert within(*rates), rates
-    assert within(*ttfts), ttfts
+    # TTFT here is ~100-250 ms of queueing behind the other client's decode steps, medians of a
+    # handful of requests: observed 10-30 % apart in most runs and once 2.0x (228 vs 113 ms) in a
+    # full-suite run; 3x still catches a TTFT taken from the wrong moment (that is seconds here).
+    assert within(*ttfts, factor=3.0), ttfts
     assert within(*itls), itls
