@@ -12,12 +12,12 @@ import time
 log = logging.getLogger(__name__)
 
 
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans."""

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
