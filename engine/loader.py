@@ -373,7 +373,7 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     p = resolve_model(path)
-    cached = gguf_cache_dir(p) / "tokenizer" if _is_gguf(p) else None
+    cached = _tokenizer_cache(p) if _is_gguf(p) else None
     try:
         if cached is not None and (cached / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(str(cached))
@@ -398,6 +398,11 @@ def gguf_cache_dir(gguf: Path) -> Path:
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     return root / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _tokenizer_cache(gguf: Path) -> Path:
+    """The tokenizer folder `load_tokenizer` saves for a GGUF file (and `StopDetokenizer` reads)."""
+    return gguf_cache_dir(gguf) / "tokenizer"
 
 
 def _save_tokenizer(tok, dest: Path) -> None:
@@ -435,7 +440,7 @@ class StopDetokenizer:
         return self._decode(ids)
 
     def _load(self):
-        folder = gguf_cache_dir(self.path) / "tokenizer" if _is_gguf(self.path) else self.path
+        folder = _tokenizer_cache(self.path) if _is_gguf(self.path) else self.path
         tj, tc = folder / "tokenizer.json", folder / "tokenizer_config.json"
         try:
             cleanup = json.loads(tc.read_text()).get("clean_up_tokenization_spaces", False) if tc.is_file() else False
