@@ -35,27 +35,33 @@ def _router(args) -> int:
     return 0
 
 
+def _light_bench():
+    from pdserve.bench.main import add_bench_args, bench_main
+    return add_bench_args, bench_main, "a load client for any OpenAI-compatible endpoint"
+
+
+def _light_up():
+    from pdserve.up import add_up_args, up_main
+    return add_up_args, up_main, "a whole local PD cluster: router + prefill + decode nodes"
+
+
+def _light_router():
+    from router.main import add_router_args
+    return add_router_args, _router, "the OpenAI-compatible PD router"
+
+
+# Commands parsed and run without building every subcommand's parser (which imports torch).
+LIGHT = {"bench": _light_bench, "up": _light_up, "router": _light_router}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        # The load client needs none of the serving stack: skip importing torch (seconds per run).
-        from pdserve.bench.main import add_bench_args, bench_main
-        bp = argparse.ArgumentParser(prog="pdserve bench",
-                                     description="a load client for any OpenAI-compatible endpoint")
-        add_bench_args(bp)
-        return bench_main(bp.parse_args(argv[1:]))
-    if argv[:1] == ["up"]:
-        # The launcher only starts processes: skip importing torch (~2 s before the first line).
-        from pdserve.up import add_up_args, up_main
-        up = argparse.ArgumentParser(prog="pdserve up",
-                                     description="a whole local PD cluster: router + prefill + decode nodes")
-        add_up_args(up)
-        return up_main(up.parse_args(argv[1:]))
-    if argv[:1] == ["router"]:
-        from router.main import add_router_args
-        rp = argparse.ArgumentParser(prog="pdserve router", description="the OpenAI-compatible PD router")
-        add_router_args(rp)
-        return _router(rp.parse_args(argv[1:]))
+    if argv[:1] and argv[0] in LIGHT:
+        # These need none of the model stack: skip importing torch (seconds before the first line).
+        add_args, run, desc = LIGHT[argv[0]]()
+        ap = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", description=desc)
+        add_args(ap)
+        return run(ap.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
