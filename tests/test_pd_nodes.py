@@ -106,18 +106,17 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
 
 def test_waiting_timeout_covers_the_pd_queues(tiny30, mixed_prompts, reference, tmp_path):
     """`--waiting-timeout` also ends requests stuck in the PD queues (prefill bootstrap, decode
-    prealloc/transfer) with a clear error, well before the 8 s KV bootstrap/waiting timeouts."""
+    prealloc/transfer) with a clear error, before the 8 s KV bootstrap/waiting timeouts would."""
     extra = ["--waiting-timeout", "3"]
     with prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _), \
             decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _):
         with httpx.Client(timeout=30) as c:
             for url, room in ((durl, 22), (purl, 21)):     # the other side never comes
-                t0 = time.monotonic()
+                # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
+                # message names that failure, not the waiting timeout.
                 r = c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
-                took = time.monotonic() - t0
                 assert r.status_code >= 400, r.text
                 assert "waiting timeout" in r.json()["error"]["message"], (url, r.text)
-                assert took < 8, (url, took)
         # A request that is not stuck is not touched.
         assert pd_generate_all(purl, durl, bport, mixed_prompts[:2], MAX_NEW) == reference[:2]
         left = wait_pages_free(purl, durl, timeout=40)
