@@ -1,8 +1,14 @@
 """The Mooncake transfer engine behind a small seam: protocol choice, memory registration, writes.
 
-Mooncake is imported lazily (its wheel needs Debian's libibverbs1 even for TCP). Writes are split
-into batches of at most `max_batch` descriptors so that no single call can be rejected for size
-(Mooncake's TCP lane rejects a 7,680-descriptor batch outright).
+Mooncake is imported lazily (its wheel needs Debian's libibverbs1 even for TCP).
+
+Writes: every descriptor is its own Mooncake transfer (`transfer_submit_write`), at most
+`max_inflight` outstanding per call, and the caller polls them with `transfer_check_status`,
+sleeping between polls. Not `batch_transfer_sync_write`: its wait spins in C++ without yielding,
+one full core per waiting thread, and on a small CPU those spinners starve the engine's own I/O
+threads (measured: layouts with 2-3 prefill ranks per process moved KV at 0.57-0.80 of one raw
+write, see bench/results/kv_transfer.md). The window also keeps every peer's queue far under the
+engine's limit (Mooncake's TCP lane rejects a 7,680-descriptor batch outright).
 """
 from __future__ import annotations
 
@@ -10,13 +16,17 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from typing import Sequence
 
-from kv_transfer.layout import Desc, batches
+from kv_transfer.layout import Desc
 
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("auto", "tcp", "rdma")
+POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3    # sleep between status polls: doubles while nothing completes
+DRAIN_TIMEOUT_S = 30.0                  # after a failure or stop: how long outstanding writes may take to end
+WRITE_TIMEOUT_S = 30.0                  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
 RDMA_SYSFS = "/sys/class/infiniband"
 
 
@@ -85,34 +95,83 @@ class MooncakeEngine:
     def unregister(self, ptr: int) -> None:
         self._te.unregister_memory(ptr)
 
-    def write(self, session_id: str, descs: Sequence[Desc], max_batch: int,
+    def write(self, session_id: str, descs: Sequence[Desc], max_inflight: int,
               should_stop=lambda: False) -> int:
-        """Writes all descriptors (blocking), batch by batch; returns the bytes moved.
+        """Writes all descriptors (blocking) and returns the bytes moved.
 
-        Raises TransferError on the first failed batch, or when `should_stop()` turns true between
-        batches (an abort or a timeout on the caller's side)."""
-        moved = 0
-        for batch in batches(descs, max_batch):
-            if should_stop():
-                raise TransferError("stopped")
-            src = [d[0] for d in batch]
-            dst = [d[1] for d in batch]
-            lens = [d[2] for d in batch]
-            rc = self._write_once(session_id, src, dst, lens)
-            if rc != 0 and not should_stop():    # one retry: writes are idempotent; a dead peer fails fast again
-                time.sleep(0.05)
-                rc = self._write_once(session_id, src, dst, lens)
-            if rc != 0:
-                raise TransferError(f"batch write of {len(batch)} descriptors to {session_id} returned {rc}",
-                                    session_id)
-            moved += sum(lens)
-        return moved
+        Raises TransferError when a descriptor failed twice (writes are idempotent, so one failure
+        is retried), when `should_stop()` turns true (an abort or a timeout on the caller's side),
+        or after WRITE_TIMEOUT_S. It returns or raises only once none of its writes is still on
+        the wire, so after it the destination pages are never written by this call again."""
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        total = sum(d[2] for d in descs)
+        if not descs:
+            return 0
+        deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
+        todo = [(d, 1) for d in reversed(descs)]     # (descriptor, try); popped from the end: in order
+        if session_id not in self._opened:
+            with self._first_contact:                # the first write to a peer opens its segment
+                if session_id not in self._opened:
+                    self._run(session_id, [todo.pop()], 1, should_stop, deadline)
+                    self._opened.add(session_id)
+        self._run(session_id, todo, max_inflight, should_stop, deadline)
+        return total
 
-    def _write_once(self, session_id: str, src: list[int], dst: list[int], lens: list[int]) -> int:
-        if session_id in self._opened:
-            return self._te.batch_transfer_sync_write(session_id, src, dst, lens)
-        with self._first_contact:
-            rc = self._te.batch_transfer_sync_write(session_id, src, dst, lens)
-            if rc == 0:
-                self._opened.add(session_id)
-            return rc
+    def _run(self, session_id: str, todo: list[tuple[Desc, int]], max_inflight: int, should_stop,
+             deadline: float) -> None:
+        inflight: deque[tuple[int, Desc, int]] = deque()     # (batch id, descriptor, tries)
+        error: TransferError | None = None
+        nap = POLL_MIN_S
+        while todo or inflight:
+            if error is None:
+                if should_stop():
+                    error = TransferError("stopped")
+                elif time.monotonic() > deadline:
+                    error = TransferError(f"write to {session_id} timed out", session_id)
+            while error is None and todo and len(inflight) < max_inflight:
+                d, tries = todo.pop()
+                bid = self._te.transfer_submit_write(session_id, d[0], d[1], d[2])
+                if not 0 < bid < 1 << 63:           # the binding returns -1 as an unsigned batch id
+                    error = TransferError(f"submitting a write to {session_id} failed", session_id)
+                else:
+                    inflight.append((bid, d, tries))
+            if error is not None:
+                todo.clear()
+                if inflight:
+                    self._drain(session_id, inflight)
+                raise error
+            progressed = False
+            while inflight:
+                bid, d, tries = inflight[0]
+                rc = self._te.transfer_check_status(bid)
+                if rc == 0:
+                    break
+                inflight.popleft()
+                progressed = True
+                if rc == 1:
+                    continue
+                if tries < 2 and not should_stop():
+                    todo.append((d, tries + 1))      # retried next round, before the untried ones
+                    continue
+                error = TransferError(f"write of {d[2]} bytes to {session_id} failed (status {rc})", session_id)
+                break
+            if progressed:
+                nap = POLL_MIN_S
+            elif inflight:
+                time.sleep(nap)
+                nap = min(nap * 2, POLL_MAX_S)
+        if error is not None:
+            raise error
+
+    def _drain(self, session_id: str, inflight: deque) -> None:
+        """Waits (bounded) until every outstanding write ended, whatever its outcome."""
+        end = time.monotonic() + DRAIN_TIMEOUT_S
+        while inflight and time.monotonic() < end:
+            if self._te.transfer_check_status(inflight[0][0]) != 0:
+                inflight.popleft()
+            else:
+                time.sleep(POLL_MAX_S)
+        if inflight:
+            logger.warning("%d writes to %s still unfinished %.0f s after their transfer was stopped",
+                           len(inflight), session_id, DRAIN_TIMEOUT_S)

@@ -170,9 +170,3 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
             out.append((s, d, n))
     return out
 
-
-def batches(descs: Sequence[Desc], max_per_batch: int) -> list[Sequence[Desc]]:
-    """Splits descriptors into engine calls of at most `max_per_batch` each."""
-    if max_per_batch < 1:
-        raise ValueError("max_per_batch must be >= 1")
-    return [descs[i:i + max_per_batch] for i in range(0, len(descs), max_per_batch)]

@@ -41,7 +41,7 @@ class TransferConfig:
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 3           # bootstrap server unreachable this many beats in a row => its ranks are dead
-    max_batch_descriptors: int = 256    # per Mooncake call; keeps every batch under the engine's queue
+    max_inflight_descriptors: int = 64  # outstanding Mooncake writes per peer write; far under its queue
     transfer_threads: int = 2          # per rank; more threads thrash a small CPU over TCP (see bench)
     aux_slot_bytes: int = 4096
     checksum: bool = False              # debug: decode verifies a crc32 of what it received
@@ -56,8 +56,8 @@ class TransferConfig:
                   "tick_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be > 0")
-        if self.max_batch_descriptors < 1 or self.transfer_threads < 1 or self.heartbeat_misses < 1:
-            raise ValueError("max_batch_descriptors, transfer_threads and heartbeat_misses must be >= 1")
+        if self.max_inflight_descriptors < 1 or self.transfer_threads < 1 or self.heartbeat_misses < 1:
+            raise ValueError("max_inflight_descriptors, transfer_threads and heartbeat_misses must be >= 1")
         if self.aux_slot_bytes <= AUX_HEADER.size:
             raise ValueError(f"aux_slot_bytes must exceed the {AUX_HEADER.size}-byte header")
 

@@ -216,8 +216,8 @@ class KVSender:
                 # transfer thread (and the healthy peers' rooms queued behind it) in another write.
                 raise TransferError(f"session {p.session_id} failed before", p.session_id)
             descs = build_descriptors(mgr.pool, p.pool, chunk.page_ids, p.page_ids, chunk.token_start, chunk.token_end)
-            moved = mgr.engine.write(p.session_id, descs, cfg.max_batch_descriptors, stop)
-            mgr.stats.add_write(-(-len(descs) // cfg.max_batch_descriptors), len(descs), moved)
+            moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
+            mgr.stats.add_write(len(descs), moved)
         if not chunk.last:
             return
         aux_bytes = {}

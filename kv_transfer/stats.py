@@ -6,7 +6,7 @@ from collections import Counter, deque
 
 
 class TransferStats:
-    """Thread-safe counters: bytes, engine calls, rooms, failures by reason, dropped messages,
+    """Thread-safe counters: bytes, descriptors (one engine write each), rooms, failures by reason, dropped messages,
     and the latency of each finished room (seconds from the first chunk, or from registration on
     decode, to Success)."""
 
@@ -15,7 +15,6 @@ class TransferStats:
         self.bytes_sent = 0
         self.bytes_received = 0         # decode: bytes prefill reported sending to this rank
         self.descriptors = 0
-        self.batches = 0
         self.rooms_succeeded = 0
         self.failures: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
@@ -23,9 +22,8 @@ class TransferStats:
         self.latency_count = 0
         self.latencies: deque[tuple[int, float]] = deque(maxlen=keep_latencies)
 
-    def add_write(self, num_batches: int, num_descriptors: int, num_bytes: int) -> None:
+    def add_write(self, num_descriptors: int, num_bytes: int) -> None:
         with self._lock:
-            self.batches += num_batches
             self.descriptors += num_descriptors
             self.bytes_sent += num_bytes
 
@@ -52,7 +50,7 @@ class TransferStats:
         with self._lock:
             return {
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "descriptors": self.descriptors, "batches": self.batches,
+                "descriptors": self.descriptors,
                 "rooms_succeeded": self.rooms_succeeded, "failures": dict(self.failures),
                 "dropped": dict(self.dropped), "latency_sum_s": self.latency_sum_s,
                 "latency_count": self.latency_count, "recent_latencies": list(self.latencies),

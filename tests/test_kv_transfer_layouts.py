@@ -56,7 +56,7 @@ def test_byte_exact_transfer(ranks, p_pp, d_pp):
     for case, (p_ps, d_ps, checksum) in enumerate(PAGE_CASES):
         name = f"L{p_pp}x{d_pp}c{case}"
         cfg = dict(bootstrap_timeout_s=15, waiting_timeout_s=15, transfer_timeout_s=15, heartbeat_interval_s=0.5,
-                   checksum=checksum, max_batch_descriptors=64)
+                   checksum=checksum, max_inflight_descriptors=8)
         server = BootstrapServer(heartbeat_timeout_s=10).start()
         try:
             for i, p in enumerate(prefill):

@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 from consensus.kvpoll import KVPoll, update_status
 from kv_transfer.bootstrap import BootstrapState, PrefillRankInfo, build_app
 from kv_transfer.engine import resolve_protocol
-from kv_transfer.layout import (PoolDesc, batches, build_descriptors, coalesce, intersect, overlapping,
+from kv_transfer.layout import (PoolDesc, build_descriptors, coalesce, intersect, overlapping,
                                 pages_for, split_layers)
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, MessageError, decode_message, encode_message
 
@@ -82,7 +82,6 @@ def test_descriptor_grouping():
     descs = build_descriptors(src, dst, [0, 2, 4, 6], [1, 3, 5, 7], 5, 9)
     assert len(descs) == 2
     assert coalesce([(0, 100, 4), (4, 104, 4), (9, 108, 1)]) == [(0, 100, 8), (9, 108, 1)]
-    assert [len(b) for b in batches(list(range(600)), 256)] == [256, 256, 88]
 
 
 def test_descriptors_reject_bad_tables():
