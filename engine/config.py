@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engine.scheduler import SchedulerConfig
+    from engine.scheduler import SchedulerConfig
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# dtype flag -> torch dtype name; torch itself is imported only where a tensor is made (the fronts,
+# which build configs too, never import it)
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,15 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size
 
     def scheduler_config(self, num_slots: int = 1, enable_prefix_cache: bool | None = None) -> SchedulerConfig:
+        from engine.scheduler import SchedulerConfig
         return SchedulerConfig(
             page_size=self.page_size, chunk_size=self.chunk_size, max_batch_tokens=self.max_batch_tokens,
             max_running=self.max_running, max_context=self.max_context, num_slots=num_slots,
@@ -58,5 +64,6 @@ def apply_threads(threads: int) -> int:
     """Sets torch's intra-op threads (0 => every core this process may run on); returns the count."""
     if threads <= 0:
         threads = len(os.sched_getaffinity(0))
+    import torch
     torch.set_num_threads(threads)
     return threads

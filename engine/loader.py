@@ -23,10 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from engine.model import SUPPORTED_ARCHS, ModelConfig, ModelSlice
-from engine.rope import SUPPORTED_ROPE_TYPES
+from engine.model_config import SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # name -> (PyPI package, module holding the file, file name)
@@ -230,6 +228,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
 
 def _dequant(raw: np.ndarray, qtype: int, shape: list[int]) -> torch.Tensor:
     """A tensor from its raw bytes in the file (`shape` in GGUF order, innermost first)."""
+    import torch
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -346,8 +345,13 @@ def load_model_config(path) -> ModelConfig:
     return _gguf_index(p)[0] if _is_gguf(p) else _hf_config(p)
 
 
-def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> ModelSlice:
-    """Builds layers [layer_start, layer_end) and loads only their weights (plus embedding / head)."""
+def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice:
+    """Builds layers [layer_start, layer_end) and loads only their weights (plus embedding / head);
+    `dtype` defaults to float32. torch is imported here, not with the module: node fronts read
+    configs and tokenizers through this module and never need torch."""
+    import torch
+
+    from engine.model import ModelSlice
     p = resolve_model(path)
     with contextlib.ExitStack() as stack:
         if _is_gguf(p):
@@ -359,7 +363,7 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=torch.float32) -> M
         if not 0 <= layer_start < layer_end <= cfg.num_layers:
             raise ModelLoadError(f"layer slice [{layer_start}, {layer_end}) is outside the model's "
                                  f"{cfg.num_layers} layers")
-        model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype)
+        model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype or torch.float32)
         model.load_weights(_SliceWeights(model.weight_names(), fetch, cfg, p))
     return model.eval()
 
@@ -370,17 +374,16 @@ def load_tokenizer(path):
     Building a tokenizer from GGUF metadata takes ~8 s on a small CPU and every process of a node
     (front and ranks) needs one, so the first load saves it as a plain tokenizer folder in the
     cache (`gguf_cache_dir`); later loads read that folder."""
-    from transformers import AutoTokenizer
-
     p = resolve_model(path)
     cached = _tokenizer_cache(p) if _is_gguf(p) else None
     try:
         if cached is not None and (cached / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _from_folder(cached)
         if _is_gguf(p):
+            from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         else:
-            tok = AutoTokenizer.from_pretrained(str(p))
+            tok = _from_folder(p)
     except Exception as e:   # transformers raises many types here (OSError, ValueError, KeyError, ...)
         raise ModelLoadError(f"cannot load the tokenizer of {p}: {_reason(e)}") from None
     if not tok.chat_template and _is_gguf(p):
@@ -388,6 +391,25 @@ def load_tokenizer(path):
     if cached is not None:
         _save_tokenizer(tok, cached)
     return tok
+
+
+# The class AutoTokenizer resolves these names to: the plain `tokenizers`-backed fast tokenizer.
+_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _from_folder(folder: Path):
+    """AutoTokenizer.from_pretrained(folder), without AutoTokenizer when the folder names the plain fast
+    tokenizer class: importing AutoTokenizer imports torch (~2.5 s here), which a node front never
+    needs. Any other class goes through AutoTokenizer."""
+    try:
+        cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in _PLAIN_FAST and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def gguf_cache_dir(gguf: Path) -> Path:

@@ -11,44 +11,14 @@ loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from engine.model_config import ModelConfig
 from engine.rope import RopeTable, apply_rope
-
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:

@@ -28,29 +28,10 @@ from engine.model_runner import ModelRunner
 from engine.pp_comm import PPComm
 from engine.pp_loop import LoopConfig, SlotLoop
 from engine.procs import die_with_parent, setup_logging
+from engine.rank_spec import RankSpec
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("pdserve.rank")
-
-
-@dataclass
-class RankSpec:
-    model: str | None
-    engine: dict[str, Any]
-    pp_size: int
-    pp_rank: int
-    dist_init: str                      # tcp://host:port of the PP group's rendezvous
-    req_addr: str = ""                  # front -> PP0 (PP0 only)
-    evt_addr: str = ""                  # PP0 -> front (PP0 only)
-    stats_addr: str = ""                # every rank -> front
-    async_depth: int = 0
-    skip_pure_chunk_comm: bool = True
-    watchdog_s: float = 120.0
-    pp_timeout_s: float = 60.0
-    backend: str = "gloo"
-    device: str = "cpu"
-    role: str = "colocated"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

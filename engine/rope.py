@@ -10,7 +10,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+from engine.model_config import SUPPORTED_ROPE_TYPES
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import uvicorn
 
 from engine.config import EngineConfig
 from engine.procs import free_port, setup_logging, stop_processes
-from engine.rank_process import RankSpec
+from engine.rank_spec import RankSpec
 
 log = logging.getLogger("pdserve.serve")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from engine.loader import ModelLoadError, load_model_config, load_slice, load_tokenizer, resolve_model
 from tests.test_model import PLAN, TOTAL, max_err, run_plan
+from tests.cluster import ROOT
 from tests.tiny_model import build_tiny_model
 
 LINEAR = {"rope_type": "linear", "factor": 2.0}
@@ -225,3 +228,28 @@ def test_hf_tokenizer_and_eos(tiny):
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)
     assert load_model_config(tiny).eos_token_ids == (tok.eos_token_id,)
+
+
+def test_node_front_path_never_imports_torch(tiny):
+    """What a node front runs before serving (its modules, the model config, the tokenizer) leaves
+    torch unimported: importing it costs a front ~2.5 s of CPU while its ranks start. The tokenizer
+    it gets is the one AutoTokenizer gives."""
+    code = ("import sys; import engine.serve, prefill_node.serve, decode_node.serve; "
+            "from engine.loader import load_model_config, load_tokenizer; "
+            f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
+            "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split(" ", 1)[1].strip() == "[]", out.stdout
+    from transformers import AutoTokenizer
+
+    ours, auto = load_tokenizer(tiny), AutoTokenizer.from_pretrained(str(tiny))
+    assert type(ours) is type(auto)
+    chat = [{"role": "user", "content": "the cache page prefill"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = "rank router slot, layer token: pipeline transfer!"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
+                                                                        auto.pad_token_id)

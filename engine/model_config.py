@@ -1,0 +1,36 @@
+"""What a model is, as plain data (no torch): the fronts read it to validate requests, the ranks to
+build their layer slice. Also the architectures and RoPE kinds the engine implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
