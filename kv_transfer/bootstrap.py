@@ -105,6 +105,11 @@ class BootstrapState:
             return [p for p in peers
                     if p in self._last_seen and now - self._last_seen[p] > self.heartbeat_timeout_s]
 
+    def sessions(self) -> list[str]:
+        """The sessions of the prefill ranks registered now (a restarted node brings new ones)."""
+        with self._lock:
+            return sorted(r.session_id for r in self._ranks.values())
+
     def health(self) -> dict:
         with self._lock:
             return {"status": "ok", "registered": len(self._ranks), "pp_size": self._pp_size}
@@ -150,7 +155,7 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             return _error(400, "body must be {session: str, peers: [str]}")
-        return JSONResponse({"dead": state.heartbeat(session, peers)})
+        return JSONResponse({"dead": state.heartbeat(session, peers), "ranks": state.sessions()})
 
     async def health(request: Request):
         return JSONResponse(state.health())

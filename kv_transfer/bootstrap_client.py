@@ -70,11 +70,13 @@ class BootstrapClient:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def heartbeat(self, session: str, peers: list[str]) -> list[str]:
-        """One try; returns the dead peers, raises httpx.HTTPError (or ValueError) on failure."""
+    def heartbeat(self, session: str, peers: list[str]) -> tuple[list[str], set[str]]:
+        """One try; returns (the dead peers, the sessions of the prefill ranks registered now);
+        raises httpx.HTTPError (or ValueError) on failure."""
         r = self._http.post("/heartbeat", json={"session": session, "peers": peers})
         r.raise_for_status()
-        dead = r.json()["dead"]
-        if not isinstance(dead, list):
+        body = r.json()
+        dead, ranks = body.get("dead"), body.get("ranks")
+        if not isinstance(dead, list) or not isinstance(ranks, list):
             raise ValueError("bad heartbeat answer")
-        return [d for d in dead if isinstance(d, str)]
+        return [d for d in dead if isinstance(d, str)], {s for s in ranks if isinstance(s, str)}

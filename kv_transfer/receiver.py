@@ -273,8 +273,16 @@ class DecodeKVManager(KVManagerBase):
         for addr, recvs in by_addr.items():
             peers = sorted({s for r in recvs for s in r.prefill_sessions()})
             try:
-                dead = set(self._client(addr).heartbeat(self.session_id, peers))
+                dead, registered = self._client(addr).heartbeat(self.session_id, peers)
+                dead = set(dead)
                 self._misses[addr] = 0
+                # A cached route naming a session the server no longer has is stale: the node was
+                # restarted on the same address with new ranks. Without this check the route would
+                # outlive the restart whenever no room of ours was active when the old ranks died.
+                stale = self._cached_sessions(addr) - registered
+                if stale:
+                    self.info("prefill node %s has new ranks; looking its route up again", addr)
+                    dead |= stale
             except Exception as e:
                 self._misses[addr] = self._misses.get(addr, 0) + 1
                 if self._misses[addr] < self.config.heartbeat_misses:
@@ -297,6 +305,13 @@ class DecodeKVManager(KVManagerBase):
                 for r in recvs:
                     if dead.intersection(r.prefill_sessions()):
                         r._fail("peer_dead")
+
+    def _cached_sessions(self, addr: str) -> set[str]:
+        with self._lock:
+            fut = self._routes.get(addr)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return set()
+        return {r.session_id for r in fut.result()}
 
     def close(self) -> None:
         super().close()

@@ -336,7 +336,7 @@ class PrefillKVManager(KVManagerBase):
             active = [s for s in self._senders.values() if s.finished_at is None]
         peers = sorted({p for s in active for p in s.peer_sessions()})
         try:
-            dead = set(self._bootstrap.heartbeat(self.session_id, peers))
+            dead = set(self._bootstrap.heartbeat(self.session_id, peers)[0])
         except Exception as e:       # our own node's server; nothing to fail, say so
             self.warn("heartbeat to bootstrap server %s failed: %s", self._bootstrap.addr, e)
             return

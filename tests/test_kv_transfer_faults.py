@@ -10,6 +10,7 @@ import itertools
 import multiprocessing as mp
 import random
 import socket
+import time
 
 import msgpack
 import pytest
@@ -219,3 +220,39 @@ def test_prefill_killed(cluster):
     _assert(got, FAILED, within=limit)
     assert got[doomed][1] == "peer_dead", got
     _assert(c.wait("DB", [ok]), SUCCESS)
+
+
+
+def test_prefill_restarted_on_the_same_address(cluster):
+    """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on the
+    same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to tell it
+    that route died. Its heartbeats see that the server's ranks changed, so its next room to PC looks
+    the route up again and completes (the stale route would register with the dead process and time out)."""
+    c = cluster
+    ctx = mp.get_context("spawn")
+    c.servers["C"] = BootstrapServer(heartbeat_timeout_s=HB_TIMEOUT).start()
+    for name in ("PC", "DC"):
+        c.procs[name] = RankProcess(ctx, name)
+        c.pages[name] = list(range(NUM_PAGES))
+        c.aux_slots[name] = itertools.cycle(range(AUX_SLOTS))
+
+    def start_pc():
+        c.procs["PC"].call("prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, c.servers["C"].addr)
+        assert c.procs["PC"].call("wait_registered", "m", 10)
+
+    def one_room():
+        room, ptab, dtab = c.room("PC", "DC")
+        _assert(c.wait("PC", [room], [WAITING, FAILED]), WAITING)
+        c.send_all("PC", room, ptab)
+        _assert(c.wait("DC", [room]), SUCCESS)
+        assert c.procs["DC"].call("check", "m", room, dtab, N) == 0
+
+    start_pc()
+    c.procs["DC"].call("decode", "m", CFG, 0, [LAYERS], NUM_PAGES, PS, TB)
+    one_room()
+    c.procs["PC"].kill()
+    c.procs["PC"] = RankProcess(ctx, "PC2")
+    c.pages["PC"] = list(range(NUM_PAGES))
+    start_pc()
+    time.sleep(3 * CFG["heartbeat_interval_s"])        # a few of DC's heartbeats to PC's server
+    one_room()

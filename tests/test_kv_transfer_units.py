@@ -151,7 +151,9 @@ def test_bootstrap_app_endpoints():
     assert client.put("/route", json=_info(1, 2, 15, 30).to_wire(), headers=auth).status_code == 200
     r = client.get("/route?layer_start=20&layer_end=30&session=d", headers=auth)
     assert r.status_code == 200 and [x["pp_rank"] for x in r.json()["ranks"]] == [1]
-    assert client.post("/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth).json() == {"dead": []}
+    sessions = sorted([_info(0, 2, 0, 15).session_id, _info(1, 2, 15, 30).session_id])
+    assert client.post("/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth).json() == \
+        {"dead": [], "ranks": sessions}
     assert client.post("/heartbeat", json={"session": 1}, headers=auth).status_code == 400
 
 
