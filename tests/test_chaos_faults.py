@@ -304,18 +304,27 @@ def judge(outs: list[Outcome], refs: dict) -> tuple[list[Outcome], list[Outcome]
     return ok, failed
 
 
-def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str, rounds: int = 4) -> None:
-    """Sends every fresh prompt at once through the router (each answer must be the reference), round
-    after round, until `node` finished one more request with `reason` (`length` on a decode node,
-    `prefill_done` on a prefill node). At once, because cache_aware sends a prompt to the least loaded
-    of the prefill nodes that saw it: one at a time, it would always pick the first of them."""
+def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
+    """The router takes `node` back: with the other nodes of its role taken out of the router for a
+    moment (cache_aware would keep sending the fresh prompts to whichever node already holds them,
+    and how many are in flight at once decides ties), every fresh prompt goes through the router to
+    `node`; each answer must be the reference and `node` must count them (`length` on a decode node,
+    `prefill_done` on a prefill node). The others are registered again after."""
+    others = [n for n in chaos.nodes.values() if n.role == node.role and n is not node]
     before = counter(node.url, "pdserve_requests_total", finish_reason=reason)
-    for _ in range(rounds):
+    try:
+        for n in others:
+            r = httpx.delete(f"{chaos.router}/workers", params={"url": n.url}, timeout=10)
+            assert r.status_code == 200, r.text
         _, failed = judge(send_all(chaos.router, "fresh", list(range(len(FRESH)))), refs)
         assert not failed, [o.error for o in failed]
-        if counter(node.url, "pdserve_requests_total", finish_reason=reason) > before:
-            return
-    raise AssertionError(f"the router sent {node.name} none of {rounds * len(FRESH)} requests")
+    finally:
+        for n in others:
+            body = {"url": n.url, "role": n.role, **({"bootstrap_port": n.bport} if n.bport else {})}
+            r = httpx.post(f"{chaos.router}/workers", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+    wait_for(lambda: counter(node.url, "pdserve_requests_total", finish_reason=reason) >= before + len(FRESH), 10,
+             f"{node.name} to count the {len(FRESH)} requests the router sent it")
 
 
 def report(fault: str, outs: list[Outcome], ok: list[Outcome], failed: list[Outcome], retries: float) -> None:
