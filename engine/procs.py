@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,9 +13,33 @@ import time
 log = logging.getLogger(__name__)
 
 
+PORTS_FROM = 20000      # free_port's range starts here: above Mooncake's handshake/RPC ports (12001, 15000-17000)
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A port free right now, for a server to bind soon after. Taken below the kernel's ephemeral
+    range: a port the OS hands out for bind(0) is also what it hands out as the local port of the
+    next outgoing connection, which then holds it when the server binds (seen: EADDRINUSE on a
+    prefill node's bootstrap port while other processes connected). Random, then checked."""
+    end = _ephemeral_start()
+    rng = random.SystemRandom()
+    for _ in range(100 if end - PORTS_FROM > 1000 else 0):
+        port = rng.randrange(PORTS_FROM, end)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:          # no usable range below the ephemeral ports: the OS picks
         s.bind((host, 0))
         return s.getsockname()[1]
 
