@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -37,6 +38,8 @@ class RequestError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
+
+EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0   # abort-before-request tombstones: how many, how long
 
 @dataclass
 class Pending:
@@ -71,6 +74,10 @@ class NodeFront:
         else:
             self.stats_addr = self._bind(self.stats_sock, host)
         self.pending: dict[str, Pending] = {}
+        # rids aborted before their /generate arrived (the router sends abort and generate on separate
+        # connections, so an abort can overtake its request): that request is refused when it comes,
+        # instead of waiting for a KV partner that already gave up (a bootstrap timeout later)
+        self.early_aborts: OrderedDict[str, float] = OrderedDict()
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None          # why the node is unhealthy, once it is
@@ -154,6 +161,9 @@ class NodeFront:
             raise RequestError(400, "'rid' must be a string of at most 256 characters", "rid")
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
+        aborted_at = self.early_aborts.pop(rid, None)
+        if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_TTL_S:
+            raise RequestError(409, f"request {rid!r} was aborted before it arrived", "rid", "aborted")
         extra = self.extra_add_fields(body)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
         self.pending[rid] = p
@@ -172,6 +182,10 @@ class NodeFront:
 
     def abort(self, rid: str, why: str = "aborted by client") -> bool:
         if rid not in self.pending:
+            self.early_aborts[rid] = time.monotonic()
+            self.early_aborts.move_to_end(rid)
+            while len(self.early_aborts) > EARLY_ABORTS_KEPT:
+                self.early_aborts.popitem(last=False)
             return False
         self.send(["abort", rid, why])
         return True

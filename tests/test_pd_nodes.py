@@ -54,6 +54,13 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                 assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
                 r = await t
                 assert r.status_code >= 400 and "abort" in r.json()["error"]["message"]
+                # An abort that overtakes its request (it came first, on another connection): the
+                # request is refused when it arrives, on either node, instead of waiting for a
+                # partner that already gave up until its bootstrap timeout.
+                for url, rid in ((purl, "e1"), (durl, "e2")):
+                    assert (await c.post(f"{url}/abort", json={"rid": rid})).json()["aborted"] is False
+                    r = await c.post(f"{url}/generate", json={**body(mixed_prompts[3], 13, bport, 5), "rid": rid})
+                    assert r.status_code == 409 and r.json()["error"]["code"] == "aborted", r.text
                 # prealloc/transfer: the prefill side never comes; abort at the decode node.
                 t = asyncio.create_task(c.post(f"{durl}/generate", json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"}))
                 await asyncio.sleep(0.5)
