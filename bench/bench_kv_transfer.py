@@ -177,7 +177,7 @@ def main():
         src = pre("raw_buffer", KV_BYTES)[1]
         session, dst = dec("raw_buffer", KV_BYTES)
         raw = lambda: pre("raw_write", src, session, dst, KV_BYTES)  # noqa: E731
-        lines = [f"# kv_transfer benchmark", "",
+        lines = ["# kv_transfer benchmark", "",
                  f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, pages of {PAGE_SIZE}: "
                  f"{KV_BYTES / 1e6:.1f} MB per room, scattered page tables; Mooncake TCP on loopback, "
                  f"{os.cpu_count()} cores shared with other jobs. Raw = one `batch_transfer_sync_write` of the "

@@ -21,10 +21,16 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.model_config import SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, ModelConfig
+
+if TYPE_CHECKING:                   # torch is imported where tensors are made (see load_slice)
+    import torch
+
+    from engine.model import ModelSlice
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # name -> (PyPI package, module holding the file, file name)
