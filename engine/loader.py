@@ -403,14 +403,23 @@ def load_tokenizer(path):
 _PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def _tokenizer_config(folder: Path) -> dict | None:
+    """The folder's tokenizer_config.json: {} when there is none, None when it cannot be read."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 def _from_folder(folder: Path):
     """AutoTokenizer.from_pretrained(folder), without AutoTokenizer when the folder names the plain fast
     tokenizer class: importing AutoTokenizer imports torch (~2.5 s here), which a node front never
     needs. Any other class goes through AutoTokenizer."""
-    try:
-        cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        cls = None
+    cls = (_tokenizer_config(folder) or {}).get("tokenizer_class")
     if cls in _PLAIN_FAST and (folder / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(folder))
@@ -469,11 +478,8 @@ class StopDetokenizer:
 
     def _load(self):
         folder = _tokenizer_cache(self.path) if _is_gguf(self.path) else self.path
-        tj, tc = folder / "tokenizer.json", folder / "tokenizer_config.json"
-        try:
-            cleanup = json.loads(tc.read_text()).get("clean_up_tokenization_spaces", False) if tc.is_file() else False
-        except (OSError, ValueError):
-            cleanup = True
+        tj, cfg = folder / "tokenizer.json", _tokenizer_config(folder)
+        cleanup = True if cfg is None else cfg.get("clean_up_tokenization_spaces", False)   # unreadable: transformers
         if tj.is_file() and not cleanup:
             from tokenizers import Tokenizer
 
