@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from engine.node_front import NodeFront, RequestError, sse
+from engine.node_front import RID_MAX, NodeFront, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
 
@@ -74,8 +74,8 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         check_internal(request)
         body = await read_json(request)
         rid = body.get("rid")
-        if not isinstance(rid, str):
-            raise RequestError(400, "'rid' (string) is required", "rid")
+        if not isinstance(rid, str) or not rid or len(rid) > RID_MAX:
+            raise RequestError(400, f"'rid' (a string of 1 to {RID_MAX} characters) is required", "rid")
         return {"aborted": front.abort(rid)}
 
     @app.get("/health")

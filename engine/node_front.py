@@ -39,6 +39,7 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
+RID_MAX = 256                                         # characters of a request id
 EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0   # abort-before-request tombstones: how many, how long
 
 @dataclass
@@ -157,8 +158,8 @@ class NodeFront:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"context limit of {self.max_context} tokens", "max_tokens", "context_length_exceeded")
         rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str) or len(rid) > 256:
-            raise RequestError(400, "'rid' must be a string of at most 256 characters", "rid")
+        if not isinstance(rid, str) or len(rid) > RID_MAX:
+            raise RequestError(400, f"'rid' must be a string of at most {RID_MAX} characters", "rid")
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
         aborted_at = self.early_aborts.pop(rid, None)

@@ -61,6 +61,9 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                     assert (await c.post(f"{url}/abort", json={"rid": rid})).json()["aborted"] is False
                     r = await c.post(f"{url}/generate", json={**body(mixed_prompts[3], 13, bport, 5), "rid": rid})
                     assert r.status_code == 409 and r.json()["error"]["code"] == "aborted", r.text
+                    for bad in ({"rid": 5}, {"rid": ""}, {"rid": "x" * 257}, {}):   # named, not remembered
+                        r = await c.post(f"{url}/abort", json=bad)
+                        assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
                 # prealloc/transfer: the prefill side never comes; abort at the decode node.
                 t = asyncio.create_task(c.post(f"{durl}/generate", json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"}))
                 await asyncio.sleep(0.5)
