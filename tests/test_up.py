@@ -260,3 +260,18 @@ def test_ctrl_c_stops_every_process(cluster):
     assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
     assert "[up] stopping" in log.read_text()
+
+
+def test_free_port_stays_out_of_the_ephemeral_range():
+    """The ports `pdserve up` (and the tests) give their servers: bindable, and never in the range
+    the kernel hands out as local ports of outgoing connections, where another process's connect
+    can take the port between the pick and the server's bind."""
+    import socket
+
+    from engine.procs import PORTS_FROM, _ephemeral_start
+
+    start = _ephemeral_start()
+    for port in [free_port() for _ in range(50)]:
+        assert PORTS_FROM <= port < start, (port, start)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
