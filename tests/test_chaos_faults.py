@@ -309,15 +309,20 @@ def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
     moment (cache_aware would keep sending the fresh prompts to whichever node already holds them,
     and how many are in flight at once decides ties), every fresh prompt goes through the router to
     `node`; each answer must be the reference and `node` must count them (`length` on a decode node,
-    `prefill_done` on a prefill node). The others are registered again after."""
+    `prefill_done` on a prefill node). One at a time, once the node's circuit breaker is past its
+    open period: after the fault it is half-open, which lets one request through at a time. The
+    others are registered again after."""
     others = [n for n in chaos.nodes.values() if n.role == node.role and n is not node]
+    wait_for(lambda: chaos.workers()[node.url]["circuit"] != "open", 30, f"{node.name}'s breaker to let requests in")
     before = counter(node.url, "pdserve_requests_total", finish_reason=reason)
     try:
         for n in others:
             r = httpx.delete(f"{chaos.router}/workers", params={"url": n.url}, timeout=10)
             assert r.status_code == 200, r.text
-        _, failed = judge(send_all(chaos.router, "fresh", list(range(len(FRESH)))), refs)
-        assert not failed, [o.error for o in failed]
+        for i in range(len(FRESH)):
+            _, failed = judge(send_all(chaos.router, "fresh", [i]), refs)
+            assert not failed, [o.error for o in failed]
+            wait_for(lambda: chaos.workers()[node.url]["in_flight"] == 0, 10, f"the router to settle {node.name}'s request")
     finally:
         for n in others:
             body = {"url": n.url, "role": n.role, **({"bootstrap_port": n.bport} if n.bport else {})}
