@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,13 +13,13 @@ if TYPE_CHECKING:
 # dtype flag -> torch dtype name; torch itself is imported only where a tensor is made (the fronts,
 # which build configs too, never import it)
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+           "float16": "float16", "fp16": "float16", "auto": "auto"}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None          # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
-    dtype: str = "float32"            # fp32 by default: token-identical to the fp32 reference (README)
+    dtype: str = "auto"               # the model's own dtype (bf16 for SmolLM2); "float32" is token-exact
     page_size: int = 16
     max_total_tokens: int = 32768     # KV pool capacity in tokens, the same on every rank
     chunk_size: int = 512
@@ -40,8 +40,19 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved against the model first (EngineConfig.for_model)")
         import torch
         return getattr(torch, _DTYPES[self.dtype])
+
+    def for_model(self, model_dtype: str, device: str = "cpu") -> "EngineConfig":
+        """This config with `auto` replaced by the model's own dtype. On a CPU, float16 weights are
+        served in bf16: the same width, but CPUs multiply bf16 natively (AVX-512 BF16, AMX) and fp16
+        only through conversions."""
+        if self.dtype != "auto":
+            return self
+        dtype = "bfloat16" if model_dtype == "float16" and device == "cpu" else model_dtype
+        return replace(self, dtype=dtype)
 
     @property
     def num_pages(self) -> int:

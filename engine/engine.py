@@ -43,10 +43,10 @@ class Completion:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
-        self.config = config
         self.threads = apply_threads(config.threads)
         path = resolve_model(config.model)
         self.model_config = load_model_config(path)
+        self.config = config = config.for_model(self.model_config.dtype)
         self.tokenizer = load_tokenizer(path)
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
         self.runner = ModelRunner(model, config.num_pages, config.page_size, config.torch_dtype, config.seed)

@@ -132,9 +132,17 @@ def _hf_config(folder: Path) -> ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-            eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=c.get("bos_token_id"))
+            eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=c.get("bos_token_id"),
+            dtype=_hf_dtype(c))
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{folder / 'config.json'}: missing or bad field ({_reason(e)})") from None
+
+
+def _hf_dtype(c: dict) -> str:
+    """The dtype the checkpoint was saved in (`dtype`, or `torch_dtype` before transformers 4.56);
+    float32 when the config names none, as transformers assumes."""
+    name = str(c.get("dtype") or c.get("torch_dtype") or "float32").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
 
 
 def _ids(v) -> list[int]:
@@ -229,7 +237,23 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 4096)),
         attention_bias="blk.0.attn_q.bias" in names, eos_token_ids=tuple(dict.fromkeys(eos)),
-        bos_token_id=None if bos is None else int(bos))
+        bos_token_id=None if bos is None else int(bos),
+        dtype=_gguf_dtype([int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1]))
+
+
+_GGML_F32, _GGML_F16, _GGML_BF16 = 0, 1, 30
+
+
+def _gguf_dtype(matrix_types: list[int]) -> str:
+    """The dtype a GGUF's weight matrices stand for: float32 only when every matrix is F32, float16
+    for F16 files; bf16 for BF16 and for quantized files, whose dequantized weights carry fewer
+    significant bits than bf16 holds (llama.cpp's converters start from the bf16 checkpoint)."""
+    kinds = set(matrix_types)
+    if kinds <= {_GGML_F32}:
+        return "float32"
+    if kinds <= {_GGML_F32, _GGML_F16}:
+        return "float16"
+    return "bfloat16"
 
 
 def _dequant(raw: np.ndarray, qtype: int, shape: list[int]) -> torch.Tensor:
@@ -273,6 +297,9 @@ def _gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
     return fetch
 
 
+_INDEX_VERSION = 2     # 2: the config carries the weights' dtype
+
+
 def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
     """The config and the tensor table (GGUF name -> (ggml type, shape, file offset, bytes)) of a
     GGUF file. Parsing its metadata takes ~4.5 s for SmolLM2 (98k tokenizer strings) in every
@@ -281,6 +308,8 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
     cache = gguf_cache_dir(path) / "index.json"
     try:
         d = json.loads(cache.read_text())
+        if d.get("version") != _INDEX_VERSION:
+            raise ValueError("index written by another version")
         c = d["config"]
         cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"])})
         return cfg, {k: (int(q), [int(x) for x in sh], int(o), int(n)) for k, (q, sh, o, n) in d["tensors"].items()}
@@ -290,7 +319,8 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
     cfg = _gguf_config(reader, path)
     tensors = {t.name: (int(t.tensor_type), [int(x) for x in t.shape.tolist()], int(t.data_offset), int(t.n_bytes))
                for t in reader.tensors}
-    _write_atomic(cache, json.dumps({"config": dataclasses.asdict(cfg), "tensors": tensors}))
+    _write_atomic(cache, json.dumps({"version": _INDEX_VERSION, "config": dataclasses.asdict(cfg),
+                                     "tensors": tensors}))
     return cfg, tensors
 
 

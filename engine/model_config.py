@@ -26,6 +26,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    dtype: str = "float32"            # the weights' own dtype: what `--dtype auto` serves in
 
     @property
     def q_size(self) -> int:

@@ -154,6 +154,7 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
     threads = apply_threads(cfg.threads)
     path = resolve_model(cfg.model)
     mcfg = load_model_config(path)
+    cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
     start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
     log.info("pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads, dtype %s",
              spec.pp_rank, spec.pp_size, start, end, mcfg.num_layers, threads, cfg.dtype)

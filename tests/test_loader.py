@@ -253,3 +253,31 @@ def test_node_front_path_never_imports_torch(tiny):
     assert ours(text)["input_ids"] == auto(text)["input_ids"]
     assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
                                                                         auto.pad_token_id)
+
+
+def test_auto_dtype_is_the_models_own(tiny, tmp_path):
+    """`--dtype auto` (the serving default) serves a model in the dtype it was saved in: the tiny
+    fp32 test models stay fp32 (token-exact), a bf16 checkpoint and a quantized GGUF run in bf16,
+    fp16 weights in bf16 on a CPU; an explicit dtype always wins."""
+    from engine.config import EngineConfig
+    from engine.loader import _gguf_dtype
+
+    assert load_model_config(tiny).dtype == "float32"
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny, bf16)
+    c = json.loads((bf16 / "config.json").read_text())
+    c.pop("dtype", None)
+    c["torch_dtype"] = "bfloat16"                 # how checkpoints before transformers 4.56 say it
+    (bf16 / "config.json").write_text(json.dumps(c))
+    assert load_model_config(bf16).dtype == "bfloat16"
+    assert load_model_config(write_gguf(tiny, tmp_path / "tiny.gguf")).dtype == "float32"   # F32 tensors
+    assert load_model_config(resolve_model(None)).dtype == "bfloat16"                       # Q4_1 SmolLM2
+    assert (_gguf_dtype([0, 0]), _gguf_dtype([0, 1]), _gguf_dtype([0, 30]), _gguf_dtype([0, 3, 8])) == \
+        ("float32", "float16", "bfloat16", "bfloat16")
+    auto = EngineConfig()
+    assert auto.dtype == "auto"
+    with pytest.raises(ValueError, match="resolved"):
+        auto.torch_dtype
+    assert auto.for_model("bfloat16").torch_dtype == torch.bfloat16
+    assert auto.for_model("float16").dtype == "bfloat16" and auto.for_model("float16", "cuda").dtype == "float16"
+    assert EngineConfig(dtype="float32").for_model("bfloat16").dtype == "float32"
