@@ -27,6 +27,7 @@ from engine.loader import StopDetokenizer, load_model_config, load_slice, resolv
 from engine.model_runner import ModelRunner
 from engine.pp_comm import PPComm
 from engine.pp_loop import LoopConfig, SlotLoop
+from engine.placement import bind_cores
 from engine.procs import die_with_parent, setup_logging
 from engine.rank_spec import RankSpec
 from engine.scheduler import Scheduler
@@ -151,7 +152,7 @@ class RankParts:
 
 def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None) -> RankParts:
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
-    threads = apply_threads(cfg.threads)
+    threads = apply_threads(cfg.threads)     # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
     mcfg = load_model_config(path)
     cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
@@ -196,6 +197,7 @@ def run_rank(argv: list[str] | None, make_loop: Callable[[RankParts], SlotLoop] 
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
     spec = RankSpec(**json.loads(ap.parse_args(argv).spec))
     setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
+    bind_cores(spec.cpus)      # before any thread starts: OpenMP's pool and the transfer threads inherit it
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     ctx = zmq.Context()

@@ -23,4 +23,5 @@ class RankSpec:
     backend: str = "gloo"
     device: str = "cpu"
     role: str = "colocated"
+    cpus: list[int] = field(default_factory=list)   # cores this rank's threads own; [] = unbound
     extra: dict[str, Any] = field(default_factory=dict)

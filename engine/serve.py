@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from engine.config import EngineConfig
+from engine.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from engine.procs import free_port, setup_logging, stop_processes
 from engine.rank_spec import RankSpec
 
@@ -43,7 +44,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
-                    help="torch threads per rank (0: this host's cores divided by its ranks)")
+                    help="cores (= torch threads) per rank; 0: split this host's cores between its "
+                         "ranks, keeping one core for I/O when there are more cores than ranks")
 
 
 def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
@@ -67,6 +69,11 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--pp-comm-stream", action="store_true",
                     help="CUDA: PP sends/receives on their own stream, overlapping forwards")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    ap.add_argument("--cpus", default="",
+                    help="cores of each local rank, e.g. '0;1' or '0,1;2,3' (ranks by ';'); default: "
+                         "planned over this process's cores (engine/placement.py); `pdserve up` sets it")
+    ap.add_argument("--io-cpus", default=None,
+                    help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any")
 
 
 def local_ranks(args) -> list[int]:
@@ -76,12 +83,17 @@ def local_ranks(args) -> list[int]:
     return list(range(args.node_rank * per, (args.node_rank + 1) * per))
 
 
-def rank_threads(args, n_local: int) -> int:
-    if args.threads:
-        return args.threads
-    cores = len(os.sched_getaffinity(0))
-    share = int(os.environ.get("PDSERVE_HOST_RANKS", "0")) or n_local   # ranks of all nodes on this host
-    return max(1, cores // share)
+def node_placement(args, n_local: int) -> Placement:
+    """This node's rank cores: `--cpus` as given (from `pdserve up`'s host-wide plan), else planned
+    over the cores this process may use."""
+    try:
+        if args.cpus:
+            io = parse_io_cpus(args.io_cpus) if args.io_cpus else ()
+            return Placement(parse_cpus(args.cpus, n_local), io)
+        plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), args.threads)
+        return plan if args.io_cpus is None else Placement(plan.rank_cores, parse_io_cpus(args.io_cpus))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def engine_dict(args, threads: int) -> dict[str, Any]:
@@ -139,9 +151,11 @@ def stats_port(args) -> int:
 def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None) -> list[RankSpec]:
     ranks = local_ranks(args)
     dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
-    threads = rank_threads(args, len(ranks))
-    log.info("%d local rank(s) %s with %d torch thread(s) each", len(ranks), ranks, threads)
-    return [RankSpec(model=args.model, engine=engine_dict(args, threads), pp_size=args.pp, pp_rank=r,
+    plan = node_placement(args, len(ranks))
+    log.info("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
+    bind_cores(plan.io_cores)          # the front; each rank binds itself to its own cores
+    return [RankSpec(model=args.model, engine=engine_dict(args, args.threads or len(cores)), pp_size=args.pp,
+                     pp_rank=r, cpus=list(cores),
                      dist_init=dist, req_addr=front_addrs.get("req", ""), evt_addr=front_addrs.get("evt", ""),
                      stats_addr=front_addrs.get("stats", ""), async_depth=args.async_depth,
                      skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm, watchdog_s=args.watchdog,
@@ -150,7 +164,7 @@ def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, An
                      extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
                             "internal_token": args.internal_token, "comm_stream": args.pp_comm_stream,
                             **(extra or {})})
-            for r in ranks]
+            for r, cores in zip(ranks, plan.rank_cores)]
 
 
 def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,

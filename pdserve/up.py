@@ -16,6 +16,7 @@ import time
 
 import httpx
 
+from engine.placement import bind_cores, plan_placement
 from engine.procs import die_with_parent, free_port, stop_processes
 
 
@@ -29,6 +30,9 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-pp", type=int, default=2)
     ap.add_argument("--prefill-nodes", type=int, default=1)
     ap.add_argument("--decode-nodes", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
+                         "when there are more cores than ranks); the plan is printed at start")
     ap.add_argument("--policy", default=None, help="router policy (round_robin, random, power_of_two, "
                                                    "least_load, cache_aware)")
     ap.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
@@ -51,19 +55,32 @@ class Cluster:
     def start(self) -> str:
         a = self.args
         total = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
-        env = dict(os.environ, PDSERVE_HOST_RANKS=str(total))
+        env = dict(os.environ)
+        plan = plan_placement(total, sorted(os.sched_getaffinity(0)), a.threads)
+        names = [f"prefill-{i} pp{r}" for i in range(a.prefill_nodes) for r in range(a.prefill_pp)]
+        names += [f"decode-{i} pp{r}" for i in range(a.decode_nodes) for r in range(a.decode_pp)]
+        print(f"[up] placement: {plan.describe(names)}", flush=True)
+        bind_cores(plan.io_cores)      # this launcher and the router it starts
+        io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
+        at = 0
+
+        def cpus(pp: int) -> list[str]:
+            nonlocal at
+            at += pp
+            return ["--cpus", plan.flag(at - pp, pp), *io]
         model = ["--model", a.model] if a.model else []
         extra = shlex.split(a.node_args)
         router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
         for i in range(a.prefill_nodes):
             port, bport = free_port(), free_port()
             self._spawn(f"prefill-{i}", ["prefill", *model, "--pp", str(a.prefill_pp), "--port", str(port),
-                                         "--bootstrap-port", str(bport), *extra], env)
+                                         "--bootstrap-port", str(bport), *cpus(a.prefill_pp), *extra], env)
             self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
             router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
         for i in range(a.decode_nodes):
             port = free_port()
-            self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port), *extra], env)
+            self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port),
+                                        *cpus(a.decode_pp), *extra], env)
             self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
             router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
         print(f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "

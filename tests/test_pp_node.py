@@ -54,12 +54,26 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
         if (pp, depth) == (2, 0):
             _check_stop_string(url, tiny30, mixed_prompts, reference)
         stats = rank_stats(url)
+        if depth == 0:
+            _check_rank_cores(stats, pp)
         assert [s["held_pages"] for s in stats] == [0] * pp
         assert httpx.get(f"{url}/health").status_code == 200, "the consensus checker or a rank failed"
     log = (tmp_path / "node.log").read_text()
     assert "diverged" not in log
     if pp == 4:
         assert "layers [0, 8)" in log and "layers [23, 30)" in log
+
+
+def _check_rank_cores(stats, pp):
+    """Each rank process runs on the cores the node's plan gave it (read back from /proc), and no
+    two ranks share a core while the host has enough of them."""
+    from engine.placement import plan_placement
+
+    plan = plan_placement(pp, sorted(os.sched_getaffinity(0)), threads=1)     # NODE_ARGS: --threads 1
+    got = [os.sched_getaffinity(s["pid"]) for s in sorted(stats, key=lambda s: s["pp_rank"])]
+    assert got == [set(c) for c in plan.rank_cores]
+    if pp <= len(os.sched_getaffinity(0)):
+        assert not plan.shared and len(set().union(*got)) == pp
 
 
 def _check_stop_string(url, model, prompts, refs):
