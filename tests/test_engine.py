@@ -134,3 +134,27 @@ def test_streamed_text_never_shows_a_completed_stop_string(engine):
                 sent += d.add(ids[i:i + step])
                 assert not any(s in sent for s in (stop,)), (stop, step, sent)
             assert sent + d.finish(stop) == want, (stop, step)
+
+
+def test_incremental_detokenizer_equals_a_full_decode():
+    """The decode-stream path (one `tokenizers` step per token) sends exactly the text of a full
+    decode, over 200 random token sequences of the default model's byte-level vocabulary (pieces of
+    multi-byte characters included) and real multi-byte text, in random chunk sizes."""
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    rng = random.Random(5)
+    seqs = [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 80))] for _ in range(200)]
+    text = "Ünïcode ✓ 漢字 and emoji 🙂🚀, code: x**2 → ∑"
+    seqs.append(tok.encode(text, add_special_tokens=False))
+    for ids in seqs:
+        d = IncrementalDetokenizer(tok)
+        assert d._stream is not None, "this tokenizer takes the decode-stream path"
+        sent, i = "", 0
+        while i < len(ids):
+            n = rng.randrange(1, 5)
+            sent += d.add(ids[i:i + n])
+            i += n
+        assert sent + d.finish(None) == tok.decode(ids, skip_special_tokens=True)
+    assert tok.decode(seqs[-1], skip_special_tokens=True) == text
