@@ -8,7 +8,6 @@ It also collects every rank's stats (pool and queues) for /health, /server_info 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import msgpack
+import orjson
 import zmq
 import zmq.asyncio
 
@@ -305,5 +305,6 @@ class NodeFront:
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    if isinstance(obj, str):
+        return f"data: {obj}\n\n".encode()
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -5,8 +5,9 @@ The router has no tokenizer: a logprob entry's token text is the node's text whe
 """
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 _FINISH = {"stop": "stop", "length": "length"}
 
@@ -20,7 +21,7 @@ class NodeAborted(Exception):
 
 
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
     return f"data: {data}\n\n"
 
 
@@ -177,7 +178,7 @@ def parse_sse_line(line: str) -> dict | None | str:
     if data == "[DONE]":
         return "[DONE]"
     try:
-        value: Any = json.loads(data)
+        value: Any = orjson.loads(data)
     except ValueError:
         raise NodeAborted(f"the node sent a malformed stream line: {data[:80]!r}") from None
     if not isinstance(value, dict):
