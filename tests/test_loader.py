@@ -278,6 +278,10 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     assert auto.dtype == "auto"
     with pytest.raises(ValueError, match="resolved"):
         auto.torch_dtype
-    assert auto.for_model("bfloat16").torch_dtype == torch.bfloat16
-    assert auto.for_model("float16").dtype == "bfloat16" and auto.for_model("float16", "cuda").dtype == "float16"
+    assert auto.for_model("bfloat16", native_bf16=True).torch_dtype == torch.bfloat16
+    assert auto.for_model("float16", native_bf16=True).dtype == "bfloat16"
+    # a CPU without bf16 units (AVX2 only) emulates bf16 matmuls: auto computes in fp32 there
+    assert auto.for_model("bfloat16", native_bf16=False).dtype == "float32"
+    assert auto.for_model("float16", "cuda").dtype == "float16" and auto.for_model("float32").dtype == "float32"
     assert EngineConfig(dtype="float32").for_model("bfloat16").dtype == "float32"
+    assert EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
