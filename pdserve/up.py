@@ -26,8 +26,10 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--host", default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
                     help="router bind address")
     ap.add_argument("--port", type=int, default=8000, help="router port")
-    ap.add_argument("--prefill-pp", type=int, default=2)
-    ap.add_argument("--decode-pp", type=int, default=2)
+    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (docs/PERFORMANCE.md
+    # measures it against PP 2 + PP 2, which puts four ranks on two cores)
+    ap.add_argument("--prefill-pp", type=int, default=1)
+    ap.add_argument("--decode-pp", type=int, default=1)
     ap.add_argument("--prefill-nodes", type=int, default=1)
     ap.add_argument("--decode-nodes", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0,

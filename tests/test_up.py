@@ -27,7 +27,7 @@ def cluster(tiny30, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny30), "--port", str(port),
-           "--decode-nodes", "2", "--node-args", NODE_ARGS,
+           "--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2", "--node-args", NODE_ARGS,
            "--router-args", "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

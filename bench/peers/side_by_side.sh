@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Side by side in one run: vLLM-CPU and pdserve (PD cluster, colocated node), each
+# driven by the same aiperf workload (run_aiperf_sweep.sh) with the client pinned to core 1.
+# Prefix caching is off on both sides: every level resends the same seeded prompts.
+# Usage (from the project checkout, which must have .venv): side_by_side.sh OUT_DIR [SYSTEMS]
+#   SYSTEMS: space-separated subset of "vllm pd pd11 pd22 pd_fp32 colo colo1 colo2" (default: vllm pd colo)
+#   LEVELS (env): concurrency:requests pairs, default "1:16 8:48 32:64"
+set -u
+HERE="$(cd "$(dirname "$0")" && pwd)"   # bench/peers: adapted from the shared peer scripts; same workload
+PEER_DIR="${PEER_DIR:-$HOME/.cache/pdserve-peers}"; export PEER_DIR
+OUT="$1"; SYSTEMS="${2:-vllm pd colo}"
+export LEVELS="${LEVELS:-1:16 8:48 32:64}"
+PROJ="$(pwd)"; PDS="$PROJ/.venv/bin/pdserve"
+mkdir -p "$OUT"
+served_model() { curl -s "$1/v1/models" | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' | head -n 1; }
+wait_health() {  # URL PID SECONDS
+  for _ in $(seq 1 $(( $3 * 2 ))); do
+    kill -0 "$2" 2>/dev/null || { echo "died"; return 1; }
+    curl -sf "$1/health" >/dev/null 2>&1 && curl -sf "$1/v1/models" >/dev/null 2>&1 && \
+      curl -sf "$1/v1/chat/completions" -H 'Content-Type: application/json' \
+        -d "{\"model\": \"$(served_model "$1")\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 1}" >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done; return 1
+}
+stop_group() { kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done; kill -KILL -- "-$1" 2>/dev/null; sleep 2; }
+for S in $SYSTEMS; do
+  echo "== $S $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+  t0=$(date +%s.%N)
+  case $S in
+    vllm)
+      setsid "$HERE/start_vllm.sh" 8011 --no-enable-prefix-caching || continue
+      PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="$PEER_DIR/smollm2-135m-hf" ;;
+    pd|pd11|pd22|pd_fp32)
+      # pd: `pdserve up` with its defaults; pd11 / pd22: PP 1+1 / PP 2+2 named explicitly.
+      # No prefix cache: the levels resend the same prompts, and vLLM runs with its cache off too.
+      extra=(); case $S in pd11) extra=(--prefill-pp 1 --decode-pp 1);; pd22) extra=(--prefill-pp 2 --decode-pp 2);; esac
+      na="--no-prefix-cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
+      extra+=("--node-args=$na")
+      setsid "$PDS" up --port 8100 "${extra[@]}" > "$OUT/$S-server.log" 2>&1 & PGID=$!
+      PORT=8100
+      wait_health http://127.0.0.1:8100 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
+      MODEL=$(served_model http://127.0.0.1:8100) ;;
+    colo|colo1|colo2)
+      # colo: `pdserve serve --pp 1` with its defaults (its plan: one compute core, one for I/O);
+      # colo1 / colo2: --threads 1 / 2 named explicitly (colo2: both cores compute, nothing left for I/O)
+      th=(); [ "$S" = colo1 ] && th=(--threads 1); [ "$S" = colo2 ] && th=(--threads 2)
+      setsid bash -c "'$PDS' serve --pp 1 ${th[*]} --no-prefix-cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
+      PORT=8200
+      wait_health http://127.0.0.1:8200 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
+      MODEL=$(served_model http://127.0.0.1:8200) ;;
+  esac
+  echo "$S ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
+  # the served model id is what the client sends; the tokenizer is the same HF folder for all
+  "$HERE/run_aiperf_sweep.sh" "$PORT" "$MODEL" "$OUT/$S" 1
+  stop_group $PGID
+done
+"$PEER_DIR/client-venv/bin/python" "$HERE/summarize_aiperf.py" $(for S in $SYSTEMS; do echo "$OUT/$S"; done) | tee "$OUT/summary.md"
