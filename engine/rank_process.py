@@ -155,10 +155,13 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
     threads = apply_threads(cfg.threads)     # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
     mcfg = load_model_config(path)
+    asked = cfg.dtype
     cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
     start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
-    log.info("pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads, dtype %s",
-             spec.pp_rank, spec.pp_size, start, end, mcfg.num_layers, threads, cfg.dtype)
+    log.info("pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads on cores %s, dtype %s (%s)",
+             spec.pp_rank, spec.pp_size, start, end, mcfg.num_layers, threads,
+             ",".join(map(str, sorted(os.sched_getaffinity(0)))), cfg.dtype,
+             f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}")
     comm = None
     if spec.pp_size > 1:
         comm = PPComm(spec.pp_rank, spec.pp_size, init_method=spec.dist_init, backend=spec.backend,
