@@ -110,6 +110,10 @@ class Host:
     def stats(self, name):
         return self.mgrs[name].stats.snapshot()
 
+    def identity(self, name):
+        """(sender id on the control channel, pool as wire data) of one manager."""
+        return self.mgrs[name].sender_id, self.mgrs[name].pool.to_wire()
+
 
 def worker_main(conn) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")      # Mooncake's glog INFO/WARNING lines
