@@ -101,7 +101,8 @@ class KVReceiver:
         aux_len = mgr.config.aux_slot_bytes if slot is not None else 0
         for r in route:
             mgr.send(r.host, r.ctrl_port, KVRegister(self.room, mgr.pp_rank, mgr.dst_slices, mgr.config.host,
-                                                     mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len))
+                                                     mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len,
+                                                     mgr.aux_base, mgr.aux_slots * mgr.config.aux_slot_bytes))
 
     def is_peer(self, prefill_rank: int, sender: str) -> bool:
         """Whether `sender` is the manager of `prefill_rank` on this room's route (only those may

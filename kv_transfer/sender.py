@@ -336,13 +336,16 @@ class PrefillKVManager(KVManagerBase):
 
     def _check_register(self, msg: KVRegister, sender: str) -> str | None:
         """Why `msg` from `sender` is refused, or None: a decode manager registers only itself
-        (the session and control port inside the MAC), always with the pool, rank and aux size it
-        first registered, and with page ids inside that pool."""
+        (the session and control port inside the MAC), always with the pool, rank and aux buffer it
+        first registered, and with page ids and an aux slot inside them."""
         if sender != sender_id(msg.session_id, msg.ctrl_port):
             return "foreign_peer"
         if len(msg.page_ids) > msg.pool.num_pages or any(p >= msg.pool.num_pages for p in msg.page_ids):
             return "bad_pages"
-        place = (msg.pool, msg.dst_rank, msg.dst_slices, msg.ctrl_host, msg.aux_len)
+        if (msg.aux_ptr, msg.aux_len) != (0, 0) and not (
+                msg.aux_base <= msg.aux_ptr and msg.aux_ptr + msg.aux_len <= msg.aux_base + msg.aux_size):
+            return "bad_aux"
+        place = (msg.pool, msg.dst_rank, msg.dst_slices, msg.ctrl_host, msg.aux_base, msg.aux_size)
         with self._lock:
             known = self._known_peers.setdefault(sender, place)
             self._known_peers.move_to_end(sender)

@@ -111,8 +111,9 @@ class Host:
         return self.mgrs[name].stats.snapshot()
 
     def identity(self, name):
-        """(sender id on the control channel, pool as wire data) of one manager."""
-        return self.mgrs[name].sender_id, self.mgrs[name].pool.to_wire()
+        """(sender id on the control channel, pool as wire data, aux buffer address and size) of one manager."""
+        m = self.mgrs[name]
+        return m.sender_id, m.pool.to_wire(), m.aux_base, m.aux_slots * m.config.aux_slot_bytes
 
 
 def worker_main(conn) -> None:

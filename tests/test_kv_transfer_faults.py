@@ -13,6 +13,7 @@ import random
 import os
 import socket
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -224,17 +225,17 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
     c = cluster
     room, ptab, dtab = c.room("PA", "DA")
     _assert(c.wait("PA", [room], [WAITING, FAILED]), WAITING)
-    da_id, da_pool = c.procs["DA"].call("identity", "m")
-    pa_id, _ = c.procs["PA"].call("identity", "m")
+    da_id, da_pool, aux_base, aux_size = c.procs["DA"].call("identity", "m")
+    pa_id = c.procs["PA"].call("identity", "m")[0]
     before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
     pool = PoolDesc.from_wire(da_pool)
     session, port = da_id.rsplit("/", 1)
     other_pages = c.take("DA", 7)                         # another request's pages in the same pool
     aux_len = TransferConfig().aux_slot_bytes             # what DA registers with (same place, other pages)
     reg = KVRegister(room, 0, (LAYERS,), "127.0.0.1", int(port), session, pool, tuple(other_pages),
-                     0, aux_len)
-    moved = KVRegister(room, 0, (LAYERS,), "127.0.0.1", int(port), session,
-                       PoolDesc(**{**da_pool, "base_ptr": pool.base_ptr + pool.page_bytes}), tuple(dtab), 0, aux_len)
+                     aux_base, aux_len, aux_base, aux_size)
+    moved = replace(reg, pool=PoolDesc(**{**da_pool, "base_ptr": pool.base_ptr + pool.page_bytes}))
+    as_da = Sealer(CHANNEL, da_id)                         # a cluster member claiming to be DA
     ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", N, 0, None))
     fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
     abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
@@ -242,8 +243,10 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
     outsider = Sealer(CHANNEL, pa_id, secret="another-cluster")
     _push_all(c.ports["PA"], [encode_message(reg), outsider.seal(encode_message(reg)),
                               stranger.seal(encode_message(reg)),       # a register naming another sender
-                              Sealer(CHANNEL, da_id).seal(encode_message(moved)),   # pool changed
-                              Sealer(CHANNEL, da_id).seal(encode_message(reg))])    # re-register
+                              as_da.seal(encode_message(moved)),                    # pool changed
+                              as_da.seal(encode_message(replace(reg, page_ids=(NUM_PAGES,)))),   # outside
+                              as_da.seal(encode_message(replace(reg, aux_ptr=aux_base + aux_size))),  # outside
+                              as_da.seal(encode_message(reg))])                     # re-register
     _push_all(c.ports["DA"], [ok, fail, abort, outsider.seal(ok), outsider.seal(fail),
                               stranger.seal(ok), stranger.seal(fail), stranger.seal(abort)])
     c.send_all("PA", room, ptab)
@@ -252,7 +255,8 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
     assert c.procs["DA"].call("check", "m", room, dtab, N) == 0
     assert c.procs["DA"].call("read_aux", "m", room) == b"tok"
     grew = {n: _grew(before[n], c.procs[n].call("stats", "m")["dropped"]) for n in before}
-    assert grew["PA"] == {"unauthenticated": 2, "foreign_peer": 1, "pool_changed": 1, "duplicate_register": 1}, grew
+    assert grew["PA"] == {"unauthenticated": 2, "foreign_peer": 1, "pool_changed": 1, "bad_pages": 1, "bad_aux": 1,
+                          "duplicate_register": 1}, grew
     assert grew["DA"] == {"unauthenticated": 5, "foreign_peer": 3}, grew
 
 
