@@ -123,6 +123,7 @@ class KVManagerBase:
         self.sender_id = sender_id(self.engine.session_id, self.ctrl_port)
         self._sealer = Sealer(CHANNEL, self.sender_id)
         self._opener = Opener(CHANNEL)
+        self._logged_drops: set[str] = set()
         self._push: dict[tuple[str, int], tuple[zmq.Socket, threading.Lock]] = {}
         self._push_lock = threading.Lock()
         self._threads = [threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
@@ -195,9 +196,9 @@ class KVManagerBase:
 
     def _drop(self, reason: str, fmt: str, *args) -> None:
         """Counts a dropped message; logs the first of each reason (a flood must not flood the log)."""
-        first = reason not in self.stats.snapshot()["dropped"]
         self.stats.add_dropped(reason)
-        if first:
+        if reason not in self._logged_drops:
+            self._logged_drops.add(reason)
             self.warn(fmt + " (further drops of this kind are only counted)", *args)
 
     def _reaper_loop(self) -> None:
