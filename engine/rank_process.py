@@ -133,7 +133,9 @@ class StatsReporter:
         if kv is not None:
             new = kv["latency_count"] - self._kv_latencies_seen
             stats["kv"] = {"bytes": kv["bytes_sent"] + kv["bytes_received"], "failures": kv["failures"],
-                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else []}
+                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
+                           # control messages dropped by reason, and where they come in (for operators)
+                           "dropped": kv["dropped"], "ctrl_port": getattr(self.loop.kv, "ctrl_port", None)}
             self._kv_latencies_seen = kv["latency_count"]
         try:
             self.sock.send(self._sealer.seal(msgpack.packb(stats)), zmq.NOBLOCK)

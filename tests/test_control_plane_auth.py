@@ -1,11 +1,13 @@
-"""The node's ZMQ control plane against a foreign peer: a real colocated PP node holding a cluster
-secret gets unsealed, wrongly sealed, malformed and oversized messages on every ZMQ port its front
-listens on (found the way an attacker on the host would: the process's listening sockets). Each is
-dropped and counted, the readers keep reading, and the node still answers exactly like transformers.
+"""The nodes' ZMQ control plane against a foreign peer, on real nodes holding a cluster secret:
+* a colocated PP node gets unsealed, wrongly sealed, malformed and oversized messages on every ZMQ
+  port its front listens on (found the way an attacker on the host would: the process's listening
+  sockets); each is dropped and counted, the readers keep reading, the node answers like transformers;
+* a PD pair gets forged KV control messages for a room in flight; the room completes exactly.
 Unit checks of the sealing itself (engine/channel_auth.py) come first."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgpack
@@ -14,11 +16,18 @@ import pytest
 import zmq
 
 from cluster import free_port, start
+from consensus.kvpoll import KVPoll
 from engine.channel_auth import OVERHEAD, AuthError, Opener, Sealer
 from engine.node_front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
+from kv_transfer.layout import PoolDesc
+from kv_transfer.manager import CHANNEL as KV_CHANNEL
+from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
+from pd_cluster import body as pd_body, decode_node, held_pages, prefill_node
 from reference import hf_greedy, load_hf
 
 SECRET = "control-plane-test-secret"
+# The decode request waits for its prefill half on purpose: long KV timeouts, not pd_cluster's fast ones.
+QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 MAX_NEW = 8
 NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
              "--max-running", "32", "--threads", "1"]
@@ -128,3 +137,57 @@ def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(tiny6, pr
         for i, (g, r) in enumerate(zip(got, reference)):
             assert g == r, f"prompt {i} differs from transformers after the foreign messages"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def _kv(url: str) -> dict:
+    """Rank 0's KV counters and control port (None until its first stats arrived)."""
+    rank0 = _info(url)["ranks"][0]
+    return (rank0 or {}).get("kv") or {}
+
+
+def _wait(pred, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exactly(tiny6, prompts, reference,
+                                                                                      tmp_path):
+    """A decode request is registered and waits for its KV; a foreign socket then tells the decode
+    rank the room failed (or succeeded) and sends the prefill rank registrations for the room,
+    unsigned and signed by a member that is not the room's peer. Then the prefill request runs. All
+    forgeries are dropped and counted; the decode node answers exactly like transformers."""
+    env = {**QUEUE_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": SECRET}
+    with prefill_node(tiny6, 1, tmp_path, env=env) as (purl, bport, _), \
+            decode_node(tiny6, 1, tmp_path, env=env) as (durl, _):
+        _wait(lambda: _kv(purl).get("ctrl_port") and _kv(durl).get("ctrl_port"), "both ranks' KV stats")
+        room, ids = 1234567, prompts[2]
+        with ThreadPoolExecutor(1) as ex:
+            decode = ex.submit(httpx.post, f"{durl}/generate", json=pd_body(ids, room, bport, MAX_NEW), timeout=120,
+                               headers={"Authorization": f"Bearer {SECRET}"})
+            _wait(lambda: held_pages(durl)[0] > 0, "the decode rank to register the room")
+            stranger = Sealer(KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET)     # a member, not the room's peer
+            fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
+            ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", len(ids), 0, None))
+            abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
+            pool = PoolDesc(4096, 64, 4, 0, 6, 128, "float32")
+            reg = encode_message(KVRegister(room, 0, ((0, 6),), "127.0.0.1", 9, "127.0.0.1:9", pool, (0, 1, 2),
+                                            4096, 512, 4096, 512))
+            ctx = zmq.Context()
+            try:
+                _send(ctx, _kv(durl)["ctrl_port"], [fail, ok, stranger.seal(fail), stranger.seal(ok),
+                                                    stranger.seal(abort)])
+                _send(ctx, _kv(purl)["ctrl_port"], [reg, stranger.seal(reg)])
+            finally:
+                ctx.term()
+            # Until the decode rank has read them all (or, were one taken for real, the room ended).
+            _wait(lambda: sum(_kv(durl)["dropped"].values()) >= 5 or decode.done(), "the forgeries to be read")
+            p = httpx.post(f"{purl}/generate", json=pd_body(ids, room, bport, MAX_NEW), timeout=120,
+                           headers={"Authorization": f"Bearer {SECRET}"})
+            d = decode.result(timeout=120)
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        assert d.json()["token_ids"] == reference[2]
+        want = {durl: {"unauthenticated": 2, "foreign_peer": 3}, purl: {"unauthenticated": 1, "foreign_peer": 1}}
+        for url, w in want.items():     # stats arrive twice a second: wait for a fresh reading
+            _wait(lambda: _kv(url)["dropped"] == w, f"{url} to report {w} (has {_kv(url)['dropped']})", 15)
