@@ -19,6 +19,7 @@ from cluster import free_port, start
 from consensus.kvpoll import KVPoll
 from engine.channel_auth import OVERHEAD, AuthError, Opener, Sealer
 from engine.node_front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
+from engine.node_metrics import FRONT_CHANNELS
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import CHANNEL as KV_CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
@@ -133,6 +134,11 @@ def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(tiny6, pr
         want = {"events:unauthenticated": 3, "events:bad_event": 1, "events:malformed": 1,
                 "stats:unauthenticated": 4, "stats:malformed": 1}
         assert _wait_dropped(url, want) == want      # the oversized ones never reached a reader
+        lines = [ln for ln in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                 if ln.startswith("pdserve_control_messages_dropped_total{")]
+        counted = {(ln.split('channel="')[1].split('"')[0], ln.split('reason="')[1].split('"')[0]): float(ln.split()[-1])
+                   for ln in lines}
+        assert counted == {(FRONT_CHANNELS[k.split(":")[0]], k.split(":")[1]): float(v) for k, v in want.items()}
         got = [_generate(url, ids) for ids in prompts]
         for i, (g, r) in enumerate(zip(got, reference)):
             assert g == r, f"prompt {i} differs from transformers after the foreign messages"
