@@ -8,7 +8,9 @@ goes down the chain by leader sync.
 Wire: PP0 binds a ZMQ PULL socket on `tcp://{host}:*` and exposes `.address`; the caller shares it
 (the engine broadcasts it over the PP group) and every other rank connects one PUSH socket to it.
 Each put/delete is one msgpack frame `[op, rank, key, value]` (op PUT=1 with a KVPoll int, DELETE=2
-with None); never pickle.
+with None); never pickle. The frame is sealed (engine/channel_auth.py, channel "consensus-store",
+sender "pp<rank>"): an HMAC of the cluster secret and a per-rank sequence number, so PP0 applies only
+frames a rank of this cluster sent, once, in order; the socket takes no message larger than a frame.
 
 Contract:
 * Writes never block on the network: the frame is encoded on the caller's thread (a bad key or
@@ -16,8 +18,9 @@ Contract:
   socket, so PP0 sees each rank's writes in the order they were made.
 * PP0 reads incoming frames on its caller's thread (`drain`, called by `status` and `collect`):
   no thread, no lock, and a read sees every frame that reached PP0 before it.
-* A frame that is not exactly that shape (garbage, pickle, wrong rank, unknown op, wrong key or
-  value type) is dropped with a warning and counted in `dropped[reason]`; the store keeps working.
+* A frame that is not exactly that shape (unsealed or wrongly sealed, replayed, garbage, pickle,
+  wrong rank, unknown op, wrong key or value type) is dropped with a warning and counted in
+  `dropped[reason]`; the store keeps working.
 * Fast fail: an unexpected error in the background thread logs one critical line and ends the
   process at once (`os._exit(1)`); a rank whose writes silently stopped would stall the cluster.
 * `close()` stops the thread (queued frames are flushed, bounded by a linger) and closes sockets.
@@ -36,6 +39,7 @@ import msgpack
 import zmq
 
 from consensus.kvpoll import KVPoll, update_status
+from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ PUT, DELETE = 1, 2
 _KEY_MIN, _KEY_MAX = -(1 << 63), (1 << 64) - 1   # what a msgpack int can carry
 _MAX_FRAME = 64                                    # [op, rank, key, value] packs into <= 16 bytes
 _STOP, _FAULT = object(), object()
+CHANNEL = "consensus-store"
 FLUSH_LINGER_MS = 2000
 
 
@@ -78,6 +83,8 @@ class PPConsensusStore(MutableMapping):
             self._sock = self._ctx.socket(zmq.PULL)
             self._sock.setsockopt(zmq.RCVHWM, 0)
             self._sock.setsockopt(zmq.LINGER, 0)
+            limit_size(self._sock, _MAX_FRAME)
+            self._opener = Opener(CHANNEL)
             self._sock.bind(f"tcp://{host}:*")
             self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -88,6 +95,8 @@ class PPConsensusStore(MutableMapping):
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.SNDHWM, 0)
             self._sock.setsockopt(zmq.LINGER, FLUSH_LINGER_MS)
+            limit_size(self._sock, _MAX_FRAME)
+            self._sealer = Sealer(CHANNEL, f"pp{pp_rank}")
             self._sock.connect(address)
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._send_loop, daemon=True,
@@ -165,10 +174,16 @@ class PPConsensusStore(MutableMapping):
         return n
 
     def _apply(self, frames: list[bytes]) -> None:
-        if len(frames) != 1 or len(frames[0]) > _MAX_FRAME:
+        if len(frames) != 1:
             return self._drop("malformed", frames)
         try:
-            msg = msgpack.unpackb(frames[0], raw=False, use_list=True, max_str_len=_MAX_FRAME,
+            sender, payload = self._opener.open(frames[0])
+        except AuthError as e:
+            return self._drop(e.reason, frames)
+        if len(payload) > _MAX_FRAME:
+            return self._drop("malformed", frames)
+        try:
+            msg = msgpack.unpackb(payload, raw=False, use_list=True, max_str_len=_MAX_FRAME,
                                   max_bin_len=_MAX_FRAME, max_array_len=4, max_map_len=0, max_ext_len=0)
         except (ValueError, msgpack.UnpackException):  # ExtraData, FormatError, StackError, OutOfData
             return self._drop("malformed", frames)
@@ -179,6 +194,8 @@ class PPConsensusStore(MutableMapping):
             return self._drop("unknown_op", frames)
         if not (_is_int(rank) and 1 <= rank < self.size):
             return self._drop("bad_rank", frames)
+        if sender != f"pp{rank}":           # a rank writes only its own replica
+            return self._drop("foreign_rank", frames)
         if not (_is_int(key) and _KEY_MIN <= key <= _KEY_MAX):
             return self._drop("bad_key", frames)
         if op == PUT:
@@ -192,6 +209,8 @@ class PPConsensusStore(MutableMapping):
 
     def _drop(self, reason: str, frames: list[bytes]) -> None:
         self.dropped[reason] += 1
+        if self.dropped[reason] > 1:        # a flood must not flood the log: the first of each kind
+            return
         logger.warning("pid %d pp0: dropped consensus store frame (%s): %r", os.getpid(), reason,
                        b"|".join(frames)[:48])
 
@@ -215,7 +234,7 @@ class PPConsensusStore(MutableMapping):
                     break
                 if item is _FAULT:
                     raise RuntimeError("fault injected by inject_fault()")
-                self._sock.send(item)
+                self._sock.send(self._sealer.seal(item))
             self._sock.close()  # lingers up to FLUSH_LINGER_MS to flush what is queued
         except BaseException as e:  # fast fail: a silent replication stop would stall the cluster
             line = (f"pid {os.getpid()} pp{self.rank}: consensus store sender thread failed: "

@@ -4,6 +4,11 @@ The front never schedules anything. It validates and tokenizes a request, hands 
 `["add", rid, input_ids, sampling_params]`, and turns PP0's events (`token`, `finish`, `error`) back
 into an HTTP answer. Only PP0 talks to the front, so every request gets exactly one answer.
 It also collects every rank's stats (pool and queues) for /health, /server_info and /metrics.
+
+Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is sealed
+with the cluster secret (engine/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers open
+and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong shape
+is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep reading.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -21,6 +26,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -41,6 +47,19 @@ class RequestError(Exception):
 
 RID_MAX = 256                                         # characters of a request id
 EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0   # abort-before-request tombstones: how many, how long
+# The front link's channels and the largest message each takes: a request carries at most a
+# context of token ids; an event batch a few events per running request; stats a few counters
+# and the per-iteration samples of half a second. Far above real traffic, far below harm.
+REQ_CHANNEL, EVT_CHANNEL, STATS_CHANNEL = "front-req", "front-evt", "front-stats"
+REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
+# Least length of each event kind PP0 sends (what the consumers index).
+EVENT_LEN = {"token": 5, "finish": 5, "error": 4, "prefill_done": 4, "abort_unknown": 2}
+
+
+def check_event(ev: Any) -> bool:
+    return (type(ev) is list and len(ev) >= 2 and type(ev[0]) is str and len(ev) >= EVENT_LEN.get(ev[0], 1 << 30)
+            and type(ev[1]) is str)
+
 
 @dataclass
 class Pending:
@@ -67,6 +86,12 @@ class NodeFront:
         self.req_sock.setsockopt(zmq.SNDHWM, 0)
         self.evt_sock = self.ctx.socket(zmq.PULL)
         self.stats_sock = self.ctx.socket(zmq.PULL)
+        limit_size(self.req_sock, REQ_MAX_BYTES)    # takes nothing in; bounded like every socket
+        limit_size(self.evt_sock, EVT_MAX_BYTES)
+        limit_size(self.stats_sock, STATS_MAX_BYTES)
+        self._sealer = Sealer(REQ_CHANNEL, "front")
+        self._evt_opener, self._stats_opener = Opener(EVT_CHANNEL), Opener(STATS_CHANNEL)
+        self.dropped: Counter[str] = Counter()      # messages the readers dropped, by channel:reason
         self.req_addr = self._bind(self.req_sock, host)
         self.evt_addr = self._bind(self.evt_sock, host)
         if stats_port:      # multi-host: ranks on other hosts report to a port they can derive
@@ -179,7 +204,7 @@ class NodeFront:
         return "add"
 
     def send(self, msg: list[Any]) -> None:
-        self.req_sock.send(msgpack.packb(msg, use_bin_type=True))
+        self.req_sock.send(self._sealer.seal(msgpack.packb(msg, use_bin_type=True)))
 
     def abort(self, rid: str, why: str = "aborted by client") -> bool:
         if rid not in self.pending:
@@ -255,44 +280,65 @@ class NodeFront:
             self.metrics.observe_request(p, finish)
 
     # --- background readers -----------------------------------------------------------------------
+    def _drop(self, reason: str, err: Exception) -> None:
+        self.dropped[reason] += 1
+        if self.dropped[reason] == 1:       # a flood must not flood the log: the first of each kind
+            log.warning("dropped a message (%s): %s; further ones are only counted", reason, err)
+
     async def _read_events(self) -> None:
         while True:
             raw = await self.evt_sock.recv()
             try:
-                events = msgpack.unpackb(raw, raw=False)
-            except Exception as e:
-                log.warning("undecodable event batch from PP0 dropped: %s", e)
+                self._on_events(raw)
+            except AuthError as e:
+                self._drop(f"events:{e.reason}", e)
+            except Exception as e:      # bad bytes or shapes never end the reader (the node would hang)
+                self._drop("events:malformed", e)
+
+    def _on_events(self, raw: bytes) -> None:
+        _, payload = self._evt_opener.open(raw)
+        events = msgpack.unpackb(payload, raw=False)
+        if type(events) is not list:
+            raise ValueError(f"an event batch is a list, got {type(events).__name__}")
+        for ev in events:
+            if not check_event(ev):
+                self._drop("events:bad_event", ValueError(f"event {str(ev)[:80]}"))
                 continue
-            for ev in events:
-                if ev[0] == "abort_unknown":
-                    p = self.pending.get(ev[1])
-                    if p is not None and not p.done:
-                        ev = ["error", ev[1], "aborted", None]
-                    else:
-                        continue
+            if ev[0] == "abort_unknown":
                 p = self.pending.get(ev[1])
-                if p is not None:
-                    p.events.put_nowait(ev)
-                    if ev[0] in ("finish", "error", "prefill_done"):
-                        del self.pending[ev[1]]     # over on the ranks; `p` still streams its queue
+                if p is not None and not p.done:
+                    ev = ["error", ev[1], "aborted", None]
+                else:
+                    continue
+            p = self.pending.get(ev[1])
+            if p is not None:
+                p.events.put_nowait(ev)
+                if ev[0] in ("finish", "error", "prefill_done"):
+                    del self.pending[ev[1]]     # over on the ranks; `p` still streams its queue
 
     async def _read_stats(self) -> None:
         while True:
             raw = await self.stats_sock.recv()
             try:
-                st = msgpack.unpackb(raw, raw=False)
-                r = int(st["pp_rank"])
+                self._on_stats(raw)
+            except AuthError as e:
+                self._drop(f"stats:{e.reason}", e)
             except Exception as e:
-                log.warning("bad stats message dropped: %s", e)
-                continue
-            if 0 <= r < self.pp_size:
-                self.rank_stats[r] = st
-                self.rank_seen[r] = time.monotonic()
-                if self.metrics is not None:
-                    try:
-                        self.metrics.ingest(st)
-                    except (TypeError, ValueError, KeyError) as e:
-                        log.warning("bad metric samples from pp_rank %d dropped: %s", r, e)
+                self._drop("stats:malformed", e)
+
+    def _on_stats(self, raw: bytes) -> None:
+        sender, payload = self._stats_opener.open(raw)
+        st = msgpack.unpackb(payload, raw=False)
+        r = st["pp_rank"]
+        if type(r) is not int or not 0 <= r < self.pp_size or sender != f"pp{r}":
+            raise ValueError(f"stats of pp_rank {r!r} from {sender}")
+        self.rank_stats[r] = st
+        self.rank_seen[r] = time.monotonic()
+        if self.metrics is not None:
+            try:
+                self.metrics.ingest(st)
+            except (TypeError, ValueError, KeyError) as e:
+                log.warning("bad metric samples from pp_rank %d dropped: %s", r, e)
 
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()
@@ -301,7 +347,8 @@ class NodeFront:
                 "load": {"running": sum(s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0),
                          "waiting": self.rank_stats.get(0, {}).get("waiting", 0),
                          "in_flight": len(self.pending)},
-                "ranks": [self.rank_stats.get(r) for r in range(self.pp_size)]}
+                "ranks": [self.rank_stats.get(r) for r in range(self.pp_size)],
+                "dropped_messages": dict(self.dropped)}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

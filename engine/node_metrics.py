@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+FRONT_CHANNELS = {"events": "front-evt", "stats": "front-stats"}    # NodeFront.dropped's key prefixes
 QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer", "retracted")
 
 
@@ -34,7 +35,13 @@ class _RankCollector:
                                        labels=labels)
         kv_fail = CounterMetricFamily("pdserve_kv_transfer_failures", "rooms whose KV transfer failed",
                                       labels=labels + ["reason"])
+        dropped = CounterMetricFamily("pdserve_control_messages_dropped",
+                                      "ZMQ control messages dropped (unauthenticated, replayed, malformed, ...)",
+                                      labels=labels + ["channel", "reason"])
         stats = self.front.rank_stats if self.front is not None else {}
+        for key, n in sorted(getattr(self.front, "dropped", {}).items()):     # the front's readers
+            channel, _, reason = key.partition(":")
+            dropped.add_metric([self.node, self.role, "", FRONT_CHANNELS.get(channel, channel), reason], n)
         for r in range(self.front.pp_size if self.front is not None else 0):
             st = stats.get(r)
             lv = [self.node, self.role, str(r)]
@@ -53,7 +60,11 @@ class _RankCollector:
                 kv_bytes.add_metric(lv, kv["bytes"])
                 for reason, n in sorted(kv["failures"].items()):
                     kv_fail.add_metric(lv + [reason], n)
-        yield from (used, cap, evict, hits, queue, up, kv_bytes, kv_fail)
+                for reason, n in sorted((kv.get("dropped") or {}).items()):
+                    dropped.add_metric(lv + ["kv-control", reason], n)
+            for reason, n in sorted((st.get("front_dropped") or {}).items()):
+                dropped.add_metric(lv + ["front-req", reason], n)
+        yield from (used, cap, evict, hits, queue, up, kv_bytes, kv_fail, dropped)
 
 
 class NodeMetrics:

@@ -22,9 +22,12 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
+from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.config import EngineConfig, apply_threads
 from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
+from engine.node_front import (EVT_CHANNEL, EVT_MAX_BYTES, REQ_CHANNEL, REQ_MAX_BYTES, STATS_CHANNEL,
+                               STATS_MAX_BYTES)
 from engine.pp_comm import PPComm
 from engine.pp_loop import LoopConfig, SlotLoop
 from engine.placement import bind_cores
@@ -49,14 +52,24 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 
 class ZmqFrontIO:
-    """PP0's end of the front link: requests in (PULL), events out (PUSH)."""
+    """PP0's end of the front link: requests in (PULL), events out (PUSH); both sealed with the
+    cluster secret (engine/channel_auth.py). Bad requests are dropped, counted and logged once."""
 
     def __init__(self, ctx: zmq.Context, req_addr: str, evt_addr: str):
         self.pull = ctx.socket(zmq.PULL)
+        limit_size(self.pull, REQ_MAX_BYTES)
         self.pull.connect(req_addr)
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
+        limit_size(self.push, EVT_MAX_BYTES)
         self.push.connect(evt_addr)
+        self._opener, self._sealer = Opener(REQ_CHANNEL), Sealer(EVT_CHANNEL, "pp0")
+        self.dropped: dict[str, int] = {}
+
+    def _drop(self, reason: str, err: object) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if self.dropped[reason] == 1:
+            log.warning("message from the front dropped (%s): %s; further ones are only counted", reason, err)
 
     def poll(self, timeout_ms: int) -> list[list[Any]]:
         out: list[list[Any]] = []
@@ -68,17 +81,20 @@ class ZmqFrontIO:
             except zmq.Again:
                 return out
             try:
-                msg = msgpack.unpackb(raw, raw=False)
+                msg = msgpack.unpackb(self._opener.open(raw)[1], raw=False)
+            except AuthError as e:
+                self._drop(e.reason, e)
+                continue
             except Exception as e:     # the front is ours, but never trust bytes from a socket
-                log.warning("undecodable message from the front dropped: %s", e)
+                self._drop("malformed", e)
                 continue
             if isinstance(msg, list) and msg and isinstance(msg[0], str):
                 out.append(msg)
             else:
-                log.warning("malformed message from the front dropped")
+                self._drop("malformed", "not a [kind, ...] list")
 
     def report(self, events: list[list[Any]]) -> None:
-        self.push.send(msgpack.packb(events, use_bin_type=True))
+        self.push.send(self._sealer.seal(msgpack.packb(events, use_bin_type=True)))
 
 
 class StatsReporter:
@@ -87,7 +103,9 @@ class StatsReporter:
         if self.sock is not None:
             self.sock.setsockopt(zmq.SNDHWM, 16)
             self.sock.setsockopt(zmq.LINGER, 0)
+            limit_size(self.sock, STATS_MAX_BYTES)
             self.sock.connect(addr)
+            self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
         self.spec, self.loop, self.period = spec, loop, period_s
         self._next = 0.0
         self._kv_latencies_seen = 0
@@ -109,14 +127,19 @@ class StatsReporter:
             **self.loop.queue_sizes(),
             "samples": self.loop.drain_samples(),
         }
+        dropped = getattr(getattr(self.loop, "front", None), "dropped", None)
+        if dropped:                     # PP0: messages from the front it dropped, by reason
+            stats["front_dropped"] = dict(dropped)
         kv = self.loop.kv_stats()
         if kv is not None:
             new = kv["latency_count"] - self._kv_latencies_seen
             stats["kv"] = {"bytes": kv["bytes_sent"] + kv["bytes_received"], "failures": kv["failures"],
-                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else []}
+                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
+                           # control messages dropped by reason, and where they come in (for operators)
+                           "dropped": kv["dropped"], "ctrl_port": getattr(self.loop.kv, "ctrl_port", None)}
             self._kv_latencies_seen = kv["latency_count"]
         try:
-            self.sock.send(msgpack.packb(stats), zmq.NOBLOCK)
+            self.sock.send(self._sealer.seal(msgpack.packb(stats)), zmq.NOBLOCK)
         except zmq.Again:
             pass
 

@@ -1,8 +1,9 @@
 """What the prefill and decode KV managers share: config, engine, aux buffer, control sockets, threads.
 
 Threads of one manager (none of them ever runs scheduler code):
-  recv       decodes control messages from the PULL socket and hands them to `_on_message`;
-             malformed ones are dropped and counted
+  recv       opens (engine/channel_auth.py: HMAC of the cluster secret) and decodes control messages
+             from the PULL socket and hands them to `_on_message` with their authenticated sender;
+             unauthenticated, replayed and malformed ones are dropped and counted
   reaper     every `tick_s`: timeouts and clean-up (`_tick`), so rooms end even if nobody polls
   heartbeat  every `heartbeat_interval_s`: liveness of peers through bootstrap servers
 The transfer pool (prefill) and route look-ups (decode) live in the subclasses.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import zmq
 
+from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc
 from kv_transfer.messages import Message, MessageError, decode_message, encode_message
@@ -28,6 +30,8 @@ from kv_transfer.stats import TransferStats
 logger = logging.getLogger(__name__)
 
 AUX_HEADER = struct.Struct("<QII")      # room, payload length, crc32 of the payload
+MAX_CONTROL_BYTES = 8 << 20             # a KVRegister of ~900k page ids; anything larger is not ours
+CHANNEL = "kv-control"
 
 
 @dataclass(frozen=True)
@@ -109,11 +113,17 @@ class KVManagerBase:
         self._zmq = zmq.Context()
         self._pull = self._zmq.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        limit_size(self._pull, MAX_CONTROL_BYTES)
         if config.ctrl_port:
             self._pull.bind(f"tcp://{config.host}:{config.ctrl_port}")
             self.ctrl_port = config.ctrl_port
         else:
             self.ctrl_port = self._pull.bind_to_random_port(f"tcp://{config.host}")
+        # Who this manager is on the wire: its Mooncake session and control port, inside every MAC.
+        self.sender_id = sender_id(self.engine.session_id, self.ctrl_port)
+        self._sealer = Sealer(CHANNEL, self.sender_id)
+        self._opener = Opener(CHANNEL)
+        self._logged_drops: set[str] = set()
         self._push: dict[tuple[str, int], tuple[zmq.Socket, threading.Lock]] = {}
         self._push_lock = threading.Lock()
         self._threads = [threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
@@ -149,12 +159,13 @@ class KVManagerBase:
                 sock = self._zmq.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 10000)
+                limit_size(sock, MAX_CONTROL_BYTES)
                 sock.connect(f"tcp://{host}:{port}")
                 entry = self._push[(host, port)] = (sock, threading.Lock())
         sock, lock = entry
         try:
-            with lock:
-                sock.send(data, flags=zmq.NOBLOCK)
+            with lock:      # sealed under the socket's lock: frames leave in seq order
+                sock.send(self._sealer.seal(data), flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             self.warn("control message to %s:%d not sent: %s", host, port, e)
@@ -169,16 +180,26 @@ class KVManagerBase:
                 continue
             data = self._pull.recv(copy=True)
             try:
-                msg = decode_message(data)
+                sender, payload = self._opener.open(data)
+                msg = decode_message(payload)
+            except AuthError as e:
+                self._drop(e.reason, "dropped a control message (%d bytes): %s", len(data), e)
+                continue
             except MessageError as e:
-                self.stats.add_dropped("malformed")
-                self.warn("dropped a malformed control message (%d bytes): %s", len(data), e)
+                self._drop("malformed", "dropped a malformed control message (%d bytes): %s", len(data), e)
                 continue
             try:
-                self._on_message(msg)
+                self._on_message(msg, sender)
             except Exception:
                 self.stats.add_dropped("handler_error")
                 logger.exception("%s control message %s failed", self._prefix, type(msg).__name__)
+
+    def _drop(self, reason: str, fmt: str, *args) -> None:
+        """Counts a dropped message; logs the first of each reason (a flood must not flood the log)."""
+        self.stats.add_dropped(reason)
+        if reason not in self._logged_drops:
+            self._logged_drops.add(reason)
+            self.warn(fmt + " (further drops of this kind are only counted)", *args)
 
     def _reaper_loop(self) -> None:
         while not self._stop.wait(self.config.tick_s):
@@ -194,7 +215,8 @@ class KVManagerBase:
             except Exception:
                 logger.exception("%s heartbeat failed", self._prefix)
 
-    def _on_message(self, msg: Message) -> None:
+    def _on_message(self, msg: Message, sender: str) -> None:
+        """`sender`: the authenticated `sender_id` of the manager that sent `msg`."""
         raise NotImplementedError
 
     def _tick(self, now: float) -> None:
@@ -218,3 +240,8 @@ class KVManagerBase:
         self._zmq.term()
         self.engine.unregister(self.aux_base)
         self.engine.unregister(self.pool.base_ptr)
+
+
+def sender_id(session_id: str, ctrl_port: int) -> str:
+    """A KV manager's name on the control channel: Mooncake session and control port (unique per manager)."""
+    return f"{session_id}/{ctrl_port}"

@@ -36,7 +36,9 @@ class KVRegister:
     pool: PoolDesc                      # the decode rank's KV pool
     page_ids: tuple                     # decode page table of the request (page i = tokens [i*ps, (i+1)*ps))
     aux_ptr: int                        # the room's aux slot in the decode rank's registered aux buffer
-    aux_len: int
+    aux_len: int                        # (0, 0): no aux data for this room
+    aux_base: int                       # the decode rank's whole aux buffer: the slot must lie inside it
+    aux_size: int
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ def _opt_int(v):
 _CHECK = {
     "room": lambda v: _int(v, 0, MAX_ROOM), "dst_rank": _int, "src_rank": _int, "rank": _int,
     "dst_slices": _slices, "ctrl_host": _str, "ctrl_port": lambda v: _int(v, 1, 65536),
-    "session_id": _str, "pool": _pool, "page_ids": _ints, "aux_ptr": _int, "aux_len": _int,
+    "session_id": _str, "pool": _pool, "page_ids": _ints, "aux_ptr": _int, "aux_len": _int, "aux_base": _int,
+    "aux_size": _int,
     "status": _status, "reason": _str, "num_tokens": _int, "aux_bytes": _int, "checksum": _opt_int, "side": _side,
 }
 

@@ -23,7 +23,7 @@ from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
 from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc, intersect
-from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, read_aux
+from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, read_aux, sender_id
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
 
 
@@ -101,7 +101,16 @@ class KVReceiver:
         aux_len = mgr.config.aux_slot_bytes if slot is not None else 0
         for r in route:
             mgr.send(r.host, r.ctrl_port, KVRegister(self.room, mgr.pp_rank, mgr.dst_slices, mgr.config.host,
-                                                     mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len))
+                                                     mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len,
+                                                     mgr.aux_base, mgr.aux_slots * mgr.config.aux_slot_bytes))
+
+    def is_peer(self, prefill_rank: int, sender: str) -> bool:
+        """Whether `sender` is the manager of `prefill_rank` on this room's route (only those may
+        end the room or report its KV landed)."""
+        with self._lock:
+            route = self._route if self._sent else None
+        return route is not None and any(r.pp_rank == prefill_rank and sender_id(r.session_id, r.ctrl_port) == sender
+                                         for r in route)
 
     def note_quiet(self, prefill_rank: int) -> None:
         with self._lock:
@@ -238,13 +247,16 @@ class DecodeKVManager(KVManagerBase):
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         return self._client(addr).route(self.pool.layer_start, self.pool.layer_end, self.session_id, deadline)
 
-    def _on_message(self, msg: Message) -> None:
+    def _on_message(self, msg: Message, sender: str) -> None:
         if isinstance(msg, KVRegister) or (isinstance(msg, KVAbort) and msg.side != "prefill"):
             self.stats.add_dropped("unexpected")
             return
         recv = self._receivers.get(msg.room)
         if recv is None:
             self.stats.add_dropped("unknown_room")
+        elif not recv.is_peer(msg.rank if isinstance(msg, KVAbort) else msg.src_rank, sender):
+            self._drop("foreign_peer", "room %d: %s from %s, not a prefill rank of the room, dropped", msg.room,
+                       type(msg).__name__, sender)
         elif isinstance(msg, KVAbort):
             recv.note_quiet(msg.rank)
             recv._fail("aborted_by_prefill", detail=msg.reason)

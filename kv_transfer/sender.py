@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,8 +26,10 @@ from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
 from kv_transfer.engine import MooncakeEngine, TransferError
 from kv_transfer.layout import LAYOUT_NAME, PoolDesc, build_descriptors, check_compatible, intersect, overlapping
-from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, write_aux
+from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, sender_id, write_aux
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
+
+KNOWN_PEERS_KEPT = 4096     # decode managers whose registered pool a prefill rank remembers
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,9 @@ class KVSender:
             self._fail("bad_registration")
             return
         with self._lock:
-            if self._status == KVPoll.Failed:
-                late = True
-            else:
-                late = False
+            late = self._status == KVPoll.Failed
+            dup = not late and msg.dst_rank in self._peers   # a later registration never redirects writes
+            if not late and not dup:
                 if self._expected is not None and expected != self._expected:
                     self._expected = frozenset()        # inconsistent decode layouts: fail below
                 self._expected = self._expected if self._expected is not None else expected
@@ -110,7 +111,10 @@ class KVSender:
                 if self._expected and set(self._peers) == self._expected and self._status == KVPoll.Bootstrapping:
                     self._status = KVPoll.WaitingForInput
                     self._progress_at = time.monotonic()
-        if late:
+        if dup:
+            mgr.stats.add_dropped("duplicate_register")
+            mgr.warn("room %d: decode rank %d registered again; ignored", self.room, msg.dst_rank)
+        elif late:
             mgr.send(msg.ctrl_host, msg.ctrl_port, _status(self.room, mgr.pp_rank, KVPoll.Failed, self.reason or "failed"))
         elif self._expected == frozenset():
             self._fail("bad_registration")
@@ -155,6 +159,12 @@ class KVSender:
             msg = (KVAbort(self.room, "prefill", mgr.pp_rank, reason) if abort
                    else _status(self.room, mgr.pp_rank, KVPoll.Failed, reason))
             mgr.send(p.ctrl_host, p.ctrl_port, msg)
+
+    def is_peer(self, dst_rank: int, sender: str) -> bool:
+        """Whether `sender` is the decode manager that registered as `dst_rank` in this room."""
+        with self._lock:
+            p = self._peers.get(dst_rank)
+        return p is not None and sender_id(p.session_id, p.ctrl_port) == sender
 
     def on_decode_abort(self, dst_rank: int) -> None:
         """The decode side gave up the room; it waits for a terminal message before reusing pages."""
@@ -254,6 +264,9 @@ class PrefillKVManager(KVManagerBase):
         self.failed_sessions: set[str] = set()
         self._senders: dict[int, KVSender] = {}
         self._pending: dict[int, list[tuple[float, KVRegister]]] = {}   # registrations before create_sender
+        # Each decode manager's pool and place, as its first authenticated registration gave them:
+        # later registrations must name the same, so none can point writes at other memory.
+        self._known_peers: OrderedDict[str, tuple] = OrderedDict()
         self._aux_free: queue.Queue[int] = queue.Queue()
         for i in range(self.aux_slots):
             self._aux_free.put(i)
@@ -297,8 +310,12 @@ class PrefillKVManager(KVManagerBase):
             self._aux_free.put(slot)
         return len(aux)
 
-    def _on_message(self, msg: Message) -> None:
+    def _on_message(self, msg: Message, sender: str) -> None:
         if isinstance(msg, KVRegister):
+            reason = self._check_register(msg, sender)
+            if reason is not None:
+                self._drop(reason, "room %d: registration from %s dropped: %s", msg.room, sender, reason)
+                return
             with self._lock:
                 sender = self._senders.get(msg.room)
                 if sender is None:
@@ -306,13 +323,35 @@ class PrefillKVManager(KVManagerBase):
                     return
             sender.on_register(msg)
         elif isinstance(msg, KVAbort) and msg.side == "decode":
-            sender = self._senders.get(msg.room)
-            if sender is None:
+            room = self._senders.get(msg.room)
+            if room is None:
                 self.stats.add_dropped("unknown_room")
+            elif not room.is_peer(msg.rank, sender):
+                self._drop("foreign_peer", "room %d: abort from %s, not a decode rank of the room, dropped",
+                           msg.room, sender)
             else:
-                sender.on_decode_abort(msg.rank)
+                room.on_decode_abort(msg.rank)
         else:
             self.stats.add_dropped("unexpected")
+
+    def _check_register(self, msg: KVRegister, sender: str) -> str | None:
+        """Why `msg` from `sender` is refused, or None: a decode manager registers only itself
+        (the session and control port inside the MAC), always with the pool, rank and aux buffer it
+        first registered, and with page ids and an aux slot inside them."""
+        if sender != sender_id(msg.session_id, msg.ctrl_port):
+            return "foreign_peer"
+        if len(msg.page_ids) > msg.pool.num_pages or any(p >= msg.pool.num_pages for p in msg.page_ids):
+            return "bad_pages"
+        if (msg.aux_ptr, msg.aux_len) != (0, 0) and not (
+                msg.aux_base <= msg.aux_ptr and msg.aux_ptr + msg.aux_len <= msg.aux_base + msg.aux_size):
+            return "bad_aux"
+        place = (msg.pool, msg.dst_rank, msg.dst_slices, msg.ctrl_host, msg.aux_base, msg.aux_size)
+        with self._lock:
+            known = self._known_peers.setdefault(sender, place)
+            self._known_peers.move_to_end(sender)
+            if len(self._known_peers) > KNOWN_PEERS_KEPT:
+                self._known_peers.popitem(last=False)
+        return None if known == place else "pool_changed"
 
     def _tick(self, now: float) -> None:
         ttl = self.config.terminal_ttl_s

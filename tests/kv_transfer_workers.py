@@ -110,6 +110,11 @@ class Host:
     def stats(self, name):
         return self.mgrs[name].stats.snapshot()
 
+    def identity(self, name):
+        """(sender id on the control channel, pool as wire data, aux buffer address and size) of one manager."""
+        m = self.mgrs[name]
+        return m.sender_id, m.pool.to_wire(), m.aux_base, m.aux_slots * m.config.aux_slot_bytes
+
 
 def worker_main(conn) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")      # Mooncake's glog INFO/WARNING lines

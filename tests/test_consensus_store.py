@@ -15,6 +15,8 @@ import pytest
 import zmq
 
 from consensus import KVPoll, PPConsensusStore
+from consensus.store import CHANNEL
+from engine.channel_auth import Sealer
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 10.0
@@ -205,7 +207,8 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(pp0.address)
     pk = msgpack.packb
-    bad = {
+    seal = Sealer(CHANNEL, "pp1").seal      # a rank of this cluster (it holds the secret) sending garbage
+    sealed = {
         "malformed": [b"\xff\x00garbage", pickle.dumps([1, 1, 5, 4]), b"", pk([1, 1, 5, 4]) + b"\x00",
                       pk([1, 1, 5, 4, "x" * 100])],
         "bad_shape": [pk([1, 1, 5]), pk(7), pk("abc"), pk(None)],
@@ -215,19 +218,47 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
         "bad_value": [pk([1, 1, 5, 7]), pk([1, 1, 5, -1]), pk([1, 1, 5, "x"]), pk([2, 1, 5, 4]),
                       pk([1, 1, 5, None])],
     }
+    unsealed = [pk([1, 1, 5, 4]), b"", Sealer(CHANNEL, "pp1", secret="another-cluster").seal(pk([1, 1, 5, 4])),
+                Sealer("kv-control", "pp1").seal(pk([1, 1, 5, 4])), seal(pk([1, 1, 5, 4]))[:-1] + b"\x05"]
     try:
-        for frames in bad.values():
+        for frames in sealed.values():
             for f in frames:
-                raw.send(f)
-        raw.send_multipart([pk([1, 1, 5, 4]), b"extra"])   # a multi-frame message is malformed too
-        total = sum(len(v) for v in bad.values()) + 1
-        wait_until(lambda: sum(pp0.dropped.values()) == total, "all drops", pp0)
-        expect = {k: len(v) for k, v in bad.items()}
+                raw.send(seal(f))
+        raw.send_multipart([seal(pk([1, 1, 5, 4])), b"extra"])   # a multi-frame message is malformed too
+        for f in unsealed:
+            raw.send(f)
+        raw.send(Sealer(CHANNEL, "pp2").seal(pk([1, 1, 5, 4])))  # rank 2 writing rank 1's replica
+        once = seal(pk([2, 1, 99, None]))       # a valid delete of a room nobody wrote, then its replay
+        raw.send(once)
+        raw.send(once)
+        expect = {k: len(v) for k, v in sealed.items()}
         expect["malformed"] += 1
+        expect.update(unauthenticated=len(unsealed), foreign_rank=1, replayed=1)
+        wait_until(lambda: sum(pp0.dropped.values()) == sum(expect.values()), "all drops", pp0)
         assert dict(pp0.dropped) == expect
         assert pp0.collect(5) == [None, None, None]       # nothing bad was applied
         rank1[5] = W
         wait_until(lambda: pp0.collect(5)[1] == W, "a good write after the bad ones", pp0)
+    finally:
+        raw.close()
+        ctx.term()
+        rank1.close()
+        pp0.close()
+
+
+def test_an_oversized_message_is_dropped_and_the_store_keeps_working():
+    """libzmq refuses a message over the socket's MAXMSGSIZE and disconnects its sender only."""
+    pp0 = PPConsensusStore(0, 2)
+    rank1 = PPConsensusStore(1, 2, pp0.address)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(pp0.address)
+    try:
+        raw.send(b"x" * (1 << 20))
+        rank1[7] = W
+        wait_until(lambda: pp0.collect(7)[1] == W, "a good write after the oversized one", pp0)
+        assert sum(pp0.dropped.values()) == 0          # never reached the store: libzmq dropped it
     finally:
         raw.close()
         ctx.term()

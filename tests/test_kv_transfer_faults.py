@@ -2,23 +2,29 @@
 every affected room ends Failed within its timeout on every surviving rank, the others complete.
 
 Two prefill nodes (PA, PB) and two decode nodes (DA, DB), PP 1 each, bootstrap servers hosted here
-(as the prefill fronts would). Tests run in file order; the last two kill processes.
+(as the prefill fronts would). The processes hold a cluster secret (PDSERVE_INTERNAL_TOKEN), so
+every control message is authenticated. Tests run in file order; the last two kill processes.
 """
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
 import random
+import os
 import socket
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
 import zmq
 
 from consensus.kvpoll import KVPoll
-from kv_transfer import BootstrapServer
-from kv_transfer.messages import KVStatus, encode_message
+from engine.channel_auth import Sealer
+from engine.cluster_secret import ENV as SECRET_ENV
+from kv_transfer import BootstrapServer, PoolDesc, TransferConfig
+from kv_transfer.manager import CHANNEL
+from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
 from kv_transfer_workers import RankProcess
 
 LAYERS = (0, 30)
@@ -81,15 +87,41 @@ class Cluster:
             s.stop()
 
 
+SECRET = "kv-faults-cluster-secret"
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    c = None
+    c, old = None, os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = SECRET           # inherited by the spawned rank processes
     try:
         c = Cluster()
         yield c
     finally:
         if c is not None:
             c.stop()
+        if old is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = old
+
+
+def _push_all(port: int, frames: list[bytes]) -> None:
+    """Sends `frames` from a foreign ZMQ socket (not a KV manager) to a control port."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        for f in frames:
+            s.send(f)
+        s.close()
+    finally:
+        ctx.term()
+
+
+def _grew(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 SLACK_S = 5.0   # a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
@@ -164,20 +196,14 @@ def test_bootstrap_server_never_answers(cluster):
 def test_malformed_control_messages_dropped(cluster):
     c = cluster
     before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
-    ctx = zmq.Context()
-    try:
-        for name in ("PA", "DA"):
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 1000)
-            s.connect(f"tcp://127.0.0.1:{c.ports[name]}")
-            s.send(b"\xc1 garbage")                                            # not msgpack
-            s.send(msgpack.packb({"t": "status", "room": "x"}))                 # wrong keys/types
-            s.send(msgpack.packb({"t": "abort", "room": 1, "side": "decode", "rank": -1, "reason": "r"}))
-            s.send(msgpack.packb([1, 2, 3]))                                    # not a map
-            s.send(encode_message(KVStatus(99, 0, int(KVPoll.Success), "", 1, 0, None)))   # unknown room / wrong way
-            s.close()
-    finally:
-        ctx.term()
+    insider = Sealer(CHANNEL, "127.0.0.1:1/1")          # holds the secret: its frames reach the decoder
+    for name in ("PA", "DA"):
+        bad = [b"\xc1 garbage",                                              # not msgpack
+               msgpack.packb({"t": "status", "room": "x"}),                   # wrong keys/types
+               msgpack.packb({"t": "abort", "room": 1, "side": "decode", "rank": -1, "reason": "r"}),
+               msgpack.packb([1, 2, 3])]                                      # not a map
+        _push_all(c.ports[name], bad + [insider.seal(f) for f in bad]
+                  + [insider.seal(encode_message(KVStatus(99, 0, int(KVPoll.Success), "", 1, 0, None)))])
     ok, ptab, dtab = c.room("PA", "DA")
     _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
     c.send_all("PA", ok, ptab)
@@ -185,8 +211,53 @@ def test_malformed_control_messages_dropped(cluster):
     assert c.procs["DA"].call("check", "m", ok, dtab, N) == 0
     after = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
     grew = {n: {k: v - before[n].get(k, 0) for k, v in after[n].items()} for n in after}
-    assert grew["PA"].get("malformed") == 4 and grew["PA"].get("unexpected") == 1, grew
-    assert grew["DA"].get("malformed") == 4 and grew["DA"].get("unknown_room") == 1, grew
+    for n in ("PA", "DA"):      # unsealed: not authenticated; sealed: authenticated, then malformed
+        assert grew[n].get("unauthenticated") == 4 and grew[n].get("malformed") == 4, grew
+    assert grew["PA"].get("unexpected") == 1 and grew["DA"].get("unknown_room") == 1, grew
+
+
+def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(cluster):
+    """While a real room is registered, a foreign socket sends KVRegisters that would redirect its
+    writes (other pages, another pool) and KVStatus messages that would end it (Success, Failed):
+    unsigned, signed with another secret, signed by a cluster member that is not the room's peer,
+    and as the room's own decode rank re-registering. All are dropped and counted; the room's KV
+    lands byte-exact in its own pages."""
+    c = cluster
+    room, ptab, dtab = c.room("PA", "DA")
+    _assert(c.wait("PA", [room], [WAITING, FAILED]), WAITING)
+    da_id, da_pool, aux_base, aux_size = c.procs["DA"].call("identity", "m")
+    pa_id = c.procs["PA"].call("identity", "m")[0]
+    before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
+    pool = PoolDesc.from_wire(da_pool)
+    session, port = da_id.rsplit("/", 1)
+    other_pages = c.take("DA", 7)                         # another request's pages in the same pool
+    aux_len = TransferConfig().aux_slot_bytes             # what DA registers with (same place, other pages)
+    reg = KVRegister(room, 0, (LAYERS,), "127.0.0.1", int(port), session, pool, tuple(other_pages),
+                     aux_base, aux_len, aux_base, aux_size)
+    moved = replace(reg, pool=PoolDesc(**{**da_pool, "base_ptr": pool.base_ptr + pool.page_bytes}))
+    as_da = Sealer(CHANNEL, da_id)                         # a cluster member claiming to be DA
+    ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", N, 0, None))
+    fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
+    abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
+    stranger = Sealer(CHANNEL, "127.0.0.1:9/9")            # has the secret, is not a peer of the room
+    outsider = Sealer(CHANNEL, pa_id, secret="another-cluster")
+    _push_all(c.ports["PA"], [encode_message(reg), outsider.seal(encode_message(reg)),
+                              stranger.seal(encode_message(reg)),       # a register naming another sender
+                              as_da.seal(encode_message(moved)),                    # pool changed
+                              as_da.seal(encode_message(replace(reg, page_ids=(NUM_PAGES,)))),   # outside
+                              as_da.seal(encode_message(replace(reg, aux_ptr=aux_base + aux_size))),  # outside
+                              as_da.seal(encode_message(reg))])                     # re-register
+    _push_all(c.ports["DA"], [ok, fail, abort, outsider.seal(ok), outsider.seal(fail),
+                              stranger.seal(ok), stranger.seal(fail), stranger.seal(abort)])
+    c.send_all("PA", room, ptab)
+    _assert(c.wait("DA", [room]), SUCCESS)
+    _assert(c.wait("PA", [room]), SUCCESS)
+    assert c.procs["DA"].call("check", "m", room, dtab, N) == 0
+    assert c.procs["DA"].call("read_aux", "m", room) == b"tok"
+    grew = {n: _grew(before[n], c.procs[n].call("stats", "m")["dropped"]) for n in before}
+    assert grew["PA"] == {"unauthenticated": 2, "foreign_peer": 1, "pool_changed": 1, "bad_pages": 1, "bad_aux": 1,
+                          "duplicate_register": 1}, grew
+    assert grew["DA"] == {"unauthenticated": 5, "foreign_peer": 3}, grew
 
 
 def test_decode_killed_mid_transfer(cluster):

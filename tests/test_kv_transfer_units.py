@@ -97,7 +97,7 @@ def test_descriptors_reject_bad_tables():
 
 def _register():
     return KVRegister(1 << 62, 1, ((0, 15), (15, 30)), "127.0.0.1", 5555, "127.0.0.1:1234",
-                      pool(1 << 30, 64, 16, 15, 30), (3, 9, 4), 777, 4096)
+                      pool(1 << 30, 64, 16, 15, 30), (3, 9, 4), 777, 4096, 0, 8192)
 
 
 def test_codec_round_trip_and_strictness():
