@@ -1,4 +1,4 @@
-"""KVPoll: the ordered status of one room's KV transfer, and its update rule (DESIGN.md section 4).
+"""KVPoll: the ordered status of one room's KV transfer, and its update rule (docs/ARCHITECTURE.md section 5).
 
     Failed(0) < Bootstrapping(1) < WaitingForInput(2) < Transferring(3) < Success(4)
 

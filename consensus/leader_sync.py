@@ -1,4 +1,4 @@
-"""Leader sync: PP0 decides, the list goes down the chain unchanged (DESIGN.md section 5, way 1).
+"""Leader sync: PP0 decides, the list goes down the chain unchanged (docs/ARCHITECTURE.md section 5, way 1).
 
 PP0 passes its list of conclusions (for example the bootstrap status of each room in its bootstrap
 queue, in queue order, from `PPConsensusStore.status`); every other rank passes None and gets PP0's

@@ -1,4 +1,4 @@
-"""PPConsensusStore: room -> KVPoll on every rank, replicated to PP0 (DESIGN.md section 5, way 3).
+"""PPConsensusStore: room -> KVPoll on every rank, replicated to PP0 (docs/ARCHITECTURE.md section 5, way 3).
 
 Each rank reads and writes its own entries like a dict. On PP0 the store also holds a replica of
 every other rank's entries and answers `status(room)`: `Bootstrapping` while any rank has no entry

@@ -113,7 +113,7 @@ class InMemoryTransport(RingTransport):
 class PPGroupTransport(RingTransport):
     """The real ring: the engine's PP group moves the bytes.
 
-    `send_obj(dst, payload)` must be asynchronous (DESIGN.md section 3: async send, sync recv) and
+    `send_obj(dst, payload)` must be asynchronous (docs/ARCHITECTURE.md section 3: async send, sync recv) and
     keep per-link order; `recv_obj(src, timeout_s)` returns the next payload from `src` and raises
     `TimeoutError` when none arrived in time (translated here into `ConsensusTimeout`).
     """

@@ -1,4 +1,4 @@
-"""Two-pass ring votes bound to microbatch slots (DESIGN.md section 5, way 2).
+"""Two-pass ring votes bound to microbatch slots (docs/ARCHITECTURE.md section 5, way 2).
 
 Every rank observes, for each vote kind, which ids (rooms or rids) reached a final state locally:
 `good` (e.g. transfer Success) or `bad` (Failed). The vote turns these different observations into

@@ -1,7 +1,7 @@
 """The shared vocabulary of the engine: sampling parameters, requests, batches.
 
 Every PP rank builds the same `Req` objects from the same replicated inputs and mutates them with
-the same outputs, so everything here must be a pure function of those inputs (DESIGN.md section 3).
+the same outputs, so everything here must be a pure function of those inputs (docs/ARCHITECTURE.md section 4).
 
 Lengths, named once and derived from each other:
 

@@ -5,7 +5,7 @@ plain objects (meta, votes, sampled outputs) as msgpack bytes on the CPU group, 
 states) on the device group (the same gloo group on CPU, an NCCL group on GPU). Between two ranks
 messages arrive in the order they were sent; each carries a type, and a receiver that finds a type
 it did not ask for parks the message in an inbox until it is asked for (hidden states and outputs
-share the link with different rhythms, DESIGN.md section 3).
+share the link with different rhythms, docs/ARCHITECTURE.md section 3).
 
 Sends are asynchronous: `send_*` returns at once and keeps the buffers alive; `commit()` waits for
 the previous turn's sends. Receives block, with the group's timeout, so a dead or stuck peer ends in

@@ -1,4 +1,4 @@
-"""The slot loop: one iteration of DESIGN.md section 3 on one PP rank.
+"""The slot loop: one iteration of docs/ARCHITECTURE.md section 3 on one PP rank.
 
     L = pp_size + async_depth slots; iteration t works on slot mb = t % L and harvests slot (t+1) % L
 
@@ -192,7 +192,7 @@ class SlotLoop:
         return meta
 
     def timeout_aborts(self, incoming: list[list[Any]]) -> list[list[Any]]:
-        """PP0 only: wall-clock timeouts become abort messages in the meta stream (DESIGN.md 5.1)."""
+        """PP0 only: wall-clock timeouts become abort messages in the meta stream (docs/ARCHITECTURE.md section 7)."""
         wt, rt = self.cfg.waiting_timeout_s, self.cfg.running_timeout_s
         if not (wt or rt):
             return []

@@ -4,7 +4,7 @@ The tree's edges are whole pages of token ids (`page_size` tokens each), so a ma
 of full pages and never splits a page. A node is referenced (locked) by every live request whose page
 table starts with its path; only unreferenced leaves are evicted, least recently used first.
 
-Determinism (DESIGN.md section 3): every PP rank runs the same call sequence, so the tree, the LRU
+Determinism (docs/ARCHITECTURE.md section 4): every PP rank runs the same call sequence, so the tree, the LRU
 order and therefore every eviction must be a pure function of that sequence. "Recently" is a logical
 clock bumped on every call, never wall time; children live in insertion-ordered dicts; ties in the
 eviction order break on the page id.

@@ -1,7 +1,7 @@
 """The deterministic scheduler: continuous batching, chunked prefill, prefix sharing, retraction.
 
 Every PP rank runs one of these on the same replicated inputs (new requests, aborts, sampled
-tokens), so its decisions must be a pure function of its call sequence (DESIGN.md section 3): no
+tokens), so its decisions must be a pure function of its call sequence (docs/ARCHITECTURE.md section 4): no
 wall clock, no unordered iteration, no rank-local resource readings. Capacities come from the
 config, which the ranks agree on at start-up.
 

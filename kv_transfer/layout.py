@@ -1,7 +1,7 @@
 """Which bytes move where: layer-slice mapping and transfer descriptors (pure functions).
 
 A rank's KV pool is `kv[page, local_layer, k_or_v, token_in_page, kv_head, head_dim]` (the engine's
-KVLayout, DESIGN.md section 6), described here as plain data by `PoolDesc`. Byte offsets:
+KVLayout, docs/ARCHITECTURE.md section 6), described here as plain data by `PoolDesc`. Byte offsets:
 
     addr(page, layer, kv, t) = base + page * page_bytes + (layer - layer_start) * layer_bytes
                                     + kv * page_size * token_bytes + t * token_bytes
