@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -16,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.internal_auth import bearer, bearer_ok
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt
@@ -39,7 +39,8 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.clients = NodeClients(cfg.connect_timeout_s, cfg.max_concurrent)
+        self.clients = NodeClients(cfg.connect_timeout_s, cfg.max_concurrent,
+                                   bearer(cfg.internal_token))
         self.registry = WorkerRegistry(cfg, self.clients, self.metrics)
         for spec in cfg.workers:
             self.registry.add(spec)
@@ -61,10 +62,7 @@ class Router:
 
     # --- request checks -----------------------------------------------------------------
     def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
-        if not secret:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+        if not bearer_ok(request.headers.get("authorization"), secret):
             raise ApiError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')",
                            code="invalid_api_key")
 
@@ -266,8 +264,11 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     @app.get("/workers")
-    async def list_workers():
-        return {"workers": [w.describe() for w in router.registry.all()]}
+    async def list_workers(request: Request):
+        async def handler(r: Request, t0: float) -> Response:
+            router.check_bearer(r, config.internal_token, "internal token")
+            return JSONResponse({"workers": [w.describe() for w in router.registry.all()]})
+        return await router.serve("/workers", request, handler)
 
     @app.post("/workers")
     async def add_worker(request: Request):

@@ -66,6 +66,12 @@ def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
     text = f"{worker.role} node {worker.url} answered {status}: {message}"
     if status in (408, 429):
         return Failure(503, text, code="node_busy", retryable=True, culprit=worker, node_fault=False)
+    if status in (401, 403):
+        # the node does not take this router's secret, or (decode) has not got the prefill node on
+        # its bootstrap allowlist yet: the cluster's fault, not the client's; another pair may work
+        worker.pushed_servers = None
+        return Failure(502, text, code=f"{worker.role}_refused", retryable=True, culprit=worker,
+                       node_fault=True)
     if status < 500:
         good = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
         return Failure(status, message if good else text, code="node_rejected", retryable=False,
