@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,9 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from engine.internal_auth import bearer_ok
-from engine.node_front import RID_MAX, NodeFront, RequestError, sse
+from engine.node_front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0           # to receive a whole body once its headers are in
+# Tokenisation and chat templates run here, off the event loop; one thread, because a fast
+# tokenizer used from several threads at once can fail ("Already borrowed").
+TOKENIZER_POOL = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
 
 async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
@@ -27,11 +32,14 @@ async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
         raise RequestError(413, f"request body over {limit} bytes")
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(413, f"request body over {limit} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(413, f"request body over {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s") from None
     except ClientDisconnect:
         # The caller (the router) gave up before sending the whole body: nobody reads the answer.
         raise RequestError(499, "client disconnected before the request body was read") from None
@@ -54,7 +62,8 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _req_error(_: Request, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     def check_internal(request: Request) -> None:
         if not bearer_ok(request.headers.get("authorization"), internal_token):
@@ -64,7 +73,10 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
     async def generate(request: Request):
         check_internal(request)
         body = await read_json(request)
-        p = front.admit(body)
+        ids = None
+        if not front.dead and len(front.pending) < front.max_pending:   # else admit() says why, untokenised
+            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, front.tokenize, body)
+        p = front.admit(body, ids)
         if front.role == "prefill":
             return await front.prefill_result(p)
         if body.get("stream"):

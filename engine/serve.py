@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from engine.config import EngineConfig
+from engine.http_server import server_config
 from engine.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from engine.procs import free_port, setup_logging, stop_processes
 from engine.rank_spec import RankSpec
@@ -61,6 +62,8 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)")
     ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+    ap.add_argument("--max-pending", type=int, default=4096,
+                    help="requests the node holds at once (queued or running); beyond: 503 with Retry-After")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
     ap.add_argument("--pp-comm-stream", action="store_true",
                     help="CUDA: PP sends/receives on their own stream, overlapping forwards")
@@ -155,8 +158,8 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
              module: str = "engine.rank_process") -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=3))
+    server = uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning",
+                                          timeout_graceful_shutdown=3))
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     def on_rank_exit(why: str) -> None:
@@ -226,6 +229,7 @@ def make_front(args, role: str, cls=None, **kw):
                                vocab_size=mcfg.vocab_size, host=front_host(args),
                                stats_port=stats_port(args), **kw)
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
+    front.max_pending = args.max_pending
     return front, build_app(front, secret)
 
 

@@ -200,12 +200,14 @@ class BootstrapServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  heartbeat_timeout_s: float = 3.0):
         import uvicorn
+
+        from engine.http_server import server_config
         self.state = BootstrapState(heartbeat_timeout_s)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.state, token), log_level="warning", lifespan="off")
+        config = server_config(build_app(self.state, token), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="kv-bootstrap", daemon=True)

@@ -141,11 +141,13 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 def serve(config: RouterConfig) -> None:
     import uvicorn
 
+    from engine.http_server import server_config
     from router.app import build_app
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(config), host=config.host, port=config.port,
-                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    uvicorn.Server(server_config(build_app(config), host=config.host, port=config.port,
+                                 log_level=config.log_level.lower(),
+                                 timeout_graceful_shutdown=5)).run()
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -3,13 +3,15 @@ node's bootstrap server, and a decode node contacts only bootstrap servers the r
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import ROOT, free_port, start
 from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, body
 from reference import hf_greedy, load_hf
@@ -18,11 +20,13 @@ SECRET = "test-cluster-secret"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 WRONG = {"Authorization": f"Bearer {SECRET}x"}
 ENV = {**FAST_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": SECRET}
+SLOW_KV = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "120", "PDSERVE_KV_WAITING_TIMEOUT_S": "120"}
 
 
 @pytest.fixture(scope="module")
 def nodes(tiny30, tmp_path_factory):
-    """A colocated, a prefill and a decode node (PP 1), all holding the cluster secret."""
+    """A colocated, a prefill and a decode node (PP 1, the decode node holding at most 2 requests),
+    all holding the cluster secret."""
     tmp = tmp_path_factory.mktemp("auth")
     cport, pport, bport, dport = free_port(), free_port(), free_port(), free_port()
     common = ["--model", str(tiny30), "--pp", "1", *NODE_ARGS]
@@ -31,8 +35,8 @@ def nodes(tiny30, tmp_path_factory):
                                                  tmp / "serve.log", env=ENV))
         prefill, _ = stack.enter_context(start(["prefill", "--port", str(pport), "--bootstrap-port", str(bport),
                                                 *common], pport, tmp / "prefill.log", env=ENV))
-        decode, _ = stack.enter_context(start(["decode", "--port", str(dport), *common], dport,
-                                              tmp / "decode.log", env=ENV))
+        decode, _ = stack.enter_context(start(["decode", "--port", str(dport), "--max-pending", "2", *common], dport,
+                                              tmp / "decode.log", env={**ENV, **SLOW_KV}))
         yield {"colocated": colocated, "prefill": prefill, "decode": decode, "bport": bport}
 
 
@@ -95,8 +99,7 @@ def test_decode_contacts_no_foreign_bootstrap_address(nodes, tiny30):
         ids = [5, 6, 7, 8, 9, 10]
         want = hf_greedy(load_hf(tiny30), [ids], 4)[0]
         b = body(ids, 1234, bport, 4)
-        with httpx.Client(headers=AUTH, timeout=60) as c, \
-                __import__("concurrent.futures").futures.ThreadPoolExecutor(2) as pool:
+        with httpx.Client(headers=AUTH, timeout=60) as c, ThreadPoolExecutor(2) as pool:
             fp = pool.submit(c.post, f"{prefill}/generate", json=b)
             fd = pool.submit(c.post, f"{decode}/generate", json=b)
             rp, rd = fp.result(), fd.result()
@@ -125,7 +128,29 @@ def test_oversized_body_is_refused_before_it_is_read(nodes):
 
 @pytest.mark.parametrize("cmd", [["decode", "--host", "0.0.0.0"], ["router", "--host", "0.0.0.0"]])
 def test_refuses_a_network_bind_without_a_secret(cmd, tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PDSERVE_INTERNAL_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_INTERNAL_TOKEN")}
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", *cmd, "--port", str(free_port())], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "without a cluster secret" in r.stderr, r.stderr[-2000:]
+
+
+def test_pending_cap_answers_503_with_retry_after(nodes):
+    """Two decode requests whose KV never comes stay pending; the third is refused at once."""
+    url, bport = nodes["decode"], nodes["bport"]
+    r = httpx.put(f"{url}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, headers=AUTH, timeout=10)
+    assert r.status_code == 200
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(httpx.post, f"{url}/generate", json={**body([5, 6, 7], 500 + i, bport, 4), "rid": f"hold{i}"},
+                            headers=AUTH, timeout=120) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = httpx.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["ranks"]
+            if ranks[0] and sum(ranks[0].get(q, 0) for q in ("prealloc", "transfer", "waiting")) == 2:
+                break
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/generate", json=body([5, 6, 7], 502, bport, 4), headers=AUTH, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "node_overloaded", r.text
+        assert r.headers["retry-after"] == "1"
+        for i in range(2):
+            assert httpx.post(f"{url}/abort", json={"rid": f"hold{i}"}, headers=AUTH, timeout=10).json()["aborted"]
+        assert all(f.result().status_code >= 400 for f in held)
