@@ -73,6 +73,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds to the first stream event (streaming) or the whole answer")
     opt("--stream-idle-timeout", R.stream_idle_timeout_s, float,
         help="longest silence of a decode stream, seconds")
+    opt("--sse-keepalive", R.sse_keepalive_s, float,
+        help="seconds between SSE ': ping' comments while a stream waits for its first token "
+        "(0: none)")
     opt("--max-body-bytes", R.max_body_bytes, int, help="largest request body; beyond: 413")
     opt("--health-interval", H.interval_s, float, help="seconds between health probes")
     opt("--health-timeout", H.timeout_s, float, help="health probe timeout, seconds")
@@ -126,6 +129,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
         retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        sse_keepalive_s=args.sse_keepalive,
         max_body_bytes=args.max_body_bytes, log_level=args.log_level,
         health=HealthConfig(args.health_interval, args.health_timeout,
                             args.health_failure_threshold, args.health_success_threshold),

@@ -1,7 +1,7 @@
 """Connection limits of pdserve's HTTP servers (engine/http_server.py), on a real `pdserve router`
 process in front of stub nodes: slow request headers are cut off at the header timeout, and a
 streaming client that stops reading loses its connection at the write timeout, which frees its
-admission slot."""
+admission slot. And the router's SSE keep-alive while a stream waits for its first token."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,12 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
+
 from cluster import free_port, start
-from stub_node import StubNode
+from router.config import RetryConfig
+from stub_node import Cluster, StubNode
 
 HEADER_TIMEOUT_S, WRITE_TIMEOUT_S = 3, 2
 SLOW_CLIENTS = 500
@@ -111,3 +114,44 @@ def test_a_client_that_stops_reading_frees_its_slot(router):
         assert status == 200, "the slot of the client that stopped reading was never freed"
     finally:
         s.close()
+
+
+# --- SSE keep-alive (router/keepalive.py), on the router in a thread over stub nodes ---------------
+
+def wait_running_zero(cluster, timeout: float = 30.0) -> int:
+    admission = cluster.app.state.router.admission
+    deadline = time.monotonic() + timeout
+    while admission.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return admission.running
+
+
+def test_sse_pings_while_the_first_token_is_slow():
+    with Cluster(node_kw={"first_token_delay_s": 1.5}, sse_keepalive_s=0.2) as cluster:
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "one two three"}],
+                "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert r.status_code == 200
+        first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
+        assert first_data >= 1 and all(ln == ": ping" for ln in lines[:first_data]), lines[:first_data + 1]
+        assert lines[-1] == "data: [DONE]"
+        # SSE clients skip comments: the official SDK reads the same stream whole
+        sdk = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=30, max_retries=0)
+        chunks = sdk.chat.completions.create(model="stub-model", messages=body["messages"], max_tokens=4,
+                                             stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two three one"
+        assert wait_running_zero(cluster) == 0
+
+
+def test_sse_failure_after_pings_is_an_error_event_and_frees_the_slot():
+    with Cluster(node_kw={"fail": "hang"}, sse_keepalive_s=0.2, request_timeout_s=1.0,
+                 retry=RetryConfig(max_retries=0)) as cluster:
+        body = {"text": "one two", "stream": True, "sampling_params": {"max_tokens": 2}}
+        with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=30) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert r.status_code == 200 and lines[0] == ": ping"
+        events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert len(events) == 1 and events[0]["error"]["message"], lines
+        assert lines[-1] == "data: [DONE]"
+        assert wait_running_zero(cluster) == 0

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from cluster import ROOT, free_port, start
 from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, body
 from reference import hf_greedy, load_hf
