@@ -11,6 +11,11 @@ connection here also has:
     must read within WRITE_TIMEOUT_S or the connection is dropped, which ends the response (the
     app sees a disconnect, and a stream releases what it holds).
 Both work on the protocol class (h11 or httptools): a thin subclass that only arms and disarms timers.
+
+What uvicorn has, and why it is not enough: `timeout_keep_alive` starts only after a response;
+`h11_max_incomplete_event_size` bounds headers with h11 only (httptools, which uvicorn picks when it
+is installed, has no bound: hence the byte count here); `limit_concurrency` answers 503 once that
+many connections are open, so 500 slow connections would lock out every real client.
 """
 from __future__ import annotations
 
