@@ -36,11 +36,11 @@ DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
 CLI_CONTRACT: dict[str, set[str]] = {
     "up": {"--model", "--prefill-pp", "--decode-pp", "--prefill-nodes", "--decode-nodes", "--port"},
     "prefill": {"--model", "--pp", "--host", "--port", "--bootstrap-port", "--nnodes", "--node-rank",
-                "--dist-init-addr", "--internal-token", "--threads", "--device"},
+                "--dist-init-addr", "--insecure", "--threads", "--device"},
     "decode": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-               "--internal-token", "--device"},
+               "--insecure", "--device"},
     "serve": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-              "--internal-token", "--device"},
+              "--insecure", "--device"},
 }
 DEFAULT_PORTS = {"up": 8000, "router": 8000, "prefill": 30000, "decode": 30001, "serve": 30000}
 BOOTSTRAP_PORT = 8998
