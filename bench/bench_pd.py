@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import httpx  # noqa: E402
 import loadgen  # noqa: E402
 from cluster import wait_healthy  # noqa: E402
 
@@ -70,6 +71,8 @@ def run_pd(levels, max_new: int, logdir: Path, threads: int):
         wait_healthy(purl, pp, 300, logdir / "prefill.log")
         wait_healthy(durl, dp, 300, logdir / "decode.log")
         startup = time.perf_counter() - t
+        # this script plays the router: it tells the decode node the one bootstrap server it may contact
+        httpx.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, timeout=10).raise_for_status()
 
         async def send(c, ids, t0, res):
             room = random.getrandbits(63)

@@ -1,4 +1,9 @@
-"""The decode node's front: PD admission (the prefill node's bootstrap address and the room)."""
+"""The decode node's front: PD admission (the prefill node's bootstrap address and the room).
+
+The bootstrap address comes in the request body, but the decode ranks contact it (with the cluster
+secret), so the front admits only addresses on its allowlist: the prefill bootstrap servers the
+router registered and pushed here through the authenticated PUT /bootstrap_servers. A request that
+names any other address is refused (403) before anything is contacted."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,9 +11,24 @@ from typing import Any
 from engine.node_front import NodeFront, RequestError
 
 ROOM_MAX = (1 << 63) - 1
+MAX_BOOTSTRAP_SERVERS = 4096
 
 
 class DecodeFront(NodeFront):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.bootstrap_servers: frozenset[str] = frozenset()
+
+    def set_bootstrap_servers(self, body: dict[str, Any]) -> list[str]:
+        """Replaces the allowlist with body["servers"] ("host:port" strings); returns it sorted."""
+        servers = body.get("servers")
+        if not isinstance(servers, list) or len(servers) > MAX_BOOTSTRAP_SERVERS or not all(
+                isinstance(s, str) and 0 < len(s) <= 262 and s.rpartition(":")[2].isdigit() for s in servers):
+            raise RequestError(400, f"'servers' must be a list of at most {MAX_BOOTSTRAP_SERVERS} "
+                               "'host:port' strings", "servers")
+        self.bootstrap_servers = frozenset(servers)
+        return sorted(self.bootstrap_servers)
+
     def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
         room, host, port = body.get("bootstrap_room"), body.get("bootstrap_host"), body.get("bootstrap_port")
         if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room <= ROOM_MAX:
@@ -17,7 +37,11 @@ class DecodeFront(NodeFront):
             raise RequestError(400, "'bootstrap_host' (the prefill node's host) is required", "bootstrap_host")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise RequestError(400, "'bootstrap_port' must be a TCP port", "bootstrap_port")
-        return [room, f"{host}:{port}"]
+        addr = f"{host}:{port}"
+        if addr not in self.bootstrap_servers:
+            raise RequestError(403, f"bootstrap server {addr} is not a prefill node registered with this "
+                               "cluster's router", "bootstrap_host", "unknown_bootstrap_server")
+        return [room, addr]
 
     def add_kind(self) -> str:
         return "pd_add"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from decode_node.loop import DecodeLoop
+from engine.cluster_secret import cluster_secret
 from engine.rank_process import RankParts, run_rank, split_layers
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
@@ -19,7 +20,7 @@ def make_loop(parts: RankParts) -> DecodeLoop:
     desc = PoolDesc(pool.data_ptr, lay.num_pages, lay.page_size, lay.layer_start, lay.layer_end,
                     lay.token_bytes, str(lay.dtype).removeprefix("torch."))
     cfg = TransferConfig.from_env(host=spec.extra.get("transfer_host", "127.0.0.1"),
-                                  auth_token=spec.extra.get("internal_token"))
+                                  auth_token=cluster_secret())
     slices = split_layers(parts.mcfg.num_layers, spec.pp_size)
     kv = DecodeKVManager(cfg, desc, spec.pp_rank, slices, aux_slots=AUX_SLOTS)
     return DecodeLoop(parts, kv, AUX_SLOTS)

@@ -1,28 +1,53 @@
-"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info, /metrics."""
+"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info, /metrics,
+and on decode nodes /bootstrap_servers.
+
+Everything but /health and /metrics needs the cluster secret (when the node has one): they are what a
+load balancer's probe and a Prometheus scraper read, and they tell nothing a request could abuse."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from engine.node_front import RID_MAX, NodeFront, RequestError, sse
+from engine.internal_auth import bearer_ok
+from engine.node_front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0           # to receive a whole body once its headers are in
+# Tokenisation and chat templates run here, off the event loop; one thread, because a fast
+# tokenizer used from several threads at once can fail ("Already borrowed").
+TOKENIZER_POOL = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
+    """The body, refused (413) as soon as its declared or received size passes `limit`: an oversized
+    body is never held in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body over {limit} bytes")
+    chunks, size = [], 0
     try:
-        raw = await request.body()
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(413, f"request body over {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s") from None
     except ClientDisconnect:
         # The caller (the router) gave up before sending the whole body: nobody reads the answer.
         raise RequestError(499, "client disconnected before the request body was read") from None
-    if len(raw) > MAX_BODY:
-        raise RequestError(413, f"request body over {MAX_BODY} bytes")
+    return b"".join(chunks)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -37,18 +62,21 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _req_error(_: Request, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     def check_internal(request: Request) -> None:
-        if internal_token:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {internal_token}".encode()):
-                raise RequestError(401, "missing or wrong internal token")
+        if not bearer_ok(request.headers.get("authorization"), internal_token):
+            raise RequestError(401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')")
 
     @app.post("/generate")
     async def generate(request: Request):
+        check_internal(request)
         body = await read_json(request)
-        p = front.admit(body)
+        ids = None
+        if not front.dead and len(front.pending) < front.max_pending:   # else admit() says why, untokenised
+            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, front.tokenize, body)
+        p = front.admit(body, ids)
         if front.role == "prefill":
             return await front.prefill_result(p)
         if body.get("stream"):
@@ -84,8 +112,16 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unhealthy", "detail": why}, status_code=200 if ok else 503)
 
     @app.get("/server_info")
-    async def server_info():
+    async def server_info(request: Request):
+        check_internal(request)
         return front.server_info()
+
+    if hasattr(front, "set_bootstrap_servers"):
+        @app.put("/bootstrap_servers")
+        async def bootstrap_servers(request: Request):
+            """The prefill bootstrap servers this decode node may contact (the router keeps it current)."""
+            check_internal(request)
+            return {"servers": front.set_bootstrap_servers(await read_json(request))}
 
     @app.get("/metrics")
     async def metrics():

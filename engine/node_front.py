@@ -47,6 +47,8 @@ class RequestError(Exception):
 
 RID_MAX = 256                                         # characters of a request id
 EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0   # abort-before-request tombstones: how many, how long
+MAX_PENDING = 4096                                    # requests a node holds at once; beyond: 503
+OVERLOADED = "node_overloaded"                        # the error code of that 503 (with Retry-After)
 # The front link's channels and the largest message each takes: a request carries at most a
 # context of token ids; an event batch a few events per running request; stats a few counters
 # and the per-iteration samples of half a second. Far above real traffic, far below harm.
@@ -107,6 +109,7 @@ class NodeFront:
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None          # why the node is unhealthy, once it is
+        self.max_pending = MAX_PENDING
         self.metrics = None                   # set by the app (engine.node_metrics)
         self._tasks: list[asyncio.Task] = []
 
@@ -169,16 +172,21 @@ class NodeFront:
             raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
         return list(ids)
 
-    def admit(self, body: dict[str, Any]) -> Pending:
+    def admit(self, body: dict[str, Any], ids: list[int] | None = None) -> Pending:
+        """Checks and queues a request; `ids`: its prompt, if the caller tokenised it already."""
         if self.dead:
             raise RequestError(503, f"node is unhealthy: {self.dead}")
+        if len(self.pending) >= self.max_pending:
+            raise RequestError(503, f"node has {len(self.pending)} requests pending (its limit); retry later",
+                               code=OVERLOADED)
         try:
             params = SamplingParams.from_dict(body.get("sampling_params"))
         except ParamError as e:
             raise RequestError(400, str(e), e.field) from None
         except TypeError as e:
             raise RequestError(400, f"sampling_params: {e}", "sampling_params") from None
-        ids = self.tokenize(body)
+        if ids is None:
+            ids = self.tokenize(body)
         if len(ids) + params.max_tokens > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"context limit of {self.max_context} tokens", "max_tokens", "context_length_exceeded")

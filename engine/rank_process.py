@@ -22,6 +22,7 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
+from consensus import rank_checker
 from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.config import EngineConfig, apply_threads
 from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
@@ -196,9 +197,12 @@ def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache:
                       max_batch_tokens=lo[3])
     model = load_slice(path, start, end, cfg.torch_dtype)
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
-    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank):
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank) and rank_checker.ENABLED:
         # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
-        # consensus checker exists for; this rank then hands out different page ids.
+        # consensus checker exists for; this rank then hands out different page ids. Only the
+        # environment the rank was started with can ask for it (no request or message can), and only
+        # with the checker on, which stops the node at the first diverging call: never wrong output.
+        log.warning("PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)", spec.pp_rank)
         runner.pool.allocator.alloc(1)
     loop_cfg = LoopConfig(pp_size=spec.pp_size, async_depth=spec.async_depth,
                           skip_pure_chunk_comm=spec.skip_pure_chunk_comm,

@@ -22,6 +22,8 @@ from typing import Any
 import uvicorn
 
 from engine.config import EngineConfig
+from engine.http_server import server_config
+from engine.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from engine.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from engine.procs import free_port, setup_logging, stop_processes
 from engine.rank_spec import RankSpec
@@ -64,8 +66,9 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)")
-    ap.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
-                    help="token required on internal endpoints (/abort)")
+    ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+    ap.add_argument("--max-pending", type=int, default=4096,
+                    help="requests the node holds at once (queued or running); beyond: 503 with Retry-After")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
     ap.add_argument("--pp-comm-stream", action="store_true",
                     help="CUDA: PP sends/receives on their own stream, overlapping forwards")
@@ -163,7 +166,7 @@ def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, An
                      pp_timeout_s=args.pp_timeout, role=role, device=args.device,
                      backend="nccl" if args.device.startswith("cuda") else "gloo",
                      extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
-                            "internal_token": args.internal_token, "comm_stream": args.pp_comm_stream,
+                            "comm_stream": args.pp_comm_stream,
                             **(extra or {})})
             for r, cores in zip(ranks, plan.rank_cores)]
 
@@ -172,8 +175,8 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
              module: str = "engine.rank_process") -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=3))
+    server = uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning",
+                                          timeout_graceful_shutdown=3))
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     def on_rank_exit(why: str) -> None:
@@ -224,12 +227,17 @@ class TokenizerLoading:
 
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
+    from engine.cluster_secret import cluster_secret
     from engine.loader import load_model_config, resolve_model
     from engine.node_app import build_app
     from engine.node_front import NodeFront
     from engine.node_metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level)
+    secret = cluster_secret()      # the ranks read it too: children inherit the environment
+    refuse_unprotected_bind(args.host, secret, args.insecure, f"pdserve {role}")
+    if not secret:
+        log.warning("no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users")
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name    # SmolLM2-135M-Instruct
@@ -238,7 +246,8 @@ def make_front(args, role: str, cls=None, **kw):
                                vocab_size=mcfg.vocab_size, host=front_host(args),
                                stats_port=stats_port(args), **kw)
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
-    return front, build_app(front, args.internal_token)
+    front.max_pending = args.max_pending
+    return front, build_app(front, secret)
 
 
 def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:

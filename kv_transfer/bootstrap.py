@@ -3,13 +3,15 @@
 Prefill ranks register where they are (PUT /route); a decode rank asks which prefill ranks hold its
 layers (GET /route?layer_start=a&layer_end=b, 503 until every rank of the node registered); every
 rank heartbeats (POST /heartbeat) and learns which of its peers went silent, which is how peer death
-is detected; GET /health. An optional bearer token guards everything but /health.
+is detected; GET /health. The cluster secret (a bearer token, compared in constant time) guards
+everything but /health; bodies over MAX_BODY bytes are refused while they stream in.
 
 `build_app(state, token)` is a Starlette app the front can mount; `BootstrapServer` runs one with
 uvicorn in a background thread.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -21,9 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engine.internal_auth import bearer_ok
 from kv_transfer.layout import LAYOUT_NAME, intersect
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY = 64 * 1024        # a registration or a heartbeat is well under 1 KiB (plus the peer list)
 
 
 @dataclass(frozen=True)
@@ -119,15 +124,34 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
+class BodyTooLarge(ValueError):
+    pass
+
+
+async def read_json(request: Request):
+    """The JSON body, refused as soon as its declared or received size passes MAX_BODY."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise BodyTooLarge
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise BodyTooLarge
+    return json.loads(raw)
+
+
 def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
     def authorized(request: Request) -> bool:
-        return token is None or request.headers.get("authorization") == f"Bearer {token}"
+        return bearer_ok(request.headers.get("authorization"), token)
 
     async def put_route(request: Request):
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
-            state.register(PrefillRankInfo.from_wire(await request.json()))
+            state.register(PrefillRankInfo.from_wire(await read_json(request)))
+        except BodyTooLarge:
+            return _error(413, f"body over {MAX_BODY} bytes")
         except ValueError as e:
             return _error(400, str(e))
         return JSONResponse({"ok": True})
@@ -149,10 +173,12 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
         if not authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
-            body = await request.json()
+            body = await read_json(request)
             session, peers = body["session"], body["peers"]
             if type(session) is not str or type(peers) is not list or not all(type(p) is str for p in peers):
                 raise ValueError
+        except BodyTooLarge:
+            return _error(413, f"body over {MAX_BODY} bytes")
         except (ValueError, KeyError, TypeError):
             return _error(400, "body must be {session: str, peers: [str]}")
         return JSONResponse({"dead": state.heartbeat(session, peers), "ranks": state.sessions()})
@@ -174,12 +200,14 @@ class BootstrapServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  heartbeat_timeout_s: float = 3.0):
         import uvicorn
+
+        from engine.http_server import server_config
         self.state = BootstrapState(heartbeat_timeout_s)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.state, token), log_level="warning", lifespan="off")
+        config = server_config(build_app(self.state, token), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="kv-bootstrap", daemon=True)

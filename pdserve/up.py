@@ -3,19 +3,30 @@
 Every node is a `pdserve prefill|decode` process (which starts its own rank processes); the router
 is a `pdserve router` process. All of them die with this launcher (PR_SET_PDEATHSIG), and Ctrl-C
 or SIGTERM stops them in order: router first, then the nodes, each of which stops its ranks.
+
+The cluster secret: the one in the environment (PDSERVE_INTERNAL_TOKEN or _FILE) if set, else a
+fresh random one per cluster. Every process gets it through its environment, never its command line,
+and it is also written to a 0600 file (printed at start) for an operator's calls to /workers.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
+from engine.cluster_secret import ENV as SECRET_ENV
+from engine.cluster_secret import FILE_ENV as SECRET_FILE_ENV
+from engine.cluster_secret import cluster_secret
+from engine.internal_auth import bearer, is_loopback
 from engine.placement import bind_cores, plan_placement
 from engine.procs import die_with_parent, free_port, stop_processes
 
@@ -41,6 +52,9 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--node-args", default="", help="extra flags for every node, e.g. '--max-total-tokens 16384'")
     ap.add_argument("--router-args", default="", help="extra flags for the router")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--insecure", action="store_true",
+                    help="let the router listen on a non-loopback --host without --api-key: anyone who can "
+                         "reach it can then use the model")
 
 
 class Cluster:
@@ -48,6 +62,12 @@ class Cluster:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nodes: list[tuple[str, str]] = []      # (name, url)
+        self.secret = cluster_secret() or secrets.token_urlsafe(32)
+        self._secret_dir = tempfile.mkdtemp(prefix="pdserve-")     # 0700
+        self.secret_file = os.path.join(self._secret_dir, "internal_token")
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.secret)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=die_with_parent)
@@ -57,7 +77,8 @@ class Cluster:
     def start(self) -> str:
         a = self.args
         total = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
-        env = dict(os.environ)
+        env = dict(os.environ, **{SECRET_ENV: self.secret})
+        env.pop(SECRET_FILE_ENV, None)
         plan = plan_placement(total, sorted(os.sched_getaffinity(0)), a.threads)
         names = [f"prefill-{i} pp{r}" for i in range(a.prefill_nodes) for r in range(a.prefill_pp)]
         names += [f"decode-{i} pp{r}" for i in range(a.decode_nodes) for r in range(a.decode_pp)]
@@ -91,7 +112,7 @@ class Cluster:
         if a.policy:
             router_cmd += ["--policy", a.policy]
         if a.api_key:
-            router_cmd += ["--api-key", a.api_key]
+            env = dict(env, PDSERVE_API_KEY=a.api_key)    # not on the router's command line (ps)
         self._spawn("router", router_cmd + shlex.split(a.router_args), env)
         url = f"http://{a.host}:{a.port}"
         self._wait(url, "router")
@@ -110,7 +131,7 @@ class Cluster:
             states, ready = [], 0
             for name, url in self.nodes:
                 try:
-                    info = httpx.get(f"{url}/server_info", timeout=2).json()
+                    info = httpx.get(f"{url}/server_info", headers=bearer(self.secret), timeout=2).json()
                     n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])
                     ok = info["healthy"]
                     states.append(f"{name} " + ("ready" if ok else f"{n}/{total} ranks"))
@@ -157,9 +178,16 @@ class Cluster:
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)
         stop_processes([p for n, p in self.procs if n != "router"], grace_s=15)
+        with contextlib.suppress(OSError):
+            os.unlink(self.secret_file)
+            os.rmdir(self._secret_dir)
 
 
 def up_main(args) -> int:
+    if not (args.api_key or args.insecure or is_loopback(args.host)):
+        print(f"[up] error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
+              f"(or --api-key), or pass --insecure", file=sys.stderr, flush=True)
+        return 2
     cluster = Cluster(args)
 
     def on_signal(signum, _frame):
@@ -170,6 +198,8 @@ def up_main(args) -> int:
         key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [{"id": "default"}]
+        print(f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
+              flush=True)
         print(f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
               f"    -d '{{\"model\": \"{models[0]['id']}\", \"messages\": [{{\"role\": \"user\", \"content\": "

@@ -5,6 +5,7 @@ import sys
 
 from consensus.store import PPConsensusStore
 from engine.pp_comm import Msg
+from engine.cluster_secret import cluster_secret
 from engine.rank_process import RankParts, run_rank
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
@@ -37,7 +38,7 @@ def consensus_store(parts: RankParts) -> PPConsensusStore | None:
 def make_loop(parts: RankParts) -> PrefillLoop:
     spec = parts.spec
     cfg = TransferConfig.from_env(host=spec.extra.get("transfer_host", "127.0.0.1"),
-                                  auth_token=spec.extra.get("internal_token"))
+                                  auth_token=cluster_secret())
     kv = PrefillKVManager(cfg, pool_desc(parts), spec.pp_rank, spec.pp_size, spec.extra["bootstrap_addr"])
     return PrefillLoop(parts, kv, consensus_store(parts))
 

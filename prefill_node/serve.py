@@ -20,8 +20,10 @@ def prefill_main(args) -> int:
         host0 = args.dist_init_addr.rsplit(":", 1)[0]
         return run_remote_ranks(args, "prefill", "prefill_node.rank",
                                 {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"})
+    from engine.cluster_secret import cluster_secret
+
     front, app = make_front(args, "prefill", PrefillFront, bootstrap_port=args.bootstrap_port)
-    server = BootstrapServer(host=args.host, port=args.bootstrap_port, token=args.internal_token).start()
+    server = BootstrapServer(host=args.host, port=args.bootstrap_port, token=cluster_secret()).start()
     try:
         return run_node(args, front, app, "prefill", module="prefill_node.rank",
                         extra={**extra, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"})

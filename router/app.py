@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -16,11 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.internal_auth import bearer, bearer_ok
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt
 from router.dispatch import Dispatcher
 from router.json_body import read_json_body
+from router.keepalive import native_error, openai_error, pinged_stream
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
 from router.openai_protocol import (ApiError, ChatRequest, CompletionRequest, native_prompt_key,
@@ -39,7 +40,8 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.clients = NodeClients(cfg.connect_timeout_s, cfg.max_concurrent)
+        self.clients = NodeClients(cfg.connect_timeout_s, cfg.max_concurrent,
+                                   bearer(cfg.internal_token))
         self.registry = WorkerRegistry(cfg, self.clients, self.metrics)
         for spec in cfg.workers:
             self.registry.add(spec)
@@ -61,10 +63,7 @@ class Router:
 
     # --- request checks -----------------------------------------------------------------
     def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
-        if not secret:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+        if not bearer_ok(request.headers.get("authorization"), secret):
             raise ApiError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')",
                            code="invalid_api_key")
 
@@ -93,17 +92,26 @@ class Router:
                            type="rate_limit_error", code="router_overloaded",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
 
-    async def open_watched(self, request: Request, body: dict, key: str, stream: bool) -> Attempt:
-        """Dispatch; if the client disconnects before the answer opens, cancel (which aborts)."""
+    async def open_watched(self, request: Request, body: dict, key: str,
+                           stream: bool) -> Attempt | asyncio.Task:
+        """Dispatch; if the client disconnects before the answer opens, cancel (which aborts).
+        A stream not open after `sse_keepalive_s`: the dispatch task, still running (the caller
+        then sends keep-alives until it ends, router/keepalive.py)."""
         task = asyncio.create_task(self.dispatcher.open(body, key, stream))
         watcher = asyncio.create_task(_wait_disconnect(request))
+        wait_s = self.cfg.sse_keepalive_s if stream and self.cfg.sse_keepalive_s > 0 else None
+        timed_out = False
         try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, watcher}, timeout=wait_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not done
         finally:
             watcher.cancel()
-            if not task.done():
+            if not task.done() and not timed_out:
                 task.cancel()
                 await asyncio.wait({task})     # cancel() only asks; its cleanup closes and aborts
+        if timed_out:
+            return task
         client_left = watcher.done() and not watcher.cancelled()
         if task.cancelled() or client_left:
             if not task.cancelled() and task.exception() is None:
@@ -137,15 +145,20 @@ class Router:
         handed_over = False
         try:
             attempt = await self.open_watched(request, native, key, req.stream)
-            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
-            created = int(time.time())
-            if req.stream:
-                shaper = StreamShaper(kind, rid, req.model, created, req.include_usage(),
+
+            def stream(attempt: Attempt):
+                rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
+                shaper = StreamShaper(kind, rid, req.model, int(time.time()), req.include_usage(),
                                       req.wants_logprobs())
-                gen = openai_stream(self, attempt, shaper, _ROUTES[kind], t0)
+                return openai_stream(self, attempt, shaper, _ROUTES[kind], t0)
+            if req.stream:
                 handed_over = True
+                gen = (pinged_stream(self, attempt, _ROUTES[kind], t0, stream, openai_error)
+                       if isinstance(attempt, asyncio.Task) else stream(attempt))
                 return StreamingResponse(gen, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
+            created = int(time.time())
             build = chat_completion if kind == "chat" else text_completion
             try:
                 answer = build(rid, req.model, created, attempt.result, req.wants_logprobs())
@@ -164,6 +177,12 @@ class Router:
         handed_over = False
         try:
             attempt = await self.open_watched(request, body, native_prompt_key(body), stream)
+            if isinstance(attempt, asyncio.Task):
+                handed_over = True
+                return StreamingResponse(pinged_stream(
+                    self, attempt, "/generate", t0,
+                    lambda a: native_stream(self, a, "/generate", t0), native_error),
+                    media_type="text/event-stream")
             if stream:
                 handed_over = True
                 return StreamingResponse(native_stream(self, attempt, "/generate", t0),
@@ -266,8 +285,11 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Response(router.metrics.render(), media_type=router.metrics.content_type)
 
     @app.get("/workers")
-    async def list_workers():
-        return {"workers": [w.describe() for w in router.registry.all()]}
+    async def list_workers(request: Request):
+        async def handler(r: Request, t0: float) -> Response:
+            router.check_bearer(r, config.internal_token, "internal token")
+            return JSONResponse({"workers": [w.describe() for w in router.registry.all()]})
+        return await router.serve("/workers", request, handler)
 
     @app.post("/workers")
     async def add_worker(request: Request):

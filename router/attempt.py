@@ -64,8 +64,16 @@ def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
         parsed, message = None, body[:200].decode(errors="replace")
     status = resp.status_code
     text = f"{worker.role} node {worker.url} answered {status}: {message}"
-    if status in (408, 429):
+    overloaded = status == 503 and isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) \
+        and parsed["error"].get("code") == "node_overloaded"
+    if status in (408, 429) or overloaded:
         return Failure(503, text, code="node_busy", retryable=True, culprit=worker, node_fault=False)
+    if status in (401, 403):
+        # the node does not take this router's secret, or (decode) has not got the prefill node on
+        # its bootstrap allowlist yet: the cluster's fault, not the client's; another pair may work
+        worker.pushed_servers = None
+        return Failure(502, text, code=f"{worker.role}_refused", retryable=True, culprit=worker,
+                       node_fault=True)
     if status < 500:
         good = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
         return Failure(status, message if good else text, code="node_rejected", retryable=False,

@@ -90,6 +90,7 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 600.0       # non-streaming: whole answer; streaming: first event
     stream_idle_timeout_s: float = 300.0   # streaming: longest gap between two events
+    sse_keepalive_s: float = 5.0           # streaming: ': ping' this often until the first event
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     health: HealthConfig = field(default_factory=HealthConfig)

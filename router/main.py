@@ -6,7 +6,9 @@ Workers:
   --decode URL                     a decode node
   --worker URL                     a colocated node (no PD split)
 Every flag but the worker lists also reads PDSERVE_ROUTER_<FLAG> (e.g. PDSERVE_ROUTER_PORT);
-the secrets read PDSERVE_API_KEY and PDSERVE_INTERNAL_TOKEN.
+the API key reads PDSERVE_API_KEY. The cluster secret, sent to the nodes and required on /workers,
+comes only from PDSERVE_INTERNAL_TOKEN or a 0600 file named by PDSERVE_INTERNAL_TOKEN_FILE (never a
+flag: a command line is visible to every local user in `ps`).
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import sys
 
 from router.config import (BreakerConfig, CacheAwareConfig, HealthConfig, RetryConfig,
                            RouterConfig, WorkerSpec)
+from engine.cluster_secret import cluster_secret
+from engine.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from router.policies import POLICIES
 
-_SECRET_ENV = {"api_key": "PDSERVE_API_KEY", "internal_token": "PDSERVE_INTERNAL_TOKEN"}
+_SECRET_ENV = {"api_key": "PDSERVE_API_KEY"}
 
 
 def _env(dest: str, default, kind=str):
@@ -57,8 +61,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="decode (and colocated) policy")
     opt("--api-key", None, help="clients must send 'Authorization: Bearer KEY' "
         "(env PDSERVE_API_KEY)")
-    opt("--internal-token", None, help="token sent to nodes and required on POST/DELETE "
-        "/workers (env PDSERVE_INTERNAL_TOKEN)")
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP.replace(
+        "generate, abort and read the topology", "add, remove and list workers"))
     opt("--served-model-name", None, help="extra model name accepted besides the nodes' own")
     opt("--max-concurrent", R.max_concurrent, int, help="requests dispatched at once")
     opt("--max-queue", R.max_queue, int, help="requests waiting for a slot; beyond: 429")
@@ -69,6 +73,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds to the first stream event (streaming) or the whole answer")
     opt("--stream-idle-timeout", R.stream_idle_timeout_s, float,
         help="longest silence of a decode stream, seconds")
+    opt("--sse-keepalive", R.sse_keepalive_s, float,
+        help="seconds between SSE ': ping' comments while a stream waits for its first token "
+        "(0: none)")
     opt("--max-body-bytes", R.max_body_bytes, int, help="largest request body; beyond: 413")
     opt("--health-interval", H.interval_s, float, help="seconds between health probes")
     opt("--health-timeout", H.timeout_s, float, help="health probe timeout, seconds")
@@ -108,15 +115,21 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise ValueError("--prefill needs at least one --decode")
     if args.decode and not args.prefill:
         raise ValueError("--decode needs at least one --prefill (use --worker for colocated nodes)")
+    secret = cluster_secret()
+    try:
+        refuse_unprotected_bind(args.host, secret, args.insecure, "pdserve router")
+    except SystemExit as exc:
+        raise ValueError(str(exc)) from None
     return RouterConfig(
         workers=tuple(workers), host=args.host, port=args.port,
         prefill_policy=args.policy or args.prefill_policy,
         decode_policy=args.policy or args.decode_policy,
-        api_key=args.api_key or None, internal_token=args.internal_token or None,
+        api_key=args.api_key or None, internal_token=secret,
         served_model_name=args.served_model_name, max_concurrent=args.max_concurrent,
         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
         retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        sse_keepalive_s=args.sse_keepalive,
         max_body_bytes=args.max_body_bytes, log_level=args.log_level,
         health=HealthConfig(args.health_interval, args.health_timeout,
                             args.health_failure_threshold, args.health_success_threshold),
@@ -132,11 +145,13 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 def serve(config: RouterConfig) -> None:
     import uvicorn
 
+    from engine.http_server import server_config
     from router.app import build_app
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(build_app(config), host=config.host, port=config.port,
-                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    uvicorn.Server(server_config(build_app(config), host=config.host, port=config.port,
+                                 log_level=config.log_level.lower(),
+                                 timeout_graceful_shutdown=5)).run()
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -15,7 +15,9 @@ CONNECTIONS_PER_SHARD = 32
 
 
 class NodeClients:
-    def __init__(self, connect_timeout_s: float, max_concurrent: int):
+    def __init__(self, connect_timeout_s: float, max_concurrent: int,
+                 headers: dict[str, str] | None = None):
+        self._headers = headers or {}     # the cluster secret, on every request to a node
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None,
                                       write=connect_timeout_s, pool=None)
         self._shards = max(1, -(-max_concurrent // CONNECTIONS_PER_SHARD))
@@ -26,7 +28,7 @@ class NodeClients:
         entry = self._pools.get(url)
         if entry is None:
             clients = [httpx.AsyncClient(
-                timeout=self._timeout,
+                timeout=self._timeout, headers=self._headers,
                 # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the node
                 # is closing
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,

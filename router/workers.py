@@ -2,6 +2,11 @@
 
 A worker is eligible for new requests when it is healthy (its `GET /health` probes pass), its
 circuit breaker lets requests through, and (prefill only) its bootstrap port is known.
+
+A decode node contacts only the bootstrap servers on its allowlist, which the registry keeps current:
+every decode probe sends it the bootstrap addresses of the prefill workers registered now (PUT
+/bootstrap_servers, with the cluster secret), and a prefill probe that finds a decode node's copy
+out of date sends it at once, so a prefill node is never eligible before the decode nodes know it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ class Worker:
     bad_probes: int = 0                 # consecutive
     in_flight: int = 0                  # requests the router has open on this worker
     bootstrap_host: str = field(init=False)
+    pushed_servers: list[str] | None = None     # decode: the allowlist it acknowledged last
+    push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
@@ -99,6 +106,37 @@ class WorkerRegistry:
         limits = [w.max_context for w in self._workers.values() if w.max_context]
         return min(limits) if limits else None
 
+    def bootstrap_servers(self) -> list[str]:
+        """'host:port' of every registered prefill worker whose bootstrap port is known."""
+        return sorted({f"{w.bootstrap_host}:{w.bootstrap_port}" for w in self._workers.values()
+                       if w.role == "prefill" and w.bootstrap_port is not None})
+
+    async def push_bootstrap_servers(self, worker: Worker, force: bool) -> bool:
+        """Sends the decode `worker` the current allowlist (unless it has it and not `force`).
+        Pushes to one worker are serialised, so the last one it receives is the newest list."""
+        async with worker.push_lock:
+            servers = self.bootstrap_servers()
+            if not force and worker.pushed_servers == servers:
+                return True
+            try:
+                resp = await self._clients.get(worker.url).put(
+                    f"{worker.url}/bootstrap_servers", json={"servers": servers},
+                    timeout=self._cfg.health.timeout_s)
+            except httpx.HTTPError as exc:
+                logger.debug("bootstrap allowlist to %s failed: %r", worker.url, exc)
+                return False
+            if resp.status_code != 200:
+                logger.warning("decode node %s refused the bootstrap allowlist: %s %s",
+                               worker.url, resp.status_code, resp.text[:200])
+                return False
+            worker.pushed_servers = servers
+            return True
+
+    async def _push_to_decodes(self) -> None:
+        decodes = [w for w in self._workers.values() if w.role == "decode"]
+        if decodes:
+            await asyncio.gather(*(self.push_bootstrap_servers(w, False) for w in decodes))
+
     def report(self, worker: Worker) -> None:
         """Refresh the worker's gauges (after a health or breaker change)."""
         if self._workers.get(worker.url) is worker:
@@ -137,6 +175,10 @@ class WorkerRegistry:
                 resp = await client.get(f"{worker.url}/server_info", timeout=timeout)
                 if resp.status_code == 200:
                     self._learn(worker, resp.json())
+            if worker.role == "prefill":
+                await self._push_to_decodes()
+            elif worker.role == "decode" and not await self.push_bootstrap_servers(worker, True):
+                return False
             resp = await client.get(f"{worker.url}/health", timeout=timeout)
             return resp.status_code == 200
         except (httpx.HTTPError, ValueError) as exc:

@@ -41,9 +41,18 @@ def body(ids, room, bport, max_new, stream=False):
             "stream": stream, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
 
 
+def allow_bootstrap(durl: str, *bports: int) -> None:
+    """What the router does when it registers prefill nodes: tell the decode node their bootstrap
+    servers, the only ones it may contact."""
+    r = httpx.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{b}" for b in bports]}, timeout=10)
+    assert r.status_code == 200, r.text
+
+
 async def pd_generate(client: httpx.AsyncClient, purl: str, durl: str, bport: int, ids, max_new: int,
                       room: int | None = None) -> tuple[dict, dict]:
     """What the router does: the same request to both nodes at once; returns (prefill, decode) JSON."""
+    r = await client.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]})
+    assert r.status_code == 200, r.text
     room = room if room is not None else random.getrandbits(63)
     b = body(ids, room, bport, max_new)
     p, d = await asyncio.gather(client.post(f"{purl}/generate", json=b), client.post(f"{durl}/generate", json=b))

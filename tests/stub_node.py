@@ -47,6 +47,7 @@ class Stats:
     bodies: list = field(default_factory=list)
     aborts: list = field(default_factory=list)
     disconnects: int = 0
+    bootstrap_servers: list = field(default_factory=list)
 
 
 def _error(status: int, message: str, code: str | None = None, param: str | None = None):
@@ -184,6 +185,14 @@ def make_app(behavior: Behavior) -> FastAPI:
                 "max_context": behavior.max_context, "pp_size": 1,
                 "bootstrap_port": behavior.bootstrap_port,
                 "load": {"running": 0, "waiting": 0}}
+
+    @app.put("/bootstrap_servers")
+    async def bootstrap_servers(request: Request):
+        if behavior.internal_token and (request.headers.get("authorization")
+                                        != f"Bearer {behavior.internal_token}"):
+            return _error(401, "bad internal token")
+        stats.bootstrap_servers = (await request.json())["servers"]
+        return {"servers": stats.bootstrap_servers}
 
     @app.post("/_control")
     async def control(request: Request):

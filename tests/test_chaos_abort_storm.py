@@ -61,6 +61,10 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+SECRET = "storm-cluster-secret"          # `pdserve up` takes the cluster secret from its environment
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
+
 @dataclass
 class Cluster:
     url: str
@@ -79,7 +83,7 @@ def cluster(request, tiny6, tmp_path_factory):
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny6), "--port", str(port),
            "--prefill-pp", str(ppp), "--decode-pp", str(dpp), "--node-args", NODE_ARGS,
            "--router-args", "--health-interval 1"]
-    env = {**os.environ, **KV_TIMEOUTS, "PDSERVE_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, **KV_TIMEOUTS, "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_INTERNAL_TOKEN": SECRET}
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=default_sigint)
@@ -272,7 +276,7 @@ QUEUE_NAMES = ("bootstrap", "waiting", "inflight", "prealloc", "transfer", "runn
 
 async def watch_queues(nodes: dict[str, str], peak: dict[str, dict[str, int]], stop: asyncio.Event) -> None:
     """The longest queue seen on each node's PP0 (its stats, pushed twice a second)."""
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=10, headers=AUTH) as c:
         while not stop.is_set():
             for role, node in nodes.items():
                 rank0 = (await c.get(f"{node}/server_info")).json()["ranks"][0] or {}
@@ -307,7 +311,7 @@ async def run_storm(url: str, model: str, prompts: list[Prompt], plans: list[Pla
 # --- reading the cluster's state ------------------------------------------------------------------
 
 def node_urls(url: str) -> dict[str, str]:
-    return {w["role"]: w["url"] for w in httpx.get(f"{url}/workers", timeout=10).json()["workers"]}
+    return {w["role"]: w["url"] for w in httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]}
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
@@ -328,7 +332,7 @@ def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
     got = {}
     for role, node in nodes.items():
         m = scrape(node)
-        info = httpx.get(f"{node}/server_info", timeout=10).json()
+        info = httpx.get(f"{node}/server_info", headers=AUTH, timeout=10).json()
         got[role] = {
             "kv_used_tokens": [v for _, v in sorted(m["pdserve_kv_pool_used_tokens"],
                                                   key=lambda s: int(s[0]["pp_rank"]))],
@@ -376,7 +380,7 @@ def storm(cluster, prompts) -> Storm:
             break
         time.sleep(0.5)
     settle = time.monotonic() - t1
-    retractions = httpx.get(f"{nodes['decode']}/server_info", timeout=10).json()["ranks"][0]["retractions"]
+    retractions = httpx.get(f"{nodes['decode']}/server_info", headers=AUTH, timeout=10).json()["ranks"][0]["retractions"]
     result = Storm(outcomes, wall, settle, idle, peak, (router_before, scrape(url)),
                    {role: (nodes_before[role], scrape(n)) for role, n in nodes.items()}, retractions)
     by_fate = Counter(f"{o.plan.fate}->{o.end}" for o in outcomes)
@@ -460,7 +464,7 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
     assert delta["decode"]["length"] >= router_ok and delta["prefill"]["prefill_done"] >= router_ok, \
         (delta, router_ok)
     # Nothing is left in flight at the router, and no node was marked unhealthy.
-    workers = httpx.get(f"{cluster.url}/workers", timeout=10).json()["workers"]
+    workers = httpx.get(f"{cluster.url}/workers", headers=AUTH, timeout=10).json()["workers"]
     assert all(w["in_flight"] == 0 and w["healthy"] for w in workers), workers
 
 

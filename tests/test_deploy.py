@@ -15,6 +15,7 @@ No Docker engine, helm binary or cluster is needed: files are parsed and cross-c
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -35,11 +36,11 @@ DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
 CLI_CONTRACT: dict[str, set[str]] = {
     "up": {"--model", "--prefill-pp", "--decode-pp", "--prefill-nodes", "--decode-nodes", "--port"},
     "prefill": {"--model", "--pp", "--host", "--port", "--bootstrap-port", "--nnodes", "--node-rank",
-                "--dist-init-addr", "--internal-token", "--threads", "--device"},
+                "--dist-init-addr", "--insecure", "--threads", "--device"},
     "decode": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-               "--internal-token", "--device"},
+               "--insecure", "--device"},
     "serve": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-              "--internal-token", "--device"},
+              "--insecure", "--device"},
 }
 DEFAULT_PORTS = {"up": 8000, "router": 8000, "prefill": 30000, "decode": 30001, "serve": 30000}
 BOOTSTRAP_PORT = 8998
@@ -515,3 +516,67 @@ def test_dockerfile():
         pkg = pattern.rstrip("*")
         assert re.search(rf"^COPY {pkg} \./{pkg}$", text, re.M), f"the image lacks package {pkg}"
         assert (ROOT / pkg).is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# Secure defaults (docs/SECURITY.md)
+
+def test_compose_has_no_default_secrets(compose):
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    assert "change-me" not in text and ":-admin" not in text
+    for var in ("PDSERVE_INTERNAL_TOKEN", "PDSERVE_API_KEY", "GRAFANA_ADMIN_PASSWORD"):
+        refs = re.findall(r"\$\{" + var + r"([^}]*)\}", text)
+        assert refs and all(r.startswith(":?") for r in refs), f"{var} must be required (${{{var}:?...}})"
+    services = compose["services"]
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    for name in ("prometheus", "grafana"):
+        assert services[name].get("profiles") == ["monitoring"], f"{name} runs only when asked for"
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name].get("ports", [])), name
+    for name in ("prefill", "decode"):
+        assert "ports" not in services[name] and services[name]["networks"] == ["backend"]
+    assert compose["networks"]["backend"]["internal"] is True
+
+
+def test_image_refuses_a_public_router_without_an_api_key():
+    """The image runs `pdserve up` with the router on 0.0.0.0: without an API key it stops at once."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "PDSERVE_ROUTER_HOST=0.0.0.0" in text and re.search(r'^CMD \["pdserve", "up"\]', text, re.M)
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "up"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**env, "PDSERVE_ROUTER_HOST": "0.0.0.0"})
+    assert r.returncode == 2 and "without an API key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chart_security_context_and_service_account():
+    values = load_yaml(CHART / "values.yaml")
+    csc = values["containerSecurityContext"]
+    assert csc["allowPrivilegeEscalation"] is False and csc["readOnlyRootFilesystem"] is True
+    assert csc["capabilities"]["drop"] == ["ALL"] and csc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert values["serviceAccount"]["automountServiceAccountToken"] is False
+    texts = template_texts()
+    helpers, router, nodes = texts["_helpers.tpl"], texts["router.yaml"], texts["nodes.yaml"]
+    # every container gets it (nodes: through nodePodSpec, with IPC_LOCK added for RDMA only)
+    assert "toYaml .Values.containerSecurityContext" in router
+    assert "deepCopy $root.Values.containerSecurityContext" in helpers
+    # the read-only root has emptyDirs where pdserve writes (/tmp, ~/.cache)
+    assert "mountPath: /tmp" in helpers and "mountPath: /home/pdserve/.cache" in helpers
+    assert router.count("pdserve.scratch") == 2 and helpers.count('include "pdserve.scratch') == 2
+    assert 'include "pdserve.podCommon"' in router and 'include "pdserve.podCommon" $root' in helpers
+    assert "automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}" in helpers
+    assert "kind: ServiceAccount" in texts["serviceaccount.yaml"]
+    # pods restart when the Secret changes: the StatefulSet template and both LWS templates, and the router
+    assert "checksum/secret:" in helpers and "sha256sum" in helpers
+    assert router.count('include "pdserve.podAnnotations"') == 1 and nodes.count('include "pdserve.podAnnotations"') == 3
+
+
+def test_chart_network_policy():
+    assert load_yaml(CHART / "values.yaml")["networkPolicy"]["enabled"] is True
+    text = template_texts()["networkpolicy.yaml"]
+    assert text.count("kind: NetworkPolicy") == 2 and 'range $role := list "prefill" "decode"' in text
+    assert text.count("policyTypes: [Ingress]") == 2
+    router_part, node_part = text.split("{{- range $role")
+    assert "app.kubernetes.io/component: router" in router_part and "- port: http" in router_part
+    # node fronts: HTTP from the router (and the metrics peers) only; all ports from the nodes
+    first, second = node_part.split("    - from:\n")[1:]
+    assert "component: router" in first and "- port: http" in first and "metricsFrom" in first
+    assert "ports:" not in second and 'list "prefill" "decode"' in second

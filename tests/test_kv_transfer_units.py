@@ -157,6 +157,23 @@ def test_bootstrap_app_endpoints():
     assert client.post("/heartbeat", json={"session": 1}, headers=auth).status_code == 400
 
 
+
+def test_bootstrap_app_refuses_oversized_bodies():
+    """A declared or a streamed (chunked, no Content-Length) body over 64 KiB gets 413."""
+    client = TestClient(build_app(BootstrapState(), token="s3cret"))
+    auth = {"authorization": "Bearer s3cret"}
+    big = {"session": "d", "peers": ["p" * 100] * 1000}
+    assert client.post("/heartbeat", json=big, headers=auth).status_code == 413
+
+    def chunks():
+        yield b'{"session": "d", "peers": ['
+        for _ in range(2000):
+            yield b'"' + b"p" * 100 + b'",'
+        yield b'"p"]}'
+    assert client.post("/heartbeat", content=chunks(), headers=auth).status_code == 413
+    assert client.put("/route", content=chunks(), headers=auth).status_code == 413
+
+
 def test_protocol_choice(monkeypatch):
     monkeypatch.delenv("PDSERVE_TRANSFER_PROTOCOL", raising=False)
     monkeypatch.delenv("PDSERVE_TRANSFER_DEVICE", raising=False)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cluster import group_alive
-from pd_cluster import (body, decode_node, pd_generate, pd_generate_all, prefill_node, sse_tokens,
+from pd_cluster import (allow_bootstrap, body, decode_node, pd_generate, pd_generate_all, prefill_node, sse_tokens,
                         wait_pages_free)
 from reference import hf_greedy, load_hf
 
@@ -46,6 +46,8 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
 def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches, then random aborts on both sides."""
     with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _), decode_node(tiny30, 2, tmp_path) as (durl, _):
+        allow_bootstrap(durl, bport)
+
         async def run():
             async with httpx.AsyncClient(timeout=60) as c:
                 # bootstrap: the decode side never comes; abort at the prefill node.
@@ -120,6 +122,7 @@ def test_waiting_timeout_covers_the_pd_queues(tiny30, mixed_prompts, reference, 
     extra = ["--waiting-timeout", "3"]
     with prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _), \
             decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _):
+        allow_bootstrap(durl, bport)
         with httpx.Client(timeout=30) as c:
             for url, room in ((durl, 22), (purl, 21)):     # the other side never comes
                 # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
@@ -162,6 +165,8 @@ def test_decode_node_killed_then_prefill_recovers(tiny30, mixed_prompts, referen
 def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, reference, tmp_path):
     with decode_node(tiny30, 2, tmp_path) as (durl, _):
         with prefill_node(tiny30, 2, tmp_path, name="prefill-a") as (purl, bport, pproc):
+            allow_bootstrap(durl, bport)
+
             async def start_then_kill():
                 async with httpx.AsyncClient(timeout=60) as c:
                     tasks = [asyncio.create_task(c.post(f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)))

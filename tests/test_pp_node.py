@@ -172,6 +172,18 @@ def test_planted_divergence_is_caught(tiny30, mixed_prompts, tmp_path):
     assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
 
 
+def test_planted_divergence_needs_the_checker(tiny30, mixed_prompts, reference, tmp_path):
+    """The test-only hook does nothing unless the consensus checker is on too (which stops the node at
+    once): a node started with the hook's variable alone serves the right tokens."""
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny30), "--pp", "2", "--port", str(port), *NODE_ARGS]
+    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
+    with start(cmd, port, tmp_path / "node.log", env=env) as (url, _):
+        assert generate_all(url, mixed_prompts[:3]) == reference[:3]
+        assert [r["held_pages"] for r in rank_stats(url)] == [0, 0], "a rank holds a planted page"
+    assert "planting a divergence" not in (tmp_path / "node.log").read_text()
+
+
 def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny30, tmp_path):
     port = free_port()
     cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]

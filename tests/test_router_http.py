@@ -176,8 +176,15 @@ def test_workers_endpoint_needs_internal_token_and_adds_removes(pd):
         assert r.status_code == 200 and r.json()["worker"]["healthy"] is True
         assert post(pd, "/workers", key="tok", json=body).status_code == 409
         assert post(pd, "/workers", key="tok", json={"url": "nope"}).status_code == 400
-        urls = [w["url"] for w in httpx.get(pd.url + "/workers", timeout=5).json()["workers"]]
+        assert httpx.get(pd.url + "/workers", timeout=5).status_code == 401
+        assert httpx.get(pd.url + "/workers", headers={"Authorization": "Bearer sk-test"},
+                         timeout=5).status_code == 401
+        assert httpx.delete(pd.url + "/workers", params={"url": extra.url}, timeout=5).status_code == 401
+        urls = [w["url"] for w in httpx.get(pd.url + "/workers", headers={"Authorization": "Bearer tok"},
+                                             timeout=5).json()["workers"]]
         assert extra.url in urls
+        # the router told every decode node which bootstrap servers it may contact
+        assert extra.stats.bootstrap_servers == [f"127.0.0.1:{pd.prefill[0].behavior.bootstrap_port}"]
         # power_of_two between two idle decode nodes is a coin flip per request: 4 requests missed
         # the new node 1 time in 16 (a full-suite run failed so); 20 miss it 1 time in a million.
         for _ in range(20):

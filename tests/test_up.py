@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def cluster(tiny30, tmp_path_factory):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
+        AUTH.update(secret_headers(log))
         yield url, proc, log
     finally:
         kill_group(proc, grace=20)
@@ -106,6 +108,54 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
     asyncio.run(run_async())
 
 
+def secret_headers(log) -> dict[str, str]:
+    """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
+    path = re.search(r"cluster secret .* in (\S+)", log.read_text()).group(1)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path) as f:
+        return {"Authorization": f"Bearer {f.read().strip()}"}
+
+
+def test_readme_curl_works_through_the_router(cluster):
+    """The curl line `pdserve up` prints (the README's) answers, with no secret of any kind."""
+    url, _, log = cluster
+    cmd = re.search(r"  (curl .*?\}')\n", log.read_text(), re.S).group(1).replace("\\\n", " ")
+    out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["choices"][0]["finish_reason"] in ("stop", "length"), out
+
+
+def test_every_node_requires_the_generated_secret(cluster):
+    url, proc, log = cluster
+    auth = secret_headers(log)
+    assert httpx.get(f"{url}/workers").status_code == 401
+    workers = httpx.get(f"{url}/workers", headers=auth).json()["workers"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"}
+    for w in workers:
+        node = w["url"]
+        assert httpx.post(f"{node}/generate", json={"input_ids": [1, 2], "bootstrap_room": 1}).status_code == 401
+        assert httpx.post(f"{node}/abort", json={"rid": "x"}).status_code == 401
+        assert httpx.get(f"{node}/server_info").status_code == 401
+        assert httpx.get(f"{node}/server_info", headers=auth).status_code == 200
+        if w["role"] == "prefill":
+            boot = f"http://127.0.0.1:{w['bootstrap_port']}"
+            assert httpx.put(f"{boot}/route", json={}).status_code == 401
+            assert httpx.post(f"{boot}/heartbeat", json={"session": "s", "peers": []}).status_code == 401
+        else:
+            assert httpx.put(f"{node}/bootstrap_servers", json={"servers": []}).status_code == 401
+
+
+def test_the_secret_is_on_no_command_line(cluster):
+    """Every process of the cluster (launcher, router, fronts, ranks): its command line, which any
+    local user can read in `ps`, does not hold the secret."""
+    _, proc, log = cluster
+    secret = secret_headers(log)["Authorization"].split()[1].encode()
+    pids = group_alive(proc.pid, wait_s=0)
+    assert len(pids) >= 7
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert secret not in f.read(), pid
+
+
 def test_sse_ends_with_done_and_completions_work(cluster):
     url, _, _ = cluster
     name = model_name(url)
@@ -117,15 +167,18 @@ def test_sse_ends_with_done_and_completions_work(cluster):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+AUTH: dict[str, str] = {}      # the cluster secret's header, read by the fixture
+
+
 def node_urls(url: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for w in httpx.get(f"{url}/workers").json()["workers"]:
+    for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]:
         out.setdefault(w["role"], []).append(w["url"])
     return out
 
 
 def pages(node: str) -> list[int]:
-    return [s["held_pages"] for s in httpx.get(f"{node}/server_info").json()["ranks"]]
+    return [s["held_pages"] for s in httpx.get(f"{node}/server_info", headers=AUTH).json()["ranks"]]
 
 
 def test_client_disconnect_frees_kv_on_both_nodes(cluster):
@@ -189,7 +242,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     url, _, _ = cluster
     name = model_name(url)
     decodes = node_urls(url)["decode"]
-    victim = httpx.get(f"{decodes[0]}/server_info").json()["pid"]
+    victim = httpx.get(f"{decodes[0]}/server_info", headers=AUTH).json()["pid"]
     os.kill(victim, signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     ok = 0
@@ -200,7 +253,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     assert ok == 8
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        ws = {w["url"]: w for w in httpx.get(f"{url}/workers").json()["workers"]}
+        ws = {w["url"]: w for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]}
         if not ws[decodes[0]]["healthy"]:
             break
         time.sleep(0.5)

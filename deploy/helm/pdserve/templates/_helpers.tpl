@@ -93,8 +93,7 @@ dnsPolicy: ClusterFirstWithHostNet
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-securityContext:
-  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{ include "pdserve.podCommon" $root }}
 terminationGracePeriodSeconds: 30
 containers:
   - name: {{ $role }}
@@ -209,12 +208,16 @@ containers:
     {{- end }}
     resources:
       {{- toYaml $res | nindent 6 }}
+    {{- $sc := deepCopy $root.Values.containerSecurityContext }}
     {{- if $g.rdma.enabled }}
-    securityContext:
-      capabilities:
-        add: [IPC_LOCK]
+    {{- $caps := get $sc "capabilities" | default dict }}
+    {{- $_ := set $caps "add" (list "IPC_LOCK") }}
+    {{- $_ := set $sc "capabilities" $caps }}
     {{- end }}
+    securityContext:
+      {{- toYaml $sc | nindent 6 }}
     volumeMounts:
+      {{- include "pdserve.scratchMounts" $root | nindent 6 }}
       - name: shm
         mountPath: /dev/shm
       {{- if ne $root.Values.model.source "image" }}
@@ -223,6 +226,7 @@ containers:
         readOnly: true
       {{- end }}
 volumes:
+  {{- include "pdserve.scratchVolumes" $root | nindent 2 }}
   - name: shm
     emptyDir:
       medium: Memory
@@ -252,4 +256,40 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* The pods' service account. */}}
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "pdserve.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod annotations: pods restart when the Secrets the chart renders change. */}}
+{{- define "pdserve.podAnnotations" -}}
+checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end -}}
+
+{{/* The pod-level settings every pdserve pod shares. */}}
+{{- define "pdserve.podCommon" -}}
+serviceAccountName: {{ include "pdserve.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{/* Writable paths under the read-only root filesystem (volumeMounts / volumes). */}}
+{{- define "pdserve.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /home/pdserve/.cache
+{{- end -}}
+{{- define "pdserve.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
 {{- end -}}

@@ -1,0 +1,52 @@
+"""Checking the cluster secret on internal HTTP endpoints, and refusing to listen unprotected.
+
+Every internal endpoint (node /generate, /abort, /server_info, /bootstrap_servers; bootstrap
+/route and /heartbeat; router /workers) takes `Authorization: Bearer <cluster secret>`, compared in
+constant time so the answer's timing tells nothing about how much of a guess was right.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import socket
+
+
+def bearer_ok(header: str | None, secret: str | None) -> bool:
+    """True when no secret is configured, or `header` is exactly 'Bearer <secret>'."""
+    if not secret:
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {secret}".encode())
+
+
+def bearer(secret: str | None) -> dict[str, str]:
+    """The header a caller sends (none without a secret)."""
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` (an address or a name) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def refuse_unprotected_bind(host: str, secret: str | None, insecure: bool, what: str) -> None:
+    """Stops the process (one line) when `what` would listen beyond loopback without a secret."""
+    if secret or insecure or is_loopback(host):
+        return
+    raise SystemExit(f"{what}: refusing to bind {host} without a cluster secret; set PDSERVE_INTERNAL_TOKEN "
+                     f"or PDSERVE_INTERNAL_TOKEN_FILE (a 0600 file), or pass --insecure to serve "
+                     f"unauthenticated internal endpoints on a network you trust")
+
+
+INSECURE_HELP = ("serve the internal endpoints without a cluster secret on a non-loopback address: anyone who "
+                 "can reach the port can then generate, abort and read the topology (only for a private, "
+                 "trusted network)")

@@ -1,0 +1,74 @@
+"""SSE keep-alive while a streaming request waits for its first token.
+
+A streaming answer normally starts once the decode node produced its first event, so the router can
+still retry on another pair (or answer a plain 4xx/5xx) before the client got a byte. When that takes
+longer than `sse_keepalive_s`, proxies with 30-60 s idle timeouts would cut the connection: the
+router then commits to a 200 stream and sends an SSE comment (`: ping`, which SSE clients ignore)
+every `sse_keepalive_s` until the attempt opens; a failure after that is an error event in the
+stream, as any mid-stream failure is.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from router.attempt import Attempt
+from router.openai_protocol import ApiError
+from router.responses import StreamShaper, sse
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+PING = ": ping\n\n"
+
+
+async def pinged_stream(router: "Router", opening: asyncio.Task, route: str, t0: float,
+                        stream: Callable[[Attempt], AsyncIterator[str]],
+                        error: Callable[[ApiError], list[str]]) -> AsyncIterator[str]:
+    """Pings until `opening` (the dispatch) ends, then the attempt's `stream` (which owns the
+    admission slot from its first step) or `error`'s events. If the client leaves first, the
+    dispatch is cancelled, which aborts whatever it opened."""
+    handed_over = False
+    status = 200
+    try:
+        while not opening.done():
+            done, _ = await asyncio.wait({opening}, timeout=router.cfg.sse_keepalive_s)
+            if not done:
+                yield PING
+        try:
+            attempt = opening.result()
+        except ApiError as exc:
+            status = exc.status
+            for chunk in error(exc):
+                yield chunk
+            return
+        inner = stream(attempt)
+        handed_over = True
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            await inner.aclose()
+    finally:
+        if not opening.done():
+            status = 499
+            opening.cancel()
+            await asyncio.wait({opening})
+            if not opening.cancelled() and opening.exception() is None:
+                opening.result().close(None, abort=True)
+        if not handed_over:
+            router.admission.release()
+            router.metrics.observe_request(route, status, time.perf_counter() - t0)
+
+
+def native_error(exc: ApiError) -> list[str]:
+    err = exc.body.get("error") if isinstance(exc.body, dict) else None
+    return [sse({"error": err or {"message": str(exc), "type": "server_error", "code": None},
+                 "meta_info": {"finish_reason": {"type": "abort"}}}), sse("[DONE]")]
+
+
+def openai_error(exc: ApiError) -> list[str]:
+    err = exc.body.get("error") if isinstance(exc.body, dict) else None
+    err = err if isinstance(err, dict) else {}
+    return StreamShaper.error(str(err.get("message") or exc), code=err.get("code") or "request_failed")
