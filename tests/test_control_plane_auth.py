@@ -23,7 +23,7 @@ from engine.node_metrics import FRONT_CHANNELS
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import CHANNEL as KV_CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
-from pd_cluster import body as pd_body, decode_node, held_pages, prefill_node
+from pd_cluster import body as pd_body, decode_node, prefill_node
 from reference import hf_greedy, load_hf
 
 SECRET = "control-plane-test-secret"
@@ -169,10 +169,14 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
             decode_node(tiny6, 1, tmp_path, env=env) as (durl, _):
         _wait(lambda: _kv(purl).get("ctrl_port") and _kv(durl).get("ctrl_port"), "both ranks' KV stats")
         room, ids = 1234567, prompts[2]
+        r = httpx.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, timeout=10,
+                      headers={"Authorization": f"Bearer {SECRET}"})   # what the router does
+        assert r.status_code == 200, r.text
         with ThreadPoolExecutor(1) as ex:
             decode = ex.submit(httpx.post, f"{durl}/generate", json=pd_body(ids, room, bport, MAX_NEW), timeout=120,
                                headers={"Authorization": f"Bearer {SECRET}"})
-            _wait(lambda: held_pages(durl)[0] > 0, "the decode rank to register the room")
+            _wait(lambda: (_info(durl)["ranks"][0] or {}).get("held_pages", 0) > 0,
+                  "the decode rank to register the room")
             stranger = Sealer(KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET)     # a member, not the room's peer
             fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
             ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", len(ids), 0, None))
