@@ -59,6 +59,9 @@ async def pinged_stream(router: "Router", opening: asyncio.Task, route: str, t0:
             status = 499
             opening.add_done_callback(_abort_opened)
             opening.cancel()
+        elif not handed_over and not opening.cancelled() and opening.exception() is None:
+            status = 499            # it opened just as the client left: nobody streams it
+            _abort_opened(opening)
         if not handed_over:
             router.admission.release()
             router.metrics.observe_request(route, status, time.perf_counter() - t0)
