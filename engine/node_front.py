@@ -94,8 +94,13 @@ class NodeFront:
         self._sealer = Sealer(REQ_CHANNEL, "front")
         self._evt_opener, self._stats_opener = Opener(EVT_CHANNEL), Opener(STATS_CHANNEL)
         self.dropped: Counter[str] = Counter()      # messages the readers dropped, by channel:reason
-        self.req_addr = self._bind(self.req_sock, host)
-        self.evt_addr = self._bind(self.evt_sock, host)
+        # PP0 always runs on this host (node-rank 0), so requests and events stay on loopback even
+        # when the node spans hosts: a bound PUSH socket hands its messages round-robin to every
+        # peer that connects, so on a network address anyone could take a share of the requests
+        # (reading the prompts, and leaving those requests unanswered). Only the stats of ranks on
+        # other hosts come in over the network.
+        self.req_addr = self._bind(self.req_sock, "127.0.0.1")
+        self.evt_addr = self._bind(self.evt_sock, "127.0.0.1")
         if stats_port:      # multi-host: ranks on other hosts report to a port they can derive
             self.stats_sock.bind(f"tcp://{host}:{stats_port}")
             self.stats_addr = f"tcp://{host}:{stats_port}"

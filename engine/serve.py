@@ -139,6 +139,18 @@ def advertise_host(args) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
+def refuse_unprotected(args, role: str) -> str | None:
+    """The cluster secret; stops the process when this host's part of the node would listen beyond
+    loopback without one (and no --insecure): its HTTP front (--host) and, on PD nodes, the KV
+    control sockets of its ranks (the advertised host, PDSERVE_ADVERTISE_HOST)."""
+    from engine.cluster_secret import cluster_secret
+    secret = cluster_secret()
+    hosts = [args.host] + ([advertise_host(args)] if role in ("prefill", "decode") else [])
+    for host in dict.fromkeys(hosts):
+        refuse_unprotected_bind(host, secret, args.insecure, f"pdserve {role}")
+    return secret
+
+
 def front_host(args) -> str:
     return args.host if args.nnodes > 1 else "127.0.0.1"
 
@@ -227,15 +239,13 @@ class TokenizerLoading:
 
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
-    from engine.cluster_secret import cluster_secret
     from engine.loader import load_model_config, resolve_model
     from engine.node_app import build_app
     from engine.node_front import NodeFront
     from engine.node_metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level)
-    secret = cluster_secret()      # the ranks read it too: children inherit the environment
-    refuse_unprotected_bind(args.host, secret, args.insecure, f"pdserve {role}")
+    secret = refuse_unprotected(args, role)     # the ranks read it too: children inherit the environment
     if not secret:
         log.warning("no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users")
     path = resolve_model(args.model)
@@ -253,6 +263,7 @@ def make_front(args, role: str, cls=None, **kw):
 def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:
     """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
+    refuse_unprotected(args, role)      # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
     specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, extra)

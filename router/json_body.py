@@ -13,6 +13,7 @@ The slow tree walk runs only when a cheap scan of the raw text says it could fin
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from router.openai_protocol import ApiError
 
 MAX_DEPTH = 64
+BODY_TIMEOUT_S = 30.0       # to receive a whole body once its headers are in (as on the nodes)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -69,11 +71,17 @@ async def _read_limited(request: Request, max_bytes: int) -> bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise _too_large(max_bytes)
-            chunks.append(chunk)
+        # uvicorn waits for a body forever (its timeouts cover headers and idle keep-alive only):
+        # a client trickling its body would hold the connection for good
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {BODY_TIMEOUT_S:g} s",
+                       code="body_timeout") from None
     except ClientDisconnect:
         raise ApiError(499, "client closed the request while sending the body",
                        code="client_closed") from None

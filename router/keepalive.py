@@ -52,14 +52,24 @@ async def pinged_stream(router: "Router", opening: asyncio.Task, route: str, t0:
             await inner.aclose()
     finally:
         if not opening.done():
+            # The client left (this generator is cancelled, or closed). No await here: under
+            # Starlette's cancelled scope every await raises again, and the slot would never be
+            # released. The dispatch's own cancellation clean-up closes what it opened; an attempt
+            # it still returns is aborted by the callback.
             status = 499
+            opening.add_done_callback(_abort_opened)
             opening.cancel()
-            await asyncio.wait({opening})
-            if not opening.cancelled() and opening.exception() is None:
-                opening.result().close(None, abort=True)
+        elif not handed_over and not opening.cancelled() and opening.exception() is None:
+            status = 499            # it opened just as the client left: nobody streams it
+            _abort_opened(opening)
         if not handed_over:
             router.admission.release()
             router.metrics.observe_request(route, status, time.perf_counter() - t0)
+
+
+def _abort_opened(opening: asyncio.Task) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close(None, abort=True)
 
 
 def native_error(exc: ApiError) -> list[str]:

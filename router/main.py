@@ -166,6 +166,10 @@ def run(argv: list[str] | None = None) -> int:
     if not config.workers:
         logging.getLogger("pdserve.router").warning(
             "no workers given; add them with POST /workers")
+    if not config.internal_token:
+        logging.getLogger("pdserve.router").warning(
+            "no cluster secret (PDSERVE_INTERNAL_TOKEN): /workers is open to anyone who can reach "
+            "the router")
     serve(config)
     return 0
 

@@ -1,0 +1,37 @@
+"""A node refuses to listen beyond loopback without the cluster secret (engine/serve.py
+`refuse_unprotected`): also on the hosts that run only ranks (--node-rank > 0), and when only the
+KV control sockets (the advertised host) would be reachable from the network."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.serve import refuse_unprotected
+
+
+def args(host: str, insecure: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(host=host, insecure=insecure)
+
+
+@pytest.fixture(autouse=True)
+def no_secret(monkeypatch):
+    for k in ("PDSERVE_INTERNAL_TOKEN", "PDSERVE_INTERNAL_TOKEN_FILE", "PDSERVE_ADVERTISE_HOST"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_advertised_host_beyond_loopback_needs_the_secret(monkeypatch):
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.1.2.3")      # KV control binds there
+    for role in ("prefill", "decode"):
+        with pytest.raises(SystemExit, match="without a cluster secret"):
+            refuse_unprotected(args("127.0.0.1"), role)
+        assert refuse_unprotected(args("127.0.0.1", insecure=True), role) is None
+    assert refuse_unprotected(args("127.0.0.1"), "colocated") is None     # no KV sockets there
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "s")
+    assert refuse_unprotected(args("127.0.0.1"), "decode") == "s"
+
+
+def test_network_host_needs_the_secret():
+    with pytest.raises(SystemExit, match="without a cluster secret"):
+        refuse_unprotected(args("0.0.0.0"), "colocated")
+    assert refuse_unprotected(args("127.0.0.1"), "decode") is None
