@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -94,13 +96,16 @@ class NodeFront:
         self._sealer = Sealer(REQ_CHANNEL, "front")
         self._evt_opener, self._stats_opener = Opener(EVT_CHANNEL), Opener(STATS_CHANNEL)
         self.dropped: Counter[str] = Counter()      # messages the readers dropped, by channel:reason
-        # PP0 always runs on this host (node-rank 0), so requests and events stay on loopback even
-        # when the node spans hosts: a bound PUSH socket hands its messages round-robin to every
-        # peer that connects, so on a network address anyone could take a share of the requests
-        # (reading the prompts, and leaving those requests unanswered). Only the stats of ranks on
-        # other hosts come in over the network.
-        self.req_addr = self._bind(self.req_sock, "127.0.0.1")
-        self.evt_addr = self._bind(self.evt_sock, "127.0.0.1")
+        # PP0 always runs on this host (node-rank 0), so requests and events travel over unix
+        # sockets in a directory only this user can enter (mkdtemp: 0700): a bound PUSH socket hands
+        # its messages round-robin to every peer that connects, so on a TCP port, even a loopback
+        # one, any local process could take a share of the requests (reading the prompts, and
+        # leaving those requests unanswered). Only the stats of ranks on other hosts come in over
+        # the network, sealed.
+        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-front-")
+        self.req_addr, self.evt_addr = f"ipc://{self._ipc_dir}/req", f"ipc://{self._ipc_dir}/evt"
+        self.req_sock.bind(self.req_addr)
+        self.evt_sock.bind(self.evt_addr)
         if stats_port:      # multi-host: ranks on other hosts report to a port they can derive
             self.stats_sock.bind(f"tcp://{host}:{stats_port}")
             self.stats_addr = f"tcp://{host}:{stats_port}"
@@ -131,6 +136,7 @@ class NodeFront:
         for t in self._tasks:
             t.cancel()
         self.ctx.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def mark_dead(self, why: str) -> None:
         if self.dead is None:

@@ -6,6 +6,8 @@
 Unit checks of the sealing itself (engine/channel_auth.py) come first."""
 from __future__ import annotations
 
+import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,10 +94,16 @@ def _listening_ports(pid: int, skip: int) -> list[int]:
     return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port != skip})
 
 
-def _send(ctx: zmq.Context, port: int, frames: list[bytes]) -> None:
+def _front_unix_sockets(pid: int) -> list[str]:
+    """The front's unix sockets (requests, events): in a directory only its user may enter."""
+    conns = psutil.Process(pid).net_connections(kind="unix")
+    return sorted({c.laddr for c in conns if c.laddr and "pdserve-front-" in c.laddr})
+
+
+def _send(ctx: zmq.Context, port: int | str, frames: list[bytes]) -> None:
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 3000)
-    s.connect(f"tcp://127.0.0.1:{port}")
+    s.connect(port if isinstance(port, str) else f"tcp://127.0.0.1:{port}")
     for f in frames:
         s.send(f)
     s.close()
@@ -118,7 +126,11 @@ def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(tiny6, pr
     with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
         assert _generate(url, prompts[0]) == reference[0]
         ports = _listening_ports(proc.pid, skip=port)
-        assert len(ports) == 3, ports                # requests (PUSH), events and stats (PULL)
+        assert len(ports) == 1, ports                # stats (PULL); requests and events are unix sockets
+        unix = _front_unix_sockets(proc.pid)
+        assert [os.path.basename(u) for u in unix] == ["evt", "req"], unix
+        assert stat.S_IMODE(os.stat(os.path.dirname(unix[0])).st_mode) == 0o700
+        ports = [*ports, *(f"ipc://{u}" for u in unix)]
         evt, stats = Sealer(EVT_CHANNEL, "intruder", secret=SECRET), Sealer(STATS_CHANNEL, "pp9", secret=SECRET)
         ctx = zmq.Context()
         try:
