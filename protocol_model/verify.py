@@ -181,7 +181,7 @@ def classify(what: str) -> str:
         return "agreement"
     if "page[x]<255" in what or re.search(r"owner\[.*\]==0\)", what):
         return "no-double-free-no-leak"     # free_page's double-free check, the leak check at exit
-    if "page[x]!=255" in what:
+    if "page[x]!=255" in what or "dirty" in what:
         return "safety"                     # a transfer write landing in a page not its room's
     return what or "?"
 
