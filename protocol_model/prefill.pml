@@ -63,6 +63,9 @@ inline free_page(k, x, r) {
 #ifdef P_NOLEAK
         assert(page[x] < NOPAGE && owner[k * NP + page[x]] == r + 1);     /* no double free */
 #endif
+#ifdef P_STRICT_READ
+        assert(!reading[x]);    /* stronger than Safety: no write reads the pages when they are freed */
+#endif
         if :: reading[x] -> dirty[x] = 1 :: else fi;
         owner[k * NP + page[x]] = 0; page[x] = NOPAGE; held[x] = 0
     }

@@ -80,6 +80,10 @@ def properties_checks() -> list[Check]:
         if model in KNOWN:
             # the code as it is: the finding must show (and only it)
             out.append(Check(f"{model}-pp2-faults-as-is", model, 2, "faults", "safety", known=KNOWN[model]))
+        if model == "prefill":
+            # finding 2: the stronger "no write reads a page when it is freed" does not hold
+            out.append(Check("prefill-pp2-faults-strict-read", model, 2, "faults", "safety", ("strict-read",),
+                             known="strict-read", extra={"P_STRICT_READ": 1}))
         out += [
             Check(f"{model}-pp2-faults", model, 2, "faults", "safety", extra=fx),
             Check(f"{model}-pp2-reuse", model, 2, "reuse", "safety", extra=fx),
@@ -181,6 +185,8 @@ def classify(what: str) -> str:
         return "agreement"
     if "page[x]<255" in what or re.search(r"owner\[.*\]==0\)", what):
         return "no-double-free-no-leak"     # free_page's double-free check, the leak check at exit
+    if "!(reading[x])" in what:
+        return "strict-read"                # finding 2 (P_STRICT_READ only)
     if "page[x]!=255" in what or "dirty" in what:
         return "safety"                     # a transfer write landing in a page not its room's
     return what or "?"
