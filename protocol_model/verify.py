@@ -97,7 +97,8 @@ def properties_checks() -> list[Check]:
             # PP 3: a supertrace (bitstate) search in a small bit array, bounded in time: a partial
             # search (see the docs for its coverage), not a proof.
             Check(f"{model}-pp3-faults", model, 3, "faults", "safety", bitstate=BITS3, extra=fx),
-            Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS3, extra=fx),
+            # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED (found at 2^22, 2.1 M states)
+            Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS, extra=fx),
             Check(f"{model}-pp3-aborts", model, 3, "aborts", "safety", bitstate=BITS3, extra=fx),
             Check(f"{model}-pp3-faults-live", model, 3, "faults", "liveness", ("liveness",), bitstate=BITS3, extra=fx),
         ]
@@ -126,7 +127,7 @@ def mutant_checks() -> list[Check]:
     # and the PP 3 partial search finds them too (one per property class it runs)
     out += [Check("decode-pp3-M_NO_PASS2", "decode", 3, "faults", "safety", ("agreement",), bitstate=BITS3,
                   mutant="M_NO_PASS2", extra=FIXED["decode"]),
-            Check("decode-pp3-M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", ("safety",), bitstate=BITS3,
+            Check("decode-pp3-M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", ("safety",), bitstate=BITS,
                   mutant="M_PEER_DEAD_QUIESCED", extra=FIXED["decode"])]
     return out
 
