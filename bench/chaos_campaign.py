@@ -43,7 +43,8 @@ from tiny_model import build_tiny_model  # noqa: E402
 STALL_S = 9.5            # SIGSTOP length: beyond the fast transfer timeout (8 s)
 REQUEST_BOUND_S = 90.0   # a request not answered within this is a hang
 SETTLE_S = 45.0          # quarantine (10 s) + votes + stats pushes
-MAX_NEW = 6
+MAX_NEW = 16
+SPREAD_S = 14.0          # requests start over this window, so some are in flight at each fault
 DIVERGED = ("rank consensus check FAILED", "diverged")
 
 
@@ -91,6 +92,7 @@ async def storm(purl: str, durl: str, bport: int, rng: random.Random, n: int, pr
             rid, room = f"c{rng.getrandbits(40):x}", rng.getrandbits(63)
             b = {**body(prompts[i % len(prompts)], room, bport, MAX_NEW), "rid": rid}
             fate, delay = rng.choice(["none", "none", "prefill", "decode", "both"]), rng.uniform(0.0, 2.0)
+            await asyncio.sleep(rng.uniform(0.0, SPREAD_S))
             tp = asyncio.create_task(c.post(f"{purl}/generate", json=b))
             td = asyncio.create_task(c.post(f"{durl}/generate", json=b))
             if fate != "none":
@@ -121,13 +123,15 @@ def divergences(*logs: Path) -> int:
 
 def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> dict:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 500) for _ in range(rng.choice([5, 12, 40, 70]))] for _ in range(8)]
+    # token ids inside the tiny test model's vocabulary (384)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.choice([5, 12, 40, 70]))] for _ in range(8)]
     out = {"layout": (ppp, dpp), "seed": seed, "divergences": 0, "hangs": 0, "pages_left": 0}
     t0 = time.monotonic()
     with prefill_node(model, ppp, tmp) as (purl, bport, pproc), decode_node(model, dpp, tmp) as (durl, dproc):
         async def stall():
-            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            await asyncio.sleep(rng.uniform(1.0, 4.0))
             pid = rank_pids(pproc).get(ppp - 1)
+            out["stalled"] = bool(pid)
             if pid:
                 os.kill(pid, signal.SIGSTOP)
                 await asyncio.sleep(STALL_S)
@@ -144,8 +148,9 @@ def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> di
         victim_pp = ppp if victim_is_prefill else dpp
 
         async def kill():
-            await asyncio.sleep(rng.uniform(0.3, 1.5))
+            await asyncio.sleep(rng.uniform(1.0, 6.0))
             pid = rank_pids(victim_proc).get(rng.randrange(1, victim_pp))
+            out["killed"] = bool(pid)
             if pid:
                 os.kill(pid, signal.SIGKILL)
         ok2, err2, hang2 = asyncio.run(storm(purl, durl, bport, rng, max(4, n // 3), prompts, kill()))
