@@ -35,7 +35,6 @@
 #define W_IDLE 0
 #define W_WRITING 1     /* a Mooncake write into the pages is on the wire */
 #define W_STALLED 2     /* SIGSTOP / long pause in the middle of a write: silent, resumes later */
-#define W_WROTE 3       /* its last write returned; the terminal message is next */
 #define W_DONE 4        /* sent its terminal message (KVStatus Success/Failed, KVAbort) */
 #define W_DEAD 5        /* SIGKILL: never writes again, never says so */
 
