@@ -2,7 +2,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup setup-test serve test bench soak clean
+.PHONY: setup setup-test serve test bench soak clean verify-protocol chaos-campaign
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -23,6 +23,19 @@ test: setup-test
 # RSS and open fds of every process sampled; fails on growth. E.g. SOAK_ARGS="--model DIR --duration 180".
 soak: setup
 	$(VENV)/bin/python bench/soak.py $(SOAK_ARGS)
+
+# The spin model of the lockstep protocol (protocol_model/): every property on PP 2 and PP 3, then
+# the seeded mutants, each of which must give a counterexample. Needs spin and cc (setup-test).
+verify-protocol:
+	python3 protocol_model/verify.py
+	python3 protocol_model/verify.py --mutants
+
+# Opt-in, not part of `test`: randomised faults (abort storm + rank SIGKILL + transfer stall) on
+# real clusters of layouts (2,2), (3,2), (2,3) with the rank consensus checker on.
+# E.g. CAMPAIGN_ARGS="--seeds 3".
+CAMPAIGN_ARGS ?=
+chaos-campaign: setup-test
+	$(VENV)/bin/python bench/chaos_campaign.py $(CAMPAIGN_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

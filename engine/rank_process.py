@@ -123,6 +123,8 @@ class StatsReporter:
             "held_pages": s.held_pages(), "used_tokens": s.used_tokens, "num_pages": alloc.num_pages,
             "free_pages": alloc.num_free, "page_size": s.cfg.page_size,
             "cached_pages": s.cache.num_cached_pages if s.cache else 0,
+            # prefix-cache pages a request still locks (not evictable): held KV too, for leak checks
+            "locked_cached_pages": s.cache.num_cached_pages - s.cache.evictable_pages if s.cache else 0,
             "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
             "retractions": s.num_retractions, "retracted": sum(r.status.value == "retracted" for r in s.waiting),
             **self.loop.queue_sizes(),

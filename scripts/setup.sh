@@ -26,6 +26,12 @@ if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1' >/dev/null; then
     say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
     apt_install libibverbs1 librdmacm1
 fi
+# Tests only: spin, the model checker of protocol_model/ (`make verify-protocol`), and the C
+# compiler its verifiers are built with (Debian's spin package does not pull one in).
+if [ "${1:-}" = "--test" ] && ! { command -v spin >/dev/null && command -v cc >/dev/null; }; then
+    say "installing spin gcc (the protocol model checker; tests only)"
+    apt_install spin gcc
+fi
 # Debian's python3 has no venv/ensurepip without python3-venv.
 if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
     say "installing python3-venv (to create $VENV)"

@@ -1,0 +1,342 @@
+/* The decode node: prealloc -> transfer -> running -> finished, failed rooms in quarantine.
+ *
+ * decode_node/loop.py DecodeLoop on PP ranks; kv_transfer/receiver.py KVReceiver (one per room and
+ * rank); the prefill rank that writes a decode rank's layers, the bootstrap route look-up and the
+ * heartbeat thread are the environment process Peer. One page per request and rank (the aux slot
+ * shares the page's life: allocated with it at prealloc, freed with it from quarantine).
+ * Build: spin -a -DPP=2 [-DP_AGREEMENT|-DP_SAFETY|-DP_NOLEAK] decode.pml (see verify.py).
+ */
+#include "slotloop.pml"
+
+#ifndef NFAULTY
+#define NFAULTY 1       /* rooms a fault may strike (the others are healthy) */
+#endif
+#ifndef NP
+#define NP 1            /* pages per rank: small, so a freed page is reused at once */
+#endif
+
+/* DecodeLoop queues of a request on one rank */
+#define Q_NONE 0
+#define Q_PREALLOC 1    /* self.prealloc */
+#define Q_TRANSFER 2    /* self.transfer */
+#define Q_RUNNING 3     /* in the scheduler (decoding) */
+#define Q_QUAR 4        /* self.quarantine */
+#define Q_GONE 5
+
+/* decisions, for the agreement log */
+#define K_PREALLOC 1
+#define K_TRANSFERRED 2
+#define K_QRELEASE 3
+#define K_FINISH 4
+#define K_ABORTNOW 5
+#define WHAT(r, kind, v) (((r) << 4) | ((kind) << 1) | (v))
+
+/* Peer: the prefill rank writing into this decode rank's pages */
+#define W_IDLE 0
+#define W_WRITING 1     /* a Mooncake write into the pages is on the wire */
+#define W_STALLED 2     /* SIGSTOP / long pause in the middle of a write: silent, resumes later */
+#define W_DONE 4        /* sent its terminal message (KVStatus Success/Failed, KVAbort) */
+#define W_DEAD 5        /* SIGKILL: never writes again, never says so */
+
+byte q[PP * NREQ];              /* which DecodeLoop queue the request is in */
+byte page[PP * NREQ];           /* pd.pages */
+byte owner[PP * NP];            /* the allocator: room + 1 holding the page, 0 = free */
+bool aborted[PP * NREQ];        /* pd.aborted */
+byte rslot[PP * NREQ];          /* scheduler.slots: the slot a running request belongs to */
+bool in_flight[PP * NREQ];      /* req.in_flight: scheduled in a slot not harvested yet */
+bool to_finish[PP * NREQ];      /* req.to_finish (abort while in flight) */
+byte batch[PP * L];             /* rooms scheduled in slot mb, not harvested yet */
+bool bvalid[PP * L];
+
+byte rcv[PP * NREQ];            /* KVReceiver._status */
+bool rcv_regd[PP * NREQ];       /* _page_ids set (register) */
+bool rcv_route[PP * NREQ];      /* _route known */
+bool rcv_sent[PP * NREQ];       /* _sent: the registration went to the prefill rank */
+bool rcv_quiet[PP * NREQ];      /* _quiet: the prefill rank sent its terminal message */
+bool rcv_peer_dead[PP * NREQ];  /* failed by the heartbeat thread (reason peer_dead) */
+bool grace[PP * NREQ];          /* quarantine_s passed since finished_at */
+bool rcv_abort_sent[PP * NREQ]; /* KVAbort sent to the prefill rank */
+bool peer_fail[PP * NREQ];      /* the prefill sender failed: its terminal message is Failed */
+bool abort_done[PP * NREQ];     /* the prefill sender processed our KVAbort */
+byte peer[PP * NREQ];           /* Peer state */
+
+/* KVReceiver.quiesced: no prefill write can land in the room's pages any more */
+#ifdef M_PEER_DEAD_QUIESCED
+#define QUIESCED(x) (rcv[x] == SUCCESS || (rcv[x] == FAILED && (!rcv_sent[x] || rcv_quiet[x] || grace[x] || rcv_peer_dead[x])))
+#else
+#define QUIESCED(x) (rcv[x] == SUCCESS || (rcv[x] == FAILED && (!rcv_sent[x] || rcv_quiet[x] || grace[x])))
+#endif
+
+/* KVReceiver._fail (under its lock); `notify`: a KVAbort goes to the prefill rank when registered */
+inline rcv_fail(x, notify) {
+    if
+    :: rcv[x] != FAILED && rcv[x] != SUCCESS ->
+        rcv[x] = FAILED;
+        if :: notify && rcv_sent[x] -> rcv_abort_sent[x] = 1 :: else fi
+    :: else
+    fi
+}
+
+/* Failures the decode side finds itself (its timeouts, peer_dead, bootstrap_lost): the code as it
+   is tells the prefill rank only of a client abort (KVReceiver._fail sends KVAbort only with
+   abort=True), so a prefill sender that is alive keeps writing while the quarantine grace runs
+   out: finding 1 in docs/PROTOCOL_MODEL.md. FIX_NOTIFY_OWN models the fix: a KVAbort for every
+   failure of a registered room that did not come from the prefill side. */
+#ifdef FIX_NOTIFY_OWN
+#define NOTIFY_OWN 1
+#else
+#define NOTIFY_OWN 0
+#endif
+
+inline free_page(k, x, r) {
+    d_step {
+#ifdef P_NOLEAK
+        assert(page[x] < NOPAGE && owner[k * NP + page[x]] == r + 1);     /* no double free */
+#endif
+        owner[k * NP + page[x]] = 0; page[x] = NOPAGE
+    }
+}
+
+proctype Rank(byte k) {
+    byte mb, hb, addm, abm, r, x, i, j, m, pend, nfree, reserve, nrun, nseen;
+    byte rg[NK], rb[NK], tg[NK], tb[NK], bg[NK], bb[NK], ba[NK], vg[NK], vb[NK], xv[6];
+    byte sq[L + 1], sqn;
+    bool sqneed[L], busy, hneeds, alldone;
+    mtype tag;
+    /* One iteration is one atomic step, interrupted only where a receive blocks: the transfer
+       threads (Peer) act between steps. Scratch variables are zeroed at its end. */
+    do
+    :: atomic {
+        /* the node has nothing left: every rank sees the same, so all stop in the same turn */
+        alldone = (nseen == NREQ);
+        for (r : 0 .. NREQ - 1) { alldone = alldone && (q[k * NREQ + r] == Q_GONE) };
+        if :: alldone -> break :: else fi;
+
+        /* ingest + apply meta (SlotLoop.apply_meta, DecodeLoop._on_meta / abort_elsewhere) */
+        ingest_meta(k, addm, abm);
+        for (r : 0 .. NREQ - 1) {
+            if
+            :: addm & (1 << r) ->       /* the route look-up is not modelled: known at once */
+                q[k * NREQ + r] = Q_PREALLOC; rcv[k * NREQ + r] = BOOTSTRAPPING; rcv_route[k * NREQ + r] = 1; nseen++
+            :: else
+            fi
+        };
+        for (r : 0 .. NREQ - 1) {
+            x = k * NREQ + r;
+            if
+            :: (abm & (1 << r)) && q[x] == Q_RUNNING ->          /* Scheduler.abort */
+                if
+                :: in_flight[x] -> to_finish[x] = 1
+                :: else -> decide(k, WHAT(r, K_ABORTNOW, 1)); free_page(k, x, r); q[x] = Q_GONE; emit_end(k, r)
+                fi
+#ifndef M_SKIP_ABORT
+            :: (abm & (1 << r)) && (q[x] == Q_PREALLOC || q[x] == Q_TRANSFER) ->
+#else
+            :: (abm & (1 << r)) && (q[x] == Q_PREALLOC || q[x] == Q_TRANSFER) && k != LAST ->
+#endif
+                aborted[x] = 1;
+                rcv_fail(x, 1);
+#ifdef M_FREE_AT_ABORT
+                if :: page[x] != NOPAGE -> free_page(k, x, r) :: else fi;   /* mutant: not at the vote */
+#endif
+                if
+                :: q[x] == Q_PREALLOC && page[x] == NOPAGE ->   /* never registered */
+                    decide(k, WHAT(r, K_ABORTNOW, 0)); q[x] = Q_GONE; emit_end(k, r)
+                :: else
+                fi
+            :: else
+            fi
+        };
+
+        /* before_schedule: _preallocate (first come first served, one page of headroom per
+           running request), then the three ballots */
+        nfree = 0; nrun = 0;
+        for (i : 0 .. NP - 1) { if :: owner[k * NP + i] == 0 -> nfree++ :: else fi };
+        for (r : 0 .. NREQ - 1) { if :: q[k * NREQ + r] == Q_RUNNING -> nrun++ :: else fi };
+        reserve = nrun;
+        for (r : 0 .. NREQ - 1) {
+            x = k * NREQ + r;
+            if
+            :: q[x] == Q_PREALLOC && page[x] == NOPAGE && nfree >= 1 + reserve ->
+                for (i : 0 .. NP - 1) {
+                    if :: page[x] == NOPAGE && owner[k * NP + i] == 0 -> page[x] = i; owner[k * NP + i] = r + 1 :: else fi
+                };
+                nfree--;
+                rcv_regd[x] = 1;         /* KVReceiver.register -> _maybe_send_registration */
+                if :: rcv_route[x] && rcv[x] == BOOTSTRAPPING -> rcv_sent[x] = 1; rcv[x] = WAITING :: else fi
+            :: q[x] == Q_PREALLOC && page[x] == NOPAGE && nfree < 1 + reserve -> break   /* first come first served */
+            :: else
+            fi
+        };
+        for (r : 0 .. NREQ - 1) {
+            x = k * NREQ + r;
+            if
+            :: q[x] == Q_PREALLOC && page[x] != NOPAGE ->            /* PREALLOC ballot */
+                if :: rcv[x] == FAILED -> bb[0] = bb[0] | (1 << r)
+                   :: rcv[x] >= WAITING && rcv[x] != NONE -> bg[0] = bg[0] | (1 << r)
+                   :: else fi;
+                if :: aborted[x] -> ba[0] = ba[0] | (1 << r) :: else fi
+            :: q[x] == Q_TRANSFER ->                                   /* TRANSFERRED ballot */
+                if :: rcv[x] == FAILED -> bb[1] = bb[1] | (1 << r)
+                   :: rcv[x] == SUCCESS -> bg[1] = bg[1] | (1 << r)
+                   :: else fi;
+                if :: aborted[x] -> ba[1] = ba[1] | (1 << r) :: else fi
+            :: q[x] == Q_QUAR ->                                       /* RELEASE ballot */
+                if :: QUIESCED(x) -> bg[2] = bg[2] | (1 << r) :: else fi
+            :: else
+            fi
+        };
+        /* pass 1 (PP0 sends at once; the others block on the receive inside) */
+        vote_pass1(k, mb);
+
+        /* schedule(mb): the running requests of slot mb decode one token */
+        busy = 0;
+        for (r : 0 .. NREQ - 1) {
+            x = k * NREQ + r;
+            if
+            :: q[x] == Q_RUNNING && rslot[x] == mb && !in_flight[x] && !to_finish[x] ->
+                in_flight[x] = 1; batch[k * L + mb] = batch[k * L + mb] | (1 << r); busy = 1
+            :: else
+            fi
+        };
+        bvalid[k * L + mb] = 1;
+        sqneed[mb] = busy;          /* every decode entry samples */
+        hb = (mb + 1) % L;
+        hneeds = bvalid[k * L + hb] && batch[k * L + hb] != 0;
+        /* forward: hidden states from k-1 */
+        if :: busy && k != 0 -> hidden_in[k] ? m; assert(m == mb) :: else fi;
+        /* exchange (sends, ring receive) */
+        exchange(k, mb, hb, busy, hneeds);
+
+        /* harvest slot hb */
+        if
+        :: bvalid[k * L + hb] ->
+            for (r : 0 .. NREQ - 1) {
+                x = k * NREQ + r;
+                if
+                :: batch[k * L + hb] & (1 << r) ->
+                    in_flight[x] = 0;
+                    /* its token; max_tokens is reached (finish "length"), or the abort lands */
+                    decide(k, WHAT(r, K_FINISH, to_finish[x]));
+                    free_page(k, x, r); q[x] = Q_GONE; emit_end(k, r)
+                :: else
+                fi
+            };
+            batch[k * L + hb] = 0; bvalid[k * L + hb] = 0
+        :: else
+        fi;
+
+        /* after_harvest: the three verdicts, applied on every rank in this iteration */
+        vote_pass2(k, hb);
+        for (r : 0 .. NREQ - 1) {          /* _apply_prealloc */
+            x = k * NREQ + r;
+            if
+            :: ((vg[0] | vb[0]) & (1 << r)) && q[x] == Q_PREALLOC && page[x] != NOPAGE && rcv[x] != NONE && (rcv[x] == FAILED || rcv[x] >= WAITING) ->
+                decide(k, WHAT(r, K_PREALLOC, (vg[0] >> r) & 1));
+                if
+                :: vg[0] & (1 << r) -> q[x] = Q_TRANSFER
+                :: else -> q[x] = Q_QUAR; emit_end(k, r)          /* _fail */
+                fi
+            :: else
+            fi
+        };
+        for (r : 0 .. NREQ - 1) {          /* _apply_transferred */
+            x = k * NREQ + r;
+            if
+            :: ((vg[1] | vb[1]) & (1 << r)) && q[x] == Q_TRANSFER && (rcv[x] == FAILED || rcv[x] == SUCCESS) ->
+                decide(k, WHAT(r, K_TRANSFERRED, (vg[1] >> r) & 1));
+                if
+                :: vg[1] & (1 << r) -> q[x] = Q_RUNNING; rslot[x] = hb    /* _start_decoding */
+                :: else -> q[x] = Q_QUAR; emit_end(k, r)
+                fi
+            :: else
+            fi
+        };
+        for (r : 0 .. NREQ - 1) {          /* _release_quarantine */
+            x = k * NREQ + r;
+            if
+            :: (vg[2] & (1 << r)) && q[x] == Q_QUAR ->
+                decide(k, WHAT(r, K_QRELEASE, 1));
+                free_page(k, x, r); q[x] = Q_GONE
+            :: else
+            fi
+        };
+        mb = (mb + 1) % L;
+        busy = 0; hneeds = 0; hb = 0;
+        scrub()
+    }
+    od;
+#ifdef P_NOLEAK
+    for (i : 0 .. NP - 1) { assert(owner[k * NP + i] == 0) }     /* no leak */
+#endif
+}
+
+/* The environment of one (decode rank, room): the bootstrap route look-up, the prefill rank
+   that writes this decode rank's layers (its KVSender: writes, terminal message, on_decode_abort),
+   the decode manager's heartbeat thread (peer_dead), the reaper's timeouts and the quarantine
+   clock. */
+/* The sender's terminal message, sent only once its last write returned (KVSender._drain /
+   _notify): KVStatus Success (try_finish) or Failed / KVAbort (note_quiet + _fail). */
+inline TERMINAL(x) {
+    peer[x] = W_DONE; rcv_quiet[x] = 1;
+    if
+    :: peer_fail[x] -> rcv_fail(x, 0)
+    :: else -> if :: rcv[x] == WAITING -> rcv[x] = SUCCESS :: else fi
+    fi
+}
+
+/* A fault may strike this (rank, room): one budget for the run, rooms below NFAULTY only. */
+#define FAULT (faults < MAXF && r < NFAULTY)
+
+proctype Peer(byte k; byte r) {
+    byte x = k * NREQ + r;
+    rcv[x] != NONE;
+    do
+    :: atomic { rcv[x] == BOOTSTRAPPING && FAULT -> /* bootstrap timeout (route look-up) */
+        faults++; rcv_fail(x, NOTIFY_OWN) }
+    :: atomic { rcv[x] == WAITING && FAULT -> faults++; rcv_fail(x, NOTIFY_OWN) }   /* waiting timeout */
+    :: atomic { peer[x] == W_IDLE && rcv_sent[x] && !peer_fail[x] -> peer[x] = W_WRITING }  /* a chunk */
+    :: atomic { peer[x] == W_IDLE && rcv_sent[x] && !peer_fail[x] && FAULT ->      /* its own failure */
+        faults++; peer_fail[x] = 1; TERMINAL(x) }
+    :: atomic { rcv_abort_sent[x] && !abort_done[x] && peer[x] != W_STALLED && peer[x] != W_DEAD ->
+        abort_done[x] = 1;                  /* KVSender.on_decode_abort: _fail, no new write */
+        if
+        :: peer[x] == W_IDLE -> peer_fail[x] = 1; TERMINAL(x)
+        :: peer[x] == W_WRITING -> peer_fail[x] = 1      /* notice deferred until the write returns */
+        :: else                                          /* already final: Failed status again */
+        fi }
+    :: atomic { peer[x] == W_WRITING ->       /* the write lands, then the terminal message */
+#ifdef P_SAFETY
+        assert(page[x] != NOPAGE && owner[k * NP + page[x]] == r + 1);
+#endif
+        TERMINAL(x) }
+    :: atomic { peer[x] == W_WRITING && FAULT -> faults++; peer[x] = W_STALLED }
+    :: atomic { peer[x] == W_STALLED -> peer[x] = W_WRITING }                        /* resumes */
+    :: atomic { (peer[x] == W_STALLED || peer[x] == W_IDLE && rcv_sent[x]) && FAULT ->
+        faults++; peer[x] = W_DEAD }
+    :: atomic { (peer[x] == W_STALLED || peer[x] == W_DEAD) && rcv[x] != FAILED && rcv[x] != SUCCESS ->
+        rcv_peer_dead[x] = 1; rcv_fail(x, NOTIFY_OWN) }                             /* heartbeat */
+#ifndef M_NO_GRACE
+    /* quarantine_s after finished_at. Assumed to outlast any write in flight or stall and the
+       delivery of a KVAbort sent; not the time a prefill rank that was never told may still take. */
+    :: atomic { rcv[x] == FAILED && rcv_sent[x] && !grace[x] && (peer[x] == W_DEAD || peer[x] != W_WRITING && peer[x] != W_STALLED && !(rcv_abort_sent[x] && !abort_done[x])) ->
+        grace[x] = 1 }
+#endif
+    :: (peer[x] == W_DONE || peer[x] == W_DEAD || !rcv_sent[x] && rcv[x] == FAILED) && q[x] == Q_GONE -> break
+    od
+}
+
+init {
+    byte k, r;
+    atomic {
+        for (k : 0 .. PP * NREQ - 1) { page[k] = NOPAGE; rcv[k] = NONE };
+        for (k : 0 .. PP - 1) {
+            run Rank(k);
+            for (r : 0 .. NREQ - 1) { run Peer(k, r) }
+        }
+    }
+}
+
+#ifdef P_LIVENESS
+ltl live { [] ((pending > 0) -> <> (pending == 0)) }
+#endif
