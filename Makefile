@@ -26,7 +26,7 @@ soak: setup
 
 # The spin model of the lockstep protocol (protocol_model/): every property on PP 2 and PP 3, then
 # the seeded mutants, each of which must give a counterexample. Needs spin and cc (setup-test).
-verify-protocol:
+verify-protocol: setup-test
 	python3 protocol_model/verify.py
 	python3 protocol_model/verify.py --mutants
 
