@@ -1,14 +1,20 @@
 """OpenAI request models, their validation errors, and the translation to the native node request.
 
-Types are strict (a string is not a number, a bool is not an int); unknown OpenAI fields are
-ignored. Anything a client can get wrong becomes an `ApiError` with an OpenAI-style body.
+Types are strict (a string is not a number, a bool is not an int). Every field is either
+implemented here or listed in router/openai_fields.py, where it is accepted only at a neutral
+value; anything else, unknown fields included, is a 400 naming the field. Anything a client can get
+wrong becomes an `ApiError` with an OpenAI-style body.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from router import openai_fields
+from router.openai_fields import UNSUPPORTED_CODE
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int64 = Annotated[int, Field(strict=True, lt=2**63)]      # nodes pass ints on as msgpack int64
@@ -32,11 +38,33 @@ class ApiError(Exception):
                                        "code": code}}
 
 
+def _document_unsupported(schema: dict[str, Any], cls: type["_Model"]) -> None:
+    for name, neutral in cls.UNSUPPORTED.items():
+        schema.setdefault("properties", {})[name] = openai_fields.schema(neutral)
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are refused; `UNSUPPORTED` fields are dropped at a neutral value and refused
+    at any other (router/openai_fields.py)."""
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_unsupported)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.UNSUPPORTED:
+            return data
+        for key, value in data.items():
+            neutral = cls.UNSUPPORTED.get(key)
+            if neutral is not None and not openai_fields.is_neutral(value, neutral):
+                raise PydanticCustomError(
+                    UNSUPPORTED_CODE, "not supported by this server (send {values}, or leave it out)",
+                    {"field": key, "values": openai_fields.describe(neutral)})
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
 class StreamOptions(_Model):
+    UNSUPPORTED = openai_fields.STREAM_OPTIONS
     include_usage: StrictBool = False
 
 
@@ -49,34 +77,20 @@ class _Common(_Model):
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     seed: Int64 | None = Field(None, ge=0)
     stop: StopText | list[StopText] | None = Field(None, json_schema_extra={"maxItems": 16})
-    n: StrictInt = Field(1, json_schema_extra={"const": 1})
-    presence_penalty: Float | None = Field(None, json_schema_extra={"enum": [0, None]})
-    frequency_penalty: Float | None = Field(None, json_schema_extra={"enum": [0, None]})
-    # Extensions that nodes understand (SGLang names).
+    # Accepted and not used, as by vLLM: end-user ids for a provider's abuse monitoring.
+    user: StrictStr | None = Field(None, description="accepted, not used")
+    safety_identifier: StrictStr | None = Field(None, description="accepted, not used")
+    # Extensions that nodes understand (vLLM's and SGLang's names).
     top_k: Int64 | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}})
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("top_k")
     @classmethod
     def _top_k_on_or_off(cls, v: int | None) -> int | None:
         if v == 0:
             raise ValueError("top_k must be -1 (off) or >= 1")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0.0):
-            raise ValueError("presence/frequency penalties are not supported; send 0 or omit")
         return v
 
     @field_validator("stop")
@@ -103,6 +117,7 @@ class ContentPart(_Model):
 
 
 class ChatMessage(_Model):
+    UNSUPPORTED = openai_fields.MESSAGE
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
 
@@ -115,6 +130,9 @@ class ChatMessage(_Model):
 
 
 class ChatRequest(_Common):
+    """A chat completion request. Fields listed with an `enum` and "not supported" are accepted
+    only at those values; any other value, or an unknown field, is a 400 unsupported_parameter."""
+    UNSUPPORTED = openai_fields.CHAT
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -125,6 +143,13 @@ class ChatRequest(_Common):
     def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must not be empty")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
         return v
 
     def max_new_tokens(self) -> int | None:
@@ -156,12 +181,13 @@ _PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [toke
 
 
 class CompletionRequest(_Common):
+    """A text completion request. Fields listed with an `enum` and "not supported" are accepted
+    only at those values; any other value, or an unknown field, is a 400 unsupported_parameter."""
+    UNSUPPORTED = openai_fields.COMPLETION
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
         json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA))
     max_tokens: StrictInt | None = Field(16, ge=1)     # the OpenAI default for completions
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: StrictBool = Field(False, json_schema_extra={"const": False})
-    suffix: StrictStr | None = Field(None, json_schema_extra={"maxLength": 0})
 
     @field_validator("prompt")
     @classmethod
@@ -172,20 +198,6 @@ class CompletionRequest(_Common):
             v = v[0]
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
         return v
 
     def to_native(self) -> dict[str, Any]:
@@ -227,10 +239,15 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
         return cls.model_validate(body)
     except ValidationError as exc:
         err = _most_telling(exc.errors(include_url=False))
-        param = ".".join(str(p) for p in err["loc"] if not _is_tag(p)) or None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param,
-                       code="invalid_value") from None
+        loc = [str(p) for p in err["loc"] if not _is_tag(p)]
+        msg, code = err["msg"].removeprefix("Value error, "), "invalid_value"
+        if err["type"] == UNSUPPORTED_CODE:
+            loc.append(err["ctx"]["field"])
+            code = UNSUPPORTED_CODE
+        elif err["type"] == "extra_forbidden":
+            msg, code = "unknown parameter (in neither OpenAI's nor vLLM's schema)", UNSUPPORTED_CODE
+        param = ".".join(loc) or None
+        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param, code=code) from None
 
 
 def parse_native(body: Any) -> dict[str, Any]:
