@@ -4,7 +4,7 @@
   colocated  `pdserve serve --pp 1` (2 torch threads) behind `pdserve router --worker`
   hf         transformers `generate`, one request at a time (no server; concurrency 1 only)
 
-Every server is driven by `pdserve bench` (streaming chat, ignore_eos) with the same seeded prompts
+Every server is driven by `pdserve bench` (streaming chat, ignore_eos, greedy) with the same seeded prompts
 per level (the level index is the seed, so no level warms the prefix cache for another). With
 --aiperf, aiperf (the client behind the vLLM-CPU reference numbers, see README) also measures the PD
 cluster with the reference command, request counts as given by --levels.
@@ -67,7 +67,7 @@ def bench_levels(url: str, levels, tok_dir: Path, out_dir: Path, name: str) -> l
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--tokenizer", str(tok_dir),
                "--isl", ISL, "--osl", str(OSL), "--seed", str(i), "--concurrency", str(conc),
                "--num-requests", str(n), "--warmup", "2", "--output", str(out), "--no-progress",
-               "--slo-ttft-ms", "2000", "--slo-itl-ms", "100"]
+               "--slo-ttft-ms", "2000", "--slo-itl-ms", "100", "--extra-body", '{"temperature": 0}']
         t0 = time.monotonic()
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
         s = json.loads(out.read_text())["loads"][0]
@@ -159,7 +159,8 @@ def run_aiperf(url_port: int, tok_dir: Path, levels, out_dir: Path) -> list[dict
                "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tok_dir), "--isl", "272", "--osl", "64",
                "--random-range-ratio", '{"input": 0.88236, "output": 0}', "--prompt-corpus", "sonnet",
                "--random-seed", "0", "--num-dataset-entries", "64", "--dataset-sampling-strategy", "sequential",
-               "--extra-inputs", "ignore_eos:true", "--concurrency", str(conc), "--request-count", str(n),
+               "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+               "--concurrency", str(conc), "--request-count", str(n),
                "--warmup-request-count", "4", "--ui", "none", "--no-gpu-telemetry", "--artifact-dir", str(art)]
         subprocess.run(cmd, cwd=out_dir, env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL)
         found = sorted(art.rglob("*aiperf*.json"))

@@ -27,6 +27,12 @@ class ParamError(ValueError):
         self.field = field_name
 
 
+# Fields a request may send as null to get the model's default: the value in its
+# generation_config.json, else this one (OpenAI's and vLLM's). An absent field keeps the native
+# default below (greedy); the router sends null for what an OpenAI client left out.
+MODEL_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -75,13 +81,17 @@ class SamplingParams:
         return self
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        """Builds validated params from a JSON-like dict; unknown keys are an error naming the key."""
+    def from_dict(cls, d: dict[str, Any] | None, model_defaults: dict[str, Any] | None = None) -> "SamplingParams":
+        """Builds validated params from a JSON-like dict; unknown keys are an error naming the key.
+        A MODEL_DEFAULTED key given as null takes `model_defaults`' value, else the neutral one."""
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:
             if k not in names:
                 raise ParamError(k, f"unknown sampling parameter (known: {', '.join(sorted(names))})")
+        for k, neutral in MODEL_DEFAULTED.items():
+            if k in d and d[k] is None:
+                d[k] = (model_defaults or {}).get(k, neutral)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         for k in ("stop", "stop_token_ids"):

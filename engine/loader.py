@@ -381,6 +381,44 @@ def load_model_config(path) -> ModelConfig:
     return _gguf_index(p)[0] if _is_gguf(p) else _hf_config(p)
 
 
+# generation_config.json keys that set a request's defaults, as vLLM's `--generation-config auto`
+# reads them (only keys the file states; HF's own class defaults do not count). The value is the
+# SamplingParams field each one sets.
+SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                         "min_p": "min_p", "max_new_tokens": "max_tokens"}
+UNAPPLIED_DEFAULT_KEYS = ("repetition_penalty",)     # vLLM applies it; pdserve has no penalties
+
+
+def load_sampling_defaults(path) -> dict:
+    """The model's own sampling defaults from a HF folder's generation_config.json (a GGUF has none),
+    keyed by SamplingParams field: temperature, top_p, top_k (HF's 0 = off becomes -1), min_p,
+    max_tokens (from max_new_tokens). A value SamplingParams refuses is an error naming the file.
+    Defaults pdserve cannot apply (repetition_penalty) come back under "unapplied"."""
+    from engine.core import ParamError, SamplingParams
+
+    p = resolve_model(path)
+    gen = p / "generation_config.json"
+    if _is_gguf(p) or not gen.is_file():
+        return {}
+    try:
+        raw = json.loads(gen.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {gen}: {_reason(e)}") from None
+    raw = raw if isinstance(raw, dict) else {}
+    out = {}
+    for key, name in SAMPLING_DEFAULT_KEYS.items():
+        value = -1 if key == "top_k" and raw.get(key) == 0 else raw.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams.from_dict({name: value})
+        except (ParamError, TypeError) as e:
+            raise ModelLoadError(f"{gen}: {key} = {value!r} is not a valid default ({e})") from None
+        out[name] = value
+    unapplied = {k: raw[k] for k in UNAPPLIED_DEFAULT_KEYS if raw.get(k) not in (None, 1, 1.0)}
+    return {**out, "unapplied": unapplied} if unapplied else out
+
+
 def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice:
     """Builds layers [layer_start, layer_end) and loads only their weights (plus embedding / head);
     `dtype` defaults to float32. torch is imported here, not with the module: node fronts read

@@ -20,7 +20,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import msgpack
@@ -120,6 +120,7 @@ class NodeFront:
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None          # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
+        self.sampling_defaults: dict[str, Any] = {}     # the model's (engine.loader.load_sampling_defaults)
         self.metrics = None                   # set by the app (engine.node_metrics)
         self._tasks: list[asyncio.Task] = []
 
@@ -190,14 +191,18 @@ class NodeFront:
         if len(self.pending) >= self.max_pending:
             raise RequestError(503, f"node has {len(self.pending)} requests pending (its limit); retry later",
                                code=OVERLOADED)
+        sp = body.get("sampling_params")
+        to_end = isinstance(sp, dict) and "max_tokens" in sp and sp["max_tokens"] is None   # rest of context
         try:
-            params = SamplingParams.from_dict(body.get("sampling_params"))
+            params = SamplingParams.from_dict({**sp, "max_tokens": 1} if to_end else sp, self.sampling_defaults)
         except ParamError as e:
             raise RequestError(400, str(e), e.field) from None
         except TypeError as e:
             raise RequestError(400, f"sampling_params: {e}", "sampling_params") from None
         if ids is None:
             ids = self.tokenize(body)
+        if to_end:
+            params = replace(params, max_tokens=self.tokens_left(len(ids)))
         if len(ids) + params.max_tokens > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                f"context limit of {self.max_context} tokens", "max_tokens", "context_length_exceeded")
@@ -214,6 +219,13 @@ class NodeFront:
         self.pending[rid] = p
         self.send([self.add_kind(), rid, ids, params.to_dict()] + extra)
         return p
+
+    def tokens_left(self, prompt_len: int) -> int:
+        """max_tokens for a request that sends null (an OpenAI chat without one): the rest of the context,
+        or of the KV pool if smaller, capped by the model's max_new_tokens; at least 1."""
+        pool = min((s["num_pages"] * s["page_size"] for s in self.rank_stats.values()), default=self.max_context)
+        left, cap = min(self.max_context, pool) - prompt_len, self.sampling_defaults.get("max_tokens")
+        return max(1, min(left, cap) if cap else left)
 
     def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
         """PD fronts append their fields (bootstrap address and room) to the add message."""
@@ -362,6 +374,7 @@ class NodeFront:
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()
         return {"model": self.model_name, "role": self.role, "max_context": self.max_context, "pid": os.getpid(),
+                "sampling_defaults": self.sampling_defaults,
                 "pp_size": self.pp_size, "bootstrap_port": None, "healthy": ok, "status": why,
                 "load": {"running": sum(s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0),
                          "waiting": self.rank_stats.get(0, {}).get("waiting", 0),

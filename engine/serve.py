@@ -239,7 +239,7 @@ class TokenizerLoading:
 
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
-    from engine.loader import load_model_config, resolve_model
+    from engine.loader import load_model_config, load_sampling_defaults, resolve_model
     from engine.node_app import build_app
     from engine.node_front import NodeFront
     from engine.node_metrics import NodeMetrics
@@ -257,6 +257,9 @@ def make_front(args, role: str, cls=None, **kw):
                                stats_port=stats_port(args), **kw)
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
     front.max_pending = args.max_pending
+    front.sampling_defaults = load_sampling_defaults(path)
+    if front.sampling_defaults.get("unapplied"):
+        log.warning("generation_config defaults pdserve does not apply: %s", front.sampling_defaults["unapplied"])
     return front, build_app(front, secret)
 
 

@@ -203,7 +203,7 @@ def up_main(args) -> int:
         print(f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
               f"    -d '{{\"model\": \"{models[0]['id']}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
         return cluster.watch()
     except KeyboardInterrupt:
         print("[up] stopping", flush=True)

@@ -68,21 +68,25 @@ class StreamOptions(_Model):
     include_usage: StrictBool = False
 
 
+_MODEL_DEFAULT = "absent: the model's generation_config value, else {}"
+
+
 class _Common(_Model):
     model: StrictStr
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: Float | None = Field(None, ge=0.0, le=2.0)
-    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="absent: the rest of the context")
+    temperature: Float | None = Field(None, ge=0.0, le=2.0, description=_MODEL_DEFAULT.format(1))
+    top_p: Float | None = Field(None, gt=0.0, le=1.0, description=_MODEL_DEFAULT.format(1))
     seed: Int64 | None = Field(None, ge=0)
     stop: StopText | list[StopText] | None = Field(None, json_schema_extra={"maxItems": 16})
     # Accepted and not used, as by vLLM: end-user ids for a provider's abuse monitoring.
     user: StrictStr | None = Field(None, description="accepted, not used")
     safety_identifier: StrictStr | None = Field(None, description="accepted, not used")
     # Extensions that nodes understand (vLLM's and SGLang's names).
-    top_k: Int64 | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}})
-    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    top_k: Int64 | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}},
+                                description=_MODEL_DEFAULT.format("-1 (off)"))
+    min_p: Float | None = Field(None, ge=0.0, le=1.0, description=_MODEL_DEFAULT.format(0))
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
 
@@ -104,11 +108,14 @@ class _Common(_Model):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling(self, max_tokens: int | None) -> dict[str, Any]:
+        # null asks the node for the model's default, as vLLM does for an absent OpenAI field: the
+        # model's generation_config value, else temperature 1 and no top-p/top-k/min-p filter; for
+        # max_tokens, the rest of the context (docs/PROTOCOL.md)
         params = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-                  "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
-                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
-        return {k: v for k, v in params.items() if v is not None}
+                  "top_k": self.top_k, "min_p": self.min_p}
+        given = {"seed": self.seed, "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+                 "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+        return {**params, **{k: v for k, v in given.items() if v is not None}}
 
 
 class ContentPart(_Model):
@@ -134,7 +141,8 @@ class ChatRequest(_Common):
     only at those values; any other value, or an unknown field, is a 400 unsupported_parameter."""
     UNSUPPORTED = openai_fields.CHAT
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1,
+                                                    description="absent: the rest of the context")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
@@ -186,7 +194,8 @@ class CompletionRequest(_Common):
     UNSUPPORTED = openai_fields.COMPLETION
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
         json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA))
-    max_tokens: StrictInt | None = Field(16, ge=1)     # the OpenAI default for completions
+    max_tokens: StrictInt | None = Field(16, ge=1,      # the OpenAI default for completions
+                                         description="null: the rest of the context")
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     @field_validator("prompt")

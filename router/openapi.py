@@ -29,16 +29,23 @@ def _nullable(schema: dict) -> dict:
 _INT64 = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
 _STOP_TEXT = {"type": "string", "minLength": 1}
 
+_MODEL_DEFAULT = ("absent: the native default (greedy, no filter); null: the model's "
+                  "generation_config value, else temperature 1 and no filter")
 # Node-side rules for the native sampling parameters (engine/core.py SamplingParams.validate).
 _NATIVE_SAMPLING = {
     "type": "object", "additionalProperties": False,
     "properties": {
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+                       "description": "absent: 128; null: the rest of the context"},
+        "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 100},
+                                  {"type": "null"}], "description": _MODEL_DEFAULT},
+        "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                            {"type": "null"}], "description": _MODEL_DEFAULT},
         "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1,
-                                             "maximum": 2**63 - 1}]},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+                                             "maximum": 2**63 - 1}, {"type": "null"}],
+                  "description": _MODEL_DEFAULT},
+        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
+                  "description": _MODEL_DEFAULT},
         "seed": _nullable(_INT64),
         "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
                            {"type": "null"}]},
@@ -176,7 +183,7 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
                 if key in props:
                     props[key]["anyOf"][0]["maximum"] = max_context - 1
     if max_context:
-        schemas["SamplingParams"]["properties"]["max_tokens"]["maximum"] = max_context - 1
+        schemas["SamplingParams"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = max_context - 1
 
     models_op = {"get": {"summary": "served model names", "responses": {
         "200": {"description": "the models",

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import ModelLoadError, load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.loader import (ModelLoadError, load_model_config, load_sampling_defaults, load_slice, load_tokenizer,
+                           resolve_model)
 from tests.test_model import PLAN, TOTAL, max_err, run_plan
 from tests.cluster import ROOT
 from tests.tiny_model import build_tiny_model
@@ -228,6 +229,25 @@ def test_hf_tokenizer_and_eos(tiny):
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)
     assert load_model_config(tiny).eos_token_ids == (tok.eos_token_id,)
+
+
+def test_sampling_defaults_come_from_generation_config_as_vllm_reads_them(tiny, tmp_path):
+    assert load_sampling_defaults(tiny) == {}, "the tiny model states only eos_token_id"
+    d = tmp_path / "gen"
+    shutil.copytree(tiny, d)
+    gen = d / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.8,
+                               "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 512}))
+    assert load_sampling_defaults(d) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 512,
+                                         "unapplied": {"repetition_penalty": 1.05}}
+    gen.write_text(json.dumps({"top_k": 0, "min_p": 0.05}))      # HF's top_k 0 is "off"
+    assert load_sampling_defaults(d) == {"top_k": -1, "min_p": 0.05}
+    for bad in ({"temperature": "hot"}, {"top_p": 0}, {"max_new_tokens": 0}):
+        gen.write_text(json.dumps(bad))
+        _one_line_error(lambda: load_sampling_defaults(d), "generation_config.json", next(iter(bad)))
+    gen.write_text("{not json")
+    _one_line_error(lambda: load_sampling_defaults(d), "cannot read", "generation_config.json")
+    assert load_sampling_defaults(write_gguf(tiny, tmp_path / "tiny.gguf")) == {}, "GGUF has no generation_config"
 
 
 def test_node_front_path_never_imports_torch(tiny):

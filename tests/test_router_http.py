@@ -43,7 +43,8 @@ def test_chat_non_streaming_parses_and_reaches_both_nodes(pd):
     assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998
     assert p["messages"] == CHAT
     assert p["sampling_params"] == {"max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "seed": 7,
-                                    "stop": ["zzz"]}
+                                    "stop": ["zzz"], "top_k": None, "min_p": None}, \
+        "null asks the node for the model's default"
 
 
 def test_chat_streaming_role_first_usage_last(pd):

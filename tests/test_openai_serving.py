@@ -1,0 +1,122 @@
+"""OpenAI semantics on real nodes (issue #19), through the official `openai` SDK.
+
+Two tiny models: A has sampling defaults in its generation_config.json and is served by a prefill
+node and a decode node; B has none and is served by a colocated node. Each has its own router.
+Sampled outputs are compared under a fixed `seed` (a seeded request draws from a generator seeded
+by the seed and its step, engine/sampling.py), so no assertion depends on chance or timing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from cluster import free_port, start, wait_healthy
+from pd_cluster import FAST_TIMEOUTS, NODE_ARGS
+from tiny_model import build_tiny_model
+
+CONTEXT = 64
+A_DEFAULTS = {"temperature": 0.3, "top_p": 0.95}
+QUESTION = [{"role": "user", "content": "the cache page token"}]
+
+
+def tiny(base: Path, name: str, defaults: dict) -> Path:
+    path = build_tiny_model(base / name, num_layers=2, seed=3)
+    gen = path / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), **defaults}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai-serving")
+    model_a = tiny(tmp, "tiny-a", A_DEFAULTS)
+    model_b = tiny(tmp, "tiny-b", {})
+    pport, bport, dport, cport, ra, rb = (free_port() for _ in range(6))
+    node = ["--pp", "1", *NODE_ARGS, "--max-context", str(CONTEXT)]
+    with contextlib.ExitStack() as stack:
+        procs = {
+            "prefill": stack.enter_context(start(
+                ["prefill", "--model", str(model_a), "--port", str(pport), "--bootstrap-port",
+                 str(bport), *node], pport, tmp / "prefill.log", env=FAST_TIMEOUTS, wait=False)),
+            "decode": stack.enter_context(start(
+                ["decode", "--model", str(model_a), "--port", str(dport), *node], dport,
+                tmp / "decode.log", env=FAST_TIMEOUTS, wait=False)),
+            "colocated": stack.enter_context(start(
+                ["serve", "--model", str(model_b), "--port", str(cport), *node], cport,
+                tmp / "colocated.log", wait=False)),
+        }
+        for name, (url, proc) in procs.items():
+            wait_healthy(url, proc, 240, tmp / f"{name}.log")
+        url_a, _ = stack.enter_context(start(
+            ["router", "--port", str(ra), "--prefill", procs["prefill"][0], str(bport),
+             "--decode", procs["decode"][0], "--health-interval", "1"], ra, tmp / "router-a.log"))
+        url_b, _ = stack.enter_context(start(
+            ["router", "--port", str(rb), "--worker", procs["colocated"][0],
+             "--health-interval", "1"], rb, tmp / "router-b.log"))
+        yield {"a": openai.OpenAI(base_url=url_a + "/v1", api_key="none", max_retries=0,
+                                  timeout=120),
+               "b": openai.OpenAI(base_url=url_b + "/v1", api_key="none", max_retries=0,
+                                  timeout=120),
+               "nodes": {name: url for name, (url, _) in procs.items()}}
+
+
+def chat(client: openai.OpenAI, model: str, ignore_eos: bool = False, **kw) -> str:
+    out = client.chat.completions.create(model=model, messages=QUESTION,
+                                         extra_body={"ignore_eos": ignore_eos}, **kw)
+    return out.choices[0].message.content
+
+
+def test_nodes_report_the_models_sampling_defaults(served):
+    import httpx
+    for name, want in (("prefill", A_DEFAULTS), ("decode", A_DEFAULTS), ("colocated", {})):
+        info = httpx.get(served["nodes"][name] + "/server_info", timeout=10).json()
+        assert info["sampling_defaults"] == want, name
+
+
+def test_absent_temperature_and_top_p_are_the_models_generation_config(served):
+    """Model A, over PD (the prefill node samples the first token, with the same defaults)."""
+    a = served["a"]
+    implicit = chat(a, "tiny-a", max_tokens=24, seed=11, ignore_eos=True)
+    explicit = chat(a, "tiny-a", max_tokens=24, seed=11, ignore_eos=True, **A_DEFAULTS)
+    assert implicit == explicit
+    assert implicit != chat(a, "tiny-a", max_tokens=24, seed=11, ignore_eos=True, temperature=0)
+    assert implicit != chat(a, "tiny-a", max_tokens=24, seed=11, ignore_eos=True,
+                            temperature=1.0, top_p=1.0)
+
+
+def test_absent_temperature_without_generation_config_is_one(served):
+    """Model B has no sampling defaults: temperature 1, no filter, as OpenAI and vLLM."""
+    b = served["b"]
+    implicit = chat(b, "tiny-b", max_tokens=24, seed=11, ignore_eos=True)
+    assert implicit == chat(b, "tiny-b", max_tokens=24, seed=11, ignore_eos=True, temperature=1.0)
+    assert implicit != chat(b, "tiny-b", max_tokens=24, seed=11, ignore_eos=True, temperature=0)
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(served, router, model):
+    for stream in (False, True):
+        kw = dict(model=model, messages=QUESTION, temperature=0, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(served[router].chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kw))
+            usage = chunks[-1].usage
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            out = served[router].chat.completions.create(**kw)
+            usage, finish = out.usage, out.choices[0].finish_reason
+        assert finish == "length"
+        assert usage.prompt_tokens + usage.completion_tokens == CONTEXT, (stream, usage)
+
+
+def test_completions_keep_openais_default_of_16_tokens(served):
+    for router, model in (("a", "tiny-a"), ("b", "tiny-b")):
+        out = served[router].completions.create(model=model, prompt="the cache", temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+        out = served[router].completions.create(model=model, prompt="the cache", temperature=0,
+                                                max_tokens=None, extra_body={"ignore_eos": True})
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT, "null: the rest"
