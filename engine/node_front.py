@@ -286,7 +286,10 @@ class NodeFront:
                     tail = p.detok.finish(ev[4] if isinstance(ev[4], str) else None)
                     p.done = True
                     self._observe(p, ev[2])
-                    yield {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": self._meta(p, reason, [])}
+                    meta = self._meta(p, reason, [])
+                    if len(ev) > 7:
+                        meta["cached_tokens"] = ev[7]       # prefix-cache hit at admission
+                    yield {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": meta}
                     return
                 if kind == "error":
                     p.done = True

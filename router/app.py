@@ -27,7 +27,7 @@ from router.node_clients import NodeClients
 from router.openai_protocol import (ApiError, ChatRequest, CompletionRequest, native_prompt_key,
                                     parse_native, parse_request)
 from router.openapi import openapi_document
-from router.responses import StreamShaper, chat_completion, text_completion
+from router.responses import Shape, StreamShaper, completion
 from router.streams import native_stream, openai_stream
 from router.workers import WorkerRegistry
 
@@ -146,22 +146,23 @@ class Router:
         try:
             attempt = await self.open_watched(request, native, key, req.stream)
 
+            def shape(attempt: Attempt) -> Shape:
+                return Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}",
+                             req.model, int(time.time()), req.wants_logprobs(),
+                             req.include_usage(), frozenset(req.stop_token_ids or ()))
+
             def stream(attempt: Attempt):
-                rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
-                shaper = StreamShaper(kind, rid, req.model, int(time.time()), req.include_usage(),
-                                      req.wants_logprobs())
-                return openai_stream(self, attempt, shaper, _ROUTES[kind], t0)
+                return openai_stream(self, attempt, StreamShaper(shape(attempt)), _ROUTES[kind],
+                                     t0)
             if req.stream:
                 handed_over = True
                 gen = (pinged_stream(self, attempt, _ROUTES[kind], t0, stream, openai_error)
                        if isinstance(attempt, asyncio.Task) else stream(attempt))
                 return StreamingResponse(gen, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
-            created = int(time.time())
-            build = chat_completion if kind == "chat" else text_completion
             try:
-                answer = build(rid, req.model, created, attempt.result, req.wants_logprobs())
+                cached = await attempt.cached_tokens()
+                answer = completion(shape(attempt), attempt.result, cached)
             finally:
                 attempt.close(True)
             return JSONResponse(answer)

@@ -106,6 +106,8 @@ class Attempt:
         self._lines: AsyncIterator[str] | None = None
         self.first: dict | None = None       # streaming: the first decode event
         self.result: dict | None = None      # not streaming: the decode answer
+        self.prefill_meta: dict | None = None     # the prefill node's meta_info, once it answered
+        self.last_meta: dict = {}                 # streaming: the decode node's final meta_info
         self.closed = False
 
     async def start(self) -> None:
@@ -158,7 +160,9 @@ class Attempt:
                 failure = node_failure(worker, resp, resp.content)
                 verdict = False if failure.node_fault else None
                 raise failure
-            check_event(resp.json())
+            answer = resp.json()
+            check_event(answer)
+            self.prefill_meta = answer.get("meta_info") or {}
             verdict = True
         except httpx.HTTPError as exc:
             verdict = False
@@ -221,11 +225,25 @@ class Attempt:
         event: dict | None = self.first
         while event is not None:
             yield event
-            if (event.get("meta_info") or {}).get("finish_reason") is not None:
+            meta = event.get("meta_info") or {}
+            if meta.get("finish_reason") is not None:
+                self.last_meta = meta
                 return
             async with asyncio.timeout(self.d.cfg.stream_idle_timeout_s):
                 event = await self._next_event()
         raise NodeAborted("the decode node ended the stream without a finish_reason")
+
+    async def cached_tokens(self) -> int | None:
+        """Prompt tokens the prefix cache held: the prefill node's count on a PD pair (waiting up to
+        PREFILL_GRACE_S for its answer, which may come after the decode node's last token), the
+        colocated node's from its finish meta. None when unknown."""
+        if self.prefill_task is None:
+            meta = (self.result or {}).get("meta_info") or self.last_meta
+        else:
+            await asyncio.wait({self.prefill_task}, timeout=PREFILL_GRACE_S)
+            meta = self.prefill_meta or {}
+        value = meta.get("cached_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def close(self, ok: bool | None, abort: bool = False) -> None:
         """Settle this attempt (see module docstring). `abort` tells both nodes to drop the rid."""

@@ -84,9 +84,19 @@ _ERROR = {
                        "code": {"type": ["string", "null"]}}}},
 }
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {
+                             "description": "cached_tokens: prompt tokens the prefix cache held "
+                                            "(on a PD pair, the prefill node's); null if unknown",
+                             "anyOf": [{"type": "object", "required": ["cached_tokens"],
+                                        "properties": {"cached_tokens": {"type": "integer",
+                                                                         "minimum": 0}}},
+                                       {"type": "null"}]}}}
 _FINISH = {"enum": ["stop", "length"]}
+_STOP_REASON = {"type": ["string", "integer", "null"],
+                "description": "the stop string or stop token id that ended the answer (vLLM's "
+                               "field); null at length or at the model's EOS"}
 
 
 def _completion(obj: str, choice: dict) -> dict:
@@ -101,7 +111,7 @@ def _completion(obj: str, choice: dict) -> dict:
 
 _CHAT_COMPLETION = _completion("chat.completion", {
     "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
-    "properties": {"index": {"const": 0}, "finish_reason": _FINISH,
+    "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "stop_reason": _STOP_REASON,
                    "logprobs": {"type": ["object", "null"]},
                    "message": {"type": "object", "required": ["role", "content"],
                                "properties": {"role": {"const": "assistant"},
@@ -109,6 +119,7 @@ _CHAT_COMPLETION = _completion("chat.completion", {
 _TEXT_COMPLETION = _completion("text_completion", {
     "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
     "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                   "stop_reason": _STOP_REASON,
                    "logprobs": {"type": ["object", "null"]}}})
 _NATIVE_ANSWER = {"type": "object", "required": ["text", "token_ids", "meta_info"],
                   "properties": {"rid": {"type": "string"}, "text": {"type": "string"},

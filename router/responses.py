@@ -5,6 +5,7 @@ The router has no tokenizer: a logprob entry's token text is the node's text whe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -46,11 +47,23 @@ def check_event(event: dict) -> None:
     finish_reason(event.get("meta_info") or {})
 
 
-def usage(meta: dict) -> dict[str, int]:
+def usage(meta: dict, cached: int | None) -> dict[str, Any]:
+    """OpenAI usage; `cached`: prompt tokens the prefix cache held (None: unknown)."""
     prompt = int(meta.get("prompt_tokens") or 0)
     completion = int(meta.get("completion_tokens") or 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
+
+
+def stop_reason(meta: dict, stop_token_ids: frozenset[int]) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or the stop token id that ended the answer; None when
+    it ended otherwise (length, or the model's EOS token, which is no stop token of the request)."""
+    reason = meta.get("finish_reason")
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if isinstance(matched, str) or (isinstance(matched, int) and matched in stop_token_ids):
+        return matched
+    return None
 
 
 def _token(entry: list, text_at: int) -> str:
@@ -87,45 +100,56 @@ def completion_logprobs(entries: list | None, offset: int = 0) -> dict | None:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_completion(rid: str, model: str, created: int, native: dict, logprobs: bool) -> dict:
-    meta = native.get("meta_info") or {}
-    choice = {"index": 0, "message": {"role": "assistant", "content": native.get("text", "")},
-              "logprobs": chat_logprobs(meta.get("logprobs")) if logprobs else None,
-              "finish_reason": finish_reason(meta) or "stop"}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(meta)}
+@dataclass(frozen=True)
+class Shape:
+    """What a request asked for that shapes its answer (besides the node's output)."""
+    kind: str                           # "chat" | "completion"
+    rid: str
+    model: str
+    created: int
+    logprobs: bool = False
+    include_usage: bool = False         # streaming: a usage chunk before [DONE]
+    stop_token_ids: frozenset[int] = frozenset()
 
 
-def text_completion(rid: str, model: str, created: int, native: dict, logprobs: bool) -> dict:
+def completion(shape: Shape, native: dict, cached: int | None) -> dict:
+    """The whole OpenAI answer (chat.completion or text_completion) of a native answer."""
     meta = native.get("meta_info") or {}
-    choice = {"index": 0, "text": native.get("text", ""),
-              "logprobs": completion_logprobs(meta.get("logprobs")) if logprobs else None,
-              "finish_reason": finish_reason(meta) or "stop"}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(meta)}
+    choice: dict[str, Any] = {"index": 0}
+    if shape.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": native.get("text", "")}
+        choice["logprobs"] = chat_logprobs(meta.get("logprobs")) if shape.logprobs else None
+    else:
+        choice["text"] = native.get("text", "")
+        choice["logprobs"] = completion_logprobs(meta.get("logprobs")) if shape.logprobs else None
+    choice["finish_reason"] = finish_reason(meta) or "stop"
+    choice["stop_reason"] = stop_reason(meta, shape.stop_token_ids)
+    obj = "chat.completion" if shape.kind == "chat" else "text_completion"
+    return {"id": shape.rid, "object": obj, "created": shape.created, "model": shape.model,
+            "choices": [choice], "usage": usage(meta, cached)}
 
 
 class StreamShaper:
     """Turns native stream chunks into OpenAI SSE chunks for one request.
 
     `chunks(event)` returns the SSE strings for one native chunk (raises NodeAborted on an error
-    chunk); `tail()` the usage chunk (when asked for) and `[DONE]`; `error(msg)` an error event.
+    chunk); `tail(cached)` the usage chunk (when asked for) and `[DONE]`; `error(msg)` an error
+    event.
     """
 
-    def __init__(self, kind: str, rid: str, model: str, created: int, include_usage: bool,
-                 logprobs: bool):
-        assert kind in ("chat", "completion"), kind
-        self.kind, self.rid, self.model, self.created = kind, rid, model, created
-        self.include_usage, self.logprobs = include_usage, logprobs
+    def __init__(self, shape: Shape):
+        assert shape.kind in ("chat", "completion"), shape.kind
+        self.shape = shape
         self.started = False
         self.meta: dict = {}
         self.text_len = 0
 
     def _frame(self, choice: dict) -> str:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+        s = self.shape
+        obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
+        out = {"id": s.rid, "object": obj, "created": s.created, "model": s.model,
                "choices": [choice]}
-        if self.include_usage:
+        if s.include_usage:
             out["usage"] = None
         return sse(out)
 
@@ -136,31 +160,33 @@ class StreamShaper:
                                                                  "completion_tokens")})
         text = event.get("text") or ""
         reason = finish_reason(meta)
-        entries = meta.get("logprobs") if self.logprobs else None
+        stop = stop_reason(meta, self.shape.stop_token_ids)
+        entries = meta.get("logprobs") if self.shape.logprobs else None
         out = []
-        if self.kind == "chat":
+        if self.shape.kind == "chat":
             if not self.started:
                 out.append(self._frame({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}))
+                                        "logprobs": None, "finish_reason": None,
+                                        "stop_reason": None}))
             if text or reason or entries:
                 delta = {"content": text} if text else {}
                 out.append(self._frame({"index": 0, "delta": delta,
                                         "logprobs": chat_logprobs(entries),
-                                        "finish_reason": reason}))
+                                        "finish_reason": reason, "stop_reason": stop}))
         elif text or reason or entries:
             out.append(self._frame({"index": 0, "text": text,
                                     "logprobs": completion_logprobs(entries, self.text_len),
-                                    "finish_reason": reason}))
+                                    "finish_reason": reason, "stop_reason": stop}))
         self.text_len += len(text)
         self.started = True
         return out
 
-    def tail(self) -> list[str]:
-        out = []
-        if self.include_usage:
-            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            out.append(sse({"id": self.rid, "object": obj, "created": self.created,
-                            "model": self.model, "choices": [], "usage": usage(self.meta)}))
+    def tail(self, cached: int | None) -> list[str]:
+        out, s = [], self.shape
+        if s.include_usage:
+            obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
+            out.append(sse({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
+                            "choices": [], "usage": usage(self.meta, cached)}))
         out.append(sse("[DONE]"))
         return out
 

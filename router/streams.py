@@ -34,8 +34,9 @@ async def openai_stream(router: "Router", attempt: Attempt, shaper: StreamShaper
                     first = False
                 for chunk in chunks:
                     yield chunk
+            cached = await attempt.cached_tokens()
             attempt.close(True)
-            for chunk in shaper.tail():
+            for chunk in shaper.tail(cached):
                 yield chunk
         except NodeAborted as exc:
             status = 502

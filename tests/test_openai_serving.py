@@ -120,3 +120,59 @@ def test_completions_keep_openais_default_of_16_tokens(served):
         out = served[router].completions.create(model=model, prompt="the cache", temperature=0,
                                                 max_tokens=None, extra_body={"ignore_eos": True})
         assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT, "null: the rest"
+
+
+# --- usage.prompt_tokens_details.cached_tokens and stop_reason ----------------------------------
+
+LONG = "prefill decode pipeline cache page token layer request router transfer rank slot"
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_cached_tokens_count_the_prefix_cache_hit_of_a_repeated_prompt(served, router, model):
+    """On A the prefill node's hit (the decode node holds no prefix cache), on B the colocated
+    node's; streamed and not."""
+    client = served[router]
+    messages = [{"role": "user", "content": f"{router} {LONG}"}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                           temperature=0)
+    assert first.usage.prompt_tokens > 24
+    # a prompt never seen: at most the chat template's opening page was cached before
+    assert first.usage.prompt_tokens_details.cached_tokens <= 4
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                           temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens, again.usage
+    assert again.usage.prompt_tokens - cached <= 4, "all but the last page, at most (page size 4)"
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    for _ in range(2):      # no chat template: other tokens, cached from the second time on
+        text = client.completions.create(model=model, prompt=f"{router} {LONG}", max_tokens=2,
+                                         temperature=0)
+    assert text.usage.prompt_tokens - text.usage.prompt_tokens_details.cached_tokens <= 4
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_stop_reason_is_the_matched_stop_string_or_token_id(served, router, model):
+    client = served[router]
+    kw = dict(model=model, messages=QUESTION, temperature=0, max_tokens=20,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length" and full.choices[0].stop_reason is None
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip() and text.index(stop) > 0
+    out = client.chat.completions.create(stop=[stop, "zzzz"], **kw)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop
+    assert out.choices[0].message.content == text[:text.index(stop)]
+    chunks = list(client.chat.completions.create(stop=stop, stream=True, **kw))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    # a stop token id: the id of the 5th generated token
+    ids = client.completions.create(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=8,
+                                    logprobs=0, extra_body={"ignore_eos": True})
+    fifth = int(ids.choices[0].logprobs.tokens[4].removeprefix("token_id:"))
+    out = client.completions.create(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=8,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [fifth]})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == fifth

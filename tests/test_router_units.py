@@ -232,3 +232,13 @@ def test_cli_colocated_and_env_secrets(monkeypatch):
 def test_cli_rejects_bad_worker_lists(argv, message):
     with pytest.raises(ValueError, match=message):
         parse(*argv)
+
+
+def test_stop_reason_names_a_stop_string_or_stop_token_but_not_the_eos_token():
+    from router.responses import stop_reason
+    ids = frozenset({7})
+    assert stop_reason({"finish_reason": {"type": "stop", "matched": "\n\n"}}, ids) == "\n\n"
+    assert stop_reason({"finish_reason": {"type": "stop", "matched": 7}}, ids) == 7
+    assert stop_reason({"finish_reason": {"type": "stop", "matched": 2}}, ids) is None, "EOS"
+    assert stop_reason({"finish_reason": {"type": "length"}}, ids) is None
+    assert stop_reason({"finish_reason": None}, ids) is None
