@@ -1,8 +1,9 @@
 """Checking the cluster secret on internal HTTP endpoints, and refusing to listen unprotected.
 
-Every internal endpoint (node /generate, /abort, /server_info, /bootstrap_servers; bootstrap
-/route and /heartbeat; router /workers) takes `Authorization: Bearer <cluster secret>`, compared in
-constant time so the answer's timing tells nothing about how much of a guess was right.
+Every internal endpoint (node /generate, /abort, /tokenize, /detokenize, /server_info,
+/bootstrap_servers; bootstrap /route and /heartbeat; router /workers) takes `Authorization: Bearer
+<cluster secret>`, compared in constant time so the answer's timing tells nothing about how much of
+a guess was right.
 """
 from __future__ import annotations
 

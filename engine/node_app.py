@@ -1,5 +1,5 @@
-"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info, /metrics,
-and on decode nodes /bootstrap_servers.
+"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /tokenize, /detokenize, /health,
+/server_info, /metrics, and on decode nodes /bootstrap_servers.
 
 Everything but /health and /metrics needs the cluster secret (when the node has one): they are what a
 load balancer's probe and a Prometheus scraper read, and they tell nothing a request could abuse."""
@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from engine import node_tokenize
 from engine.internal_auth import bearer_ok
 from engine.node_front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
 
@@ -105,6 +106,18 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         if not isinstance(rid, str) or not rid or len(rid) > RID_MAX:
             raise RequestError(400, f"'rid' (a string of 1 to {RID_MAX} characters) is required", "rid")
         return {"aborted": front.abort(rid)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        check_internal(request)
+        body = await read_json(request)
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, node_tokenize.tokenize, front, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_internal(request)
+        body = await read_json(request)
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, node_tokenize.detokenize, front, body)
 
     @app.get("/health")
     async def health():

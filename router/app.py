@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.internal_auth import bearer, bearer_ok
+from router import tokenize
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt
@@ -194,6 +195,25 @@ class Router:
             if not handed_over:
                 self.admission.release()
 
+    def default_model(self, model: str | None) -> str | None:
+        """`model` as given (checked), or the one served when it is left out (None: unknown yet)."""
+        if model is not None:
+            self.check_model(model)
+            return model
+        known = self.registry.models()
+        if len(known) > 1:
+            raise ApiError(400, f"model: give one of {', '.join(known)}", param="model",
+                           code="invalid_value")
+        return known[0] if known else None
+
+    async def tokenize(self, request: Request, t0: float, path: str) -> Response:
+        self.check_bearer(request, self.cfg.api_key, "API key")
+        body = await self.read_json(request)
+        req = tokenize.parse_tokenize(body) if path == "/tokenize" else \
+            parse_request(tokenize.Detokenize, body)
+        return await tokenize.forward(self, path, self.default_model(req.model),
+                                      tokenize.native(req))
+
     async def add_worker(self, request: Request, t0: float) -> Response:
         self.check_bearer(request, self.cfg.internal_token, "internal token")
         body = await self.read_json(request)
@@ -256,6 +276,16 @@ def build_app(config: RouterConfig) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         return await router.serve("/generate", request, router.generate)
+
+    @app.post("/tokenize")
+    async def tokenize_(request: Request):
+        return await router.serve("/tokenize", request,
+                                  lambda r, t0: router.tokenize(r, t0, "/tokenize"))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.serve("/detokenize", request,
+                                  lambda r, t0: router.tokenize(r, t0, "/detokenize"))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from router.openai_protocol import TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
+from router.tokenize import Detokenize, TokenizeChat, TokenizePrompt
 
 _REF = "#/components/schemas/{model}"
 
@@ -169,10 +170,36 @@ def _generation(summary: str, request: str, answer: str) -> dict:
                       **{code: _error(why) for code, why in _ERRORS.items()}}}}
 
 
+_TOKENIZE_ANSWER = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+                    "properties": {"count": {"type": "integer", "minimum": 0},
+                                   "max_model_len": {"type": "integer", "minimum": 1},
+                                   "tokens": {"type": "array", "items": {"type": "integer"}},
+                                   "token_strs": {"anyOf": [{"type": "array",
+                                                             "items": {"type": "string"}},
+                                                            {"type": "null"}]}}}
+_DETOKENIZE_ANSWER = {"type": "object", "required": ["prompt"],
+                      "properties": {"prompt": {"type": "string"}}}
+
+
+def _tokenizer_op(summary: str, request: dict, answer: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {"200": {"description": "the node's answer",
+                              "content": {"application/json": {"schema": _ref(answer)}}},
+                      **{code: _error(why) for code, why in _ERRORS.items()
+                         if code not in ("429", "504")}}}}
+
+
+_TOKENIZER_MODELS = ("TokenizePrompt", "TokenizeChat", "Detokenize")
+
+
 def _components() -> dict[str, Any]:
-    _, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
-                                 ref_template=_REF)
-    return {**defs["$defs"], "GenerateRequest": _GENERATE_REQUEST,
+    _, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation"),
+                                  (TokenizePrompt, "validation"), (TokenizeChat, "validation"),
+                                  (Detokenize, "validation")], ref_template=_REF)
+    return {**defs["$defs"], "TokenizeAnswer": _TOKENIZE_ANSWER,
+            "DetokenizeAnswer": _DETOKENIZE_ANSWER, "GenerateRequest": _GENERATE_REQUEST,
             "SamplingParams": _NATIVE_SAMPLING, "Error": _ERROR,
             "ChatCompletion": _CHAT_COMPLETION, "TextCompletion": _TEXT_COMPLETION,
             "GenerateAnswer": _NATIVE_ANSWER, "ModelList": _MODEL_LIST, "Health": _HEALTH}
@@ -193,6 +220,10 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props:
                     props[key]["anyOf"][0]["maximum"] = max_context - 1
+    for name in _TOKENIZER_MODELS:
+        if models:
+            schemas[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": models},
+                                                              {"type": "null"}]}
     if max_context:
         schemas["SamplingParams"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = max_context - 1
 
@@ -208,6 +239,11 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
         "/generate": _generation("native request, forwarded to a node pair", "GenerateRequest",
                                  "GenerateAnswer"),
         "/v1/models": models_op,
+        "/tokenize": _tokenizer_op("the model's tokens of a prompt or chat (vLLM's shape)",
+                                   {"anyOf": [_ref("TokenizePrompt"), _ref("TokenizeChat")]},
+                                   "TokenizeAnswer"),
+        "/detokenize": _tokenizer_op("the text of token ids (vLLM's shape)", _ref("Detokenize"),
+                                     "DetokenizeAnswer"),
     }
     if auth:
         for item in paths.values():

@@ -93,6 +93,15 @@ class WorkerRegistry:
     def eligible(self, role: str) -> list[Worker]:
         return [w for w in self._workers.values() if w.role == role and w.eligible()]
 
+    def serving(self, model: str | None, role: str | None = None) -> list[Worker]:
+        """Eligible workers (of `role`, or any) that take requests for `model`: those whose
+        /server_info named it; every worker for the --served-model-name alias, for None, and while
+        no worker has reported its model yet."""
+        known = any(w.model for w in self._workers.values())
+        everyone = model is None or not known or model == self._cfg.served_model_name
+        return [w for w in self._workers.values() if (role is None or w.role == role)
+                and w.eligible() and (everyone or w.model == model)]
+
     def has_role(self, role: str) -> bool:
         return any(w.role == role for w in self._workers.values())
 

@@ -51,7 +51,10 @@ def test_node_internal_endpoints_need_the_secret(nodes, kind):
         assert r.status_code == 401, (kind, headers, r.text)
         assert httpx.post(f"{url}/abort", json={"rid": "x"}, headers=headers, timeout=10).status_code == 401
         assert httpx.get(f"{url}/server_info", headers=headers, timeout=10).status_code == 401
+        for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(f"{url}{path}", json=req, headers=headers, timeout=10).status_code == 401
     assert httpx.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["role"] == kind
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "a"}, headers=AUTH, timeout=10).json()["count"] >= 1
     assert httpx.post(f"{url}/abort", json={"rid": "x"}, headers=AUTH, timeout=10).status_code == 200
     # open on purpose: load balancer probes and Prometheus scrapers
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200

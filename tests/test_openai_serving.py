@@ -61,7 +61,8 @@ def served(tmp_path_factory):
                                   timeout=120),
                "b": openai.OpenAI(base_url=url_b + "/v1", api_key="none", max_retries=0,
                                   timeout=120),
-               "nodes": {name: url for name, (url, _) in procs.items()}}
+               "nodes": {name: url for name, (url, _) in procs.items()},
+               "paths": {"tiny-a": model_a, "tiny-b": model_b}}
 
 
 def chat(client: openai.OpenAI, model: str, ignore_eos: bool = False, **kw) -> str:
@@ -176,3 +177,60 @@ def test_stop_reason_is_the_matched_stop_string_or_token_id(served, router, mode
     out = client.completions.create(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=8,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [fifth]})
     assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == fifth
+
+
+# --- /tokenize and /detokenize ----------------------------------------------------------------
+
+def router_url(served, router: str) -> str:
+    return str(served[router].base_url).removesuffix("/v1/")
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served, router, model):
+    import httpx
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(served["paths"][model])
+    url, client = router_url(served, router), served[router]
+    text = "prefill decode ünïcode 💡 cache"
+    r = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text,
+                                            "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == tok(text)["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == CONTEXT
+    assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+    usage = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0).usage
+    assert usage.prompt_tokens == got["count"]
+    back = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": got["tokens"]},
+                      timeout=30).json()
+    assert back == {"prompt": text}
+    # chat: the template with the generation prompt, as a chat completion counts it
+    r = httpx.post(f"{url}/tokenize", json={"messages": QUESTION}, timeout=30)   # model optional
+    assert r.status_code == 200 and r.json()["token_strs"] is None
+    usage = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1,
+                                           temperature=0).usage
+    assert r.json()["count"] == usage.prompt_tokens
+    bare = httpx.post(f"{url}/tokenize", json={"messages": QUESTION,
+                                               "add_generation_prompt": False}, timeout=30).json()
+    assert bare["tokens"] == r.json()["tokens"][:bare["count"]] and bare["count"] < usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "a", "messages": QUESTION}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
+    ("/tokenize", {"messages": QUESTION, "chat_template": "{{ x }}"}, 400, "chat_template"),
+    ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),            # beyond the vocabulary: node
+    ("/detokenize", {"tokens": [1] * ((1 << 18) + 1)}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+])
+def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(served, path, body, status, param):
+    import httpx
+    r = httpx.post(f"{router_url(served, 'b')}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.json()
