@@ -32,8 +32,10 @@ from engine.procs import die_with_parent, free_port, stop_processes
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", action="append", default=None,
+                    help="GGUF file or Hugging Face folder (default: PDSERVE_MODEL, else "
+                         "SmolLM2-135M-Instruct); repeat it to serve several models, each on its own "
+                         "prefill and decode nodes behind the one router, which routes by model")
     ap.add_argument("--host", default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
                     help="router bind address")
     ap.add_argument("--port", type=int, default=8000, help="router port")
@@ -76,12 +78,17 @@ class Cluster:
 
     def start(self) -> str:
         a = self.args
-        total = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
+        models = a.model or [os.environ.get("PDSERVE_MODEL") or None]    # None: the nodes' default
+        per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
+        total = per_model * len(models)
         env = dict(os.environ, **{SECRET_ENV: self.secret})
         env.pop(SECRET_FILE_ENV, None)
         plan = plan_placement(total, sorted(os.sched_getaffinity(0)), a.threads)
-        names = [f"prefill-{i} pp{r}" for i in range(a.prefill_nodes) for r in range(a.prefill_pp)]
-        names += [f"decode-{i} pp{r}" for i in range(a.decode_nodes) for r in range(a.decode_pp)]
+        node_names = [(f"prefill-{m * a.prefill_nodes + i}", a.prefill_pp)
+                      for m in range(len(models)) for i in range(a.prefill_nodes)]
+        node_names += [(f"decode-{m * a.decode_nodes + i}", a.decode_pp)
+                       for m in range(len(models)) for i in range(a.decode_nodes)]
+        names = [f"{name} pp{r}" for name, pp in node_names for r in range(pp)]
         print(f"[up] placement: {plan.describe(names)}", flush=True)
         bind_cores(plan.io_cores)      # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
@@ -91,23 +98,28 @@ class Cluster:
             nonlocal at
             at += pp
             return ["--cpus", plan.flag(at - pp, pp), *io]
-        model = ["--model", a.model] if a.model else []
         extra = shlex.split(a.node_args)
         router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
-        for i in range(a.prefill_nodes):
-            port, bport = free_port(), free_port()
-            self._spawn(f"prefill-{i}", ["prefill", *model, "--pp", str(a.prefill_pp), "--port", str(port),
-                                         "--bootstrap-port", str(bport), *cpus(a.prefill_pp), *extra], env)
-            self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
-            router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
-        for i in range(a.decode_nodes):
-            port = free_port()
-            self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port),
-                                        *cpus(a.decode_pp), *extra], env)
-            self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
-            router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
+        for m, path in enumerate(models):
+            model = ["--model", path] if path else []
+            for i in range(m * a.prefill_nodes, (m + 1) * a.prefill_nodes):
+                port, bport = free_port(), free_port()
+                self._spawn(f"prefill-{i}", ["prefill", *model, "--pp", str(a.prefill_pp), "--port", str(port),
+                                             "--bootstrap-port", str(bport), *cpus(a.prefill_pp), *extra], env)
+                self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
+                router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
+        for m, path in enumerate(models):
+            model = ["--model", path] if path else []
+            for i in range(m * a.decode_nodes, (m + 1) * a.decode_nodes):
+                port = free_port()
+                self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port),
+                                            *cpus(a.decode_pp), *extra], env)
+                self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
+                router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
+        which = f" for each of {len(models)} models" if len(models) > 1 else ""
         print(f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
-              f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores", flush=True)
+              f"PP {a.decode_pp}{which}: {total} rank processes on {len(os.sched_getaffinity(0))} cores",
+              flush=True)
         self._wait_nodes()
         if a.policy:
             router_cmd += ["--policy", a.policy]

@@ -77,8 +77,9 @@ class Router:
             raise ApiError(404, f"model {model!r} does not exist; served: {', '.join(known)}",
                            param="model", code="model_not_found")
 
-    def check_context(self, max_new_tokens: int | None, field: str = "max_tokens") -> None:
-        limit = self.registry.max_context()
+    def check_context(self, model: str, max_new_tokens: int | None,
+                      field: str = "max_tokens") -> None:
+        limit = self.registry.max_context(model)
         if limit and max_new_tokens and max_new_tokens >= limit:
             raise ApiError(400, f"{field}={max_new_tokens} leaves no room for the prompt in "
                            f"the {limit}-token context", param=field,
@@ -93,12 +94,12 @@ class Router:
                            type="rate_limit_error", code="router_overloaded",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
 
-    async def open_watched(self, request: Request, body: dict, key: str,
-                           stream: bool) -> Attempt | asyncio.Task:
+    async def open_watched(self, request: Request, body: dict, key: str, stream: bool,
+                           model: str | None) -> Attempt | asyncio.Task:
         """Dispatch; if the client disconnects before the answer opens, cancel (which aborts).
         A stream not open after `sse_keepalive_s`: the dispatch task, still running (the caller
         then sends keep-alives until it ends, router/keepalive.py)."""
-        task = asyncio.create_task(self.dispatcher.open(body, key, stream))
+        task = asyncio.create_task(self.dispatcher.open(body, key, stream, model))
         watcher = asyncio.create_task(_wait_disconnect(request))
         wait_s = self.cfg.sse_keepalive_s if stream and self.cfg.sse_keepalive_s > 0 else None
         timed_out = False
@@ -140,12 +141,12 @@ class Router:
         max_new = req.max_new_tokens() if kind == "chat" else req.max_tokens
         field = ("max_completion_tokens" if kind == "chat" and req.max_completion_tokens
                  else "max_tokens")
-        self.check_context(max_new, field)
+        self.check_context(req.model, max_new, field)
         native, key = req.to_native(), req.prompt_key()
         await self.admit()
         handed_over = False
         try:
-            attempt = await self.open_watched(request, native, key, req.stream)
+            attempt = await self.open_watched(request, native, key, req.stream, req.model)
 
             def shape(attempt: Attempt) -> Shape:
                 return Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}",
@@ -174,11 +175,15 @@ class Router:
     async def generate(self, request: Request, t0: float) -> Response:
         self.check_bearer(request, self.cfg.api_key, "API key")
         body = parse_native(await self.read_json(request))
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise ApiError(400, "model must be a string", param="model", code="invalid_value")
+        model = self.default_model(body.get("model"))
         stream = bool(body.get("stream", False))
         await self.admit()
         handed_over = False
         try:
-            attempt = await self.open_watched(request, body, native_prompt_key(body), stream)
+            attempt = await self.open_watched(request, body, native_prompt_key(body), stream,
+                                              model)
             if isinstance(attempt, asyncio.Task):
                 handed_over = True
                 return StreamingResponse(pinged_stream(
@@ -291,7 +296,8 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def models(request: Request):
         async def handler(r: Request, t0: float) -> Response:
             router.check_bearer(r, config.api_key, "API key")
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdserve"}
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdserve",
+                     "max_model_len": router.registry.max_context(m)}
                     for m in router.registry.models()]
             return JSONResponse({"object": "list", "data": data})
         return await router.serve("/v1/models", request, handler)

@@ -33,24 +33,26 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
 
     # --- choosing -------------------------------------------------------------------------
-    def _choose(self, role: str, key: str, exclude: set[str]) -> Worker | None:
-        eligible = self.registry.eligible(role)
+    def _choose(self, role: str, key: str, exclude: set[str], model: str | None) -> Worker | None:
+        eligible = self.registry.serving(model, role)
         fresh = [w for w in eligible if w.url not in exclude] or eligible
         return self.policies[role].select(fresh, key) if fresh else None
 
-    def pick(self, key: str, exclude: set[str]) -> Route:
+    def pick(self, key: str, exclude: set[str], model: str | None = None) -> Route:
+        """A PD pair serving `model` (both halves), else a colocated worker serving it."""
         if self.registry.has_role("prefill") or self.registry.has_role("decode"):
-            prefill = self._choose("prefill", key, exclude)
-            decode = self._choose("decode", key, exclude)
+            prefill = self._choose("prefill", key, exclude, model)
+            decode = self._choose("decode", key, exclude, model)
             if prefill and decode:
                 return Route(prefill, decode)
-        colocated = self._choose("colocated", key, exclude)
+        colocated = self._choose("colocated", key, exclude, model)
         if colocated:
             return Route(None, colocated)
-        counts = ", ".join(f"{role}: {len(self.registry.eligible(role))} of "
+        counts = ", ".join(f"{role}: {len(self.registry.serving(model, role))} of "
                            f"{sum(w.role == role for w in self.registry.all())}"
                            for role in ("prefill", "decode", "colocated"))
-        raise ApiError(503, f"no healthy workers to serve the request (eligible {counts})",
+        what = f"model {model!r}" if model else "the request"
+        raise ApiError(503, f"no healthy workers to serve {what} (eligible {counts})",
                        type="server_error", code="no_available_workers")
 
     def can_route(self) -> bool:
@@ -64,13 +66,14 @@ class Dispatcher:
         return base * (1 + self._rng.uniform(-r.jitter, r.jitter))
 
     # --- running --------------------------------------------------------------------------
-    async def open(self, body: dict, key: str, stream: bool) -> "Attempt":
-        """Open an attempt, retrying on new pairs; raises ApiError when every try failed."""
+    async def open(self, body: dict, key: str, stream: bool, model: str | None = None) -> "Attempt":
+        """Open an attempt on workers serving `model`, retrying on new pairs; raises ApiError when
+        every try failed."""
         exclude: set[str] = set()
         n, last = 0, None
         while True:
             try:
-                route = self.pick(key, exclude)
+                route = self.pick(key, exclude, model)
             except ApiError:
                 if last is None:
                     raise

@@ -72,6 +72,8 @@ _GENERATE_REQUEST = {
         "input_ids": TOKEN_IDS_SCHEMA,
         "sampling_params": _ref("SamplingParams"),
         "stream": {"type": "boolean"},
+        "model": {"type": "string", "description": "routes the request to the nodes of this "
+                                                   "model; required when several are served"},
     },
     "oneOf": [{"required": ["text"]}, {"required": ["messages"]}, {"required": ["input_ids"]}],
 }
@@ -131,7 +133,8 @@ _MODEL_LIST = {
     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
         "type": "object", "required": ["id", "object", "created", "owned_by"],
         "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                       "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}},
+                       "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                       "max_model_len": {"type": ["integer", "null"]}}}}},
 }
 _HEALTH = {"type": "object", "required": ["status", "workers"],
            "properties": {"status": {"enum": ["ok", "unavailable"]},
@@ -220,6 +223,8 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props:
                     props[key]["anyOf"][0]["maximum"] = max_context - 1
+    if models:
+        schemas["GenerateRequest"]["properties"]["model"]["enum"] = models
     for name in _TOKENIZER_MODELS:
         if models:
             schemas[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": models},

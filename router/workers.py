@@ -111,8 +111,11 @@ class WorkerRegistry:
             names.add(self._cfg.served_model_name)
         return sorted(names)
 
-    def max_context(self) -> int | None:
-        limits = [w.max_context for w in self._workers.values() if w.max_context]
+    def max_context(self, model: str | None = None) -> int | None:
+        """The smallest context of the workers (that serve `model`, if given)."""
+        limits = [w.max_context for w in self._workers.values() if w.max_context
+                  and (model is None or w.model in (model, None)
+                       or model == self._cfg.served_model_name)]
         return min(limits) if limits else None
 
     def bootstrap_servers(self) -> list[str]:

@@ -1,7 +1,8 @@
 """OpenAI semantics on real nodes (issue #19), through the official `openai` SDK.
 
-Two tiny models: A has sampling defaults in its generation_config.json and is served by a prefill
-node and a decode node; B has none and is served by a colocated node. Each has its own router.
+Two tiny models behind one router: A has sampling defaults in its generation_config.json and a
+64-token context, and is served by a prefill node and a decode node; B has none and an 80-token
+context, and is served by a colocated node.
 Sampled outputs are compared under a fixed `seed` (a seeded request draws from a generator seeded
 by the seed and its step, engine/sampling.py), so no assertion depends on chance or timing.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import openai
@@ -18,7 +20,7 @@ from cluster import free_port, start, wait_healthy
 from pd_cluster import FAST_TIMEOUTS, NODE_ARGS
 from tiny_model import build_tiny_model
 
-CONTEXT = 64
+CONTEXT = {"tiny-a": 64, "tiny-b": 80}
 A_DEFAULTS = {"temperature": 0.3, "top_p": 0.95}
 QUESTION = [{"role": "user", "content": "the cache page token"}]
 
@@ -35,32 +37,31 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai-serving")
     model_a = tiny(tmp, "tiny-a", A_DEFAULTS)
     model_b = tiny(tmp, "tiny-b", {})
-    pport, bport, dport, cport, ra, rb = (free_port() for _ in range(6))
-    node = ["--pp", "1", *NODE_ARGS, "--max-context", str(CONTEXT)]
+    pport, bport, dport, cport, rport = (free_port() for _ in range(5))
+    a_args = ["--model", str(model_a), "--pp", "1", *NODE_ARGS, "--max-context",
+              str(CONTEXT["tiny-a"])]
+    b_args = ["--model", str(model_b), "--pp", "1", *NODE_ARGS, "--max-context",
+              str(CONTEXT["tiny-b"])]
     with contextlib.ExitStack() as stack:
         procs = {
             "prefill": stack.enter_context(start(
-                ["prefill", "--model", str(model_a), "--port", str(pport), "--bootstrap-port",
-                 str(bport), *node], pport, tmp / "prefill.log", env=FAST_TIMEOUTS, wait=False)),
+                ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), *a_args], pport,
+                tmp / "prefill.log", env=FAST_TIMEOUTS, wait=False)),
             "decode": stack.enter_context(start(
-                ["decode", "--model", str(model_a), "--port", str(dport), *node], dport,
-                tmp / "decode.log", env=FAST_TIMEOUTS, wait=False)),
+                ["decode", "--port", str(dport), *a_args], dport, tmp / "decode.log",
+                env=FAST_TIMEOUTS, wait=False)),
             "colocated": stack.enter_context(start(
-                ["serve", "--model", str(model_b), "--port", str(cport), *node], cport,
-                tmp / "colocated.log", wait=False)),
+                ["serve", "--port", str(cport), *b_args], cport, tmp / "colocated.log",
+                wait=False)),
         }
         for name, (url, proc) in procs.items():
             wait_healthy(url, proc, 240, tmp / f"{name}.log")
-        url_a, _ = stack.enter_context(start(
-            ["router", "--port", str(ra), "--prefill", procs["prefill"][0], str(bport),
-             "--decode", procs["decode"][0], "--health-interval", "1"], ra, tmp / "router-a.log"))
-        url_b, _ = stack.enter_context(start(
-            ["router", "--port", str(rb), "--worker", procs["colocated"][0],
-             "--health-interval", "1"], rb, tmp / "router-b.log"))
-        yield {"a": openai.OpenAI(base_url=url_a + "/v1", api_key="none", max_retries=0,
-                                  timeout=120),
-               "b": openai.OpenAI(base_url=url_b + "/v1", api_key="none", max_retries=0,
-                                  timeout=120),
+        url, _ = stack.enter_context(start(
+            ["router", "--port", str(rport), "--prefill", procs["prefill"][0], str(bport),
+             "--decode", procs["decode"][0], "--worker", procs["colocated"][0],
+             "--health-interval", "1"], rport, tmp / "router.log"))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield {"a": client, "b": client, "url": url,      # one router; "a"/"b" name the model
                "nodes": {name: url for name, (url, _) in procs.items()},
                "paths": {"tiny-a": model_a, "tiny-b": model_b}}
 
@@ -110,7 +111,7 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(served, router, 
             out = served[router].chat.completions.create(**kw)
             usage, finish = out.usage, out.choices[0].finish_reason
         assert finish == "length"
-        assert usage.prompt_tokens + usage.completion_tokens == CONTEXT, (stream, usage)
+        assert usage.prompt_tokens + usage.completion_tokens == CONTEXT[model], (stream, usage)
 
 
 def test_completions_keep_openais_default_of_16_tokens(served):
@@ -120,7 +121,7 @@ def test_completions_keep_openais_default_of_16_tokens(served):
         assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
         out = served[router].completions.create(model=model, prompt="the cache", temperature=0,
                                                 max_tokens=None, extra_body={"ignore_eos": True})
-        assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT, "null: the rest"
+        assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT[model], "null: rest"
 
 
 # --- usage.prompt_tokens_details.cached_tokens and stop_reason ----------------------------------
@@ -181,23 +182,19 @@ def test_stop_reason_is_the_matched_stop_string_or_token_id(served, router, mode
 
 # --- /tokenize and /detokenize ----------------------------------------------------------------
 
-def router_url(served, router: str) -> str:
-    return str(served[router].base_url).removesuffix("/v1/")
-
-
 @pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
 def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served, router, model):
     import httpx
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(served["paths"][model])
-    url, client = router_url(served, router), served[router]
+    url, client = served["url"], served[router]
     text = "prefill decode ünïcode 💡 cache"
     r = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": text,
                                             "return_token_strs": True}, timeout=30)
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["tokens"] == tok(text)["input_ids"] and got["count"] == len(got["tokens"])
-    assert got["max_model_len"] == CONTEXT
+    assert got["max_model_len"] == CONTEXT[model], "a node of the model answered"
     assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
     usage = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0).usage
     assert usage.prompt_tokens == got["count"]
@@ -205,12 +202,12 @@ def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served
                       timeout=30).json()
     assert back == {"prompt": text}
     # chat: the template with the generation prompt, as a chat completion counts it
-    r = httpx.post(f"{url}/tokenize", json={"messages": QUESTION}, timeout=30)   # model optional
+    r = httpx.post(f"{url}/tokenize", json={"model": model, "messages": QUESTION}, timeout=30)
     assert r.status_code == 200 and r.json()["token_strs"] is None
     usage = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=1,
                                            temperature=0).usage
     assert r.json()["count"] == usage.prompt_tokens
-    bare = httpx.post(f"{url}/tokenize", json={"messages": QUESTION,
+    bare = httpx.post(f"{url}/tokenize", json={"model": model, "messages": QUESTION,
                                                "add_generation_prompt": False}, timeout=30).json()
     assert bare["tokens"] == r.json()["tokens"][:bare["count"]] and bare["count"] < usage.prompt_tokens
 
@@ -231,6 +228,64 @@ def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served
 ])
 def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(served, path, body, status, param):
     import httpx
-    r = httpx.post(f"{router_url(served, 'b')}{path}", json=body, timeout=30)
+    r = httpx.post(f"{served['url']}{path}", json={"model": "tiny-b", **body}, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# --- routing by model -------------------------------------------------------------------------
+
+def finished(node: str) -> float:
+    """Requests the node finished (any finish reason; a prefill node's are `prefill_done`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{node}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "pdserve_requests" for s in f.samples
+               if s.name == "pdserve_requests_total")
+
+
+def test_models_are_listed_once_each_with_their_context(served):
+    models = served["a"].models.list().data
+    assert [(m.id, m.max_model_len) for m in models] == sorted(CONTEXT.items())
+
+
+def test_each_model_gets_only_its_own_traffic_and_an_unknown_one_404(served):
+    import httpx
+    nodes, client = served["nodes"], served["a"]
+    before = {name: finished(url) for name, url in nodes.items()}
+    for i in range(3):
+        for model in ("tiny-a", "tiny-b"):
+            out = client.chat.completions.create(model=model, max_tokens=2, temperature=0,
+                                                 messages=[{"role": "user", "content": f"q{i}"}])
+            assert out.model == model
+        stream = client.completions.create(model="tiny-b", prompt=f"p{i}", max_tokens=2,
+                                           stream=True)
+        assert {c.model for c in stream} == {"tiny-b"}
+    url = served["url"]
+    r = httpx.post(f"{url}/generate", json={"model": "tiny-a", "text": "x",
+                                            "sampling_params": {"max_tokens": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
+    # the router answers a native request once the decode node has: the prefill node may count
+    # its part a moment later, so its count is awaited (bounded), then compared exactly
+    want = {"prefill": 4, "decode": 4, "colocated": 6}
+    deadline = time.monotonic() + 30
+    while True:
+        counts = {name: finished(u) - before[name] for name, u in nodes.items()}
+        if counts == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counts == want
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="tiny-c", messages=QUESTION, max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    for path, body in (("/generate", {"model": "tiny-c", "text": "x"}),
+                       ("/tokenize", {"model": "tiny-c", "prompt": "x"})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    # two models: one must be named where a request may leave it out
+    for path, body in (("/generate", {"text": "x"}), ("/tokenize", {"prompt": "x"}),
+                       ("/detokenize", {"tokens": [1]})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert {name: finished(u) - before[name] for name, u in nodes.items()} == want, "no traffic"

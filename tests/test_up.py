@@ -328,3 +328,51 @@ def test_free_port_stays_out_of_the_ephemeral_range():
         assert PORTS_FROM <= port < start, (port, start)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_up_serves_several_models_each_on_its_own_nodes(tmp_path):
+    """`pdserve up --model A --model B`: a prefill and a decode node per model behind one router,
+    which routes each request to the nodes of its model."""
+    from tiny_model import build_tiny_model
+    paths = [build_tiny_model(tmp_path / name, num_layers=2, seed=5) for name in ("tiny-x", "tiny-y")]
+    port, log = free_port(), tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(paths[0]), "--model", str(paths[1]),
+           "--port", str(port), "--node-args", NODE_ARGS]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while "[up] ready" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny-x", "tiny-y"]
+        workers = httpx.get(f"{url}/workers", headers=secret_headers(log)).json()["workers"]
+        assert sorted((w["role"], w["model"]) for w in workers) == [
+            ("decode", "tiny-x"), ("decode", "tiny-y"), ("prefill", "tiny-x"), ("prefill", "tiny-y")]
+        for name, n in (("tiny-x", 2), ("tiny-y", 3)):
+            for i in range(n):
+                out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": f"hi {i}"}],
+                                                     max_tokens=3, temperature=0)
+                assert out.model == name and out.usage.completion_tokens >= 1
+        want = {(w["role"], w["model"]): 2 if w["model"] == "tiny-x" else 3 for w in workers}
+        deadline = time.monotonic() + 30       # a prefill node may count its part just after the answer
+        while True:
+            got = {(w["role"], w["model"]): _finished(w["url"]) for w in workers}
+            if got == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == want, "each model's requests reached only its own nodes"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
+    finally:
+        kill_group(proc, grace=20)
+
+
+def _finished(node: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(smp.value for fam in text_string_to_metric_families(httpx.get(f"{node}/metrics").text)
+               if fam.name == "pdserve_requests" for smp in fam.samples if smp.name == "pdserve_requests_total")
