@@ -31,6 +31,7 @@ import zmq.asyncio
 from engine.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from engine.token_text import TokenBytes, TokenText
 
 log = logging.getLogger("pdserve.front")
 
@@ -77,6 +78,7 @@ class Pending:
     t_start: float = field(default_factory=time.monotonic)
     t_first: float | None = None
     done: bool = False
+    token_text: TokenText | None = None       # logprobs: each token's text and bytes
 
 
 class NodeFront:
@@ -121,6 +123,7 @@ class NodeFront:
         self.dead: str | None = None          # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
         self.sampling_defaults: dict[str, Any] = {}     # the model's (engine.loader.load_sampling_defaults)
+        self.token_bytes: TokenBytes | None = None        # made at the first logprobs request
         self.metrics = None                   # set by the app (engine.node_metrics)
         self._tasks: list[asyncio.Task] = []
 
@@ -216,6 +219,9 @@ class NodeFront:
             raise RequestError(409, f"request {rid!r} was aborted before it arrived", "rid", "aborted")
         extra = self.extra_add_fields(body)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
+        if params.logprobs:
+            self.token_bytes = self.token_bytes or TokenBytes(self.tok)
+            p.token_text = TokenText(self.token_bytes)
         self.pending[rid] = p
         self.send([self.add_kind(), rid, ids, params.to_dict()] + extra)
         return p
@@ -255,15 +261,15 @@ class NodeFront:
                 kind = ev[0]
                 if kind == "token":
                     toks = [ev[2]]
-                    lps = [[ev[2], ev[3], ev[4]]] if ev[3] is not None else []
+                    lps = [p.token_text.entry(ev[2], ev[3], ev[4])] if ev[3] is not None and p.token_text else []
                     # Coalesce what is already queued into one chunk.
                     fin = None
                     while not p.events.empty() and fin is None:
                         nxt = p.events.get_nowait()
                         if nxt[0] == "token":
                             toks.append(nxt[2])
-                            if nxt[3] is not None:
-                                lps.append([nxt[2], nxt[3], nxt[4]])
+                            if nxt[3] is not None and p.token_text:
+                                lps.append(p.token_text.entry(nxt[2], nxt[3], nxt[4]))
                         else:
                             fin = nxt
                     if p.t_first is None:

@@ -151,7 +151,8 @@ class Router:
             def shape(attempt: Attempt) -> Shape:
                 return Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}",
                              req.model, int(time.time()), req.wants_logprobs(),
-                             req.include_usage(), frozenset(req.stop_token_ids or ()))
+                             req.include_usage(), frozenset(req.stop_token_ids or ()),
+                             bool(req.return_tokens_as_token_ids))
 
             def stream(attempt: Attempt):
                 return openai_stream(self, attempt, StreamShaper(shape(attempt)), _ROUTES[kind],

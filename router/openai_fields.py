@@ -50,7 +50,6 @@ COMMON: dict[str, tuple] = {
     "priority": (0,),
     "request_id": (),
     "logits_processors": (),
-    "return_tokens_as_token_ids": (False,),
     "cache_salt": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),

@@ -58,7 +58,8 @@ class _Model(BaseModel):
             neutral = cls.UNSUPPORTED.get(key)
             if neutral is not None and not openai_fields.is_neutral(value, neutral):
                 raise PydanticCustomError(
-                    UNSUPPORTED_CODE, "not supported by this server (send {values}, or leave it out)",
+                    UNSUPPORTED_CODE,
+                    "not supported by this server (send {values}, or leave it out)",
                     {"field": key, "values": openai_fields.describe(neutral)})
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
@@ -89,6 +90,8 @@ class _Common(_Model):
     min_p: Float | None = Field(None, ge=0.0, le=1.0, description=_MODEL_DEFAULT.format(0))
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        None, description="logprob tokens as 'token_id:<id>' (vLLM's)")
 
     @field_validator("top_k")
     @classmethod
@@ -113,8 +116,9 @@ class _Common(_Model):
         # max_tokens, the rest of the context (docs/PROTOCOL.md)
         params = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "min_p": self.min_p}
-        given = {"seed": self.seed, "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
-                 "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        given = {"seed": self.seed, "stop": stop, "stop_token_ids": self.stop_token_ids,
+                 "ignore_eos": self.ignore_eos}
         return {**params, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -254,7 +258,8 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
             loc.append(err["ctx"]["field"])
             code = UNSUPPORTED_CODE
         elif err["type"] == "extra_forbidden":
-            msg, code = "unknown parameter (in neither OpenAI's nor vLLM's schema)", UNSUPPORTED_CODE
+            msg = "unknown parameter (in neither OpenAI's nor vLLM's schema)"
+            code = UNSUPPORTED_CODE
         param = ".".join(loc) or None
         raise ApiError(400, f"{param}: {msg}" if param else msg, param=param, code=code) from None
 

@@ -1,7 +1,8 @@
 """Build OpenAI responses (whole and streamed) from the decode node's native answers.
 
-The router has no tokenizer: a logprob entry's token text is the node's text when it sends one
-(`[id, logprob, top, text]`, top entries `[id, logprob, text]`) and `"token_id:<id>"` otherwise.
+The router has no tokenizer: a logprob entry's token text and bytes are the node's
+(`[id, logprob, top, text, bytes]`, top entries `[id, logprob, text, bytes]`, engine/token_text.py),
+and `"token_id:<id>"` (its UTF-8 as bytes) for a node that sends no text.
 """
 from __future__ import annotations
 
@@ -66,37 +67,49 @@ def stop_reason(meta: dict, stop_token_ids: frozenset[int]) -> str | int | None:
     return None
 
 
-def _token(entry: list, text_at: int) -> str:
-    if len(entry) > text_at and isinstance(entry[text_at], str):
-        return entry[text_at]
-    return f"token_id:{entry[0]}"
+def _token(entry: list, text_at: int, as_ids: bool = False) -> tuple[str, list[int]]:
+    """(text, bytes) of a logprob entry: the node's; the text is `token_id:<id>` when the node sent
+    none or the client asked for ids (vLLM's return_tokens_as_token_ids)."""
+    has_text = len(entry) > text_at and isinstance(entry[text_at], str)
+    text = entry[text_at] if has_text and not as_ids else f"token_id:{entry[0]}"
+    raw = entry[text_at + 1] if has_text and len(entry) > text_at + 1 else None
+    if isinstance(raw, list) and all(type(b) is int and 0 <= b < 256 for b in raw):
+        return text, raw
+    return text, list((entry[text_at] if has_text else text).encode())
 
 
-def chat_logprobs(entries: list | None) -> dict | None:
+def _tops(entry: list) -> list:
+    return entry[2] if len(entry) > 2 and entry[2] else []
+
+
+def chat_logprobs(entries: list | None, as_ids: bool = False) -> dict | None:
     if not entries:
         return None
     content = []
     for entry in entries:
-        tok = _token(entry, 3)
-        tops = entry[2] if len(entry) > 2 and entry[2] else []
-        content.append({"token": tok, "logprob": float(entry[1]), "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": _token(t, 2), "logprob": float(t[1]),
-                                          "bytes": list(_token(t, 2).encode())} for t in tops]})
+        tok, raw = _token(entry, 3, as_ids)
+        top = []
+        for t in _tops(entry):
+            alt, alt_raw = _token(t, 2, as_ids)
+            top.append({"token": alt, "logprob": float(t[1]), "bytes": alt_raw})
+        content.append({"token": tok, "logprob": float(entry[1]), "bytes": raw,
+                        "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list | None, offset: int = 0) -> dict | None:
+def completion_logprobs(entries: list | None, offset: int = 0,
+                        as_ids: bool = False) -> dict | None:
+    """`offset`: characters of the answer before these tokens (the sum of the earlier tokens')."""
     if not entries:
         return None
     tokens, lps, tops, offsets = [], [], [], []
     for entry in entries:
-        tok = _token(entry, 3)
+        tok, _ = _token(entry, 3, as_ids)
         offsets.append(offset)
-        offset += len(tok)
+        offset += len(_token(entry, 3)[0])
         tokens.append(tok)
         lps.append(float(entry[1]))
-        top = entry[2] if len(entry) > 2 and entry[2] else []
-        tops.append({_token(t, 2): float(t[1]) for t in top})
+        tops.append({_token(t, 2, as_ids)[0]: float(t[1]) for t in _tops(entry)})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -110,6 +123,7 @@ class Shape:
     logprobs: bool = False
     include_usage: bool = False         # streaming: a usage chunk before [DONE]
     stop_token_ids: frozenset[int] = frozenset()
+    tokens_as_ids: bool = False         # logprob tokens as "token_id:<id>"
 
 
 def completion(shape: Shape, native: dict, cached: int | None) -> dict:
@@ -118,10 +132,12 @@ def completion(shape: Shape, native: dict, cached: int | None) -> dict:
     choice: dict[str, Any] = {"index": 0}
     if shape.kind == "chat":
         choice["message"] = {"role": "assistant", "content": native.get("text", "")}
-        choice["logprobs"] = chat_logprobs(meta.get("logprobs")) if shape.logprobs else None
+        choice["logprobs"] = (chat_logprobs(meta.get("logprobs"), shape.tokens_as_ids)
+                              if shape.logprobs else None)
     else:
         choice["text"] = native.get("text", "")
-        choice["logprobs"] = completion_logprobs(meta.get("logprobs")) if shape.logprobs else None
+        choice["logprobs"] = (completion_logprobs(meta.get("logprobs"), 0, shape.tokens_as_ids)
+                              if shape.logprobs else None)
     choice["finish_reason"] = finish_reason(meta) or "stop"
     choice["stop_reason"] = stop_reason(meta, shape.stop_token_ids)
     obj = "chat.completion" if shape.kind == "chat" else "text_completion"
@@ -142,7 +158,7 @@ class StreamShaper:
         self.shape = shape
         self.started = False
         self.meta: dict = {}
-        self.text_len = 0
+        self.text_len = 0            # characters of the logprob tokens so far (text_offset)
 
     def _frame(self, choice: dict) -> str:
         s = self.shape
@@ -171,13 +187,15 @@ class StreamShaper:
             if text or reason or entries:
                 delta = {"content": text} if text else {}
                 out.append(self._frame({"index": 0, "delta": delta,
-                                        "logprobs": chat_logprobs(entries),
+                                        "logprobs": chat_logprobs(entries,
+                                                                  self.shape.tokens_as_ids),
                                         "finish_reason": reason, "stop_reason": stop}))
         elif text or reason or entries:
             out.append(self._frame({"index": 0, "text": text,
-                                    "logprobs": completion_logprobs(entries, self.text_len),
+                                    "logprobs": completion_logprobs(entries, self.text_len,
+                                                                    self.shape.tokens_as_ids),
                                     "finish_reason": reason, "stop_reason": stop}))
-        self.text_len += len(text)
+        self.text_len += sum(len(_token(e, 3)[0]) for e in entries or ())
         self.started = True
         return out
 

@@ -1,5 +1,6 @@
-"""`POST /tokenize` and `POST /detokenize` in vLLM's shapes. The router has no tokenizer: a node that
-serves the model answers (its /tokenize and /detokenize, with the cluster secret; engine/node_tokenize.py).
+"""`POST /tokenize` and `POST /detokenize` in vLLM's shapes. The router has no tokenizer: a node
+that serves the model answers (its /tokenize and /detokenize, with the cluster secret;
+engine/node_tokenize.py).
 
     /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                  {model?, messages, add_generation_prompt=true, add_special_tokens=false,
@@ -85,8 +86,9 @@ async def forward(router: "Router", path: str, model: str, body: dict[str, Any])
             answer = resp.json()
         except ValueError:
             answer = None
-        # 401/403: the node does not take this router's secret, the cluster's fault, not the client's
-        if resp.status_code >= 500 or resp.status_code in (401, 403) or not isinstance(answer, dict):
+        # 401/403: the node does not take this router's secret: the cluster's fault, not the client's
+        refused = resp.status_code >= 500 or resp.status_code in (401, 403)
+        if refused or not isinstance(answer, dict):
             failures.append(f"{worker.url}: {resp.status_code}")
             continue
         return JSONResponse(answer, status_code=resp.status_code)

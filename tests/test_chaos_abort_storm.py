@@ -202,6 +202,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: P
             "ignore_eos": True, "stream": True}
     if plan.logprobs:
         body["logprobs"] = True if prompt.route == "chat" else 0
+        body["return_tokens_as_token_ids"] = True          # tokens as "token_id:<id>"
     timeout = httpx.Timeout(60.0, read=plan.read_timeout_s) if plan.read_timeout_s else httpx.Timeout(60.0)
     pieces = 0                           # chunks that carried tokens
     cancel_at = {"after_first_token": 1, "after_tokens": plan.after_tokens}.get(plan.fate)

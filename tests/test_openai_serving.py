@@ -3,6 +3,7 @@
 Two tiny models behind one router: A has sampling defaults in its generation_config.json and a
 64-token context, and is served by a prefill node and a decode node; B has none and an 80-token
 context, and is served by a colocated node.
+
 Sampled outputs are compared under a fixed `seed` (a seeded request draws from a generator seeded
 by the seed and its step, engine/sampling.py), so no assertion depends on chance or timing.
 """
@@ -13,8 +14,12 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from cluster import free_port, start, wait_healthy
 from pd_cluster import FAST_TIMEOUTS, NODE_ARGS
@@ -73,7 +78,6 @@ def chat(client: openai.OpenAI, model: str, ignore_eos: bool = False, **kw) -> s
 
 
 def test_nodes_report_the_models_sampling_defaults(served):
-    import httpx
     for name, want in (("prefill", A_DEFAULTS), ("decode", A_DEFAULTS), ("colocated", {})):
         info = httpx.get(served["nodes"][name] + "/server_info", timeout=10).json()
         assert info["sampling_defaults"] == want, name
@@ -173,7 +177,8 @@ def test_stop_reason_is_the_matched_stop_string_or_token_id(served, router, mode
     assert (last.finish_reason, last.stop_reason) == ("stop", stop)
     # a stop token id: the id of the 5th generated token
     ids = client.completions.create(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=8,
-                                    logprobs=0, extra_body={"ignore_eos": True})
+                                    logprobs=0, extra_body={"ignore_eos": True,
+                                                            "return_tokens_as_token_ids": True})
     fifth = int(ids.choices[0].logprobs.tokens[4].removeprefix("token_id:"))
     out = client.completions.create(model=model, prompt=[5, 6, 7, 8], temperature=0, max_tokens=8,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [fifth]})
@@ -184,8 +189,6 @@ def test_stop_reason_is_the_matched_stop_string_or_token_id(served, router, mode
 
 @pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
 def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served, router, model):
-    import httpx
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(served["paths"][model])
     url, client = served["url"], served[router]
     text = "prefill decode ünïcode 💡 cache"
@@ -227,7 +230,6 @@ def test_tokenize_counts_what_the_server_counts_and_detokenize_inverts_it(served
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
 ])
 def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(served, path, body, status, param):
-    import httpx
     r = httpx.post(f"{served['url']}{path}", json={"model": "tiny-b", **body}, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param, r.json()
@@ -237,8 +239,6 @@ def test_tokenizer_endpoints_refuse_bad_input_naming_the_field(served, path, bod
 
 def finished(node: str) -> float:
     """Requests the node finished (any finish reason; a prefill node's are `prefill_done`)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{node}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text)
                if f.name == "pdserve_requests" for s in f.samples
@@ -251,7 +251,6 @@ def test_models_are_listed_once_each_with_their_context(served):
 
 
 def test_each_model_gets_only_its_own_traffic_and_an_unknown_one_404(served):
-    import httpx
     nodes, client = served["nodes"], served["a"]
     before = {name: finished(url) for name, url in nodes.items()}
     for i in range(3):
@@ -289,3 +288,60 @@ def test_each_model_gets_only_its_own_traffic_and_an_unknown_one_404(served):
         r = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     assert {name: finished(u) - before[name] for name, u in nodes.items()} == want, "no traffic"
+
+
+# --- logprobs with the tokens' text -----------------------------------------------------------
+
+def vocab_bytes(path: Path) -> set[bytes]:
+    """Every token's own bytes, from the tokenizer's vocabulary and GPT-2's byte table."""
+    tok = AutoTokenizer.from_pretrained(path)
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    special = set(tok.all_special_tokens)
+    return {piece.encode() if piece in special else bytes(byte_of[c] for c in piece)
+            for piece in tok.get_vocab()}
+
+
+def _no_specials(content, special: set[str]):
+    return [c for c in content if c.token not in special]
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, router, model):
+    client = served[router]
+    special = set(AutoTokenizer.from_pretrained(served["paths"][model]).all_special_tokens)
+    known = vocab_bytes(served["paths"][model])
+    kw = dict(model=model, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(messages=QUESTION, **kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 12
+    kept = _no_specials(content, special)
+    assert "".join(c.token for c in kept) == out.choices[0].message.content
+    # the random model emits stray UTF-8 continuation bytes: the text shows them as U+FFFD
+    raw = b"".join(bytes(c.bytes) for c in kept)
+    assert raw.decode("utf-8", "replace") == out.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and all(bytes(t.bytes) in known for t in c.top_logprobs)
+        assert bytes(c.bytes) in known
+        best = c.top_logprobs[0]       # greedy: the sampled token is the most likely one
+        assert (bytes(best.bytes), best.logprob) == (bytes(c.bytes), c.logprob)
+    streamed = list(client.chat.completions.create(messages=QUESTION, stream=True, **kw))
+    parts = [lp for ch in streamed if ch.choices and ch.choices[0].logprobs
+             for lp in ch.choices[0].logprobs.content]
+    assert [(p.token, p.bytes) for p in parts] == [(c.token, c.bytes) for c in content]
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        out.choices[0].message.content
+    # completions: tokens, offsets into the text, top alternatives keyed by their text
+    text = client.completions.create(prompt="the cache", logprobs=2, **{
+        k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs")})
+    lp = text.choices[0].logprobs
+    tokens = [t for t in lp.tokens if t not in special]
+    assert "".join(tokens) == text.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    chunks = list(client.completions.create(prompt="the cache", logprobs=2, stream=True, **{
+        k: v for k, v in kw.items() if k not in ("logprobs", "top_logprobs")}))
+    got = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert got == lp.tokens and offsets == lp.text_offset

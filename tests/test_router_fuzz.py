@@ -402,7 +402,7 @@ WRONG = {
     "user": [5, ["u"]], "safety_identifier": [True],
     "stop": [5, [5], [""], ["a"] * 17, {"s": "x"}],
     "stop_token_ids": [5, ["a"], [-1], [True]],
-    "ignore_eos": ["no", 0],
+    "ignore_eos": ["no", 0], "return_tokens_as_token_ids": ["yes", 1],
     "logprobs": [{"n": 1}],
 }
 
