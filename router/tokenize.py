@@ -1,6 +1,6 @@
 """`POST /tokenize` and `POST /detokenize` in vLLM's shapes. The router has no tokenizer: a node
 that serves the model answers (its /tokenize and /detokenize, with the cluster secret;
-engine/node_tokenize.py).
+runtime/node_tokenize.py).
 
     /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
                  {model?, messages, add_generation_prompt=true, add_special_tokens=false,

@@ -1,4 +1,4 @@
-"""Logprob token text and bytes (engine/token_text.py) on the tests' byte-level BPE tokenizer: the
+"""Logprob token text and bytes (runtime/token_text.py) on the tests' byte-level BPE tokenizer: the
 sampled tokens' texts concatenate to the decoded text even where a character spans tokens, and
 each token's bytes are its own, checked against transformers' GPT-2 byte table."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.token_text import TokenBytes, TokenText
+from runtime.token_text import TokenBytes, TokenText
 from tiny_model import build_tokenizer
 
 

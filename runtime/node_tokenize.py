@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.node_front import NodeFront, RequestError
+from runtime.front import NodeFront, RequestError
 
 MAX_DETOKENIZE = 1 << 18          # token ids in one /detokenize (the body limit bounds the rest)
 
