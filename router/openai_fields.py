@@ -8,6 +8,7 @@ A field in neither place (not in OpenAI's or vLLM's schema) is a 400 with the sa
 dropped silently. vLLM, for comparison, implements most of these and ignores unknown fields with a
 warning in its log; docs/ROUTER.md has the table side by side.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,9 @@ COMMON: dict[str, tuple] = {
     "frequency_penalty": (0,),
     "logit_bias": ({},),
     "response_format": ({"type": "text"},),
-    "metadata": ({},),                      # only for stored completions
+    "metadata": ({},),  # only for stored completions
     "store": (False,),
-    "service_tier": ("auto", "default"),    # one tier here
+    "service_tier": ("auto", "default"),  # one tier here
     "prompt_cache_key": (),
     # vLLM's extensions
     "best_of": (1,),
@@ -34,7 +35,7 @@ COMMON: dict[str, tuple] = {
     "length_penalty": (1,),
     "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),         # pdserve always skips them
+    "skip_special_tokens": (True,),  # pdserve always skips them
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
     "prompt_logprobs": (),
@@ -59,8 +60,8 @@ CHAT: dict[str, tuple] = {
     **COMMON,
     # OpenAI
     "tools": ([],),
-    "tool_choice": ("none", "auto"),        # "auto" with no tools is "none"
-    "parallel_tool_calls": (True, False),   # says how tools are called; there are none
+    "tool_choice": ("none", "auto"),  # "auto" with no tools is "none"
+    "parallel_tool_calls": (True, False),  # says how tools are called; there are none
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -70,7 +71,7 @@ CHAT: dict[str, tuple] = {
     "verbosity": (),
     "web_search_options": (),
     # vLLM's extensions
-    "include_reasoning": (True,),           # the whole output is the answer
+    "include_reasoning": (True,),  # the whole output is the answer
     "echo": (False,),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
@@ -89,7 +90,7 @@ COMPLETION: dict[str, tuple] = {
     "prompt_embeds": (),
 }
 
-MESSAGE: dict[str, tuple] = {     # fields of one chat message
+MESSAGE: dict[str, tuple] = {  # fields of one chat message
     "name": (),
     "tool_calls": ([],),
     "tool_call_id": (),
@@ -100,15 +101,16 @@ MESSAGE: dict[str, tuple] = {     # fields of one chat message
 }
 
 STREAM_OPTIONS: dict[str, tuple] = {
-    "include_obfuscation": (False,),        # no obfuscation padding is sent
-    "continuous_usage_stats": (False,),     # vLLM: usage on every chunk
+    "include_obfuscation": (False,),  # no obfuscation padding is sent
+    "continuous_usage_stats": (False,),  # vLLM: usage on every chunk
 }
 
 
 def is_neutral(value: Any, neutral: tuple) -> bool:
     """Whether `value` is null or one of `neutral` (1 and 1.0 match; true and 1 do not)."""
-    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool)
-                                for n in neutral)
+    return value is None or any(
+        value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral
+    )
 
 
 def describe(neutral: tuple) -> str:
@@ -117,6 +119,8 @@ def describe(neutral: tuple) -> str:
 
 def schema(neutral: tuple) -> dict[str, Any]:
     """The OpenAPI property of an unsupported field: its neutral values, and why."""
-    return {"enum": [None, *neutral],
-            "description": f"not supported: accepted only as {describe(neutral)}; any other value "
-                           f"is a 400 `{UNSUPPORTED_CODE}`"}
+    return {
+        "enum": [None, *neutral],
+        "description": f"not supported: accepted only as {describe(neutral)}; any other value "
+        f"is a 400 `{UNSUPPORTED_CODE}`",
+    }

@@ -5,19 +5,30 @@ implemented here or listed in router/openai_fields.py, where it is accepted only
 value; anything else, unknown fields included, is a 400 naming the field. Anything a client can get
 wrong becomes an `ApiError` with an OpenAI-style body.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from router import openai_fields
 from router.openai_fields import UNSUPPORTED_CODE
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-Int64 = Annotated[int, Field(strict=True, lt=2**63)]      # nodes pass ints on as msgpack int64
+Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
 StopText = Annotated[str, Field(strict=True, min_length=1)]
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 
@@ -28,17 +39,26 @@ TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 class ApiError(Exception):
     """An answer other than 200, with an OpenAI-style body `{"error": {...}}`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, body: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        body: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
-        self.body = body or {"error": {"message": message, "type": type, "param": param,
-                                       "code": code}}
+        self.body = body or {
+            "error": {"message": message, "type": type, "param": param, "code": code}
+        }
 
 
-def _document_unsupported(schema: dict[str, Any], cls: type["_Model"]) -> None:
+def _document_unsupported(schema: dict[str, Any], cls: type[_Model]) -> None:
     for name, neutral in cls.UNSUPPORTED.items():
         schema.setdefault("properties", {})[name] = openai_fields.schema(neutral)
 
@@ -46,6 +66,7 @@ def _document_unsupported(schema: dict[str, Any], cls: type["_Model"]) -> None:
 class _Model(BaseModel):
     """Unknown fields are refused; `UNSUPPORTED` fields are dropped at a neutral value and refused
     at any other (router/openai_fields.py)."""
+
     model_config = ConfigDict(extra="forbid", json_schema_extra=_document_unsupported)
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
@@ -60,7 +81,8 @@ class _Model(BaseModel):
                 raise PydanticCustomError(
                     UNSUPPORTED_CODE,
                     "not supported by this server (send {values}, or leave it out)",
-                    {"field": key, "values": openai_fields.describe(neutral)})
+                    {"field": key, "values": openai_fields.describe(neutral)},
+                )
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
@@ -85,13 +107,18 @@ class _Common(_Model):
     user: StrictStr | None = Field(None, description="accepted, not used")
     safety_identifier: StrictStr | None = Field(None, description="accepted, not used")
     # Extensions that nodes understand (vLLM's and SGLang's names).
-    top_k: Int64 | None = Field(None, ge=-1, json_schema_extra={"not": {"const": 0}},
-                                description=_MODEL_DEFAULT.format("-1 (off)"))
+    top_k: Int64 | None = Field(
+        None,
+        ge=-1,
+        json_schema_extra={"not": {"const": 0}},
+        description=_MODEL_DEFAULT.format("-1 (off)"),
+    )
     min_p: Float | None = Field(None, ge=0.0, le=1.0, description=_MODEL_DEFAULT.format(0))
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
     return_tokens_as_token_ids: StrictBool | None = Field(
-        None, description="logprob tokens as 'token_id:<id>' (vLLM's)")
+        None, description="logprob tokens as 'token_id:<id>' (vLLM's)"
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -114,11 +141,20 @@ class _Common(_Model):
         # null asks the node for the model's default, as vLLM does for an absent OpenAI field: the
         # model's generation_config value, else temperature 1 and no top-p/top-k/min-p filter; for
         # max_tokens, the rest of the context (docs/PROTOCOL.md)
-        params = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": self.top_k, "min_p": self.min_p}
+        params = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        given = {"seed": self.seed, "stop": stop, "stop_token_ids": self.stop_token_ids,
-                 "ignore_eos": self.ignore_eos}
+        given = {
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        }
         return {**params, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -143,10 +179,12 @@ class ChatMessage(_Model):
 class ChatRequest(_Common):
     """A chat completion request. Fields listed with an `enum` and "not supported" are accepted
     only at those values; any other value, or an unknown field, is a 400 unsupported_parameter."""
+
     UNSUPPORTED = openai_fields.CHAT
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_completion_tokens: StrictInt | None = Field(None, ge=1,
-                                                    description="absent: the rest of the context")
+    max_completion_tokens: StrictInt | None = Field(
+        None, ge=1, description="absent: the rest of the context"
+    )
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
@@ -182,9 +220,12 @@ class ChatRequest(_Common):
         return self.logprobs
 
 
-TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
-                    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}
-_PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [token ids]
+TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+}
+_PROMPT_SCHEMA = [  # one non-empty prompt: text, [text], token ids or [token ids]
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
     TOKEN_IDS_SCHEMA,
@@ -195,11 +236,16 @@ _PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [toke
 class CompletionRequest(_Common):
     """A text completion request. Fields listed with an `enum` and "not supported" are accepted
     only at those values; any other value, or an unknown field, is a 400 unsupported_parameter."""
+
     UNSUPPORTED = openai_fields.COMPLETION
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
-        json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA))
-    max_tokens: StrictInt | None = Field(16, ge=1,      # the OpenAI default for completions
-                                         description="null: the rest of the context")
+        json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA)
+    )
+    max_tokens: StrictInt | None = Field(
+        16,
+        ge=1,  # the OpenAI default for completions
+        description="null: the rest of the context",
+    )
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     @field_validator("prompt")
@@ -218,7 +264,9 @@ class CompletionRequest(_Common):
         if self.logprobs is not None:
             params["logprobs"] = True
             params["top_logprobs"] = self.logprobs
-        prompt = {"text": self.prompt} if isinstance(self.prompt, str) else {"input_ids": self.prompt}
+        prompt = (
+            {"text": self.prompt} if isinstance(self.prompt, str) else {"input_ids": self.prompt}
+        )
         return {**prompt, "sampling_params": params}
 
     def prompt_key(self) -> str:
@@ -275,15 +323,21 @@ def parse_native(body: Any) -> dict[str, Any]:
         raise ApiError(400, "sampling_params must be an object", param="sampling_params")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
-    return {k: v for k, v in body.items()
-            if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")}
+    return {
+        k: v
+        for k, v in body.items()
+        if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    }
 
 
 def native_prompt_key(body: dict[str, Any]) -> str:
     if isinstance(body.get("text"), str):
         return body["text"]
     if isinstance(body.get("messages"), list):
-        return "".join(f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
-                       if isinstance(m, dict))
+        return "".join(
+            f"{m.get('role')}\n{m.get('content')}\n"
+            for m in body["messages"]
+            if isinstance(m, dict)
+        )
     ids = body.get("input_ids")
     return " ".join(map(str, ids)) if isinstance(ids, list) else ""

@@ -6,6 +6,7 @@ rules (engine/core.py `SamplingParams`, docs/PROTOCOL.md). Responses are written
 Two facts are only known at run time and go in per call: the served model names (`model` enum)
 and the smallest node context (largest `max_tokens`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,26 +31,47 @@ def _nullable(schema: dict) -> dict:
 _INT64 = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
 _STOP_TEXT = {"type": "string", "minLength": 1}
 
-_MODEL_DEFAULT = ("absent: the native default (greedy, no filter); null: the model's "
-                  "generation_config value, else temperature 1 and no filter")
+_MODEL_DEFAULT = (
+    "absent: the native default (greedy, no filter); null: the model's "
+    "generation_config value, else temperature 1 and no filter"
+)
 # Node-side rules for the native sampling parameters (engine/core.py SamplingParams.validate).
 _NATIVE_SAMPLING = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
-        "max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
-                       "description": "absent: 128; null: the rest of the context"},
-        "temperature": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 100},
-                                  {"type": "null"}], "description": _MODEL_DEFAULT},
-        "top_p": {"anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                            {"type": "null"}], "description": _MODEL_DEFAULT},
-        "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1,
-                                             "maximum": 2**63 - 1}, {"type": "null"}],
-                  "description": _MODEL_DEFAULT},
-        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
-                  "description": _MODEL_DEFAULT},
+        "max_tokens": {
+            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+            "description": "absent: 128; null: the rest of the context",
+        },
+        "temperature": {
+            "anyOf": [{"type": "number", "minimum": 0, "maximum": 100}, {"type": "null"}],
+            "description": _MODEL_DEFAULT,
+        },
+        "top_p": {
+            "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}],
+            "description": _MODEL_DEFAULT,
+        },
+        "top_k": {
+            "anyOf": [
+                {"const": -1},
+                {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
+                {"type": "null"},
+            ],
+            "description": _MODEL_DEFAULT,
+        },
+        "min_p": {
+            "anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
+            "description": _MODEL_DEFAULT,
+        },
         "seed": _nullable(_INT64),
-        "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
-                           {"type": "null"}]},
+        "stop": {
+            "anyOf": [
+                _STOP_TEXT,
+                {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
+                {"type": "null"},
+            ]
+        },
         "stop_token_ids": _nullable({"type": "array", "items": _INT64}),
         "ignore_eos": {"type": "boolean"},
         "logprobs": {"type": "boolean"},
@@ -59,86 +81,160 @@ _NATIVE_SAMPLING = {
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"minimum": 1}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
-_NATIVE_MESSAGE = {"type": "object", "required": ["role", "content"],
-                   "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}
+_NATIVE_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+}
 _GENERATE_REQUEST = {
     "type": "object",
     "description": "Exactly one of text, messages, input_ids. Other fields are passed to the "
-                   "nodes, which ignore what they do not know (rid and bootstrap_* are the "
-                   "router's own and are replaced).",
+    "nodes, which ignore what they do not know (rid and bootstrap_* are the "
+    "router's own and are replaced).",
     "properties": {
         "text": {"type": "string", "minLength": 1},
         "messages": {"type": "array", "items": _NATIVE_MESSAGE, "minItems": 1},
         "input_ids": TOKEN_IDS_SCHEMA,
         "sampling_params": _ref("SamplingParams"),
         "stream": {"type": "boolean"},
-        "model": {"type": "string", "description": "routes the request to the nodes of this "
-                                                   "model; required when several are served"},
+        "model": {
+            "type": "string",
+            "description": "routes the request to the nodes of this "
+            "model; required when several are served",
+        },
     },
     "oneOf": [{"required": ["text"]}, {"required": ["messages"]}, {"required": ["input_ids"]}],
 }
 
 _ERROR = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]},
-                       "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {**{k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-                         "prompt_tokens_details": {
-                             "description": "cached_tokens: prompt tokens the prefix cache held "
-                                            "(on a PD pair, the prefill node's); null if unknown",
-                             "anyOf": [{"type": "object", "required": ["cached_tokens"],
-                                        "properties": {"cached_tokens": {"type": "integer",
-                                                                         "minimum": 0}}},
-                                       {"type": "null"}]}}}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        **{
+            k: {"type": "integer", "minimum": 0}
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+        "prompt_tokens_details": {
+            "description": "cached_tokens: prompt tokens the prefix cache held "
+            "(on a PD pair, the prefill node's); null if unknown",
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["cached_tokens"],
+                    "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+                },
+                {"type": "null"},
+            ],
+        },
+    },
+}
 _FINISH = {"enum": ["stop", "length"]}
-_STOP_REASON = {"type": ["string", "integer", "null"],
-                "description": "the stop string or stop token id that ended the answer (vLLM's "
-                               "field); null at length or at the model's EOS"}
+_STOP_REASON = {
+    "type": ["string", "integer", "null"],
+    "description": "the stop string or stop token id that ended the answer (vLLM's "
+    "field); null at length or at the model's EOS",
+}
 
 
 def _completion(obj: str, choice: dict) -> dict:
-    return {"type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {"id": {"type": "string"}, "object": {"const": obj},
-                           "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "minItems": 1, "maxItems": 1,
-                                       "items": choice},
-                           "usage": _USAGE}}
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+            "usage": _USAGE,
+        },
+    }
 
 
-_CHAT_COMPLETION = _completion("chat.completion", {
-    "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
-    "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "stop_reason": _STOP_REASON,
-                   "logprobs": {"type": ["object", "null"]},
-                   "message": {"type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"const": "assistant"},
-                                              "content": {"type": "string"}}}}})
-_TEXT_COMPLETION = _completion("text_completion", {
-    "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
-    "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
-                   "stop_reason": _STOP_REASON,
-                   "logprobs": {"type": ["object", "null"]}}})
-_NATIVE_ANSWER = {"type": "object", "required": ["text", "token_ids", "meta_info"],
-                  "properties": {"rid": {"type": "string"}, "text": {"type": "string"},
-                                 "token_ids": {"type": "array", "items": {"type": "integer"}},
-                                 "meta_info": {"type": "object"}}}
-_MODEL_LIST = {
-    "type": "object", "required": ["object", "data"],
-    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-        "type": "object", "required": ["id", "object", "created", "owned_by"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                       "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                       "max_model_len": {"type": ["integer", "null"]}}}}},
+_CHAT_COMPLETION = _completion(
+    "chat.completion",
+    {
+        "type": "object",
+        "required": ["index", "message", "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"const": 0},
+            "finish_reason": _FINISH,
+            "stop_reason": _STOP_REASON,
+            "logprobs": {"type": ["object", "null"]},
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            },
+        },
+    },
+)
+_TEXT_COMPLETION = _completion(
+    "text_completion",
+    {
+        "type": "object",
+        "required": ["index", "text", "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"const": 0},
+            "text": {"type": "string"},
+            "finish_reason": _FINISH,
+            "stop_reason": _STOP_REASON,
+            "logprobs": {"type": ["object", "null"]},
+        },
+    },
+)
+_NATIVE_ANSWER = {
+    "type": "object",
+    "required": ["text", "token_ids", "meta_info"],
+    "properties": {
+        "rid": {"type": "string"},
+        "text": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "meta_info": {"type": "object"},
+    },
 }
-_HEALTH = {"type": "object", "required": ["status", "workers"],
-           "properties": {"status": {"enum": ["ok", "unavailable"]},
-                          "workers": {"type": "object"}}}
+_MODEL_LIST = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                    "max_model_len": {"type": ["integer", "null"]},
+                },
+            },
+        },
+    },
+}
+_HEALTH = {
+    "type": "object",
+    "required": ["status", "workers"],
+    "properties": {"status": {"enum": ["ok", "unavailable"]}, "workers": {"type": "object"}},
+}
 
 _ERRORS = {
     "400": "invalid request: `param` names the field",
@@ -154,58 +250,102 @@ _ERRORS = {
 
 
 def _error(description: str) -> dict:
-    return {"description": description,
-            "content": {"application/json": {"schema": _ref("Error")}}}
+    return {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
 
 
 def _generation(summary: str, request: str, answer: str) -> dict:
     # Before OpenAPI 3.2 (`itemSchema`), an event-stream's `schema` describes one event.
-    sse = {"schema": {"type": "object", "required": ["data"],
-                      "properties": {"data": {"type": "string"}},
-                      "description": "`data: {json chunk}` events, the last one `data: [DONE]`"}}
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True,
-                        "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {"200": {"description": "the answer, or an SSE stream when `stream` is true",
-                              "content": {"application/json": {"schema": _ref(answer)},
-                                          "text/event-stream": sse}},
-                      **{code: _error(why) for code, why in _ERRORS.items()}}}}
+    sse = {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}},
+            "description": "`data: {json chunk}` events, the last one `data: [DONE]`",
+        }
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the answer, or an SSE stream when `stream` is true",
+                    "content": {
+                        "application/json": {"schema": _ref(answer)},
+                        "text/event-stream": sse,
+                    },
+                },
+                **{code: _error(why) for code, why in _ERRORS.items()},
+            },
+        }
+    }
 
 
-_TOKENIZE_ANSWER = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
-                    "properties": {"count": {"type": "integer", "minimum": 0},
-                                   "max_model_len": {"type": "integer", "minimum": 1},
-                                   "tokens": {"type": "array", "items": {"type": "integer"}},
-                                   "token_strs": {"anyOf": [{"type": "array",
-                                                             "items": {"type": "string"}},
-                                                            {"type": "null"}]}}}
-_DETOKENIZE_ANSWER = {"type": "object", "required": ["prompt"],
-                      "properties": {"prompt": {"type": "string"}}}
+_TOKENIZE_ANSWER = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+    "properties": {
+        "count": {"type": "integer", "minimum": 0},
+        "max_model_len": {"type": "integer", "minimum": 1},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+    },
+}
+_DETOKENIZE_ANSWER = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
 
 
 def _tokenizer_op(summary: str, request: dict, answer: str) -> dict:
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-        "responses": {"200": {"description": "the node's answer",
-                              "content": {"application/json": {"schema": _ref(answer)}}},
-                      **{code: _error(why) for code, why in _ERRORS.items()
-                         if code not in ("429", "504")}}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {
+                "200": {
+                    "description": "the node's answer",
+                    "content": {"application/json": {"schema": _ref(answer)}},
+                },
+                **{
+                    code: _error(why) for code, why in _ERRORS.items() if code not in ("429", "504")
+                },
+            },
+        }
+    }
 
 
 _TOKENIZER_MODELS = ("TokenizePrompt", "TokenizeChat", "Detokenize")
 
 
 def _components() -> dict[str, Any]:
-    _, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation"),
-                                  (TokenizePrompt, "validation"), (TokenizeChat, "validation"),
-                                  (Detokenize, "validation")], ref_template=_REF)
-    return {**defs["$defs"], "TokenizeAnswer": _TOKENIZE_ANSWER,
-            "DetokenizeAnswer": _DETOKENIZE_ANSWER, "GenerateRequest": _GENERATE_REQUEST,
-            "SamplingParams": _NATIVE_SAMPLING, "Error": _ERROR,
-            "ChatCompletion": _CHAT_COMPLETION, "TextCompletion": _TEXT_COMPLETION,
-            "GenerateAnswer": _NATIVE_ANSWER, "ModelList": _MODEL_LIST, "Health": _HEALTH}
+    _, defs = models_json_schema(
+        [
+            (ChatRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (TokenizePrompt, "validation"),
+            (TokenizeChat, "validation"),
+            (Detokenize, "validation"),
+        ],
+        ref_template=_REF,
+    )
+    return {
+        **defs["$defs"],
+        "TokenizeAnswer": _TOKENIZE_ANSWER,
+        "DetokenizeAnswer": _DETOKENIZE_ANSWER,
+        "GenerateRequest": _GENERATE_REQUEST,
+        "SamplingParams": _NATIVE_SAMPLING,
+        "Error": _ERROR,
+        "ChatCompletion": _CHAT_COMPLETION,
+        "TextCompletion": _TEXT_COMPLETION,
+        "GenerateAnswer": _NATIVE_ANSWER,
+        "ModelList": _MODEL_LIST,
+        "Health": _HEALTH,
+    }
 
 
 _STATIC_COMPONENTS = _components()
@@ -227,28 +367,45 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
         schemas["GenerateRequest"]["properties"]["model"]["enum"] = models
     for name in _TOKENIZER_MODELS:
         if models:
-            schemas[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": models},
-                                                              {"type": "null"}]}
+            schemas[name]["properties"]["model"] = {
+                "anyOf": [{"type": "string", "enum": models}, {"type": "null"}]
+            }
     if max_context:
-        schemas["SamplingParams"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = max_context - 1
+        schemas["SamplingParams"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = (
+            max_context - 1
+        )
 
-    models_op = {"get": {"summary": "served model names", "responses": {
-        "200": {"description": "the models",
-                "content": {"application/json": {"schema": _ref("ModelList")}}},
-        "401": _error(_ERRORS["401"])}}}
+    models_op = {
+        "get": {
+            "summary": "served model names",
+            "responses": {
+                "200": {
+                    "description": "the models",
+                    "content": {"application/json": {"schema": _ref("ModelList")}},
+                },
+                "401": _error(_ERRORS["401"]),
+            },
+        }
+    }
     paths = {
-        "/v1/chat/completions": _generation("OpenAI chat completion", "ChatRequest",
-                                            "ChatCompletion"),
-        "/v1/completions": _generation("OpenAI text completion", "CompletionRequest",
-                                       "TextCompletion"),
-        "/generate": _generation("native request, forwarded to a node pair", "GenerateRequest",
-                                 "GenerateAnswer"),
+        "/v1/chat/completions": _generation(
+            "OpenAI chat completion", "ChatRequest", "ChatCompletion"
+        ),
+        "/v1/completions": _generation(
+            "OpenAI text completion", "CompletionRequest", "TextCompletion"
+        ),
+        "/generate": _generation(
+            "native request, forwarded to a node pair", "GenerateRequest", "GenerateAnswer"
+        ),
         "/v1/models": models_op,
-        "/tokenize": _tokenizer_op("the model's tokens of a prompt or chat (vLLM's shape)",
-                                   {"anyOf": [_ref("TokenizePrompt"), _ref("TokenizeChat")]},
-                                   "TokenizeAnswer"),
-        "/detokenize": _tokenizer_op("the text of token ids (vLLM's shape)", _ref("Detokenize"),
-                                     "DetokenizeAnswer"),
+        "/tokenize": _tokenizer_op(
+            "the model's tokens of a prompt or chat (vLLM's shape)",
+            {"anyOf": [_ref("TokenizePrompt"), _ref("TokenizeChat")]},
+            "TokenizeAnswer",
+        ),
+        "/detokenize": _tokenizer_op(
+            "the text of token ids (vLLM's shape)", _ref("Detokenize"), "DetokenizeAnswer"
+        ),
     }
     if auth:
         for item in paths.values():
@@ -258,13 +415,24 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
         for item in paths.values():
             for op in item.values():
                 op["responses"].pop("401")
-    paths["/health"] = {"get": {"summary": "whether a request could be routed now", "responses": {
-        code: {"description": why, "content": {"application/json": {"schema": _ref("Health")}}}
-        for code, why in (("200", "a request can be routed"), ("503", "no eligible worker"))}}}
+    paths["/health"] = {
+        "get": {
+            "summary": "whether a request could be routed now",
+            "responses": {
+                code: {
+                    "description": why,
+                    "content": {"application/json": {"schema": _ref("Health")}},
+                }
+                for code, why in (("200", "a request can be routed"), ("503", "no eligible worker"))
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve router", "version": "1"},
         "paths": paths,
-        "components": {"schemas": schemas,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
     }

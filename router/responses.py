@@ -4,6 +4,7 @@ The router has no tokenizer: a logprob entry's token text and bytes are the node
 (`[id, logprob, top, text, bytes]`, top entries `[id, logprob, text, bytes]`, runtime/token_text.py),
 and `"token_id:<id>"` (its UTF-8 as bytes) for a node that sends no text.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +53,12 @@ def usage(meta: dict, cached: int | None) -> dict[str, Any]:
     """OpenAI usage; `cached`: prompt tokens the prefix cache held (None: unknown)."""
     prompt = int(meta.get("prompt_tokens") or 0)
     completion = int(meta.get("completion_tokens") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+    }
 
 
 def stop_reason(meta: dict, stop_token_ids: frozenset[int]) -> str | int | None:
@@ -92,13 +96,13 @@ def chat_logprobs(entries: list | None, as_ids: bool = False) -> dict | None:
         for t in _tops(entry):
             alt, alt_raw = _token(t, 2, as_ids)
             top.append({"token": alt, "logprob": float(t[1]), "bytes": alt_raw})
-        content.append({"token": tok, "logprob": float(entry[1]), "bytes": raw,
-                        "top_logprobs": top})
+        content.append(
+            {"token": tok, "logprob": float(entry[1]), "bytes": raw, "top_logprobs": top}
+        )
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list | None, offset: int = 0,
-                        as_ids: bool = False) -> dict | None:
+def completion_logprobs(entries: list | None, offset: int = 0, as_ids: bool = False) -> dict | None:
     """`offset`: characters of the answer before these tokens (the sum of the earlier tokens')."""
     if not entries:
         return None
@@ -116,14 +120,15 @@ def completion_logprobs(entries: list | None, offset: int = 0,
 @dataclass(frozen=True)
 class Shape:
     """What a request asked for that shapes its answer (besides the node's output)."""
-    kind: str                           # "chat" | "completion"
+
+    kind: str  # "chat" | "completion"
     rid: str
     model: str
     created: int
     logprobs: bool = False
-    include_usage: bool = False         # streaming: a usage chunk before [DONE]
+    include_usage: bool = False  # streaming: a usage chunk before [DONE]
     stop_token_ids: frozenset[int] = frozenset()
-    tokens_as_ids: bool = False         # logprob tokens as "token_id:<id>"
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
 
 
 def completion(shape: Shape, native: dict, cached: int | None) -> dict:
@@ -132,17 +137,27 @@ def completion(shape: Shape, native: dict, cached: int | None) -> dict:
     choice: dict[str, Any] = {"index": 0}
     if shape.kind == "chat":
         choice["message"] = {"role": "assistant", "content": native.get("text", "")}
-        choice["logprobs"] = (chat_logprobs(meta.get("logprobs"), shape.tokens_as_ids)
-                              if shape.logprobs else None)
+        choice["logprobs"] = (
+            chat_logprobs(meta.get("logprobs"), shape.tokens_as_ids) if shape.logprobs else None
+        )
     else:
         choice["text"] = native.get("text", "")
-        choice["logprobs"] = (completion_logprobs(meta.get("logprobs"), 0, shape.tokens_as_ids)
-                              if shape.logprobs else None)
+        choice["logprobs"] = (
+            completion_logprobs(meta.get("logprobs"), 0, shape.tokens_as_ids)
+            if shape.logprobs
+            else None
+        )
     choice["finish_reason"] = finish_reason(meta) or "stop"
     choice["stop_reason"] = stop_reason(meta, shape.stop_token_ids)
     obj = "chat.completion" if shape.kind == "chat" else "text_completion"
-    return {"id": shape.rid, "object": obj, "created": shape.created, "model": shape.model,
-            "choices": [choice], "usage": usage(meta, cached)}
+    return {
+        "id": shape.rid,
+        "object": obj,
+        "created": shape.created,
+        "model": shape.model,
+        "choices": [choice],
+        "usage": usage(meta, cached),
+    }
 
 
 class StreamShaper:
@@ -158,13 +173,18 @@ class StreamShaper:
         self.shape = shape
         self.started = False
         self.meta: dict = {}
-        self.text_len = 0            # characters of the logprob tokens so far (text_offset)
+        self.text_len = 0  # characters of the logprob tokens so far (text_offset)
 
     def _frame(self, choice: dict) -> str:
         s = self.shape
         obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
-        out = {"id": s.rid, "object": obj, "created": s.created, "model": s.model,
-               "choices": [choice]}
+        out = {
+            "id": s.rid,
+            "object": obj,
+            "created": s.created,
+            "model": s.model,
+            "choices": [choice],
+        }
         if s.include_usage:
             out["usage"] = None
         return sse(out)
@@ -172,8 +192,9 @@ class StreamShaper:
     def chunks(self, event: dict) -> list[str]:
         check_event(event)
         meta = event.get("meta_info") or {}
-        self.meta.update({k: v for k, v in meta.items() if k in ("prompt_tokens",
-                                                                 "completion_tokens")})
+        self.meta.update(
+            {k: v for k, v in meta.items() if k in ("prompt_tokens", "completion_tokens")}
+        )
         text = event.get("text") or ""
         reason = finish_reason(meta)
         stop = stop_reason(meta, self.shape.stop_token_ids)
@@ -181,20 +202,44 @@ class StreamShaper:
         out = []
         if self.shape.kind == "chat":
             if not self.started:
-                out.append(self._frame({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None,
-                                        "stop_reason": None}))
+                out.append(
+                    self._frame(
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        }
+                    )
+                )
             if text or reason or entries:
                 delta = {"content": text} if text else {}
-                out.append(self._frame({"index": 0, "delta": delta,
-                                        "logprobs": chat_logprobs(entries,
-                                                                  self.shape.tokens_as_ids),
-                                        "finish_reason": reason, "stop_reason": stop}))
+                out.append(
+                    self._frame(
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": chat_logprobs(entries, self.shape.tokens_as_ids),
+                            "finish_reason": reason,
+                            "stop_reason": stop,
+                        }
+                    )
+                )
         elif text or reason or entries:
-            out.append(self._frame({"index": 0, "text": text,
-                                    "logprobs": completion_logprobs(entries, self.text_len,
-                                                                    self.shape.tokens_as_ids),
-                                    "finish_reason": reason, "stop_reason": stop}))
+            out.append(
+                self._frame(
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": completion_logprobs(
+                            entries, self.text_len, self.shape.tokens_as_ids
+                        ),
+                        "finish_reason": reason,
+                        "stop_reason": stop,
+                    }
+                )
+            )
         self.text_len += sum(len(_token(e, 3)[0]) for e in entries or ())
         self.started = True
         return out
@@ -203,15 +248,29 @@ class StreamShaper:
         out, s = [], self.shape
         if s.include_usage:
             obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
-            out.append(sse({"id": s.rid, "object": obj, "created": s.created, "model": s.model,
-                            "choices": [], "usage": usage(self.meta, cached)}))
+            out.append(
+                sse(
+                    {
+                        "id": s.rid,
+                        "object": obj,
+                        "created": s.created,
+                        "model": s.model,
+                        "choices": [],
+                        "usage": usage(self.meta, cached),
+                    }
+                )
+            )
         out.append(sse("[DONE]"))
         return out
 
     @staticmethod
     def error(message: str, code: str = "node_aborted") -> list[str]:
-        return [sse({"error": {"message": message, "type": "server_error", "param": None,
-                               "code": code}}), sse("[DONE]")]
+        return [
+            sse(
+                {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+            ),
+            sse("[DONE]"),
+        ]
 
 
 def parse_sse_line(line: str) -> dict | None | str:

@@ -10,6 +10,7 @@ runtime/node_tokenize.py).
 
 `model` may be left out when the router serves one model, as in vLLM.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from router.openai_protocol import ApiError, ChatMessage, TokenId, _Model, parse
 if TYPE_CHECKING:
     from router.app import Router
 
-MAX_TOKENS = 1 << 18            # ids in one /detokenize (the node's limit too)
+MAX_TOKENS = 1 << 18  # ids in one /detokenize (the node's limit too)
 
 
 class TokenizePrompt(_Model):
@@ -35,9 +36,16 @@ class TokenizePrompt(_Model):
 
 
 class TokenizeChat(_Model):
-    UNSUPPORTED = {k: openai_fields.CHAT[k] for k in (
-        "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-        "mm_processor_kwargs")}
+    UNSUPPORTED = {
+        k: openai_fields.CHAT[k]
+        for k in (
+            "continue_final_message",
+            "chat_template",
+            "chat_template_kwargs",
+            "tools",
+            "mm_processor_kwargs",
+        )
+    }
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
@@ -52,8 +60,12 @@ class Detokenize(_Model):
 
 def parse_tokenize(body: Any) -> TokenizePrompt | TokenizeChat:
     if isinstance(body, dict) and ("prompt" in body) == ("messages" in body):
-        raise ApiError(400, "prompt: give exactly one of prompt, messages", param="prompt",
-                       code="invalid_value")
+        raise ApiError(
+            400,
+            "prompt: give exactly one of prompt, messages",
+            param="prompt",
+            code="invalid_value",
+        )
     cls = TokenizeChat if isinstance(body, dict) and "messages" in body else TokenizePrompt
     return parse_request(cls, body)
 
@@ -66,19 +78,26 @@ def native(req: TokenizePrompt | TokenizeChat | Detokenize) -> dict[str, Any]:
     return body
 
 
-async def forward(router: "Router", path: str, model: str, body: dict[str, Any]) -> Response:
+async def forward(router: Router, path: str, model: str, body: dict[str, Any]) -> Response:
     """The answer of the first node serving `model` that answers (least busy first); a node's 4xx
     is passed through, a node that fails is skipped."""
     workers = sorted(router.registry.serving(model), key=lambda w: w.in_flight)
     if not workers:
-        raise ApiError(503, f"no healthy node serves {model!r}", type="server_error",
-                       code="no_available_workers")
+        raise ApiError(
+            503,
+            f"no healthy node serves {model!r}",
+            type="server_error",
+            code="no_available_workers",
+        )
     failures = []
     for worker in workers:
         try:
             resp = await router.clients.get(worker.url).post(
-                f"{worker.url}{path}", json=body, headers=router.dispatcher.node_headers,
-                timeout=router.cfg.request_timeout_s)
+                f"{worker.url}{path}",
+                json=body,
+                headers=router.dispatcher.node_headers,
+                timeout=router.cfg.request_timeout_s,
+            )
         except httpx.HTTPError as exc:
             failures.append(f"{worker.url}: {type(exc).__name__}")
             continue
@@ -92,5 +111,9 @@ async def forward(router: "Router", path: str, model: str, body: dict[str, Any])
             failures.append(f"{worker.url}: {resp.status_code}")
             continue
         return JSONResponse(answer, status_code=resp.status_code)
-    raise ApiError(502, f"no node answered {path}: {'; '.join(failures)}", type="server_error",
-                   code="tokenizer_failed")
+    raise ApiError(
+        502,
+        f"no node answered {path}: {'; '.join(failures)}",
+        type="server_error",
+        code="tokenizer_failed",
+    )

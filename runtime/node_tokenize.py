@@ -7,13 +7,14 @@ vLLM's shapes, for the router, which has no tokenizer. Both run in the front's t
                  -> {"count", "max_model_len", "tokens", "token_strs"}
     /detokenize  {"tokens": [int]} -> {"prompt": str}, special tokens kept (as vLLM)
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from runtime.front import NodeFront, RequestError
 
-MAX_DETOKENIZE = 1 << 18          # token ids in one /detokenize (the body limit bounds the rest)
+MAX_DETOKENIZE = 1 << 18  # token ids in one /detokenize (the body limit bounds the rest)
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -33,27 +34,53 @@ def tokenize(front: NodeFront, body: dict[str, Any]) -> dict[str, Any]:
         text, special = body["prompt"], _flag(body, "add_special_tokens", True)
     else:
         msgs = body["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise RequestError(400, "'messages' must be a non-empty list of {role, content} strings", "messages")
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
+            raise RequestError(
+                400, "'messages' must be a non-empty list of {role, content} strings", "messages"
+            )
         from jinja2 import TemplateError
+
         try:
-            text = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
-                                           tokenize=False,
-                                           add_generation_prompt=_flag(body, "add_generation_prompt", True))
-        except TemplateError as e:      # the template's own checks (roles must alternate, ...)
-            raise RequestError(400, f"the model's chat template refused the messages: {e}", "messages") from None
+            text = tok.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in msgs],
+                tokenize=False,
+                add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            )
+        except TemplateError as e:  # the template's own checks (roles must alternate, ...)
+            raise RequestError(
+                400, f"the model's chat template refused the messages: {e}", "messages"
+            ) from None
         special = _flag(body, "add_special_tokens", False)
     ids = list(tok(text, add_special_tokens=special)["input_ids"])
     strs = tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
-    return {"count": len(ids), "max_model_len": front.max_context, "tokens": ids, "token_strs": strs}
+    return {
+        "count": len(ids),
+        "max_model_len": front.max_context,
+        "tokens": ids,
+        "token_strs": strs,
+    }
 
 
 def detokenize(front: NodeFront, body: dict[str, Any]) -> dict[str, Any]:
     ids = body.get("tokens")
-    if not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE or not all(
-            type(t) is int and 0 <= t < front.vocab_size for t in ids):
-        raise RequestError(400, f"'tokens' must be a list of at most {MAX_DETOKENIZE} integers in "
-                           f"[0, {front.vocab_size})", "tokens")
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_DETOKENIZE
+        or not all(type(t) is int and 0 <= t < front.vocab_size for t in ids)
+    ):
+        raise RequestError(
+            400,
+            f"'tokens' must be a list of at most {MAX_DETOKENIZE} integers in "
+            f"[0, {front.vocab_size})",
+            "tokens",
+        )
     return {"prompt": front.tok.decode(ids)}

@@ -9,6 +9,7 @@ no part in that decoding. Alternatives (top logprobs) are decoded alone, invalid
 Sentencepiece tokens ("▁the", "<0xE2>") are turned into their bytes too; a sentencepiece decoder
 that strips the answer's first space is not imitated.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -20,7 +21,11 @@ _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's printable stand-in for each byte (as in its byte-level BPE), reversed."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -72,6 +77,8 @@ class TokenText:
     def entry(self, token_id: int, logprob: float, top: list | None) -> list[Any]:
         raw = self.bytes(token_id)
         text = raw.decode() if token_id in self.bytes.special else self._utf8.decode(raw)
-        alts = [[t, lp, self.bytes(t).decode("utf-8", "replace"), list(self.bytes(t))]
-                for t, lp in (top or [])]
+        alts = [
+            [t, lp, self.bytes(t).decode("utf-8", "replace"), list(self.bytes(t))]
+            for t, lp in (top or [])
+        ]
         return [token_id, logprob, alts, text, list(raw)]

@@ -2,14 +2,15 @@
 SDK against a router and stub nodes. Fields pdserve does not implement are accepted only at a
 neutral value and never reach a node; any other value, and any unknown field, is a 400 with code
 `unsupported_parameter` and `param` naming the field."""
+
 from __future__ import annotations
 
 import openai
 import pytest
+from stub_node import Cluster
 
 from router import openai_fields
 from router.openapi import openapi_document
-from stub_node import Cluster
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]
@@ -38,77 +39,140 @@ def refused(call, param: str) -> openai.BadRequestError:
 
 # Real uses of the fields clients send most, through the SDK's own arguments.
 CHAT_USES = {
-    "presence_penalty": 0.5, "frequency_penalty": -0.3, "logit_bias": {"5": 10}, "n": 2,
-    "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"},
-    "store": True, "metadata": {"k": "v"}, "service_tier": "flex", "reasoning_effort": "low",
-    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
-    "functions": [TOOL["function"]], "function_call": {"name": "get_weather"},
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.3,
+    "logit_bias": {"5": 10},
+    "n": 2,
+    "tools": [TOOL],
+    "tool_choice": "required",
+    "response_format": {"type": "json_object"},
+    "store": True,
+    "metadata": {"k": "v"},
+    "service_tier": "flex",
+    "reasoning_effort": "low",
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "functions": [TOOL["function"]],
+    "function_call": {"name": "get_weather"},
 }
-VLLM_USES = {     # vLLM's extensions travel in extra_body
-    "repetition_penalty": 1.2, "best_of": 3, "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"], "min_tokens": 4,
-    "chat_template_kwargs": {"enable_thinking": False}, "include_stop_str_in_output": True,
-    "skip_special_tokens": False, "add_generation_prompt": False,
+VLLM_USES = {  # vLLM's extensions travel in extra_body
+    "repetition_penalty": 1.2,
+    "best_of": 3,
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "min_tokens": 4,
+    "chat_template_kwargs": {"enable_thinking": False},
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "add_generation_prompt": False,
 }
 
 
 @pytest.mark.parametrize("field", list(CHAT_USES))
 def test_openai_fields_in_real_use_are_refused_and_named(client, cluster, field):
     before = cluster.colocated[0].stats.generate
-    refused(lambda: client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                                   **{field: CHAT_USES[field]}), field)
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, **{field: CHAT_USES[field]}
+        ),
+        field,
+    )
     assert cluster.colocated[0].stats.generate == before, "nothing reached the node"
 
 
 @pytest.mark.parametrize("field", list(VLLM_USES))
 def test_vllm_extensions_in_real_use_are_refused_and_named(client, field):
-    refused(lambda: client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                                   extra_body={field: VLLM_USES[field]}), field)
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_body={field: VLLM_USES[field]}
+        ),
+        field,
+    )
 
 
 def test_every_listed_field_refuses_a_value_other_than_its_neutral_ones(client):
     for field in openai_fields.CHAT:
-        refused(lambda: client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=2, extra_body={field: "on"}), field)
+        refused(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2, extra_body={field: "on"}
+            ),
+            field,
+        )
     for field in openai_fields.COMPLETION:
-        refused(lambda: client.completions.create(
-            model=MODEL, prompt="a b", max_tokens=2, extra_body={field: "on"}), field)
+        refused(
+            lambda: client.completions.create(
+                model=MODEL, prompt="a b", max_tokens=2, extra_body={field: "on"}
+            ),
+            field,
+        )
 
 
 def test_unknown_fields_are_refused_and_named(client):
-    refused(lambda: client.chat.completions.create(
-        model=MODEL, messages=CHAT, extra_body={"frobnicate": {"deep": [1]}}), "frobnicate")
-    refused(lambda: client.completions.create(model=MODEL, prompt="a", extra_body={"tools": []}),
-            "tools")            # a chat field, unknown to completions
-    refused(lambda: client.chat.completions.create(
-        model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True,
-                                                                 "include_obfuscation": True}),
-        "stream_options.include_obfuscation")
-    refused(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi", "name": "bob"}]),
-        "messages.0.name")
-    refused(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi", "colour": "red"}]),
-        "messages.0.colour")
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=CHAT, extra_body={"frobnicate": {"deep": [1]}}
+        ),
+        "frobnicate",
+    )
+    refused(
+        lambda: client.completions.create(model=MODEL, prompt="a", extra_body={"tools": []}),
+        "tools",
+    )  # a chat field, unknown to completions
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": True},
+        ),
+        "stream_options.include_obfuscation",
+    )
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi", "name": "bob"}]
+        ),
+        "messages.0.name",
+    )
+    refused(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi", "colour": "red"}]
+        ),
+        "messages.0.colour",
+    )
 
 
 def test_neutral_values_are_accepted_and_never_reach_the_node(client, cluster):
-    neutral = {field: values[0] if values else None
-               for field, values in openai_fields.CHAT.items()}
-    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, user="u-1",
-                                         extra_body=neutral)
+    neutral = {field: values[0] if values else None for field, values in openai_fields.CHAT.items()}
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, user="u-1", extra_body=neutral
+    )
     assert out.choices[0].message.content == "one two"
     body = cluster.colocated[0].stats.bodies[-1]
     assert set(body) == {"messages", "sampling_params", "rid", "stream"}, body
     # And the ones clients send as SDK arguments, at their defaults.
-    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=1,
-                                         presence_penalty=0, frequency_penalty=0.0,
-                                         logit_bias={}, tools=[], parallel_tool_calls=False,
-                                         response_format={"type": "text"}, store=False,
-                                         stream_options=None)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=2,
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        tools=[],
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+        store=False,
+        stream_options=None,
+    )
     assert out.choices[0].message.content == "one two"
-    text = client.completions.create(model=MODEL, prompt="a b", max_tokens=2, echo=False,
-                                     suffix="", best_of=1, n=1).choices[0].text
+    text = (
+        client.completions.create(
+            model=MODEL, prompt="a b", max_tokens=2, echo=False, suffix="", best_of=1, n=1
+        )
+        .choices[0]
+        .text
+    )
     assert text == "a b"
 
 
@@ -120,10 +184,12 @@ def test_top_logprobs_without_logprobs_is_refused(client):
 
 def test_openapi_document_lists_the_refused_fields_with_their_neutral_values():
     schemas = openapi_document([MODEL], 256, auth=False)["components"]["schemas"]
-    for name, table in (("ChatRequest", openai_fields.CHAT),
-                        ("CompletionRequest", openai_fields.COMPLETION),
-                        ("ChatMessage", openai_fields.MESSAGE),
-                        ("StreamOptions", openai_fields.STREAM_OPTIONS)):
+    for name, table in (
+        ("ChatRequest", openai_fields.CHAT),
+        ("CompletionRequest", openai_fields.COMPLETION),
+        ("ChatMessage", openai_fields.MESSAGE),
+        ("StreamOptions", openai_fields.STREAM_OPTIONS),
+    ):
         schema = schemas[name]
         assert schema["additionalProperties"] is False, name
         for field, neutral in table.items():

@@ -1,13 +1,14 @@
 """Logprob token text and bytes (runtime/token_text.py) on the tests' byte-level BPE tokenizer: the
 sampled tokens' texts concatenate to the decoded text even where a character spans tokens, and
 each token's bytes are its own, checked against transformers' GPT-2 byte table."""
+
 from __future__ import annotations
 
 import pytest
+from tiny_model import build_tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from runtime.token_text import TokenBytes, TokenText
-from tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def own_bytes(tok, token_id: int) -> bytes:
 def test_texts_concatenate_to_the_text_across_split_characters(tok):
     text = "h€llo 💡 the cache, ünï"
     ids = tok(text)["input_ids"]
-    one = TokenText(TokenBytes(tok))          # one request's decoding state
+    one = TokenText(TokenBytes(tok))  # one request's decoding state
     entries = [one.entry(t, -1.0, [[t, -1.0]]) for t in ids]
     assert "".join(e[3] for e in entries) == text == tok.decode(ids)
     assert b"".join(bytes(e[4]) for e in entries) == text.encode()
