@@ -62,7 +62,8 @@ class Node:
         )
 
     def setup(self, side, pp, bootstrap_addr):
-        from kv_transfer import DecodeKVManager, PrefillKVManager, TransferConfig, split_layers
+        from engine.model_config import split_layers
+        from kv_transfer import DecodeKVManager, PrefillKVManager, TransferConfig
 
         slices = split_layers(NUM_LAYERS, pp)
         for rank, layers in enumerate(slices):

@@ -36,3 +36,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous slices, earlier ranks one layer longer when it does not divide (30/4: 8,8,7,7)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp size {pp_size} must be between 1 and the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for r in range(pp_size):
+        n = base + (1 if r < extra else 0)
+        out.append((start, start + n))
+        start += n
+    return out

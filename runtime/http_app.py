@@ -1,5 +1,5 @@
-"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info, /metrics,
-and on decode nodes /bootstrap_servers.
+"""The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info,
+/metrics, and a front's own endpoints (NodeFront.add_routes: the decode node's /bootstrap_servers).
 
 Everything but /health and /metrics needs the cluster secret (when the node has one): they are what a
 load balancer's probe and a Prometheus scraper read, and they tell nothing a request could abuse."""
@@ -86,8 +86,9 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
                 TOKENIZER_POOL, front.tokenize, body
             )
         p = front.admit(body, ids)
-        if front.role == "prefill":
-            return await front.prefill_result(p)
+        answer = await front.answer(p)
+        if answer is not None:
+            return answer
         if body.get("stream"):
 
             async def stream():
@@ -131,13 +132,7 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         check_internal(request)
         return front.server_info()
 
-    if hasattr(front, "set_bootstrap_servers"):
-
-        @app.put("/bootstrap_servers")
-        async def bootstrap_servers(request: Request):
-            """The prefill bootstrap servers this decode node may contact (the router keeps it current)."""
-            check_internal(request)
-            return {"servers": front.set_bootstrap_servers(await read_json(request))}
+    front.add_routes(app, check_internal)
 
     @app.get("/metrics")
     async def metrics():

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from runtime.messages import RankStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 FRONT_CHANNELS = {"events": "front-evt", "stats": "front-stats"}  # NodeFront.dropped's key prefixes
-QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer", "retracted")
 
 
 class _RankCollector:
@@ -71,21 +72,21 @@ class _RankCollector:
             up.add_metric(lv, 1.0 if st else 0.0)
             if not st:
                 continue
-            ps = st["page_size"]
-            used.add_metric(lv, st["held_pages"] * ps)
-            cap.add_metric(lv, st["num_pages"] * ps)
-            evict.add_metric(lv, st["cached_pages"] * ps)
-            hits.add_metric(lv, st["prefix_hit_tokens"])
-            for q in QUEUES:
-                queue.add_metric(lv + [q], st.get(q, 0))
-            kv = st.get("kv")
+            ps = st.page_size
+            used.add_metric(lv, st.held_pages * ps)
+            cap.add_metric(lv, st.num_pages * ps)
+            evict.add_metric(lv, st.cached_pages * ps)
+            hits.add_metric(lv, st.prefix_hit_tokens)
+            for q, n in sorted(st.queues.items()):  # the loop's queues: a PD loop adds its own
+                queue.add_metric(lv + [q], n)
+            kv = st.kv
             if kv is not None:
-                kv_bytes.add_metric(lv, kv["bytes"])
-                for reason, n in sorted(kv["failures"].items()):
+                kv_bytes.add_metric(lv, kv.bytes)
+                for reason, n in sorted(kv.failures.items()):
                     kv_fail.add_metric(lv + [reason], n)
-                for reason, n in sorted((kv.get("dropped") or {}).items()):
+                for reason, n in sorted(kv.dropped.items()):
                     dropped.add_metric(lv + ["kv-control", reason], n)
-            for reason, n in sorted((st.get("front_dropped") or {}).items()):
+            for reason, n in sorted(st.front_dropped.items()):
                 dropped.add_metric(lv + ["front-req", reason], n)
         yield from (used, cap, evict, hits, queue, up, kv_bytes, kv_fail, dropped)
 
@@ -159,10 +160,10 @@ class NodeMetrics:
         self._ranks = _RankCollector(node, role)
         self.registry.register(self._ranks)
 
-    def ingest(self, st: dict[str, Any]) -> None:
+    def ingest(self, st: RankStats) -> None:
         """Latency samples a rank forwarded with its stats."""
         lv = (self.node, self.role)
-        for name, values in (st.get("samples") or {}).items():
+        for name, values in st.samples.items():
             kind, _, label = name.partition(":")
             for v in values:
                 if kind == "queue":
@@ -171,8 +172,8 @@ class NodeMetrics:
                     self.bootstrap.labels(*lv).observe(v)
                 elif kind == "consensus":
                     self.consensus.labels(*lv, label).observe(v)
-        for v in (st.get("kv") or {}).get("latencies", []):
-            self.kv_seconds.labels(*lv, str(st["pp_rank"])).observe(v)
+        for v in st.kv.latencies if st.kv else []:
+            self.kv_seconds.labels(*lv, str(st.pp_rank)).observe(v)
 
     def observe_request(self, p: Any, finish: str) -> None:
         lv = (self.node, self.role)

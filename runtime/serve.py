@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any
 
 import uvicorn
@@ -169,7 +167,7 @@ class RankSet:
         self._stopping = False
         for spec in specs:
             self.procs.append(
-                subprocess.Popen([sys.executable, "-m", module, "--spec", json.dumps(asdict(spec))])
+                subprocess.Popen([sys.executable, "-m", module, "--spec", spec.to_json()])
             )
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
@@ -223,8 +221,9 @@ def stats_port(args) -> int:
 
 
 def make_specs(
-    args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None
+    args, role: str, front_addrs: dict[str, str], transfer: dict[str, str] | None = None
 ) -> list[RankSpec]:
+    """`transfer`: a PD node's RankSpec.transfer_host and bootstrap_addr."""
     ranks = local_ranks(args)
     dist = (
         f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
@@ -250,12 +249,10 @@ def make_specs(
             role=role,
             device=args.device,
             backend="nccl" if args.device.startswith("cuda") else "gloo",
-            extra={
-                "waiting_timeout_s": args.waiting_timeout,
-                "running_timeout_s": args.running_timeout,
-                "comm_stream": args.pp_comm_stream,
-                **(extra or {}),
-            },
+            waiting_timeout_s=args.waiting_timeout,
+            running_timeout_s=args.running_timeout,
+            comm_stream=args.pp_comm_stream,
+            **(transfer or {}),
         )
         for r, cores in zip(ranks, plan.rank_cores)
     ]
@@ -266,12 +263,15 @@ def run_node(
     front,
     app,
     role: str,
-    extra: dict[str, Any] | None = None,
+    transfer: dict[str, str] | None = None,
     module: str = "runtime.rank_process",
 ) -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(
-        args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra
+        args,
+        role,
+        {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
+        transfer,
     )
     server = uvicorn.Server(
         server_config(
@@ -360,13 +360,13 @@ def make_front(args, role: str, cls=None, **kw):
     return front, build_app(front, secret)
 
 
-def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:
+def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
     """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
     refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
-    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, extra)
+    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, transfer)
     stopped = threading.Event()
     ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
     try:

@@ -10,6 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from consensus.kvpoll import KVPoll, update_status
+from engine.model_config import split_layers
 from kv_transfer.bootstrap import BootstrapState, PrefillRankInfo, build_app
 from kv_transfer.engine import resolve_protocol
 from kv_transfer.layout import (
@@ -19,7 +20,6 @@ from kv_transfer.layout import (
     intersect,
     overlapping,
     pages_for,
-    split_layers,
 )
 from kv_transfer.messages import (
     KVAbort,
