@@ -197,6 +197,27 @@ def test_decode_own_failure_tells_the_prefill(cluster):
         c.procs["DB"].call("close", "fast")
 
 
+def test_decode_abort_before_the_sender_exists(cluster):
+    """A decode rank registers and gives the room up before the prefill rank created its sender
+    (a prefill queue, or a prefill rank resuming from a stall reads both messages at once): the
+    prefill rank withdraws the pending registration and answers with its final word, and the sender
+    created later fails at once. Before, the KVAbort was dropped as `unknown_room` and the sender
+    took the pending registration and wrote into the pages of the aborted room."""
+    c = cluster
+    room, ptab, dtab = c.room("PA", "DA", sender=False)
+    _assert(c.wait("DA", [room], [WAITING, FAILED]), WAITING)     # the registration went out
+    c.procs["DA"].call("abort", "m", room)
+    assert c.procs["DA"].call("wait_quiesced", "m", room, 10, timeout=20), "no final word from the prefill rank"
+    before = c.procs["PA"].call("stats", "m")["failures"]
+    c.procs["PA"].call("fill", "m", room, ptab, N)
+    c.procs["PA"].call("create_sender", "m", room)
+    got = c.procs["PA"].call("poll", "m", [room])
+    assert got[room] == (FAILED, "aborted_by_decode"), got
+    assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {"aborted_by_decode": 1}
+    c.send_all("PA", room, ptab)
+    assert c.procs["DA"].call("check", "m", room, dtab, N) == (LAYERS[1] - LAYERS[0]) * 2 * -(-N // PS)
+
+
 def test_room_nobody_registered(cluster):
     c = cluster
     lonely, _, _ = c.room("PA", "DA", register=False)            # sender, decode never registers
