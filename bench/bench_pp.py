@@ -37,8 +37,8 @@ def _rank(rank: int, size: int, init: str, warmup: int, iters: int, q) -> None:
     import torch
     torch.set_num_threads(1)
     from engine.kv_cache import PageAllocator
-    from engine.pp_comm import PPComm
-    from engine.pp_loop import LoopConfig, SlotLoop
+    from runtime.pp_comm import PPComm
+    from runtime.slot_loop import LoopConfig, SlotLoop
     from engine.scheduler import Scheduler, SchedulerConfig
 
     class NeverRunner:           # batches are empty: forward/sample are never called

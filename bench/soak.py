@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup must be between 0 and --duration")
     if not args.port:
         sys.path.insert(0, str(ROOT))
-        from engine.procs import free_port
+        from infra.procs import free_port
         args.port = free_port()
 
     signal.signal(signal.SIGTERM, interrupt)

@@ -8,7 +8,7 @@ goes down the chain by leader sync.
 Wire: PP0 binds a ZMQ PULL socket on `tcp://{host}:*` and exposes `.address`; the caller shares it
 (the engine broadcasts it over the PP group) and every other rank connects one PUSH socket to it.
 Each put/delete is one msgpack frame `[op, rank, key, value]` (op PUT=1 with a KVPoll int, DELETE=2
-with None); never pickle. The frame is sealed (engine/channel_auth.py, channel "consensus-store",
+with None); never pickle. The frame is sealed (infra/channel_auth.py, channel "consensus-store",
 sender "pp<rank>"): an HMAC of the cluster secret and a per-rank sequence number, so PP0 applies only
 frames a rank of this cluster sent, once, in order; the socket takes no message larger than a frame.
 
@@ -39,7 +39,7 @@ import msgpack
 import zmq
 
 from consensus.kvpoll import KVPoll, update_status
-from engine.channel_auth import AuthError, Opener, Sealer, limit_size
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 
 logger = logging.getLogger(__name__)
 

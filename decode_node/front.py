@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.node_front import NodeFront, RequestError
+from runtime.front import NodeFront, RequestError
 
 ROOM_MAX = (1 << 63) - 1
 MAX_BOOTSTRAP_SERVERS = 4096

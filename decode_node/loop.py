@@ -1,6 +1,6 @@
 """The decode node's slot loop: prealloc -> transfer -> running (decode) -> finished (+ retracted).
 
-Added around the engine's slot loop (engine/pp_loop.py), on every rank:
+Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
   meta "pd_add"   a receiver for the room is created; the request joins the `prealloc` queue
   prealloc        first come first served, the same decision on every rank (same pool, same
@@ -32,9 +32,9 @@ from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from engine.core import Req
 from engine.kv_cache import pages_needed
-from engine.pd import PDReq, decode_aux, vote_transport
-from engine.pp_loop import SlotLoop
-from engine.rank_process import RankParts
+from pd_common.loop_base import PDReq, decode_aux, vote_transport
+from runtime.slot_loop import SlotLoop
+from runtime.rank_process import RankParts
 
 log = logging.getLogger("pdserve.decode")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 from decode_node.loop import DecodeLoop
-from engine.cluster_secret import cluster_secret
-from engine.rank_process import RankParts, run_rank, split_layers
+from infra.cluster_secret import cluster_secret
+from runtime.rank_process import RankParts, run_rank, split_layers
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
 from kv_transfer.receiver import DecodeKVManager

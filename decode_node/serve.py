@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
+from runtime.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_decode_args(ap: argparse.ArgumentParser) -> None:

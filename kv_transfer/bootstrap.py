@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine.internal_auth import bearer_ok
+from infra.internal_auth import bearer_ok
 from kv_transfer.layout import LAYOUT_NAME, intersect
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class BootstrapServer:
                  heartbeat_timeout_s: float = 3.0):
         import uvicorn
 
-        from engine.http_server import server_config
+        from infra.http_server import server_config
         self.state = BootstrapState(heartbeat_timeout_s)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,7 +1,7 @@
 """What the prefill and decode KV managers share: config, engine, aux buffer, control sockets, threads.
 
 Threads of one manager (none of them ever runs scheduler code):
-  recv       opens (engine/channel_auth.py: HMAC of the cluster secret) and decodes control messages
+  recv       opens (infra/channel_auth.py: HMAC of the cluster secret) and decodes control messages
              from the PULL socket and hands them to `_on_message` with their authenticated sender;
              unauthenticated, replayed and malformed ones are dropped and counted
   reaper     every `tick_s`: timeouts and clean-up (`_tick`), so rooms end even if nobody polls
@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import zmq
 
-from engine.channel_auth import AuthError, Opener, Sealer, limit_size
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc
 from kv_transfer.messages import Message, MessageError, decode_message, encode_message

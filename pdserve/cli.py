@@ -10,7 +10,7 @@ def _generate(args) -> int:
     from engine.config import EngineConfig
     from engine.core import SamplingParams
     from engine.engine import Engine
-    from engine.procs import setup_logging
+    from infra.procs import setup_logging
 
     setup_logging("[generate]", args.log_level)
     eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--log-level", default="WARNING")
 
-    from engine.serve import add_node_args
+    from runtime.serve import add_node_args
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
     add_node_args(s, default_port=30000)
 
@@ -103,7 +103,7 @@ def _run(args) -> int:
     if args.cmd == "generate":
         return _generate(args)
     if args.cmd == "serve":
-        from engine.serve import serve_main
+        from runtime.serve import serve_main
         return serve_main(args)
     if args.cmd == "up":
         from pdserve.up import up_main

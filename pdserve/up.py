@@ -23,12 +23,12 @@ import time
 
 import httpx
 
-from engine.cluster_secret import ENV as SECRET_ENV
-from engine.cluster_secret import FILE_ENV as SECRET_FILE_ENV
-from engine.cluster_secret import cluster_secret
-from engine.internal_auth import bearer, is_loopback
-from engine.placement import bind_cores, plan_placement
-from engine.procs import die_with_parent, free_port, stop_processes
+from infra.cluster_secret import ENV as SECRET_ENV
+from infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
+from infra.cluster_secret import cluster_secret
+from infra.internal_auth import bearer, is_loopback
+from runtime.placement import bind_cores, plan_placement
+from infra.procs import die_with_parent, free_port, stop_processes
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import Any
 
-from engine.node_front import NodeFront, Pending, RequestError
+from runtime.front import NodeFront, Pending, RequestError
 
 ROOM_MAX = (1 << 63) - 1
 

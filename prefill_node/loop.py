@@ -1,6 +1,6 @@
 """The prefill node's slot loop: bootstrap -> waiting -> running (chunked prefill) -> inflight -> released.
 
-Added around the engine's slot loop (engine/pp_loop.py), on every rank:
+Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
   meta "pd_add"    a sender for the room is created; the request joins the `bootstrap` queue
   bootstrap        each rank writes its sender's status into the PPConsensusStore; PP0 reads
@@ -31,10 +31,10 @@ from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
 from engine.core import Req
-from engine.pd import PDReq, encode_aux, vote_transport
-from engine.pp_comm import Msg
-from engine.pp_loop import SlotLoop
-from engine.rank_process import RankParts
+from pd_common.loop_base import PDReq, encode_aux, vote_transport
+from runtime.pp_comm import Msg
+from runtime.slot_loop import SlotLoop
+from runtime.rank_process import RankParts
 from engine.scheduler import ScheduledBatch, SampleOut
 
 log = logging.getLogger("pdserve.prefill")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import sys
 
 from consensus.store import PPConsensusStore
-from engine.pp_comm import Msg
-from engine.cluster_secret import cluster_secret
-from engine.rank_process import RankParts, run_rank
+from runtime.pp_comm import Msg
+from infra.cluster_secret import cluster_secret
+from runtime.rank_process import RankParts, run_rank
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
 from kv_transfer.sender import PrefillKVManager

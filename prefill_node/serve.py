@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
+from runtime.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_prefill_args(ap: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def prefill_main(args) -> int:
         host0 = args.dist_init_addr.rsplit(":", 1)[0]
         return run_remote_ranks(args, "prefill", "prefill_node.rank",
                                 {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"})
-    from engine.cluster_secret import cluster_secret
+    from infra.cluster_secret import cluster_secret
 
     front, app = make_front(args, "prefill", PrefillFront, bootstrap_port=args.bootstrap_port)
     server = BootstrapServer(host=args.host, port=args.bootstrap_port, token=cluster_secret()).start()

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.internal_auth import bearer, bearer_ok
+from infra.internal_auth import bearer, bearer_ok
 from router.admission import Admission, Rejected
 from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt

@@ -19,8 +19,8 @@ import sys
 
 from router.config import (BreakerConfig, CacheAwareConfig, HealthConfig, RetryConfig,
                            RouterConfig, WorkerSpec)
-from engine.cluster_secret import cluster_secret
-from engine.internal_auth import INSECURE_HELP, refuse_unprotected_bind
+from infra.cluster_secret import cluster_secret
+from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from router.policies import POLICIES
 
 _SECRET_ENV = {"api_key": "PDSERVE_API_KEY"}
@@ -145,7 +145,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 def serve(config: RouterConfig) -> None:
     import uvicorn
 
-    from engine.http_server import server_config
+    from infra.http_server import server_config
     from router.app import build_app
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.procs import free_port  # noqa: F401  (re-exported for the tests)
+from infra.procs import free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import zmq
 
 from consensus import KVPoll, PPConsensusStore
 from consensus.store import CHANNEL
-from engine.channel_auth import Sealer
+from infra.channel_auth import Sealer
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 10.0

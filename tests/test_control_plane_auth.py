@@ -3,7 +3,7 @@
   port its front listens on (found the way an attacker on the host would: the process's listening
   sockets); each is dropped and counted, the readers keep reading, the node answers like transformers;
 * a PD pair gets forged KV control messages for a room in flight; the room completes exactly.
-Unit checks of the sealing itself (engine/channel_auth.py) come first."""
+Unit checks of the sealing itself (infra/channel_auth.py) come first."""
 from __future__ import annotations
 
 import os
@@ -19,9 +19,9 @@ import zmq
 
 from cluster import free_port, start
 from consensus.kvpoll import KVPoll
-from engine.channel_auth import OVERHEAD, AuthError, Opener, Sealer
-from engine.node_front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
-from engine.node_metrics import FRONT_CHANNELS
+from infra.channel_auth import OVERHEAD, AuthError, Opener, Sealer
+from runtime.front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
+from runtime.metrics import FRONT_CHANNELS
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import CHANNEL as KV_CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message

@@ -403,7 +403,7 @@ def _exported_families(text: str) -> set[str]:
 
 def test_metrics_exported_today_are_listed():
     """What the code exports now is a subset of metrics.txt (the lead's live test checks the rest)."""
-    from engine.node_metrics import NodeMetrics
+    from runtime.metrics import NodeMetrics
     from router.metrics import RouterMetrics
     exported = _exported_families(RouterMetrics().render().decode())
     exported |= _exported_families(NodeMetrics(node="n", role="decode").render(front=None)[0].decode())

@@ -1,4 +1,4 @@
-"""The node front's request and event sockets never listen on a TCP port (engine/node_front.py): a
+"""The node front's request and event sockets never listen on a TCP port (runtime/front.py): a
 bound PUSH deals its messages round-robin to whoever connects, so any process that reached it, on
 the network or on this host, could take a share of the requests without the secret. They are unix
 sockets in a directory only the node's user may enter; only the stats socket is on `host`
@@ -9,7 +9,7 @@ import asyncio
 import os
 import stat
 
-from engine.node_front import NodeFront
+from runtime.front import NodeFront
 
 
 def test_request_and_event_sockets_are_private_unix_sockets():

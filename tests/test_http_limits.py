@@ -1,4 +1,4 @@
-"""Connection limits of pdserve's HTTP servers (engine/http_server.py), on a real `pdserve router`
+"""Connection limits of pdserve's HTTP servers (infra/http_server.py), on a real `pdserve router`
 process in front of stub nodes: slow request headers are cut off at the header timeout, and a
 streaming client that stops reading loses its connection at the write timeout, which frees its
 admission slot. And the router's SSE keep-alive while a stream waits for its first token."""

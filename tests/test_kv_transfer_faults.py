@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from consensus.kvpoll import KVPoll
-from engine.channel_auth import Sealer
-from engine.cluster_secret import ENV as SECRET_ENV
+from infra.channel_auth import Sealer
+from infra.cluster_secret import ENV as SECRET_ENV
 from kv_transfer import BootstrapServer, PoolDesc, TransferConfig
 from kv_transfer.manager import CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message

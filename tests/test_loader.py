@@ -234,7 +234,7 @@ def test_node_front_path_never_imports_torch(tiny):
     """What a node front runs before serving (its modules, the model config, the tokenizer) leaves
     torch unimported: importing it costs a front ~2.5 s of CPU while its ranks start. The tokenizer
     it gets is the one AutoTokenizer gives."""
-    code = ("import sys; import engine.serve, prefill_node.serve, decode_node.serve; "
+    code = ("import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
             "from engine.loader import load_model_config, load_tokenizer; "
             f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
             "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")

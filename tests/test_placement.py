@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from engine.placement import Placement, parse_cpus, plan_placement
+from runtime.placement import Placement, parse_cpus, plan_placement
 
 
 @pytest.mark.parametrize("cores", range(1, 9))

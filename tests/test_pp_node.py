@@ -67,7 +67,7 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
 def _check_rank_cores(stats, pp):
     """Each rank process runs on the cores the node's plan gave it (read back from /proc), and no
     two ranks share a core while the host has enough of them."""
-    from engine.placement import plan_placement
+    from runtime.placement import plan_placement
 
     plan = plan_placement(pp, sorted(os.sched_getaffinity(0)), threads=1)     # NODE_ARGS: --threads 1
     got = [os.sched_getaffinity(s["pid"]) for s in sorted(stats, key=lambda s: s["pp_rank"])]

@@ -1,4 +1,4 @@
-"""A node refuses to listen beyond loopback without the cluster secret (engine/serve.py
+"""A node refuses to listen beyond loopback without the cluster secret (runtime/serve.py
 `refuse_unprotected`): also on the hosts that run only ranks (--node-rank > 0), and when only the
 KV control sockets (the advertised host) would be reachable from the network."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from engine.serve import refuse_unprotected
+from runtime.serve import refuse_unprotected
 
 
 def args(host: str, insecure: bool = False) -> argparse.Namespace:

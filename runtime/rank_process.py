@@ -1,4 +1,4 @@
-"""One PP rank of a node: `python -m engine.rank_process --spec JSON`.
+"""One PP rank of a node: `python -m runtime.rank_process --spec JSON`.
 
 Loads its layer slice, joins the node's PP group, agrees on capacities, and runs the slot loop
 until told to stop. PP0 talks to the front over ZMQ; every rank pushes its stats (queues, pool) to
@@ -23,17 +23,17 @@ import msgpack
 import zmq
 
 from consensus import rank_checker
-from engine.channel_auth import AuthError, Opener, Sealer, limit_size
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.config import EngineConfig, apply_threads
 from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
-from engine.node_front import (EVT_CHANNEL, EVT_MAX_BYTES, REQ_CHANNEL, REQ_MAX_BYTES, STATS_CHANNEL,
+from runtime.front import (EVT_CHANNEL, EVT_MAX_BYTES, REQ_CHANNEL, REQ_MAX_BYTES, STATS_CHANNEL,
                                STATS_MAX_BYTES)
-from engine.pp_comm import PPComm
-from engine.pp_loop import LoopConfig, SlotLoop
-from engine.placement import bind_cores
-from engine.procs import die_with_parent, setup_logging
-from engine.rank_spec import RankSpec
+from runtime.pp_comm import PPComm
+from runtime.slot_loop import LoopConfig, SlotLoop
+from runtime.placement import bind_cores
+from infra.procs import die_with_parent, setup_logging
+from runtime.rank_spec import RankSpec
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("pdserve.rank")
@@ -54,7 +54,7 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 class ZmqFrontIO:
     """PP0's end of the front link: requests in (PULL), events out (PUSH); both sealed with the
-    cluster secret (engine/channel_auth.py). Bad requests are dropped, counted and logged once."""
+    cluster secret (infra/channel_auth.py). Bad requests are dropped, counted and logged once."""
 
     def __init__(self, ctx: zmq.Context, req_addr: str, evt_addr: str):
         self.pull = ctx.socket(zmq.PULL)

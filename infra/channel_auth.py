@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import zmq
 
-from engine.cluster_secret import cluster_secret
+from infra.cluster_secret import cluster_secret
 
 MAGIC = b"PA1"
 TAG_BYTES = 32

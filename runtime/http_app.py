@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from engine.internal_auth import bearer_ok
-from engine.node_front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
+from infra.internal_auth import bearer_ok
+from runtime.front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0           # to receive a whole body once its headers are in

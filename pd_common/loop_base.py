@@ -9,7 +9,7 @@ import msgpack
 
 from consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
 from engine.core import Req
-from engine.pp_comm import Msg, PPComm
+from runtime.pp_comm import Msg, PPComm
 
 
 def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:

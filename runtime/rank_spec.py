@@ -1,5 +1,5 @@
 """What the node front starts a rank process with (sent as JSON on its command line). Kept apart
-from engine/rank_process.py so the front can build it without importing torch."""
+from runtime/rank_process.py so the front can build it without importing torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 from consensus import rank_checker
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
-from engine.pp_comm import Msg, PPComm
+from runtime.pp_comm import Msg, PPComm
 from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ into an HTTP answer. Only PP0 talks to the front, so every request gets exactly 
 It also collects every rank's stats (pool and queues) for /health, /server_info and /metrics.
 
 Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is sealed
-with the cluster secret (engine/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers open
+with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers open
 and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong shape
 is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep reading.
 """
@@ -28,7 +28,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from engine.channel_auth import AuthError, Opener, Sealer, limit_size
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -120,7 +120,7 @@ class NodeFront:
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None          # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
-        self.metrics = None                   # set by the app (engine.node_metrics)
+        self.metrics = None                   # set by the app (runtime.metrics)
         self._tasks: list[asyncio.Task] = []
 
     @staticmethod

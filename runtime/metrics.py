@@ -1,6 +1,6 @@
 """Prometheus metrics of a node front: request latencies observed here, pool and queues per rank.
 
-Every rank pushes its stats to the front (engine.rank_process.StatsReporter), so one scrape of the
+Every rank pushes its stats to the front (runtime.rank_process.StatsReporter), so one scrape of the
 front covers every rank of the node. Each app gets its own CollectorRegistry.
 """
 from __future__ import annotations

@@ -22,11 +22,11 @@ from typing import Any
 import uvicorn
 
 from engine.config import EngineConfig
-from engine.http_server import server_config
-from engine.internal_auth import INSECURE_HELP, refuse_unprotected_bind
-from engine.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
-from engine.procs import free_port, setup_logging, stop_processes
-from engine.rank_spec import RankSpec
+from infra.http_server import server_config
+from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
+from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
+from infra.procs import free_port, setup_logging, stop_processes
+from runtime.rank_spec import RankSpec
 
 log = logging.getLogger("pdserve.serve")
 
@@ -75,7 +75,7 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     ap.add_argument("--cpus", default="",
                     help="cores of each local rank, e.g. '0;1' or '0,1;2,3' (ranks by ';'); default: "
-                         "planned over this process's cores (engine/placement.py); `pdserve up` sets it")
+                         "planned over this process's cores (runtime/placement.py); `pdserve up` sets it")
     ap.add_argument("--io-cpus", default=None,
                     help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any")
 
@@ -109,7 +109,7 @@ def engine_dict(args, threads: int) -> dict[str, Any]:
 class RankSet:
     """The local rank processes of a node, and a thread that notices when one of them exits."""
 
-    def __init__(self, specs: list[RankSpec], on_exit, module: str = "engine.rank_process"):
+    def __init__(self, specs: list[RankSpec], on_exit, module: str = "runtime.rank_process"):
         self.procs: list[subprocess.Popen] = []
         self.on_exit = on_exit
         self._stopping = False
@@ -143,7 +143,7 @@ def refuse_unprotected(args, role: str) -> str | None:
     """The cluster secret; stops the process when this host's part of the node would listen beyond
     loopback without one (and no --insecure): its HTTP front (--host) and, on PD nodes, the KV
     control sockets of its ranks (the advertised host, PDSERVE_ADVERTISE_HOST)."""
-    from engine.cluster_secret import cluster_secret
+    from infra.cluster_secret import cluster_secret
     secret = cluster_secret()
     hosts = [args.host] + ([advertise_host(args)] if role in ("prefill", "decode") else [])
     for host in dict.fromkeys(hosts):
@@ -184,7 +184,7 @@ def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, An
 
 
 def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
-             module: str = "engine.rank_process") -> int:
+             module: str = "runtime.rank_process") -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
     server = uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning",
@@ -240,9 +240,9 @@ class TokenizerLoading:
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
     from engine.loader import load_model_config, resolve_model
-    from engine.node_app import build_app
-    from engine.node_front import NodeFront
-    from engine.node_metrics import NodeMetrics
+    from runtime.http_app import build_app
+    from runtime.front import NodeFront
+    from runtime.metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level)
     secret = refuse_unprotected(args, role)     # the ranks read it too: children inherit the environment
@@ -281,6 +281,6 @@ def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None 
 
 def serve_main(args) -> int:
     if args.node_rank > 0:
-        return run_remote_ranks(args, "colocated", "engine.rank_process")
+        return run_remote_ranks(args, "colocated", "runtime.rank_process")
     front, app = make_front(args, "colocated")
     return run_node(args, front, app, "colocated")
