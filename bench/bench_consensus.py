@@ -12,6 +12,7 @@ Clocks: time.perf_counter_ns is CLOCK_MONOTONIC, shared by processes on one host
 
 Run: .venv/bin/python bench/bench_consensus.py [--rounds N]; writes bench/results/consensus.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,14 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from consensus import (Ballot, KVPoll, LeaderSync, PPConsensusStore, PPGroupTransport,  # noqa: E402
-                       RingVote)
+from consensus import (
+    Ballot,
+    KVPoll,
+    LeaderSync,
+    PPConsensusStore,
+    PPGroupTransport,  # noqa: E402
+    RingVote,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "consensus.md"
 now = time.perf_counter_ns
@@ -119,15 +126,22 @@ def ring_worker(rank: int, size: int, rounds: int, addr_q, peers_q, out_q) -> No
         return pull.recv()
 
     t = PPGroupTransport(rank, size, lambda dst, data: push.send(data), recv, timeout_s=30)
-    vote, sync = RingVote(t, 1, kinds=("release", "transferred", "prealloc", "retract")), LeaderSync(t)
+    vote, sync = (
+        RingVote(t, 1, kinds=("release", "transferred", "prealloc", "retract")),
+        LeaderSync(t),
+    )
     rooms = frozenset(range(1 << 40, (1 << 40) + 32))
-    ballots = {"release": Ballot(good=rooms), "transferred": Ballot(good=rooms, bad=frozenset({7})),
-               "prealloc": Ballot(good=rooms), "retract": Ballot(good=frozenset(f"rid-{i}" for i in range(32)))}
+    ballots = {
+        "release": Ballot(good=rooms),
+        "transferred": Ballot(good=rooms, bad=frozenset({7})),
+        "prealloc": Ballot(good=rooms),
+        "retract": Ballot(good=frozenset(f"rid-{i}" for i in range(32))),
+    }
     polls = [KVPoll.WaitingForInput] * 64
     vote_t, sync_t = [], []
-    for n in range(rounds + 20):          # 20 warm-up rounds
+    for n in range(rounds + 20):  # 20 warm-up rounds
         if rank == 0:
-            time.sleep(0.003)             # keep rounds apart
+            time.sleep(0.003)  # keep rounds apart
         t0 = now()
         vote.pass1(0, ballots)
         verdict = vote.pass2(0)
@@ -151,8 +165,12 @@ def bench_ring(size: int, rounds: int) -> dict:
     ctx = mp.get_context("spawn")
     addr_q, out_q = ctx.Queue(), ctx.Queue()
     peer_qs = [ctx.Queue() for _ in range(size)]
-    procs = [ctx.Process(target=ring_worker, args=(r, size, rounds, addr_q, peer_qs[r], out_q), daemon=True)
-             for r in range(size)]
+    procs = [
+        ctx.Process(
+            target=ring_worker, args=(r, size, rounds, addr_q, peer_qs[r], out_q), daemon=True
+        )
+        for r in range(size)
+    ]
     try:
         for p in procs:
             p.start()
@@ -167,7 +185,11 @@ def bench_ring(size: int, rounds: int) -> dict:
                 p.kill()
 
     def spans(i: int) -> list[float]:
-        return [(max(res[r][i][n][1] for r in range(size)) - res[0][i][n][0]) / 1e3 for n in range(rounds)]
+        return [
+            (max(res[r][i][n][1] for r in range(size)) - res[0][i][n][0]) / 1e3
+            for n in range(rounds)
+        ]
+
     return {"vote": spans(0), "sync": spans(1)}
 
 
@@ -185,10 +207,17 @@ def bench_code(n: int = 2000) -> dict:
     rooms = list(range(1 << 40, (1 << 40) + 32))
     rids = [f"rid-{i}" for i in range(32)]
     sets = [[rooms, []], [rooms, [7]], [rooms, []], [rids, []]]
-    ballots = {"release": Ballot(good=frozenset(rooms)), "transferred": Ballot(good=frozenset(rooms)),
-               "prealloc": Ballot(good=frozenset(rooms)), "retract": Ballot(good=frozenset(rids))}
+    ballots = {
+        "release": Ballot(good=frozenset(rooms)),
+        "transferred": Ballot(good=frozenset(rooms)),
+        "prealloc": Ballot(good=frozenset(rooms)),
+        "retract": Ballot(good=frozenset(rids)),
+    }
     from consensus.transport import encode
-    vote = RingVote(_ReplayTransport([encode(["v1", 0, sets]), encode(["v2", 0, sets])]), 1, kinds=kinds)
+
+    vote = RingVote(
+        _ReplayTransport([encode(["v1", 0, sets]), encode(["v2", 0, sets])]), 1, kinds=kinds
+    )
     t0 = now()
     for _ in range(n):
         vote.pass1(0, ballots)
@@ -212,34 +241,48 @@ def main() -> None:
         st = bench_store(size, args.rounds)
         ring = bench_ring(size, args.rounds)
         rows.append((size, st, ring))
-        print(f"PP={size}: repl p50 {pct(st['repl'], 50):.0f} us p99 {pct(st['repl'], 99):.0f} us | "
-              f"vote p50 {pct(ring['vote'], 50):.0f} p99 {pct(ring['vote'], 99):.0f} us | "
-              f"sync p50 {pct(ring['sync'], 50):.0f} p99 {pct(ring['sync'], 99):.0f} us", flush=True)
+        print(
+            f"PP={size}: repl p50 {pct(st['repl'], 50):.0f} us p99 {pct(st['repl'], 99):.0f} us | "
+            f"vote p50 {pct(ring['vote'], 50):.0f} p99 {pct(ring['vote'], 99):.0f} us | "
+            f"sync p50 {pct(ring['sync'], 50):.0f} p99 {pct(ring['sync'], 99):.0f} us",
+            flush=True,
+        )
     lines = [
-        "# Consensus latency (bench/bench_consensus.py)", "",
+        "# Consensus latency (bench/bench_consensus.py)",
+        "",
         f"Loopback, one process per rank, {args.rounds} samples each; machine: {platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average at start "
-        f"{load0:.1f} (other jobs share the machine). Microseconds.", "",
+        f"{load0:.1f} (other jobs share the machine). Microseconds.",
+        "",
         "| PP | store repl p50 | store repl p99 | PP0 statuses()/room | vote round p50 | vote round p99 "
         "| leader sync p50 | leader sync p99 | bootstrap added p50 | bootstrap added p99 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, st, ring in rows:
         added = [pct(st["repl"], q) + pct(ring["sync"], q) + 64 * st["status_us"] for q in (50, 99)]
-        lines.append(f"| {size} | {pct(st['repl'], 50):.0f} | {pct(st['repl'], 99):.0f} | "
-                     f"{st['status_us']:.2f} | {pct(ring['vote'], 50):.0f} | {pct(ring['vote'], 99):.0f} | "
-                     f"{pct(ring['sync'], 50):.0f} | {pct(ring['sync'], 99):.0f} | {added[0]:.0f} | {added[1]:.0f} |")
+        lines.append(
+            f"| {size} | {pct(st['repl'], 50):.0f} | {pct(st['repl'], 99):.0f} | "
+            f"{st['status_us']:.2f} | {pct(ring['vote'], 50):.0f} | {pct(ring['vote'], 99):.0f} | "
+            f"{pct(ring['sync'], 50):.0f} | {pct(ring['sync'], 99):.0f} | {added[0]:.0f} | {added[1]:.0f} |"
+        )
     code = bench_code()
-    lines += ["", f"Code cost per middle rank and iteration, measured in one process (no OS wake-ups): "
-              f"vote pass 1 + pass 2 {code['vote_hop_us']:.0f} us, leader sync of 64 statuses "
-              f"{code['sync_hop_us']:.0f} us. At PP 8 the bootstrap path is 7 sync hops: "
-              f"{7 * code['sync_hop_us']:.0f} us of code; a vote round is 15 hops.", ""]
-    lines += ["Vote round: 4 kinds x 32 ids; PP0 starts pass 1 -> the last rank holding the verdict. "
-              "Store replication: write on rank k -> PP0's status(room) changes. Bootstrap added = what "
-              "the bootstrap consensus adds beyond the iterations it waits for: replication + "
-              "leader sync (same percentile) + statuses() of 64 rooms (budget: 5,000 us at PP 8). "
-              "With more runnable processes than cores, p99 is dominated by OS scheduling of the "
-              "one-process-per-rank ring, not by the consensus code.", ""]
+    lines += [
+        "",
+        f"Code cost per middle rank and iteration, measured in one process (no OS wake-ups): "
+        f"vote pass 1 + pass 2 {code['vote_hop_us']:.0f} us, leader sync of 64 statuses "
+        f"{code['sync_hop_us']:.0f} us. At PP 8 the bootstrap path is 7 sync hops: "
+        f"{7 * code['sync_hop_us']:.0f} us of code; a vote round is 15 hops.",
+        "",
+    ]
+    lines += [
+        "Vote round: 4 kinds x 32 ids; PP0 starts pass 1 -> the last rank holding the verdict. "
+        "Store replication: write on rank k -> PP0's status(room) changes. Bootstrap added = what "
+        "the bootstrap consensus adds beyond the iterations it waits for: replication + "
+        "leader sync (same percentile) + statuses() of 64 rooms (budget: 5,000 us at PP 8). "
+        "With more runnable processes than cores, p99 is dominated by OS scheduling of the "
+        "one-process-per-rank ring, not by the consensus code.",
+        "",
+    ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines))
     print("\n".join(lines))

@@ -7,6 +7,7 @@ token, what the front did before). Greedy SmolLM2 ids are replaced by a seeded m
 
   .venv/bin/python bench/bench_detokenize.py [--lengths 64,512,2048]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ def main() -> int:
     a = ap.parse_args()
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(0)
-    print("| output tokens | decode stream (µs CPU / token) | full re-decode (µs CPU / token) | ratio |")
+    print(
+        "| output tokens | decode stream (µs CPU / token) | full re-decode (µs CPU / token) | ratio |"
+    )
     print("|---:|---:|---:|---:|")
     for n in map(int, a.lengths.split(",")):
         ids = [rng.randrange(200, tok.vocab_size) for _ in range(n)]

@@ -14,6 +14,7 @@ not counted (they would only raise our number).
 
   .venv/bin/python bench/bench_engine.py [--requests 64] [--max-tokens 128] [--hf-requests 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ def matmul_flops(n: int = 2048, reps: int = 6) -> float:
         t = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def param_counts(eng: Engine) -> tuple[int, int]:
@@ -66,27 +67,44 @@ def param_counts(eng: Engine) -> tuple[int, int]:
             embed += p.numel()
         else:
             total += p.numel()
-    if embed == 0:     # a model that keeps the embedding outside named_parameters
+    if embed == 0:  # a model that keeps the embedding outside named_parameters
         mc = eng.model_config
         embed = mc.vocab_size * mc.hidden_size
     return total, embed
 
 
-def hf_run(path: Path, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]], float]:
+def hf_run(
+    path: Path, prompts: list[list[int]], max_new: int
+) -> tuple[float, list[list[int]], float]:
     from transformers import AutoModelForCausalLM
+
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     load_s = time.perf_counter() - t
     outs = []
     with torch.inference_mode():
         x = torch.tensor([prompts[0][:16]])
-        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+        )
         t = time.perf_counter()
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, min_new_tokens=max_new,
-                               do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
         dt = time.perf_counter() - t
     del model
     return dt, outs, load_s
@@ -96,7 +114,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--hf-requests", type=int, default=8, help="seeded subset run through transformers")
+    ap.add_argument(
+        "--hf-requests", type=int, default=8, help="seeded subset run through transformers"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine.md"))
     args = ap.parse_args()
@@ -105,7 +125,10 @@ def main() -> int:
 
     prompts = make_prompts(args.requests, args.seed)
     n_prompt = sum(map(len, prompts))
-    print(f"{args.requests} requests, {n_prompt} prompt tokens, {args.max_tokens} output tokens each", flush=True)
+    print(
+        f"{args.requests} requests, {n_prompt} prompt tokens, {args.max_tokens} output tokens each",
+        flush=True,
+    )
 
     flops = max(matmul_flops() for _ in range(2))
     print(f"fp32 matmul 2048^3, {THREADS} threads: {flops / 1e9:.1f} GFLOP/s", flush=True)
@@ -114,7 +137,7 @@ def main() -> int:
     torch.set_num_threads(THREADS)
     layer_p, embed_p = param_counts(eng)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))     # warm-up
+    eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     t = time.perf_counter()
     outs = eng.generate(prompts, sp)
     ours_s = time.perf_counter() - t
@@ -122,7 +145,10 @@ def main() -> int:
     ours_rate = n_out / ours_s
     flop = 2 * (layer_p * (n_prompt + n_out) + embed_p * n_out)
     roof = flop / ours_s / flops
-    print(f"ours: {n_out} tokens in {ours_s:.1f} s = {ours_rate:.1f} tok/s, roofline {roof:.1%}", flush=True)
+    print(
+        f"ours: {n_out} tokens in {ours_s:.1f} s = {ours_rate:.1f} tok/s, roofline {roof:.1%}",
+        flush=True,
+    )
     load_mid = os.getloadavg()
 
     path = resolve_model(None)
@@ -138,55 +164,77 @@ def main() -> int:
     for a, i in zip(hf_outs, idx):
         b = outs[i].token_ids
         if a != b:
-            first_diff.append(next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    print(f"transformers: {hf_out} tokens ({len(sub)} requests) in {hf_s:.1f} s = {hf_rate:.1f} tok/s; "
-          f"token-identical {same}/{len(sub)}", flush=True)
+            first_diff.append(
+                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            )
+    print(
+        f"transformers: {hf_out} tokens ({len(sub)} requests) in {hf_s:.1f} s = {hf_rate:.1f} tok/s; "
+        f"token-identical {same}/{len(sub)}",
+        flush=True,
+    )
     load1 = os.getloadavg()
 
     speedup = ours_rate / hf_rate
     rows = [
-        ("ours: Engine.generate, 1 continuous batch, fp32, 2 threads", args.requests, n_out, f"{ours_s:.1f}",
-         f"{ours_rate:.1f}", f"{roof:.1%}"),
-        ("transformers generate, 1 request at a time, fp32, 2 threads", len(sub), hf_out, f"{hf_s:.1f}",
-         f"{hf_rate:.1f}", f"{2 * (layer_p * (sum(map(len, sub)) + hf_out) + embed_p * hf_out) / hf_s / flops:.1%}"),
+        (
+            "ours: Engine.generate, 1 continuous batch, fp32, 2 threads",
+            args.requests,
+            n_out,
+            f"{ours_s:.1f}",
+            f"{ours_rate:.1f}",
+            f"{roof:.1%}",
+        ),
+        (
+            "transformers generate, 1 request at a time, fp32, 2 threads",
+            len(sub),
+            hf_out,
+            f"{hf_s:.1f}",
+            f"{hf_rate:.1f}",
+            f"{2 * (layer_p * (sum(map(len, sub)) + hf_out) + embed_p * hf_out) / hf_s / flops:.1%}",
+        ),
     ]
-    table = ["| run | requests | output tokens | seconds | output tok/s | roofline fraction |",
-             "|---|---:|---:|---:|---:|---:|"]
+    table = [
+        "| run | requests | output tokens | seconds | output tok/s | roofline fraction |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     table += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     ok_speed, ok_roof = speedup >= 2.5, roof >= 0.5
-    text = "\n".join([
-        "# Offline engine throughput (SmolLM2-135M-Instruct)",
-        "",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, torch "
-        f"{torch.__version__}; shared with other jobs. Load average (1/5/15 min) at start "
-        f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after our run {load_mid[0]:.2f}/{load_mid[1]:.2f}/"
-        f"{load_mid[2]:.2f}, at the end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}.",
-        "",
-        f"Workload: {args.requests} requests, prompts of seeded random token ids, lengths uniform in [32, 256] "
-        f"({n_prompt} prompt tokens, mean {n_prompt / args.requests:.0f}), {args.max_tokens} output tokens each, "
-        "greedy, ignore_eos. Served dtype: **fp32** (the default; token-identical to the fp32 reference). "
-        f"torch threads = {THREADS} for both.",
-        "",
-        f"transformers ran a seeded subset of {len(sub)} of the {args.requests} requests (indices {idx}), one at a "
-        f"time, because the full set would take ~{args.requests * args.max_tokens / hf_rate / 60:.0f} min at its "
-        f"rate; its rate is extrapolated to the full set. Model load: {hf_load:.0f} s (not timed). "
-        f"Its outputs vs ours on those requests: token-identical {same}/{len(sub)}"
-        + (f" (first differing positions {first_diff})" if first_diff else "") + ".",
-        "",
-        *table,
-        "",
-        f"Roofline: FLOPs = 2 x ({layer_p / 1e6:.1f}M decoder-layer parameters x (prompt + output tokens) + "
-        f"{embed_p / 1e6:.1f}M lm_head parameters x output tokens) = {flop / 1e12:.2f} TFLOP, over the measured "
-        f"fp32 matmul peak {flops / 1e9:.1f} GFLOP/s (2048x2048 @ 2048x2048, {THREADS} threads, best of 6). "
-        "Attention score FLOPs are not counted.",
-        "",
-        f"- speed-up over transformers: **{speedup:.2f}x** (target >= 2.5x: {'met' if ok_speed else 'NOT met'})",
-        f"- fraction of roofline: **{roof:.1%}** (target >= 50%: {'met' if ok_roof else 'NOT met'})",
-        "",
-        f"Command: `.venv/bin/python bench/bench_engine.py --requests {args.requests} --max-tokens "
-        f"{args.max_tokens} --hf-requests {args.hf_requests}`",
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# Offline engine throughput (SmolLM2-135M-Instruct)",
+            "",
+            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, torch "
+            f"{torch.__version__}; shared with other jobs. Load average (1/5/15 min) at start "
+            f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after our run {load_mid[0]:.2f}/{load_mid[1]:.2f}/"
+            f"{load_mid[2]:.2f}, at the end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}.",
+            "",
+            f"Workload: {args.requests} requests, prompts of seeded random token ids, lengths uniform in [32, 256] "
+            f"({n_prompt} prompt tokens, mean {n_prompt / args.requests:.0f}), {args.max_tokens} output tokens each, "
+            "greedy, ignore_eos. Served dtype: **fp32** (the default; token-identical to the fp32 reference). "
+            f"torch threads = {THREADS} for both.",
+            "",
+            f"transformers ran a seeded subset of {len(sub)} of the {args.requests} requests (indices {idx}), one at a "
+            f"time, because the full set would take ~{args.requests * args.max_tokens / hf_rate / 60:.0f} min at its "
+            f"rate; its rate is extrapolated to the full set. Model load: {hf_load:.0f} s (not timed). "
+            f"Its outputs vs ours on those requests: token-identical {same}/{len(sub)}"
+            + (f" (first differing positions {first_diff})" if first_diff else "")
+            + ".",
+            "",
+            *table,
+            "",
+            f"Roofline: FLOPs = 2 x ({layer_p / 1e6:.1f}M decoder-layer parameters x (prompt + output tokens) + "
+            f"{embed_p / 1e6:.1f}M lm_head parameters x output tokens) = {flop / 1e12:.2f} TFLOP, over the measured "
+            f"fp32 matmul peak {flops / 1e9:.1f} GFLOP/s (2048x2048 @ 2048x2048, {THREADS} threads, best of 6). "
+            "Attention score FLOPs are not counted.",
+            "",
+            f"- speed-up over transformers: **{speedup:.2f}x** (target >= 2.5x: {'met' if ok_speed else 'NOT met'})",
+            f"- fraction of roofline: **{roof:.1%}** (target >= 50%: {'met' if ok_roof else 'NOT met'})",
+            "",
+            f"Command: `.venv/bin/python bench/bench_engine.py --requests {args.requests} --max-tokens "
+            f"{args.max_tokens} --hf-requests {args.hf_requests}`",
+            "",
+        ]
+    )
     print("\n".join(table))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -11,6 +11,7 @@ engines, their ratio (target >= 0.8), and per-room latency with 1, 8 and 32 room
 
     .venv/bin/python bench/bench_kv_transfer.py [--layouts 1x1,2x3,3x2] [--out bench/results/kv_transfer.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,16 @@ import statistics
 import time
 
 NUM_LAYERS, TOKEN_BYTES, PAGE_SIZE, PROMPT = 30, 3 * 64 * 4, 16, 2048
-ROOM_PAGES = PROMPT // PAGE_SIZE                # 128
-SRC_PAGES, DST_BLOCKS = 2 * ROOM_PAGES, 8       # rooms beyond 8 in flight reuse decode page blocks
+ROOM_PAGES = PROMPT // PAGE_SIZE  # 128
+SRC_PAGES, DST_BLOCKS = 2 * ROOM_PAGES, 8  # rooms beyond 8 in flight reuse decode page blocks
 KV_BYTES = NUM_LAYERS * 2 * PROMPT * TOKEN_BYTES
-CFG = dict(bootstrap_timeout_s=30, waiting_timeout_s=60, transfer_timeout_s=60, heartbeat_interval_s=1.0,
-           transfer_threads=1)     # the ranks of a node share this process and its 2 cores
+CFG = dict(
+    bootstrap_timeout_s=30,
+    waiting_timeout_s=60,
+    transfer_timeout_s=60,
+    heartbeat_interval_s=1.0,
+    transfer_threads=1,
+)  # the ranks of a node share this process and its 2 cores
 
 
 class Node:
@@ -34,28 +40,51 @@ class Node:
 
     def __init__(self):
         from kv_transfer.engine import MooncakeEngine
+
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.bufs, self.rooms, self.raw = [], [], {}, []
 
     def _pool(self, num_pages, layers):
         from kv_transfer.layout import PoolDesc
+
         nbytes = num_pages * (layers[1] - layers[0]) * 2 * PAGE_SIZE * TOKEN_BYTES
         buf = (ctypes.c_char * nbytes)()
-        ctypes.memset(buf, 0x5A, nbytes)            # fault the pages in
+        ctypes.memset(buf, 0x5A, nbytes)  # fault the pages in
         self.bufs.append(buf)
-        return PoolDesc(ctypes.addressof(buf), num_pages, PAGE_SIZE, layers[0], layers[1], TOKEN_BYTES, "float32")
+        return PoolDesc(
+            ctypes.addressof(buf),
+            num_pages,
+            PAGE_SIZE,
+            layers[0],
+            layers[1],
+            TOKEN_BYTES,
+            "float32",
+        )
 
     def setup(self, side, pp, bootstrap_addr):
         from kv_transfer import DecodeKVManager, PrefillKVManager, TransferConfig, split_layers
+
         slices = split_layers(NUM_LAYERS, pp)
         for rank, layers in enumerate(slices):
             if side == "prefill":
-                m = PrefillKVManager(TransferConfig(**CFG), self._pool(SRC_PAGES, layers), rank, pp, bootstrap_addr,
-                                     self.engine)
+                m = PrefillKVManager(
+                    TransferConfig(**CFG),
+                    self._pool(SRC_PAGES, layers),
+                    rank,
+                    pp,
+                    bootstrap_addr,
+                    self.engine,
+                )
                 m.registered.wait(10)
             else:
-                m = DecodeKVManager(TransferConfig(**CFG), self._pool(DST_BLOCKS * ROOM_PAGES, layers), rank, slices,
-                                    64, self.engine)
+                m = DecodeKVManager(
+                    TransferConfig(**CFG),
+                    self._pool(DST_BLOCKS * ROOM_PAGES, layers),
+                    rank,
+                    slices,
+                    64,
+                    self.engine,
+                )
             self.mgrs.append(m)
 
     def teardown(self):
@@ -72,7 +101,9 @@ class Node:
 
     def raw_write(self, src_ptr, session, dst_ptr, nbytes):
         t = time.perf_counter()
-        rc = self.engine._te.batch_transfer_sync_write(session, [src_ptr], [dst_ptr], [nbytes])  # plain Mooncake
+        rc = self.engine._te.batch_transfer_sync_write(
+            session, [src_ptr], [dst_ptr], [nbytes]
+        )  # plain Mooncake
         assert rc == 0, f"raw write returned {rc}"
         return time.perf_counter() - t
 
@@ -86,7 +117,10 @@ class Node:
                 if side == "prefill":
                     self.rooms[(m.pp_rank, room)] = (m.create_sender(room), src)
                 else:
-                    r = self.rooms[(m.pp_rank, room)] = (m.create_receiver(room, bootstrap_addr), dst)
+                    r = self.rooms[(m.pp_rank, room)] = (
+                        m.create_receiver(room, bootstrap_addr),
+                        dst,
+                    )
                     r[0].register(dst, aux_slot=i % 64)
 
     def wait(self, want, timeout=60):
@@ -140,13 +174,14 @@ class Proc:
 
 def run_layout(pre, dec, p_pp, d_pp, repeats, raw):
     from kv_transfer import BootstrapServer
+
     server = BootstrapServer().start()
     try:
         pre("setup", "prefill", p_pp, server.addr)
         dec("setup", "decode", d_pp, server.addr)
         results, rng = {}, random.Random(p_pp * 10 + d_pp)
         for inflight in [1] * repeats + [8, 32]:
-            if inflight == 1:           # interleaved, so both see the same machine load
+            if inflight == 1:  # interleaved, so both see the same machine load
                 results.setdefault("raw", []).append(raw())
             rooms = [rng.getrandbits(63) for _ in range(inflight)]
             dec("open_rooms", "decode", rooms, server.addr)
@@ -168,8 +203,12 @@ def run_layout(pre, dec, p_pp, d_pp, repeats, raw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1x1,2x3,3x2")
-    ap.add_argument("--repeats", type=int, default=9)   # the raw write alone swings 0.8-1.9 GB/s here
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_transfer.md"))
+    ap.add_argument(
+        "--repeats", type=int, default=9
+    )  # the raw write alone swings 0.8-1.9 GB/s here
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_transfer.md")
+    )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     pre, dec = Proc(ctx), Proc(ctx)
@@ -177,16 +216,20 @@ def main():
         src = pre("raw_buffer", KV_BYTES)[1]
         session, dst = dec("raw_buffer", KV_BYTES)
         raw = lambda: pre("raw_write", src, session, dst, KV_BYTES)  # noqa: E731
-        lines = ["# kv_transfer benchmark", "",
-                 f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, pages of {PAGE_SIZE}: "
-                 f"{KV_BYTES / 1e6:.1f} MB per room, scattered page tables; Mooncake TCP on loopback, "
-                 f"{os.cpu_count()} cores shared with other jobs. Raw = one `batch_transfer_sync_write` of the "
-                 f"same {KV_BYTES / 1e6:.1f} MB (one descriptor) between the same two engines, measured "
-                 f"interleaved with the 1-room runs; medians of {args.repeats}.", "",
-                 "| layout (prefill PP x decode PP) | raw GB/s | kv_transfer 1 room GB/s | ratio | "
-                 "latency/room, 1 in flight (ms) | 8 in flight: median / max (ms) | 32 in flight: median / max (ms) | "
-                 "aggregate GB/s at 32 |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            "# kv_transfer benchmark",
+            "",
+            f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, pages of {PAGE_SIZE}: "
+            f"{KV_BYTES / 1e6:.1f} MB per room, scattered page tables; Mooncake TCP on loopback, "
+            f"{os.cpu_count()} cores shared with other jobs. Raw = one `batch_transfer_sync_write` of the "
+            f"same {KV_BYTES / 1e6:.1f} MB (one descriptor) between the same two engines, measured "
+            f"interleaved with the 1-room runs; medians of {args.repeats}.",
+            "",
+            "| layout (prefill PP x decode PP) | raw GB/s | kv_transfer 1 room GB/s | ratio | "
+            "latency/room, 1 in flight (ms) | 8 in flight: median / max (ms) | 32 in flight: median / max (ms) | "
+            "aggregate GB/s at 32 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for layout in args.layouts.split(","):
             p_pp, d_pp = map(int, layout.split("x"))
             res = run_layout(pre, dec, p_pp, d_pp, args.repeats, raw)
@@ -195,9 +238,11 @@ def main():
             raw_gbs = KV_BYTES / statistics.median(res["raw"]) / 1e9
             l8, l32 = res[8][0], res[32][0]
             agg = 32 * KV_BYTES / l32[-1] / 1e9
-            lines.append(f"| {p_pp} x {d_pp} | {raw_gbs:.2f} | {gbs:.2f} | {gbs / raw_gbs:.2f} | {one * 1e3:.1f} | "
-                         f"{statistics.median(l8) * 1e3:.0f} / {l8[-1] * 1e3:.0f} | "
-                         f"{statistics.median(l32) * 1e3:.0f} / {l32[-1] * 1e3:.0f} | {agg:.2f} |")
+            lines.append(
+                f"| {p_pp} x {d_pp} | {raw_gbs:.2f} | {gbs:.2f} | {gbs / raw_gbs:.2f} | {one * 1e3:.1f} | "
+                f"{statistics.median(l8) * 1e3:.0f} / {l8[-1] * 1e3:.0f} | "
+                f"{statistics.median(l32) * 1e3:.0f} / {l32[-1] * 1e3:.0f} | {agg:.2f} |"
+            )
             print(lines[-1], flush=True)
         text = "\n".join(lines) + "\n"
         print(text)

@@ -8,6 +8,7 @@ a neighbour on the I/O core costs nothing and one on the compute core costs its 
 
   .venv/bin/python bench/bench_neighbour.py [--model M] [--repeats 3] [--output bench/results/neighbour.md]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,22 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
 def start_node(model: str | None, threads: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--pp", "1", "--port", str(port), "--no-prefix-cache",
-           *threads, *(["--model", model] if model else [])]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--pp",
+        "1",
+        "--port",
+        str(port),
+        "--no-prefix-cache",
+        *threads,
+        *(["--model", model] if model else []),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -59,8 +73,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def one_request(url: str) -> float:
     t = time.perf_counter()
-    r = httpx.post(f"{url}/generate", json={"text": PROMPT, "sampling_params": {
-        "max_tokens": 64, "temperature": 0, "ignore_eos": True}}, timeout=300)
+    r = httpx.post(
+        f"{url}/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {"max_tokens": 64, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=300,
+    )
     r.raise_for_status()
     return time.perf_counter() - t
 
@@ -73,7 +93,7 @@ def measure(url: str, repeats: int, neighbour_core: int | None) -> float:
     nb = busy(neighbour_core) if neighbour_core is not None else None
     try:
         time.sleep(0.5)
-        one_request(url)                                  # warm-up under the same conditions
+        one_request(url)  # warm-up under the same conditions
         return statistics.median(one_request(url) for _ in range(repeats))
     finally:
         if nb is not None:
@@ -90,8 +110,10 @@ def main() -> int:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs at least 2 cores")
     rows = []
-    for name, flags in (("default plan (1 compute core + 1 I/O core)", []),
-                        ("--threads 2 (both cores compute)", ["--threads", "2"])):
+    for name, flags in (
+        ("default plan (1 compute core + 1 I/O core)", []),
+        ("--threads 2 (both cores compute)", ["--threads", "2"]),
+    ):
         proc, url = start_node(a.model, flags, Path(f"/tmp/bench_neighbour_{len(rows)}.log"))
         try:
             alone = measure(url, a.repeats, None)
@@ -100,12 +122,24 @@ def main() -> int:
         finally:
             stop(proc)
         rows.append((name, alone, on0, on1))
-        print(f"{name}: alone {alone:.2f} s, busy core 0 {on0:.2f} s ({on0 / alone:.1f}x), "
-              f"busy core 1 {on1:.2f} s ({on1 / alone:.1f}x)", flush=True)
+        print(
+            f"{name}: alone {alone:.2f} s, busy core 0 {on0:.2f} s ({on0 / alone:.1f}x), "
+            f"busy core 1 {on1:.2f} s ({on1 / alone:.1f}x)",
+            flush=True,
+        )
     load = open("/proc/loadavg").read().split()[:3]
-    lines = ["| node | alone (s) | busy process on core 0 | busy process on core 1 |", "|---|---:|---:|---:|"]
-    lines += [f"| {n} | {a_:.2f} | {b:.2f} ({b / a_:.1f}x) | {c:.2f} ({c / a_:.1f}x) |" for n, a_, b, c in rows]
-    text = "\n".join(lines) + f"\n\nOne 64-token greedy request, median of {a.repeats}; load average after: {' '.join(load)}.\n"
+    lines = [
+        "| node | alone (s) | busy process on core 0 | busy process on core 1 |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {n} | {a_:.2f} | {b:.2f} ({b / a_:.1f}x) | {c:.2f} ({c / a_:.1f}x) |"
+        for n, a_, b, c in rows
+    ]
+    text = (
+        "\n".join(lines)
+        + f"\n\nOne 64-token greedy request, median of {a.repeats}; load average after: {' '.join(load)}.\n"
+    )
     print(text)
     if a.output:
         Path(a.output).write_text(text)

@@ -12,6 +12,7 @@
 
   .venv/bin/python bench/bench_pp.py [--iters 2000] [--requests 32] [--concurrency 32] [--skip-a] [--skip-b]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,17 @@ import loadgen  # noqa: E402
 # --- (a) the empty slot loop ------------------------------------------------------------------------
 def _rank(rank: int, size: int, init: str, warmup: int, iters: int, q) -> None:
     import torch
+
     torch.set_num_threads(1)
     from engine.kv_cache import PageAllocator
+    from engine.scheduler import Scheduler, SchedulerConfig
     from runtime.pp_comm import PPComm
     from runtime.slot_loop import LoopConfig, SlotLoop
-    from engine.scheduler import Scheduler, SchedulerConfig
 
-    class NeverRunner:           # batches are empty: forward/sample are never called
+    class NeverRunner:  # batches are empty: forward/sample are never called
         def forward(self, *a, **k):
             raise AssertionError("forward called on an empty batch")
+
         sample = forward
 
     comm = PPComm(rank, size, init_method=init, timeout_s=60) if size > 1 else None
@@ -61,10 +64,18 @@ def _rank(rank: int, size: int, init: str, warmup: int, iters: int, q) -> None:
     wall = time.perf_counter() - t_all
     if comm:
         comm.flush()
-        comm.all_min_max([0])       # nobody leaves before everyone is done
+        comm.all_min_max([0])  # nobody leaves before everyone is done
     ts.sort()
-    q.put((rank, statistics.median(ts), ts[int(0.99 * len(ts))], wall / iters,
-           loop.stats.forwards, comm.bytes_sent if comm else 0))
+    q.put(
+        (
+            rank,
+            statistics.median(ts),
+            ts[int(0.99 * len(ts))],
+            wall / iters,
+            loop.stats.forwards,
+            comm.bytes_sent if comm else 0,
+        )
+    )
     if comm:
         comm.close()
 
@@ -96,7 +107,10 @@ def bench_node(pp: int, threads: int, prompts, max_new: int, concurrency: int, l
         startup = time.perf_counter() - t
 
         async def send(c, ids, t0, res):
-            body = {"input_ids": ids, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
+            }
             await loadgen.stream_generate(c, url, body, t0, res)
 
         warm = loadgen.make_prompts(2, seed=999)
@@ -118,59 +132,88 @@ def main() -> int:
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench/results/pp.md"))
     args = ap.parse_args()
-    lines = ["# Pipeline parallelism: slot-loop overhead and PP = 2 vs PP = 1", "",
-             f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}; "
-             f"shared with other jobs (load average 1/5/15 min at start: {loadgen.loadavg()}).", ""]
+    lines = [
+        "# Pipeline parallelism: slot-loop overhead and PP = 2 vs PP = 1",
+        "",
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}; "
+        f"shared with other jobs (load average 1/5/15 min at start: {loadgen.loadavg()}).",
+        "",
+    ]
 
     if not args.skip_a:
-        rows = ["| PP | rank | median µs/iteration | p99 µs/iteration | wall µs/iteration | forwards | payload bytes sent |",
-                "|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = [
+            "| PP | rank | median µs/iteration | p99 µs/iteration | wall µs/iteration | forwards | payload bytes sent |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         summary = []
         la = loadgen.loadavg()
         for size in (1, 2, 4):
             res = bench_loop(size, args.warmup, args.iters)
             for rank, med, p99, wall, fw, nbytes in res:
-                rows.append(f"| {size} | {rank} | {med * 1e6:.0f} | {p99 * 1e6:.0f} | {wall * 1e6:.0f} | {fw} | {nbytes} |")
+                rows.append(
+                    f"| {size} | {rank} | {med * 1e6:.0f} | {p99 * 1e6:.0f} | {wall * 1e6:.0f} | {fw} | {nbytes} |"
+                )
             summary.append((size, max(r[1] for r in res), max(r[3] for r in res)))
-            print(rows[-len(res):], flush=True)
-        lines += ["## (a) Slot-loop control overhead (empty model step)", "",
-                  f"Real rank processes (multiprocessing spawn), torch.distributed gloo on loopback, 1 torch thread "
-                  f"each; every rank runs `SlotLoop.iteration` on a PPComm + real Scheduler + a runner that is never "
-                  f"called (no requests: every iteration is the meta metronome only, no hidden states, no ring). "
-                  f"{args.warmup} warm-up iterations, then {args.iters} timed. PP = 4 puts 4 busy processes on "
-                  f"2 cores. Load average before: {la}, after: {loadgen.loadavg()}.", "",
-                  "| PP | median µs/iteration (max over ranks) | wall µs/iteration (max over ranks) |",
-                  "|---:|---:|---:|",
-                  *[f"| {s} | {m * 1e6:.0f} | {w * 1e6:.0f} |" for s, m, w in summary], "",
-                  "Per rank:", "", *rows, ""]
+            print(rows[-len(res) :], flush=True)
+        lines += [
+            "## (a) Slot-loop control overhead (empty model step)",
+            "",
+            f"Real rank processes (multiprocessing spawn), torch.distributed gloo on loopback, 1 torch thread "
+            f"each; every rank runs `SlotLoop.iteration` on a PPComm + real Scheduler + a runner that is never "
+            f"called (no requests: every iteration is the meta metronome only, no hidden states, no ring). "
+            f"{args.warmup} warm-up iterations, then {args.iters} timed. PP = 4 puts 4 busy processes on "
+            f"2 cores. Load average before: {la}, after: {loadgen.loadavg()}.",
+            "",
+            "| PP | median µs/iteration (max over ranks) | wall µs/iteration (max over ranks) |",
+            "|---:|---:|---:|",
+            *[f"| {s} | {m * 1e6:.0f} | {w * 1e6:.0f} |" for s, m, w in summary],
+            "",
+            "Per rank:",
+            "",
+            *rows,
+            "",
+        ]
 
     if not args.skip_b:
         prompts = loadgen.make_prompts(args.requests, seed=1)
         n_prompt = sum(map(len, prompts))
         tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
-        rows = ["| config | processes x threads | requests | concurrency | output tokens | seconds | output tok/s "
-                "| mean TTFT s | p50 TTFT s | max TTFT s | mean ITL ms | errors | node start s | load avg before/after |",
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        rows = [
+            "| config | processes x threads | requests | concurrency | output tokens | seconds | output tok/s "
+            "| mean TTFT s | p50 TTFT s | max TTFT s | mean ITL ms | errors | node start s | load avg before/after |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         rates = {}
         for pp, threads in ((1, 2), (2, 1)):
-            lvl, startup, l0, l1 = bench_node(pp, threads, prompts, args.max_tokens, args.concurrency, tmp)
+            lvl, startup, l0, l1 = bench_node(
+                pp, threads, prompts, args.max_tokens, args.concurrency, tmp
+            )
             rates[pp] = lvl.out_tokens / lvl.wall
-            rows.append(f"| PP {pp} | {pp} x {threads} | {len(prompts)} | {args.concurrency} | {lvl.out_tokens} | "
-                        f"{lvl.wall:.1f} | {rates[pp]:.1f} | {loadgen.fmt(lvl.stat('ttft'), 1, 2)} | "
-                        f"{loadgen.fmt(lvl.stat('ttft', 0.5), 1, 2)} | {loadgen.fmt(lvl.stat('ttft', 1.0), 1, 2)} | "
-                        f"{loadgen.fmt(lvl.stat('itl'), 1e3, 0)} | {lvl.errors} | {startup:.0f} | {l0} / {l1} |")
+            rows.append(
+                f"| PP {pp} | {pp} x {threads} | {len(prompts)} | {args.concurrency} | {lvl.out_tokens} | "
+                f"{lvl.wall:.1f} | {rates[pp]:.1f} | {loadgen.fmt(lvl.stat('ttft'), 1, 2)} | "
+                f"{loadgen.fmt(lvl.stat('ttft', 0.5), 1, 2)} | {loadgen.fmt(lvl.stat('ttft', 1.0), 1, 2)} | "
+                f"{loadgen.fmt(lvl.stat('itl'), 1e3, 0)} | {lvl.errors} | {startup:.0f} | {l0} / {l1} |"
+            )
             print(rows[-1], flush=True)
             for r in lvl.results:
                 if r.error:
                     print("  error:", r.error, flush=True)
-        lines += ["## (b) PP = 2 vs PP = 1, same total threads (SmolLM2-135M-Instruct, fp32)", "",
-                  f"`pdserve serve --pp N --threads T` (defaults otherwise: page 16, chunk 512, max batch tokens "
-                  f"2048, prefix cache on; prompts are random so nothing is shared), {len(prompts)} requests of "
-                  f"seeded random token ids, 100-250 tokens ({n_prompt} prompt tokens), {args.max_tokens} output "
-                  f"tokens, ignore_eos, all sent at once (concurrency {args.concurrency}) to POST /generate with "
-                  f"`stream: true`; TTFT and ITL measured by the client from the SSE token lines. One warm-up "
-                  f"pair of requests before timing. Node logs: {tmp}.", "", *rows, "",
-                  f"PP 2 / PP 1 output throughput: **{rates[2] / rates[1]:.2f}x**.", ""]
+        lines += [
+            "## (b) PP = 2 vs PP = 1, same total threads (SmolLM2-135M-Instruct, fp32)",
+            "",
+            f"`pdserve serve --pp N --threads T` (defaults otherwise: page 16, chunk 512, max batch tokens "
+            f"2048, prefix cache on; prompts are random so nothing is shared), {len(prompts)} requests of "
+            f"seeded random token ids, 100-250 tokens ({n_prompt} prompt tokens), {args.max_tokens} output "
+            f"tokens, ignore_eos, all sent at once (concurrency {args.concurrency}) to POST /generate with "
+            f"`stream: true`; TTFT and ITL measured by the client from the SSE token lines. One warm-up "
+            f"pair of requests before timing. Node logs: {tmp}.",
+            "",
+            *rows,
+            "",
+            f"PP 2 / PP 1 output throughput: **{rates[2] / rates[1]:.2f}x**.",
+            "",
+        ]
     lines.append(f"Load average at the end: {loadgen.loadavg()}.")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -11,6 +11,7 @@ cluster with the reference command, request counts as given by --levels.
 
   .venv/bin/python bench/bench_serving.py [--levels 1:16,8:32,32:64] [--systems pd,colocated,hf] [--aiperf]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster import free_port, kill_group, wait_healthy  # noqa: E402
 
-ISL, OSL = "uniform:40,504", 64            # the reference workload: prompts 40-504 tokens, 64 output tokens
+ISL, OSL = "uniform:40,504", 64  # the reference workload: prompts 40-504 tokens, 64 output tokens
 AIPERF = ROOT / ".venv/aiperf/bin/aiperf"
 
 
@@ -45,6 +46,7 @@ def export_tokenizer(dest: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     from engine.loader import resolve_model
+
     gguf = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -56,24 +58,58 @@ def export_tokenizer(dest: Path) -> Path:
 
 def spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, **(env or {})))
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *cmd],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, **(env or {})),
+        )
 
 
 def bench_levels(url: str, levels, tok_dir: Path, out_dir: Path, name: str) -> list[dict]:
     rows = []
     for i, (conc, n) in enumerate(levels):
         out = out_dir / f"{name}_c{conc}.json"
-        cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--tokenizer", str(tok_dir),
-               "--isl", ISL, "--osl", str(OSL), "--seed", str(i), "--concurrency", str(conc),
-               "--num-requests", str(n), "--warmup", "2", "--output", str(out), "--no-progress",
-               "--slo-ttft-ms", "2000", "--slo-itl-ms", "100"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "bench",
+            "--url",
+            url,
+            "--tokenizer",
+            str(tok_dir),
+            "--isl",
+            ISL,
+            "--osl",
+            str(OSL),
+            "--seed",
+            str(i),
+            "--concurrency",
+            str(conc),
+            "--num-requests",
+            str(n),
+            "--warmup",
+            "2",
+            "--output",
+            str(out),
+            "--no-progress",
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-itl-ms",
+            "100",
+        ]
         t0 = time.monotonic()
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
         s = json.loads(out.read_text())["loads"][0]
         s["_wall"], s["_load"] = time.monotonic() - t0, loadavg()
         rows.append(s)
-        print(f"  {name} c={conc}: {s['output_token_throughput']:.1f} out tok/s, load {s['_load']}", flush=True)
+        print(
+            f"  {name} c={conc}: {s['output_token_throughput']:.1f} out tok/s, load {s['_load']}",
+            flush=True,
+        )
     return rows
 
 
@@ -101,13 +137,17 @@ def run_pd(levels, tok_dir, out_dir, logdir) -> list[dict]:
 
 def run_colocated(levels, tok_dir, out_dir, logdir) -> list[dict]:
     nport, rport = free_port(), free_port()
-    node = spawn(["serve", "--pp", "1", "--threads", "2", "--port", str(nport)], logdir / "colocated.log")
+    node = spawn(
+        ["serve", "--pp", "1", "--threads", "2", "--port", str(nport)], logdir / "colocated.log"
+    )
     router = None
     try:
         t0 = time.monotonic()
         wait_healthy(f"http://127.0.0.1:{nport}", node, 900, logdir / "colocated.log")
-        router = spawn(["router", "--port", str(rport), "--worker", f"http://127.0.0.1:{nport}"],
-                       logdir / "colocated_router.log")
+        router = spawn(
+            ["router", "--port", str(rport), "--worker", f"http://127.0.0.1:{nport}"],
+            logdir / "colocated_router.log",
+        )
         wait_healthy(f"http://127.0.0.1:{rport}", router, 120, logdir / "colocated_router.log")
         print(f"  colocated: ready in {time.monotonic() - t0:.0f} s", flush=True)
         return bench_levels(f"http://127.0.0.1:{rport}", levels, tok_dir, out_dir, "colocated")
@@ -124,17 +164,26 @@ def run_hf(n: int, tok_dir: Path) -> dict:
 
     from engine.loader import resolve_model
     from pdserve.bench.workload import LengthDist, TokenCounter, Workload
+
     torch.set_num_threads(2)
-    wl = Workload(isl=LengthDist.parse("--isl", ISL), osl=LengthDist.parse("--osl", str(OSL)), seed=0,
-                  tokenizer=TokenCounter(str(tok_dir)))
+    wl = Workload(
+        isl=LengthDist.parse("--isl", ISL),
+        osl=LengthDist.parse("--osl", str(OSL)),
+        seed=0,
+        tokenizer=TokenCounter(str(tok_dir)),
+    )
     reqs = wl.requests(n, "load0")
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     gguf = resolve_model(None)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     ttfts, e2es, out_tokens = [], [], 0
     t_all = time.monotonic()
     for r in reqs:
-        ids = tok.apply_chat_template(r.chat_messages(), add_generation_prompt=True, return_tensors="pt")
+        ids = tok.apply_chat_template(
+            r.chat_messages(), add_generation_prompt=True, return_tensors="pt"
+        )
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         t0 = time.monotonic()
         with torch.no_grad():
@@ -145,23 +194,68 @@ def run_hf(n: int, tok_dir: Path) -> dict:
         e2es.append(ttfts[-1] + time.monotonic() - t1)
         out_tokens += out.shape[1] - ids.shape[1]
     wall = sum(e2es)
-    return {"requests": n, "output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
-            "ttft_mean_ms": 1e3 * sum(ttfts) / n, "e2e_mean_ms": 1e3 * sum(e2es) / n,
-            "total_s": time.monotonic() - t_all, "_load": loadavg()}
+    return {
+        "requests": n,
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "ttft_mean_ms": 1e3 * sum(ttfts) / n,
+        "e2e_mean_ms": 1e3 * sum(e2es) / n,
+        "total_s": time.monotonic() - t_all,
+        "_load": loadavg(),
+    }
 
 
 def run_aiperf(url_port: int, tok_dir: Path, levels, out_dir: Path) -> list[dict]:
     rows = []
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # aiperf refuses local folders with it
+    env = {
+        k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"
+    }  # aiperf refuses local folders with it
     for conc, n in levels:
         art = out_dir / f"aiperf_c{conc}"
-        cmd = [str(AIPERF), "profile", "-m", str(tok_dir), "--url", f"http://127.0.0.1:{url_port}",
-               "--endpoint-type", "chat", "--streaming", "--tokenizer", str(tok_dir), "--isl", "272", "--osl", "64",
-               "--random-range-ratio", '{"input": 0.88236, "output": 0}', "--prompt-corpus", "sonnet",
-               "--random-seed", "0", "--num-dataset-entries", "64", "--dataset-sampling-strategy", "sequential",
-               "--extra-inputs", "ignore_eos:true", "--concurrency", str(conc), "--request-count", str(n),
-               "--warmup-request-count", "4", "--ui", "none", "--no-gpu-telemetry", "--artifact-dir", str(art)]
-        subprocess.run(cmd, cwd=out_dir, env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL)
+        cmd = [
+            str(AIPERF),
+            "profile",
+            "-m",
+            str(tok_dir),
+            "--url",
+            f"http://127.0.0.1:{url_port}",
+            "--endpoint-type",
+            "chat",
+            "--streaming",
+            "--tokenizer",
+            str(tok_dir),
+            "--isl",
+            "272",
+            "--osl",
+            "64",
+            "--random-range-ratio",
+            '{"input": 0.88236, "output": 0}',
+            "--prompt-corpus",
+            "sonnet",
+            "--random-seed",
+            "0",
+            "--num-dataset-entries",
+            "64",
+            "--dataset-sampling-strategy",
+            "sequential",
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--concurrency",
+            str(conc),
+            "--request-count",
+            str(n),
+            "--warmup-request-count",
+            "4",
+            "--ui",
+            "none",
+            "--no-gpu-telemetry",
+            "--artifact-dir",
+            str(art),
+        ]
+        subprocess.run(
+            cmd, cwd=out_dir, env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL
+        )
         found = sorted(art.rglob("*aiperf*.json"))
         data = json.loads(found[0].read_text()) if found else {}
         rows.append({"concurrency": conc, "requests": n, "raw": data, "_load": loadavg()})
@@ -176,9 +270,11 @@ def run_pd_aiperf(levels, tok_dir, out_dir, logdir) -> list[dict]:
 
 
 def md_table(results: dict) -> str:
-    lines = ["| system | concurrency | requests | output tok/s | input tok/s | req/s | goodput req/s | "
-             "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 s | errors | load (1/5/15) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| system | concurrency | requests | output tok/s | input tok/s | req/s | goodput req/s | "
+        "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 s | errors | load (1/5/15) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for name, rows in results.items():
         if name in ("hf", "aiperf_pd"):
             continue
@@ -188,12 +284,15 @@ def md_table(results: dict) -> str:
                 f"| {name} | {conc} | {s['completed']} | {s['output_token_throughput']:.1f} | "
                 f"{s['input_token_throughput']:.1f} | {s['request_throughput']:.3f} | {s['goodput']:.3f} | "
                 f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
-                f"{s['itl_ms']['p99']:.1f} | {s['e2e_ms']['p50'] / 1e3:.1f} | {s['failed']} | {s['_load']} |")
+                f"{s['itl_ms']['p99']:.1f} | {s['e2e_ms']['p50'] / 1e3:.1f} | {s['failed']} | {s['_load']} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--levels", default="1:16,8:32,32:64", help="concurrency:requests,...")
     ap.add_argument("--systems", default="pd,colocated,hf")
     ap.add_argument("--hf-requests", type=int, default=4)
@@ -217,37 +316,49 @@ def main() -> int:
             results["hf"] = run_hf(args.hf_requests, tok_dir)
             print(f"  hf: {results['hf']['output_tokens_per_s']:.1f} out tok/s", flush=True)
     if args.aiperf:
-        al = [tuple(int(x) for x in lv.split(":")) for lv in (args.aiperf_levels or args.levels).split(",")]
+        al = [
+            tuple(int(x) for x in lv.split(":"))
+            for lv in (args.aiperf_levels or args.levels).split(",")
+        ]
         results["aiperf_pd"] = run_pd_aiperf(al, tok_dir, work, work)
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    text = [f"# Serving benchmark (SmolLM2-135M-Instruct, fp32)\n",
-            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}. "
-            f"Load average at start {start_load}, at the end {loadavg()}; whole script {time.monotonic() - t0:.0f} s. "
-            f"Raw JSON: {work}/results.json.\n",
-            f"Workload: `pdserve bench`, streaming chat, prompts of seeded synthetic text with exact token "
-            f"lengths uniform in [40, 504] (SmolLM2 tokenizer, before the chat template), {OSL} output tokens "
-            f"(ignore_eos), closed loop at each concurrency, 2 warm-up requests per level; level i uses seed i "
-            f"for every system. Goodput SLO: TTFT <= 2 s and ITL <= 100 ms.\n",
-            "Command: `.venv/bin/python bench/bench_serving.py " + " ".join(sys.argv[1:]) + "`\n",
-            md_table(results)]
+    text = [
+        "# Serving benchmark (SmolLM2-135M-Instruct, fp32)\n",
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}. "
+        f"Load average at start {start_load}, at the end {loadavg()}; whole script {time.monotonic() - t0:.0f} s. "
+        f"Raw JSON: {work}/results.json.\n",
+        f"Workload: `pdserve bench`, streaming chat, prompts of seeded synthetic text with exact token "
+        f"lengths uniform in [40, 504] (SmolLM2 tokenizer, before the chat template), {OSL} output tokens "
+        f"(ignore_eos), closed loop at each concurrency, 2 warm-up requests per level; level i uses seed i "
+        f"for every system. Goodput SLO: TTFT <= 2 s and ITL <= 100 ms.\n",
+        "Command: `.venv/bin/python bench/bench_serving.py " + " ".join(sys.argv[1:]) + "`\n",
+        md_table(results),
+    ]
     if "hf" in results:
         h = results["hf"]
-        text.append(f"\ntransformers `generate`, fp32, 2 threads, one request at a time over the first "
-                    f"{h['requests']} level-0 prompts: {h['output_tokens_per_s']:.1f} output tok/s, mean TTFT "
-                    f"{h['ttft_mean_ms']:.0f} ms, mean e2e {h['e2e_mean_ms'] / 1e3:.1f} s (load {h['_load']}).")
+        text.append(
+            f"\ntransformers `generate`, fp32, 2 threads, one request at a time over the first "
+            f"{h['requests']} level-0 prompts: {h['output_tokens_per_s']:.1f} output tok/s, mean TTFT "
+            f"{h['ttft_mean_ms']:.0f} ms, mean e2e {h['e2e_mean_ms'] / 1e3:.1f} s (load {h['_load']})."
+        )
     if "aiperf_pd" in results:
-        text.append("\naiperf 0.13 against the PD cluster (the reference command of README, request counts as "
-                    "listed):\n\n| concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | load |"
-                    "\n|---:|---:|---:|---:|---:|---:|---|")
+        text.append(
+            "\naiperf 0.13 against the PD cluster (the reference command of README, request counts as "
+            "listed):\n\n| concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | load |"
+            "\n|---:|---:|---:|---:|---:|---:|---|"
+        )
         for r in results["aiperf_pd"]:
             d = r["raw"]
 
             def g(key, stat):
                 v = (d.get(key) or {}).get(stat)
                 return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
-            text.append(f"| {r['concurrency']} | {r['requests']} | {g('output_token_throughput', 'avg')} | "
-                        f"{g('time_to_first_token', 'p50')} | {g('time_to_first_token', 'p99')} | "
-                        f"{g('inter_token_latency', 'p50')} | {r['_load']} |")
+
+            text.append(
+                f"| {r['concurrency']} | {r['requests']} | {g('output_token_throughput', 'avg')} | "
+                f"{g('time_to_first_token', 'p50')} | {g('time_to_first_token', 'p99')} | "
+                f"{g('inter_token_latency', 'p50')} | {r['_load']} |"
+            )
     Path(args.out).write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0

@@ -18,6 +18,7 @@ Divergences are the rank consensus checker's failures in the node logs. Prints o
 and a summary; exit status 1 if any divergence, hang or page left. CPU-heavy: opt-in
 (`make chaos-campaign`), not part of `make test`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,19 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pd_cluster import body, decode_node, prefill_node  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
-STALL_S = 9.5            # SIGSTOP length: beyond the fast transfer timeout (8 s)
-REQUEST_BOUND_S = 90.0   # a request not answered within this is a hang
-SETTLE_S = 45.0          # quarantine (10 s) + votes + stats pushes
+STALL_S = 9.5  # SIGSTOP length: beyond the fast transfer timeout (8 s)
+REQUEST_BOUND_S = 90.0  # a request not answered within this is a hang
+SETTLE_S = 45.0  # quarantine (10 s) + votes + stats pushes
 MAX_NEW = 16
-SPREAD_S = 14.0          # requests start over this window, so some are in flight at each fault
+SPREAD_S = 14.0  # requests start over this window, so some are in flight at each fault
 DIVERGED = ("rank consensus check FAILED", "diverged")
 
 
 def rank_pids(front: subprocess.Popen) -> dict[int, int]:
     """pp_rank -> pid of a node's rank processes (children of its front with a --spec)."""
-    out = subprocess.run(["ps", "--ppid", str(front.pid), "-o", "pid="], capture_output=True, text=True, timeout=10)
+    out = subprocess.run(
+        ["ps", "--ppid", str(front.pid), "-o", "pid="], capture_output=True, text=True, timeout=10
+    )
     ranks = {}
     for pid in map(int, out.stdout.split()):
         try:
@@ -83,21 +86,34 @@ def wait_pages(url: str, timeout: float) -> int | None:
         time.sleep(1.0)
 
 
-async def storm(purl: str, durl: str, bport: int, rng: random.Random, n: int, prompts: list[list[int]],
-                fault=None) -> tuple[int, int, int]:
+async def storm(
+    purl: str,
+    durl: str,
+    bport: int,
+    rng: random.Random,
+    n: int,
+    prompts: list[list[int]],
+    fault=None,
+) -> tuple[int, int, int]:
     """n requests at once with seeded fates; `fault` (a coroutine) runs alongside. Returns
     (answered, errors, hangs)."""
     async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as c:
+
         async def one(i: int):
             rid, room = f"c{rng.getrandbits(40):x}", rng.getrandbits(63)
             b = {**body(prompts[i % len(prompts)], room, bport, MAX_NEW), "rid": rid}
-            fate, delay = rng.choice(["none", "none", "prefill", "decode", "both"]), rng.uniform(0.0, 2.0)
+            fate, delay = (
+                rng.choice(["none", "none", "prefill", "decode", "both"]),
+                rng.uniform(0.0, 2.0),
+            )
             await asyncio.sleep(rng.uniform(0.0, SPREAD_S))
             tp = asyncio.create_task(c.post(f"{purl}/generate", json=b))
             td = asyncio.create_task(c.post(f"{durl}/generate", json=b))
             if fate != "none":
                 await asyncio.sleep(delay)
-                for url in ((purl,) if fate == "prefill" else (durl,) if fate == "decode" else (purl, durl)):
+                for url in (
+                    (purl,) if fate == "prefill" else (durl,) if fate == "decode" else (purl, durl)
+                ):
                     with contextlib.suppress(httpx.HTTPError):
                         await c.post(f"{url}/abort", json={"rid": rid})
             res = await asyncio.gather(tp, td, return_exceptions=True)
@@ -105,6 +121,7 @@ async def storm(purl: str, durl: str, bport: int, rng: random.Random, n: int, pr
                 return "hang"
             d = res[1]
             return "ok" if isinstance(d, httpx.Response) and d.status_code == 200 else "error"
+
         tasks = [one(i) for i in range(n)]
         if fault is not None:
             tasks.append(fault)
@@ -124,10 +141,16 @@ def divergences(*logs: Path) -> int:
 def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> dict:
     rng = random.Random(seed)
     # token ids inside the tiny test model's vocabulary (384)
-    prompts = [[rng.randrange(1, 300) for _ in range(rng.choice([5, 12, 40, 70]))] for _ in range(8)]
+    prompts = [
+        [rng.randrange(1, 300) for _ in range(rng.choice([5, 12, 40, 70]))] for _ in range(8)
+    ]
     out = {"layout": (ppp, dpp), "seed": seed, "divergences": 0, "hangs": 0, "pages_left": 0}
     t0 = time.monotonic()
-    with prefill_node(model, ppp, tmp) as (purl, bport, pproc), decode_node(model, dpp, tmp) as (durl, dproc):
+    with (
+        prefill_node(model, ppp, tmp) as (purl, bport, pproc),
+        decode_node(model, dpp, tmp) as (durl, dproc),
+    ):
+
         async def stall():
             await asyncio.sleep(rng.uniform(1.0, 4.0))
             pid = rank_pids(pproc).get(ppp - 1)
@@ -136,6 +159,7 @@ def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> di
                 os.kill(pid, signal.SIGSTOP)
                 await asyncio.sleep(STALL_S)
                 os.kill(pid, signal.SIGCONT)
+
         ok, err, hang = asyncio.run(storm(purl, durl, bport, rng, n, prompts, stall()))
         out.update(storm_ok=ok, storm_err=err)
         out["hangs"] += hang
@@ -153,8 +177,13 @@ def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> di
             out["killed"] = bool(pid)
             if pid:
                 os.kill(pid, signal.SIGKILL)
-        ok2, err2, hang2 = asyncio.run(storm(purl, durl, bport, rng, max(4, n // 3), prompts, kill()))
-        out.update(kill_node="prefill" if victim_is_prefill else "decode", kill_ok=ok2, kill_err=err2)
+
+        ok2, err2, hang2 = asyncio.run(
+            storm(purl, durl, bport, rng, max(4, n // 3), prompts, kill())
+        )
+        out.update(
+            kill_node="prefill" if victim_is_prefill else "decode", kill_ok=ok2, kill_err=err2
+        )
         out["hangs"] += hang2
         left2 = wait_pages(survivor, SETTLE_S)
         out["pages_left"] += left2 or 0
@@ -165,10 +194,14 @@ def one_run(model: Path, ppp: int, dpp: int, seed: int, n: int, tmp: Path) -> di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seeds", type=int, default=1, help="seeds per layout")
     ap.add_argument("--first-seed", type=int, default=1)
-    ap.add_argument("--layouts", nargs="+", default=["2,2", "3,2", "2,3"], help="prefill PP,decode PP")
+    ap.add_argument(
+        "--layouts", nargs="+", default=["2,2", "3,2", "2,3"], help="prefill PP,decode PP"
+    )
     ap.add_argument("--requests", type=int, default=24, help="requests in the abort storm")
     a = ap.parse_args(argv)
     layouts = [tuple(int(x) for x in s.split(",")) for s in a.layouts]
@@ -183,9 +216,11 @@ def main(argv=None) -> int:
             runs.append(r)
             print(json.dumps(r), flush=True)
     tot = {k: sum(r[k] for r in runs) for k in ("divergences", "hangs", "pages_left", "unreadable")}
-    print(f"campaign: {len(runs)} runs ({a.seeds} seed(s) x {len(layouts)} layouts), "
-          f"{time.monotonic() - t_all:.0f} s: divergences {tot['divergences']}, hangs {tot['hangs']}, "
-          f"pages left {tot['pages_left']}, nodes unreadable at the check {tot['unreadable']}; logs in {base}")
+    print(
+        f"campaign: {len(runs)} runs ({a.seeds} seed(s) x {len(layouts)} layouts), "
+        f"{time.monotonic() - t_all:.0f} s: divergences {tot['divergences']}, hangs {tot['hangs']}, "
+        f"pages left {tot['pages_left']}, nodes unreadable at the check {tot['unreadable']}; logs in {base}"
+    )
     return 1 if tot["divergences"] or tot["hangs"] or tot["pages_left"] else 0
 
 

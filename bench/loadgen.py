@@ -1,5 +1,6 @@
 """Shared pieces of bench_pp.py and bench_pd.py: prompts, nodes as processes, a streaming load generator,
 a queue sampler. Nodes are started with tests/cluster.py `start` (own process group, always stopped)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,16 +36,24 @@ def loadavg() -> str:
 class ReqResult:
     ttft: float = float("nan")
     e2e: float = float("nan")
-    times: list[float] = field(default_factory=list)    # arrival time of each token (relative to send)
+    times: list[float] = field(
+        default_factory=list
+    )  # arrival time of each token (relative to send)
     n_tokens: int = 0
     error: str | None = None
 
     @property
     def itl(self) -> float:
-        return (self.times[-1] - self.times[0]) / (self.n_tokens - 1) if self.n_tokens > 1 else float("nan")
+        return (
+            (self.times[-1] - self.times[0]) / (self.n_tokens - 1)
+            if self.n_tokens > 1
+            else float("nan")
+        )
 
 
-async def stream_generate(c: httpx.AsyncClient, url: str, body: dict, t0: float, res: ReqResult) -> None:
+async def stream_generate(
+    c: httpx.AsyncClient, url: str, body: dict, t0: float, res: ReqResult
+) -> None:
     """POST {url}/generate with stream=True; records the arrival of every token (SSE `data:` lines)."""
     async with c.stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
         if r.status_code != 200:
@@ -71,7 +80,9 @@ class LevelResult:
     concurrency: int
     results: list[ReqResult]
     wall: float
-    queues: dict[str, dict[str, float]] = field(default_factory=dict)   # node -> queue -> mean occupancy
+    queues: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # node -> queue -> mean occupancy
     queue_times: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -95,7 +106,9 @@ class LevelResult:
         return v[min(len(v) - 1, int(q * len(v)))]
 
 
-async def run_level(prompts: list[list[int]], max_new: int, concurrency: int, send) -> tuple[list[ReqResult], float]:
+async def run_level(
+    prompts: list[list[int]], max_new: int, concurrency: int, send
+) -> tuple[list[ReqResult], float]:
     """Runs every prompt with at most `concurrency` in flight; `send(client, ids, t0, res)` does one request."""
     sem = asyncio.Semaphore(concurrency)
     results = [ReqResult() for _ in prompts]
@@ -108,7 +121,9 @@ async def run_level(prompts: list[list[int]], max_new: int, concurrency: int, se
             except Exception as e:  # a failed request is counted, never hidden
                 results[i].error = f"{type(e).__name__}: {e}"[:200]
 
-    limits = httpx.Limits(max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8)
+    limits = httpx.Limits(
+        max_connections=2 * concurrency + 8, max_keepalive_connections=2 * concurrency + 8
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as c:
         t = time.perf_counter()
         await asyncio.gather(*(one(i, c) for i in range(len(prompts))))
@@ -140,7 +155,7 @@ class QueueSampler:
                         pass
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.period)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     def start(self):
@@ -151,13 +166,17 @@ class QueueSampler:
         await self._task
         out = {}
         for name, ss in self.samples.items():
-            keys = [k for k in ("bootstrap", "prealloc", "transfer", "waiting", "running", "inflight") if ss and k in ss[0]]
+            keys = [
+                k
+                for k in ("bootstrap", "prealloc", "transfer", "waiting", "running", "inflight")
+                if ss and k in ss[0]
+            ]
             out[name] = {k: statistics.fmean(s.get(k, 0) for s in ss) for k in keys}
             out[name]["_n"] = len(ss)
         return out
 
 
-_QT = re.compile(r'^pdserve_queue_time_seconds_(sum|count)\{([^}]*)\}\s+([0-9.eE+-]+)')
+_QT = re.compile(r"^pdserve_queue_time_seconds_(sum|count)\{([^}]*)\}\s+([0-9.eE+-]+)")
 
 
 def queue_time_counters(url: str) -> dict[str, list[float]]:
@@ -172,7 +191,9 @@ def queue_time_counters(url: str) -> dict[str, list[float]]:
         if m:
             q = re.search(r'queue="([^"]+)"', m.group(2))
             if q:
-                out.setdefault(q.group(1), [0.0, 0.0])[0 if m.group(1) == "sum" else 1] += float(m.group(3))
+                out.setdefault(q.group(1), [0.0, 0.0])[0 if m.group(1) == "sum" else 1] += float(
+                    m.group(3)
+                )
     return out
 
 

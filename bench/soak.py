@@ -19,6 +19,7 @@ if anything failed. Everything it started is stopped, also on Ctrl-C or SIGTERM.
   .venv/bin/python bench/soak.py [--duration 600] [--model PATH] [--concurrency 8]
   make soak SOAK_ARGS="--duration 180 --model /path/to/tiny"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,19 +40,19 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-IDLE_S = 10.0          # no load before the baseline and end samples (uvicorn's keep-alive is 5 s)
-WORDS = ("the cache page prefill decode rank router slot layer token pipeline transfer what is a good way "
-         "to explain why memory grows when requests are cancelled early").split()
+IDLE_S = 10.0  # no load before the baseline and end samples (uvicorn's keep-alive is 5 s)
+WORDS = ["the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token", "pipeline", "transfer", "what", "is", "a", "good", "way", "to", "explain", "why", "memory", "grows", "when", "requests", "are", "cancelled", "early"]
 
 
 # --- the process tree, from /proc -------------------------------------------------------------------
+
 
 def parent_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
-        return None                      # exited while we looked
+        return None  # exited while we looked
 
 
 def process_tree(root: int) -> list[int]:
@@ -64,7 +65,7 @@ def process_tree(root: int) -> list[int]:
         pid = todo.pop()
         seen.append(pid)
         todo.extend(kids.get(pid, []))
-    return seen                          # parents before their children
+    return seen  # parents before their children
 
 
 def label(pid: int, names: dict[int, str]) -> str | None:
@@ -135,6 +136,7 @@ class Sampler:
 
 # --- the load ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class LoadStats:
     sent: int = 0
@@ -145,16 +147,29 @@ class LoadStats:
     last_errors: list[str] = field(default_factory=list)
 
 
-async def drive(url: str, model: str, seconds: float, concurrency: int, max_tokens: int, cancel_fraction: float,
-                seed: int, stats: LoadStats) -> None:
+async def drive(
+    url: str,
+    model: str,
+    seconds: float,
+    concurrency: int,
+    max_tokens: int,
+    cancel_fraction: float,
+    seed: int,
+    stats: LoadStats,
+) -> None:
     rng = random.Random(seed)
     deadline = time.monotonic() + seconds
 
     async def one(client: httpx.AsyncClient) -> None:
         q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
         cancel_after = rng.randint(1, 4) if rng.random() < cancel_fraction else 0
-        body = {"model": model, "messages": [{"role": "user", "content": q}], "stream": True,
-                "max_tokens": rng.randint(max_tokens // 2, max_tokens), "temperature": 0}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": q}],
+            "stream": True,
+            "max_tokens": rng.randint(max_tokens // 2, max_tokens),
+            "temperature": 0,
+        }
         stats.sent += 1
         pieces = 0
         try:
@@ -175,7 +190,7 @@ async def drive(url: str, model: str, seconds: float, concurrency: int, max_toke
                         stats.tokens += 1
                         if cancel_after and pieces >= cancel_after:
                             stats.cancelled += 1
-                            return           # closes the socket mid-stream
+                            return  # closes the socket mid-stream
                 raise RuntimeError("the stream ended without [DONE]")
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             stats.errors += 1
@@ -191,23 +206,46 @@ async def drive(url: str, model: str, seconds: float, concurrency: int, max_toke
 
 # --- the cluster ------------------------------------------------------------------------------------
 
+
 def start_cluster(args, log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(args.port), "--prefill-pp", str(args.prefill_pp),
-           "--decode-pp", str(args.decode_pp), "--node-args", args.node_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--port",
+        str(args.port),
+        "--prefill-pp",
+        str(args.prefill_pp),
+        "--decode-pp",
+        str(args.decode_pp),
+        "--node-args",
+        args.node_args,
+    ]
     if args.model:
         cmd += ["--model", args.model]
     with open(log_path, "wb") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
 
 def wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while "[up] ready" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"pdserve up exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
-            raise TimeoutError(f"pdserve up not ready after {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+            raise TimeoutError(
+                f"pdserve up not ready after {timeout:.0f} s:\n{log_path.read_text()[-3000:]}"
+            )
         time.sleep(0.5)
 
 
@@ -221,7 +259,7 @@ def stop_cluster(proc: subprocess.Popen) -> list[int]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
     time.sleep(1.0)
-    left = [p for p in pids if read_proc(p) is not None]      # `up` itself too, if it did not exit
+    left = [p for p in pids if read_proc(p) is not None]  # `up` itself too, if it did not exit
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -231,14 +269,25 @@ def stop_cluster(proc: subprocess.Popen) -> list[int]:
 
 # --- the verdict -------------------------------------------------------------------------------------
 
-def judge(procs: dict[int, ProcSeries], base_t: float, end_t: float, rss_pct: float, fd_slack: int) -> list[dict]:
+
+def judge(
+    procs: dict[int, ProcSeries], base_t: float, end_t: float, rss_pct: float, fd_slack: int
+) -> list[dict]:
     rows = []
     for s in sorted(procs.values(), key=lambda s: s.name):
         base = next((i for i, t in enumerate(s.t) if t >= base_t), None)
         alive = s.gone_at is None and s.t and s.t[-1] >= end_t
-        row = {"name": s.name, "pid": s.pid, "rss_start_mib": s.rss_kib[0] / 1024, "rss_end_mib": s.rss_kib[-1] / 1024,
-               "rss_max_mib": max(s.rss_kib) / 1024, "fds_start": s.fds[0], "fds_end": s.fds[-1],
-               "fds_max": max(s.fds), "alive": bool(alive)}
+        row = {
+            "name": s.name,
+            "pid": s.pid,
+            "rss_start_mib": s.rss_kib[0] / 1024,
+            "rss_end_mib": s.rss_kib[-1] / 1024,
+            "rss_max_mib": max(s.rss_kib) / 1024,
+            "fds_start": s.fds[0],
+            "fds_end": s.fds[-1],
+            "fds_max": max(s.fds),
+            "alive": bool(alive),
+        }
         problems = [] if alive else ["exited during the soak"]
         if base is None or base == len(s.t) - 1:
             problems.append("no sample after the warm-up")
@@ -249,7 +298,9 @@ def judge(procs: dict[int, ProcSeries], base_t: float, end_t: float, rss_pct: fl
             if growth > rss_pct:
                 problems.append(f"RSS grew {growth:.1f} % after the warm-up (limit {rss_pct:g} %)")
             if s.fds[-1] > s.fds[base] + fd_slack:
-                problems.append(f"fds {s.fds[base]} -> {s.fds[-1]} after the warm-up (slack {fd_slack})")
+                problems.append(
+                    f"fds {s.fds[base]} -> {s.fds[-1]} after the warm-up (slack {fd_slack})"
+                )
         row["ok"], row["problems"] = not problems, problems
         rows.append(row)
     return rows
@@ -257,32 +308,41 @@ def judge(procs: dict[int, ProcSeries], base_t: float, end_t: float, rss_pct: fl
 
 def markdown(report: dict) -> str:
     a, load = report["args"], report["load"]
-    lines = [f"# Soak: {a['duration']:.0f} s on {report['model']}",
-             "",
-             f"{report['date']}, {report['host']}, prefill PP {a['prefill_pp']} / decode PP {a['decode_pp']}, "
-             f"concurrency {a['concurrency']}, max_tokens <= {a['max_tokens']}, "
-             f"{a['cancel_fraction'] * 100:.0f} % cancelled by the client; load average at the end "
-             f"{report['loadavg_end']}.",
-             "",
-             f"Requests: {load['sent']} sent, {load['completed']} completed, {load['cancelled']} cancelled, "
-             f"{load['errors']} errors; {load['tokens']} streamed chunks. Baseline: idle after {a['warmup']:.0f} s "
-             f"of load; end: idle after the rest. Limits: RSS growth <= {a['rss_growth_pct']:g} %, "
-             f"fds <= baseline + {a['fd_slack']}.",
-             "",
-             "| process | RSS start MiB | RSS baseline | RSS end | RSS max | growth % | fds start | fds baseline "
-             "| fds end | verdict |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Soak: {a['duration']:.0f} s on {report['model']}",
+        "",
+        f"{report['date']}, {report['host']}, prefill PP {a['prefill_pp']} / decode PP {a['decode_pp']}, "
+        f"concurrency {a['concurrency']}, max_tokens <= {a['max_tokens']}, "
+        f"{a['cancel_fraction'] * 100:.0f} % cancelled by the client; load average at the end "
+        f"{report['loadavg_end']}.",
+        "",
+        f"Requests: {load['sent']} sent, {load['completed']} completed, {load['cancelled']} cancelled, "
+        f"{load['errors']} errors; {load['tokens']} streamed chunks. Baseline: idle after {a['warmup']:.0f} s "
+        f"of load; end: idle after the rest. Limits: RSS growth <= {a['rss_growth_pct']:g} %, "
+        f"fds <= baseline + {a['fd_slack']}.",
+        "",
+        "| process | RSS start MiB | RSS baseline | RSS end | RSS max | growth % | fds start | fds baseline "
+        "| fds end | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in report["processes"]:
         verdict = "ok" if r["ok"] else "FAIL: " + "; ".join(r["problems"])
-        lines.append(f"| {r['name']} | {r['rss_start_mib']:.0f} | {r.get('rss_base_mib', float('nan')):.0f} | "
-                     f"{r['rss_end_mib']:.0f} | {r['rss_max_mib']:.0f} | {r.get('rss_growth_pct', 'n/a')} | "
-                     f"{r['fds_start']} | {r.get('fds_base', 'n/a')} | {r['fds_end']} | {verdict} |")
-    lines += ["", f"**{'PASS' if report['passed'] else 'FAIL'}**" + (
-        "" if not report["problems"] else ": " + "; ".join(report["problems"])), ""]
+        lines.append(
+            f"| {r['name']} | {r['rss_start_mib']:.0f} | {r.get('rss_base_mib', float('nan')):.0f} | "
+            f"{r['rss_end_mib']:.0f} | {r['rss_max_mib']:.0f} | {r.get('rss_growth_pct', 'n/a')} | "
+            f"{r['fds_start']} | {r.get('fds_base', 'n/a')} | {r['fds_end']} | {verdict} |"
+        )
+    lines += [
+        "",
+        f"**{'PASS' if report['passed'] else 'FAIL'}**"
+        + ("" if not report["problems"] else ": " + "; ".join(report["problems"])),
+        "",
+    ]
     return "\n".join(lines)
 
 
 # --- main ---------------------------------------------------------------------------------------------
+
 
 def interrupt(_signum, _frame) -> None:
     """Ctrl-C and SIGTERM end the soak; the `finally` stops the cluster."""
@@ -291,11 +351,20 @@ def interrupt(_signum, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                    help="GGUF file or HF folder (default: pdserve's default model, SmolLM2-135M-Instruct)")
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load, warm-up included")
-    ap.add_argument("--warmup", type=float, default=None, help="seconds of load before the idle baseline "
-                                                               "(default: 20 %% of --duration)")
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL"),
+        help="GGUF file or HF folder (default: pdserve's default model, SmolLM2-135M-Instruct)",
+    )
+    ap.add_argument(
+        "--duration", type=float, default=600.0, help="seconds of load, warm-up included"
+    )
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of load before the idle baseline (default: 20 %% of --duration)",
+    )
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--cancel-fraction", type=float, default=0.2)
@@ -308,8 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak",
-                    help="writes OUT.json and OUT.md")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "bench" / "results" / "soak",
+        help="writes OUT.json and OUT.md",
+    )
     args = ap.parse_args(argv)
     if args.warmup is None:
         args.warmup = 0.2 * args.duration
@@ -318,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.port:
         sys.path.insert(0, str(ROOT))
         from infra.procs import free_port
+
         args.port = free_port()
 
     signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)      # also when started with SIGINT ignored (a background job)
+    signal.signal(
+        signal.SIGINT, interrupt
+    )  # also when started with SIGINT ignored (a background job)
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-soak-")) / "up.log"
     print(f"[soak] starting pdserve up (log {log_path})", flush=True)
     proc = start_cluster(args, log_path)
@@ -333,20 +409,36 @@ def main(argv: list[str] | None = None) -> int:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         sampler = Sampler(proc.pid)
         sampler.sample()
-        print(f"[soak] ready: {len(sampler.procs)} processes; {args.duration:.0f} s of load on {model}", flush=True)
+        print(
+            f"[soak] ready: {len(sampler.procs)} processes; {args.duration:.0f} s of load on {model}",
+            flush=True,
+        )
         stats = LoadStats()
 
         async def phase(seconds: float, seed: int) -> float:
             """Load for `seconds` with periodic samples, then IDLE_S idle; returns the idle sample's time."""
-            load = asyncio.create_task(drive(url, model, seconds, args.concurrency, args.max_tokens,
-                                             args.cancel_fraction, seed, stats))
+            load = asyncio.create_task(
+                drive(
+                    url,
+                    model,
+                    seconds,
+                    args.concurrency,
+                    args.max_tokens,
+                    args.cancel_fraction,
+                    seed,
+                    stats,
+                )
+            )
             while not load.done():
                 await asyncio.wait({load}, timeout=args.sample_every)
                 sampler.sample()
                 rss = sum(s.rss_kib[-1] for s in sampler.procs.values() if s.gone_at is None) / 1024
-                print(f"[soak] t={time.monotonic() - sampler.t0:5.0f} s  sent {stats.sent}  done "
-                      f"{stats.completed}  cancelled {stats.cancelled}  errors {stats.errors}  "
-                      f"cluster RSS {rss:.0f} MiB  load {os.getloadavg()[0]:.1f}", flush=True)
+                print(
+                    f"[soak] t={time.monotonic() - sampler.t0:5.0f} s  sent {stats.sent}  done "
+                    f"{stats.completed}  cancelled {stats.cancelled}  errors {stats.errors}  "
+                    f"cluster RSS {rss:.0f} MiB  load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
             load.result()
             await asyncio.sleep(IDLE_S)
             sampler.sample()
@@ -356,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             base = await phase(args.warmup, args.seed)
             print(f"[soak] idle baseline at t={base:.0f} s", flush=True)
             return base, await phase(args.duration - args.warmup, args.seed + 1)
+
         base_t, end_t = asyncio.run(run())
         rows = judge(sampler.procs, base_t, end_t, args.rss_growth_pct, args.fd_slack)
         problems = [f"{r['name']}: {p}" for r in rows for p in r["problems"]]
@@ -363,11 +456,18 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{stats.errors} requests failed (last: {stats.last_errors[-1]})")
         if stats.completed == 0:
             problems.append("no request completed")
-        report = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": f"{platform.node()} ({os.cpu_count()} cores)",
-                  "model": model, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "load": asdict(stats), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                  "processes": rows, "series": [asdict(s) for s in sampler.procs.values()],
-                  "problems": problems, "passed": not problems}
+        report = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "host": f"{platform.node()} ({os.cpu_count()} cores)",
+            "model": model,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "load": asdict(stats),
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            "processes": rows,
+            "series": [asdict(s) for s in sampler.procs.values()],
+            "problems": problems,
+            "passed": not problems,
+        }
     except KeyboardInterrupt:
         print("[soak] interrupted; stopping the cluster", flush=True)
         return 130
@@ -377,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         leftovers = stop_cluster(proc)
         if leftovers:
-            print(f"[soak] processes still alive after Ctrl-C to pdserve up: {leftovers}", flush=True)
+            print(
+                f"[soak] processes still alive after Ctrl-C to pdserve up: {leftovers}", flush=True
+            )
     if leftovers:
         report["problems"].append(f"processes still alive after Ctrl-C to pdserve up: {leftovers}")
         report["passed"] = False
@@ -386,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(report)
     args.out.with_suffix(".md").write_text(md)
     print(md)
-    print(f"[soak] wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}", flush=True)
+    print(
+        f"[soak] wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}",
+        flush=True,
+    )
     return 0 if report["passed"] else 1
 
 

@@ -18,6 +18,7 @@ whole room `Failed`. The update rule (`update_status`) is the only way a status 
 whose transfer ended (Success or Failed) is done for the release/transferred votes, a room that
 reached WaitingForInput (or later, or Failed) is done for the prealloc vote.
 """
+
 from __future__ import annotations
 
 import enum
@@ -42,7 +43,9 @@ def update_status(current: KVPoll | None, new: KVPoll | int) -> KVPoll:
     new = KVPoll(new)  # ValueError for an int outside 0..4
     if current is None:
         if new not in _START:
-            raise ValueError(f"a room starts at Bootstrapping or WaitingForInput (or Failed), not {new.name}")
+            raise ValueError(
+                f"a room starts at Bootstrapping or WaitingForInput (or Failed), not {new.name}"
+            )
         return new
     if current == KVPoll.Failed or new == KVPoll.Failed:
         return KVPoll.Failed
@@ -62,4 +65,6 @@ def done_for(kind: str, status: KVPoll | None) -> bool:
         return status != KVPoll.Bootstrapping
     if kind in ("release", "transferred"):
         return is_transfer_done(status)
-    raise ValueError(f"vote kind {kind!r} has no KVPoll meaning; known: release, transferred, prealloc")
+    raise ValueError(
+        f"vote kind {kind!r} has no KVPoll meaning; known: release, transferred, prealloc"
+    )

@@ -8,15 +8,16 @@ Call order: every rank calls `sync(tag, ...)` with the same tags in the same ord
 iteration (it shares the ring links with the votes, whose order is fixed the same way). A message
 with another tag means the ranks are out of step: `ConsensusError`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from consensus.kvpoll import KVPoll
 from consensus.transport import ConsensusError, ConsensusTimeout, RingTransport
 
-
-_POLLS = tuple(KVPoll)   # index = value; faster than KVPoll(v) per item
+_POLLS = tuple(KVPoll)  # index = value; faster than KVPoll(v) per item
 
 
 class LeaderSync:
@@ -36,10 +37,17 @@ class LeaderSync:
                 msg = self.t.recv_prev()
             except ConsensusTimeout as e:
                 raise ConsensusTimeout(f"{e} (waiting for leader sync {tag!r})") from None
-            if not (isinstance(msg, list) and len(msg) == 3 and msg[0] == "lead" and msg[1] == tag
-                    and isinstance(msg[2], list)):
-                raise ConsensusError(f"rank {self.t.rank}: expected leader sync {tag!r}, "
-                                     f"got {str(msg)[:200]}; ranks are out of step")
+            if not (
+                isinstance(msg, list)
+                and len(msg) == 3
+                and msg[0] == "lead"
+                and msg[1] == tag
+                and isinstance(msg[2], list)
+            ):
+                raise ConsensusError(
+                    f"rank {self.t.rank}: expected leader sync {tag!r}, "
+                    f"got {str(msg)[:200]}; ranks are out of step"
+                )
             out = msg[2]
         if not self.t.is_last:
             self.t.send_next(["lead", tag, out])
@@ -48,6 +56,8 @@ class LeaderSync:
     def sync_polls(self, polls: Sequence[KVPoll] | None, tag: str = "bootstrap") -> list[KVPoll]:
         """`sync` for a list of KVPoll (PP0's consensus statuses in queue order)."""
         raw = self.sync(tag, None if polls is None else [int(p) for p in polls])
-        if raw and not (set(map(type, raw)) == {int} and 0 <= min(raw) and max(raw) <= 4):
-            raise ConsensusError(f"rank {self.t.rank}: leader sync {tag!r} carried a non-KVPoll: {str(raw)[:200]}")
+        if raw and not (set(map(type, raw)) == {int} and min(raw) >= 0 and max(raw) <= 4):
+            raise ConsensusError(
+                f"rank {self.t.rank}: leader sync {tag!r} carried a non-KVPoll: {str(raw)[:200]}"
+            )
         return [_POLLS[v] for v in raw]

@@ -9,13 +9,15 @@ prints its recent calls so the first diverging call can be found, and exits.
 
 When the switch is off, the decorator returns the function itself: zero overhead.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ENABLED = os.environ.get("PDSERVE_RANK_CONSENSUS_CHECK", "0") not in ("", "0", "false", "False")
 
@@ -41,7 +43,7 @@ class RankChecker:
         self._sha = hashlib.sha1()
         self.calls = 0
         self.keep = keep
-        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)   # (call index, name, record)
+        self.recent: deque[tuple[int, str, str]] = deque(maxlen=keep)  # (call index, name, record)
 
     def record(self, name: str, args: Any, result: Any) -> None:
         line = repr((name, _canon(args), _canon(result)))
@@ -79,18 +81,22 @@ class RankChecker:
 CHECKER = RankChecker()
 
 
-def rank_consensus(name: str, args: Callable[..., Any] | None = None,
-                   result: Callable[[Any], Any] | None = None):
+def rank_consensus(
+    name: str, args: Callable[..., Any] | None = None, result: Callable[[Any], Any] | None = None
+):
     """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across ranks."""
+
     def deco(fn):
         if not ENABLED:
             return fn
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            chosen = args(*a, **kw) if args else None     # before the call: it may mutate them
+            chosen = args(*a, **kw) if args else None  # before the call: it may mutate them
             r = fn(*a, **kw)
             CHECKER.record(name, chosen, result(r) if result else None)
             return r
+
         return wrapper
+
     return deco

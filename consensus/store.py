@@ -25,6 +25,7 @@ Contract:
   process at once (`os._exit(1)`); a rank whose writes silently stopped would stall the cluster.
 * `close()` stops the thread (queued frames are flushed, bounded by a linger) and closes sockets.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,8 +45,8 @@ from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 logger = logging.getLogger(__name__)
 
 PUT, DELETE = 1, 2
-_KEY_MIN, _KEY_MAX = -(1 << 63), (1 << 64) - 1   # what a msgpack int can carry
-_MAX_FRAME = 64                                    # [op, rank, key, value] packs into <= 16 bytes
+_KEY_MIN, _KEY_MAX = -(1 << 63), (1 << 64) - 1  # what a msgpack int can carry
+_MAX_FRAME = 64  # [op, rank, key, value] packs into <= 16 bytes
 _STOP, _FAULT = object(), object()
 CHANNEL = "consensus-store"
 FLUSH_LINGER_MS = 2000
@@ -64,9 +65,13 @@ def _check_key(room: object) -> int:
 class PPConsensusStore(MutableMapping):
     """A dict room -> KVPoll whose writes on PP>0 are replicated to PP0 (see the module contract)."""
 
-    def __init__(self, pp_rank: int, pp_size: int, address: str | None = None, host: str = "127.0.0.1"):
+    def __init__(
+        self, pp_rank: int, pp_size: int, address: str | None = None, host: str = "127.0.0.1"
+    ):
         if not (_is_int(pp_size) and pp_size >= 1 and _is_int(pp_rank) and 0 <= pp_rank < pp_size):
-            raise ValueError(f"need 0 <= pp_rank < pp_size, got pp_rank={pp_rank!r} pp_size={pp_size!r}")
+            raise ValueError(
+                f"need 0 <= pp_rank < pp_size, got pp_rank={pp_rank!r} pp_size={pp_size!r}"
+            )
         self.rank, self.size = pp_rank, pp_size
         self._local: dict[int, KVPoll] = {}
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -90,7 +95,9 @@ class PPConsensusStore(MutableMapping):
         else:
             if not address:
                 self._ctx.term()
-                raise ValueError(f"rank {pp_rank} needs PP0's store address (PPConsensusStore.address on PP0)")
+                raise ValueError(
+                    f"rank {pp_rank} needs PP0's store address (PPConsensusStore.address on PP0)"
+                )
             self.address = address
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.SNDHWM, 0)
@@ -99,8 +106,9 @@ class PPConsensusStore(MutableMapping):
             self._sealer = Sealer(CHANNEL, f"pp{pp_rank}")
             self._sock.connect(address)
             self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._send_loop, daemon=True,
-                                            name=f"pp{pp_rank}-consensus-store")
+            self._thread = threading.Thread(
+                target=self._send_loop, daemon=True, name=f"pp{pp_rank}-consensus-store"
+            )
             self._thread.start()
 
     # ---- dict interface (local entries) -------------------------------------------------------
@@ -183,9 +191,20 @@ class PPConsensusStore(MutableMapping):
         if len(payload) > _MAX_FRAME:
             return self._drop("malformed", frames)
         try:
-            msg = msgpack.unpackb(payload, raw=False, use_list=True, max_str_len=_MAX_FRAME,
-                                  max_bin_len=_MAX_FRAME, max_array_len=4, max_map_len=0, max_ext_len=0)
-        except (ValueError, msgpack.UnpackException):  # ExtraData, FormatError, StackError, OutOfData
+            msg = msgpack.unpackb(
+                payload,
+                raw=False,
+                use_list=True,
+                max_str_len=_MAX_FRAME,
+                max_bin_len=_MAX_FRAME,
+                max_array_len=4,
+                max_map_len=0,
+                max_ext_len=0,
+            )
+        except (
+            ValueError,
+            msgpack.UnpackException,
+        ):  # ExtraData, FormatError, StackError, OutOfData
             return self._drop("malformed", frames)
         if not (isinstance(msg, list) and len(msg) == 4):
             return self._drop("bad_shape", frames)
@@ -194,7 +213,7 @@ class PPConsensusStore(MutableMapping):
             return self._drop("unknown_op", frames)
         if not (_is_int(rank) and 1 <= rank < self.size):
             return self._drop("bad_rank", frames)
-        if sender != f"pp{rank}":           # a rank writes only its own replica
+        if sender != f"pp{rank}":  # a rank writes only its own replica
             return self._drop("foreign_rank", frames)
         if not (_is_int(key) and _KEY_MIN <= key <= _KEY_MAX):
             return self._drop("bad_key", frames)
@@ -209,15 +228,21 @@ class PPConsensusStore(MutableMapping):
 
     def _drop(self, reason: str, frames: list[bytes]) -> None:
         self.dropped[reason] += 1
-        if self.dropped[reason] > 1:        # a flood must not flood the log: the first of each kind
+        if self.dropped[reason] > 1:  # a flood must not flood the log: the first of each kind
             return
-        logger.warning("pid %d pp0: dropped consensus store frame (%s): %r", os.getpid(), reason,
-                       b"|".join(frames)[:48])
+        logger.warning(
+            "pid %d pp0: dropped consensus store frame (%s): %r",
+            os.getpid(),
+            reason,
+            b"|".join(frames)[:48],
+        )
 
     def _need_leader(self, what: str) -> None:
         if self.rank != 0:
-            raise RuntimeError(f"{what}() is PP0-only (this is rank {self.rank}); PP0 sends its "
-                               "conclusion down the chain with LeaderSync")
+            raise RuntimeError(
+                f"{what}() is PP0-only (this is rank {self.rank}); PP0 sends its "
+                "conclusion down the chain with LeaderSync"
+            )
 
     # ---- replication (PP > 0) -----------------------------------------------------------------
     def _push(self, op: int, room: int, value: int | None) -> None:
@@ -237,8 +262,10 @@ class PPConsensusStore(MutableMapping):
                 self._sock.send(self._sealer.seal(item))
             self._sock.close()  # lingers up to FLUSH_LINGER_MS to flush what is queued
         except BaseException as e:  # fast fail: a silent replication stop would stall the cluster
-            line = (f"pid {os.getpid()} pp{self.rank}: consensus store sender thread failed: "
-                    f"{type(e).__name__}: {e}; exiting now (fast fail)\n")
+            line = (
+                f"pid {os.getpid()} pp{self.rank}: consensus store sender thread failed: "
+                f"{type(e).__name__}: {e}; exiting now (fast fail)\n"
+            )
             logger.critical(line.rstrip())
             try:
                 sys.stderr.write(line)
@@ -265,7 +292,7 @@ class PPConsensusStore(MutableMapping):
         if self._ctx is not None and (self._thread is None or not self._thread.is_alive()):
             self._ctx.term()
 
-    def __enter__(self) -> "PPConsensusStore":
+    def __enter__(self) -> PPConsensusStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,11 +18,13 @@ Two implementations:
   `send_obj(dst, payload: bytes)` and `recv_obj(src, timeout_s) -> bytes`; the payload is the
   msgpack encoding of the message, so the group only moves bytes.
 """
+
 from __future__ import annotations
 
 import abc
 import queue
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
@@ -88,7 +90,7 @@ class InMemoryRing:
         # _links[k] carries messages from rank k to rank (k + 1) % size.
         self._links: list[queue.SimpleQueue[bytes]] = [queue.SimpleQueue() for _ in range(size)]
 
-    def transport(self, rank: int) -> "InMemoryTransport":
+    def transport(self, rank: int) -> InMemoryTransport:
         return InMemoryTransport(self, rank)
 
 
@@ -105,8 +107,9 @@ class InMemoryTransport(RingTransport):
         try:
             data = self.ring._links[prev].get(timeout=self.ring.timeout_s)
         except queue.Empty:
-            raise ConsensusTimeout(f"rank {self.rank}: nothing from rank {prev} "
-                                   f"within {self.ring.timeout_s} s") from None
+            raise ConsensusTimeout(
+                f"rank {self.rank}: nothing from rank {prev} within {self.ring.timeout_s} s"
+            ) from None
         return decode(data)
 
 
@@ -118,8 +121,14 @@ class PPGroupTransport(RingTransport):
     `TimeoutError` when none arrived in time (translated here into `ConsensusTimeout`).
     """
 
-    def __init__(self, rank: int, size: int, send_obj: Callable[[int, bytes], None],
-                 recv_obj: Callable[[int, float], bytes], timeout_s: float = 60.0):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        send_obj: Callable[[int, bytes], None],
+        recv_obj: Callable[[int, float], bytes],
+        timeout_s: float = 60.0,
+    ):
         _check_rank(rank, size)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -134,6 +143,7 @@ class PPGroupTransport(RingTransport):
         try:
             data = self._recv(prev, self.timeout_s)
         except TimeoutError:
-            raise ConsensusTimeout(f"rank {self.rank}: nothing from rank {prev} "
-                                   f"within {self.timeout_s} s") from None
+            raise ConsensusTimeout(
+                f"rank {self.rank}: nothing from rank {prev} within {self.timeout_s} s"
+            ) from None
         return decode(data)

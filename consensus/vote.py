@@ -47,22 +47,23 @@ and final states are absorbing, see kvpoll.update_status); if it is not, the ids
 warning level and returned as `retry` so the caller keeps them and offers them again; never an
 exception, never applied early.
 """
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
 
 from consensus.kvpoll import KVPoll, done_for
 from consensus.transport import ConsensusError, ConsensusTimeout, RingTransport
 
 logger = logging.getLogger(__name__)
 
-RELEASE = "release"          # prefill: transfer ended (Success/Failed) -> free the prefill KV
+RELEASE = "release"  # prefill: transfer ended (Success/Failed) -> free the prefill KV
 TRANSFERRED = "transferred"  # decode: KV arrived (Success) -> start decoding; Failed -> fail
-PREALLOC = "prealloc"        # decode: good = WaitingForInput (pages preallocated), bad = Failed
-RETRACT = "retract"          # decode: retracted requests that may resume (good only)
+PREALLOC = "prealloc"  # decode: good = WaitingForInput (pages preallocated), bad = Failed
+RETRACT = "retract"  # decode: retracted requests that may resume (good only)
 KINDS = (RELEASE, TRANSFERRED, PREALLOC, RETRACT)
 
 Id = int | str
@@ -76,7 +77,7 @@ def _id_key(x: Id) -> tuple[int, int | str]:
 
 def _check_ids(ids: Iterable, what: str) -> frozenset:
     s = ids if type(ids) is frozenset else frozenset(ids)
-    if s and not set(map(type, s)) <= _ID_TYPES:     # exact types: no bool, no IntEnum
+    if s and not set(map(type, s)) <= _ID_TYPES:  # exact types: no bool, no IntEnum
         bad = next(x for x in s if type(x) not in _ID_TYPES)
         raise TypeError(f"{what}: vote ids are ints (rooms) or strings (rids), got {bad!r}")
     return s
@@ -84,9 +85,9 @@ def _check_ids(ids: Iterable, what: str) -> frozenset:
 
 def _sorted(ids: frozenset) -> list:
     try:
-        return sorted(ids)                  # one id type per kind: the fast, usual case
+        return sorted(ids)  # one id type per kind: the fast, usual case
     except TypeError:
-        return sorted(ids, key=_id_key)     # ints and strings mixed: ints first
+        return sorted(ids, key=_id_key)  # ints and strings mixed: ints first
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ class Ballot:
     aborted: frozenset = _EMPTY
 
     @classmethod
-    def from_statuses(cls, kind: str, statuses: Mapping[Id, KVPoll | None],
-                      aborted: Iterable[Id] = ()) -> "Ballot":
+    def from_statuses(
+        cls, kind: str, statuses: Mapping[Id, KVPoll | None], aborted: Iterable[Id] = ()
+    ) -> Ballot:
         """Ballot from local KVPoll statuses: Failed -> bad, other final states for `kind` -> good."""
         good = {i for i, s in statuses.items() if s != KVPoll.Failed and done_for(kind, s)}
         bad = {i for i, s in statuses.items() if s == KVPoll.Failed}
@@ -120,18 +122,29 @@ class Verdict:
     good: frozenset = _EMPTY
     bad: frozenset = _EMPTY
 
-    def partition(self, is_done: Callable[[Id], bool], kind: str = "",
-                  ) -> tuple[frozenset, frozenset, frozenset]:
+    def partition(
+        self,
+        is_done: Callable[[Id], bool],
+        kind: str = "",
+    ) -> tuple[frozenset, frozenset, frozenset]:
         """(good, bad, retry): ids whose local status is not final go to retry, with a warning."""
         retry = frozenset(i for i in self.good | self.bad if not is_done(i))
         if retry:
-            logger.warning("pid %d: %s verdict has %d id(s) not final locally, retried next turn: %s",
-                           os.getpid(), kind or "vote", len(retry), sorted(retry, key=_id_key)[:8])
+            logger.warning(
+                "pid %d: %s verdict has %d id(s) not final locally, retried next turn: %s",
+                os.getpid(),
+                kind or "vote",
+                len(retry),
+                sorted(retry, key=_id_key)[:8],
+            )
         return self.good - retry, self.bad - retry, retry
 
 
-def merge(tally: tuple[frozenset, frozenset], good_k: frozenset, bad_k: frozenset,
-          ) -> tuple[frozenset, frozenset]:
+def merge(
+    tally: tuple[frozenset, frozenset],
+    good_k: frozenset,
+    bad_k: frozenset,
+) -> tuple[frozenset, frozenset]:
     """Fold rank k's resolved ballot into the pass-1 tally (good, bad).
 
     Invariant kept: tally good | bad = ids final on every rank so far, good & bad = {}.
@@ -155,8 +168,10 @@ class RingVote:
         self.t = transport
         self.num_slots = num_slots
         self.kinds = tuple(kinds)
-        self._voted = [False] * num_slots                 # pass1 done, pass2 not yet (every rank)
-        self._kept: list[list | None] = [None] * num_slots  # last rank: verdict per slot, not yet sent
+        self._voted = [False] * num_slots  # pass1 done, pass2 not yet (every rank)
+        self._kept: list[list | None] = [
+            None
+        ] * num_slots  # last rank: verdict per slot, not yet sent
 
     # ---- pass 1 -------------------------------------------------------------------------------
     def pass1(self, mb: int, ballots: Mapping[str, Ballot]) -> None:
@@ -205,7 +220,7 @@ class RingVote:
         else:
             raw, kept = self._recv("v2", mb)
             if self.t.rank + 1 < self.t.size - 1:
-                self.t.send_next(raw)           # forwarded unchanged (already sorted)
+                self.t.send_next(raw)  # forwarded unchanged (already sorted)
         self._voted[mb] = False
         return {k: Verdict(g, b) for k, (g, b) in zip(self.kinds, kept)}
 
@@ -219,13 +234,17 @@ class RingVote:
         try:
             msg = self.t.recv_prev()
         except ConsensusTimeout as e:
-            raise ConsensusTimeout(f"{e} (waiting for vote {tag} of slot {mb}, kinds {self.kinds})") from None
+            raise ConsensusTimeout(
+                f"{e} (waiting for vote {tag} of slot {mb}, kinds {self.kinds})"
+            ) from None
         try:
             if msg[0] != tag or msg[1] != mb or len(msg) != 3 or len(msg[2]) != len(self.kinds):
                 raise ValueError("tag, slot or kind count differs")
             parsed = [(frozenset(g), frozenset(b)) for g, b in msg[2]]
         except (TypeError, ValueError, IndexError, KeyError) as e:
-            raise ConsensusError(f"rank {self.t.rank}: expected vote {tag} of slot {mb} with "
-                                 f"{len(self.kinds)} kind(s), got {str(msg)[:200]} ({e}); "
-                                 "ranks are out of step") from None
+            raise ConsensusError(
+                f"rank {self.t.rank}: expected vote {tag} of slot {mb} with "
+                f"{len(self.kinds)} kind(s), got {str(msg)[:200]} ({e}); "
+                "ranks are out of step"
+            ) from None
         return msg, parsed

@@ -4,6 +4,7 @@ The bootstrap address comes in the request body, but the decode ranks contact it
 secret), so the front admits only addresses on its allowlist: the prefill bootstrap servers the
 router registered and pushed here through the authenticated PUT /bootstrap_servers. A request that
 names any other address is refused (403) before anything is contacted."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,25 +23,47 @@ class DecodeFront(NodeFront):
     def set_bootstrap_servers(self, body: dict[str, Any]) -> list[str]:
         """Replaces the allowlist with body["servers"] ("host:port" strings); returns it sorted."""
         servers = body.get("servers")
-        if not isinstance(servers, list) or len(servers) > MAX_BOOTSTRAP_SERVERS or not all(
-                isinstance(s, str) and 0 < len(s) <= 262 and s.rpartition(":")[2].isdigit() for s in servers):
-            raise RequestError(400, f"'servers' must be a list of at most {MAX_BOOTSTRAP_SERVERS} "
-                               "'host:port' strings", "servers")
+        if (
+            not isinstance(servers, list)
+            or len(servers) > MAX_BOOTSTRAP_SERVERS
+            or not all(
+                isinstance(s, str) and 0 < len(s) <= 262 and s.rpartition(":")[2].isdigit()
+                for s in servers
+            )
+        ):
+            raise RequestError(
+                400,
+                f"'servers' must be a list of at most {MAX_BOOTSTRAP_SERVERS} 'host:port' strings",
+                "servers",
+            )
         self.bootstrap_servers = frozenset(servers)
         return sorted(self.bootstrap_servers)
 
     def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
-        room, host, port = body.get("bootstrap_room"), body.get("bootstrap_host"), body.get("bootstrap_port")
+        room, host, port = (
+            body.get("bootstrap_room"),
+            body.get("bootstrap_host"),
+            body.get("bootstrap_port"),
+        )
         if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room <= ROOM_MAX:
-            raise RequestError(400, "'bootstrap_room' must be an integer in [0, 2^63)", "bootstrap_room")
+            raise RequestError(
+                400, "'bootstrap_room' must be an integer in [0, 2^63)", "bootstrap_room"
+            )
         if not isinstance(host, str) or not host or len(host) > 255:
-            raise RequestError(400, "'bootstrap_host' (the prefill node's host) is required", "bootstrap_host")
+            raise RequestError(
+                400, "'bootstrap_host' (the prefill node's host) is required", "bootstrap_host"
+            )
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise RequestError(400, "'bootstrap_port' must be a TCP port", "bootstrap_port")
         addr = f"{host}:{port}"
         if addr not in self.bootstrap_servers:
-            raise RequestError(403, f"bootstrap server {addr} is not a prefill node registered with this "
-                               "cluster's router", "bootstrap_host", "unknown_bootstrap_server")
+            raise RequestError(
+                403,
+                f"bootstrap server {addr} is not a prefill node registered with this "
+                "cluster's router",
+                "bootstrap_host",
+                "unknown_bootstrap_server",
+            )
         return [room, addr]
 
     def add_kind(self) -> str:

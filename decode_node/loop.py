@@ -20,6 +20,7 @@ good set reaches the scheduler. A failed room's pages are not reused while a pre
 still land in them: they wait in `quarantine` until the release vote finds the room quiesced on
 every rank (each prefill peer sent its final word, or a grace period beyond the write timeout).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -33,25 +34,34 @@ from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from engine.core import Req
 from engine.kv_cache import pages_needed
 from pd_common.loop_base import PDReq, decode_aux, vote_transport
-from runtime.slot_loop import SlotLoop
 from runtime.rank_process import RankParts
+from runtime.slot_loop import SlotLoop
 
 log = logging.getLogger("pdserve.decode")
 
 
 class DecodeLoop(SlotLoop):
     def __init__(self, parts: RankParts, kv_mgr, aux_slots: int):
-        super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
+        super().__init__(
+            parts.loop_cfg,
+            parts.comm,
+            parts.runner,
+            parts.sched,
+            parts.front,
+            on_meta=self._on_meta,
+        )
         self.kv = kv_mgr
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))
-        self.prealloc: list[PDReq] = []          # arrival order, the same on every rank
-        self.transfer: dict[int, PDReq] = {}     # room -> admitted request whose KV is arriving
+        self.prealloc: list[PDReq] = []  # arrival order, the same on every rank
+        self.transfer: dict[int, PDReq] = {}  # room -> admitted request whose KV is arriving
         self.by_rid: dict[str, PDReq] = {}
-        self.quarantine: dict[int, PDReq] = {}   # failed rooms whose pages a late write could still hit
-        self._t_stage: dict[str, float] = {}     # metrics only: when the request entered its queue
-        self._t_cast: dict[int, float] = {}      # metrics only: slot -> when its votes were cast
-        self.aux_free = list(range(aux_slots))   # a heap: lowest free slot first, like the pages
+        self.quarantine: dict[
+            int, PDReq
+        ] = {}  # failed rooms whose pages a late write could still hit
+        self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
+        self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its votes were cast
+        self.aux_free = list(range(aux_slots))  # a heap: lowest free slot first, like the pages
 
     def kv_stats(self) -> dict:
         return self.kv.stats.snapshot()
@@ -68,7 +78,11 @@ class DecodeLoop(SlotLoop):
         return bool(self.by_rid or self.quarantine)
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"prealloc": len(self.prealloc), "transfer": len(self.transfer), "quarantine": len(self.quarantine)}
+        return {
+            "prealloc": len(self.prealloc),
+            "transfer": len(self.transfer),
+            "quarantine": len(self.quarantine),
+        }
 
     def request_phase(self, rid: str) -> str | None:
         # by_rid holds the requests in prealloc and transfer: no decode step yet, so waiting.
@@ -82,7 +96,12 @@ class DecodeLoop(SlotLoop):
         params = self.admissible(rid, ids, params_d, known=rid in self.by_rid)
         if params is None:
             return True
-        pd = PDReq(rid, int(room), Req(rid, list(ids), params), self.kv.create_receiver(int(room), bootstrap_addr))
+        pd = PDReq(
+            rid,
+            int(room),
+            Req(rid, list(ids), params),
+            self.kv.create_receiver(int(room), bootstrap_addr),
+        )
         self.prealloc.append(pd)
         self.by_rid[rid] = pd
         self._t_stage[rid] = time.monotonic()
@@ -94,7 +113,7 @@ class DecodeLoop(SlotLoop):
             return False
         pd.aborted, pd.reason = True, why
         pd.kv.abort(why)
-        if not pd.pages:                     # never registered: nothing can be written to it
+        if not pd.pages:  # never registered: nothing can be written to it
             self.prealloc.remove(pd)
             self._end(pd, why)
         return True
@@ -105,19 +124,33 @@ class DecodeLoop(SlotLoop):
         registered = [pd for pd in self.prealloc if pd.pages]
         if self.is_first and (registered or self.transfer or self.quarantine):
             self._t_cast[mb] = time.monotonic()
-        self.vote.pass1(mb, {
-            PREALLOC: Ballot.from_statuses(PREALLOC, {pd.room: pd.kv.poll() for pd in registered},
-                                           [pd.room for pd in registered if pd.aborted]),
-            TRANSFERRED: Ballot.from_statuses(TRANSFERRED, {r: pd.kv.poll() for r, pd in self.transfer.items()},
-                                              [r for r, pd in self.transfer.items() if pd.aborted]),
-            RELEASE: Ballot(good=frozenset(r for r, pd in self.quarantine.items()
-                                           if pd.kv.quiesced(self.kv.config.quarantine_s))),
-        })
+        self.vote.pass1(
+            mb,
+            {
+                PREALLOC: Ballot.from_statuses(
+                    PREALLOC,
+                    {pd.room: pd.kv.poll() for pd in registered},
+                    [pd.room for pd in registered if pd.aborted],
+                ),
+                TRANSFERRED: Ballot.from_statuses(
+                    TRANSFERRED,
+                    {r: pd.kv.poll() for r, pd in self.transfer.items()},
+                    [r for r, pd in self.transfer.items() if pd.aborted],
+                ),
+                RELEASE: Ballot(
+                    good=frozenset(
+                        r
+                        for r, pd in self.quarantine.items()
+                        if pd.kv.quiesced(self.kv.config.quarantine_s)
+                    )
+                ),
+            },
+        )
 
     @rank_consensus("pd_prealloc", result=lambda placed: placed)
     def _preallocate(self) -> list[tuple[int, list[int], int]]:
         alloc, ps = self.sched.allocator, self.sched.cfg.page_size
-        reserve = self.sched.num_running           # one page of decode headroom per running request
+        reserve = self.sched.num_running  # one page of decode headroom per running request
         # Retracted requests (the scheduler's waiting queue) come back before new rooms take pages:
         # prealloc runs first in every iteration, so without this it takes each freed page and a
         # retracted request starves for as long as new requests keep arriving.
@@ -128,7 +161,7 @@ class DecodeLoop(SlotLoop):
                 continue
             need = pages_needed(pd.req.prompt_len, ps)
             if not self.aux_free or not alloc.can_alloc(need + reserve):
-                break                               # first come first served
+                break  # first come first served
             pd.pages = alloc.alloc(need)
             pd.aux_slot = heapq.heappop(self.aux_free)
             pd.kv.register(pd.pages, pd.aux_slot)
@@ -142,10 +175,15 @@ class DecodeLoop(SlotLoop):
             self.observe("consensus:decode_votes", time.monotonic() - t_cast)
         pre = {pd.room: pd for pd in self.prealloc if pd.pages}
         good, bad, _ = verdicts[PREALLOC].partition(
-            lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC)
+            lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC
+        )
         self._apply_prealloc(pre, good, bad)
         good, bad, _ = verdicts[TRANSFERRED].partition(
-            lambda room: room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll()), TRANSFERRED)
+            lambda room: (
+                room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll())
+            ),
+            TRANSFERRED,
+        )
         self._apply_transferred(good, bad, hb)
         good, _, _ = verdicts[RELEASE].partition(lambda room: room in self.quarantine, RELEASE)
         self._release_quarantine(good)
@@ -158,7 +196,9 @@ class DecodeLoop(SlotLoop):
             pd.pages = []
             heapq.heappush(self.aux_free, pd.aux_slot)
 
-    @rank_consensus("pd_prealloc_verdict", args=lambda self, pre, good, bad: [sorted(good), sorted(bad)])
+    @rank_consensus(
+        "pd_prealloc_verdict", args=lambda self, pre, good, bad: [sorted(good), sorted(bad)]
+    )
     def _apply_prealloc(self, pre: dict[int, PDReq], good: frozenset, bad: frozenset) -> None:
         for room in sorted(good | bad):
             pd = pre[room]
@@ -170,7 +210,9 @@ class DecodeLoop(SlotLoop):
                 self._stage_done(pd.rid, "prealloc")
                 self._fail(pd, "KV preallocation failed")
 
-    @rank_consensus("pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb])
+    @rank_consensus(
+        "pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb]
+    )
     def _apply_transferred(self, good: frozenset, bad: frozenset, hb: int) -> None:
         for room in sorted(good | bad):
             pd = self.transfer.pop(room)
@@ -189,8 +231,15 @@ class DecodeLoop(SlotLoop):
             req.output_top_logprobs.append(top or [])
         heapq.heappush(self.aux_free, pd.aux_slot)
         self.by_rid.pop(pd.rid, None)
-        self.emit(["token", pd.rid, tok, lp if req.params.logprobs else None,
-                   top if req.params.top_logprobs else None])
+        self.emit(
+            [
+                "token",
+                pd.rid,
+                tok,
+                lp if req.params.logprobs else None,
+                top if req.params.top_logprobs else None,
+            ]
+        )
         self.sched.add_prefilled(req, pd.pages, mb)
         if self.is_first and req.rid in self.sched.reqs:
             self._t_running[req.rid] = time.monotonic()
@@ -199,7 +248,9 @@ class DecodeLoop(SlotLoop):
         """The client hears at once; the pages (and aux slot) wait in quarantine until every rank
         agrees, by the release vote, that no prefill write can land in them any more."""
         self.quarantine[pd.room] = pd
-        self._end(pd, pd.reason if pd.aborted else f"{what}: {pd.kv.reason or 'a decode rank failed'}")
+        self._end(
+            pd, pd.reason if pd.aborted else f"{what}: {pd.kv.reason or 'a decode rank failed'}"
+        )
 
     def _end(self, pd: PDReq, why: str) -> None:
         self.by_rid.pop(pd.rid, None)

@@ -1,4 +1,5 @@
 """`pdserve decode`: the decode node (front + one process per PP rank)."""
+
 from __future__ import annotations
 
 import argparse

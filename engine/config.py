@@ -1,4 +1,5 @@
 """Engine configuration: one frozen dataclass, validated with `raise` (python -O strips asserts)."""
+
 from __future__ import annotations
 
 import os
@@ -12,40 +13,54 @@ if TYPE_CHECKING:
 
 # dtype flag -> torch dtype name; torch itself is imported only where a tensor is made (the fronts,
 # which build configs too, never import it)
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "auto": "auto"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "auto": "auto",
+}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None          # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
-    dtype: str = "auto"               # the model's own dtype (bf16 for SmolLM2); "float32" is token-exact
+    model: str | None = None  # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
+    dtype: str = "auto"  # the model's own dtype (bf16 for SmolLM2); "float32" is token-exact
     page_size: int = 16
-    max_total_tokens: int = 32768     # KV pool capacity in tokens, the same on every rank
+    max_total_tokens: int = 32768  # KV pool capacity in tokens, the same on every rank
     chunk_size: int = 512
     max_batch_tokens: int = 2048
     max_running: int = 64
     max_context: int = 2048
     enable_prefix_cache: bool = True
-    threads: int = 0                  # torch intra-op threads; 0 => all cores of this process
-    seed: int = 0                     # the node's generator for unseeded sampling
+    threads: int = 0  # torch intra-op threads; 0 => all cores of this process
+    seed: int = 0  # the node's generator for unseeded sampling
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_total_tokens < self.page_size:
-            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be >= page_size ({self.page_size})")
+            raise ValueError(
+                f"max_total_tokens ({self.max_total_tokens}) must be >= page_size ({self.page_size})"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            raise ValueError("dtype 'auto' is resolved against the model first (EngineConfig.for_model)")
+            raise ValueError(
+                "dtype 'auto' is resolved against the model first (EngineConfig.for_model)"
+            )
         import torch
+
         return getattr(torch, _DTYPES[self.dtype])
 
-    def for_model(self, model_dtype: str, device: str = "cpu", native_bf16: bool | None = None) -> "EngineConfig":
+    def for_model(
+        self, model_dtype: str, device: str = "cpu", native_bf16: bool | None = None
+    ) -> EngineConfig:
         """This config with `auto` replaced by the dtype to serve `model_dtype` weights in. On a GPU
         that is the model's own dtype. On a CPU, 16-bit weights run in bf16 where the CPU multiplies
         bf16 natively (AVX-512 BF16, AMX; fp16 weights too: same width, the fast path), and in fp32
@@ -63,15 +78,25 @@ class EngineConfig:
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size
 
-    def scheduler_config(self, num_slots: int = 1, enable_prefix_cache: bool | None = None) -> SchedulerConfig:
+    def scheduler_config(
+        self, num_slots: int = 1, enable_prefix_cache: bool | None = None
+    ) -> SchedulerConfig:
         from engine.scheduler import SchedulerConfig
+
         return SchedulerConfig(
-            page_size=self.page_size, chunk_size=self.chunk_size, max_batch_tokens=self.max_batch_tokens,
-            max_running=self.max_running, max_context=self.max_context, num_slots=num_slots,
-            enable_prefix_cache=self.enable_prefix_cache if enable_prefix_cache is None else enable_prefix_cache)
+            page_size=self.page_size,
+            chunk_size=self.chunk_size,
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running,
+            max_context=self.max_context,
+            num_slots=num_slots,
+            enable_prefix_cache=self.enable_prefix_cache
+            if enable_prefix_cache is None
+            else enable_prefix_cache,
+        )
 
     @classmethod
-    def from_kwargs(cls, **kw) -> "EngineConfig":
+    def from_kwargs(cls, **kw) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in names})
 
@@ -81,6 +106,7 @@ def apply_threads(threads: int) -> int:
     if threads <= 0:
         threads = len(os.sched_getaffinity(0))
     import torch
+
     torch.set_num_threads(threads)
     return threads
 
@@ -88,6 +114,7 @@ def apply_threads(threads: int) -> int:
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls on this CPU's own bf16 instructions (AVX-512 BF16 or AMX)."""
     import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

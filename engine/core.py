@@ -11,6 +11,7 @@ Lengths, named once and derived from each other:
     cached_len    = prefix-cache hit at admission (pages shared with other requests)
     extend_len    = tokens the current batch computes for this request
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,11 +31,11 @@ class ParamError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0          # 0 (below 1e-5) => greedy
+    temperature: float = 0.0  # 0 (below 1e-5) => greedy
     top_p: float = 1.0
-    top_k: int = -1                   # -1 => off
+    top_k: int = -1  # -1 => off
     min_p: float = 0.0
-    seed: int | None = None           # same seed => same sampled output
+    seed: int | None = None  # same seed => same sampled output
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -46,42 +47,75 @@ class SamplingParams:
         # Below 1e-5 sampling is argmax anyway, and logits / temperature can overflow float32.
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         def need(ok: bool, name: str, msg: str) -> None:
             if not ok:
                 raise ParamError(name, msg)
-        need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-             "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+
+        need(
+            isinstance(self.max_tokens, int)
+            and not isinstance(self.max_tokens, bool)
+            and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                 name, f"must be a finite number, got {v!r}")
-        need(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
+            need(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                name,
+                f"must be a finite number, got {v!r}",
+            )
+        need(
+            0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"must be in [0, 100], got {self.temperature}",
+        )
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        need(isinstance(self.top_k, int) and (self.top_k == -1 or 1 <= self.top_k < 2**63),
-             "top_k", f"must be -1 (off) or in [1, 2^63), got {self.top_k!r}")
-        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-             "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        need(
+            isinstance(self.top_k, int) and (self.top_k == -1 or 1 <= self.top_k < 2**63),
+            "top_k",
+            f"must be -1 (off) or in [1, 2^63), got {self.top_k!r}",
+        )
+        need(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            f"must be an integer in [0, 2^63), got {self.seed!r}",
+        )
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
-        need(all(isinstance(t, int) and 0 <= t < 2**63 for t in self.stop_token_ids),
-             "stop_token_ids", "must be integers in [0, 2^63)")
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
-        need(isinstance(self.logprobs, bool), "logprobs", f"must be a boolean, got {self.logprobs!r}")
-        need(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
-             "top_logprobs", f"must be an integer in [0, 20], got {self.top_logprobs!r}")
+        need(
+            all(isinstance(t, int) and 0 <= t < 2**63 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be integers in [0, 2^63)",
+        )
+        need(
+            isinstance(self.ignore_eos, bool),
+            "ignore_eos",
+            f"must be a boolean, got {self.ignore_eos!r}",
+        )
+        need(
+            isinstance(self.logprobs, bool), "logprobs", f"must be a boolean, got {self.logprobs!r}"
+        )
+        need(
+            isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
+            "top_logprobs",
+            f"must be an integer in [0, 20], got {self.top_logprobs!r}",
+        )
         need(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs: true")
         return self
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Builds validated params from a JSON-like dict; unknown keys are an error naming the key."""
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:
             if k not in names:
-                raise ParamError(k, f"unknown sampling parameter (known: {', '.join(sorted(names))})")
+                raise ParamError(
+                    k, f"unknown sampling parameter (known: {', '.join(sorted(names))})"
+                )
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         for k in ("stop", "stop_token_ids"):
@@ -110,9 +144,9 @@ class ReqStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class FinishReason:
-    kind: str                 # "stop" | "length" | "abort"
-    message: str = ""         # why, for aborts and errors
-    matched: int | str | None = None   # the stop token id or stop string
+    kind: str  # "stop" | "length" | "abort"
+    message: str = ""  # why, for aborts and errors
+    matched: int | str | None = None  # the stop token id or stop string
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.kind}
@@ -123,25 +157,25 @@ class FinishReason:
         return d
 
 
-@dataclass(eq=False)   # identity hash, so a Req can live in a set
+@dataclass(eq=False)  # identity hash, so a Req can live in a set
 class Req:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    arrival: int = 0                       # replicated arrival counter (never wall clock)
+    arrival: int = 0  # replicated arrival counter (never wall clock)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
-    pages: list[int] = field(default_factory=list)   # page table: logical page i -> pool page
+    pages: list[int] = field(default_factory=list)  # page table: logical page i -> pool page
     kv_len: int = 0
     cached_len: int = 0
     extend_len: int = 0
     finish: FinishReason | None = None
-    to_finish: FinishReason | None = None    # set by abort while in flight, applied at harvest
-    in_flight: bool = False                  # scheduled in a slot whose outputs are not harvested
-    prefix_node: Any = None                  # prefix-cache lock handle
-    decoded_text_len: int = 0                # for stop-string scanning
+    to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
+    in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
+    prefix_node: Any = None  # prefix-cache lock handle
+    decoded_text_len: int = 0  # for stop-string scanning
 
     @property
     def prompt_len(self) -> int:

@@ -4,6 +4,7 @@ A token can end in the middle of a UTF-8 character (decoded as U+FFFD until the 
 and a stop string can start in this chunk and finish in a later one, so the tail that could still
 change is held back until the next token or the end.
 """
+
 from __future__ import annotations
 
 
@@ -16,15 +17,18 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0                      # characters of the full text already sent
+        self.emitted = 0  # characters of the full text already sent
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self._stream = None
-        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        if self._backend is not None and not getattr(
+            tokenizer, "clean_up_tokenization_spaces", False
+        ):
             from tokenizers.decoders import DecodeStream
+
             self._stream = DecodeStream(skip_special_tokens=True)
-        self._streamed = ""                   # what the stream has produced so far
+        self._streamed = ""  # what the stream has produced so far
 
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=True)
@@ -38,7 +42,7 @@ class IncrementalDetokenizer:
                 piece = self._stream.step(self._backend, t)
                 if piece:
                     self._streamed += piece
-        except Exception:                     # an id the tokenizer lacks: decode in full from now on
+        except Exception:  # an id the tokenizer lacks: decode in full from now on
             self._stream = None
             return self.text()
         return self._streamed
@@ -47,7 +51,7 @@ class IncrementalDetokenizer:
         """Appends tokens; returns the new text that is safe to send now."""
         full = self._extend(token_ids)
         safe = len(full) - self.hold
-        for s in self.stop:       # a stop string completed by these tokens: nothing from its start on
+        for s in self.stop:  # a stop string completed by these tokens: nothing from its start on
             i = full.find(s, max(0, self.emitted - len(s) + 1))
             if i >= 0:
                 safe = min(safe, i)
@@ -55,7 +59,7 @@ class IncrementalDetokenizer:
             safe -= 1
         if safe <= self.emitted:
             return ""
-        out = full[self.emitted:safe]
+        out = full[self.emitted : safe]
         self.emitted = safe
         return out
 
@@ -66,6 +70,6 @@ class IncrementalDetokenizer:
             cut = full.find(matched_stop, max(0, self.emitted - len(matched_stop)))
             if cut >= 0:
                 full = full[:cut]
-        out = full[self.emitted:] if len(full) > self.emitted else ""
+        out = full[self.emitted :] if len(full) > self.emitted else ""
         self.emitted = max(self.emitted, len(full))
         return out

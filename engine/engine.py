@@ -1,15 +1,16 @@
 """The offline engine: one process, the whole model, the same scheduler every PP rank runs.
 
-    eng = Engine(EngineConfig(model=path))
-    outs = eng.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=16))
-    for ev in eng.stream("Hello", SamplingParams(max_tokens=16)): print(ev.new_token_ids)
+eng = Engine(EngineConfig(model=path))
+outs = eng.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=16))
+for ev in eng.stream("Hello", SamplingParams(max_tokens=16)): print(ev.new_token_ids)
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
 
 from engine.config import EngineConfig, apply_threads
 from engine.core import FinishReason, ParamError, Req, SamplingParams
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RequestOutput:
     """One step's news about one request (streaming interface)."""
+
     rid: str
     new_token_ids: list[int]
     finished: bool = False
@@ -49,16 +51,26 @@ class Engine:
         self.config = config = config.for_model(self.model_config.dtype)
         self.tokenizer = load_tokenizer(path)
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
-        self.runner = ModelRunner(model, config.num_pages, config.page_size, config.torch_dtype, config.seed)
+        self.runner = ModelRunner(
+            model, config.num_pages, config.page_size, config.torch_dtype, config.seed
+        )
         max_ctx = min(config.max_context, self.model_config.max_position_embeddings)
         self.scheduler = Scheduler(
-            replace(config.scheduler_config(), max_context=max_ctx), self.runner.pool.allocator,
+            replace(config.scheduler_config(), max_context=max_ctx),
+            self.runner.pool.allocator,
             self.model_config.eos_token_ids,
-            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
         self._ids = itertools.count()
-        self._done: dict[str, Req] = {}      # finished requests not yet returned by generate/stream
-        log.info("engine ready: model=%s layers=%d dtype=%s kv=%d tokens threads=%d", path.name,
-                 self.model_config.num_layers, config.dtype, config.max_total_tokens, self.threads)
+        self._done: dict[str, Req] = {}  # finished requests not yet returned by generate/stream
+        log.info(
+            "engine ready: model=%s layers=%d dtype=%s kv=%d tokens threads=%d",
+            path.name,
+            self.model_config.num_layers,
+            config.dtype,
+            config.max_total_tokens,
+            self.threads,
+        )
 
     # --- requests ---------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -70,8 +82,12 @@ class Engine:
             raise ParamError("input_ids", f"must be integers in [0, {vocab})")
         return ids
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> str:
         params = (params or SamplingParams()).validate()
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         self.scheduler.add(Req(rid, self.encode(prompt), params))
@@ -90,16 +106,20 @@ class Engine:
             logits = self.runner.forward(batch)
             out = self.runner.sample(batch, logits) if batch.sampling_entries else None
             for req in sched.harvest(batch, out):
-                events[req.rid] = RequestOutput(req.rid, [req.output_ids[-1]],
-                                                new_logprobs=req.output_logprobs[-1:])
+                events[req.rid] = RequestOutput(
+                    req.rid, [req.output_ids[-1]], new_logprobs=req.output_logprobs[-1:]
+                )
         for req in sched.drain_finished():
             ev = events.setdefault(req.rid, RequestOutput(req.rid, []))
             ev.finished, ev.finish_reason = True, req.finish
             self._done[req.rid] = req
         return list(events.values())
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
         """Runs all prompts as one continuous batch; returns completions in prompt order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -111,7 +131,9 @@ class Engine:
             self.step()
         return [self._completion(self._done.pop(rid)) for rid in rids]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         self._done = {}
         rid = self.add_request(prompt, params)
         while True:
@@ -127,5 +149,12 @@ class Engine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if req.finish.kind == "stop" and isinstance(req.finish.matched, str):
             text = text[: text.find(req.finish.matched)] if req.finish.matched in text else text
-        return Completion(req.rid, req.prompt_len, list(ids), text, req.finish,
-                          list(req.output_logprobs), list(req.output_top_logprobs))
+        return Completion(
+            req.rid,
+            req.prompt_len,
+            list(ids),
+            text,
+            req.finish,
+            list(req.output_logprobs),
+            list(req.output_top_logprobs),
+        )

@@ -21,6 +21,7 @@ Index arithmetic, for item b with `start` cached tokens and `num_new` new ones, 
     rows i >= num_new are padding: they attend key 0 only (never all-masked, so never NaN),
     and their outputs are dropped (`out_sel`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,10 +35,10 @@ LONG_EXTEND = 64
 
 @dataclass(frozen=True)
 class BatchItem:
-    page_table: list[int]   # pool pages of this request, in order (logical page i -> pool page)
-    start: int              # tokens already in the KV cache = position of the first new token
-    num_new: int            # new tokens computed this forward (>= 1)
-    need_logits: bool       # whether its last new token's logits are wanted
+    page_table: list[int]  # pool pages of this request, in order (logical page i -> pool page)
+    start: int  # tokens already in the KV cache = position of the first new token
+    num_new: int  # new tokens computed this forward (>= 1)
+    need_logits: bool  # whether its last new token's logits are wanted
 
     @property
     def kv_len(self) -> int:
@@ -46,30 +47,30 @@ class BatchItem:
 
 @dataclass(frozen=True)
 class AttnGroup:
-    num_seqs: int                  # Bg
-    max_q: int                     # query rows per request (padded); 1 for decode groups
-    pages: int                     # pages per request (padded); kv_len = pages * page_size
+    num_seqs: int  # Bg
+    max_q: int  # query rows per request (padded); 1 for decode groups
+    pages: int  # pages per request (padded); kv_len = pages * page_size
     kv_len: int
-    kv_pages: torch.Tensor         # [Bg * pages] pool pages (padding: page 0, masked)
-    q_rows: torch.Tensor           # [Bg * max_q] rows of T that feed the padded queries
-    out_rows: torch.Tensor         # [n] rows of T that receive this group's outputs
-    out_sel: torch.Tensor | None   # [n] indices into the Bg * max_q padded rows; None: all real
-    mask: torch.Tensor | None      # bool [Bg, 1, max_q, kv_len], True = may attend; None: see causal
-    causal: bool                   # SDPA is_causal (a single request starting at position 0)
+    kv_pages: torch.Tensor  # [Bg * pages] pool pages (padding: page 0, masked)
+    q_rows: torch.Tensor  # [Bg * max_q] rows of T that feed the padded queries
+    out_rows: torch.Tensor  # [n] rows of T that receive this group's outputs
+    out_sel: torch.Tensor | None  # [n] indices into the Bg * max_q padded rows; None: all real
+    mask: torch.Tensor | None  # bool [Bg, 1, max_q, kv_len], True = may attend; None: see causal
+    causal: bool  # SDPA is_causal (a single request starting at position 0)
 
 
 @dataclass
 class ForwardBatch:
-    num_tokens: int                # T
+    num_tokens: int  # T
     page_size: int
-    positions: torch.Tensor        # [T] long
-    out_slots: torch.Tensor        # [T] flat slot = page * page_size + offset
-    out_pages: torch.Tensor        # [T] page of each new token
-    out_offs: torch.Tensor         # [T] offset in that page
+    positions: torch.Tensor  # [T] long
+    out_slots: torch.Tensor  # [T] flat slot = page * page_size + offset
+    out_pages: torch.Tensor  # [T] page of each new token
+    out_offs: torch.Tensor  # [T] offset in that page
     groups: list[AttnGroup]
-    logit_rows: torch.Tensor       # [n] rows of T whose logits are returned, in item order
+    logit_rows: torch.Tensor  # [n] rows of T whose logits are returned, in item order
     max_position: int
-    max_group_pages: int           # largest Bg * pages over groups (size of the gather workspace)
+    max_group_pages: int  # largest Bg * pages over groups (size of the gather workspace)
 
     @property
     def is_decode(self) -> bool:
@@ -83,10 +84,14 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
     row = 0
     for b, it in enumerate(items):
         if it.num_new < 1 or it.start < 0:
-            raise ValueError(f"item {b}: num_new must be >= 1 and start >= 0, got {it.num_new}, {it.start}")
+            raise ValueError(
+                f"item {b}: num_new must be >= 1 and start >= 0, got {it.num_new}, {it.start}"
+            )
         need = -(-it.kv_len // page_size)
         if len(it.page_table) < need:
-            raise ValueError(f"item {b}: {it.kv_len} tokens need {need} pages, page table has {len(it.page_table)}")
+            raise ValueError(
+                f"item {b}: {it.kv_len} tokens need {need} pages, page table has {len(it.page_table)}"
+            )
         offsets.append(row)
         pos = range(it.start, it.kv_len)
         positions.extend(pos)
@@ -97,23 +102,34 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
     pos_t = torch.tensor(positions, dtype=torch.long)
     out_pages = torch.tensor(pages_of_tok, dtype=torch.long)
     out_offs = pos_t % page_size
-    groups = [_build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device)
-              for g in _group_items(items)]
+    groups = [
+        _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device)
+        for g in _group_items(items)
+    ]
     return ForwardBatch(
-        num_tokens=row, page_size=page_size, positions=pos_t.to(device),
+        num_tokens=row,
+        page_size=page_size,
+        positions=pos_t.to(device),
         out_slots=(out_pages * page_size + out_offs).to(device),
-        out_pages=out_pages.to(device), out_offs=out_offs.to(device), groups=groups,
+        out_pages=out_pages.to(device),
+        out_offs=out_offs.to(device),
+        groups=groups,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         max_position=max(it.kv_len for it in items) - 1,
-        max_group_pages=max(g.num_seqs * g.pages for g in groups))
+        max_group_pages=max(g.num_seqs * g.pages for g in groups),
+    )
 
 
 def _group_items(items: list[BatchItem]) -> list[list[int]]:
     """Item indices per attention group (deterministic: a pure function of the items)."""
-    decode = sorted((b for b, it in enumerate(items) if it.num_new == 1), key=lambda b: -items[b].kv_len)
-    groups = [decode[i:i + DECODE_GROUP_SIZE] for i in range(0, len(decode), DECODE_GROUP_SIZE)]
-    extend = sorted((b for b, it in enumerate(items) if it.num_new > 1),
-                    key=lambda b: (-items[b].num_new, -items[b].kv_len))
+    decode = sorted(
+        (b for b, it in enumerate(items) if it.num_new == 1), key=lambda b: -items[b].kv_len
+    )
+    groups = [decode[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decode), DECODE_GROUP_SIZE)]
+    extend = sorted(
+        (b for b, it in enumerate(items) if it.num_new > 1),
+        key=lambda b: (-items[b].num_new, -items[b].kv_len),
+    )
     cur: list[int] = []
     real = 0
     for b in extend:
@@ -122,8 +138,10 @@ def _group_items(items: list[BatchItem]) -> list[list[int]]:
             groups.append([b])
             continue
         cost = it.num_new * it.kv_len
-        if cur:   # sorted by num_new, so the group's max_q is its first item's
-            padded = (len(cur) + 1) * items[cur[0]].num_new * max(items[c].kv_len for c in cur + [b])
+        if cur:  # sorted by num_new, so the group's max_q is its first item's
+            padded = (
+                (len(cur) + 1) * items[cur[0]].num_new * max(items[c].kv_len for c in cur + [b])
+            )
             if len(cur) >= EXTEND_GROUP_SIZE or padded > 2 * (real + cost):
                 groups.append(cur)
                 cur, real = [], 0
@@ -146,8 +164,10 @@ def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, dev
     off = torch.tensor(offsets, dtype=torch.long)
     num_new = torch.tensor([it.num_new for it in items], dtype=torch.long)
     q_idx = torch.arange(max_q)
-    real = q_idx[None, :] < num_new[:, None]                                       # [Bg, max_q]
-    q_rows = off[:, None] + torch.minimum(q_idx[None, :], num_new[:, None] - 1)    # padding repeats last row
+    real = q_idx[None, :] < num_new[:, None]  # [Bg, max_q]
+    q_rows = off[:, None] + torch.minimum(
+        q_idx[None, :], num_new[:, None] - 1
+    )  # padding repeats last row
     out_sel = real.flatten().nonzero().squeeze(1)
     out_rows = q_rows.flatten()[out_sel]
     all_real = bool(real.all())
@@ -156,11 +176,21 @@ def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, dev
     if not causal:
         start = torch.tensor([it.start for it in items], dtype=torch.long)
         key = torch.arange(kv_len)
-        mask = key[None, None, :] <= (start[:, None, None] + q_idx[None, :, None])   # [Bg, max_q, kv_len]
+        mask = key[None, None, :] <= (
+            start[:, None, None] + q_idx[None, :, None]
+        )  # [Bg, max_q, kv_len]
         if not all_real:
             mask = torch.where(real[:, :, None], mask, key[None, None, :] == 0)
         mask = None if bool(mask.all()) else mask[:, None].to(device)
     return AttnGroup(
-        num_seqs=bg, max_q=max_q, pages=pages, kv_len=kv_len, kv_pages=kv_pages.flatten().to(device),
-        q_rows=q_rows.flatten().to(device), out_rows=out_rows.to(device),
-        out_sel=None if all_real else out_sel.to(device), mask=mask, causal=causal)
+        num_seqs=bg,
+        max_q=max_q,
+        pages=pages,
+        kv_len=kv_len,
+        kv_pages=kv_pages.flatten().to(device),
+        q_rows=q_rows.flatten().to(device),
+        out_rows=out_rows.to(device),
+        out_sel=None if all_real else out_sel.to(device),
+        mask=mask,
+        causal=causal,
+    )

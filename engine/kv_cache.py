@@ -11,6 +11,7 @@ moves a few large descriptors instead of thousands of small per-layer pieces.
 Token slots are flat: slot = page * page_size + offset. Page ids come from the allocator, which is a
 pure function of its call sequence, so every PP rank hands out the same ids (docs/ARCHITECTURE.md section 4).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,7 +31,7 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages))      # a heap; range() is already a valid heap
+        self._free = list(range(num_pages))  # a heap; range() is already a valid heap
         self._held = bytearray(num_pages)
 
     @property
@@ -63,6 +64,7 @@ class PageAllocator:
 @dataclass(frozen=True)
 class KVLayout:
     """What a rank's pool looks like in memory; also what kv_transfer is told (as plain data)."""
+
     num_pages: int
     page_size: int
     layer_start: int
@@ -92,8 +94,17 @@ class KVPool:
         self.layout = layout
         self.page_size = layout.page_size
         self.kv = torch.zeros(
-            (layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype, device=device)
+            (
+                layout.num_pages,
+                layout.num_layers,
+                2,
+                layout.page_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
+            dtype=layout.dtype,
+            device=device,
+        )
         self.allocator = PageAllocator(layout.num_pages)
 
     @property
@@ -104,14 +115,18 @@ class KVPool:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def write(self, local_layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, local_layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Stores K/V ([T, kv_heads, head_dim]) of `local_layer` at flat token `slots` ([T])."""
         pages = torch.div(slots, self.page_size, rounding_mode="floor")
         offs = slots - pages * self.page_size
         self.kv[pages, local_layer, 0, offs] = k
         self.kv[pages, local_layer, 1, offs] = v
 
-    def gather(self, local_layer: int, pages: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, local_layer: int, pages: torch.Tensor, offs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at (pages, offs) index tensors of any shape S: returns [*S, kv_heads, head_dim] each."""
         layer = self.kv[:, local_layer]
         return layer[pages, 0, offs], layer[pages, 1, offs]

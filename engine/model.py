@@ -8,6 +8,7 @@ load time, so every layer runs four big matmuls over all T tokens of the batch.
 Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
 loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -32,7 +33,9 @@ class DecoderLayer(torch.nn.Module):
         self.cfg = cfg
         self.input_norm_weight = _empty(h, dtype=dtype)
         self.qkv_weight = _empty(cfg.q_size + 2 * cfg.kv_size, h, dtype=dtype)
-        self.qkv_bias = _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
+        self.qkv_bias = (
+            _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
+        )
         self.o_weight = _empty(h, cfg.q_size, dtype=dtype)
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
@@ -48,9 +51,9 @@ class DecoderLayer(torch.nn.Module):
             self.post_norm_weight.copy_(w[prefix + "post_attention_layernorm.weight"])
             off = 0
             for p, n in parts:
-                self.qkv_weight[off:off + n].copy_(w[a + f"{p}_proj.weight"])
+                self.qkv_weight[off : off + n].copy_(w[a + f"{p}_proj.weight"])
                 if self.qkv_bias is not None:
-                    self.qkv_bias[off:off + n].copy_(w[a + f"{p}_proj.bias"])
+                    self.qkv_bias[off : off + n].copy_(w[a + f"{p}_proj.bias"])
                 off += n
             self.o_weight.copy_(w[a + "o_proj.weight"])
             inter = cfg.intermediate_size
@@ -58,8 +61,16 @@ class DecoderLayer(torch.nn.Module):
             self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
             self.down_weight.copy_(w[m + "down_proj.weight"])
 
-    def forward(self, h: torch.Tensor, layer: int, fb: ForwardBatch, pool: KVPool,
-                rope: tuple[torch.Tensor, torch.Tensor], masks: list, ws: torch.Tensor) -> None:
+    def forward(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        fb: ForwardBatch,
+        pool: KVPool,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        masks: list,
+        ws: torch.Tensor,
+    ) -> None:
         """Updates the residual stream `h` [T, hidden] in place."""
         cfg = self.cfg
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm_weight, cfg.rms_norm_eps)
@@ -76,29 +87,32 @@ class DecoderLayer(torch.nn.Module):
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = nh // nkv
-        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(t, nh + nkv, d), *rope)
+        qk = apply_rope(qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d), *rope)
         q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, nkv, d)
-        kv = pool.kv[:, layer]                                        # [pages, 2, page_size, kv_heads, d]
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, nkv, d)
+        kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
         kv[fb.out_pages, 0, fb.out_offs] = k.to(kv.dtype)
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
         for g, mask in zip(fb.groups, masks):
             n = g.num_seqs * g.pages
             kbuf, vbuf = ws[0, :n], ws[1, :n]
-            torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)     # ONE gather for K, one for V
+            torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)  # ONE gather for K, one for V
             torch.index_select(kv[:, 1], 0, g.kv_pages, out=vbuf)
             keys = kbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
             vals = vbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
             qg = q.index_select(0, g.q_rows)
             if g.max_q == 1:
                 # Decode: the `group` query heads sharing a KV head become query rows of that head.
-                o = F.scaled_dot_product_attention(qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask)
+                o = F.scaled_dot_product_attention(
+                    qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask
+                )
                 out.index_copy_(0, g.out_rows, o.reshape(g.num_seqs, cfg.q_size))
                 continue
             qg = qg.view(g.num_seqs, g.max_q, nh, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, is_causal=g.causal,
-                                               enable_gqa=group > 1)
+            o = F.scaled_dot_product_attention(
+                qg, keys, vals, attn_mask=mask, is_causal=g.causal, enable_gqa=group > 1
+            )
             o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, cfg.q_size)
             if g.out_sel is not None:
                 o = o.index_select(0, g.out_sel)
@@ -112,21 +126,36 @@ class ModelSlice(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
         super().__init__()
         if not 0 <= layer_start < layer_end <= cfg.num_layers:
-            raise ValueError(f"bad layer slice [{layer_start}, {layer_end}) of {cfg.num_layers} layers")
+            raise ValueError(
+                f"bad layer slice [{layer_start}, {layer_end}) of {cfg.num_layers} layers"
+            )
         if cfg.num_heads % cfg.num_kv_heads:
-            raise ValueError(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
+            )
         self.cfg, self.dtype = cfg, dtype
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = layer_start == 0, layer_end == cfg.num_layers
-        self.embed_weight = _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if self.is_first else None
-        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end))
+        self.embed_weight = (
+            _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if self.is_first else None
+        )
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end)
+        )
         self.norm_weight = _empty(cfg.hidden_size, dtype=dtype) if self.is_last else None
         self.lm_head_weight = None
-        if self.is_last:   # tied and the whole model in one slice: one matrix, not two copies
+        if self.is_last:  # tied and the whole model in one slice: one matrix, not two copies
             share = self.is_first and cfg.tie_word_embeddings
-            self.lm_head_weight = self.embed_weight if share else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                              min(cfg.max_position_embeddings, 32768), dtype)
+            self.lm_head_weight = (
+                self.embed_weight if share else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            )
+        self.rope = RopeTable(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            min(cfg.max_position_embeddings, 32768),
+            dtype,
+        )
         self._ws = torch.empty(0)
 
     def weight_names(self) -> list[str]:
@@ -136,15 +165,22 @@ class ModelSlice(torch.nn.Module):
             names.append("model.embed_tokens.weight")
         for i in range(self.layer_start, self.layer_end):
             p = f"model.layers.{i}."
-            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                      p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                      p + "mlp.down_proj.weight"]
+            names += [
+                p + "input_layernorm.weight",
+                p + "post_attention_layernorm.weight",
+                p + "self_attn.o_proj.weight",
+                p + "mlp.gate_proj.weight",
+                p + "mlp.up_proj.weight",
+                p + "mlp.down_proj.weight",
+            ]
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             if self.cfg.attention_bias:
                 names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if self.is_last:
             names.append("model.norm.weight")
-            names.append("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
+            names.append(
+                "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            )
         return list(dict.fromkeys(names))
 
     def load_weights(self, w: Mapping[str, torch.Tensor]) -> None:
@@ -157,7 +193,11 @@ class ModelSlice(torch.nn.Module):
             if self.is_last:
                 self.norm_weight.copy_(w["model.norm.weight"])
                 if self.lm_head_weight is not self.embed_weight:
-                    head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+                    head = (
+                        "model.embed_tokens.weight"
+                        if self.cfg.tie_word_embeddings
+                        else "lm_head.weight"
+                    )
                     self.lm_head_weight.copy_(w[head])
 
     def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -178,14 +218,19 @@ class ModelSlice(torch.nn.Module):
         float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in fb.logit_rows."""
         lay = pool.layout
         if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
-            raise ValueError(f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
-                             f"slice is [{self.layer_start}, {self.layer_end})")
+            raise ValueError(
+                f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
+                f"slice is [{self.layer_start}, {self.layer_end})"
+            )
         h = F.embedding(x, self.embed_weight) if self.is_first else x.to(self.dtype, copy=True)
         rope = self.rope.lookup(fb.positions, fb.max_position)
         # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
-        masks = [None if g.mask is None else
-                 torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
-                 for g in fb.groups]
+        masks = [
+            None
+            if g.mask is None
+            else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
+            for g in fb.groups
+        ]
         ws = self._workspace(fb, pool)
         for i, layer in enumerate(self.layers):
             layer(h, i, fb, pool, rope, masks, ws)

@@ -1,5 +1,6 @@
 """What a model is, as plain data (no torch): the fronts read it to validate requests, the ranks to
 build their layer slice. Also the architectures and RoPE kinds the engine implements."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    dtype: str = "float32"            # the weights' own dtype: what `--dtype auto` serves in
+    dtype: str = "float32"  # the weights' own dtype: what `--dtype auto` serves in
 
     @property
     def q_size(self) -> int:

@@ -4,6 +4,7 @@ Shared by the offline engine (one slice = the whole model) and by every PP rank.
 embeds token ids; the others take the previous slice's hidden states. Only the last slice returns
 logits, and only it samples.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,12 +18,22 @@ from engine.scheduler import SampleOut, ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: ModelSlice, num_pages: int, page_size: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(
+        self, model: ModelSlice, num_pages: int, page_size: int, dtype: torch.dtype, seed: int = 0
+    ):
         cfg = model.cfg
         self.model = model
-        self.pool = KVPool(KVLayout(num_pages=num_pages, page_size=page_size, layer_start=model.layer_start,
-                                    layer_end=model.layer_end, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, dtype=dtype))
+        self.pool = KVPool(
+            KVLayout(
+                num_pages=num_pages,
+                page_size=page_size,
+                layer_start=model.layer_start,
+                layer_end=model.layer_end,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=dtype,
+            )
+        )
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -36,7 +47,7 @@ class ModelRunner:
     def input_ids(self, batch: ScheduledBatch) -> torch.Tensor:
         ids: list[int] = []
         for e in batch.entries:
-            ids.extend(e.req.all_ids[e.start:e.start + e.num_new])
+            ids.extend(e.req.all_ids[e.start : e.start + e.num_new])
         return torch.tensor(ids, dtype=torch.long)
 
     @torch.inference_mode()
@@ -45,7 +56,9 @@ class ModelRunner:
         items = [BatchItem(e.pages, e.start, e.num_new, e.need_logits) for e in batch.entries]
         fb = build_forward_batch(items, self.pool.page_size)
         x = self.input_ids(batch) if self.is_first else hidden_in
-        assert x is not None and x.shape[0] == batch.num_tokens, "hidden states do not match the batch"
+        assert x is not None and x.shape[0] == batch.num_tokens, (
+            "hidden states do not match the batch"
+        )
         return self.model(x, fb, self.pool)
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SampleOut:

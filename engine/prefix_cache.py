@@ -16,6 +16,7 @@ Page ownership, for one request (P = page_size):
     at finish: own full pages whose token chunk is new to the tree move into the tree; a chunk the
     tree already has (a twin request inserted it first) and the partial last page go back to the pool.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -28,8 +29,8 @@ from engine.kv_cache import PageAllocator
 class _Node:
     key: tuple[int, ...]
     page: int
-    parent: "_Node | None"
-    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     refs: int = 0
     last_use: int = 0
 
@@ -42,7 +43,7 @@ class PrefixCache:
         self.page_size = page_size
         self.root = _Node(key=(), page=-1, parent=None, refs=1)
         self._clock = 0
-        self.num_cached_pages = 0        # pages owned by the tree
+        self.num_cached_pages = 0  # pages owned by the tree
         self.hit_tokens_total = 0
 
     def _tick(self) -> int:
@@ -52,7 +53,7 @@ class PrefixCache:
     def _chunks(self, tokens: list[int], n_pages: int):
         P = self.page_size
         for i in range(n_pages):
-            yield tuple(tokens[i * P:(i + 1) * P])
+            yield tuple(tokens[i * P : (i + 1) * P])
 
     # --- lookups --------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_tokens: int) -> tuple[list[int], _Node]:
@@ -86,7 +87,9 @@ class PrefixCache:
             node = node.parent
 
     # --- insertion --------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], pages: list[int], num_tokens: int, cached_pages: int) -> list[int]:
+    def insert(
+        self, tokens: list[int], pages: list[int], num_tokens: int, cached_pages: int
+    ) -> list[int]:
         """Gives a finished request's pages to the tree; returns the pages to free to the pool.
 
         `tokens[:num_tokens]` have KV in `pages`; the first `cached_pages` pages came from `match`
@@ -98,16 +101,18 @@ class PrefixCache:
         for i, key in enumerate(self._chunks(tokens, full)):
             child = node.children.get(key)
             if i < cached_pages:
-                assert child is not None and child.page == pages[i], "cached prefix changed under a lock"
+                assert child is not None and child.page == pages[i], (
+                    "cached prefix changed under a lock"
+                )
             elif child is None:
                 child = _Node(key=key, page=pages[i], parent=node)
                 node.children[key] = child
                 self.num_cached_pages += 1
             elif child.page != pages[i]:
-                to_free.append(pages[i])       # a twin request inserted this chunk first
+                to_free.append(pages[i])  # a twin request inserted this chunk first
             child.last_use = now
             node = child
-        to_free.extend(pages[max(full, cached_pages):])
+        to_free.extend(pages[max(full, cached_pages) :])
         return to_free
 
     # --- eviction ---------------------------------------------------------------------------------
@@ -126,7 +131,9 @@ class PrefixCache:
         """Frees up to `num_pages` unreferenced leaf pages, least recently used first. Returns the count."""
         if num_pages <= 0:
             return 0
-        heap = [(n.last_use, n.page, n) for n in self._iter_nodes() if n.refs == 0 and not n.children]
+        heap = [
+            (n.last_use, n.page, n) for n in self._iter_nodes() if n.refs == 0 and not n.children
+        ]
         heapq.heapify(heap)
         freed = []
         while heap and len(freed) < num_pages:
@@ -142,4 +149,6 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         n = sum(1 for _ in self._iter_nodes())
-        assert n == self.num_cached_pages, f"tree holds {n} pages, counter says {self.num_cached_pages}"
+        assert n == self.num_cached_pages, (
+            f"tree holds {n} pages, counter says {self.num_cached_pages}"
+        )

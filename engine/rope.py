@@ -4,6 +4,7 @@ The table is computed once per slice (float64, then cast) and indexed by the bat
 forward never recomputes trigonometry. Layout is Hugging Face's "rotate half" (not interleaved):
 GGUF Q/K weights are un-permuted at load time to match it.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,14 +39,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    raise ValueError(
+        f"unsupported rope_type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
 
 
 class RopeTable:
     """cos/sin [max_pos, head_dim] (halves duplicated), grown on demand when a position exceeds it."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict | None,
+        max_pos: int,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.dtype = dtype
         self.cos = self.sin = torch.empty(0)
@@ -56,7 +65,9 @@ class RopeTable:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] for `positions` [T]; `max_position` is positions.max() (known to the caller)."""
         if max_position >= self.cos.shape[0]:
             self._build(max(2 * self.cos.shape[0], max_position + 1))

@@ -5,6 +5,7 @@ its output depends only on its own logits and seed, never on what else shares it
 requests draw from the node's generator. Sampling runs on the last PP rank only; the chosen tokens
 then travel the output ring, so no other rank ever draws a random number.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,14 +34,18 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        drop = (cum - sorted_p) > p.top_p        # keep the smallest prefix whose mass reaches top_p
+        drop = (cum - sorted_p) > p.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           generator: torch.Generator | None = None) -> SampleOut:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    steps: list[int],
+    generator: torch.Generator | None = None,
+) -> SampleOut:
     """logits: float32 [R, vocab], one row per sampling request; steps[i] = tokens it generated so far."""
     logits = logits.float()
     tokens = torch.argmax(logits, dim=-1)
@@ -61,5 +66,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     if k > 0:
         vals, idx = torch.topk(logp, k, dim=-1)
         vals, idx = vals.tolist(), idx.tolist()
-        tops = [list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs])) for i, p in enumerate(params)]
+        tops = [
+            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs]))
+            for i, p in enumerate(params)
+        ]
     return SampleOut(token_ids, chosen, tops)

@@ -15,11 +15,12 @@ Abort: a waiting request is removed at once; an admitted request that is not in 
 at once (no rank's forward can still be reading its pages); one in flight gets `to_finish` and ends
 when its slot is harvested. All three happen at the same logical moment on every rank.
 """
+
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from consensus.rank_checker import rank_consensus
 from engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams
@@ -30,19 +31,28 @@ from engine.prefix_cache import PrefixCache
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int = 16
-    chunk_size: int = 512          # max prompt tokens of one request in one batch
-    max_batch_tokens: int = 2048   # max new tokens in one forward (decodes + prefill chunks)
-    max_running: int = 64          # admitted requests across all slots
-    max_context: int = 2048        # prompt + output tokens of one request
+    chunk_size: int = 512  # max prompt tokens of one request in one batch
+    max_batch_tokens: int = 2048  # max new tokens in one forward (decodes + prefill chunks)
+    max_running: int = 64  # admitted requests across all slots
+    max_context: int = 2048  # prompt + output tokens of one request
     enable_prefix_cache: bool = True
-    num_slots: int = 1             # microbatch slots (pp_size + async_depth)
+    num_slots: int = 1  # microbatch slots (pp_size + async_depth)
 
     def __post_init__(self):
-        for name in ("page_size", "chunk_size", "max_batch_tokens", "max_running", "max_context", "num_slots"):
+        for name in (
+            "page_size",
+            "chunk_size",
+            "max_batch_tokens",
+            "max_running",
+            "max_context",
+            "num_slots",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_size > self.max_batch_tokens:
-            raise ValueError(f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens ({self.max_batch_tokens})")
+            raise ValueError(
+                f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens ({self.max_batch_tokens})"
+            )
 
 
 @dataclass
@@ -76,27 +86,34 @@ class ScheduledBatch:
 @dataclass
 class SampleOut:
     """What the last rank sampled for a batch's sampling entries, in entry order."""
+
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def _batch_digest(b: "ScheduledBatch") -> list:
-    return [b.mb, [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:] ) for e in b.entries]]
+def _batch_digest(b: ScheduledBatch) -> list:
+    return [b.mb, [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries]]
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, eos_token_ids: tuple[int, ...] = (),
-                 detokenize: Callable[[list[int]], str] | None = None, hold_kv_on_finish: bool = False):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        allocator: PageAllocator,
+        eos_token_ids: tuple[int, ...] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        hold_kv_on_finish: bool = False,
+    ):
         self.cfg = cfg
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.cache = PrefixCache(allocator, cfg.page_size) if cfg.enable_prefix_cache else None
-        self.waiting: list[Req] = []                       # sorted by arrival
+        self.waiting: list[Req] = []  # sorted by arrival
         self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
-        self.reqs: dict[str, Req] = {}                     # live requests, insertion ordered
-        self.just_finished: list[Req] = []                 # drained by the caller
+        self.reqs: dict[str, Req] = {}  # live requests, insertion ordered
+        self.just_finished: list[Req] = []  # drained by the caller
         self._arrivals = 0
         self.num_retractions = 0
         # Prefill side of PD: a request that ends keeps its pages until `release(rid)`: its KV may
@@ -111,11 +128,17 @@ class Scheduler:
             raise ParamError("prompt", "is empty")
         total = prompt_len + params.max_tokens
         if total > self.cfg.max_context:
-            raise ParamError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context limit of {self.cfg.max_context} tokens")
+            raise ParamError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context limit of {self.cfg.max_context} tokens",
+            )
         if pages_needed(total, self.cfg.page_size) > self.allocator.num_pages:
-            raise ParamError("max_tokens", f"prompt + max_tokens ({total} tokens) can never fit in the KV pool "
-                             f"({self.allocator.num_pages * self.cfg.page_size} tokens)")
+            raise ParamError(
+                "max_tokens",
+                f"prompt + max_tokens ({total} tokens) can never fit in the KV pool "
+                f"({self.allocator.num_pages * self.cfg.page_size} tokens)",
+            )
 
     @rank_consensus("add", args=lambda self, req: [req.rid, len(req.input_ids)])
     def add(self, req: Req) -> None:
@@ -173,13 +196,17 @@ class Scheduler:
         # 1. Running requests of this slot; decodes (1 token) need at most one new page each.
         decodes = [r for r in slot if r.seq_len - r.kv_len == 1]
         while decodes:
-            need = sum(1 for r in decodes if r.kv_len % self.cfg.page_size == 0 and
-                       pages_needed(r.kv_len + 1, self.cfg.page_size) > len(r.pages))
+            need = sum(
+                1
+                for r in decodes
+                if r.kv_len % self.cfg.page_size == 0
+                and pages_needed(r.kv_len + 1, self.cfg.page_size) > len(r.pages)
+            )
             if self._free_pages_for(need):
                 break
-            self._retract(max(decodes, key=lambda r: r.arrival))      # youngest first
+            self._retract(max(decodes, key=lambda r: r.arrival))  # youngest first
             decodes = [r for r in slot if r.seq_len - r.kv_len == 1]
-        for r in decodes[: budget]:
+        for r in decodes[:budget]:
             self._grow(r, r.kv_len + 1)
             self._place(batch, r, 1)
         budget -= len(batch.entries)
@@ -248,8 +275,11 @@ class Scheduler:
         raise AssertionError(f"{req.rid} is in no slot")
 
     # --- outputs -----------------------------------------------------------------------------------
-    @rank_consensus("harvest", args=lambda self, batch, out: [batch.mb, out.token_ids if out else None],
-                    result=lambda r: [q.rid for q in r])
+    @rank_consensus(
+        "harvest",
+        args=lambda self, batch, out: [batch.mb, out.token_ids if out else None],
+        result=lambda r: [q.rid for q in r],
+    )
     def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> list[Req]:
         """Applies a batch's sampled tokens; returns the requests that got a token (in batch order)."""
         got, k = [], 0
@@ -274,16 +304,16 @@ class Scheduler:
     def _check_stop(self, req: Req) -> None:
         p, tok = req.params, req.output_ids[-1]
         reason = None
-        if tok in p.stop_token_ids:
-            reason = FinishReason("stop", matched=tok)
-        elif not p.ignore_eos and tok in self.eos_token_ids:
+        if tok in p.stop_token_ids or not p.ignore_eos and tok in self.eos_token_ids:
             reason = FinishReason("stop", matched=tok)
         elif p.stop and self.detokenize is not None:
-            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8):])
+            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8) :])
             hit = next((s for s in p.stop if s in tail), None)
             if hit is not None:
                 reason = FinishReason("stop", matched=hit)
-        if reason is None and (len(req.output_ids) >= p.max_tokens or req.seq_len >= self.cfg.max_context):
+        if reason is None and (
+            len(req.output_ids) >= p.max_tokens or req.seq_len >= self.cfg.max_context
+        ):
             reason = FinishReason("length")
         if reason is not None:
             self._finish(req, reason)
@@ -303,7 +333,9 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         if self.cache is not None:
-            free = self.cache.insert(req.all_ids, req.pages, req.kv_len, req.cached_len // self.cfg.page_size)
+            free = self.cache.insert(
+                req.all_ids, req.pages, req.kv_len, req.cached_len // self.cfg.page_size
+            )
             self.cache.unlock(req.prefix_node)
             req.prefix_node = None
         else:
@@ -336,7 +368,9 @@ class Scheduler:
     @property
     def used_tokens(self) -> int:
         """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
-        return sum(r.kv_len for s in self.slots for r in s) + sum(r.kv_len for r in self.held.values())
+        return sum(r.kv_len for s in self.slots for r in s) + sum(
+            r.kv_len for r in self.held.values()
+        )
 
     def held_pages(self) -> int:
         cached = self.cache.num_cached_pages if self.cache is not None else 0

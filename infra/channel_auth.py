@@ -19,6 +19,7 @@ Without a secret (`cluster_secret()` is None: tests and loopback-only developmen
 are used with an empty key, which anyone can forge: the control plane is then unauthenticated, which
 the node refuses on non-loopback binds unless --insecure was given (docs/SECURITY.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,9 +35,9 @@ from infra.cluster_secret import cluster_secret
 
 MAGIC = b"PA1"
 TAG_BYTES = 32
-_HEAD = struct.Struct("<QB")                 # seq, sender length
-OVERHEAD = len(MAGIC) + TAG_BYTES + _HEAD.size + 255   # the most a frame adds to its payload
-SENDERS_KEPT = 4096                          # replay memory: this many recent senders per Opener
+_HEAD = struct.Struct("<QB")  # seq, sender length
+OVERHEAD = len(MAGIC) + TAG_BYTES + _HEAD.size + 255  # the most a frame adds to its payload
+SENDERS_KEPT = 4096  # replay memory: this many recent senders per Opener
 
 
 class AuthError(ValueError):
@@ -87,16 +88,18 @@ class Opener:
     def open(self, frame: bytes) -> tuple[str, bytes]:
         """(sender, payload) of an authentic, fresh frame; AuthError otherwise (never anything else)."""
         start = len(MAGIC) + TAG_BYTES
-        if len(frame) < start + _HEAD.size or frame[:len(MAGIC)] != MAGIC:
+        if len(frame) < start + _HEAD.size or frame[: len(MAGIC)] != MAGIC:
             raise AuthError("unauthenticated", "not a sealed frame")
         body = memoryview(frame)[start:]
         want = hmac.new(self._key, body, hashlib.sha256).digest()
-        if not hmac.compare_digest(want, frame[len(MAGIC):start]):
-            raise AuthError("unauthenticated", "bad signature (another secret or channel, or forged)")
+        if not hmac.compare_digest(want, frame[len(MAGIC) : start]):
+            raise AuthError(
+                "unauthenticated", "bad signature (another secret or channel, or forged)"
+            )
         seq, n = _HEAD.unpack_from(body)
         if len(body) < _HEAD.size + n:
             raise AuthError("unauthenticated", "truncated sender")
-        sender = bytes(body[_HEAD.size:_HEAD.size + n])
+        sender = bytes(body[_HEAD.size : _HEAD.size + n])
         if self._check_replay:
             last = self._last.get(sender)
             if last is not None and seq <= last:
@@ -105,7 +108,7 @@ class Opener:
             self._last.move_to_end(sender)
             if len(self._last) > SENDERS_KEPT:
                 self._last.popitem(last=False)
-        return sender.decode("utf-8", "replace"), bytes(body[_HEAD.size + n:])
+        return sender.decode("utf-8", "replace"), bytes(body[_HEAD.size + n :])
 
 
 def limit_size(sock, max_payload: int) -> None:

@@ -5,6 +5,7 @@ It reaches a process through its environment (`PDSERVE_INTERNAL_TOKEN`) or a fil
 its owner (`PDSERVE_INTERNAL_TOKEN_FILE`), never through a command line, which any local user can
 read with `ps`. Children inherit the environment, so rank processes need nothing passed to them.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def cluster_secret() -> str | None:
         return None
     st = os.stat(path)
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SystemExit(f"{FILE_ENV}={path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-                         f"chmod 600 it")
+        raise SystemExit(
+            f"{FILE_ENV}={path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"chmod 600 it"
+        )
     with open(path, encoding="utf-8") as f:
         token = f.read().strip()
     return token or None

@@ -17,6 +17,7 @@ What uvicorn has, and why it is not enough: `timeout_keep_alive` starts only aft
 is installed, has no bound: hence the byte count here); `limit_concurrency` answers 503 once that
 many connections are open, so 500 slow connections would lock out every real client.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,16 +27,18 @@ import uvicorn
 
 HEADER_TIMEOUT_S = float(os.environ.get("PDSERVE_HTTP_HEADER_TIMEOUT_S", "10"))
 WRITE_TIMEOUT_S = float(os.environ.get("PDSERVE_HTTP_WRITE_TIMEOUT_S", "30"))
-KEEP_ALIVE_S = 5                 # the router's node pools expire idle connections before this
+KEEP_ALIVE_S = 5  # the router's node pools expire idle connections before this
 MAX_HEADER_BYTES = 64 * 1024
 
 
 def _base_protocol() -> type:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
         return HttpToolsProtocol
-    except ImportError:                 # uvicorn without its [standard] extra
+    except ImportError:  # uvicorn without its [standard] extra
         from uvicorn.protocols.http.h11_impl import H11Protocol
+
         return H11Protocol
 
 
@@ -53,7 +56,9 @@ class _Bounded(_base_protocol()):
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
             self._header_bytes = 0
-            self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._drop, "headers too slow")
+            self._header_timer = self.loop.call_later(
+                HEADER_TIMEOUT_S, self._drop, "headers too slow"
+            )
 
     def _drop(self, why: str) -> None:
         self.logger.debug("closing %s: %s", self.client, why)
@@ -65,18 +70,24 @@ class _Bounded(_base_protocol()):
             self._arm_header_timer()
             self._header_bytes += len(data)
         super().data_received(data)
-        if self.cycle is not None and self.cycle is not self._seen_cycle:      # headers complete
+        if self.cycle is not None and self.cycle is not self._seen_cycle:  # headers complete
             self._seen_cycle = self.cycle
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
-        elif awaiting_headers and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+        elif (
+            awaiting_headers
+            and self._header_bytes > MAX_HEADER_BYTES
+            and not self.transport.is_closing()
+        ):
             self._drop("headers too large")
 
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(WRITE_TIMEOUT_S, self._drop, "client stopped reading")
+            self._write_timer = self.loop.call_later(
+                WRITE_TIMEOUT_S, self._drop, "client stopped reading"
+            )
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -94,5 +105,10 @@ class _Bounded(_base_protocol()):
 
 def server_config(app, **kw) -> uvicorn.Config:
     """uvicorn.Config with pdserve's connection limits; `kw` as for uvicorn.Config."""
-    return uvicorn.Config(app, http=_Bounded, timeout_keep_alive=KEEP_ALIVE_S,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kw)
+    return uvicorn.Config(
+        app,
+        http=_Bounded,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        **kw,
+    )

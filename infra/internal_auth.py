@@ -4,6 +4,7 @@ Every internal endpoint (node /generate, /abort, /server_info, /bootstrap_server
 /route and /heartbeat; router /workers) takes `Authorization: Bearer <cluster secret>`, compared in
 constant time so the answer's timing tells nothing about how much of a guess was right.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -42,11 +43,15 @@ def refuse_unprotected_bind(host: str, secret: str | None, insecure: bool, what:
     """Stops the process (one line) when `what` would listen beyond loopback without a secret."""
     if secret or insecure or is_loopback(host):
         return
-    raise SystemExit(f"{what}: refusing to bind {host} without a cluster secret; set PDSERVE_INTERNAL_TOKEN "
-                     f"or PDSERVE_INTERNAL_TOKEN_FILE (a 0600 file), or pass --insecure to serve "
-                     f"unauthenticated internal endpoints on a network you trust")
+    raise SystemExit(
+        f"{what}: refusing to bind {host} without a cluster secret; set PDSERVE_INTERNAL_TOKEN "
+        f"or PDSERVE_INTERNAL_TOKEN_FILE (a 0600 file), or pass --insecure to serve "
+        f"unauthenticated internal endpoints on a network you trust"
+    )
 
 
-INSECURE_HELP = ("serve the internal endpoints without a cluster secret on a non-loopback address: anyone who "
-                 "can reach the port can then generate, abort and read the topology (only for a private, "
-                 "trusted network)")
+INSECURE_HELP = (
+    "serve the internal endpoints without a cluster secret on a non-loopback address: anyone who "
+    "can reach the port can then generate, abort and read the topology (only for a private, "
+    "trusted network)"
+)

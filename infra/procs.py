@@ -1,4 +1,5 @@
 """Process hygiene shared by every launcher: children die with their parent, and are always reaped."""
+
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +14,7 @@ import time
 log = logging.getLogger(__name__)
 
 
-PORTS_FROM = 20000      # free_port's range starts here: above Mooncake's handshake/RPC ports (12001, 15000-17000)
+PORTS_FROM = 20000  # free_port's range starts here: above Mooncake's handshake/RPC ports (12001, 15000-17000)
 
 
 def _ephemeral_start() -> int:
@@ -39,7 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue
             return port
-    with socket.socket() as s:          # no usable range below the ephemeral ports: the OS picks
+    with socket.socket() as s:  # no usable range below the ephemeral ports: the OS picks
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -48,7 +49,7 @@ def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -74,7 +75,9 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 def setup_logging(prefix: str, level: str | None = None) -> None:
     level = level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s {prefix} pid={os.getpid()} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {prefix} pid={os.getpid()} %(levelname)s %(name)s: %(message)s",
+    )
     # One line per heartbeat and bootstrap poll is noise at INFO; failures still show as warnings.
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -8,6 +8,7 @@ Decode rank:   mgr = DecodeKVManager(cfg, pool, pp_rank, dst_slices, aux_slots)
                r.poll() ... Success | Failed; r.read_aux()
 Prefill front: BootstrapServer(host, port).start(), or mount build_app(BootstrapState()).
 """
+
 from kv_transfer.bootstrap import BootstrapServer, BootstrapState, PrefillRankInfo, build_app
 from kv_transfer.layout import PoolDesc, split_layers
 from kv_transfer.manager import TransferConfig
@@ -15,5 +16,17 @@ from kv_transfer.receiver import DecodeKVManager, KVReceiver
 from kv_transfer.sender import KVSender, PrefillKVManager
 from kv_transfer.stats import TransferStats
 
-__all__ = ["BootstrapServer", "BootstrapState", "PrefillRankInfo", "build_app", "PoolDesc", "split_layers",
-           "TransferConfig", "DecodeKVManager", "KVReceiver", "KVSender", "PrefillKVManager", "TransferStats"]
+__all__ = [
+    "BootstrapServer",
+    "BootstrapState",
+    "PrefillRankInfo",
+    "build_app",
+    "PoolDesc",
+    "split_layers",
+    "TransferConfig",
+    "DecodeKVManager",
+    "KVReceiver",
+    "KVSender",
+    "PrefillKVManager",
+    "TransferStats",
+]

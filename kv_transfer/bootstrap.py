@@ -9,6 +9,7 @@ everything but /health; bodies over MAX_BODY bytes are refused while they stream
 `build_app(state, token)` is a Starlette app the front can mount; `BootstrapServer` runs one with
 uvicorn in a background thread.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,13 @@ from kv_transfer.layout import LAYOUT_NAME, intersect
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY = 64 * 1024        # a registration or a heartbeat is well under 1 KiB (plus the peer list)
+MAX_BODY = 64 * 1024  # a registration or a heartbeat is well under 1 KiB (plus the peer list)
 
 
 @dataclass(frozen=True)
 class PrefillRankInfo:
     """What a prefill rank registers: its layer slice, control endpoint, Mooncake session, KV format."""
+
     pp_rank: int
     pp_size: int
     layer_start: int
@@ -50,7 +52,7 @@ class PrefillRankInfo:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, d) -> "PrefillRankInfo":
+    def from_wire(cls, d) -> PrefillRankInfo:
         if not isinstance(d, dict) or set(d) != set(cls.__dataclass_fields__):
             raise ValueError(f"expected keys {sorted(cls.__dataclass_fields__)}")
         for name, f in cls.__dataclass_fields__.items():
@@ -58,11 +60,18 @@ class PrefillRankInfo:
             if type(d[name]) is not want:
                 raise ValueError(f"{name} must be {want.__name__}")
         info = cls(**d)
-        if not (0 <= info.pp_rank < info.pp_size and 0 <= info.layer_start < info.layer_end
-                and 0 < info.ctrl_port < 65536 and info.page_size > 0 and info.token_bytes > 0):
+        if not (
+            0 <= info.pp_rank < info.pp_size
+            and 0 <= info.layer_start < info.layer_end
+            and 0 < info.ctrl_port < 65536
+            and info.page_size > 0
+            and info.token_bytes > 0
+        ):
             raise ValueError(f"inconsistent registration {info}")
         if info.layout != LAYOUT_NAME:
-            raise ValueError(f"unsupported KV layout {info.layout!r}; this build moves {LAYOUT_NAME!r}")
+            raise ValueError(
+                f"unsupported KV layout {info.layout!r}; this build moves {LAYOUT_NAME!r}"
+            )
         return info
 
 
@@ -81,8 +90,11 @@ class BootstrapState:
         with self._lock:
             if self._pp_size is not None and info.pp_size != self._pp_size:
                 # a node restarted with another PP size: start over
-                logger.warning("prefill pp_size changed %s -> %s; dropping old registrations",
-                               self._pp_size, info.pp_size)
+                logger.warning(
+                    "prefill pp_size changed %s -> %s; dropping old registrations",
+                    self._pp_size,
+                    info.pp_size,
+                )
                 self._ranks.clear()
             self._pp_size = info.pp_size
             self._ranks[info.pp_rank] = info
@@ -92,23 +104,31 @@ class BootstrapState:
         with self._lock:
             return self._pp_size is not None and len(self._ranks) == self._pp_size
 
-    def route(self, layer_start: int, layer_end: int, session: str | None = None) -> list[PrefillRankInfo] | None:
+    def route(
+        self, layer_start: int, layer_end: int, session: str | None = None
+    ) -> list[PrefillRankInfo] | None:
         """Prefill ranks whose layers intersect [layer_start, layer_end), by rank; None until all registered."""
         with self._lock:
             if session:
                 self._last_seen[session] = self._clock()
             if self._pp_size is None or len(self._ranks) != self._pp_size:
                 return None
-            return [r for _, r in sorted(self._ranks.items())
-                    if intersect((r.layer_start, r.layer_end), (layer_start, layer_end))]
+            return [
+                r
+                for _, r in sorted(self._ranks.items())
+                if intersect((r.layer_start, r.layer_end), (layer_start, layer_end))
+            ]
 
     def heartbeat(self, session: str, peers: list[str]) -> list[str]:
         """Records `session` as alive; returns the peers that were seen once and are silent now."""
         now = self._clock()
         with self._lock:
             self._last_seen[session] = now
-            return [p for p in peers
-                    if p in self._last_seen and now - self._last_seen[p] > self.heartbeat_timeout_s]
+            return [
+                p
+                for p in peers
+                if p in self._last_seen and now - self._last_seen[p] > self.heartbeat_timeout_s
+            ]
 
     def sessions(self) -> list[str]:
         """The sessions of the prefill ranks registered now (a restarted node brings new ones)."""
@@ -175,7 +195,11 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
         try:
             body = await read_json(request)
             session, peers = body["session"], body["peers"]
-            if type(session) is not str or type(peers) is not list or not all(type(p) is str for p in peers):
+            if (
+                type(session) is not str
+                or type(peers) is not list
+                or not all(type(p) is str for p in peers)
+            ):
                 raise ValueError
         except BodyTooLarge:
             return _error(413, f"body over {MAX_BODY} bytes")
@@ -186,22 +210,30 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
     async def health(request: Request):
         return JSONResponse(state.health())
 
-    return Starlette(routes=[
-        Route("/route", put_route, methods=["PUT"]),
-        Route("/route", get_route, methods=["GET"]),
-        Route("/heartbeat", post_heartbeat, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/route", put_route, methods=["PUT"]),
+            Route("/route", get_route, methods=["GET"]),
+            Route("/heartbeat", post_heartbeat, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
 
 
 class BootstrapServer:
     """A bootstrap app served by uvicorn in a daemon thread; port 0 picks a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 heartbeat_timeout_s: float = 3.0):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        heartbeat_timeout_s: float = 3.0,
+    ):
         import uvicorn
 
         from infra.http_server import server_config
+
         self.state = BootstrapState(heartbeat_timeout_s)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -209,14 +241,18 @@ class BootstrapServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         config = server_config(build_app(self.state, token), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="kv-bootstrap", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="kv-bootstrap",
+            daemon=True,
+        )
 
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 10.0) -> "BootstrapServer":
+    def start(self, timeout_s: float = 10.0) -> BootstrapServer:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

@@ -1,4 +1,5 @@
 """HTTP calls to a prefill node's bootstrap server: register (with backoff), route query, heartbeat."""
+
 from __future__ import annotations
 
 import logging
@@ -22,14 +23,19 @@ class BootstrapClient:
     def __init__(self, addr: str, token: str | None = None, request_timeout_s: float = 2.0):
         self.addr = addr
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=f"http://{addr}", headers=headers, timeout=request_timeout_s,
-                                  trust_env=False)
+        self._http = httpx.Client(
+            base_url=f"http://{addr}", headers=headers, timeout=request_timeout_s, trust_env=False
+        )
 
     def close(self) -> None:
         self._http.close()
 
-    def register(self, info: PrefillRankInfo, deadline: float | None = None,
-                 stop: threading.Event | None = None) -> None:
+    def register(
+        self,
+        info: PrefillRankInfo,
+        deadline: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
         """PUT /route until it answers 200; exponential backoff 0.05 s .. 2 s."""
         delay = 0.05
         while True:
@@ -42,13 +48,21 @@ class BootstrapClient:
                 why = f"HTTP {r.status_code}"
             except httpx.HTTPError as e:
                 why = type(e).__name__
-            if (deadline is not None and time.monotonic() + delay > deadline) or (stop and stop.is_set()):
-                raise BootstrapTimeout(f"could not register with bootstrap server {self.addr}: {why}")
-            logger.info("bootstrap server %s not reachable (%s), retrying in %.2fs", self.addr, why, delay)
+            if (deadline is not None and time.monotonic() + delay > deadline) or (
+                stop and stop.is_set()
+            ):
+                raise BootstrapTimeout(
+                    f"could not register with bootstrap server {self.addr}: {why}"
+                )
+            logger.info(
+                "bootstrap server %s not reachable (%s), retrying in %.2fs", self.addr, why, delay
+            )
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    def route(self, layer_start: int, layer_end: int, session: str, deadline: float) -> list[PrefillRankInfo]:
+    def route(
+        self, layer_start: int, layer_end: int, session: str, deadline: float
+    ) -> list[PrefillRankInfo]:
         """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until deadline."""
         delay = 0.05
         params = {"layer_start": layer_start, "layer_end": layer_end, "session": session}
@@ -58,7 +72,9 @@ class BootstrapClient:
                 if r.status_code == 200:
                     ranks = [PrefillRankInfo.from_wire(d) for d in r.json()["ranks"]]
                     if not ranks:
-                        raise ValueError(f"no prefill rank of {self.addr} holds layers [{layer_start}, {layer_end})")
+                        raise ValueError(
+                            f"no prefill rank of {self.addr} holds layers [{layer_start}, {layer_end})"
+                        )
                     return ranks
                 if r.status_code in (400, 401):
                     raise ValueError(f"bootstrap server {self.addr}: {r.text}")
@@ -66,7 +82,9 @@ class BootstrapClient:
             except httpx.HTTPError as e:
                 why = type(e).__name__
             if time.monotonic() + delay > deadline:
-                raise BootstrapTimeout(f"bootstrap server {self.addr} gave no route in time ({why})")
+                raise BootstrapTimeout(
+                    f"bootstrap server {self.addr} gave no route in time ({why})"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

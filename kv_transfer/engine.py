@@ -10,6 +10,7 @@ threads (measured: layouts with 2-3 prefill ranks per process moved KV at 0.57-0
 write, see bench/results/kv_transfer.md). The window also keeps every peer's queue far under the
 engine's limit (Mooncake's TCP lane rejects a 7,680-descriptor batch outright).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,16 +18,16 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from kv_transfer.layout import Desc
 
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("auto", "tcp", "rdma")
-POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3    # sleep between status polls: doubles while nothing completes
-DRAIN_TIMEOUT_S = 30.0                  # after a failure or stop: how long outstanding writes may take to end
-WRITE_TIMEOUT_S = 30.0                  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
+POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # sleep between status polls: doubles while nothing completes
+DRAIN_TIMEOUT_S = 30.0  # after a failure or stop: how long outstanding writes may take to end
+WRITE_TIMEOUT_S = 30.0  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
 RDMA_SYSFS = "/sys/class/infiniband"
 
 
@@ -37,21 +38,26 @@ def rdma_devices(sysfs: str = RDMA_SYSFS) -> list[str]:
         return []
 
 
-def resolve_protocol(protocol: str | None, device: str | None,
-                     found_devices: Sequence[str] | None = None) -> tuple[str, str]:
+def resolve_protocol(
+    protocol: str | None, device: str | None, found_devices: Sequence[str] | None = None
+) -> tuple[str, str]:
     """(protocol, device) from the flags, else PDSERVE_TRANSFER_PROTOCOL / _DEVICE, else auto:
     RDMA when an RDMA device is present, TCP otherwise."""
     protocol = (protocol or os.environ.get("PDSERVE_TRANSFER_PROTOCOL") or "auto").lower()
     device = device or os.environ.get("PDSERVE_TRANSFER_DEVICE") or ""
     if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown transfer protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+        raise ValueError(
+            f"unknown transfer protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}"
+        )
     found = list(rdma_devices() if found_devices is None else found_devices)
     if protocol == "auto":
         protocol = "rdma" if found else "tcp"
     if protocol == "rdma" and not device:
         if not found:
-            raise ValueError("protocol rdma asked for, but no RDMA device found; use tcp or set "
-                             "PDSERVE_TRANSFER_DEVICE")
+            raise ValueError(
+                "protocol rdma asked for, but no RDMA device found; use tcp or set "
+                "PDSERVE_TRANSFER_DEVICE"
+            )
         device = ",".join(found)
     if protocol == "tcp":
         device = ""
@@ -73,19 +79,29 @@ class MooncakeEngine:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
-            raise ImportError(f"{e}: install mooncake-transfer-engine-non-cuda (CPU) or "
-                              "mooncake-transfer-engine (CUDA), and Debian's libibverbs1") from e
+            raise ImportError(
+                f"{e}: install mooncake-transfer-engine-non-cuda (CPU) or "
+                "mooncake-transfer-engine (CUDA), and Debian's libibverbs1"
+            ) from e
         self.protocol, self.device = resolve_protocol(protocol, device)
         self._te = TransferEngine()
         rc = self._te.initialize(host, "P2PHANDSHAKE", self.protocol, self.device)
         if rc != 0:
-            raise TransferError(f"Mooncake initialize({host}, {self.protocol}, {self.device!r}) returned {rc}")
+            raise TransferError(
+                f"Mooncake initialize({host}, {self.protocol}, {self.device!r}) returned {rc}"
+            )
         self.host = host
-        self._first_contact = threading.Lock()   # the first write to a peer opens its segment: one at a time
+        self._first_contact = (
+            threading.Lock()
+        )  # the first write to a peer opens its segment: one at a time
         self._opened: set[str] = set()
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
-        logger.info("KV transfer engine: protocol %s%s, session %s", self.protocol,
-                    f" on {self.device}" if self.device else "", self.session_id)
+        logger.info(
+            "KV transfer engine: protocol %s%s, session %s",
+            self.protocol,
+            f" on {self.device}" if self.device else "",
+            self.session_id,
+        )
 
     def register(self, ptr: int, length: int) -> None:
         rc = self._te.register_memory(ptr, length)
@@ -95,8 +111,9 @@ class MooncakeEngine:
     def unregister(self, ptr: int) -> None:
         self._te.unregister_memory(ptr)
 
-    def write(self, session_id: str, descs: Sequence[Desc], max_inflight: int,
-              should_stop=lambda: False) -> int:
+    def write(
+        self, session_id: str, descs: Sequence[Desc], max_inflight: int, should_stop=lambda: False
+    ) -> int:
         """Writes all descriptors (blocking) and returns the bytes moved.
 
         Raises TransferError when a descriptor failed twice (writes are idempotent, so one failure
@@ -109,18 +126,24 @@ class MooncakeEngine:
         if not descs:
             return 0
         deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
-        todo = [(d, 1) for d in reversed(descs)]     # (descriptor, try); popped from the end: in order
+        todo = [(d, 1) for d in reversed(descs)]  # (descriptor, try); popped from the end: in order
         if session_id not in self._opened:
-            with self._first_contact:                # the first write to a peer opens its segment
+            with self._first_contact:  # the first write to a peer opens its segment
                 if session_id not in self._opened:
                     self._run(session_id, [todo.pop()], 1, should_stop, deadline)
                     self._opened.add(session_id)
         self._run(session_id, todo, max_inflight, should_stop, deadline)
         return total
 
-    def _run(self, session_id: str, todo: list[tuple[Desc, int]], max_inflight: int, should_stop,
-             deadline: float) -> None:
-        inflight: deque[tuple[int, Desc, int]] = deque()     # (batch id, descriptor, tries)
+    def _run(
+        self,
+        session_id: str,
+        todo: list[tuple[Desc, int]],
+        max_inflight: int,
+        should_stop,
+        deadline: float,
+    ) -> None:
+        inflight: deque[tuple[int, Desc, int]] = deque()  # (batch id, descriptor, tries)
         error: TransferError | None = None
         nap = POLL_MIN_S
         while todo or inflight:
@@ -132,7 +155,7 @@ class MooncakeEngine:
             while error is None and todo and len(inflight) < max_inflight:
                 d, tries = todo.pop()
                 bid = self._te.transfer_submit_write(session_id, d[0], d[1], d[2])
-                if not 0 < bid < 1 << 63:           # the binding returns -1 as an unsigned batch id
+                if not 0 < bid < 1 << 63:  # the binding returns -1 as an unsigned batch id
                     error = TransferError(f"submitting a write to {session_id} failed", session_id)
                 else:
                     inflight.append((bid, d, tries))
@@ -152,9 +175,11 @@ class MooncakeEngine:
                 if rc == 1:
                     continue
                 if tries < 2 and not should_stop():
-                    todo.append((d, tries + 1))      # retried next round, before the untried ones
+                    todo.append((d, tries + 1))  # retried next round, before the untried ones
                     continue
-                error = TransferError(f"write of {d[2]} bytes to {session_id} failed (status {rc})", session_id)
+                error = TransferError(
+                    f"write of {d[2]} bytes to {session_id} failed (status {rc})", session_id
+                )
                 break
             if progressed:
                 nap = POLL_MIN_S
@@ -173,5 +198,9 @@ class MooncakeEngine:
             else:
                 time.sleep(POLL_MAX_S)
         if inflight:
-            logger.warning("%d writes to %s still unfinished %.0f s after their transfer was stopped",
-                           len(inflight), session_id, DRAIN_TIMEOUT_S)
+            logger.warning(
+                "%d writes to %s still unfinished %.0f s after their transfer was stopped",
+                len(inflight),
+                session_id,
+                DRAIN_TIMEOUT_S,
+            )

@@ -13,12 +13,13 @@ with the same layer slice on both sides are one range too.
 Page tables: `page_ids[i]` is the page holding tokens [i * page_size, (i + 1) * page_size) of the
 request, on either side.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping, Sequence
 
-Desc = tuple[int, int, int]          # (source address, destination address, length in bytes)
+Desc = tuple[int, int, int]  # (source address, destination address, length in bytes)
 
 LAYOUT_NAME = "page:layer:kv:token"  # the only pool layout this package moves
 
@@ -26,12 +27,13 @@ LAYOUT_NAME = "page:layer:kv:token"  # the only pool layout this package moves
 @dataclass(frozen=True)
 class PoolDesc:
     """One rank's KV pool as plain data (mirrors engine.kv_cache.KVLayout plus the base pointer)."""
+
     base_ptr: int
     num_pages: int
     page_size: int
     layer_start: int
     layer_end: int
-    token_bytes: int        # one token's K (or V) of one layer: kv_heads * head_dim * element size
+    token_bytes: int  # one token's K (or V) of one layer: kv_heads * head_dim * element size
     dtype: str
 
     def __post_init__(self):
@@ -61,14 +63,19 @@ class PoolDesc:
         return self.num_pages * self.page_bytes
 
     def addr(self, page: int, layer: int, kv: int = 0, token: int = 0) -> int:
-        return (self.base_ptr + page * self.page_bytes + (layer - self.layer_start) * self.layer_bytes
-                + kv * self.page_size * self.token_bytes + token * self.token_bytes)
+        return (
+            self.base_ptr
+            + page * self.page_bytes
+            + (layer - self.layer_start) * self.layer_bytes
+            + kv * self.page_size * self.token_bytes
+            + token * self.token_bytes
+        )
 
     def to_wire(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, d: Mapping) -> "PoolDesc":
+    def from_wire(cls, d: Mapping) -> PoolDesc:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
@@ -90,7 +97,9 @@ def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
-def overlapping(mine: tuple[int, int], others: Mapping[int, tuple[int, int]]) -> list[tuple[int, int, int]]:
+def overlapping(
+    mine: tuple[int, int], others: Mapping[int, tuple[int, int]]
+) -> list[tuple[int, int, int]]:
     """(rank, lo, hi) for every rank of `others` whose slice intersects `mine`, by rank."""
     out = []
     for rank in sorted(others):
@@ -106,21 +115,31 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
     if src.token_bytes != dst.token_bytes or src.dtype != dst.dtype:
-        raise ValueError(f"KV formats differ: prefill {src.dtype}/{src.token_bytes} B per token, "
-                         f"decode {dst.dtype}/{dst.token_bytes} B per token")
+        raise ValueError(
+            f"KV formats differ: prefill {src.dtype}/{src.token_bytes} B per token, "
+            f"decode {dst.dtype}/{dst.token_bytes} B per token"
+        )
 
 
 def _check_table(pool: PoolDesc, page_ids: Sequence[int], num_tokens: int, side: str) -> None:
     need = pages_for(num_tokens, pool.page_size)
     if len(page_ids) < need:
-        raise ValueError(f"{side} page table has {len(page_ids)} pages, {need} needed for {num_tokens} tokens")
+        raise ValueError(
+            f"{side} page table has {len(page_ids)} pages, {need} needed for {num_tokens} tokens"
+        )
     for p in page_ids[:need]:
         if not 0 <= p < pool.num_pages:
             raise ValueError(f"{side} page id {p} outside the pool of {pool.num_pages} pages")
 
 
-def build_descriptors(src: PoolDesc, dst: PoolDesc, src_pages: Sequence[int], dst_pages: Sequence[int],
-                      token_start: int, token_end: int) -> list[Desc]:
+def build_descriptors(
+    src: PoolDesc,
+    dst: PoolDesc,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    token_start: int,
+    token_end: int,
+) -> list[Desc]:
     """Descriptors moving tokens [token_start, token_end) of the layers both pools hold.
 
     Equal page sizes: whole pages move (the chunk's range rounded out to page boundaries; the bytes
@@ -153,8 +172,13 @@ def build_descriptors(src: PoolDesc, dst: PoolDesc, src_pages: Sequence[int], ds
         u = min(token_end, t + src.page_size - s_off, t + dst.page_size - d_off)
         for layer in range(lo, hi):
             for kv in (0, 1):
-                out.append((src.addr(src_pages[s_page], layer, kv, s_off),
-                            dst.addr(dst_pages[d_page], layer, kv, d_off), (u - t) * tb))
+                out.append(
+                    (
+                        src.addr(src_pages[s_page], layer, kv, s_off),
+                        dst.addr(dst_pages[d_page], layer, kv, d_off),
+                        (u - t) * tb,
+                    )
+                )
         t = u
     return coalesce(out)
 
@@ -169,4 +193,3 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
         else:
             out.append((s, d, n))
     return out
-

@@ -8,6 +8,7 @@ Threads of one manager (none of them ever runs scheduler code):
   heartbeat  every `heartbeat_interval_s`: liveness of peers through bootstrap servers
 The transfer pool (prefill) and route look-ups (decode) live in the subclasses.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,44 +30,59 @@ from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
-AUX_HEADER = struct.Struct("<QII")      # room, payload length, crc32 of the payload
-MAX_CONTROL_BYTES = 8 << 20             # a KVRegister of ~900k page ids; anything larger is not ours
+AUX_HEADER = struct.Struct("<QII")  # room, payload length, crc32 of the payload
+MAX_CONTROL_BYTES = 8 << 20  # a KVRegister of ~900k page ids; anything larger is not ours
 CHANNEL = "kv-control"
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    host: str = "127.0.0.1"             # address this rank's engine and control socket use
-    protocol: str | None = None         # tcp | rdma | auto; None: PDSERVE_TRANSFER_PROTOCOL, else auto
-    device: str | None = None           # RDMA device(s); None: PDSERVE_TRANSFER_DEVICE, else all found
-    ctrl_port: int = 0                  # 0: a free port
+    host: str = "127.0.0.1"  # address this rank's engine and control socket use
+    protocol: str | None = None  # tcp | rdma | auto; None: PDSERVE_TRANSFER_PROTOCOL, else auto
+    device: str | None = None  # RDMA device(s); None: PDSERVE_TRANSFER_DEVICE, else all found
+    ctrl_port: int = 0  # 0: a free port
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 60.0
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
-    heartbeat_misses: int = 3           # bootstrap server unreachable this many beats in a row => its ranks are dead
-    max_inflight_descriptors: int = 64  # outstanding Mooncake writes per peer write; far under its queue
-    transfer_threads: int = 2          # per rank; more threads thrash a small CPU over TCP (see bench)
+    heartbeat_misses: int = (
+        3  # bootstrap server unreachable this many beats in a row => its ranks are dead
+    )
+    max_inflight_descriptors: int = (
+        64  # outstanding Mooncake writes per peer write; far under its queue
+    )
+    transfer_threads: int = 2  # per rank; more threads thrash a small CPU over TCP (see bench)
     aux_slot_bytes: int = 4096
-    checksum: bool = False              # debug: decode verifies a crc32 of what it received
-    auth_token: str | None = None       # bearer token of the bootstrap server
-    terminal_ttl_s: float = 60.0        # finished rooms are kept this long to answer late messages
-    quarantine_s: float = 45.0          # decode: pages of a failed room without every peer's final word
-                                        # wait this long (beyond the engine's write timeout) before reuse
+    checksum: bool = False  # debug: decode verifies a crc32 of what it received
+    auth_token: str | None = None  # bearer token of the bootstrap server
+    terminal_ttl_s: float = 60.0  # finished rooms are kept this long to answer late messages
+    quarantine_s: float = 45.0  # decode: pages of a failed room without every peer's final word
+    # wait this long (beyond the engine's write timeout) before reuse
     tick_s: float = 0.05
 
     def __post_init__(self):
-        for f in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
-                  "tick_s"):
+        for f in (
+            "bootstrap_timeout_s",
+            "waiting_timeout_s",
+            "transfer_timeout_s",
+            "heartbeat_interval_s",
+            "tick_s",
+        ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be > 0")
-        if self.max_inflight_descriptors < 1 or self.transfer_threads < 1 or self.heartbeat_misses < 1:
-            raise ValueError("max_inflight_descriptors, transfer_threads and heartbeat_misses must be >= 1")
+        if (
+            self.max_inflight_descriptors < 1
+            or self.transfer_threads < 1
+            or self.heartbeat_misses < 1
+        ):
+            raise ValueError(
+                "max_inflight_descriptors, transfer_threads and heartbeat_misses must be >= 1"
+            )
         if self.aux_slot_bytes <= AUX_HEADER.size:
             raise ValueError(f"aux_slot_bytes must exceed the {AUX_HEADER.size}-byte header")
 
     @classmethod
-    def from_env(cls, **overrides) -> "TransferConfig":
+    def from_env(cls, **overrides) -> TransferConfig:
         """Defaults, then PDSERVE_KV_* environment variables, then `overrides` (flags)."""
         env = {}
         if "PDSERVE_KV_CHECKSUM" in os.environ:
@@ -97,8 +113,14 @@ def read_aux(ptr: int, room: int, capacity: int) -> bytes | None:
 class KVManagerBase:
     side = "?"
 
-    def __init__(self, config: TransferConfig, pool: PoolDesc, pp_rank: int, aux_slots: int,
-                 engine: MooncakeEngine | None = None):
+    def __init__(
+        self,
+        config: TransferConfig,
+        pool: PoolDesc,
+        pp_rank: int,
+        aux_slots: int,
+        engine: MooncakeEngine | None = None,
+    ):
         self.config, self.pool, self.pp_rank = config, pool, pp_rank
         self.stats = TransferStats()
         self._prefix = f"[pid {os.getpid()} {self.side} pp{pp_rank}]"
@@ -108,7 +130,7 @@ class KVManagerBase:
         self._aux = (ctypes.c_char * (aux_slots * config.aux_slot_bytes))()
         self.aux_base = ctypes.addressof(self._aux)
         self.engine.register(self.aux_base, aux_slots * config.aux_slot_bytes)
-        self._lock = threading.RLock()              # guards the room tables of the subclass
+        self._lock = threading.RLock()  # guards the room tables of the subclass
         self._stop = threading.Event()
         self._zmq = zmq.Context()
         self._pull = self._zmq.socket(zmq.PULL)
@@ -126,8 +148,10 @@ class KVManagerBase:
         self._logged_drops: set[str] = set()
         self._push: dict[tuple[str, int], tuple[zmq.Socket, threading.Lock]] = {}
         self._push_lock = threading.Lock()
-        self._threads = [threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
-                         for fn in (self._recv_loop, self._reaper_loop, self._heartbeat_loop)]
+        self._threads = [
+            threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
+            for fn in (self._recv_loop, self._reaper_loop, self._heartbeat_loop)
+        ]
 
     def _start_threads(self) -> None:
         for t in self._threads:
@@ -164,7 +188,7 @@ class KVManagerBase:
                 entry = self._push[(host, port)] = (sock, threading.Lock())
         sock, lock = entry
         try:
-            with lock:      # sealed under the socket's lock: frames leave in seq order
+            with lock:  # sealed under the socket's lock: frames leave in seq order
                 sock.send(self._sealer.seal(data), flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
@@ -186,7 +210,9 @@ class KVManagerBase:
                 self._drop(e.reason, "dropped a control message (%d bytes): %s", len(data), e)
                 continue
             except MessageError as e:
-                self._drop("malformed", "dropped a malformed control message (%d bytes): %s", len(data), e)
+                self._drop(
+                    "malformed", "dropped a malformed control message (%d bytes): %s", len(data), e
+                )
                 continue
             try:
                 self._on_message(msg, sender)

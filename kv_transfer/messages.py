@@ -8,6 +8,7 @@ either way         KVAbort     the room is over on the sending side; the receive
 `decode_message` validates strictly (exact keys, exact types, ranges) and raises MessageError;
 callers drop and count what it rejects.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -28,34 +29,34 @@ class MessageError(ValueError):
 @dataclass(frozen=True)
 class KVRegister:
     room: int
-    dst_rank: int                       # decode pp_rank
-    dst_slices: tuple                   # ((layer_start, layer_end), ...) of every decode rank, by rank
-    ctrl_host: str                      # where the decode rank's control socket listens
+    dst_rank: int  # decode pp_rank
+    dst_slices: tuple  # ((layer_start, layer_end), ...) of every decode rank, by rank
+    ctrl_host: str  # where the decode rank's control socket listens
     ctrl_port: int
-    session_id: str                     # Mooncake target "host:rpc_port"
-    pool: PoolDesc                      # the decode rank's KV pool
-    page_ids: tuple                     # decode page table of the request (page i = tokens [i*ps, (i+1)*ps))
-    aux_ptr: int                        # the room's aux slot in the decode rank's registered aux buffer
-    aux_len: int                        # (0, 0): no aux data for this room
-    aux_base: int                       # the decode rank's whole aux buffer: the slot must lie inside it
+    session_id: str  # Mooncake target "host:rpc_port"
+    pool: PoolDesc  # the decode rank's KV pool
+    page_ids: tuple  # decode page table of the request (page i = tokens [i*ps, (i+1)*ps))
+    aux_ptr: int  # the room's aux slot in the decode rank's registered aux buffer
+    aux_len: int  # (0, 0): no aux data for this room
+    aux_base: int  # the decode rank's whole aux buffer: the slot must lie inside it
     aux_size: int
 
 
 @dataclass(frozen=True)
 class KVStatus:
     room: int
-    src_rank: int                       # prefill pp_rank
-    status: int                         # KVPoll.Success or KVPoll.Failed
+    src_rank: int  # prefill pp_rank
+    status: int  # KVPoll.Success or KVPoll.Failed
     reason: str
-    num_tokens: int                     # tokens sent (Success)
-    aux_bytes: int                      # aux payload bytes written to the decode rank's slot (0: none)
-    checksum: int | None                # crc32 of the sent KV when the checksum debug flag is on
+    num_tokens: int  # tokens sent (Success)
+    aux_bytes: int  # aux payload bytes written to the decode rank's slot (0: none)
+    checksum: int | None  # crc32 of the sent KV when the checksum debug flag is on
 
 
 @dataclass(frozen=True)
 class KVAbort:
     room: int
-    side: str                           # "prefill" | "decode"
+    side: str  # "prefill" | "decode"
     rank: int
     reason: str
 
@@ -92,7 +93,12 @@ def _slices(v) -> tuple:
         raise MessageError("expected a non-empty list of layer slices")
     out = []
     for s in v:
-        if type(s) is not list or len(s) != 2 or not all(_is_int(x) for x in s) or not 0 <= s[0] < s[1]:
+        if (
+            type(s) is not list
+            or len(s) != 2
+            or not all(_is_int(x) for x in s)
+            or not 0 <= s[0] < s[1]
+        ):
             raise MessageError(f"bad layer slice {s!r}")
         out.append((s[0], s[1]))
     return tuple(out)
@@ -128,11 +134,26 @@ def _opt_int(v):
 
 
 _CHECK = {
-    "room": lambda v: _int(v, 0, MAX_ROOM), "dst_rank": _int, "src_rank": _int, "rank": _int,
-    "dst_slices": _slices, "ctrl_host": _str, "ctrl_port": lambda v: _int(v, 1, 65536),
-    "session_id": _str, "pool": _pool, "page_ids": _ints, "aux_ptr": _int, "aux_len": _int, "aux_base": _int,
+    "room": lambda v: _int(v, 0, MAX_ROOM),
+    "dst_rank": _int,
+    "src_rank": _int,
+    "rank": _int,
+    "dst_slices": _slices,
+    "ctrl_host": _str,
+    "ctrl_port": lambda v: _int(v, 1, 65536),
+    "session_id": _str,
+    "pool": _pool,
+    "page_ids": _ints,
+    "aux_ptr": _int,
+    "aux_len": _int,
+    "aux_base": _int,
     "aux_size": _int,
-    "status": _status, "reason": _str, "num_tokens": _int, "aux_bytes": _int, "checksum": _opt_int, "side": _side,
+    "status": _status,
+    "reason": _str,
+    "num_tokens": _int,
+    "aux_bytes": _int,
+    "checksum": _opt_int,
+    "side": _side,
 }
 
 
@@ -151,12 +172,14 @@ def encode_message(msg: Message) -> bytes:
 def decode_message(data: bytes) -> Message:
     try:
         d = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:      # msgpack raises several types for garbage; all mean "not ours"
+    except Exception as e:  # msgpack raises several types for garbage; all mean "not ours"
         raise MessageError(f"not msgpack: {type(e).__name__}") from None
     if type(d) is not dict or d.get("t") not in _BY_KIND:
         raise MessageError("not a kv_transfer control message")
     cls = _BY_KIND[d["t"]]
     names = [f.name for f in fields(cls)]
     if set(d) != set(names) | {"t"}:
-        raise MessageError(f"{d['t']}: expected keys {sorted(names)}, got {sorted(k for k in d if k != 't')}")
+        raise MessageError(
+            f"{d['t']}: expected keys {sorted(names)}, got {sorted(k for k in d if k != 't')}"
+        )
     return cls(**{n: _CHECK[n](d[n]) for n in names})

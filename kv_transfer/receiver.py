@@ -12,6 +12,7 @@ Receiver states (KVPoll):
                    its final word is told (KVAbort), whatever the reason
 The scheduler only calls `register`, `poll`, `read_aux` and `abort`; none of them blocks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,7 +31,7 @@ from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
 
 
 class KVReceiver:
-    def __init__(self, mgr: "DecodeKVManager", room: int, bootstrap_addr: str):
+    def __init__(self, mgr: DecodeKVManager, room: int, bootstrap_addr: str):
         self.room, self.bootstrap_addr = room, bootstrap_addr
         self._mgr = mgr
         self._lock = threading.Lock()
@@ -45,7 +46,7 @@ class KVReceiver:
         self.registered_at: float | None = None
         self.finished_at: float | None = None
         self._aux: bytes | None = None
-        self._quiet: set[int] = set()       # prefill ranks that sent a terminal message: no more writes
+        self._quiet: set[int] = set()  # prefill ranks that sent a terminal message: no more writes
 
     def poll(self) -> KVPoll:
         return self._status
@@ -54,7 +55,7 @@ class KVReceiver:
         """This rank's page table for the prompt (page i = tokens [i*ps, (i+1)*ps)) and the aux slot
         the first token lands in; sent to the prefill ranks as soon as the route is known."""
         if aux_slot is not None:
-            self._mgr.clear_aux(self._mgr.aux_ptr(aux_slot))     # aux_ptr validates the slot
+            self._mgr.clear_aux(self._mgr.aux_ptr(aux_slot))  # aux_ptr validates the slot
         with self._lock:
             if self._page_ids is not None:
                 raise ValueError(f"room {self.room}: registered twice")
@@ -78,13 +79,18 @@ class KVReceiver:
     def on_route(self, fut: Future) -> None:
         try:
             route = fut.result()
-        except Exception as e:      # BootstrapTimeout, ValueError from a bad answer
-            self._fail("bootstrap_timeout" if isinstance(e, BootstrapTimeout) else "bootstrap_error", detail=str(e))
+        except Exception as e:  # BootstrapTimeout, ValueError from a bad answer
+            self._fail(
+                "bootstrap_timeout" if isinstance(e, BootstrapTimeout) else "bootstrap_error",
+                detail=str(e),
+            )
             return
         mine = self._mgr.pool
         for r in route:
             if r.token_bytes != mine.token_bytes or r.dtype != mine.dtype:
-                self._fail("incompatible", detail=f"prefill rank {r.pp_rank} has {r.dtype}/{r.token_bytes}")
+                self._fail(
+                    "incompatible", detail=f"prefill rank {r.pp_rank} has {r.dtype}/{r.token_bytes}"
+                )
                 return
         with self._lock:
             self._route = [r for r in route if intersect((r.layer_start, r.layer_end), mine.layers)]
@@ -93,7 +99,12 @@ class KVReceiver:
     def _maybe_send_registration(self) -> None:
         mgr = self._mgr
         with self._lock:
-            if self._sent or self._route is None or self._page_ids is None or self._status != KVPoll.Bootstrapping:
+            if (
+                self._sent
+                or self._route is None
+                or self._page_ids is None
+                or self._status != KVPoll.Bootstrapping
+            ):
                 return
             self._sent = True
             self._status = KVPoll.WaitingForInput
@@ -102,17 +113,34 @@ class KVReceiver:
         aux_ptr = mgr.aux_ptr(slot) if slot is not None else 0
         aux_len = mgr.config.aux_slot_bytes if slot is not None else 0
         for r in route:
-            mgr.send(r.host, r.ctrl_port, KVRegister(self.room, mgr.pp_rank, mgr.dst_slices, mgr.config.host,
-                                                     mgr.ctrl_port, mgr.session_id, mgr.pool, pages, aux_ptr, aux_len,
-                                                     mgr.aux_base, mgr.aux_slots * mgr.config.aux_slot_bytes))
+            mgr.send(
+                r.host,
+                r.ctrl_port,
+                KVRegister(
+                    self.room,
+                    mgr.pp_rank,
+                    mgr.dst_slices,
+                    mgr.config.host,
+                    mgr.ctrl_port,
+                    mgr.session_id,
+                    mgr.pool,
+                    pages,
+                    aux_ptr,
+                    aux_len,
+                    mgr.aux_base,
+                    mgr.aux_slots * mgr.config.aux_slot_bytes,
+                ),
+            )
 
     def is_peer(self, prefill_rank: int, sender: str) -> bool:
         """Whether `sender` is the manager of `prefill_rank` on this room's route (only those may
         end the room or report its KV landed)."""
         with self._lock:
             route = self._route if self._sent else None
-        return route is not None and any(r.pp_rank == prefill_rank and sender_id(r.session_id, r.ctrl_port) == sender
-                                         for r in route)
+        return route is not None and any(
+            r.pp_rank == prefill_rank and sender_id(r.session_id, r.ctrl_port) == sender
+            for r in route
+        )
 
     def note_quiet(self, prefill_rank: int) -> None:
         with self._lock:
@@ -135,7 +163,7 @@ class KVReceiver:
             return time.monotonic() - self.finished_at > grace_s
 
     def on_status(self, msg: KVStatus) -> None:
-        self.note_quiet(msg.src_rank)         # first: _fail tells only the ranks not quiet
+        self.note_quiet(msg.src_rank)  # first: _fail tells only the ranks not quiet
         if msg.status == KVPoll.Failed:
             self._fail(f"prefill_failed:{msg.reason}" if msg.reason else "prefill_failed")
             return
@@ -163,16 +191,21 @@ class KVReceiver:
                 return self._fail("aux_unexpected")
             aux = read_aux(mgr.aux_ptr(slot), self.room, mgr.config.aux_slot_bytes)
             if aux is None:
-                return      # not landed yet (cannot happen over a completed write); retried by the reaper
+                return  # not landed yet (cannot happen over a completed write); retried by the reaper
         if mgr.config.checksum:
             for r in route:
                 want = done[r.pp_rank].checksum
                 layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
-                if want is None or kv_checksum(mgr.pool, pages, layers, done[r.pp_rank].num_tokens) != want:
+                if (
+                    want is None
+                    or kv_checksum(mgr.pool, pages, layers, done[r.pp_rank].num_tokens) != want
+                ):
                     return self._fail("checksum_mismatch", detail=f"prefill rank {r.pp_rank}")
         received = sum(
             (hi - lo) * 2 * done[r.pp_rank].num_tokens * mgr.pool.token_bytes
-            for r in route for lo, hi in [intersect((r.layer_start, r.layer_end), mgr.pool.layers)])
+            for r in route
+            for lo, hi in [intersect((r.layer_start, r.layer_end), mgr.pool.layers)]
+        )
         with self._lock:
             if self._status != KVPoll.WaitingForInput:
                 return
@@ -184,7 +217,11 @@ class KVReceiver:
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config
-        if self._status == KVPoll.Bootstrapping and self._route is None and now - self.created_at > cfg.bootstrap_timeout_s:
+        if (
+            self._status == KVPoll.Bootstrapping
+            and self._route is None
+            and now - self.created_at > cfg.bootstrap_timeout_s
+        ):
             self._fail("bootstrap_timeout")
         elif self._status == KVPoll.WaitingForInput:
             if now - self.registered_at > cfg.waiting_timeout_s:
@@ -216,14 +253,24 @@ class KVReceiver:
 
 class DecodeKVManager(KVManagerBase):
     """The KV manager of one decode rank; `dst_slices` are the layer slices of all decode ranks."""
+
     side = "decode"
 
-    def __init__(self, config: TransferConfig, pool: PoolDesc, pp_rank: int, dst_slices, aux_slots: int = 256,
-                 engine: MooncakeEngine | None = None):
+    def __init__(
+        self,
+        config: TransferConfig,
+        pool: PoolDesc,
+        pp_rank: int,
+        dst_slices,
+        aux_slots: int = 256,
+        engine: MooncakeEngine | None = None,
+    ):
         super().__init__(config, pool, pp_rank, aux_slots=aux_slots, engine=engine)
         self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)
         if self.dst_slices[pp_rank] != pool.layers:
-            raise ValueError(f"decode rank {pp_rank}: pool layers {pool.layers} differ from {self.dst_slices[pp_rank]}")
+            raise ValueError(
+                f"decode rank {pp_rank}: pool layers {pool.layers} differ from {self.dst_slices[pp_rank]}"
+            )
         self._receivers: dict[int, KVReceiver] = {}
         self._clients: dict[str, BootstrapClient] = {}
         self._routes: dict[str, Future] = {}
@@ -238,7 +285,9 @@ class DecodeKVManager(KVManagerBase):
             recv = self._receivers[room] = KVReceiver(self, room, bootstrap_addr)
             fut = self._routes.get(bootstrap_addr)
             if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._routes[bootstrap_addr] = self._lookups.submit(self._lookup, bootstrap_addr)
+                fut = self._routes[bootstrap_addr] = self._lookups.submit(
+                    self._lookup, bootstrap_addr
+                )
         fut.add_done_callback(recv.on_route)
         return recv
 
@@ -248,13 +297,16 @@ class DecodeKVManager(KVManagerBase):
     def _client(self, addr: str) -> BootstrapClient:
         with self._lock:
             if addr not in self._clients:
-                self._clients[addr] = BootstrapClient(addr, self.config.auth_token,
-                                                      min(2.0, self.config.heartbeat_interval_s * 2))
+                self._clients[addr] = BootstrapClient(
+                    addr, self.config.auth_token, min(2.0, self.config.heartbeat_interval_s * 2)
+                )
             return self._clients[addr]
 
     def _lookup(self, addr: str) -> list[PrefillRankInfo]:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
-        return self._client(addr).route(self.pool.layer_start, self.pool.layer_end, self.session_id, deadline)
+        return self._client(addr).route(
+            self.pool.layer_start, self.pool.layer_end, self.session_id, deadline
+        )
 
     def _on_message(self, msg: Message, sender: str) -> None:
         if isinstance(msg, KVRegister) or (isinstance(msg, KVAbort) and msg.side != "prefill"):
@@ -264,10 +316,15 @@ class DecodeKVManager(KVManagerBase):
         if recv is None:
             self.stats.add_dropped("unknown_room")
         elif not recv.is_peer(msg.rank if isinstance(msg, KVAbort) else msg.src_rank, sender):
-            self._drop("foreign_peer", "room %d: %s from %s, not a prefill rank of the room, dropped", msg.room,
-                       type(msg).__name__, sender)
+            self._drop(
+                "foreign_peer",
+                "room %d: %s from %s, not a prefill rank of the room, dropped",
+                msg.room,
+                type(msg).__name__,
+                sender,
+            )
         elif isinstance(msg, KVAbort):
-            recv.note_quiet(msg.rank)           # first: no KVAbort goes back to the rank that sent it
+            recv.note_quiet(msg.rank)  # first: no KVAbort goes back to the rank that sent it
             recv._fail("aborted_by_prefill", detail=msg.reason)
         else:
             recv.on_status(msg)
@@ -308,12 +365,14 @@ class DecodeKVManager(KVManagerBase):
                 self._misses[addr] = self._misses.get(addr, 0) + 1
                 if self._misses[addr] < self.config.heartbeat_misses:
                     continue
-                self.warn("bootstrap server %s unreachable for %d beats: %s", addr, self._misses[addr], e)
+                self.warn(
+                    "bootstrap server %s unreachable for %d beats: %s", addr, self._misses[addr], e
+                )
                 dead = set(peers)
                 for r in recvs:
                     if r.poll() == KVPoll.WaitingForInput:
                         r._fail("bootstrap_lost")
-                if not recvs:           # forget a server nobody uses any more
+                if not recvs:  # forget a server nobody uses any more
                     with self._lock:
                         self._routes.pop(addr, None)
                         client = self._clients.pop(addr, None)
@@ -322,7 +381,7 @@ class DecodeKVManager(KVManagerBase):
                         client.close()
             if dead:
                 with self._lock:
-                    self._routes.pop(addr, None)      # the node will re-register with new sessions
+                    self._routes.pop(addr, None)  # the node will re-register with new sessions
                 for r in recvs:
                     if dead.intersection(r.prefill_sessions()):
                         r._fail("peer_dead")

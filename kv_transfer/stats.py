@@ -1,4 +1,5 @@
 """Transfer counters of one KV manager (exported by the metrics issue through `snapshot()`)."""
+
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,7 @@ class TransferStats:
     def __init__(self, keep_latencies: int = 1024):
         self._lock = threading.Lock()
         self.bytes_sent = 0
-        self.bytes_received = 0         # decode: bytes prefill reported sending to this rank
+        self.bytes_received = 0  # decode: bytes prefill reported sending to this rank
         self.descriptors = 0
         self.rooms_succeeded = 0
         self.failures: Counter[str] = Counter()
@@ -49,9 +50,13 @@ class TransferStats:
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received,
                 "descriptors": self.descriptors,
-                "rooms_succeeded": self.rooms_succeeded, "failures": dict(self.failures),
-                "dropped": dict(self.dropped), "latency_sum_s": self.latency_sum_s,
-                "latency_count": self.latency_count, "recent_latencies": list(self.latencies),
+                "rooms_succeeded": self.rooms_succeeded,
+                "failures": dict(self.failures),
+                "dropped": dict(self.dropped),
+                "latency_sum_s": self.latency_sum_s,
+                "latency_count": self.latency_count,
+                "recent_latencies": list(self.latencies),
             }

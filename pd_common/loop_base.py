@@ -1,5 +1,6 @@
 """What both PD loops share without knowing about the transfer: the consensus ring over the PP group,
 the aux payload (first token + logprobs) codec, and the per-request PD record."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,9 +22,11 @@ def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:
     if comm is None:
         return InMemoryRing(1).transport(0)
     return PPGroupTransport(
-        comm.rank, comm.size,
+        comm.rank,
+        comm.size,
         send_obj=lambda dst, data: comm.send_obj(dst, data, Msg.VOTE, commit_after=num_slots + 1),
-        recv_obj=lambda src, _timeout: comm.recv(src, Msg.VOTE))
+        recv_obj=lambda src, _timeout: comm.recv(src, Msg.VOTE),
+    )
 
 
 def encode_aux(token: int, logprob: float | None, top: list | None) -> bytes:
@@ -40,12 +43,13 @@ def decode_aux(data: bytes) -> tuple[int, float | None, list[tuple[int, float]] 
 @dataclass(eq=False)
 class PDReq:
     """One disaggregated request on one rank: its engine request, its room and its transfer end."""
+
     rid: str
     room: int
     req: Req
-    kv: Any                      # KVSender (prefill) or KVReceiver (decode)
-    sent_upto: int = 0           # prefill: tokens whose KV was handed to the sender
-    pages: list[int] = field(default_factory=list)    # decode: preallocated pages
+    kv: Any  # KVSender (prefill) or KVReceiver (decode)
+    sent_upto: int = 0  # prefill: tokens whose KV was handed to the sender
+    pages: list[int] = field(default_factory=list)  # decode: preallocated pages
     aux_slot: int | None = None  # decode: where the first token lands
     aborted: bool = False
     reason: str = ""

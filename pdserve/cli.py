@@ -1,4 +1,5 @@
 """The `pdserve` command line: wires the packages together, nothing more."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,17 +16,24 @@ def _generate(args) -> int:
     setup_logging("[generate]", args.log_level)
     eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
     prompts = args.prompt or ["What is the capital of France?", "Write a haiku about pipelines."]
-    msgs = [eng.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) for p in prompts]
+    msgs = [
+        eng.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in prompts
+    ]
     ids = [eng.tokenizer(m, add_special_tokens=False)["input_ids"] for m in msgs]
     outs = eng.generate(ids, SamplingParams(max_tokens=args.max_tokens))
     for p, o in zip(prompts, outs):
-        print(f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, finish={o.finish_reason.kind}]\n")
+        print(
+            f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, finish={o.finish_reason.kind}]\n"
+        )
     return 0
 
 
 def _router(args) -> int:
     from router.main import router_config_from_args, serve
+
     try:
         cfg = router_config_from_args(args)
     except ValueError as e:
@@ -37,16 +45,19 @@ def _router(args) -> int:
 
 def _light_bench():
     from pdserve.bench.main import add_bench_args, bench_main
+
     return add_bench_args, bench_main, "a load client for any OpenAI-compatible endpoint"
 
 
 def _light_up():
     from pdserve.up import add_up_args, up_main
+
     return add_up_args, up_main, "a whole local PD cluster: router + prefill + decode nodes"
 
 
 def _light_router():
     from router.main import add_router_args
+
     return add_router_args, _router, "the OpenAI-compatible PD router"
 
 
@@ -62,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", description=desc)
         add_args(ap)
         return run(ap.parse_args(argv[1:]))
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode-disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode-disaggregated LLM serving"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="offline generation in this process")
@@ -73,25 +86,34 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-level", default="WARNING")
 
     from runtime.serve import add_node_args
+
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
     add_node_args(s, default_port=30000)
 
     from prefill_node.serve import add_prefill_args
+
     add_prefill_args(sub.add_parser("prefill", help="a prefill node of a PD cluster"))
     from decode_node.serve import add_decode_args
+
     add_decode_args(sub.add_parser("decode", help="a decode node of a PD cluster"))
     from router.main import add_router_args
+
     add_router_args(sub.add_parser("router", help="the OpenAI-compatible PD router"))
 
     from pdserve.up import add_up_args
-    add_up_args(sub.add_parser("up", help="a whole local PD cluster: router + prefill + decode nodes"))
+
+    add_up_args(
+        sub.add_parser("up", help="a whole local PD cluster: router + prefill + decode nodes")
+    )
 
     from pdserve.bench.main import add_bench_args
+
     add_bench_args(sub.add_parser("bench", help="a load client for any OpenAI-compatible endpoint"))
 
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     from engine.loader import ModelLoadError
+
     try:
         return _run(args)
     except ModelLoadError as e:
@@ -104,23 +126,29 @@ def _run(args) -> int:
         return _generate(args)
     if args.cmd == "serve":
         from runtime.serve import serve_main
+
         return serve_main(args)
     if args.cmd == "up":
         from pdserve.up import up_main
+
         return up_main(args)
     if args.cmd == "prefill":
         from prefill_node.serve import prefill_main
+
         return prefill_main(args)
     if args.cmd == "decode":
         from decode_node.serve import decode_main
+
         return decode_main(args)
     if args.cmd == "router":
         return _router(args)
     if args.cmd == "bench":
         from pdserve.bench.main import bench_main
+
         return bench_main(args)
     if args.cmd == "version":
         from importlib.metadata import version
+
         print(version("pdserve"))
     return 0
 

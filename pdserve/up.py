@@ -8,6 +8,7 @@ The cluster secret: the one in the environment (PDSERVE_INTERNAL_TOKEN or _FILE)
 fresh random one per cluster. Every process gets it through its environment, never its command line,
 and it is also written to a 0600 file (printed at start) for an operator's calls to /workers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +28,21 @@ from infra.cluster_secret import ENV as SECRET_ENV
 from infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from infra.cluster_secret import cluster_secret
 from infra.internal_auth import bearer, is_loopback
-from runtime.placement import bind_cores, plan_placement
 from infra.procs import die_with_parent, free_port, stop_processes
+from runtime.placement import bind_cores, plan_placement
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--host", default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
-                    help="router bind address")
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL"),
+        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    ap.add_argument(
+        "--host",
+        default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
+        help="router bind address",
+    )
     ap.add_argument("--port", type=int, default=8000, help="router port")
     # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (docs/PERFORMANCE.md
     # measures it against PP 2 + PP 2, which puts four ranks on two cores)
@@ -43,34 +50,50 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-pp", type=int, default=1)
     ap.add_argument("--prefill-nodes", type=int, default=1)
     ap.add_argument("--decode-nodes", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
-                         "when there are more cores than ranks); the plan is printed at start")
-    ap.add_argument("--policy", default=None, help="router policy (round_robin, random, power_of_two, "
-                                                   "least_load, cache_aware)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
+        "when there are more cores than ranks); the plan is printed at start",
+    )
+    ap.add_argument(
+        "--policy",
+        default=None,
+        help="router policy (round_robin, random, power_of_two, least_load, cache_aware)",
+    )
     ap.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    ap.add_argument("--node-args", default="", help="extra flags for every node, e.g. '--max-total-tokens 16384'")
+    ap.add_argument(
+        "--node-args",
+        default="",
+        help="extra flags for every node, e.g. '--max-total-tokens 16384'",
+    )
     ap.add_argument("--router-args", default="", help="extra flags for the router")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--insecure", action="store_true",
-                    help="let the router listen on a non-loopback --host without --api-key: anyone who can "
-                         "reach it can then use the model")
+    ap.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the router listen on a non-loopback --host without --api-key: anyone who can "
+        "reach it can then use the model",
+    )
 
 
 class Cluster:
     def __init__(self, args):
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.nodes: list[tuple[str, str]] = []      # (name, url)
+        self.nodes: list[tuple[str, str]] = []  # (name, url)
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
-        self._secret_dir = tempfile.mkdtemp(prefix="pdserve-")     # 0700
+        self._secret_dir = tempfile.mkdtemp(prefix="pdserve-")  # 0700
         self.secret_file = os.path.join(self._secret_dir, "internal_token")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.secret)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=die_with_parent)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=die_with_parent
+        )
         self.procs.append((name, p))
         return p
 
@@ -83,7 +106,7 @@ class Cluster:
         names = [f"prefill-{i} pp{r}" for i in range(a.prefill_nodes) for r in range(a.prefill_pp)]
         names += [f"decode-{i} pp{r}" for i in range(a.decode_nodes) for r in range(a.decode_pp)]
         print(f"[up] placement: {plan.describe(names)}", flush=True)
-        bind_cores(plan.io_cores)      # this launcher and the router it starts
+        bind_cores(plan.io_cores)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
         at = 0
 
@@ -91,28 +114,58 @@ class Cluster:
             nonlocal at
             at += pp
             return ["--cpus", plan.flag(at - pp, pp), *io]
+
         model = ["--model", a.model] if a.model else []
         extra = shlex.split(a.node_args)
         router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
         for i in range(a.prefill_nodes):
             port, bport = free_port(), free_port()
-            self._spawn(f"prefill-{i}", ["prefill", *model, "--pp", str(a.prefill_pp), "--port", str(port),
-                                         "--bootstrap-port", str(bport), *cpus(a.prefill_pp), *extra], env)
+            self._spawn(
+                f"prefill-{i}",
+                [
+                    "prefill",
+                    *model,
+                    "--pp",
+                    str(a.prefill_pp),
+                    "--port",
+                    str(port),
+                    "--bootstrap-port",
+                    str(bport),
+                    *cpus(a.prefill_pp),
+                    *extra,
+                ],
+                env,
+            )
             self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
             router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
         for i in range(a.decode_nodes):
             port = free_port()
-            self._spawn(f"decode-{i}", ["decode", *model, "--pp", str(a.decode_pp), "--port", str(port),
-                                        *cpus(a.decode_pp), *extra], env)
+            self._spawn(
+                f"decode-{i}",
+                [
+                    "decode",
+                    *model,
+                    "--pp",
+                    str(a.decode_pp),
+                    "--port",
+                    str(port),
+                    *cpus(a.decode_pp),
+                    *extra,
+                ],
+                env,
+            )
             self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
             router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
-        print(f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
-              f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores", flush=True)
+        print(
+            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
+            f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores",
+            flush=True,
+        )
         self._wait_nodes()
         if a.policy:
             router_cmd += ["--policy", a.policy]
         if a.api_key:
-            env = dict(env, PDSERVE_API_KEY=a.api_key)    # not on the router's command line (ps)
+            env = dict(env, PDSERVE_API_KEY=a.api_key)  # not on the router's command line (ps)
         self._spawn("router", router_cmd + shlex.split(a.router_args), env)
         url = f"http://{a.host}:{a.port}"
         self._wait(url, "router")
@@ -131,7 +184,9 @@ class Cluster:
             states, ready = [], 0
             for name, url in self.nodes:
                 try:
-                    info = httpx.get(f"{url}/server_info", headers=bearer(self.secret), timeout=2).json()
+                    info = httpx.get(
+                        f"{url}/server_info", headers=bearer(self.secret), timeout=2
+                    ).json()
                     n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])
                     ok = info["healthy"]
                     states.append(f"{name} " + ("ready" if ok else f"{n}/{total} ranks"))
@@ -168,10 +223,16 @@ class Cluster:
                 if p.poll() is None or name in reported:
                     continue
                 if name == "router":
-                    print(f"[up] the router exited with code {p.returncode}; stopping the cluster", flush=True)
+                    print(
+                        f"[up] the router exited with code {p.returncode}; stopping the cluster",
+                        flush=True,
+                    )
                     return 1
                 reported.add(name)
-                print(f"[up] {name} exited with code {p.returncode}; the router routes around it", flush=True)
+                print(
+                    f"[up] {name} exited with code {p.returncode}; the router routes around it",
+                    flush=True,
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -185,25 +246,37 @@ class Cluster:
 
 def up_main(args) -> int:
     if not (args.api_key or args.insecure or is_loopback(args.host)):
-        print(f"[up] error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
-              f"(or --api-key), or pass --insecure", file=sys.stderr, flush=True)
+        print(
+            f"[up] error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
+            f"(or --api-key), or pass --insecure",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     cluster = Cluster(args)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, on_signal)
     try:
         url = cluster.start()
         key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [{"id": "default"}]
-        print(f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
-              flush=True)
-        print(f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
-              f"    -d '{{\"model\": \"{models[0]['id']}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [
+            {"id": "default"}
+        ]
+        print(
+            f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
+            flush=True,
+        )
+        print(
+            f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
+            f'    -d \'{{"model": "{models[0]["id"]}", "messages": [{{"role": "user", "content": '
+            f'"What is the capital of France?"}}], "max_tokens": 32}}\'',
+            flush=True,
+        )
         return cluster.watch()
     except KeyboardInterrupt:
         print("[up] stopping", flush=True)

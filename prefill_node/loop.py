@@ -18,6 +18,7 @@ An abort marks the sender Failed wherever the request is; the store (bootstrap) 
 (inflight) turns that into the same decision on every rank, and pages are only freed by the vote,
 once no transfer thread reads them any more.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,29 +32,35 @@ from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
 from engine.core import Req
+from engine.scheduler import ScheduledBatch
 from pd_common.loop_base import PDReq, encode_aux, vote_transport
-from runtime.pp_comm import Msg
-from runtime.slot_loop import SlotLoop
 from runtime.rank_process import RankParts
-from engine.scheduler import ScheduledBatch, SampleOut
+from runtime.slot_loop import SlotLoop
 
 log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillLoop(SlotLoop):
     def __init__(self, parts: RankParts, kv_mgr, store: PPConsensusStore | None):
-        super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front, on_meta=self._on_meta)
-        self.stream_tokens = False                # the front hears "prefill_done" or "error" only
+        super().__init__(
+            parts.loop_cfg,
+            parts.comm,
+            parts.runner,
+            parts.sched,
+            parts.front,
+            on_meta=self._on_meta,
+        )
+        self.stream_tokens = False  # the front hears "prefill_done" or "error" only
         self.kv = kv_mgr
         self.store = store
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(RELEASE,))
         self.sync = LeaderSync(ring) if parts.comm else None
-        self.bootstrap: list[PDReq] = []          # queue order is arrival order, the same on every rank
-        self.inflight: dict[int, PDReq] = {}      # room -> request whose KV is on the wire
+        self.bootstrap: list[PDReq] = []  # queue order is arrival order, the same on every rank
+        self.inflight: dict[int, PDReq] = {}  # room -> request whose KV is on the wire
         self.by_rid: dict[str, PDReq] = {}
-        self._t_stage: dict[str, float] = {}       # metrics only: when the request entered its queue
-        self._t_cast: dict[int, float] = {}        # metrics only: slot -> when its release vote was cast
+        self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
+        self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its release vote was cast
 
     def has_outstanding(self) -> bool:
         return bool(self.by_rid)
@@ -65,7 +72,7 @@ class PrefillLoop(SlotLoop):
         pd = self.by_rid.get(rid)
         if pd is None or rid in self.sched.reqs:
             return super().request_phase(rid)
-        return "running" if pd.room in self.inflight else "waiting"     # else still bootstrapping
+        return "running" if pd.room in self.inflight else "waiting"  # else still bootstrapping
 
     def kv_stats(self) -> dict:
         return self.kv.stats.snapshot()
@@ -117,21 +124,28 @@ class PrefillLoop(SlotLoop):
         if self.store is not None:
             for pd, st in zip(self.bootstrap, local):
                 self.store.update_status(pd.room, st)
-            polls = self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
+            polls = (
+                self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
+            )
             polls = self.sync.sync_polls(polls)
             self.observe("consensus:bootstrap_sync", time.monotonic() - t0)
         else:
             polls = local
         self._apply_bootstrap(polls)
 
-    @rank_consensus("pd_bootstrap", args=lambda self, polls: [[pd.room for pd in self.bootstrap],
-                                                               [int(p) for p in polls]])
+    @rank_consensus(
+        "pd_bootstrap",
+        args=lambda self, polls: [[pd.room for pd in self.bootstrap], [int(p) for p in polls]],
+    )
     def _apply_bootstrap(self, polls: list[KVPoll]) -> None:
         keep = []
         for pd, st in zip(self.bootstrap, polls):
             if st == KVPoll.Failed:
                 self._stage_done(pd.rid, "bootstrap")
-                self._end(pd, f"bootstrap failed: {pd.reason or pd.kv.reason or 'decode side never registered'}")
+                self._end(
+                    pd,
+                    f"bootstrap failed: {pd.reason or pd.kv.reason or 'decode side never registered'}",
+                )
             elif st >= KVPoll.WaitingForInput:
                 self._stage_done(pd.rid, "bootstrap")
                 self.sched.add(pd.req)
@@ -157,16 +171,21 @@ class PrefillLoop(SlotLoop):
             pd.aborted, pd.reason = True, req.finish.message or "aborted"
             pd.kv.abort(pd.reason)
             if pd.sent_upto == 0 and req.rid in self.sched.held:
-                self.sched.release(req.rid)         # no transfer thread ever saw its pages
+                self.sched.release(req.rid)  # no transfer thread ever saw its pages
             if req.rid in self.sched.held:
-                self.inflight[pd.room] = pd         # freed by the release vote, once no thread reads them
+                self.inflight[pd.room] = pd  # freed by the release vote, once no thread reads them
             else:
                 self._end(pd, pd.reason)
             return
         lp = req.output_logprobs[-1] if req.output_logprobs else None
         top = req.output_top_logprobs[-1] if req.output_top_logprobs else None
-        pd.kv.send_chunk(req.pages, pd.sent_upto, req.kv_len, last=True,
-                         aux=encode_aux(req.output_ids[-1], lp, top))
+        pd.kv.send_chunk(
+            req.pages,
+            pd.sent_upto,
+            req.kv_len,
+            last=True,
+            aux=encode_aux(req.output_ids[-1], lp, top),
+        )
         self.inflight[pd.room] = pd
         self._t_stage[pd.rid] = time.monotonic()
 
@@ -177,7 +196,9 @@ class PrefillLoop(SlotLoop):
         if t_cast is not None:
             self.observe("consensus:prefill_release", time.monotonic() - t_cast)
         good, bad, _retry = verdict.partition(
-            lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()), RELEASE)
+            lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()),
+            RELEASE,
+        )
         self._apply_release(good, bad)
 
     @rank_consensus("pd_release", args=lambda self, good, bad: [sorted(good), sorted(bad)])
@@ -191,7 +212,10 @@ class PrefillLoop(SlotLoop):
                 self.emit(["prefill_done", pd.rid, pd.req.prompt_len, pd.req.cached_len])
                 self._forget(pd)
             else:
-                self._end(pd, pd.reason or f"KV transfer failed: {pd.kv.reason or 'a prefill rank failed'}")
+                self._end(
+                    pd,
+                    pd.reason or f"KV transfer failed: {pd.kv.reason or 'a prefill rank failed'}",
+                )
 
     def _end(self, pd: PDReq, why: str) -> None:
         self.emit(["error", pd.rid, why, None])

@@ -1,23 +1,31 @@
 """One prefill PP rank: `python -m prefill_node.rank --spec JSON` (started by `pdserve prefill`)."""
+
 from __future__ import annotations
 
 import sys
 
 from consensus.store import PPConsensusStore
-from runtime.pp_comm import Msg
 from infra.cluster_secret import cluster_secret
-from runtime.rank_process import RankParts, run_rank
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
 from kv_transfer.sender import PrefillKVManager
 from prefill_node.loop import PrefillLoop
+from runtime.pp_comm import Msg
+from runtime.rank_process import RankParts, run_rank
 
 
 def pool_desc(parts: RankParts) -> PoolDesc:
     pool = parts.runner.pool
     lay = pool.layout
-    return PoolDesc(pool.data_ptr, lay.num_pages, lay.page_size, lay.layer_start, lay.layer_end,
-                    lay.token_bytes, str(lay.dtype).removeprefix("torch."))
+    return PoolDesc(
+        pool.data_ptr,
+        lay.num_pages,
+        lay.page_size,
+        lay.layer_start,
+        lay.layer_end,
+        lay.token_bytes,
+        str(lay.dtype).removeprefix("torch."),
+    )
 
 
 def consensus_store(parts: RankParts) -> PPConsensusStore | None:
@@ -37,9 +45,12 @@ def consensus_store(parts: RankParts) -> PPConsensusStore | None:
 
 def make_loop(parts: RankParts) -> PrefillLoop:
     spec = parts.spec
-    cfg = TransferConfig.from_env(host=spec.extra.get("transfer_host", "127.0.0.1"),
-                                  auth_token=cluster_secret())
-    kv = PrefillKVManager(cfg, pool_desc(parts), spec.pp_rank, spec.pp_size, spec.extra["bootstrap_addr"])
+    cfg = TransferConfig.from_env(
+        host=spec.extra.get("transfer_host", "127.0.0.1"), auth_token=cluster_secret()
+    )
+    kv = PrefillKVManager(
+        cfg, pool_desc(parts), spec.pp_rank, spec.pp_size, spec.extra["bootstrap_addr"]
+    )
     return PrefillLoop(parts, kv, consensus_store(parts))
 
 

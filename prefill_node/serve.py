@@ -1,4 +1,5 @@
 """`pdserve prefill`: the prefill node (front + bootstrap server + one process per PP rank)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,9 @@ from runtime.serve import add_node_args, advertise_host, make_front, run_node, r
 
 def add_prefill_args(ap: argparse.ArgumentParser) -> None:
     add_node_args(ap, default_port=30000)
-    ap.add_argument("--bootstrap-port", type=int, default=8998, help="port of the KV bootstrap server")
+    ap.add_argument(
+        "--bootstrap-port", type=int, default=8998, help="port of the KV bootstrap server"
+    )
 
 
 def prefill_main(args) -> int:
@@ -18,14 +21,26 @@ def prefill_main(args) -> int:
     extra = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
         host0 = args.dist_init_addr.rsplit(":", 1)[0]
-        return run_remote_ranks(args, "prefill", "prefill_node.rank",
-                                {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"})
+        return run_remote_ranks(
+            args,
+            "prefill",
+            "prefill_node.rank",
+            {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"},
+        )
     from infra.cluster_secret import cluster_secret
 
     front, app = make_front(args, "prefill", PrefillFront, bootstrap_port=args.bootstrap_port)
-    server = BootstrapServer(host=args.host, port=args.bootstrap_port, token=cluster_secret()).start()
+    server = BootstrapServer(
+        host=args.host, port=args.bootstrap_port, token=cluster_secret()
+    ).start()
     try:
-        return run_node(args, front, app, "prefill", module="prefill_node.rank",
-                        extra={**extra, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"})
+        return run_node(
+            args,
+            front,
+            app,
+            "prefill",
+            module="prefill_node.rank",
+            extra={**extra, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"},
+        )
     finally:
         server.stop()

@@ -10,10 +10,10 @@ The safety properties (agreement, safety, no double free / no leak, deadlock fre
 by one exhaustive run per configuration with all their assertions on; liveness is a separate
 acceptance-cycle run under weak fairness (-a -f) against the model's LTL formula.
 """
+
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -25,14 +25,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SAFETY_PROPS = ("agreement", "safety", "no-double-free-no-leak", "deadlock-freedom")
-PROP_MACROS = {"agreement": "P_AGREEMENT", "safety": "P_SAFETY", "no-double-free-no-leak": "P_NOLEAK"}
+PROP_MACROS = {
+    "agreement": "P_AGREEMENT",
+    "safety": "P_SAFETY",
+    "no-double-free-no-leak": "P_NOLEAK",
+}
 
 # Bounded scenarios (see docs/PROTOCOL_MODEL.md): faults and aborts multiply the state space, so
 # each scenario spends the budget where its property needs it.
 SCENARIOS = {
-    "faults": dict(NREQ=1, MAXF=1, MAXAB=1),                 # any one fault + an abort at any stage
-    "reuse": dict(NREQ=2, MAXF=1, MAXAB=0),                  # a fault in room 0, room 1 reuses its pages
-    "aborts": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1),   # room 0 aborted at any point, room 1 runs
+    "faults": dict(NREQ=1, MAXF=1, MAXAB=1),  # any one fault + an abort at any stage
+    "reuse": dict(NREQ=2, MAXF=1, MAXAB=0),  # a fault in room 0, room 1 reuses its pages
+    "aborts": dict(
+        NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1
+    ),  # room 0 aborted at any point, room 1 runs
 }
 
 
@@ -41,32 +47,32 @@ SCENARIOS = {
 # macro per model), which must pass everything. When the code is fixed, make the fix the model's
 # behaviour, drop both entries and keep the old behaviour as a mutant. Finding 1 went that way
 # (M_NO_NOTIFY_OWN); finding 2 (prefill strict read) is its own check, below.
-BITS = 22                                         # PP 2 "aborts" supertrace: 2^22 bits (512 KiB)
-BITS3 = 20                                        # PP 3 supertrace: 2^20 bits, a partial search
-KNOWN: dict[str, str] = {}                        # model -> the property its finding breaks
-FIXED: dict[str, dict] = {}                       # model -> the macros of the proposed fix
+BITS = 22  # PP 2 "aborts" supertrace: 2^22 bits (512 KiB)
+BITS3 = 20  # PP 3 supertrace: 2^20 bits, a partial search
+KNOWN: dict[str, str] = {}  # model -> the property its finding breaks
+FIXED: dict[str, dict] = {}  # model -> the macros of the proposed fix
 
 
 @dataclass
 class Check:
     name: str
-    model: str                      # decode | prefill
+    model: str  # decode | prefill
     pp: int
     scenario: str
-    kind: str                       # safety | liveness
-    props: tuple = SAFETY_PROPS     # what a pass proves (safety runs) / the mutant's target
-    bitstate: int = 0               # 0: exhaustive (COLLAPSE); else -w of a supertrace run
+    kind: str  # safety | liveness
+    props: tuple = SAFETY_PROPS  # what a pass proves (safety runs) / the mutant's target
+    bitstate: int = 0  # 0: exhaustive (COLLAPSE); else -w of a supertrace run
     mutant: str | None = None
-    timeout_s: int = 600             # the largest run took 115 s under load 4-7; CI must not fail on time
+    timeout_s: int = 600  # the largest run took 115 s under load 4-7; CI must not fail on time
     extra: dict = field(default_factory=dict)
-    known: str | None = None        # a finding: this property must fail, and only it
+    known: str | None = None  # a finding: this property must fail, and only it
 
 
 @dataclass
 class Result:
-    ok: bool                        # spin found no error and the search was complete
+    ok: bool  # spin found no error and the search was complete
     errors: int
-    what: str                       # first error, in spin's words
+    what: str  # first error, in spin's words
     states: int
     seconds: float
     complete: bool
@@ -81,27 +87,65 @@ def properties_checks() -> list[Check]:
         fx = FIXED.get(model, {})
         if model in KNOWN:
             # the code as it is: the finding must show (and only it)
-            out.append(Check(f"{model}-pp2-faults-as-is", model, 2, "faults", "safety", known=KNOWN[model]))
+            out.append(
+                Check(f"{model}-pp2-faults-as-is", model, 2, "faults", "safety", known=KNOWN[model])
+            )
         if model == "prefill":
             # finding 2: the stronger "no write reads a page when it is freed" does not hold
-            out.append(Check("prefill-pp2-faults-strict-read", model, 2, "faults", "safety", ("strict-read",),
-                             known="strict-read", extra={"P_STRICT_READ": 1}))
+            out.append(
+                Check(
+                    "prefill-pp2-faults-strict-read",
+                    model,
+                    2,
+                    "faults",
+                    "safety",
+                    ("strict-read",),
+                    known="strict-read",
+                    extra={"P_STRICT_READ": 1},
+                )
+            )
         out += [
             Check(f"{model}-pp2-faults", model, 2, "faults", "safety", extra=fx),
             # prefill "reuse" is 4.7 M states exhaustive (about a minute): supertrace here
-            Check(f"{model}-pp2-reuse", model, 2, "reuse", "safety", bitstate=BITS if model == "prefill" else 0,
-                  extra=fx),
+            Check(
+                f"{model}-pp2-reuse",
+                model,
+                2,
+                "reuse",
+                "safety",
+                bitstate=BITS if model == "prefill" else 0,
+                extra=fx,
+            ),
             Check(f"{model}-pp2-aborts", model, 2, "aborts", "safety", bitstate=BITS, extra=fx),
-            Check(f"{model}-pp2-faults-live", model, 2, "faults", "liveness", ("liveness",), extra=fx),
-            Check(f"{model}-pp2-reuse-live", model, 2, "reuse", "liveness", ("liveness",),
-                  bitstate=BITS if model == "prefill" else 0, extra=fx),
+            Check(
+                f"{model}-pp2-faults-live", model, 2, "faults", "liveness", ("liveness",), extra=fx
+            ),
+            Check(
+                f"{model}-pp2-reuse-live",
+                model,
+                2,
+                "reuse",
+                "liveness",
+                ("liveness",),
+                bitstate=BITS if model == "prefill" else 0,
+                extra=fx,
+            ),
             # PP 3: a supertrace (bitstate) search in a small bit array, bounded in time: a partial
             # search (see the docs for its coverage), not a proof.
             Check(f"{model}-pp3-faults", model, 3, "faults", "safety", bitstate=BITS3, extra=fx),
             # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED (found at 2^22, 2.1 M states)
             Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS, extra=fx),
             Check(f"{model}-pp3-aborts", model, 3, "aborts", "safety", bitstate=BITS3, extra=fx),
-            Check(f"{model}-pp3-faults-live", model, 3, "faults", "liveness", ("liveness",), bitstate=BITS3, extra=fx),
+            Check(
+                f"{model}-pp3-faults-live",
+                model,
+                3,
+                "faults",
+                "liveness",
+                ("liveness",),
+                bitstate=BITS3,
+                extra=fx,
+            ),
         ]
     return out
 
@@ -110,7 +154,7 @@ def mutant_checks() -> list[Check]:
     m = [
         # (mutant macro, model, scenario, target property)
         ("M_NO_PASS2", "decode", "faults", "agreement"),
-        ("M_NO_NOTIFY_OWN", "decode", "faults", "safety"),      # finding 1, fixed: must stay caught
+        ("M_NO_NOTIFY_OWN", "decode", "faults", "safety"),  # finding 1, fixed: must stay caught
         ("M_PEER_DEAD_QUIESCED", "decode", "reuse", "safety"),
         ("M_FREE_AT_ABORT", "decode", "faults", "no-double-free-no-leak"),
         ("M_SKIP_ABORT", "decode", "faults", "deadlock-freedom"),
@@ -124,13 +168,44 @@ def mutant_checks() -> list[Check]:
             ("M_SKIP_ABORT", "prefill", "faults", "deadlock-freedom"),
         ]
     # Mutants go on top of the fixed model, so each counterexample is the mutant's own.
-    out = [Check(f"{model}-pp2-{mac}", model, 2, sc, "liveness" if prop == "liveness" else "safety",
-                 (prop,), mutant=mac, extra=FIXED.get(model, {})) for mac, model, sc, prop in m]
+    out = [
+        Check(
+            f"{model}-pp2-{mac}",
+            model,
+            2,
+            sc,
+            "liveness" if prop == "liveness" else "safety",
+            (prop,),
+            mutant=mac,
+            extra=FIXED.get(model, {}),
+        )
+        for mac, model, sc, prop in m
+    ]
     # and the PP 3 partial search finds them too (one per property class it runs)
-    out += [Check("decode-pp3-M_NO_PASS2", "decode", 3, "faults", "safety", ("agreement",), bitstate=BITS3,
-                  mutant="M_NO_PASS2", extra=FIXED.get("decode", {})),
-            Check("decode-pp3-M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", ("safety",), bitstate=BITS,
-                  mutant="M_PEER_DEAD_QUIESCED", extra=FIXED.get("decode", {}))]
+    out += [
+        Check(
+            "decode-pp3-M_NO_PASS2",
+            "decode",
+            3,
+            "faults",
+            "safety",
+            ("agreement",),
+            bitstate=BITS3,
+            mutant="M_NO_PASS2",
+            extra=FIXED.get("decode", {}),
+        ),
+        Check(
+            "decode-pp3-M_PEER_DEAD_QUIESCED",
+            "decode",
+            3,
+            "reuse",
+            "safety",
+            ("safety",),
+            bitstate=BITS,
+            mutant="M_PEER_DEAD_QUIESCED",
+            extra=FIXED.get("decode", {}),
+        ),
+    ]
     return out
 
 
@@ -148,16 +223,28 @@ def run_check(c: Check, workdir: Path) -> Result:
     if c.mutant:
         args.append(f"-D{c.mutant}")
     t0 = time.monotonic()
-    subprocess.run(["spin", "-a", *args, f"{c.model}.pml"], cwd=d, check=True, capture_output=True,
-                   text=True, timeout=60)
-    cflags = ["-O1", "-w", "-DMEMLIM=1024"]     # -O1: most of -O2's speed for half its compile time
-    cflags += [f"-DBITSTATE"] if c.bitstate else ["-DCOLLAPSE"]
+    subprocess.run(
+        ["spin", "-a", *args, f"{c.model}.pml"],
+        cwd=d,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    cflags = ["-O1", "-w", "-DMEMLIM=1024"]  # -O1: most of -O2's speed for half its compile time
+    cflags += ["-DBITSTATE"] if c.bitstate else ["-DCOLLAPSE"]
     if c.kind == "safety":
         cflags.append("-DSAFETY")
     else:
         cflags.append("-DNFAIR=3")
-    subprocess.run(["cc", *cflags, "-o", "pan", "pan.c"], cwd=d, check=True, capture_output=True,
-                   text=True, timeout=120)
+    subprocess.run(
+        ["cc", *cflags, "-o", "pan", "pan.c"],
+        cwd=d,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     pan = ["./pan", "-m400000"]
     if c.bitstate:
         pan.append(f"-w{c.bitstate}")
@@ -168,13 +255,20 @@ def run_check(c: Check, workdir: Path) -> Result:
         out = p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Result(False, 0, f"timed out after {c.timeout_s} s", _states(out), time.monotonic() - t0, False)
+        return Result(
+            False, 0, f"timed out after {c.timeout_s} s", _states(out), time.monotonic() - t0, False
+        )
     secs = time.monotonic() - t0
     errors = int(m.group(1)) if (m := re.search(r"errors: (\d+)", out)) else -1
     what = ""
-    for pat in (r"pan:\d+: (assertion violated .*?) \(at depth", r"pan:\d+: (invalid end state)",
-                r"pan:\d+: (acceptance cycle)", r"pan:\d+: (non-progress cycle)", r"(pan: reached -DMEMLIM bound)",
-                r"(error: max search depth too small)"):
+    for pat in (
+        r"pan:\d+: (assertion violated .*?) \(at depth",
+        r"pan:\d+: (invalid end state)",
+        r"pan:\d+: (acceptance cycle)",
+        r"pan:\d+: (non-progress cycle)",
+        r"(pan: reached -DMEMLIM bound)",
+        r"(error: max search depth too small)",
+    ):
         if mm := re.search(pat, out):
             what = mm.group(1)
             break
@@ -199,22 +293,29 @@ def classify(what: str) -> str:
     if "log_what" in what:
         return "agreement"
     if "page[x]<255" in what or re.search(r"owner\[.*\]==0\)", what):
-        return "no-double-free-no-leak"     # free_page's double-free check, the leak check at exit
+        return "no-double-free-no-leak"  # free_page's double-free check, the leak check at exit
     if "!(reading[x])" in what:
-        return "strict-read"                # finding 2 (P_STRICT_READ only)
+        return "strict-read"  # finding 2 (P_STRICT_READ only)
     if "page[x]!=255" in what or "dirty" in what:
-        return "safety"                     # a transfer write landing in a page not its room's
+        return "safety"  # a transfer write landing in a page not its room's
     return what or "?"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mutants", action="store_true", help="run the mutants instead of the properties")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mutants", action="store_true", help="run the mutants instead of the properties"
+    )
     ap.add_argument("--only", action="append", default=[], help="check name (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (trails)")
     a = ap.parse_args(argv)
     if not shutil.which("spin") or not shutil.which("cc"):
-        print("verify-protocol: needs spin and a C compiler (scripts/setup.sh --test installs spin)", file=sys.stderr)
+        print(
+            "verify-protocol: needs spin and a C compiler (scripts/setup.sh --test installs spin)",
+            file=sys.stderr,
+        )
         return 2
     checks = mutant_checks() if a.mutants else properties_checks()
     if a.only:
@@ -231,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
                 hit = classify(r.what)
                 good = r.errors > 0 and hit in c.props
                 failed += not good
-                print(f"{'OK  ' if good else 'FAIL'} mutant {cfg:38s} target={c.props[0]:24s} "
-                      f"spin: {r.what or 'no error'} -> {hit}  states={r.states} {r.seconds:.1f}s"
-                      + (f" trail={r.trail}" if r.trail and a.keep else ""), flush=True)
+                print(
+                    f"{'OK  ' if good else 'FAIL'} mutant {cfg:38s} target={c.props[0]:24s} "
+                    f"spin: {r.what or 'no error'} -> {hit}  states={r.states} {r.seconds:.1f}s"
+                    + (f" trail={r.trail}" if r.trail and a.keep else ""),
+                    flush=True,
+                )
                 continue
             if c.extra:
                 cfg += " " + " ".join(c.extra)
@@ -244,22 +348,32 @@ def main(argv: list[str] | None = None) -> int:
                     # the finding must show, as this property's counterexample; the others are not
                     # proved by a run that stopped at it
                     ok = r.errors > 0 and classify(r.what) == c.known
-                    status = ("KNOWN-BUG" if prop == c.known else "UNPROVED ") if ok else "FAIL     "
+                    status = (
+                        ("KNOWN-BUG" if prop == c.known else "UNPROVED ") if ok else "FAIL     "
+                    )
                     failed += not ok
-                    print(f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s"
-                          f"  ({r.what or 'no error: the finding no longer shows; update KNOWN'})", flush=True)
+                    print(
+                        f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s"
+                        f"  ({r.what or 'no error: the finding no longer shows; update KNOWN'})",
+                        flush=True,
+                    )
                     continue
                 failed += not ok
                 status = "OK  " if ok else "FAIL"
                 why = "" if ok else f"  ({r.what or 'incomplete search'})"
-                print(f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s{why}"
-                      + ("  <- this property" if broken else ""), flush=True)
+                print(
+                    f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s{why}"
+                    + ("  <- this property" if broken else ""),
+                    flush=True,
+                )
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"work directory kept: {work}")
-    print(f"total {time.monotonic() - t_all:.1f}s, {'all passed' if not failed else f'{failed} failed'}")
+    print(
+        f"total {time.monotonic() - t_all:.1f}s, {'all passed' if not failed else f'{failed} failed'}"
+    )
     return 1 if failed else 0
 
 

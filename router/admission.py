@@ -3,6 +3,7 @@
 `acquire()` either returns (the caller now holds a slot and must `release()` it exactly once) or
 raises `Rejected` at once when the queue is full, or after `queue_timeout_s` in the queue.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,8 @@ class Admission:
         self._waiting.append(turn)
         try:
             await asyncio.wait_for(asyncio.shield(turn), self.queue_timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            if turn.done():          # the slot was handed over just as we gave up: pass it on
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if turn.done():  # the slot was handed over just as we gave up: pass it on
                 self.release()
             else:
                 self._waiting.remove(turn)
@@ -50,7 +51,7 @@ class Admission:
         while self._waiting:
             turn = self._waiting.popleft()
             if not turn.done():
-                turn.set_result(None)    # the slot moves over; `running` is unchanged
+                turn.set_result(None)  # the slot moves over; `running` is unchanged
                 return
         self.running -= 1
         assert self.running >= 0, "Admission.release() called more often than acquire()"

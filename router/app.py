@@ -3,6 +3,7 @@
 Request path for the OpenAI endpoints: auth -> read JSON -> validate -> model/context checks ->
 admission -> dispatch (retries inside) -> whole answer or SSE stream -> metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,15 +18,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infra.internal_auth import bearer, bearer_ok
 from router.admission import Admission, Rejected
-from router.config import RouterConfig, WorkerSpec
 from router.attempt import Attempt
+from router.config import RouterConfig, WorkerSpec
 from router.dispatch import Dispatcher
 from router.json_body import read_json_body
 from router.keepalive import native_error, openai_error, pinged_stream
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
-from router.openai_protocol import (ApiError, ChatRequest, CompletionRequest, native_prompt_key,
-                                    parse_native, parse_request)
+from router.openai_protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    native_prompt_key,
+    parse_native,
+    parse_request,
+)
 from router.openapi import openapi_document
 from router.responses import StreamShaper, chat_completion, text_completion
 from router.streams import native_stream, openai_stream
@@ -40,8 +47,9 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.clients = NodeClients(cfg.connect_timeout_s, cfg.max_concurrent,
-                                   bearer(cfg.internal_token))
+        self.clients = NodeClients(
+            cfg.connect_timeout_s, cfg.max_concurrent, bearer(cfg.internal_token)
+        )
         self.registry = WorkerRegistry(cfg, self.clients, self.metrics)
         for spec in cfg.workers:
             self.registry.add(spec)
@@ -52,8 +60,9 @@ class Router:
     async def lifespan(self, app: FastAPI):
         await self.registry.probe_all()
         self.registry.start()
-        logger.info("router ready: %d workers, models %s", len(self.registry.all()),
-                    self.registry.models())
+        logger.info(
+            "router ready: %d workers, models %s", len(self.registry.all()), self.registry.models()
+        )
         try:
             yield
         finally:
@@ -64,8 +73,11 @@ class Router:
     # --- request checks -----------------------------------------------------------------
     def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
         if not bearer_ok(request.headers.get("authorization"), secret):
-            raise ApiError(401, f"missing or wrong {what} (send 'Authorization: Bearer ...')",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                f"missing or wrong {what} (send 'Authorization: Bearer ...')",
+                code="invalid_api_key",
+            )
 
     async def read_json(self, request: Request):
         return await read_json_body(request, self.cfg.max_body_bytes)
@@ -73,27 +85,40 @@ class Router:
     def check_model(self, model: str) -> None:
         known = self.registry.models()
         if known and model not in known:
-            raise ApiError(404, f"model {model!r} does not exist; served: {', '.join(known)}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; served: {', '.join(known)}",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_context(self, max_new_tokens: int | None, field: str = "max_tokens") -> None:
         limit = self.registry.max_context()
         if limit and max_new_tokens and max_new_tokens >= limit:
-            raise ApiError(400, f"{field}={max_new_tokens} leaves no room for the prompt in "
-                           f"the {limit}-token context", param=field,
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"{field}={max_new_tokens} leaves no room for the prompt in "
+                f"the {limit}-token context",
+                param=field,
+                code="context_length_exceeded",
+            )
 
     async def admit(self) -> None:
         try:
             await self.admission.acquire()
         except Rejected as exc:
             self.metrics.rejected.inc()
-            raise ApiError(429, f"the router is at capacity ({exc}); retry later",
-                           type="rate_limit_error", code="router_overloaded",
-                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            raise ApiError(
+                429,
+                f"the router is at capacity ({exc}); retry later",
+                type="rate_limit_error",
+                code="router_overloaded",
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
+            ) from None
 
-    async def open_watched(self, request: Request, body: dict, key: str,
-                           stream: bool) -> Attempt | asyncio.Task:
+    async def open_watched(
+        self, request: Request, body: dict, key: str, stream: bool
+    ) -> Attempt | asyncio.Task:
         """Dispatch; if the client disconnects before the answer opens, cancel (which aborts).
         A stream not open after `sse_keepalive_s`: the dispatch task, still running (the caller
         then sends keep-alives until it ends, router/keepalive.py)."""
@@ -102,20 +127,21 @@ class Router:
         wait_s = self.cfg.sse_keepalive_s if stream and self.cfg.sse_keepalive_s > 0 else None
         timed_out = False
         try:
-            done, _ = await asyncio.wait({task, watcher}, timeout=wait_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {task, watcher}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
             timed_out = not done
         finally:
             watcher.cancel()
             if not task.done() and not timed_out:
                 task.cancel()
-                await asyncio.wait({task})     # cancel() only asks; its cleanup closes and aborts
+                await asyncio.wait({task})  # cancel() only asks; its cleanup closes and aborts
         if timed_out:
             return task
         client_left = watcher.done() and not watcher.cancelled()
         if task.cancelled() or client_left:
             if not task.cancelled() and task.exception() is None:
-                task.result().close(None, abort=True)    # it opened just as the client left
+                task.result().close(None, abort=True)  # it opened just as the client left
             raise ApiError(499, "client closed the request", code="client_closed")
         return task.result()
 
@@ -137,8 +163,11 @@ class Router:
         req = parse_request(model_cls, await self.read_json(request))
         self.check_model(req.model)
         max_new = req.max_new_tokens() if kind == "chat" else req.max_tokens
-        field = ("max_completion_tokens" if kind == "chat" and req.max_completion_tokens
-                 else "max_tokens")
+        field = (
+            "max_completion_tokens"
+            if kind == "chat" and req.max_completion_tokens
+            else "max_tokens"
+        )
         self.check_context(max_new, field)
         native, key = req.to_native(), req.prompt_key()
         await self.admit()
@@ -148,15 +177,26 @@ class Router:
 
             def stream(attempt: Attempt):
                 rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
-                shaper = StreamShaper(kind, rid, req.model, int(time.time()), req.include_usage(),
-                                      req.wants_logprobs())
+                shaper = StreamShaper(
+                    kind,
+                    rid,
+                    req.model,
+                    int(time.time()),
+                    req.include_usage(),
+                    req.wants_logprobs(),
+                )
                 return openai_stream(self, attempt, shaper, _ROUTES[kind], t0)
+
             if req.stream:
                 handed_over = True
-                gen = (pinged_stream(self, attempt, _ROUTES[kind], t0, stream, openai_error)
-                       if isinstance(attempt, asyncio.Task) else stream(attempt))
-                return StreamingResponse(gen, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                gen = (
+                    pinged_stream(self, attempt, _ROUTES[kind], t0, stream, openai_error)
+                    if isinstance(attempt, asyncio.Task)
+                    else stream(attempt)
+                )
+                return StreamingResponse(
+                    gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}"
             created = int(time.time())
             build = chat_completion if kind == "chat" else text_completion
@@ -179,14 +219,22 @@ class Router:
             attempt = await self.open_watched(request, body, native_prompt_key(body), stream)
             if isinstance(attempt, asyncio.Task):
                 handed_over = True
-                return StreamingResponse(pinged_stream(
-                    self, attempt, "/generate", t0,
-                    lambda a: native_stream(self, a, "/generate", t0), native_error),
-                    media_type="text/event-stream")
+                return StreamingResponse(
+                    pinged_stream(
+                        self,
+                        attempt,
+                        "/generate",
+                        t0,
+                        lambda a: native_stream(self, a, "/generate", t0),
+                        native_error,
+                    ),
+                    media_type="text/event-stream",
+                )
             if stream:
                 handed_over = True
-                return StreamingResponse(native_stream(self, attempt, "/generate", t0),
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    native_stream(self, attempt, "/generate", t0), media_type="text/event-stream"
+                )
             attempt.close(True)
             return JSONResponse(attempt.result)
         finally:
@@ -197,11 +245,18 @@ class Router:
         self.check_bearer(request, self.cfg.internal_token, "internal token")
         body = await self.read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            raise ApiError(400, "send {\"url\": ..., \"role\": prefill|decode|colocated, "
-                           "\"bootstrap_port\": optional int}", param="url")
+            raise ApiError(
+                400,
+                'send {"url": ..., "role": prefill|decode|colocated, '
+                '"bootstrap_port": optional int}',
+                param="url",
+            )
         try:
-            spec = WorkerSpec(url=body["url"], role=body.get("role", "decode"),
-                              bootstrap_port=body.get("bootstrap_port"))
+            spec = WorkerSpec(
+                url=body["url"],
+                role=body.get("role", "decode"),
+                bootstrap_port=body.get("bootstrap_port"),
+            )
             worker = self.registry.add(spec)
         except (ValueError, TypeError) as exc:
             status = 409 if "already registered" in str(exc) else 400
@@ -222,9 +277,13 @@ class Router:
 
     def health(self) -> Response:
         status, code = ("ok", 200) if self.dispatcher.can_route() else ("unavailable", 503)
-        roles = {role: {"eligible": len(self.registry.eligible(role)),
-                        "total": sum(w.role == role for w in self.registry.all())}
-                 for role in ("prefill", "decode", "colocated")}
+        roles = {
+            role: {
+                "eligible": len(self.registry.eligible(role)),
+                "total": sum(w.role == role for w in self.registry.all()),
+            }
+            for role in ("prefill", "decode", "colocated")
+        }
         return JSONResponse({"status": status, "workers": roles}, status_code=code)
 
 
@@ -238,19 +297,26 @@ async def _wait_disconnect(request: Request) -> None:
 
 def build_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
-    app = FastAPI(title="pdserve router", lifespan=router.lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pdserve router",
+        lifespan=router.lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.router = router
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await router.serve(_ROUTES["chat"], request,
-                                  lambda r, t0: router.openai(r, t0, "chat"))
+        return await router.serve(
+            _ROUTES["chat"], request, lambda r, t0: router.openai(r, t0, "chat")
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.serve(_ROUTES["completion"], request,
-                                  lambda r, t0: router.openai(r, t0, "completion"))
+        return await router.serve(
+            _ROUTES["completion"], request, lambda r, t0: router.openai(r, t0, "completion")
+        )
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -260,18 +326,26 @@ def build_app(config: RouterConfig) -> FastAPI:
     async def models(request: Request):
         async def handler(r: Request, t0: float) -> Response:
             router.check_bearer(r, config.api_key, "API key")
-            data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdserve"}
-                    for m in router.registry.models()]
+            data = [
+                {"id": m, "object": "model", "created": 0, "owned_by": "pdserve"}
+                for m in router.registry.models()
+            ]
             return JSONResponse({"object": "list", "data": data})
+
         return await router.serve("/v1/models", request, handler)
 
     @app.get("/openapi.json")
     async def openapi(request: Request):
         async def handler(r: Request, t0: float) -> Response:
             router.check_bearer(r, config.api_key, "API key")
-            return JSONResponse(openapi_document(router.registry.models(),
-                                                 router.registry.max_context(),
-                                                 auth=bool(config.api_key)))
+            return JSONResponse(
+                openapi_document(
+                    router.registry.models(),
+                    router.registry.max_context(),
+                    auth=bool(config.api_key),
+                )
+            )
+
         return await router.serve("/openapi.json", request, handler)
 
     @app.get("/health")
@@ -289,6 +363,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         async def handler(r: Request, t0: float) -> Response:
             router.check_bearer(r, config.internal_token, "internal token")
             return JSONResponse({"workers": [w.describe() for w in router.registry.all()]})
+
         return await router.serve("/workers", request, handler)
 
     @app.post("/workers")
@@ -301,16 +376,27 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        body = {"error": {"message": str(exc.detail), "type": "invalid_request_error",
-                          "param": None, "code": None}}
+        body = {
+            "error": {
+                "message": str(exc.detail),
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
-        body = {"error": {"message": f"internal router error: {type(exc).__name__}",
-                          "type": "server_error", "param": None, "code": None}}
+        body = {
+            "error": {
+                "message": f"internal router error: {type(exc).__name__}",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        }
         return JSONResponse(body, status_code=500)
 
     return app
-

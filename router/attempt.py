@@ -9,6 +9,7 @@ Contract of an open attempt: the caller reads `events()` (streaming) or `result`
 `close(ok)` exactly once; `close` never awaits (it may run inside a cancelled task), it settles the
 workers' load and breakers and leaves aborts and socket closing to background tasks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,9 @@ import logging
 import os
 import secrets
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -31,12 +33,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
-PREFILL_GRACE_S = 5.0   # after decode finished, how long a still-open prefill call may take
+PREFILL_GRACE_S = 5.0  # after decode finished, how long a still-open prefill call may take
 
 
 @dataclass
 class Route:
-    prefill: Worker | None       # None: colocated worker, no PD split
+    prefill: Worker | None  # None: colocated worker, no PD split
     decode: Worker
 
 
@@ -44,8 +46,17 @@ class Failure(Exception):
     """An attempt failed before the client saw a byte. `node_fault` says whether the culprit's
     breaker counts it; `body` (optional) is a node's own 4xx body, passed through."""
 
-    def __init__(self, status: int, message: str, *, code: str, retryable: bool,
-                 culprit: Worker | None, node_fault: bool, body: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        retryable: bool,
+        culprit: Worker | None,
+        node_fault: bool,
+        body: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.body = status, message, code, body
         self.retryable, self.culprit, self.node_fault = retryable, culprit, node_fault
@@ -64,32 +75,64 @@ def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
         parsed, message = None, body[:200].decode(errors="replace")
     status = resp.status_code
     text = f"{worker.role} node {worker.url} answered {status}: {message}"
-    overloaded = status == 503 and isinstance(parsed, dict) and isinstance(parsed.get("error"), dict) \
+    overloaded = (
+        status == 503
+        and isinstance(parsed, dict)
+        and isinstance(parsed.get("error"), dict)
         and parsed["error"].get("code") == "node_overloaded"
+    )
     if status in (408, 429) or overloaded:
-        return Failure(503, text, code="node_busy", retryable=True, culprit=worker, node_fault=False)
+        return Failure(
+            503, text, code="node_busy", retryable=True, culprit=worker, node_fault=False
+        )
     if status in (401, 403):
         # the node does not take this router's secret, or (decode) has not got the prefill node on
         # its bootstrap allowlist yet: the cluster's fault, not the client's; another pair may work
         worker.pushed_servers = None
-        return Failure(502, text, code=f"{worker.role}_refused", retryable=True, culprit=worker,
-                       node_fault=True)
+        return Failure(
+            502,
+            text,
+            code=f"{worker.role}_refused",
+            retryable=True,
+            culprit=worker,
+            node_fault=True,
+        )
     if status < 500:
         good = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
-        return Failure(status, message if good else text, code="node_rejected", retryable=False,
-                       culprit=worker, node_fault=False, body=parsed if good else None)
-    return Failure(502, text, code=f"{worker.role}_failed", retryable=True, culprit=worker,
-                   node_fault=True)
+        return Failure(
+            status,
+            message if good else text,
+            code="node_rejected",
+            retryable=False,
+            culprit=worker,
+            node_fault=False,
+            body=parsed if good else None,
+        )
+    return Failure(
+        502, text, code=f"{worker.role}_failed", retryable=True, culprit=worker, node_fault=True
+    )
 
 
 def unreachable(worker: Worker, exc: BaseException) -> Failure:
-    return Failure(502, f"{worker.role} node {worker.url} failed: {type(exc).__name__}: {exc}",
-                   code=f"{worker.role}_failed", retryable=True, culprit=worker, node_fault=True)
+    return Failure(
+        502,
+        f"{worker.role} node {worker.url} failed: {type(exc).__name__}: {exc}",
+        code=f"{worker.role}_failed",
+        retryable=True,
+        culprit=worker,
+        node_fault=True,
+    )
 
 
 def aborted(worker: Worker, exc: NodeAborted) -> Failure:
-    return Failure(502, f"{worker.role} node {worker.url} aborted the request: {exc.message}",
-                   code=f"{worker.role}_aborted", retryable=True, culprit=worker, node_fault=False)
+    return Failure(
+        502,
+        f"{worker.role} node {worker.url} aborted the request: {exc.message}",
+        code=f"{worker.role}_aborted",
+        retryable=True,
+        culprit=worker,
+        node_fault=False,
+    )
 
 
 class Attempt:
@@ -98,14 +141,16 @@ class Attempt:
         self.rid = uuid.uuid4().hex
         self.payload = {**body, "rid": self.rid, "stream": stream}
         if route.prefill is not None:
-            self.payload.update(bootstrap_host=route.prefill.bootstrap_host,
-                                bootstrap_port=route.prefill.bootstrap_port,
-                                bootstrap_room=secrets.randbits(63))
+            self.payload.update(
+                bootstrap_host=route.prefill.bootstrap_host,
+                bootstrap_port=route.prefill.bootstrap_port,
+                bootstrap_room=secrets.randbits(63),
+            )
         self.prefill_task: asyncio.Task | None = None
         self.response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
-        self.first: dict | None = None       # streaming: the first decode event
-        self.result: dict | None = None      # not streaming: the decode answer
+        self.first: dict | None = None  # streaming: the first decode event
+        self.result: dict | None = None  # not streaming: the decode answer
         self.closed = False
 
     async def start(self) -> None:
@@ -125,20 +170,26 @@ class Attempt:
                 while not decode_task.done():
                     done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                     if self.prefill_task in done:
-                        self.prefill_task.result()          # raises the prefill's Failure
+                        self.prefill_task.result()  # raises the prefill's Failure
             decode_task.result()
         except TimeoutError:
             p = self.prefill_task
             culprit = route.prefill if p is not None and not p.done() else route.decode
-            failure = Failure(504, f"no answer from {culprit.role} node {culprit.url} within "
-                              f"{cfg.request_timeout_s:g} s", code="upstream_timeout",
-                              retryable=True, culprit=culprit, node_fault=True)
+            failure = Failure(
+                504,
+                f"no answer from {culprit.role} node {culprit.url} within "
+                f"{cfg.request_timeout_s:g} s",
+                code="upstream_timeout",
+                retryable=True,
+                culprit=culprit,
+                node_fault=True,
+            )
             self._give_up(decode_task, failure)
             raise failure from None
         except Failure as failure:
             self._give_up(decode_task, failure)
             raise
-        except BaseException:                   # cancelled: the client went away
+        except BaseException:  # cancelled: the client went away
             decode_task.cancel()
             self.close(None, abort=True)
             raise
@@ -152,8 +203,9 @@ class Attempt:
         verdict = None
         try:
             client = self.d.clients.get(worker.url)
-            resp = await client.post(f"{worker.url}/generate", json=self.payload,
-                                     headers=self.d.node_headers)
+            resp = await client.post(
+                f"{worker.url}/generate", json=self.payload, headers=self.d.node_headers
+            )
             if resp.status_code != 200:
                 failure = node_failure(worker, resp, resp.content)
                 verdict = False if failure.node_fault else None
@@ -177,8 +229,9 @@ class Attempt:
         worker = self.route.decode
         try:
             client = self.d.clients.get(worker.url)
-            request = client.build_request("POST", f"{worker.url}/generate", json=self.payload,
-                                           headers=self.d.node_headers)
+            request = client.build_request(
+                "POST", f"{worker.url}/generate", json=self.payload, headers=self.d.node_headers
+            )
             self.response = await client.send(request, stream=True)
             if self.response.status_code != 200:
                 raise node_failure(worker, self.response, await self.response.aread())
@@ -199,7 +252,7 @@ class Attempt:
         except NodeAborted as exc:
             raise aborted(worker, exc) from None
         except BaseException:
-            if self.response is not None:       # cancelled: close() may have run already
+            if self.response is not None:  # cancelled: close() may have run already
                 self.d.spawn(self.response.aclose())
             raise
 
@@ -253,8 +306,9 @@ async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: 
     """Decode finished while the prefill call is still open: wait a little, then abort it."""
     done, _ = await asyncio.wait({task}, timeout=PREFILL_GRACE_S)
     if not done:
-        logger.warning("rid=%s prefill node %s still busy after decode finished; aborting",
-                       rid, worker.url)
+        logger.warning(
+            "rid=%s prefill node %s still busy after decode finished; aborting", rid, worker.url
+        )
         task.cancel()
         await d.abort(worker, rid)
 
@@ -263,4 +317,3 @@ def _retrieve(task: asyncio.Task) -> None:
     """Mark a finished task's exception as seen (it is re-raised where it matters)."""
     if not task.cancelled():
         task.exception()
-

@@ -1,15 +1,17 @@
 """Per-worker circuit breaker: closed -> open -> half-open -> closed, fed by request outcomes."""
+
 from __future__ import annotations
 
 import enum
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from router.config import BreakerConfig
 
 
 class CircuitState(enum.IntEnum):
     """Values are the `pdserve_router_circuit_state` gauge values."""
+
     CLOSED = 0
     OPEN = 1
     HALF_OPEN = 2
@@ -33,7 +35,7 @@ class CircuitBreaker:
         self._failures = 0
         self._successes = 0
         self._opened_at = 0.0
-        self._probes = 0          # half-open requests in flight
+        self._probes = 0  # half-open requests in flight
 
     @property
     def state(self) -> CircuitState:

@@ -2,6 +2,7 @@
 
 CLI defaults are read from these classes (see `router.main`), so the numbers live in one place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ ROLES = ("prefill", "decode", "colocated")
 class WorkerSpec:
     """One node the router sends to. `bootstrap_port` is only meaningful for prefill nodes; when it
     is None the router learns it from the node's `GET /server_info`."""
+
     url: str
     role: str
     bootstrap_port: int | None = None
@@ -35,6 +37,7 @@ class HealthConfig:
     """Background `GET /health` probes. A worker turns unhealthy after `failure_threshold`
     consecutive failed probes and healthy again after `success_threshold` consecutive good ones
     (its very first good probe makes a new worker healthy at once)."""
+
     interval_s: float = 10.0
     timeout_s: float = 5.0
     failure_threshold: int = 3
@@ -46,6 +49,7 @@ class BreakerConfig:
     """Per-worker circuit breaker fed by request outcomes: `failure_threshold` consecutive node
     failures open it for `open_s`; then it is half-open and lets one request at a time through;
     `success_threshold` successes close it, any failure opens it again."""
+
     failure_threshold: int = 10
     success_threshold: int = 3
     open_s: float = 60.0
@@ -55,6 +59,7 @@ class BreakerConfig:
 class RetryConfig:
     """Retries happen only before the client got its first byte; each uses a new pair and room.
     Backoff before retry k (0-based) is min(max_backoff, initial * multiplier**k) * (1 ± jitter)."""
+
     max_retries: int = 5
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 30.0
@@ -67,6 +72,7 @@ class CacheAwareConfig:
     """cache_aware policy: route to the worker holding the longest prefix of the prompt when at least
     `cache_threshold` of it matches; if the load is imbalanced (max - min > balance_abs and
     max > min * balance_rel) pick the least loaded worker instead."""
+
     cache_threshold: float = 0.3
     balance_abs: int = 64
     balance_rel: float = 1.5
@@ -88,9 +94,9 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1
     connect_timeout_s: float = 3.0
-    request_timeout_s: float = 600.0       # non-streaming: whole answer; streaming: first event
-    stream_idle_timeout_s: float = 300.0   # streaming: longest gap between two events
-    sse_keepalive_s: float = 5.0           # streaming: ': ping' this often until the first event
+    request_timeout_s: float = 600.0  # non-streaming: whole answer; streaming: first event
+    stream_idle_timeout_s: float = 300.0  # streaming: longest gap between two events
+    sse_keepalive_s: float = 5.0  # streaming: ': ping' this often until the first event
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -108,6 +114,13 @@ class RouterConfig:
             raise ValueError("the same worker URL is listed twice")
         if self.retry.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        if min(self.health.failure_threshold, self.health.success_threshold,
-               self.breaker.failure_threshold, self.breaker.success_threshold) < 1:
+        if (
+            min(
+                self.health.failure_threshold,
+                self.health.success_threshold,
+                self.breaker.failure_threshold,
+                self.breaker.success_threshold,
+            )
+            < 1
+        ):
             raise ValueError("health and breaker thresholds must be >= 1")

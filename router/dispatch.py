@@ -1,5 +1,6 @@
 """PD dispatch: pick a (prefill, decode) pair with the policies and open an attempt on it,
 retrying failed attempts on new pairs with backoff, until one opens or retries run out."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,14 +22,23 @@ logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
 
 class Dispatcher:
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, clients: NodeClients,
-                 metrics: RouterMetrics, rng: random.Random | None = None):
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        registry: WorkerRegistry,
+        clients: NodeClients,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ):
         self.cfg, self.registry, self.clients, self.metrics = cfg, registry, clients, metrics
-        self.policies = {"prefill": make_policy(cfg.prefill_policy, cfg.cache_aware),
-                         "decode": make_policy(cfg.decode_policy, cfg.cache_aware),
-                         "colocated": make_policy(cfg.decode_policy, cfg.cache_aware)}
-        self.node_headers = ({"Authorization": f"Bearer {cfg.internal_token}"}
-                             if cfg.internal_token else {})
+        self.policies = {
+            "prefill": make_policy(cfg.prefill_policy, cfg.cache_aware),
+            "decode": make_policy(cfg.decode_policy, cfg.cache_aware),
+            "colocated": make_policy(cfg.decode_policy, cfg.cache_aware),
+        }
+        self.node_headers = (
+            {"Authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
+        )
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task] = set()
 
@@ -47,11 +57,17 @@ class Dispatcher:
         colocated = self._choose("colocated", key, exclude)
         if colocated:
             return Route(None, colocated)
-        counts = ", ".join(f"{role}: {len(self.registry.eligible(role))} of "
-                           f"{sum(w.role == role for w in self.registry.all())}"
-                           for role in ("prefill", "decode", "colocated"))
-        raise ApiError(503, f"no healthy workers to serve the request (eligible {counts})",
-                       type="server_error", code="no_available_workers")
+        counts = ", ".join(
+            f"{role}: {len(self.registry.eligible(role))} of "
+            f"{sum(w.role == role for w in self.registry.all())}"
+            for role in ("prefill", "decode", "colocated")
+        )
+        raise ApiError(
+            503,
+            f"no healthy workers to serve the request (eligible {counts})",
+            type="server_error",
+            code="no_available_workers",
+        )
 
     def can_route(self) -> bool:
         """Whether `pick` would find a pair or a colocated worker now (no policy is consulted)."""
@@ -60,11 +76,11 @@ class Dispatcher:
 
     def backoff(self, n: int) -> float:
         r = self.cfg.retry
-        base = min(r.max_backoff_s, r.initial_backoff_s * r.multiplier ** n)
+        base = min(r.max_backoff_s, r.initial_backoff_s * r.multiplier**n)
         return base * (1 + self._rng.uniform(-r.jitter, r.jitter))
 
     # --- running --------------------------------------------------------------------------
-    async def open(self, body: dict, key: str, stream: bool) -> "Attempt":
+    async def open(self, body: dict, key: str, stream: bool) -> Attempt:
         """Open an attempt, retrying on new pairs; raises ApiError when every try failed."""
         exclude: set[str] = set()
         n, last = 0, None
@@ -74,7 +90,7 @@ class Dispatcher:
             except ApiError:
                 if last is None:
                     raise
-                raise last.to_api_error() from None    # the cause says more than "none left"
+                raise last.to_api_error() from None  # the cause says more than "none left"
             attempt = Attempt(self, route, body, stream)
             try:
                 await attempt.start()
@@ -101,8 +117,9 @@ class Dispatcher:
     async def abort(self, worker: Worker, rid: str) -> None:
         try:
             client = self.clients.get(worker.url)
-            resp = await client.post(f"{worker.url}/abort", json={"rid": rid},
-                                     headers=self.node_headers, timeout=5.0)
+            resp = await client.post(
+                f"{worker.url}/abort", json={"rid": rid}, headers=self.node_headers, timeout=5.0
+            )
             logger.debug("abort rid=%s on %s: %s", rid, worker.url, resp.status_code)
         except httpx.HTTPError as exc:
             logger.warning("abort rid=%s on %s failed: %r", rid, worker.url, exc)

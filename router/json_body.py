@@ -11,6 +11,7 @@ Everything here is a client error (4xx) and is decided before the body reaches a
 
 The slow tree walk runs only when a cheap scan of the raw text says it could find something.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from router.openai_protocol import ApiError
 
 MAX_DEPTH = 64
-BODY_TIMEOUT_S = 30.0       # to receive a whole body once its headers are in (as on the nodes)
+BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in (as on the nodes)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -60,9 +61,13 @@ def _check_media_type(content_type: str | None) -> None:
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise ApiError(415, f"Content-Type {media or '(empty)'!r} is not JSON; send "
-                       "'Content-Type: application/json'", param="Content-Type",
-                       code="unsupported_media_type")
+        raise ApiError(
+            415,
+            f"Content-Type {media or '(empty)'!r} is not JSON; send "
+            "'Content-Type: application/json'",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
 
 
 async def _read_limited(request: Request, max_bytes: int) -> bytes:
@@ -80,11 +85,13 @@ async def _read_limited(request: Request, max_bytes: int) -> bytes:
                     raise _too_large(max_bytes)
                 chunks.append(chunk)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {BODY_TIMEOUT_S:g} s",
-                       code="body_timeout") from None
+        raise ApiError(
+            408, f"request body not received within {BODY_TIMEOUT_S:g} s", code="body_timeout"
+        ) from None
     except ClientDisconnect:
-        raise ApiError(499, "client closed the request while sending the body",
-                       code="client_closed") from None
+        raise ApiError(
+            499, "client closed the request while sending the body", code="client_closed"
+        ) from None
     return b"".join(chunks)
 
 

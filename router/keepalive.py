@@ -7,11 +7,13 @@ router then commits to a 200 stream and sends an SSE comment (`: ping`, which SS
 every `sse_keepalive_s` until the attempt opens; a failure after that is an error event in the
 stream, as any mid-stream failure is.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from router.attempt import Attempt
 from router.openai_protocol import ApiError
@@ -23,9 +25,14 @@ if TYPE_CHECKING:
 PING = ": ping\n\n"
 
 
-async def pinged_stream(router: "Router", opening: asyncio.Task, route: str, t0: float,
-                        stream: Callable[[Attempt], AsyncIterator[str]],
-                        error: Callable[[ApiError], list[str]]) -> AsyncIterator[str]:
+async def pinged_stream(
+    router: Router,
+    opening: asyncio.Task,
+    route: str,
+    t0: float,
+    stream: Callable[[Attempt], AsyncIterator[str]],
+    error: Callable[[ApiError], list[str]],
+) -> AsyncIterator[str]:
     """Pings until `opening` (the dispatch) ends, then the attempt's `stream` (which owns the
     admission slot from its first step) or `error`'s events. If the client leaves first, the
     dispatch is cancelled, which aborts whatever it opened."""
@@ -60,7 +67,7 @@ async def pinged_stream(router: "Router", opening: asyncio.Task, route: str, t0:
             opening.add_done_callback(_abort_opened)
             opening.cancel()
         elif not handed_over and not opening.cancelled() and opening.exception() is None:
-            status = 499            # it opened just as the client left: nobody streams it
+            status = 499  # it opened just as the client left: nobody streams it
             _abort_opened(opening)
         if not handed_over:
             router.admission.release()
@@ -74,11 +81,20 @@ def _abort_opened(opening: asyncio.Task) -> None:
 
 def native_error(exc: ApiError) -> list[str]:
     err = exc.body.get("error") if isinstance(exc.body, dict) else None
-    return [sse({"error": err or {"message": str(exc), "type": "server_error", "code": None},
-                 "meta_info": {"finish_reason": {"type": "abort"}}}), sse("[DONE]")]
+    return [
+        sse(
+            {
+                "error": err or {"message": str(exc), "type": "server_error", "code": None},
+                "meta_info": {"finish_reason": {"type": "abort"}},
+            }
+        ),
+        sse("[DONE]"),
+    ]
 
 
 def openai_error(exc: ApiError) -> list[str]:
     err = exc.body.get("error") if isinstance(exc.body, dict) else None
     err = err if isinstance(err, dict) else {}
-    return StreamShaper.error(str(err.get("message") or exc), code=err.get("code") or "request_failed")
+    return StreamShaper.error(
+        str(err.get("message") or exc), code=err.get("code") or "request_failed"
+    )

@@ -10,6 +10,7 @@ the API key reads PDSERVE_API_KEY. The cluster secret, sent to the nodes and req
 comes only from PDSERVE_INTERNAL_TOKEN or a 0600 file named by PDSERVE_INTERNAL_TOKEN_FILE (never a
 flag: a command line is visible to every local user in `ps`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,16 @@ import logging
 import os
 import sys
 
-from router.config import (BreakerConfig, CacheAwareConfig, HealthConfig, RetryConfig,
-                           RouterConfig, WorkerSpec)
 from infra.cluster_secret import cluster_secret
 from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
+from router.config import (
+    BreakerConfig,
+    CacheAwareConfig,
+    HealthConfig,
+    RetryConfig,
+    RouterConfig,
+    WorkerSpec,
+)
 from router.policies import POLICIES
 
 _SECRET_ENV = {"api_key": "PDSERVE_API_KEY"}
@@ -42,48 +49,93 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     def opt(flag: str, default, kind=str, help: str = "", **kw):
         dest = flag.lstrip("-").replace("-", "_")
-        parser.add_argument(flag, dest=dest, type=kind, default=_env(dest, default, kind),
-                            help=f"{help} (default: %(default)s)", **kw)
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=kind,
+            default=_env(dest, default, kind),
+            help=f"{help} (default: %(default)s)",
+            **kw,
+        )
 
     g = parser.add_argument_group("workers")
-    g.add_argument("--prefill", action="append", nargs="+", default=[],
-                   metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="prefill node URL, optionally followed by its bootstrap port; repeatable")
-    g.add_argument("--decode", action="append", default=[], metavar="URL",
-                   help="decode node URL; repeatable")
-    g.add_argument("--worker", action="append", default=[], metavar="URL",
-                   help="colocated node URL (no PD split); repeatable")
+    g.add_argument(
+        "--prefill",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="prefill node URL, optionally followed by its bootstrap port; repeatable",
+    )
+    g.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="decode node URL; repeatable"
+    )
+    g.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="colocated node URL (no PD split); repeatable",
+    )
     opt("--host", R.host, help="address to bind")
     opt("--port", R.port, int, help="port to bind")
     opt("--policy", None, help="policy for both prefill and decode", choices=list(POLICIES))
     opt("--prefill-policy", R.prefill_policy, choices=list(POLICIES), help="prefill policy")
-    opt("--decode-policy", R.decode_policy, choices=list(POLICIES),
-        help="decode (and colocated) policy")
-    opt("--api-key", None, help="clients must send 'Authorization: Bearer KEY' "
-        "(env PDSERVE_API_KEY)")
-    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP.replace(
-        "generate, abort and read the topology", "add, remove and list workers"))
+    opt(
+        "--decode-policy",
+        R.decode_policy,
+        choices=list(POLICIES),
+        help="decode (and colocated) policy",
+    )
+    opt(
+        "--api-key",
+        None,
+        help="clients must send 'Authorization: Bearer KEY' (env PDSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help=INSECURE_HELP.replace(
+            "generate, abort and read the topology", "add, remove and list workers"
+        ),
+    )
     opt("--served-model-name", None, help="extra model name accepted besides the nodes' own")
     opt("--max-concurrent", R.max_concurrent, int, help="requests dispatched at once")
     opt("--max-queue", R.max_queue, int, help="requests waiting for a slot; beyond: 429")
     opt("--queue-timeout", R.queue_timeout_s, float, help="seconds a request may wait queued")
     opt("--retry-after", R.retry_after_s, int, help="Retry-After seconds on 429")
     opt("--connect-timeout", R.connect_timeout_s, float, help="seconds to connect to a node")
-    opt("--request-timeout", R.request_timeout_s, float,
-        help="seconds to the first stream event (streaming) or the whole answer")
-    opt("--stream-idle-timeout", R.stream_idle_timeout_s, float,
-        help="longest silence of a decode stream, seconds")
-    opt("--sse-keepalive", R.sse_keepalive_s, float,
+    opt(
+        "--request-timeout",
+        R.request_timeout_s,
+        float,
+        help="seconds to the first stream event (streaming) or the whole answer",
+    )
+    opt(
+        "--stream-idle-timeout",
+        R.stream_idle_timeout_s,
+        float,
+        help="longest silence of a decode stream, seconds",
+    )
+    opt(
+        "--sse-keepalive",
+        R.sse_keepalive_s,
+        float,
         help="seconds between SSE ': ping' comments while a stream waits for its first token "
-        "(0: none)")
+        "(0: none)",
+    )
     opt("--max-body-bytes", R.max_body_bytes, int, help="largest request body; beyond: 413")
     opt("--health-interval", H.interval_s, float, help="seconds between health probes")
     opt("--health-timeout", H.timeout_s, float, help="health probe timeout, seconds")
     opt("--health-failure-threshold", H.failure_threshold, int, help="failed probes => unhealthy")
     opt("--health-success-threshold", H.success_threshold, int, help="good probes => healthy")
     opt("--cb-failure-threshold", B.failure_threshold, int, help="failures that open a breaker")
-    opt("--cb-success-threshold", B.success_threshold, int,
-        help="half-open successes that close a breaker")
+    opt(
+        "--cb-success-threshold",
+        B.success_threshold,
+        int,
+        help="half-open successes that close a breaker",
+    )
     opt("--cb-open-seconds", B.open_s, float, help="seconds a breaker stays open")
     opt("--max-retries", T.max_retries, int, help="retries before the first byte")
     opt("--retry-initial-backoff", T.initial_backoff_s, float, help="first backoff, seconds")
@@ -121,25 +173,42 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     except SystemExit as exc:
         raise ValueError(str(exc)) from None
     return RouterConfig(
-        workers=tuple(workers), host=args.host, port=args.port,
+        workers=tuple(workers),
+        host=args.host,
+        port=args.port,
         prefill_policy=args.policy or args.prefill_policy,
         decode_policy=args.policy or args.decode_policy,
-        api_key=args.api_key or None, internal_token=secret,
-        served_model_name=args.served_model_name, max_concurrent=args.max_concurrent,
-        max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
-        retry_after_s=args.retry_after, connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout, stream_idle_timeout_s=args.stream_idle_timeout,
+        api_key=args.api_key or None,
+        internal_token=secret,
+        served_model_name=args.served_model_name,
+        max_concurrent=args.max_concurrent,
+        max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout,
+        retry_after_s=args.retry_after,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         sse_keepalive_s=args.sse_keepalive,
-        max_body_bytes=args.max_body_bytes, log_level=args.log_level,
-        health=HealthConfig(args.health_interval, args.health_timeout,
-                            args.health_failure_threshold, args.health_success_threshold),
-        breaker=BreakerConfig(args.cb_failure_threshold, args.cb_success_threshold,
-                              args.cb_open_seconds),
-        retry=RetryConfig(max_retries=args.max_retries,
-                          initial_backoff_s=args.retry_initial_backoff,
-                          max_backoff_s=args.retry_max_backoff),
-        cache_aware=CacheAwareConfig(args.cache_threshold, args.balance_abs_threshold,
-                                     args.balance_rel_threshold))
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        health=HealthConfig(
+            args.health_interval,
+            args.health_timeout,
+            args.health_failure_threshold,
+            args.health_success_threshold,
+        ),
+        breaker=BreakerConfig(
+            args.cb_failure_threshold, args.cb_success_threshold, args.cb_open_seconds
+        ),
+        retry=RetryConfig(
+            max_retries=args.max_retries,
+            initial_backoff_s=args.retry_initial_backoff,
+            max_backoff_s=args.retry_max_backoff,
+        ),
+        cache_aware=CacheAwareConfig(
+            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
+        ),
+    )
 
 
 def serve(config: RouterConfig) -> None:
@@ -147,16 +216,27 @@ def serve(config: RouterConfig) -> None:
 
     from infra.http_server import server_config
     from router.app import build_app
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.Server(server_config(build_app(config), host=config.host, port=config.port,
-                                 log_level=config.log_level.lower(),
-                                 timeout_graceful_shutdown=5)).run()
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.Server(
+        server_config(
+            build_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        )
+    ).run()
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pdserve router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_router_args(parser)
     args = parser.parse_args(argv)
     try:
@@ -164,12 +244,12 @@ def run(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if not config.workers:
-        logging.getLogger("pdserve.router").warning(
-            "no workers given; add them with POST /workers")
+        logging.getLogger("pdserve.router").warning("no workers given; add them with POST /workers")
     if not config.internal_token:
         logging.getLogger("pdserve.router").warning(
             "no cluster secret (PDSERVE_INTERNAL_TOKEN): /workers is open to anyone who can reach "
-            "the router")
+            "the router"
+        )
     serve(config)
     return 0
 

@@ -1,11 +1,35 @@
 """Router metrics, in a CollectorRegistry owned by one app (several apps may share a process)."""
+
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0, 120.0, 300.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 
 
 class RouterMetrics:
@@ -14,24 +38,48 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pdserve_router_requests_total", "Requests answered by the router",
-                                ["route", "status"], registry=r)
-        self.duration = Histogram("pdserve_router_request_duration_seconds",
-                                  "Time from request arrival to the last byte sent", ["route"],
-                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.worker_healthy = Gauge("pdserve_router_worker_healthy",
-                                    "1 when the worker passes its health checks", ["worker", "role"],
-                                    registry=r)
-        self.circuit_state = Gauge("pdserve_router_circuit_state",
-                                   "Circuit breaker state: 0 closed, 1 open, 2 half-open", ["worker"],
-                                   registry=r)
-        self.retries = Counter("pdserve_router_retries_total",
-                               "Attempts retried on a new prefill/decode pair", registry=r)
-        self.rejected = Counter("pdserve_router_rejected_total",
-                                "Requests refused with 429 by admission control", registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
-                              "Time to the first streamed token", ["role"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "Requests answered by the router",
+            ["route", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pdserve_router_request_duration_seconds",
+            "Time from request arrival to the last byte sent",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "pdserve_router_worker_healthy",
+            "1 when the worker passes its health checks",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.circuit_state = Gauge(
+            "pdserve_router_circuit_state",
+            "Circuit breaker state: 0 closed, 1 open, 2 half-open",
+            ["worker"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries_total",
+            "Attempts retried on a new prefill/decode pair",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "pdserve_router_rejected_total",
+            "Requests refused with 429 by admission control",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time to the first streamed token",
+            ["role"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -49,7 +97,7 @@ class RouterMetrics:
             try:
                 gauge.remove(*labels)
             except KeyError:
-                pass   # never reported
+                pass  # never reported
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

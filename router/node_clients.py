@@ -5,6 +5,7 @@ hundreds of connections spends most of the router's CPU there at high concurrenc
 60 % of router CPU at 256 concurrent requests). Each node therefore gets `shards` small pools, used
 in turn; every pool keeps its connections alive across requests.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,11 +16,13 @@ CONNECTIONS_PER_SHARD = 32
 
 
 class NodeClients:
-    def __init__(self, connect_timeout_s: float, max_concurrent: int,
-                 headers: dict[str, str] | None = None):
-        self._headers = headers or {}     # the cluster secret, on every request to a node
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=None,
-                                      write=connect_timeout_s, pool=None)
+    def __init__(
+        self, connect_timeout_s: float, max_concurrent: int, headers: dict[str, str] | None = None
+    ):
+        self._headers = headers or {}  # the cluster secret, on every request to a node
+        self._timeout = httpx.Timeout(
+            connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None
+        )
         self._shards = max(1, -(-max_concurrent // CONNECTIONS_PER_SHARD))
         self._pools: dict[str, tuple[list[httpx.AsyncClient], itertools.cycle]] = {}
 
@@ -27,12 +30,18 @@ class NodeClients:
         """A client for requests to the node at `url` (use the same one for a whole exchange)."""
         entry = self._pools.get(url)
         if entry is None:
-            clients = [httpx.AsyncClient(
-                timeout=self._timeout, headers=self._headers,
-                # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the node
-                # is closing
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                    keepalive_expiry=4.0)) for _ in range(self._shards)]
+            clients = [
+                httpx.AsyncClient(
+                    timeout=self._timeout,
+                    headers=self._headers,
+                    # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the node
+                    # is closing
+                    limits=httpx.Limits(
+                        max_connections=None, max_keepalive_connections=64, keepalive_expiry=4.0
+                    ),
+                )
+                for _ in range(self._shards)
+            ]
             entry = self._pools[url] = (clients, itertools.cycle(clients))
         return next(entry[1])
 

@@ -3,15 +3,24 @@
 Types are strict (a string is not a number, a bool is not an int); unknown OpenAI fields are
 ignored. Anything a client can get wrong becomes an `ApiError` with an OpenAI-style body.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
-from pydantic import field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-Int64 = Annotated[int, Field(strict=True, lt=2**63)]      # nodes pass ints on as msgpack int64
+Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
 StopText = Annotated[str, Field(strict=True, min_length=1)]
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 
@@ -22,14 +31,23 @@ TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 class ApiError(Exception):
     """An answer other than 200, with an OpenAI-style body `{"error": {...}}`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, body: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        body: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
-        self.body = body or {"error": {"message": message, "type": type, "param": param,
-                                       "code": code}}
+        self.body = body or {
+            "error": {"message": message, "type": type, "param": param, "code": code}
+        }
 
 
 class _Model(BaseModel):
@@ -90,10 +108,17 @@ class _Common(_Model):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        params = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
-                  "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
-                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+        params = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        }
         return {k: v for k, v in params.items() if v is not None}
 
 
@@ -145,9 +170,12 @@ class ChatRequest(_Common):
         return self.logprobs
 
 
-TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
-                    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}
-_PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [token ids]
+TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+}
+_PROMPT_SCHEMA = [  # one non-empty prompt: text, [text], token ids or [token ids]
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
     TOKEN_IDS_SCHEMA,
@@ -157,8 +185,9 @@ _PROMPT_SCHEMA = [      # one non-empty prompt: text, [text], token ids or [toke
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
-        json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA))
-    max_tokens: StrictInt | None = Field(16, ge=1)     # the OpenAI default for completions
+        json_schema_extra=lambda s: s.update(anyOf=_PROMPT_SCHEMA)
+    )
+    max_tokens: StrictInt | None = Field(16, ge=1)  # the OpenAI default for completions
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = Field(False, json_schema_extra={"const": False})
     suffix: StrictStr | None = Field(None, json_schema_extra={"maxLength": 0})
@@ -193,7 +222,9 @@ class CompletionRequest(_Common):
         if self.logprobs is not None:
             params["logprobs"] = True
             params["top_logprobs"] = self.logprobs
-        prompt = {"text": self.prompt} if isinstance(self.prompt, str) else {"input_ids": self.prompt}
+        prompt = (
+            {"text": self.prompt} if isinstance(self.prompt, str) else {"input_ids": self.prompt}
+        )
         return {**prompt, "sampling_params": params}
 
     def prompt_key(self) -> str:
@@ -229,8 +260,9 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
         err = _most_telling(exc.errors(include_url=False))
         param = ".".join(str(p) for p in err["loc"] if not _is_tag(p)) or None
         msg = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param,
-                       code="invalid_value") from None
+        raise ApiError(
+            400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value"
+        ) from None
 
 
 def parse_native(body: Any) -> dict[str, Any]:
@@ -244,15 +276,21 @@ def parse_native(body: Any) -> dict[str, Any]:
         raise ApiError(400, "sampling_params must be an object", param="sampling_params")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
-    return {k: v for k, v in body.items()
-            if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")}
+    return {
+        k: v
+        for k, v in body.items()
+        if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    }
 
 
 def native_prompt_key(body: dict[str, Any]) -> str:
     if isinstance(body.get("text"), str):
         return body["text"]
     if isinstance(body.get("messages"), list):
-        return "".join(f"{m.get('role')}\n{m.get('content')}\n" for m in body["messages"]
-                       if isinstance(m, dict))
+        return "".join(
+            f"{m.get('role')}\n{m.get('content')}\n"
+            for m in body["messages"]
+            if isinstance(m, dict)
+        )
     ids = body.get("input_ids")
     return " ".join(map(str, ids)) if isinstance(ids, list) else ""

@@ -6,6 +6,7 @@ rules (engine/core.py `SamplingParams`, docs/PROTOCOL.md). Responses are written
 Two facts are only known at run time and go in per call: the served model names (`model` enum)
 and the smallest node context (largest `max_tokens`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,17 +32,24 @@ _STOP_TEXT = {"type": "string", "minLength": 1}
 
 # Node-side rules for the native sampling parameters (engine/core.py SamplingParams.validate).
 _NATIVE_SAMPLING = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
         "max_tokens": {"type": "integer", "minimum": 1},
         "temperature": {"type": "number", "minimum": 0, "maximum": 100},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1,
-                                             "maximum": 2**63 - 1}]},
+        "top_k": {
+            "anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}]
+        },
         "min_p": {"type": "number", "minimum": 0, "maximum": 1},
         "seed": _nullable(_INT64),
-        "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
-                           {"type": "null"}]},
+        "stop": {
+            "anyOf": [
+                _STOP_TEXT,
+                {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
+                {"type": "null"},
+            ]
+        },
         "stop_token_ids": _nullable({"type": "array", "items": _INT64}),
         "ignore_eos": {"type": "boolean"},
         "logprobs": {"type": "boolean"},
@@ -51,13 +59,16 @@ _NATIVE_SAMPLING = {
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"minimum": 1}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
-_NATIVE_MESSAGE = {"type": "object", "required": ["role", "content"],
-                   "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}
+_NATIVE_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+}
 _GENERATE_REQUEST = {
     "type": "object",
     "description": "Exactly one of text, messages, input_ids. Other fields are passed to the "
-                   "nodes, which ignore what they do not know (rid and bootstrap_* are the "
-                   "router's own and are replaced).",
+    "nodes, which ignore what they do not know (rid and bootstrap_* are the "
+    "router's own and are replaced).",
     "properties": {
         "text": {"type": "string", "minLength": 1},
         "messages": {"type": "array", "items": _NATIVE_MESSAGE, "minItems": 1},
@@ -69,54 +80,112 @@ _GENERATE_REQUEST = {
 }
 
 _ERROR = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]},
-                       "code": {"type": ["string", "null"]}}}},
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        k: {"type": "integer", "minimum": 0}
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
 _FINISH = {"enum": ["stop", "length"]}
 
 
 def _completion(obj: str, choice: dict) -> dict:
-    return {"type": "object",
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {"id": {"type": "string"}, "object": {"const": obj},
-                           "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "minItems": 1, "maxItems": 1,
-                                       "items": choice},
-                           "usage": _USAGE}}
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+            "usage": _USAGE,
+        },
+    }
 
 
-_CHAT_COMPLETION = _completion("chat.completion", {
-    "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
-    "properties": {"index": {"const": 0}, "finish_reason": _FINISH,
-                   "logprobs": {"type": ["object", "null"]},
-                   "message": {"type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"const": "assistant"},
-                                              "content": {"type": "string"}}}}})
-_TEXT_COMPLETION = _completion("text_completion", {
-    "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
-    "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
-                   "logprobs": {"type": ["object", "null"]}}})
-_NATIVE_ANSWER = {"type": "object", "required": ["text", "token_ids", "meta_info"],
-                  "properties": {"rid": {"type": "string"}, "text": {"type": "string"},
-                                 "token_ids": {"type": "array", "items": {"type": "integer"}},
-                                 "meta_info": {"type": "object"}}}
-_MODEL_LIST = {
-    "type": "object", "required": ["object", "data"],
-    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-        "type": "object", "required": ["id", "object", "created", "owned_by"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                       "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}},
+_CHAT_COMPLETION = _completion(
+    "chat.completion",
+    {
+        "type": "object",
+        "required": ["index", "message", "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"const": 0},
+            "finish_reason": _FINISH,
+            "logprobs": {"type": ["object", "null"]},
+            "message": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            },
+        },
+    },
+)
+_TEXT_COMPLETION = _completion(
+    "text_completion",
+    {
+        "type": "object",
+        "required": ["index", "text", "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"const": 0},
+            "text": {"type": "string"},
+            "finish_reason": _FINISH,
+            "logprobs": {"type": ["object", "null"]},
+        },
+    },
+)
+_NATIVE_ANSWER = {
+    "type": "object",
+    "required": ["text", "token_ids", "meta_info"],
+    "properties": {
+        "rid": {"type": "string"},
+        "text": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "meta_info": {"type": "object"},
+    },
 }
-_HEALTH = {"type": "object", "required": ["status", "workers"],
-           "properties": {"status": {"enum": ["ok", "unavailable"]},
-                          "workers": {"type": "object"}}}
+_MODEL_LIST = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object", "created", "owned_by"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                },
+            },
+        },
+    },
+}
+_HEALTH = {
+    "type": "object",
+    "required": ["status", "workers"],
+    "properties": {"status": {"enum": ["ok", "unavailable"]}, "workers": {"type": "object"}},
+}
 
 _ERRORS = {
     "400": "invalid request: `param` names the field",
@@ -132,32 +201,55 @@ _ERRORS = {
 
 
 def _error(description: str) -> dict:
-    return {"description": description,
-            "content": {"application/json": {"schema": _ref("Error")}}}
+    return {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
 
 
 def _generation(summary: str, request: str, answer: str) -> dict:
     # Before OpenAPI 3.2 (`itemSchema`), an event-stream's `schema` describes one event.
-    sse = {"schema": {"type": "object", "required": ["data"],
-                      "properties": {"data": {"type": "string"}},
-                      "description": "`data: {json chunk}` events, the last one `data: [DONE]`"}}
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True,
-                        "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {"200": {"description": "the answer, or an SSE stream when `stream` is true",
-                              "content": {"application/json": {"schema": _ref(answer)},
-                                          "text/event-stream": sse}},
-                      **{code: _error(why) for code, why in _ERRORS.items()}}}}
+    sse = {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}},
+            "description": "`data: {json chunk}` events, the last one `data: [DONE]`",
+        }
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the answer, or an SSE stream when `stream` is true",
+                    "content": {
+                        "application/json": {"schema": _ref(answer)},
+                        "text/event-stream": sse,
+                    },
+                },
+                **{code: _error(why) for code, why in _ERRORS.items()},
+            },
+        }
+    }
 
 
 def _components() -> dict[str, Any]:
-    _, defs = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
-                                 ref_template=_REF)
-    return {**defs["$defs"], "GenerateRequest": _GENERATE_REQUEST,
-            "SamplingParams": _NATIVE_SAMPLING, "Error": _ERROR,
-            "ChatCompletion": _CHAT_COMPLETION, "TextCompletion": _TEXT_COMPLETION,
-            "GenerateAnswer": _NATIVE_ANSWER, "ModelList": _MODEL_LIST, "Health": _HEALTH}
+    _, defs = models_json_schema(
+        [(ChatRequest, "validation"), (CompletionRequest, "validation")], ref_template=_REF
+    )
+    return {
+        **defs["$defs"],
+        "GenerateRequest": _GENERATE_REQUEST,
+        "SamplingParams": _NATIVE_SAMPLING,
+        "Error": _ERROR,
+        "ChatCompletion": _CHAT_COMPLETION,
+        "TextCompletion": _TEXT_COMPLETION,
+        "GenerateAnswer": _NATIVE_ANSWER,
+        "ModelList": _MODEL_LIST,
+        "Health": _HEALTH,
+    }
 
 
 _STATIC_COMPONENTS = _components()
@@ -178,17 +270,28 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
     if max_context:
         schemas["SamplingParams"]["properties"]["max_tokens"]["maximum"] = max_context - 1
 
-    models_op = {"get": {"summary": "served model names", "responses": {
-        "200": {"description": "the models",
-                "content": {"application/json": {"schema": _ref("ModelList")}}},
-        "401": _error(_ERRORS["401"])}}}
+    models_op = {
+        "get": {
+            "summary": "served model names",
+            "responses": {
+                "200": {
+                    "description": "the models",
+                    "content": {"application/json": {"schema": _ref("ModelList")}},
+                },
+                "401": _error(_ERRORS["401"]),
+            },
+        }
+    }
     paths = {
-        "/v1/chat/completions": _generation("OpenAI chat completion", "ChatRequest",
-                                            "ChatCompletion"),
-        "/v1/completions": _generation("OpenAI text completion", "CompletionRequest",
-                                       "TextCompletion"),
-        "/generate": _generation("native request, forwarded to a node pair", "GenerateRequest",
-                                 "GenerateAnswer"),
+        "/v1/chat/completions": _generation(
+            "OpenAI chat completion", "ChatRequest", "ChatCompletion"
+        ),
+        "/v1/completions": _generation(
+            "OpenAI text completion", "CompletionRequest", "TextCompletion"
+        ),
+        "/generate": _generation(
+            "native request, forwarded to a node pair", "GenerateRequest", "GenerateAnswer"
+        ),
         "/v1/models": models_op,
     }
     if auth:
@@ -199,13 +302,24 @@ def openapi_document(models: list[str], max_context: int | None, auth: bool) -> 
         for item in paths.values():
             for op in item.values():
                 op["responses"].pop("401")
-    paths["/health"] = {"get": {"summary": "whether a request could be routed now", "responses": {
-        code: {"description": why, "content": {"application/json": {"schema": _ref("Health")}}}
-        for code, why in (("200", "a request can be routed"), ("503", "no eligible worker"))}}}
+    paths["/health"] = {
+        "get": {
+            "summary": "whether a request could be routed now",
+            "responses": {
+                code: {
+                    "description": why,
+                    "content": {"application/json": {"schema": _ref("Health")}},
+                }
+                for code, why in (("200", "a request can be routed"), ("503", "no eligible worker"))
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve router", "version": "1"},
         "paths": paths,
-        "components": {"schemas": schemas,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
     }

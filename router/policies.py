@@ -3,12 +3,14 @@
 Every policy sees only duck-typed workers with `.url` and `.in_flight` (the router's own count of
 open requests on that worker), so tests can pass plain objects.
 """
+
 from __future__ import annotations
 
 import abc
 import random
 import time
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from router.config import CacheAwareConfig
 
@@ -66,7 +68,7 @@ class _Node:
     def __init__(self, edge: str):
         self.edge = edge
         self.children: dict[str, _Node] = {}
-        self.seen: dict[str, float] = {}     # worker url -> last time a prompt through here went there
+        self.seen: dict[str, float] = {}  # worker url -> last time a prompt through here went there
 
 
 class PrefixTree:
@@ -97,7 +99,7 @@ class PrefixTree:
                 child.seen[url] = now
                 break
             common = _common_len(child.edge, text, i)
-            if common < len(child.edge):          # split the edge at `common`
+            if common < len(child.edge):  # split the edge at `common`
                 tail = _Node(child.edge[common:])
                 tail.children, tail.seen = child.children, dict(child.seen)
                 child.edge, child.children = child.edge[:common], {tail.edge[0]: tail}
@@ -182,8 +184,13 @@ class CacheAware(Policy):
         return chosen
 
 
-POLICIES = {"round_robin": RoundRobin, "random": Random, "power_of_two": PowerOfTwo,
-            "least_load": LeastLoad, "cache_aware": CacheAware}
+POLICIES = {
+    "round_robin": RoundRobin,
+    "random": Random,
+    "power_of_two": PowerOfTwo,
+    "least_load": LeastLoad,
+    "cache_aware": CacheAware,
+}
 
 
 def make_policy(name: str, cache_cfg: CacheAwareConfig | None = None) -> Policy:

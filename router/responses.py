@@ -3,6 +3,7 @@
 The router has no tokenizer: a logprob entry's token text is the node's text when it sends one
 (`[id, logprob, top, text]`, top entries `[id, logprob, text]`) and `"token_id:<id>"` otherwise.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,8 +50,11 @@ def check_event(event: dict) -> None:
 def usage(meta: dict) -> dict[str, int]:
     prompt = int(meta.get("prompt_tokens") or 0)
     completion = int(meta.get("completion_tokens") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _token(entry: list, text_at: int) -> str:
@@ -66,9 +70,21 @@ def chat_logprobs(entries: list | None) -> dict | None:
     for entry in entries:
         tok = _token(entry, 3)
         tops = entry[2] if len(entry) > 2 and entry[2] else []
-        content.append({"token": tok, "logprob": float(entry[1]), "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": _token(t, 2), "logprob": float(t[1]),
-                                          "bytes": list(_token(t, 2).encode())} for t in tops]})
+        content.append(
+            {
+                "token": tok,
+                "logprob": float(entry[1]),
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {
+                        "token": _token(t, 2),
+                        "logprob": float(t[1]),
+                        "bytes": list(_token(t, 2).encode()),
+                    }
+                    for t in tops
+                ],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
@@ -89,20 +105,38 @@ def completion_logprobs(entries: list | None, offset: int = 0) -> dict | None:
 
 def chat_completion(rid: str, model: str, created: int, native: dict, logprobs: bool) -> dict:
     meta = native.get("meta_info") or {}
-    choice = {"index": 0, "message": {"role": "assistant", "content": native.get("text", "")},
-              "logprobs": chat_logprobs(meta.get("logprobs")) if logprobs else None,
-              "finish_reason": finish_reason(meta) or "stop"}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(meta)}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": native.get("text", "")},
+        "logprobs": chat_logprobs(meta.get("logprobs")) if logprobs else None,
+        "finish_reason": finish_reason(meta) or "stop",
+    }
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(meta),
+    }
 
 
 def text_completion(rid: str, model: str, created: int, native: dict, logprobs: bool) -> dict:
     meta = native.get("meta_info") or {}
-    choice = {"index": 0, "text": native.get("text", ""),
-              "logprobs": completion_logprobs(meta.get("logprobs")) if logprobs else None,
-              "finish_reason": finish_reason(meta) or "stop"}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(meta)}
+    choice = {
+        "index": 0,
+        "text": native.get("text", ""),
+        "logprobs": completion_logprobs(meta.get("logprobs")) if logprobs else None,
+        "finish_reason": finish_reason(meta) or "stop",
+    }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(meta),
+    }
 
 
 class StreamShaper:
@@ -112,8 +146,9 @@ class StreamShaper:
     chunk); `tail()` the usage chunk (when asked for) and `[DONE]`; `error(msg)` an error event.
     """
 
-    def __init__(self, kind: str, rid: str, model: str, created: int, include_usage: bool,
-                 logprobs: bool):
+    def __init__(
+        self, kind: str, rid: str, model: str, created: int, include_usage: bool, logprobs: bool
+    ):
         assert kind in ("chat", "completion"), kind
         self.kind, self.rid, self.model, self.created = kind, rid, model, created
         self.include_usage, self.logprobs = include_usage, logprobs
@@ -123,8 +158,13 @@ class StreamShaper:
 
     def _frame(self, choice: dict) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-               "choices": [choice]}
+        out = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             out["usage"] = None
         return sse(out)
@@ -132,25 +172,48 @@ class StreamShaper:
     def chunks(self, event: dict) -> list[str]:
         check_event(event)
         meta = event.get("meta_info") or {}
-        self.meta.update({k: v for k, v in meta.items() if k in ("prompt_tokens",
-                                                                 "completion_tokens")})
+        self.meta.update(
+            {k: v for k, v in meta.items() if k in ("prompt_tokens", "completion_tokens")}
+        )
         text = event.get("text") or ""
         reason = finish_reason(meta)
         entries = meta.get("logprobs") if self.logprobs else None
         out = []
         if self.kind == "chat":
             if not self.started:
-                out.append(self._frame({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}))
+                out.append(
+                    self._frame(
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
             if text or reason or entries:
                 delta = {"content": text} if text else {}
-                out.append(self._frame({"index": 0, "delta": delta,
-                                        "logprobs": chat_logprobs(entries),
-                                        "finish_reason": reason}))
+                out.append(
+                    self._frame(
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": chat_logprobs(entries),
+                            "finish_reason": reason,
+                        }
+                    )
+                )
         elif text or reason or entries:
-            out.append(self._frame({"index": 0, "text": text,
-                                    "logprobs": completion_logprobs(entries, self.text_len),
-                                    "finish_reason": reason}))
+            out.append(
+                self._frame(
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": completion_logprobs(entries, self.text_len),
+                        "finish_reason": reason,
+                    }
+                )
+            )
         self.text_len += len(text)
         self.started = True
         return out
@@ -159,15 +222,29 @@ class StreamShaper:
         out = []
         if self.include_usage:
             obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            out.append(sse({"id": self.rid, "object": obj, "created": self.created,
-                            "model": self.model, "choices": [], "usage": usage(self.meta)}))
+            out.append(
+                sse(
+                    {
+                        "id": self.rid,
+                        "object": obj,
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": usage(self.meta),
+                    }
+                )
+            )
         out.append(sse("[DONE]"))
         return out
 
     @staticmethod
     def error(message: str, code: str = "node_aborted") -> list[str]:
-        return [sse({"error": {"message": message, "type": "server_error", "param": None,
-                               "code": code}}), sse("[DONE]")]
+        return [
+            sse(
+                {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+            ),
+            sse("[DONE]"),
+        ]
 
 
 def parse_sse_line(line: str) -> dict | None | str:

@@ -5,10 +5,12 @@ Each generator owns the attempt and the admission slot from its first step: what
 releases the slot and records the request. A client that goes away mid-stream leaves the attempt
 unclosed at the `finally`, which then aborts the rid on both nodes.
 """
+
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -21,8 +23,9 @@ if TYPE_CHECKING:
 CLIENT_CLOSED = 499
 
 
-async def openai_stream(router: "Router", attempt: Attempt, shaper: StreamShaper, route: str,
-                        t0: float) -> AsyncIterator[str]:
+async def openai_stream(
+    router: Router, attempt: Attempt, shaper: StreamShaper, route: str, t0: float
+) -> AsyncIterator[str]:
     status = 200
     try:
         first = True
@@ -45,8 +48,10 @@ async def openai_stream(router: "Router", attempt: Attempt, shaper: StreamShaper
         except (httpx.HTTPError, TimeoutError) as exc:
             status = 502
             attempt.close(False, abort=True)
-            message = (f"decode node {attempt.route.decode.url} failed mid-stream: "
-                       f"{type(exc).__name__} {exc}")
+            message = (
+                f"decode node {attempt.route.decode.url} failed mid-stream: "
+                f"{type(exc).__name__} {exc}"
+            )
             for chunk in shaper.error(message, code="decode_failed"):
                 yield chunk
     finally:
@@ -57,8 +62,9 @@ async def openai_stream(router: "Router", attempt: Attempt, shaper: StreamShaper
         router.metrics.observe_request(route, status, time.perf_counter() - t0)
 
 
-async def native_stream(router: "Router", attempt: Attempt, route: str,
-                        t0: float) -> AsyncIterator[str]:
+async def native_stream(
+    router: Router, attempt: Attempt, route: str, t0: float
+) -> AsyncIterator[str]:
     status = 200
     try:
         first = True
@@ -75,15 +81,29 @@ async def native_stream(router: "Router", attempt: Attempt, route: str,
         except NodeAborted as exc:
             status = 502
             attempt.close(None, abort=True)
-            yield sse({"error": {"message": f"decode node: {exc.message}",
-                                 "type": "server_error", "code": "node_aborted"},
-                       "meta_info": {"finish_reason": {"type": "abort"}}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"decode node: {exc.message}",
+                        "type": "server_error",
+                        "code": "node_aborted",
+                    },
+                    "meta_info": {"finish_reason": {"type": "abort"}},
+                }
+            )
         except (httpx.HTTPError, TimeoutError) as exc:
             status = 502
             attempt.close(False, abort=True)
-            yield sse({"error": {"message": f"decode node failed mid-stream: {exc!r}",
-                                 "type": "server_error", "code": "decode_failed"},
-                       "meta_info": {"finish_reason": {"type": "abort"}}})
+            yield sse(
+                {
+                    "error": {
+                        "message": f"decode node failed mid-stream: {exc!r}",
+                        "type": "server_error",
+                        "code": "decode_failed",
+                    },
+                    "meta_info": {"finish_reason": {"type": "abort"}},
+                }
+            )
         yield sse("[DONE]")
     finally:
         if not attempt.closed:

@@ -8,6 +8,7 @@ every decode probe sends it the bootstrap addresses of the prefill workers regis
 /bootstrap_servers, with the cluster secret), and a prefill probe that finds a decode node's copy
 out of date sends it at once, so a prefill node is never eligible before the decode nodes know it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,15 +33,15 @@ class Worker:
     role: str
     breaker: CircuitBreaker
     bootstrap_port: int | None = None
-    model: str | None = None            # learnt from /server_info
-    max_context: int | None = None      # learnt from /server_info
+    model: str | None = None  # learnt from /server_info
+    max_context: int | None = None  # learnt from /server_info
     healthy: bool = False
     ever_healthy: bool = False
-    good_probes: int = 0                # consecutive
-    bad_probes: int = 0                 # consecutive
-    in_flight: int = 0                  # requests the router has open on this worker
+    good_probes: int = 0  # consecutive
+    bad_probes: int = 0  # consecutive
+    in_flight: int = 0  # requests the router has open on this worker
     bootstrap_host: str = field(init=False)
-    pushed_servers: list[str] | None = None     # decode: the allowlist it acknowledged last
+    pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
@@ -52,9 +53,16 @@ class Worker:
         return self.healthy and self.breaker.can_pass()
 
     def describe(self) -> dict:
-        return {"url": self.url, "role": self.role, "model": self.model, "healthy": self.healthy,
-                "circuit": self.breaker.state.name.lower(), "in_flight": self.in_flight,
-                "bootstrap_port": self.bootstrap_port, "max_context": self.max_context}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "model": self.model,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state.name.lower(),
+            "in_flight": self.in_flight,
+            "bootstrap_port": self.bootstrap_port,
+            "max_context": self.max_context,
+        }
 
 
 class WorkerRegistry:
@@ -71,15 +79,19 @@ class WorkerRegistry:
     def add(self, spec: WorkerSpec) -> Worker:
         if spec.url in self._workers:
             raise ValueError(f"worker {spec.url} is already registered")
-        worker = Worker(url=spec.url, role=spec.role, bootstrap_port=spec.bootstrap_port,
-                        breaker=CircuitBreaker(self._cfg.breaker))
+        worker = Worker(
+            url=spec.url,
+            role=spec.role,
+            bootstrap_port=spec.bootstrap_port,
+            breaker=CircuitBreaker(self._cfg.breaker),
+        )
         self._workers[spec.url] = worker
         self._report(worker)
         logger.info("worker added: %s role=%s", spec.url, spec.role)
         return worker
 
     def remove(self, url: str) -> Worker:
-        worker = self._workers.pop(url)          # KeyError: caller answers 404
+        worker = self._workers.pop(url)  # KeyError: caller answers 404
         self._metrics.forget_worker(url, worker.role)
         logger.info("worker removed: %s", url)
         return worker
@@ -108,8 +120,13 @@ class WorkerRegistry:
 
     def bootstrap_servers(self) -> list[str]:
         """'host:port' of every registered prefill worker whose bootstrap port is known."""
-        return sorted({f"{w.bootstrap_host}:{w.bootstrap_port}" for w in self._workers.values()
-                       if w.role == "prefill" and w.bootstrap_port is not None})
+        return sorted(
+            {
+                f"{w.bootstrap_host}:{w.bootstrap_port}"
+                for w in self._workers.values()
+                if w.role == "prefill" and w.bootstrap_port is not None
+            }
+        )
 
     async def push_bootstrap_servers(self, worker: Worker, force: bool) -> bool:
         """Sends the decode `worker` the current allowlist (unless it has it and not `force`).
@@ -120,14 +137,20 @@ class WorkerRegistry:
                 return True
             try:
                 resp = await self._clients.get(worker.url).put(
-                    f"{worker.url}/bootstrap_servers", json={"servers": servers},
-                    timeout=self._cfg.health.timeout_s)
+                    f"{worker.url}/bootstrap_servers",
+                    json={"servers": servers},
+                    timeout=self._cfg.health.timeout_s,
+                )
             except httpx.HTTPError as exc:
                 logger.debug("bootstrap allowlist to %s failed: %r", worker.url, exc)
                 return False
             if resp.status_code != 200:
-                logger.warning("decode node %s refused the bootstrap allowlist: %s %s",
-                               worker.url, resp.status_code, resp.text[:200])
+                logger.warning(
+                    "decode node %s refused the bootstrap allowlist: %s %s",
+                    worker.url,
+                    resp.status_code,
+                    resp.text[:200],
+                )
                 return False
             worker.pushed_servers = servers
             return True
@@ -153,8 +176,9 @@ class WorkerRegistry:
         if ok:
             worker.good_probes += 1
             worker.bad_probes = 0
-            if not worker.healthy and (not worker.ever_healthy
-                                       or worker.good_probes >= self._cfg.health.success_threshold):
+            if not worker.healthy and (
+                not worker.ever_healthy or worker.good_probes >= self._cfg.health.success_threshold
+            ):
                 worker.healthy = worker.ever_healthy = True
                 logger.info("worker healthy: %s", worker.url)
         else:
@@ -162,8 +186,9 @@ class WorkerRegistry:
             worker.good_probes = 0
             if worker.healthy and worker.bad_probes >= self._cfg.health.failure_threshold:
                 worker.healthy = False
-                logger.warning("worker unhealthy after %d failed probes: %s",
-                               worker.bad_probes, worker.url)
+                logger.warning(
+                    "worker unhealthy after %d failed probes: %s", worker.bad_probes, worker.url
+                )
         self.report(worker)
         return ok
 
@@ -198,7 +223,9 @@ class WorkerRegistry:
             worker.bootstrap_port = port
         role = info.get("role")
         if isinstance(role, str) and role != worker.role:
-            logger.warning("worker %s registered as %s reports role %s", worker.url, worker.role, role)
+            logger.warning(
+                "worker %s registered as %s reports role %s", worker.url, worker.role, role
+            )
 
     async def probe_all(self) -> None:
         workers = self.all()
@@ -222,5 +249,5 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(self._cfg.health.interval_s)
             await self.probe_all()
-            for worker in self.all():      # breakers move open -> half-open with time
+            for worker in self.all():  # breakers move open -> half-open with time
                 self.report(worker)

@@ -10,6 +10,7 @@ with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE)
 and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong shape
 is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep reading.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,17 +21,18 @@ import tempfile
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgpack
 import orjson
 import zmq
 import zmq.asyncio
 
-from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 
 log = logging.getLogger("pdserve.front")
 
@@ -38,19 +40,26 @@ log = logging.getLogger("pdserve.front")
 class RequestError(Exception):
     """A client error, answered with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+        return {
+            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        }
 
 
-RID_MAX = 256                                         # characters of a request id
-EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0   # abort-before-request tombstones: how many, how long
-MAX_PENDING = 4096                                    # requests a node holds at once; beyond: 503
-OVERLOADED = "node_overloaded"                        # the error code of that 503 (with Retry-After)
+RID_MAX = 256  # characters of a request id
+EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = (
+    4096,
+    120.0,
+)  # abort-before-request tombstones: how many, how long
+MAX_PENDING = 4096  # requests a node holds at once; beyond: 503
+OVERLOADED = "node_overloaded"  # the error code of that 503 (with Retry-After)
 # The front link's channels and the largest message each takes: a request carries at most a
 # context of token ids; an event batch a few events per running request; stats a few counters
 # and the per-iteration samples of half a second. Far above real traffic, far below harm.
@@ -61,8 +70,13 @@ EVENT_LEN = {"token": 5, "finish": 5, "error": 4, "prefill_done": 4, "abort_unkn
 
 
 def check_event(ev: Any) -> bool:
-    return (type(ev) is list and len(ev) >= 2 and type(ev[0]) is str and len(ev) >= EVENT_LEN.get(ev[0], 1 << 30)
-            and type(ev[1]) is str)
+    return (
+        type(ev) is list
+        and len(ev) >= 2
+        and type(ev[0]) is str
+        and len(ev) >= EVENT_LEN.get(ev[0], 1 << 30)
+        and type(ev[1]) is str
+    )
 
 
 @dataclass
@@ -80,8 +94,18 @@ class Pending:
 
 
 class NodeFront:
-    def __init__(self, tokenizer, *, model_name: str, role: str, pp_size: int, max_context: int,
-                 vocab_size: int, host: str = "127.0.0.1", stats_port: int = 0):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        model_name: str,
+        role: str,
+        pp_size: int,
+        max_context: int,
+        vocab_size: int,
+        host: str = "127.0.0.1",
+        stats_port: int = 0,
+    ):
         self.tok = tokenizer
         self.model_name, self.role, self.pp_size = model_name, role, pp_size
         self.max_context, self.vocab_size = max_context, vocab_size
@@ -90,12 +114,12 @@ class NodeFront:
         self.req_sock.setsockopt(zmq.SNDHWM, 0)
         self.evt_sock = self.ctx.socket(zmq.PULL)
         self.stats_sock = self.ctx.socket(zmq.PULL)
-        limit_size(self.req_sock, REQ_MAX_BYTES)    # takes nothing in; bounded like every socket
+        limit_size(self.req_sock, REQ_MAX_BYTES)  # takes nothing in; bounded like every socket
         limit_size(self.evt_sock, EVT_MAX_BYTES)
         limit_size(self.stats_sock, STATS_MAX_BYTES)
         self._sealer = Sealer(REQ_CHANNEL, "front")
         self._evt_opener, self._stats_opener = Opener(EVT_CHANNEL), Opener(STATS_CHANNEL)
-        self.dropped: Counter[str] = Counter()      # messages the readers dropped, by channel:reason
+        self.dropped: Counter[str] = Counter()  # messages the readers dropped, by channel:reason
         # PP0 always runs on this host (node-rank 0), so requests and events travel over unix
         # sockets in a directory only this user can enter (mkdtemp: 0700): a bound PUSH socket hands
         # its messages round-robin to every peer that connects, so on a TCP port, even a loopback
@@ -106,7 +130,7 @@ class NodeFront:
         self.req_addr, self.evt_addr = f"ipc://{self._ipc_dir}/req", f"ipc://{self._ipc_dir}/evt"
         self.req_sock.bind(self.req_addr)
         self.evt_sock.bind(self.evt_addr)
-        if stats_port:      # multi-host: ranks on other hosts report to a port they can derive
+        if stats_port:  # multi-host: ranks on other hosts report to a port they can derive
             self.stats_sock.bind(f"tcp://{host}:{stats_port}")
             self.stats_addr = f"tcp://{host}:{stats_port}"
         else:
@@ -118,9 +142,9 @@ class NodeFront:
         self.early_aborts: OrderedDict[str, float] = OrderedDict()
         self.rank_stats: dict[int, dict[str, Any]] = {}
         self.rank_seen: dict[int, float] = {}
-        self.dead: str | None = None          # why the node is unhealthy, once it is
+        self.dead: str | None = None  # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
-        self.metrics = None                   # set by the app (runtime.metrics)
+        self.metrics = None  # set by the app (runtime.metrics)
         self._tasks: list[asyncio.Task] = []
 
     @staticmethod
@@ -130,7 +154,10 @@ class NodeFront:
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read_events()), asyncio.create_task(self._read_stats())]
+        self._tasks = [
+            asyncio.create_task(self._read_events()),
+            asyncio.create_task(self._read_stats()),
+        ]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -160,7 +187,9 @@ class NodeFront:
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         given = [k for k in ("text", "messages", "input_ids") if body.get(k) is not None]
         if len(given) != 1:
-            raise RequestError(400, "exactly one of 'text', 'messages', 'input_ids' is required", "text")
+            raise RequestError(
+                400, "exactly one of 'text', 'messages', 'input_ids' is required", "text"
+            )
         kind = given[0]
         if kind == "text":
             if not isinstance(body["text"], str):
@@ -168,17 +197,34 @@ class NodeFront:
             ids = self.tok(body["text"])["input_ids"]
         elif kind == "messages":
             msgs = body["messages"]
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
-                raise RequestError(400, "'messages' must be a non-empty list of {role, content} strings", "messages")
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
+            ):
+                raise RequestError(
+                    400,
+                    "'messages' must be a non-empty list of {role, content} strings",
+                    "messages",
+                )
             text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
         else:
             ids = body["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                    and 0 <= t < self.vocab_size for t in ids):
-                raise RequestError(400, f"'input_ids' must be a list of integers in [0, {self.vocab_size})", "input_ids")
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                for t in ids
+            ):
+                raise RequestError(
+                    400,
+                    f"'input_ids' must be a list of integers in [0, {self.vocab_size})",
+                    "input_ids",
+                )
         if not ids:
             raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
         return list(ids)
@@ -188,8 +234,11 @@ class NodeFront:
         if self.dead:
             raise RequestError(503, f"node is unhealthy: {self.dead}")
         if len(self.pending) >= self.max_pending:
-            raise RequestError(503, f"node has {len(self.pending)} requests pending (its limit); retry later",
-                               code=OVERLOADED)
+            raise RequestError(
+                503,
+                f"node has {len(self.pending)} requests pending (its limit); retry later",
+                code=OVERLOADED,
+            )
         try:
             params = SamplingParams.from_dict(body.get("sampling_params"))
         except ParamError as e:
@@ -199,16 +248,25 @@ class NodeFront:
         if ids is None:
             ids = self.tokenize(body)
         if len(ids) + params.max_tokens > self.max_context:
-            raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                               f"context limit of {self.max_context} tokens", "max_tokens", "context_length_exceeded")
+            raise RequestError(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {self.max_context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         rid = body.get("rid") or uuid.uuid4().hex
         if not isinstance(rid, str) or len(rid) > RID_MAX:
-            raise RequestError(400, f"'rid' must be a string of at most {RID_MAX} characters", "rid")
+            raise RequestError(
+                400, f"'rid' must be a string of at most {RID_MAX} characters", "rid"
+            )
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
         aborted_at = self.early_aborts.pop(rid, None)
         if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_TTL_S:
-            raise RequestError(409, f"request {rid!r} was aborted before it arrived", "rid", "aborted")
+            raise RequestError(
+                409, f"request {rid!r} was aborted before it arrived", "rid", "aborted"
+            )
         extra = self.extra_add_fields(body)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
         self.pending[rid] = p
@@ -258,8 +316,12 @@ class NodeFront:
                         p.t_first = time.monotonic()
                     p.token_ids.extend(toks)
                     p.logprobs.extend(lps)
-                    chunk = {"rid": p.rid, "text": p.detok.add(toks), "token_ids": toks,
-                             "meta_info": self._meta(p, None, lps)}
+                    chunk = {
+                        "rid": p.rid,
+                        "text": p.detok.add(toks),
+                        "token_ids": toks,
+                        "meta_info": self._meta(p, None, lps),
+                    }
                     if fin is None:
                         yield chunk
                         continue
@@ -274,22 +336,39 @@ class NodeFront:
                     tail = p.detok.finish(ev[4] if isinstance(ev[4], str) else None)
                     p.done = True
                     self._observe(p, ev[2])
-                    yield {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": self._meta(p, reason, [])}
+                    yield {
+                        "rid": p.rid,
+                        "text": tail,
+                        "token_ids": [],
+                        "meta_info": self._meta(p, reason, []),
+                    }
                     return
                 if kind == "error":
                     p.done = True
                     self._observe(p, "abort")
-                    yield {"rid": p.rid, "text": "", "token_ids": [],
-                           "error": {"message": ev[2], "type": "invalid_request_error" if ev[3] else "server_error",
-                                     "param": ev[3], "code": None},
-                           "meta_info": self._meta(p, {"type": "abort", "message": ev[2]}, [])}
+                    yield {
+                        "rid": p.rid,
+                        "text": "",
+                        "token_ids": [],
+                        "error": {
+                            "message": ev[2],
+                            "type": "invalid_request_error" if ev[3] else "server_error",
+                            "param": ev[3],
+                            "code": None,
+                        },
+                        "meta_info": self._meta(p, {"type": "abort", "message": ev[2]}, []),
+                    }
                     return
         finally:
             if not p.done and self.dead is None and p.rid in self.pending:
                 self.send(["abort", p.rid, "client disconnected"])
 
     def _meta(self, p: Pending, reason, lps) -> dict[str, Any]:
-        m = {"prompt_tokens": p.prompt_tokens, "completion_tokens": len(p.token_ids), "finish_reason": reason}
+        m = {
+            "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": len(p.token_ids),
+            "finish_reason": reason,
+        }
         if p.params.logprobs:
             m["logprobs"] = lps
         return m
@@ -301,7 +380,7 @@ class NodeFront:
     # --- background readers -----------------------------------------------------------------------
     def _drop(self, reason: str, err: Exception) -> None:
         self.dropped[reason] += 1
-        if self.dropped[reason] == 1:       # a flood must not flood the log: the first of each kind
+        if self.dropped[reason] == 1:  # a flood must not flood the log: the first of each kind
             log.warning("dropped a message (%s): %s; further ones are only counted", reason, err)
 
     async def _read_events(self) -> None:
@@ -311,7 +390,7 @@ class NodeFront:
                 self._on_events(raw)
             except AuthError as e:
                 self._drop(f"events:{e.reason}", e)
-            except Exception as e:      # bad bytes or shapes never end the reader (the node would hang)
+            except Exception as e:  # bad bytes or shapes never end the reader (the node would hang)
                 self._drop("events:malformed", e)
 
     def _on_events(self, raw: bytes) -> None:
@@ -333,7 +412,7 @@ class NodeFront:
             if p is not None:
                 p.events.put_nowait(ev)
                 if ev[0] in ("finish", "error", "prefill_done"):
-                    del self.pending[ev[1]]     # over on the ranks; `p` still streams its queue
+                    del self.pending[ev[1]]  # over on the ranks; `p` still streams its queue
 
     async def _read_stats(self) -> None:
         while True:
@@ -361,13 +440,25 @@ class NodeFront:
 
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()
-        return {"model": self.model_name, "role": self.role, "max_context": self.max_context, "pid": os.getpid(),
-                "pp_size": self.pp_size, "bootstrap_port": None, "healthy": ok, "status": why,
-                "load": {"running": sum(s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0),
-                         "waiting": self.rank_stats.get(0, {}).get("waiting", 0),
-                         "in_flight": len(self.pending)},
-                "ranks": [self.rank_stats.get(r) for r in range(self.pp_size)],
-                "dropped_messages": dict(self.dropped)}
+        return {
+            "model": self.model_name,
+            "role": self.role,
+            "max_context": self.max_context,
+            "pid": os.getpid(),
+            "pp_size": self.pp_size,
+            "bootstrap_port": None,
+            "healthy": ok,
+            "status": why,
+            "load": {
+                "running": sum(
+                    s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0
+                ),
+                "waiting": self.rank_stats.get(0, {}).get("waiting", 0),
+                "in_flight": len(self.pending),
+            },
+            "ranks": [self.rank_stats.get(r) for r in range(self.pp_size)],
+            "dropped_messages": dict(self.dropped),
+        }
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

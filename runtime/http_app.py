@@ -3,6 +3,7 @@ and on decode nodes /bootstrap_servers.
 
 Everything but /health and /metrics needs the cluster secret (when the node has one): they are what a
 load balancer's probe and a Prometheus scraper read, and they tell nothing a request could abuse."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,7 @@ from infra.internal_auth import bearer_ok
 from runtime.front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
-BODY_TIMEOUT_S = 30.0           # to receive a whole body once its headers are in
+BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in
 # Tokenisation and chat templates run here, off the event loop; one thread, because a fast
 # tokenizer used from several threads at once can fail ("Already borrowed").
 TOKENIZER_POOL = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -39,7 +40,9 @@ async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
                     raise RequestError(413, f"request body over {limit} bytes")
                 chunks.append(chunk)
     except TimeoutError:
-        raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s") from None
+        raise RequestError(
+            408, f"request body not received within {BODY_TIMEOUT_S:.0f} s"
+        ) from None
     except ClientDisconnect:
         # The caller (the router) gave up before sending the whole body: nobody reads the answer.
         raise RequestError(499, "client disconnected before the request body was read") from None
@@ -67,23 +70,31 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
 
     def check_internal(request: Request) -> None:
         if not bearer_ok(request.headers.get("authorization"), internal_token):
-            raise RequestError(401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')")
+            raise RequestError(
+                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
+            )
 
     @app.post("/generate")
     async def generate(request: Request):
         check_internal(request)
         body = await read_json(request)
         ids = None
-        if not front.dead and len(front.pending) < front.max_pending:   # else admit() says why, untokenised
-            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZER_POOL, front.tokenize, body)
+        if (
+            not front.dead and len(front.pending) < front.max_pending
+        ):  # else admit() says why, untokenised
+            ids = await asyncio.get_running_loop().run_in_executor(
+                TOKENIZER_POOL, front.tokenize, body
+            )
         p = front.admit(body, ids)
         if front.role == "prefill":
             return await front.prefill_result(p)
         if body.get("stream"):
+
             async def stream():
                 async for chunk in front.events(p):
                     yield sse(chunk)
                 yield sse("[DONE]")
+
             return StreamingResponse(stream(), media_type="text/event-stream")
         text, last = [], None
         async for chunk in front.events(p):
@@ -103,13 +114,17 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         body = await read_json(request)
         rid = body.get("rid")
         if not isinstance(rid, str) or not rid or len(rid) > RID_MAX:
-            raise RequestError(400, f"'rid' (a string of 1 to {RID_MAX} characters) is required", "rid")
+            raise RequestError(
+                400, f"'rid' (a string of 1 to {RID_MAX} characters) is required", "rid"
+            )
         return {"aborted": front.abort(rid)}
 
     @app.get("/health")
     async def health():
         ok, why = front.healthy()
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "detail": why}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "detail": why}, status_code=200 if ok else 503
+        )
 
     @app.get("/server_info")
     async def server_info(request: Request):
@@ -117,6 +132,7 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         return front.server_info()
 
     if hasattr(front, "set_bootstrap_servers"):
+
         @app.put("/bootstrap_servers")
         async def bootstrap_servers(request: Request):
             """The prefill bootstrap servers this decode node may contact (the router keeps it current)."""

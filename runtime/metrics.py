@@ -3,17 +3,18 @@
 Every rank pushes its stats to the front (runtime.rank_process.StatsReporter), so one scrape of the
 front covers every rank of the node. Each app gets its own CollectorRegistry.
 """
+
 from __future__ import annotations
 
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-FRONT_CHANNELS = {"events": "front-evt", "stats": "front-stats"}    # NodeFront.dropped's key prefixes
+FRONT_CHANNELS = {"events": "front-evt", "stats": "front-stats"}  # NodeFront.dropped's key prefixes
 QUEUES = ("waiting", "running", "bootstrap", "inflight", "prealloc", "transfer", "retracted")
 
 
@@ -23,25 +24,47 @@ class _RankCollector:
 
     def collect(self):
         labels = ["node", "role", "pp_rank"]
-        used = GaugeMetricFamily("pdserve_kv_pool_used_tokens", "KV tokens held by live requests", labels=labels)
-        cap = GaugeMetricFamily("pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=labels)
-        evict = GaugeMetricFamily("pdserve_kv_cache_evictable_tokens", "prefix-cache tokens that can be evicted",
-                                  labels=labels)
-        hits = CounterMetricFamily("pdserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
-                                   labels=labels)
-        queue = GaugeMetricFamily("pdserve_queue_requests", "requests per queue", labels=labels + ["queue"])
+        used = GaugeMetricFamily(
+            "pdserve_kv_pool_used_tokens", "KV tokens held by live requests", labels=labels
+        )
+        cap = GaugeMetricFamily(
+            "pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=labels
+        )
+        evict = GaugeMetricFamily(
+            "pdserve_kv_cache_evictable_tokens",
+            "prefix-cache tokens that can be evicted",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            "pdserve_prefix_cache_hit_tokens",
+            "prompt tokens served from the prefix cache",
+            labels=labels,
+        )
+        queue = GaugeMetricFamily(
+            "pdserve_queue_requests", "requests per queue", labels=labels + ["queue"]
+        )
         up = GaugeMetricFamily("pdserve_rank_up", "1 while the rank reports stats", labels=labels)
-        kv_bytes = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)",
-                                       labels=labels)
-        kv_fail = CounterMetricFamily("pdserve_kv_transfer_failures", "rooms whose KV transfer failed",
-                                      labels=labels + ["reason"])
-        dropped = CounterMetricFamily("pdserve_control_messages_dropped",
-                                      "ZMQ control messages dropped (unauthenticated, replayed, malformed, ...)",
-                                      labels=labels + ["channel", "reason"])
+        kv_bytes = CounterMetricFamily(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes sent (prefill) or received (decode)",
+            labels=labels,
+        )
+        kv_fail = CounterMetricFamily(
+            "pdserve_kv_transfer_failures",
+            "rooms whose KV transfer failed",
+            labels=labels + ["reason"],
+        )
+        dropped = CounterMetricFamily(
+            "pdserve_control_messages_dropped",
+            "ZMQ control messages dropped (unauthenticated, replayed, malformed, ...)",
+            labels=labels + ["channel", "reason"],
+        )
         stats = self.front.rank_stats if self.front is not None else {}
-        for key, n in sorted(getattr(self.front, "dropped", {}).items()):     # the front's readers
+        for key, n in sorted(getattr(self.front, "dropped", {}).items()):  # the front's readers
             channel, _, reason = key.partition(":")
-            dropped.add_metric([self.node, self.role, "", FRONT_CHANNELS.get(channel, channel), reason], n)
+            dropped.add_metric(
+                [self.node, self.role, "", FRONT_CHANNELS.get(channel, channel), reason], n
+            )
         for r in range(self.front.pp_size if self.front is not None else 0):
             st = stats.get(r)
             lv = [self.node, self.role, str(r)]
@@ -72,24 +95,67 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.node, self.role = node, role
         lab = ["node", "role"]
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "time to first token", lab,
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "mean time between output tokens", lab,
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request latency", lab,
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter("pdserve_requests", "finished requests", lab + ["finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", lab, registry=self.registry)
-        self.gen_tokens = Counter("pdserve_generation_tokens", "generated tokens", lab, registry=self.registry)
-        self.aborted = Counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"], registry=self.registry)
-        self.queue_time = Histogram("pdserve_queue_time_seconds", "time a request spent in a queue", lab + ["queue"],
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.bootstrap = Histogram("pdserve_bootstrap_seconds", "prefill: request arrival to bootstrap decision",
-                                   lab, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds", "per-room KV transfer latency", lab + ["pp_rank"],
-                                    buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.consensus = Histogram("pdserve_consensus_round_seconds", "vote cast to verdict applied (PP0)",
-                                   lab + ["kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "time to first token",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "mean time between output tokens",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "request latency",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "finished requests", lab + ["finish_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "prompt tokens", lab, registry=self.registry
+        )
+        self.gen_tokens = Counter(
+            "pdserve_generation_tokens", "generated tokens", lab, registry=self.registry
+        )
+        self.aborted = Counter(
+            "pdserve_requests_aborted", "aborted requests", lab + ["reason"], registry=self.registry
+        )
+        self.queue_time = Histogram(
+            "pdserve_queue_time_seconds",
+            "time a request spent in a queue",
+            lab + ["queue"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.bootstrap = Histogram(
+            "pdserve_bootstrap_seconds",
+            "prefill: request arrival to bootstrap decision",
+            lab,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "per-room KV transfer latency",
+            lab + ["pp_rank"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.consensus = Histogram(
+            "pdserve_consensus_round_seconds",
+            "vote cast to verdict applied (PP0)",
+            lab + ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._ranks = _RankCollector(node, role)
         self.registry.register(self._ranks)
 

@@ -11,17 +11,20 @@ thread each, and the plan says so.
 The plan is plain data, computed by whoever starts the ranks of a host (`pdserve up` for all the
 nodes it starts, else each node for its own ranks) and logged.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
 class Placement:
-    rank_cores: tuple[tuple[int, ...], ...]   # per rank, in start order: the cores its threads run on
-    io_cores: tuple[int, ...]                 # fronts and router; () = no core left, they float
+    rank_cores: tuple[
+        tuple[int, ...], ...
+    ]  # per rank, in start order: the cores its threads run on
+    io_cores: tuple[int, ...]  # fronts and router; () = no core left, they float
 
     @property
     def shared(self) -> bool:
@@ -37,7 +40,7 @@ class Placement:
 
     def flag(self, start: int, count: int) -> str:
         """The `--cpus` value for `count` ranks from rank `start` on: cores by comma, ranks by ';'."""
-        return ";".join(",".join(map(str, c)) for c in self.rank_cores[start:start + count])
+        return ";".join(",".join(map(str, c)) for c in self.rank_cores[start : start + count])
 
 
 def _cores(cores: Sequence[int]) -> str:
@@ -63,8 +66,10 @@ def plan_placement(n_ranks: int, cores: Sequence[int], threads: int = 0) -> Plac
         want = n_ranks * threads
         if want <= len(cores):
             compute, io = cores[:want], cores[want:]
-            return Placement(tuple(tuple(compute[i * threads:(i + 1) * threads]) for i in range(n_ranks)),
-                             tuple(io))
+            return Placement(
+                tuple(tuple(compute[i * threads : (i + 1) * threads]) for i in range(n_ranks)),
+                tuple(io),
+            )
         return _round_robin(n_ranks, cores)
     if n_ranks >= len(cores):
         return _round_robin(n_ranks, cores)
@@ -73,7 +78,7 @@ def plan_placement(n_ranks: int, cores: Sequence[int], threads: int = 0) -> Plac
     blocks, at = [], 0
     for i in range(n_ranks):
         n = base + (1 if i < extra else 0)
-        blocks.append(tuple(compute[at:at + n]))
+        blocks.append(tuple(compute[at : at + n]))
         at += n
     return Placement(tuple(blocks), tuple(io))
 
@@ -87,13 +92,19 @@ def parse_cpus(text: str, n_ranks: int) -> tuple[tuple[int, ...], ...]:
     try:
         groups = tuple(tuple(int(c) for c in g.split(",") if c.strip()) for g in text.split(";"))
     except ValueError:
-        raise ValueError(f"--cpus {text!r}: expected core numbers, e.g. '0,1;2' (ranks by ';')") from None
+        raise ValueError(
+            f"--cpus {text!r}: expected core numbers, e.g. '0,1;2' (ranks by ';')"
+        ) from None
     if len(groups) != n_ranks or any(not g for g in groups):
-        raise ValueError(f"--cpus {text!r} names {len(groups)} core group(s) for {n_ranks} local rank(s)")
+        raise ValueError(
+            f"--cpus {text!r} names {len(groups)} core group(s) for {n_ranks} local rank(s)"
+        )
     allowed = os.sched_getaffinity(0)
     bad = sorted({c for g in groups for c in g} - allowed)
     if bad:
-        raise ValueError(f"--cpus {text!r}: core(s) {bad} are not available to this process ({sorted(allowed)})")
+        raise ValueError(
+            f"--cpus {text!r}: core(s) {bad} are not available to this process ({sorted(allowed)})"
+        )
     return groups
 
 

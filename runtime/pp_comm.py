@@ -15,6 +15,7 @@ On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream:
 on the event of the receive that produced its input, and a forward whose output buffer is reused
 (CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,31 +31,45 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _DTYPES = [torch.uint8, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]
-_HEADER = 8   # kind, dtype, ndim, dims[0..4]
+_HEADER = 8  # kind, dtype, ndim, dims[0..4]
 
 
 class Msg(enum.IntEnum):
-    META = 1      # the replicated request stream of one iteration
-    HIDDEN = 2    # a slice's output activations for the current slot
-    OUTPUT = 3    # sampled tokens of the slot being harvested (the ring)
-    VOTE = 4      # consensus traffic
-    SYNC = 5      # start-up agreement (capacities, addresses)
+    META = 1  # the replicated request stream of one iteration
+    HIDDEN = 2  # a slice's output activations for the current slot
+    OUTPUT = 3  # sampled tokens of the slot being harvested (the ring)
+    VOTE = 4  # consensus traffic
+    SYNC = 5  # start-up agreement (capacities, addresses)
 
 
 class PPComm:
-    def __init__(self, rank: int, size: int, *, init_method: str, backend: str = "gloo",
-                 timeout_s: float = 60.0, device: str = "cpu", comm_stream: bool = False):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        init_method: str,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+        comm_stream: bool = False,
+    ):
         self.rank, self.size = rank, size
         self.device = torch.device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         # Objects and headers always go over gloo; on NCCL, tensors get their own group.
         self.cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         self.dev_group = dist.group.WORLD
         # Collectives (start-up agreement, consensus checker) get a group of their own: on a shared
         # gloo group they can interleave with the point-to-point stream and stall it.
         self.coll_group = dist.new_group(backend="gloo")
-        self._sends: deque[tuple[int, tuple[Any, ...]]] = deque()   # (turn due, handles + buffers)
+        self._sends: deque[tuple[int, tuple[Any, ...]]] = deque()  # (turn due, handles + buffers)
         self.turn = 0
         self._inbox: dict[tuple[int, int], deque] = defaultdict(deque)
         self.stream = None
@@ -77,15 +92,26 @@ class PPComm:
             raise ValueError(f"tensor of {t.dim()} dims is too many for a PP message")
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[0], h[1], h[2] = int(kind), _DTYPES.index(t.dtype), t.dim()
-        h[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        h[3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return h
 
     def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
         """`commit_after`: turns until the receiver surely took it (the ring's last hop: pp_size)."""
-        payload = torch.frombuffer(bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8)
+        payload = torch.frombuffer(
+            bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8
+        )
         h = self._header(kind, payload)
-        self._sends.append((self.turn + commit_after, (dist.isend(h, dst, group=self.cpu_group),
-                                                       dist.isend(payload, dst, group=self.cpu_group), h, payload)))
+        self._sends.append(
+            (
+                self.turn + commit_after,
+                (
+                    dist.isend(h, dst, group=self.cpu_group),
+                    dist.isend(payload, dst, group=self.cpu_group),
+                    h,
+                    payload,
+                ),
+            )
+        )
         self.bytes_sent += payload.numel()
 
     def send_tensor(self, dst: int, t: torch.Tensor, kind: Msg = Msg.HIDDEN) -> None:
@@ -140,7 +166,7 @@ class PPComm:
         h = torch.empty(_HEADER, dtype=torch.int64)
         dist.recv(h, src, group=self.cpu_group)
         kind, dt, nd = int(h[0]), _DTYPES[int(h[1])], int(h[2])
-        shape = [int(x) for x in h[3:3 + nd]]
+        shape = [int(x) for x in h[3 : 3 + nd]]
         if kind in (Msg.HIDDEN,):
             buf = torch.empty(shape, dtype=dt, device=self.device)
             if self.stream is not None:

@@ -6,6 +6,7 @@ the front twice a second, which is also the front's liveness signal. A watchdog 
 it makes no progress for `watchdog_s` seconds; any communication error (a dead peer) ends it too,
 with one clear log line and a non-zero exit code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,25 +17,32 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq
 
 from consensus import rank_checker
-from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from engine.config import EngineConfig, apply_threads
 from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
-from runtime.front import (EVT_CHANNEL, EVT_MAX_BYTES, REQ_CHANNEL, REQ_MAX_BYTES, STATS_CHANNEL,
-                               STATS_MAX_BYTES)
-from runtime.pp_comm import PPComm
-from runtime.slot_loop import LoopConfig, SlotLoop
-from runtime.placement import bind_cores
-from infra.procs import die_with_parent, setup_logging
-from runtime.rank_spec import RankSpec
 from engine.scheduler import Scheduler
+from infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from infra.procs import die_with_parent, setup_logging
+from runtime.front import (
+    EVT_CHANNEL,
+    EVT_MAX_BYTES,
+    REQ_CHANNEL,
+    REQ_MAX_BYTES,
+    STATS_CHANNEL,
+    STATS_MAX_BYTES,
+)
+from runtime.placement import bind_cores
+from runtime.pp_comm import PPComm
+from runtime.rank_spec import RankSpec
+from runtime.slot_loop import LoopConfig, SlotLoop
 
 log = logging.getLogger("pdserve.rank")
 
@@ -70,7 +78,11 @@ class ZmqFrontIO:
     def _drop(self, reason: str, err: object) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         if self.dropped[reason] == 1:
-            log.warning("message from the front dropped (%s): %s; further ones are only counted", reason, err)
+            log.warning(
+                "message from the front dropped (%s): %s; further ones are only counted",
+                reason,
+                err,
+            )
 
     def poll(self, timeout_ms: int) -> list[list[Any]]:
         out: list[list[Any]] = []
@@ -86,7 +98,7 @@ class ZmqFrontIO:
             except AuthError as e:
                 self._drop(e.reason, e)
                 continue
-            except Exception as e:     # the front is ours, but never trust bytes from a socket
+            except Exception as e:  # the front is ours, but never trust bytes from a socket
                 self._drop("malformed", e)
                 continue
             if isinstance(msg, list) and msg and isinstance(msg[0], str):
@@ -99,7 +111,9 @@ class ZmqFrontIO:
 
 
 class StatsReporter:
-    def __init__(self, ctx: zmq.Context, addr: str, spec: RankSpec, loop: SlotLoop, period_s: float = 0.5):
+    def __init__(
+        self, ctx: zmq.Context, addr: str, spec: RankSpec, loop: SlotLoop, period_s: float = 0.5
+    ):
         self.sock = ctx.socket(zmq.PUSH) if addr else None
         if self.sock is not None:
             self.sock.setsockopt(zmq.SNDHWM, 16)
@@ -118,28 +132,42 @@ class StatsReporter:
         self._next = now + self.period
         s, alloc = self.loop.sched, self.loop.sched.allocator
         stats = {
-            "pp_rank": self.spec.pp_rank, "pid": os.getpid(), "iterations": self.loop.stats.iterations,
-            "forwards": self.loop.stats.forwards, "waiting": len(s.waiting), "running": s.num_running,
-            "held_pages": s.held_pages(), "used_tokens": s.used_tokens, "num_pages": alloc.num_pages,
-            "free_pages": alloc.num_free, "page_size": s.cfg.page_size,
+            "pp_rank": self.spec.pp_rank,
+            "pid": os.getpid(),
+            "iterations": self.loop.stats.iterations,
+            "forwards": self.loop.stats.forwards,
+            "waiting": len(s.waiting),
+            "running": s.num_running,
+            "held_pages": s.held_pages(),
+            "used_tokens": s.used_tokens,
+            "num_pages": alloc.num_pages,
+            "free_pages": alloc.num_free,
+            "page_size": s.cfg.page_size,
             "cached_pages": s.cache.num_cached_pages if s.cache else 0,
             # prefix-cache pages a request still locks (not evictable): held KV too, for leak checks
-            "locked_cached_pages": s.cache.num_cached_pages - s.cache.evictable_pages if s.cache else 0,
+            "locked_cached_pages": s.cache.num_cached_pages - s.cache.evictable_pages
+            if s.cache
+            else 0,
             "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
-            "retractions": s.num_retractions, "retracted": sum(r.status.value == "retracted" for r in s.waiting),
+            "retractions": s.num_retractions,
+            "retracted": sum(r.status.value == "retracted" for r in s.waiting),
             **self.loop.queue_sizes(),
             "samples": self.loop.drain_samples(),
         }
         dropped = getattr(getattr(self.loop, "front", None), "dropped", None)
-        if dropped:                     # PP0: messages from the front it dropped, by reason
+        if dropped:  # PP0: messages from the front it dropped, by reason
             stats["front_dropped"] = dict(dropped)
         kv = self.loop.kv_stats()
         if kv is not None:
             new = kv["latency_count"] - self._kv_latencies_seen
-            stats["kv"] = {"bytes": kv["bytes_sent"] + kv["bytes_received"], "failures": kv["failures"],
-                           "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
-                           # control messages dropped by reason, and where they come in (for operators)
-                           "dropped": kv["dropped"], "ctrl_port": getattr(self.loop.kv, "ctrl_port", None)}
+            stats["kv"] = {
+                "bytes": kv["bytes_sent"] + kv["bytes_received"],
+                "failures": kv["failures"],
+                "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
+                # control messages dropped by reason, and where they come in (for operators)
+                "dropped": kv["dropped"],
+                "ctrl_port": getattr(self.loop.kv, "ctrl_port", None),
+            }
             self._kv_latencies_seen = kv["latency_count"]
         try:
             self.sock.send(self._sealer.seal(msgpack.packb(stats)), zmq.NOBLOCK)
@@ -154,18 +182,26 @@ def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
             stalled = time.monotonic() - loop.stats.last_progress
             if stalled > timeout_s:
                 s = loop.sched
-                log.error("watchdog: no progress for %.0f s on pp_rank %d; waiting=%s running=%s "
-                          "free_pages=%d/%d; exiting", stalled, loop.rank, [r.rid for r in s.waiting][:20],
-                          [[r.rid for r in slot] for slot in s.slots], s.allocator.num_free,
-                          s.allocator.num_pages)
+                log.error(
+                    "watchdog: no progress for %.0f s on pp_rank %d; waiting=%s running=%s "
+                    "free_pages=%d/%d; exiting",
+                    stalled,
+                    loop.rank,
+                    [r.rid for r in s.waiting][:20],
+                    [[r.rid for r in slot] for slot in s.slots],
+                    s.allocator.num_free,
+                    s.allocator.num_pages,
+                )
                 logging.shutdown()
                 os._exit(3)
+
     threading.Thread(target=watch, name="watchdog", daemon=True).start()
 
 
 @dataclass
 class RankParts:
     """What a rank is made of; a PD loop builds its own pieces (KV manager, votes) on top."""
+
     spec: RankSpec
     cfg: EngineConfig
     mcfg: Any
@@ -173,48 +209,86 @@ class RankParts:
     runner: ModelRunner
     sched: Scheduler
     loop_cfg: LoopConfig
-    front: "ZmqFrontIO | None" = None
+    front: ZmqFrontIO | None = None
 
 
-def build_rank(spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None) -> RankParts:
+def build_rank(
+    spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None
+) -> RankParts:
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
-    threads = apply_threads(cfg.threads)     # 0: every core this rank is bound to
+    threads = apply_threads(cfg.threads)  # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
     mcfg = load_model_config(path)
     asked = cfg.dtype
     cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
     start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
-    log.info("pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads on cores %s, dtype %s (%s)",
-             spec.pp_rank, spec.pp_size, start, end, mcfg.num_layers, threads,
-             ",".join(map(str, sorted(os.sched_getaffinity(0)))), cfg.dtype,
-             f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}")
+    log.info(
+        "pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads on cores %s, dtype %s (%s)",
+        spec.pp_rank,
+        spec.pp_size,
+        start,
+        end,
+        mcfg.num_layers,
+        threads,
+        ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        cfg.dtype,
+        f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
+    )
     comm = None
     if spec.pp_size > 1:
-        comm = PPComm(spec.pp_rank, spec.pp_size, init_method=spec.dist_init, backend=spec.backend,
-                      timeout_s=spec.pp_timeout_s, device=spec.device,
-                      comm_stream=bool(spec.extra.get("comm_stream")))
+        comm = PPComm(
+            spec.pp_rank,
+            spec.pp_size,
+            init_method=spec.dist_init,
+            backend=spec.backend,
+            timeout_s=spec.pp_timeout_s,
+            device=spec.device,
+            comm_stream=bool(spec.extra.get("comm_stream")),
+        )
         # Capacities every decision reads are agreed once: the minimum over ranks.
-        lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
-        cfg = replace(cfg, max_total_tokens=lo[0] * cfg.page_size, max_running=lo[1], chunk_size=lo[2],
-                      max_batch_tokens=lo[3])
+        lo, _ = comm.all_min_max(
+            [cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens]
+        )
+        cfg = replace(
+            cfg,
+            max_total_tokens=lo[0] * cfg.page_size,
+            max_running=lo[1],
+            chunk_size=lo[2],
+            max_batch_tokens=lo[3],
+        )
     model = load_slice(path, start, end, cfg.torch_dtype)
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
-    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank) and rank_checker.ENABLED:
+    if (
+        os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank)
+        and rank_checker.ENABLED
+    ):
         # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
         # consensus checker exists for; this rank then hands out different page ids. Only the
         # environment the rank was started with can ask for it (no request or message can), and only
         # with the checker on, which stops the node at the first diverging call: never wrong output.
-        log.warning("PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)", spec.pp_rank)
+        log.warning(
+            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
+            spec.pp_rank,
+        )
         runner.pool.allocator.alloc(1)
-    loop_cfg = LoopConfig(pp_size=spec.pp_size, async_depth=spec.async_depth,
-                          skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
-                          waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
-                          running_timeout_s=float(spec.extra.get("running_timeout_s", 0.0)))
-    sched_cfg = replace(cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
-                        max_context=min(cfg.max_context, mcfg.max_position_embeddings))
-    sched = Scheduler(sched_cfg, runner.pool.allocator, mcfg.eos_token_ids,
-                      detokenize=StopDetokenizer(path),
-                      hold_kv_on_finish=hold_kv_on_finish)
+    loop_cfg = LoopConfig(
+        pp_size=spec.pp_size,
+        async_depth=spec.async_depth,
+        skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
+        waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
+        running_timeout_s=float(spec.extra.get("running_timeout_s", 0.0)),
+    )
+    sched_cfg = replace(
+        cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
+        max_context=min(cfg.max_context, mcfg.max_position_embeddings),
+    )
+    sched = Scheduler(
+        sched_cfg,
+        runner.pool.allocator,
+        mcfg.eos_token_ids,
+        detokenize=StopDetokenizer(path),
+        hold_kv_on_finish=hold_kv_on_finish,
+    )
     return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg)
 
 
@@ -222,14 +296,19 @@ def colocated_loop(parts: RankParts) -> SlotLoop:
     return SlotLoop(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
 
 
-def run_rank(argv: list[str] | None, make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
-             build_kwargs: dict[str, Any] | None = None) -> int:
+def run_rank(
+    argv: list[str] | None,
+    make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
+    build_kwargs: dict[str, Any] | None = None,
+) -> int:
     """Parses the spec, builds the rank and runs its loop until SIGTERM or a fatal error."""
     ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
     spec = RankSpec(**json.loads(ap.parse_args(argv).spec))
     setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
-    bind_cores(spec.cpus)      # before any thread starts: OpenMP's pool and the transfer threads inherit it
+    bind_cores(
+        spec.cpus
+    )  # before any thread starts: OpenMP's pool and the transfer threads inherit it
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     ctx = zmq.Context()
@@ -241,7 +320,12 @@ def run_rank(argv: list[str] | None, make_loop: Callable[[RankParts], SlotLoop] 
         loop = make_loop(parts)
         stats = StatsReporter(ctx, spec.stats_addr, spec, loop)
         start_watchdog(loop, spec.watchdog_s)
-        log.info("pp_rank %d ready: %d KV pages of %d tokens", spec.pp_rank, parts.cfg.num_pages, parts.cfg.page_size)
+        log.info(
+            "pp_rank %d ready: %d KV pages of %d tokens",
+            spec.pp_rank,
+            parts.cfg.num_pages,
+            parts.cfg.page_size,
+        )
         stats.maybe_send(force=True)
         t = 0
         while True:
@@ -251,8 +335,13 @@ def run_rank(argv: list[str] | None, make_loop: Callable[[RankParts], SlotLoop] 
     except (SystemExit, KeyboardInterrupt):
         return 0
     except Exception as e:
-        log.error("pp_rank %d stops: %s: %s", spec.pp_rank, type(e).__name__,
-                  str(e).splitlines()[0] if str(e) else "", exc_info=log.isEnabledFor(logging.DEBUG))
+        log.error(
+            "pp_rank %d stops: %s: %s",
+            spec.pp_rank,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
         logging.shutdown()
         os._exit(1)
     finally:

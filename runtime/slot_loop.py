@@ -14,26 +14,29 @@
 A batch with no sampling entries (empty, or pure intermediate prefill chunks when
 `skip_pure_chunk_comm` is on) has no ring message: every rank knows that from its own schedule.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from consensus import rank_checker
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
-from runtime.pp_comm import Msg, PPComm
 from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
+from runtime.pp_comm import Msg, PPComm
 
 log = logging.getLogger(__name__)
 
 
 class FrontIO(Protocol):
     """PP0's seam to the front (ZMQ in a node, in-memory in tests)."""
+
     def poll(self, timeout_ms: int) -> list[list[Any]]: ...
     def report(self, events: list[list[Any]]) -> None: ...
 
@@ -43,11 +46,13 @@ class LoopConfig:
     pp_size: int = 1
     async_depth: int = 0
     skip_pure_chunk_comm: bool = True
-    idle_wait_ms: int = 5              # PP0 waits this long for requests when it has no work ...
-    idle_max_wait_ms: int = 100        # ... doubling while it stays idle (a request still wakes it at once)
-    check_every: int = 8               # consensus-checker digest comparison period (iterations)
-    waiting_timeout_s: float = 0.0     # PP0 aborts a request queued longer than this (0 = off)
-    running_timeout_s: float = 0.0     # PP0 aborts a request alive longer than this (0 = off)
+    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work ...
+    idle_max_wait_ms: int = (
+        100  # ... doubling while it stays idle (a request still wakes it at once)
+    )
+    check_every: int = 8  # consensus-checker digest comparison period (iterations)
+    waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer than this (0 = off)
+    running_timeout_s: float = 0.0  # PP0 aborts a request alive longer than this (0 = off)
 
     @property
     def num_slots(self) -> int:
@@ -58,7 +63,7 @@ class LoopConfig:
 class LoopStats:
     iterations: int = 0
     forwards: int = 0
-    last_progress: float = field(default_factory=time.monotonic)   # watchdog only, never decisions
+    last_progress: float = field(default_factory=time.monotonic)  # watchdog only, never decisions
 
 
 def decode_sampling(d: dict) -> SamplingParams:
@@ -68,7 +73,11 @@ def decode_sampling(d: dict) -> SamplingParams:
 def out_to_wire(out: SampleOut | None) -> list | None:
     if out is None:
         return None
-    tops = [[list(p) for p in row] for row in out.top_logprobs] if out.top_logprobs is not None else None
+    tops = (
+        [[list(p) for p in row] for row in out.top_logprobs]
+        if out.top_logprobs is not None
+        else None
+    )
     return [out.token_ids, out.logprobs, tops]
 
 
@@ -80,29 +89,38 @@ def out_from_wire(w: list | None) -> SampleOut | None:
 
 
 class SlotLoop:
-    def __init__(self, cfg: LoopConfig, comm: PPComm | None, runner: ModelRunner, scheduler: Scheduler,
-                 front: FrontIO | None, on_meta: Callable[[list[Any]], bool] | None = None):
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        comm: PPComm | None,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        front: FrontIO | None,
+        on_meta: Callable[[list[Any]], bool] | None = None,
+    ):
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank if comm else 0
         self.size = cfg.pp_size
         self.runner = runner
         self.sched = scheduler
-        self.front = front                 # PP0 only
-        self.on_meta = on_meta             # a PD loop's own message kinds; returns True if handled
-        self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots   # scheduled, not harvested
-        self.last_outputs: dict[int, SampleOut | None] = {}                  # last rank: slot -> outputs
-        self.send_queue: deque[tuple[int, SampleOut | None]] = deque()        # last rank, async_depth
+        self.front = front  # PP0 only
+        self.on_meta = on_meta  # a PD loop's own message kinds; returns True if handled
+        self.batches: list[ScheduledBatch | None] = [
+            None
+        ] * cfg.num_slots  # scheduled, not harvested
+        self.last_outputs: dict[int, SampleOut | None] = {}  # last rank: slot -> outputs
+        self.send_queue: deque[tuple[int, SampleOut | None]] = deque()  # last rank, async_depth
         self.stats = LoopStats()
         self.stop = threading.Event()
-        self._events: list[list[Any]] = []      # PP0: what to tell the front this iteration
-        self._arrived: dict[str, float] = {}    # PP0: rid -> monotonic arrival, for timeouts only
-        self.stream_tokens = True               # the prefill loop answers with its own events
+        self._events: list[list[Any]] = []  # PP0: what to tell the front this iteration
+        self._arrived: dict[str, float] = {}  # PP0: rid -> monotonic arrival, for timeouts only
+        self.stream_tokens = True  # the prefill loop answers with its own events
         # Metrics only (PP0; wall clock never reaches a decision): samples since the last stats push.
         self.samples: dict[str, list[float]] = {}
-        self._t_queued: dict[str, float] = {}   # rid -> entered the scheduler's waiting queue
+        self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
-        self._idle_ms = 0                       # PP0: current idle wait (timing only, never a decision)
+        self._idle_ms = 0  # PP0: current idle wait (timing only, never a decision)
 
     @property
     def is_first(self) -> bool:
@@ -159,7 +177,7 @@ class SlotLoop:
         return False
 
     def request_phase(self, rid: str) -> str | None:
-        """"waiting" (queued, no forward yet), "running", or None (not known here); for timeouts.
+        """ "waiting" (queued, no forward yet), "running", or None (not known here); for timeouts.
         The PD loops add their own queues: a request waiting for its KV bootstrap or transfer
         is waiting too."""
         req = self.sched.reqs.get(rid)
@@ -176,7 +194,9 @@ class SlotLoop:
             # Each idle iteration wakes every rank; backing off keeps an idle node from costing a
             # sizeable share of a core per rank, which a node sharing its host (PD on one machine)
             # would pay for. A request still wakes PP0 at once.
-            self._idle_ms = min(max(2 * self._idle_ms, self.cfg.idle_wait_ms), self.cfg.idle_max_wait_ms)
+            self._idle_ms = min(
+                max(2 * self._idle_ms, self.cfg.idle_wait_ms), self.cfg.idle_max_wait_ms
+            )
         return self._idle_ms
 
     def ingest_meta(self) -> list[list[Any]]:
@@ -225,7 +245,7 @@ class SlotLoop:
                 try:
                     self.sched.add(Req(rid, list(input_ids), decode_sampling(params)))
                     self.mark_queued(rid)
-                except ParamError as e:      # every rank rejects it the same way; PP0 answers
+                except ParamError as e:  # every rank rejects it the same way; PP0 answers
                     self._events.append(["error", rid, str(e), e.field])
             elif kind == "abort":
                 why = msg[2] if len(msg) > 2 else "aborted by client"
@@ -256,7 +276,9 @@ class SlotLoop:
         """Sizes of the PD loop's own queues, for stats and metrics."""
         return {}
 
-    def admissible(self, rid: str, ids: list[int], params: dict, known: bool = False) -> SamplingParams | None:
+    def admissible(
+        self, rid: str, ids: list[int], params: dict, known: bool = False
+    ) -> SamplingParams | None:
         """Validates a PD loop's new request the same way on every rank; PP0 reports a rejection."""
         try:
             sp = decode_sampling(params)
@@ -300,8 +322,11 @@ class SlotLoop:
     def exchange_and_harvest(self, t: int, mb: int, batch: ScheduledBatch, y: Any) -> None:
         hb = (t + 1) % self.cfg.num_slots
         hbatch = self.batches[hb] if t + 1 >= self.cfg.num_slots else None
-        send_hidden = (lambda: self.comm.send_tensor(self.comm.next, y, Msg.HIDDEN)) \
-            if (self.comm and not self.is_last and batch.entries) else None
+        send_hidden = (
+            (lambda: self.comm.send_tensor(self.comm.next, y, Msg.HIDDEN))
+            if (self.comm and not self.is_last and batch.entries)
+            else None
+        )
         recv_ring = None
         if self.size > 1 and not self.is_last and self._needs_ring(hbatch):
             src = self.size - 1 if self.is_first else self.comm.prev
@@ -357,8 +382,18 @@ class SlotLoop:
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
                 f = req.finish
-                self._events.append(["finish", req.rid, f.kind, f.message, f.matched,
-                                     req.prompt_len, len(req.output_ids), req.cached_len])
+                self._events.append(
+                    [
+                        "finish",
+                        req.rid,
+                        f.kind,
+                        f.message,
+                        f.matched,
+                        req.prompt_len,
+                        len(req.output_ids),
+                        req.cached_len,
+                    ]
+                )
         if self.is_first and self._events and self.front:
             self.front.report(self._events)
         self._events = []
@@ -370,8 +405,12 @@ class SlotLoop:
         d = rank_checker.CHECKER.digest63()
         lo, hi = self.comm.all_min_max([d])
         if lo[0] != hi[0]:
-            where = rank_checker.CHECKER.describe_first_divergence(self.comm.all_gather(rank_checker.CHECKER.window()))
-            log.error("rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where)
+            where = rank_checker.CHECKER.describe_first_divergence(
+                self.comm.all_gather(rank_checker.CHECKER.window())
+            )
+            log.error(
+                "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where
+            )
             raise RankDivergence(f"pp_rank {self.rank} diverged at iteration {t}: {where}")
 
 

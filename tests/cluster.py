@@ -1,4 +1,5 @@
 """Starting real pdserve processes from tests, and always stopping them (no orphans)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,37 +36,61 @@ def group_alive(pgid: int, wait_s: float = 10.0) -> list[int]:
     """Processes of the group still running (zombies do not count), after waiting up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        out = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True).stdout
-        alive = [int(pid) for pid, stat in (ln.split() for ln in out.splitlines() if ln.strip()) if "Z" not in stat]
+        out = subprocess.run(
+            ["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True
+        ).stdout
+        alive = [
+            int(pid)
+            for pid, stat in (ln.split() for ln in out.splitlines() if ln.strip())
+            if "Z" not in stat
+        ]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0, log: Path | None = None) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout: float = 120.0, log: Path | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode} before it was healthy:\n"
-                               + (log.read_text()[-4000:] if log else ""))
+            raise RuntimeError(
+                f"{url} exited with {proc.returncode} before it was healthy:\n"
+                + (log.read_text()[-4000:] if log else "")
+            )
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n" + (log.read_text()[-4000:] if log else ""))
+    raise TimeoutError(
+        f"{url} not healthy after {timeout:.0f} s:\n" + (log.read_text()[-4000:] if log else "")
+    )
 
 
 @contextlib.contextmanager
-def start(cmd: list[str], port: int, log_path: Path, env: dict | None = None, timeout: float = 120.0,
-          wait: bool = True):
+def start(
+    cmd: list[str],
+    port: int,
+    log_path: Path,
+    env: dict | None = None,
+    timeout: float = 120.0,
+    wait: bool = True,
+):
     """Runs `pdserve <cmd>` in its own process group; yields (url, Popen); stops the whole group."""
     e = dict(os.environ, **(env or {}))
     e.setdefault("PDSERVE_LOG_LEVEL", "INFO")
     with open(log_path, "wb") as logf:
-        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], cwd=ROOT, env=e,
-                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *cmd],
+            cwd=ROOT,
+            env=e,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         if wait:

@@ -2,7 +2,6 @@ import os
 import random
 
 import pytest
-
 from tiny_model import build_tiny_model
 
 

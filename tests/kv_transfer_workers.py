@@ -5,6 +5,7 @@ shared by all the managers it hosts, so several layouts and rooms reuse one proc
 bytes are a pure function of (room, global layer, k/v), so prefill fills and decode checks without
 shipping data through the test.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,27 +23,47 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 class Host:
     def __init__(self):
         from kv_transfer.engine import MooncakeEngine
+
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
 
     def _pool(self, name, num_pages, page_size, layers, token_bytes):
         from kv_transfer.layout import PoolDesc
+
         nbytes = num_pages * (layers[1] - layers[0]) * 2 * page_size * token_bytes
         buf = (ctypes.c_char * nbytes)()
         ctypes.memset(buf, 0xEE, nbytes)
         self.buffers[name] = buf
-        return PoolDesc(ctypes.addressof(buf), num_pages, page_size, layers[0], layers[1], token_bytes, "float32")
+        return PoolDesc(
+            ctypes.addressof(buf),
+            num_pages,
+            page_size,
+            layers[0],
+            layers[1],
+            token_bytes,
+            "float32",
+        )
 
-    def prefill(self, name, cfg, pp_rank, pp_size, layers, num_pages, page_size, token_bytes, bootstrap_addr):
+    def prefill(
+        self, name, cfg, pp_rank, pp_size, layers, num_pages, page_size, token_bytes, bootstrap_addr
+    ):
         from kv_transfer import PrefillKVManager, TransferConfig
+
         pool = self._pool(name, num_pages, page_size, layers, token_bytes)
-        self.mgrs[name] = PrefillKVManager(TransferConfig(**cfg), pool, pp_rank, pp_size, bootstrap_addr, self.engine)
+        self.mgrs[name] = PrefillKVManager(
+            TransferConfig(**cfg), pool, pp_rank, pp_size, bootstrap_addr, self.engine
+        )
         return self.mgrs[name].ctrl_port
 
-    def decode(self, name, cfg, pp_rank, dst_slices, num_pages, page_size, token_bytes, aux_slots=16):
+    def decode(
+        self, name, cfg, pp_rank, dst_slices, num_pages, page_size, token_bytes, aux_slots=16
+    ):
         from kv_transfer import DecodeKVManager, TransferConfig
+
         pool = self._pool(name, num_pages, page_size, dst_slices[pp_rank], token_bytes)
-        self.mgrs[name] = DecodeKVManager(TransferConfig(**cfg), pool, pp_rank, dst_slices, aux_slots, self.engine)
+        self.mgrs[name] = DecodeKVManager(
+            TransferConfig(**cfg), pool, pp_rank, dst_slices, aux_slots, self.engine
+        )
         return self.mgrs[name].ctrl_port
 
     def wait_registered(self, name, timeout):
@@ -61,7 +82,11 @@ class Host:
                 data = ref_bytes(room, layer, kv, num_tokens, tb)
                 for t0 in range(0, num_tokens, ps):
                     n = min(ps, num_tokens - t0)
-                    ctypes.memmove(pool.addr(page_ids[t0 // ps], layer, kv, 0), data[t0 * tb:(t0 + n) * tb], n * tb)
+                    ctypes.memmove(
+                        pool.addr(page_ids[t0 // ps], layer, kv, 0),
+                        data[t0 * tb : (t0 + n) * tb],
+                        n * tb,
+                    )
 
     def check(self, name, room, page_ids, num_tokens):
         """Number of (layer, k/v, page) pieces that differ from the reference (0 = byte-exact)."""
@@ -74,7 +99,7 @@ class Host:
                 for t0 in range(0, num_tokens, ps):
                     n = min(ps, num_tokens - t0)
                     got = ctypes.string_at(pool.addr(page_ids[t0 // ps], layer, kv, 0), n * tb)
-                    bad += got != data[t0 * tb:(t0 + n) * tb]
+                    bad += got != data[t0 * tb : (t0 + n) * tb]
         return bad
 
     def create_sender(self, name, room):
@@ -127,7 +152,7 @@ class Host:
 
 
 def worker_main(conn) -> None:
-    os.environ.setdefault("GLOG_minloglevel", "2")      # Mooncake's glog INFO/WARNING lines
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog INFO/WARNING lines
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     host = Host()
     conn.send(("ok", host.engine.session_id))

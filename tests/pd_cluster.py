@@ -1,4 +1,5 @@
 """A prefill node and a decode node as real processes, and a client that plays the router's part."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,21 +10,47 @@ import time
 from pathlib import Path
 
 import httpx
-
 from cluster import free_port, start
 
-NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
-             "--max-running", "32", "--threads", "1"]
-FAST_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8", "PDSERVE_KV_WAITING_TIMEOUT_S": "8",
-                 "PDSERVE_KV_TRANSFER_TIMEOUT_S": "8", "PDSERVE_KV_QUARANTINE_S": "10",
-                 "PDSERVE_RANK_CONSENSUS_CHECK": "1"}
+NODE_ARGS = [
+    "--page-size",
+    "4",
+    "--chunk-size",
+    "16",
+    "--max-batch-tokens",
+    "64",
+    "--max-total-tokens",
+    "8192",
+    "--max-running",
+    "32",
+    "--threads",
+    "1",
+]
+FAST_TIMEOUTS = {
+    "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8",
+    "PDSERVE_KV_WAITING_TIMEOUT_S": "8",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "8",
+    "PDSERVE_KV_QUARANTINE_S": "10",
+    "PDSERVE_RANK_CONSENSUS_CHECK": "1",
+}
 
 
 @contextlib.contextmanager
 def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill"):
     port, bport = free_port(), free_port()
-    cmd = ["prefill", "--model", str(model), "--pp", str(pp), "--port", str(port), "--bootstrap-port", str(bport),
-           *NODE_ARGS, *extra]
+    cmd = [
+        "prefill",
+        "--model",
+        str(model),
+        "--pp",
+        str(pp),
+        "--port",
+        str(port),
+        "--bootstrap-port",
+        str(bport),
+        *NODE_ARGS,
+        *extra,
+    ]
     with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
         yield url, bport, proc
 
@@ -31,42 +58,74 @@ def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill"):
 @contextlib.contextmanager
 def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode"):
     port = free_port()
-    cmd = ["decode", "--model", str(model), "--pp", str(pp), "--port", str(port), *NODE_ARGS, *extra]
+    cmd = [
+        "decode",
+        "--model",
+        str(model),
+        "--pp",
+        str(pp),
+        "--port",
+        str(port),
+        *NODE_ARGS,
+        *extra,
+    ]
     with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
         yield url, proc
 
 
 def body(ids, room, bport, max_new, stream=False):
-    return {"input_ids": ids, "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
-            "stream": stream, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
+    return {
+        "input_ids": ids,
+        "bootstrap_room": room,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bport,
+        "stream": stream,
+        "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
+    }
 
 
 def allow_bootstrap(durl: str, *bports: int) -> None:
     """What the router does when it registers prefill nodes: tell the decode node their bootstrap
     servers, the only ones it may contact."""
-    r = httpx.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{b}" for b in bports]}, timeout=10)
+    r = httpx.put(
+        f"{durl}/bootstrap_servers",
+        json={"servers": [f"127.0.0.1:{b}" for b in bports]},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
 
 
-async def pd_generate(client: httpx.AsyncClient, purl: str, durl: str, bport: int, ids, max_new: int,
-                      room: int | None = None) -> tuple[dict, dict]:
+async def pd_generate(
+    client: httpx.AsyncClient,
+    purl: str,
+    durl: str,
+    bport: int,
+    ids,
+    max_new: int,
+    room: int | None = None,
+) -> tuple[dict, dict]:
     """What the router does: the same request to both nodes at once; returns (prefill, decode) JSON."""
     r = await client.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]})
     assert r.status_code == 200, r.text
     room = room if room is not None else random.getrandbits(63)
     b = body(ids, room, bport, max_new)
-    p, d = await asyncio.gather(client.post(f"{purl}/generate", json=b), client.post(f"{durl}/generate", json=b))
+    p, d = await asyncio.gather(
+        client.post(f"{purl}/generate", json=b), client.post(f"{durl}/generate", json=b)
+    )
     return p.json(), d.json()
 
 
 def pd_generate_all(purl, durl, bport, prompts, max_new) -> list[list[int]]:
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
-            res = await asyncio.gather(*(pd_generate(c, purl, durl, bport, ids, max_new) for ids in prompts))
+            res = await asyncio.gather(
+                *(pd_generate(c, purl, durl, bport, ids, max_new) for ids in prompts)
+            )
         for p, d in res:
             assert "error" not in p, p
             assert "error" not in d, d
         return [d["token_ids"] for _, d in res]
+
     return asyncio.run(run())
 
 

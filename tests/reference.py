@@ -1,4 +1,5 @@
 """Hugging Face transformers as the correctness reference: plain greedy decoding, no stopping rules."""
+
 from __future__ import annotations
 
 import torch
@@ -26,4 +27,5 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 
 def load_hf(path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -6,6 +6,7 @@ changed at run time with `POST /_control`; `GET /_stats` returns what the node s
 aborts). `StubNode` runs one in a thread on a loopback port; `python tests/stub_node.py --port 0`
 runs one as a process and prints `READY <port>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,14 @@ FAIL_MODES = (None, "500", "503", "429", "hang", "abort", "midstream")
 
 @dataclass
 class Behavior:
-    role: str = "decode"                  # prefill | decode | colocated
+    role: str = "decode"  # prefill | decode | colocated
     model: str = "stub-model"
     max_context: int = 4096
     bootstrap_port: int | None = None
     natural_tokens: int = 8
-    token_delay_s: float = 0.0            # between stream chunks
-    first_token_delay_s: float = 0.0      # decode: as if waiting for the KV; prefill: the prefill
-    fail: str | None = None               # one of FAIL_MODES, for /generate
+    token_delay_s: float = 0.0  # between stream chunks
+    first_token_delay_s: float = 0.0  # decode: as if waiting for the KV; prefill: the prefill
+    fail: str | None = None  # one of FAIL_MODES, for /generate
     healthy: bool = True
     internal_token: str | None = None
 
@@ -51,9 +52,17 @@ class Stats:
 
 
 def _error(status: int, message: str, code: str | None = None, param: str | None = None):
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"
-                                   if status < 500 else "server_error",
-                                   "param": param, "code": code}}, status_code=status)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "param": param,
+                "code": code,
+            }
+        },
+        status_code=status,
+    )
 
 
 def _words(body: dict) -> list[str]:
@@ -90,12 +99,20 @@ def make_app(behavior: Behavior) -> FastAPI:
         return len(words), out, reason, params
 
     def chunk(rid, prompt_tokens, done, text, i, reason, params):
-        meta = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                "finish_reason": {"type": reason} if reason else None}
+        meta = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": done,
+            "finish_reason": {"type": reason} if reason else None,
+        }
         if params.get("logprobs") and text:
             top = params.get("top_logprobs") or 0
             meta["logprobs"] = [[1000 + i, -0.5, [[1000 + i + k, -0.5 - k] for k in range(top)]]]
-        return {"rid": rid, "text": text, "token_ids": [1000 + i] if text else [], "meta_info": meta}
+        return {
+            "rid": rid,
+            "text": text,
+            "token_ids": [1000 + i] if text else [],
+            "meta_info": meta,
+        }
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -107,8 +124,12 @@ def make_app(behavior: Behavior) -> FastAPI:
         stats.bodies.append(body)
         prompt_tokens, words, reason, params = plan(body)
         if prompt_tokens + (params.get("max_tokens") or 0) > behavior.max_context:
-            return _error(400, "prompt plus max_tokens exceed the context",
-                          "context_length_exceeded", "max_tokens")
+            return _error(
+                400,
+                "prompt plus max_tokens exceed the context",
+                "context_length_exceeded",
+                "max_tokens",
+            )
         if behavior.fail in ("500", "503", "429"):
             return _error(int(behavior.fail), f"injected failure {behavior.fail}", "injected")
         if behavior.fail == "hang":
@@ -118,8 +139,10 @@ def make_app(behavior: Behavior) -> FastAPI:
         if behavior.role == "prefill":
             await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
             kind = "abort" if behavior.fail == "abort" or rid in aborted else "length"
-            return {"rid": rid, "meta_info": {"prompt_tokens": prompt_tokens,
-                                              "finish_reason": {"type": kind}}}
+            return {
+                "rid": rid,
+                "meta_info": {"prompt_tokens": prompt_tokens, "finish_reason": {"type": kind}},
+            }
         if not body.get("stream"):
             await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
             if behavior.fail == "abort" or rid in aborted:
@@ -130,29 +153,55 @@ def make_app(behavior: Behavior) -> FastAPI:
             if params.get("logprobs"):
                 out["meta_info"]["logprobs"] = [
                     chunk(rid, 0, 0, w, i, None, params)["meta_info"]["logprobs"][0]
-                    for i, w in enumerate(words)]
+                    for i, w in enumerate(words)
+                ]
             return out
 
         async def events():
             try:
                 await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
                 if behavior.fail == "abort":
-                    yield _sse({"rid": rid, "error": {"message": "injected abort",
-                                                      "type": "server_error", "code": "injected"},
-                                "meta_info": {"finish_reason": {"type": "abort"}}})
+                    yield _sse(
+                        {
+                            "rid": rid,
+                            "error": {
+                                "message": "injected abort",
+                                "type": "server_error",
+                                "code": "injected",
+                            },
+                            "meta_info": {"finish_reason": {"type": "abort"}},
+                        }
+                    )
                     yield "data: [DONE]\n\n"
                     return
                 for i, word in enumerate(words):
                     if i and behavior.token_delay_s:
                         await _sleep_unless(behavior.token_delay_s, rid, aborted)
                     if rid in aborted or (behavior.fail == "midstream" and i == 2):
-                        yield _sse({"rid": rid, "error": {"message": "aborted", "type":
-                                                          "server_error", "code": "aborted"},
-                                    "meta_info": {"finish_reason": {"type": "abort"}}})
+                        yield _sse(
+                            {
+                                "rid": rid,
+                                "error": {
+                                    "message": "aborted",
+                                    "type": "server_error",
+                                    "code": "aborted",
+                                },
+                                "meta_info": {"finish_reason": {"type": "abort"}},
+                            }
+                        )
                         break
                     last = i == len(words) - 1
-                    yield _sse(chunk(rid, prompt_tokens, i + 1, (" " if i else "") + word, i,
-                                     reason if last else None, params))
+                    yield _sse(
+                        chunk(
+                            rid,
+                            prompt_tokens,
+                            i + 1,
+                            (" " if i else "") + word,
+                            i,
+                            reason if last else None,
+                            params,
+                        )
+                    )
                 else:
                     if not words:
                         yield _sse(chunk(rid, prompt_tokens, 0, "", 0, reason, params))
@@ -165,8 +214,9 @@ def make_app(behavior: Behavior) -> FastAPI:
 
     @app.post("/abort")
     async def abort(request: Request):
-        if behavior.internal_token and (request.headers.get("authorization")
-                                        != f"Bearer {behavior.internal_token}"):
+        if behavior.internal_token and (
+            request.headers.get("authorization") != f"Bearer {behavior.internal_token}"
+        ):
             return _error(401, "bad internal token")
         body = await request.json()
         stats.aborts.append(body.get("rid"))
@@ -181,15 +231,20 @@ def make_app(behavior: Behavior) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info():
-        return {"model": behavior.model, "role": behavior.role,
-                "max_context": behavior.max_context, "pp_size": 1,
-                "bootstrap_port": behavior.bootstrap_port,
-                "load": {"running": 0, "waiting": 0}}
+        return {
+            "model": behavior.model,
+            "role": behavior.role,
+            "max_context": behavior.max_context,
+            "pp_size": 1,
+            "bootstrap_port": behavior.bootstrap_port,
+            "load": {"running": 0, "waiting": 0},
+        }
 
     @app.put("/bootstrap_servers")
     async def bootstrap_servers(request: Request):
-        if behavior.internal_token and (request.headers.get("authorization")
-                                        != f"Bearer {behavior.internal_token}"):
+        if behavior.internal_token and (
+            request.headers.get("authorization") != f"Bearer {behavior.internal_token}"
+        ):
             return _error(401, "bad internal token")
         stats.bootstrap_servers = (await request.json())["servers"]
         return {"servers": stats.bootstrap_servers}
@@ -235,13 +290,19 @@ class ThreadServer:
         self.sock = bind_loopback(port)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, access_log=False,
-                                lifespan=lifespan)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=1,
+            access_log=False,
+            lifespan=lifespan,
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
 
-    def start(self, timeout: float = 10.0) -> "ThreadServer":
+    def start(self, timeout: float = 10.0) -> ThreadServer:
         self.thread.start()
         end = time.monotonic() + timeout
         while not self.server.started:
@@ -282,10 +343,18 @@ class Cluster:
     """Stub prefill/decode/colocated nodes plus a router in threads, for tests. Use as a context
     manager; everything started is stopped on exit. `router_kw` are RouterConfig fields."""
 
-    def __init__(self, prefill: int = 1, decode: int = 1, colocated: int = 0,
-                 node_kw: dict | None = None, **router_kw):
-        self.prefill = [StubNode(role="prefill", bootstrap_port=8998 + i, **(node_kw or {}))
-                        for i in range(prefill)]
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        colocated: int = 0,
+        node_kw: dict | None = None,
+        **router_kw,
+    ):
+        self.prefill = [
+            StubNode(role="prefill", bootstrap_port=8998 + i, **(node_kw or {}))
+            for i in range(prefill)
+        ]
         self.decode = [StubNode(role="decode", **(node_kw or {})) for _ in range(decode)]
         self.colocated = [StubNode(role="colocated", **(node_kw or {})) for _ in range(colocated)]
         self.router_kw = router_kw
@@ -295,9 +364,10 @@ class Cluster:
     def nodes(self) -> list[StubNode]:
         return self.prefill + self.decode + self.colocated
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         from router.app import build_app
         from router.config import HealthConfig, RouterConfig, WorkerSpec
+
         try:
             workers = tuple(WorkerSpec(n.url, n.behavior.role) for n in self.nodes)
             kw = {"health": HealthConfig(interval_s=0.1, timeout_s=1.0), **self.router_kw}
@@ -328,8 +398,13 @@ def main() -> None:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     parser.add_argument("--bootstrap-port", type=int, default=None)
     args = parser.parse_args()
-    behavior = Behavior(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Behavior)
-                           if hasattr(args, f.name)})
+    behavior = Behavior(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(Behavior)
+            if hasattr(args, f.name)
+        }
+    )
     sock = bind_loopback(args.port)
     print(f"READY {sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(make_app(behavior), log_level="warning", access_log=False)

@@ -3,6 +3,7 @@
 The cluster is started once (1 prefill + 1 decode node, PP 1 each, an API key so every run also
 checks the Bearer token). Each test runs the real command as a subprocess and reads its JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from cluster import ROOT, free_port, kill_group
 
 KEY = "bench-test-key"
-NODE_ARGS = "--page-size 4 --chunk-size 32 --max-batch-tokens 128 --max-total-tokens 8192 --threads 1"
+NODE_ARGS = (
+    "--page-size 4 --chunk-size 32 --max-batch-tokens 128 --max-total-tokens 8192 --threads 1"
+)
 AIPERF_VERSION = "0.13.0"
 
 
@@ -31,12 +33,30 @@ AIPERF_VERSION = "0.13.0"
 def cluster(tiny30, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("bench_up") / "up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny30), "--port", str(port),
-           "--prefill-pp", "1", "--decode-pp", "1", "--api-key", KEY, "--node-args", NODE_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--model",
+        str(tiny30),
+        "--port",
+        str(port),
+        "--prefill-pp",
+        "1",
+        "--decode-pp",
+        "1",
+        "--api-key",
+        KEY,
+        "--node-args",
+        NODE_ARGS,
+    ]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
-        deadline = time.monotonic() + 420     # a bound, not a speed check: shared cores can be busy
+        deadline = time.monotonic() + 420  # a bound, not a speed check: shared cores can be busy
         while "[up] ready" not in log.read_text():
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -47,8 +67,13 @@ def cluster(tiny30, tmp_path_factory):
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--no-progress", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "--no-progress", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_json(url: str, out: Path, *args: str) -> dict:
@@ -58,23 +83,55 @@ def run_json(url: str, out: Path, *args: str) -> dict:
 
 
 def ordered(d: dict) -> bool:
-    return d["count"] > 0 and d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"] \
+    return (
+        d["count"] > 0
+        and d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
         and d["min"] <= d["mean"] <= d["max"]
+    )
 
 
 def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny30, tmp_path):
     png = tmp_path / "sweep.png"
-    res = run_json(cluster, tmp_path / "sweep.json", "--tokenizer", str(tiny30), "--isl", "24", "--osl", "6",
-                   "--concurrency", "1,3", "--num-requests", "6", "--warmup", "1", "--save-records",
-                   "--slo-ttft-ms", "1e9", "--slo-itl-ms", "1e9", "--slo-e2e-ms", "1e9", "--plot", str(png))
+    res = run_json(
+        cluster,
+        tmp_path / "sweep.json",
+        "--tokenizer",
+        str(tiny30),
+        "--isl",
+        "24",
+        "--osl",
+        "6",
+        "--concurrency",
+        "1,3",
+        "--num-requests",
+        "6",
+        "--warmup",
+        "1",
+        "--save-records",
+        "--slo-ttft-ms",
+        "1e9",
+        "--slo-itl-ms",
+        "1e9",
+        "--slo-e2e-ms",
+        "1e9",
+        "--plot",
+        str(png),
+    )
     assert res["config"]["loads"] == [{"concurrency": 1}, {"concurrency": 3}]
     assert res["config"]["api_key_sent"] is True and KEY not in json.dumps(res)
     assert [s["load"] for s in res["loads"]] == [{"concurrency": 1}, {"concurrency": 3}]
     for s in res["loads"]:
-        assert (s["completed"], s["failed"], s["cancelled"], s["warmup_requests"]) == (6, 0, 0, 1), s
+        assert (s["completed"], s["failed"], s["cancelled"], s["warmup_requests"]) == (
+            6,
+            0,
+            0,
+            1,
+        ), s
         # ignore_eos: every answer is exactly max_tokens long, counted by the server's usage.
         assert s["output_tokens_as_requested"] == 6 and s["total_output_tokens"] == 36
-        assert s["output_tokens_source"] == {"usage": 6} and s["input_tokens_source"] == {"server": 6}
+        assert s["output_tokens_source"] == {"usage": 6} and s["input_tokens_source"] == {
+            "server": 6
+        }
         for key in ("ttft_ms", "itl_ms", "e2e_ms"):
             assert ordered(s[key]), (key, s[key])
         assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"]
@@ -86,23 +143,53 @@ def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny30, tm
         prompt_overhead = {r["prompt_tokens"] - r["client_prompt_tokens"] for r in recs}
         assert {r["client_prompt_tokens"] for r in recs} == {24} and len(prompt_overhead) == 1, recs
         for r in recs:
-            assert r["ok"] and r["output_tokens"] == r["max_tokens"] == 6 and len(r["chunk_times_ms"]) >= 1
-            assert r["chunk_times_ms"] == sorted(r["chunk_times_ms"]) and r["chunk_times_ms"][0] == r["ttft_ms"]
+            assert (
+                r["ok"]
+                and r["output_tokens"] == r["max_tokens"] == 6
+                and len(r["chunk_times_ms"]) >= 1
+            )
+            assert (
+                r["chunk_times_ms"] == sorted(r["chunk_times_ms"])
+                and r["chunk_times_ms"][0] == r["ttft_ms"]
+            )
             assert r["chunk_times_ms"][-1] <= r["e2e_ms"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny30, tmp_path):
-    res = run_json(cluster, tmp_path / "rate.json", "--endpoint", "completions", "--tokenizer", str(tiny30),
-                   "--isl", "uniform:8,40", "--osl", "5", "--request-rate", "100", "--num-requests", "8",
-                   "--warmup", "0", "--save-records", "--slo-ttft-ms", "0.001", "--seed", "3")
+    res = run_json(
+        cluster,
+        tmp_path / "rate.json",
+        "--endpoint",
+        "completions",
+        "--tokenizer",
+        str(tiny30),
+        "--isl",
+        "uniform:8,40",
+        "--osl",
+        "5",
+        "--request-rate",
+        "100",
+        "--num-requests",
+        "8",
+        "--warmup",
+        "0",
+        "--save-records",
+        "--slo-ttft-ms",
+        "0.001",
+        "--seed",
+        "3",
+    )
     (s,) = res["loads"]
     assert s["load"] == {"request_rate": 100.0} and s["completed"] == 8 and s["failed"] == 0
     assert s["good_requests"] == 0 and s["goodput"] == 0.0 < s["request_throughput"]
     recs = s["records"]
     # No chat template on /v1/completions: the server counts exactly the tokens our tokenizer built.
     assert all(r["prompt_tokens"] == r["client_prompt_tokens"] for r in recs), recs
-    assert all(8 <= r["prompt_tokens"] <= 40 for r in recs) and len({r["prompt_tokens"] for r in recs}) > 1
+    assert (
+        all(8 <= r["prompt_tokens"] <= 40 for r in recs)
+        and len({r["prompt_tokens"] for r in recs}) > 1
+    )
     assert all(r["output_tokens"] == 5 for r in recs)
     # Open loop: arrivals follow the seeded Poisson clock, not the answers, so requests overlap
     # (100/s puts all 8 out within a fraction of the time one PD request takes) and gaps differ.
@@ -116,14 +203,38 @@ def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny30, tmp
 
 def test_jsonl_workload_and_chat_messages(cluster, tmp_path):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps(e) for e in [
-        {"prompt": "the cache page moves to the decode rank", "max_tokens": 5},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a router"}],
-         "max_tokens": 7},
-        {"prompt": "prefill layer token"},
-    ]) + "\n\n")
-    res = run_json(cluster, tmp_path / "jsonl.json", "--dataset", str(data), "--osl", "3", "--concurrency", "2",
-                   "--num-requests", "6", "--warmup", "0", "--save-records")
+    data.write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in [
+                {"prompt": "the cache page moves to the decode rank", "max_tokens": 5},
+                {
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": "a router"},
+                    ],
+                    "max_tokens": 7,
+                },
+                {"prompt": "prefill layer token"},
+            ]
+        )
+        + "\n\n"
+    )
+    res = run_json(
+        cluster,
+        tmp_path / "jsonl.json",
+        "--dataset",
+        str(data),
+        "--osl",
+        "3",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "6",
+        "--warmup",
+        "0",
+        "--save-records",
+    )
     (s,) = res["loads"]
     assert s["completed"] == 6 and s["total_output_tokens"] == 2 * (5 + 7 + 3)
     recs = s["records"]
@@ -135,21 +246,25 @@ def test_jsonl_workload_and_chat_messages(cluster, tmp_path):
 
 
 def test_bad_url_fails_fast_with_a_clear_error():
-    port = free_port()      # nothing listens there; the run must end by itself within the timeout
+    port = free_port()  # nothing listens there; the run must end by itself within the timeout
     r = bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "2", timeout=180)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert f"cannot reach the server at http://127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        f"cannot reach the server at http://127.0.0.1:{port}" in r.stderr
+        and "Traceback" not in r.stderr
+    )
 
 
 def test_user_errors_name_the_flag(cluster, tmp_path, capsys, monkeypatch):
     from pdserve.cli import main
-    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)      # the key's default
+
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)  # the key's default
 
     def error_of(*args: str) -> str:
         assert main(["bench", "--url", cluster, "--no-progress", *args]) == 2
         return capsys.readouterr().err
 
-    assert "--api-key" in error_of("--num-requests", "1")                    # the cluster wants a key
+    assert "--api-key" in error_of("--num-requests", "1")  # the cluster wants a key
     assert "--isl" in error_of("--isl", "uniform:5")
     assert "--osl" in error_of("--osl", "0")
     assert "--concurrency" in error_of("--concurrency", "2,x")
@@ -161,7 +276,7 @@ def test_user_errors_name_the_flag(cluster, tmp_path, capsys, monkeypatch):
     chat_only = tmp_path / "chat.jsonl"
     chat_only.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert "--endpoint chat" in error_of("--dataset", str(chat_only), "--endpoint", "completions")
-    monkeypatch.setitem(sys.modules, "matplotlib", None)        # as if matplotlib were not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if matplotlib were not installed
     assert "pip install 'pdserve[bench]'" in error_of("--plot", str(tmp_path / "x.png"))
 
 
@@ -178,7 +293,9 @@ def test_workload_is_seeded_and_lengths_are_exact(tiny30):
     assert a == prompts(0)
     assert [r.prompt for r in a] != [r.prompt for r in prompts(1)]
     assert [r.prompt for r in a] != [r.prompt for r in prompts(0, "load1")]
-    assert [r.prompt for r in prompts(5, tokenizer=None)] == [r.prompt for r in prompts(5, tokenizer=None)]
+    assert [r.prompt for r in prompts(5, tokenizer=None)] == [
+        r.prompt for r in prompts(5, tokenizer=None)
+    ]
     for r in a:
         assert tok.count(r.prompt) == r.prompt_tokens and isl.lo <= r.prompt_tokens <= isl.hi
         assert 2 <= r.max_tokens <= 9
@@ -203,11 +320,40 @@ def _start_bench_until_stopped(url: str, tiny30: Path, out: Path, err: Path) -> 
     """`pdserve bench` at concurrency 2 for longer than aiperf needs (it is stopped with Ctrl-C);
     returns once its measured phase runs (its progress bar, not the warm-up's, is on)."""
     with open(err, "w") as ef:
-        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--api-key", KEY,
-                              "--tokenizer", str(tiny30), "--isl", "24", "--osl", "6", "--concurrency", "2",
-                              "--num-requests", "600", "--duration", "900", "--warmup", "1",
-                              "--output", str(out), "--save-records"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=ef, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "bench",
+                "--url",
+                url,
+                "--api-key",
+                KEY,
+                "--tokenizer",
+                str(tiny30),
+                "--isl",
+                "24",
+                "--osl",
+                "6",
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "600",
+                "--duration",
+                "900",
+                "--warmup",
+                "1",
+                "--output",
+                str(out),
+                "--save-records",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=ef,
+            text=True,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 240
     while not re.search(r"(^|[\r\n])concurrency 2:", err.read_text()):
         if p.poll() is not None or time.monotonic() > deadline:
@@ -230,15 +376,55 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
     equal; rates and latencies must agree within 2x: a check that the two meters measure the same
     thing, not a performance assertion.
     """
-    model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+    model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
+        "data"
+    ][0]["id"]
     art, out, err = tmp_path / "aiperf", tmp_path / "ours.json", tmp_path / "ours.stderr"
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}   # aiperf rejects a local folder with it
-    cmd = [_aiperf(), "profile", "-m", model, "--url", cluster, "--api-key", KEY, "--endpoint-type", "chat",
-           "--streaming", "--tokenizer", str(tiny30), "--isl", "24", "--osl", "6", "--random-seed", "0",
-           "--num-dataset-entries", "12", "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
-           "--concurrency", "2", "--request-count", "12", "--warmup-request-count", "1", "--ui", "none",
-           "--no-gpu-telemetry", "--no-server-metrics", "--record-processors", "1", "--export-level", "records",
-           "--artifact-dir", str(art)]
+    env = {
+        k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"
+    }  # aiperf rejects a local folder with it
+    cmd = [
+        _aiperf(),
+        "profile",
+        "-m",
+        model,
+        "--url",
+        cluster,
+        "--api-key",
+        KEY,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        str(tiny30),
+        "--isl",
+        "24",
+        "--osl",
+        "6",
+        "--random-seed",
+        "0",
+        "--num-dataset-entries",
+        "12",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--use-server-token-count",
+        "--concurrency",
+        "2",
+        "--request-count",
+        "12",
+        "--warmup-request-count",
+        "1",
+        "--ui",
+        "none",
+        "--no-gpu-telemetry",
+        "--no-server-metrics",
+        "--record-processors",
+        "1",
+        "--export-level",
+        "records",
+        "--artifact-dir",
+        str(art),
+    ]
     ours_proc = _start_bench_until_stopped(cluster, tiny30, out, err)
     try:
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
@@ -261,7 +447,9 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
     assert sum(x["error"] == "cancelled" for x in measured) == ours["cancelled"]
 
     peer = json.loads((art / "profile_export_aiperf.json").read_text())
-    peer_recs = [json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line]
+    peer_recs = [
+        json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line
+    ]
     peer_recs = [x for x in peer_recs if x["metadata"]["benchmark_phase"] == "profiling"]
     assert peer["aiperf_version"] == AIPERF_VERSION
     # Counts: 12 requests of exactly 6 output tokens (server usage) for aiperf, 6 each for ours too.
@@ -272,7 +460,10 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
     assert ours["total_output_tokens"] == 6 * ours["completed"]
     # Prompts: both built 24-token texts with the same tokenizer; the server adds the same template.
     ours_prompt = ours["total_input_tokens"] / ours["completed"]
-    assert abs(peer["usage_prompt_tokens"]["avg"] - ours_prompt) <= 1, (peer["usage_prompt_tokens"], ours_prompt)
+    assert abs(peer["usage_prompt_tokens"]["avg"] - ours_prompt) <= 1, (
+        peer["usage_prompt_tokens"],
+        ours_prompt,
+    )
 
     w0 = min(x["metadata"]["request_start_ns"] for x in peer_recs) / 1e9
     w1 = max(x["metadata"]["request_end_ns"] for x in peer_recs) / 1e9
@@ -284,11 +475,14 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
 
     def within(a: float, b: float, factor: float = 2.0) -> bool:
         return b / factor <= a <= b * factor
+
     rates = (len(ended_inside) / (w1 - w0), peer["request_throughput"]["avg"])
     ttfts = (statistics.median(x["ttft_ms"] for x in inside), peer["time_to_first_token"]["p50"])
     itls = (statistics.mean(x["itl_ms"] for x in inside), peer["inter_token_latency"]["avg"])
-    print(f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
-          f"TTFT p50 ms {ttfts}, ITL mean ms {itls}")
+    print(
+        f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
+        f"TTFT p50 ms {ttfts}, ITL mean ms {itls}"
+    )
     assert within(*rates), rates
     # TTFT here is ~100-250 ms of queueing behind the other client's decode steps, medians of a
     # handful of requests: observed 10-30 % apart in most runs and once 2.0x (228 vs 113 ms) in a

@@ -8,6 +8,7 @@ no request is left hanging, every finished answer is the transformers greedy ref
 of every node holds no KV, every queue is empty, the router's and nodes' counters agree, and the
 cluster still answers. Then Ctrl-C must leave no process behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,43 +26,53 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster import ROOT, free_port, group_alive, kill_group
 from pd_cluster import FAST_TIMEOUTS
+from prometheus_client.parser import text_string_to_metric_families
 from reference import hf_greedy, load_hf
 
-LAYOUTS = [(2, 2), (3, 2)]               # (prefill PP, decode PP)
-N_REQUESTS = 1000                        # per layout
-CONCURRENCY = 48                         # client requests in flight
-MAX_NEW = 16                             # the longest answer; references are computed this long
+LAYOUTS = [(2, 2), (3, 2)]  # (prefill PP, decode PP)
+N_REQUESTS = 1000  # per layout
+CONCURRENCY = 48  # client requests in flight
+MAX_NEW = 16  # the longest answer; references are computed this long
 # Small pools (128 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
 # chunk 16 so the long prompts take up to 7 prefill chunks.
 NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 512 --threads 1"
 # Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the tests'
 # 8 s KV timeouts would turn that queueing into failures. Quarantine stays short for the settle time.
-KV_TIMEOUTS = {**FAST_TIMEOUTS, "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90", "PDSERVE_KV_WAITING_TIMEOUT_S": "90",
-               "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30"}
+KV_TIMEOUTS = {
+    **FAST_TIMEOUTS,
+    "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90",
+    "PDSERVE_KV_WAITING_TIMEOUT_S": "90",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30",
+}
 # Hang bounds. A stream silent for 60 s (httpx's read timeout) or a request alive for 120 s is a hang;
 # the storm as a whole takes about 2 minutes on a busy 2-core machine and must end within 8.
 STORM_BOUND_S = 480.0
 REQUEST_BOUND_S = 120.0
-SETTLE_S = 60.0                          # quarantine (10 s in FAST_TIMEOUTS) + release votes + stats push
+SETTLE_S = 60.0  # quarantine (10 s in FAST_TIMEOUTS) + release votes + stats push
 
 # Fates, with their weights in the mix.
-FATES = {"complete": 30, "before_first_byte": 12, "after_tokens": 16, "during_prefill": 12,
-         "after_first_token": 14, "client_timeout": 16}
+FATES = {
+    "complete": 30,
+    "before_first_byte": 12,
+    "after_tokens": 16,
+    "during_prefill": 12,
+    "after_first_token": 14,
+    "client_timeout": 16,
+}
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 # --- the cluster and the prompts ------------------------------------------------------------------
+
 
 def default_sigint() -> None:
     """A shell without job control starts background jobs with SIGINT ignored; Ctrl-C must reach `up`."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-SECRET = "storm-cluster-secret"          # `pdserve up` takes the cluster secret from its environment
+SECRET = "storm-cluster-secret"  # `pdserve up` takes the cluster secret from its environment
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
@@ -70,7 +81,7 @@ class Cluster:
     url: str
     proc: subprocess.Popen
     log: Path
-    pp: dict[str, int]                   # role -> PP size
+    pp: dict[str, int]  # role -> PP size
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda lay: f"prefill{lay[0]}-decode{lay[1]}")
@@ -80,16 +91,43 @@ def cluster(request, tiny6, tmp_path_factory):
     ppp, dpp = request.param
     port = free_port()
     log = tmp_path_factory.mktemp(f"storm{ppp}{dpp}") / "up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny6), "--port", str(port),
-           "--prefill-pp", str(ppp), "--decode-pp", str(dpp), "--node-args", NODE_ARGS,
-           "--router-args", "--health-interval 1"]
-    env = {**os.environ, **KV_TIMEOUTS, "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_INTERNAL_TOKEN": SECRET}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--model",
+        str(tiny6),
+        "--port",
+        str(port),
+        "--prefill-pp",
+        str(ppp),
+        "--decode-pp",
+        str(dpp),
+        "--node-args",
+        NODE_ARGS,
+        "--router-args",
+        "--health-interval 1",
+    ]
+    env = {
+        **os.environ,
+        **KV_TIMEOUTS,
+        "PDSERVE_LOG_LEVEL": "WARNING",
+        "PDSERVE_INTERNAL_TOKEN": SECRET,
+    }
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=default_sigint)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 480     # a busy 2-core machine starts 8 or 9 processes slowly
+        deadline = time.monotonic() + 480  # a busy 2-core machine starts 8 or 9 processes slowly
         while "[up] ready" not in log.read_text():
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -101,31 +139,34 @@ def cluster(request, tiny6, tmp_path_factory):
 
 @dataclass
 class Prompt:
-    route: str                           # "chat" or "completion"
-    payload: dict                        # the prompt part of the OpenAI body
-    ids: list[int]                       # what the node prefills (chat: after the template)
-    ref: list[int]                       # greedy reference, MAX_NEW tokens
-    ref_text: list[str]                  # ref_text[n]: decoded text of the first n reference tokens
+    route: str  # "chat" or "completion"
+    payload: dict  # the prompt part of the OpenAI body
+    ids: list[int]  # what the node prefills (chat: after the template)
+    ref: list[int]  # greedy reference, MAX_NEW tokens
+    ref_text: list[str]  # ref_text[n]: decoded text of the first n reference tokens
 
     @property
     def long(self) -> bool:
-        return len(self.ids) > 32        # at least three prefill chunks
+        return len(self.ids) > 32  # at least three prefill chunks
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny6) -> list[Prompt]:
     """24 distinct prompts (12 completions as token ids, 12 chats), reused by the whole storm."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(tiny6))
     rng = random.Random(2024)
     out = []
     for n in (3, 5, 8, 12, 17, 23, 31, 40, 52, 64, 80, 100):
         ids = [rng.randrange(3, len(tok)) for _ in range(n)]
         out.append(Prompt("completion", {"prompt": ids}, ids, [], []))
-    words = "the cache page prefill decode rank router slot layer token pipeline transfer".split()
+    words = ["the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token", "pipeline", "transfer"]
     for n in (1, 2, 3, 5, 8, 12, 16, 20, 24, 30, 36, 44):
         q = " ".join(rng.choice(words) for _ in range(n))
-        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out.append(Prompt("chat", {"messages": [{"role": "user", "content": q}]}, ids, [], []))
     model = load_hf(tiny6)
@@ -138,23 +179,24 @@ def prompts(tiny6) -> list[Prompt]:
 
 # --- one request of the storm ---------------------------------------------------------------------
 
+
 @dataclass
 class Plan:
     i: int
     fate: str
     prompt: int
     max_tokens: int
-    logprobs: bool                       # token ids come back in the logprobs entries
-    delay_s: float = 0.0                 # before_first_byte / during_prefill: cancel after this
-    after_tokens: int = 0                # after_tokens: close the stream once this many arrived
-    read_timeout_s: float = 0.0          # client_timeout: httpx read timeout
+    logprobs: bool  # token ids come back in the logprobs entries
+    delay_s: float = 0.0  # before_first_byte / during_prefill: cancel after this
+    after_tokens: int = 0  # after_tokens: close the stream once this many arrived
+    read_timeout_s: float = 0.0  # client_timeout: httpx read timeout
 
 
 @dataclass
 class Outcome:
     plan: Plan
-    end: str = ""                        # completed | cancelled | gave_up | http_<status> | stream_error | hang
-    sent: bool = False                   # the whole request went out (so the router must count it)
+    end: str = ""  # completed | cancelled | gave_up | http_<status> | stream_error | hang
+    sent: bool = False  # the whole request went out (so the router must count it)
     status: int | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -192,18 +234,32 @@ def chunk_tokens(chunk: dict) -> tuple[list[int] | None, str, str | None]:
     if lp is not None:
         names = [e["token"] for e in lp["content"]] if "content" in lp else lp["tokens"]
         ids = [int(t.removeprefix("token_id:")) for t in names]
-    text = (choice["delta"].get("content") or "") if "delta" in choice else (choice.get("text") or "")
+    text = (
+        (choice["delta"].get("content") or "") if "delta" in choice else (choice.get("text") or "")
+    )
     return ids, text, choice.get("finish_reason")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, plan: Plan) -> Outcome:
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, plan: Plan
+) -> Outcome:
     out = Outcome(plan)
-    body = {"model": model, **prompt.payload, "max_tokens": plan.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        **prompt.payload,
+        "max_tokens": plan.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     if plan.logprobs:
         body["logprobs"] = True if prompt.route == "chat" else 0
-    timeout = httpx.Timeout(60.0, read=plan.read_timeout_s) if plan.read_timeout_s else httpx.Timeout(60.0)
-    pieces = 0                           # chunks that carried tokens
+    timeout = (
+        httpx.Timeout(60.0, read=plan.read_timeout_s)
+        if plan.read_timeout_s
+        else httpx.Timeout(60.0)
+    )
+    pieces = 0  # chunks that carried tokens
     cancel_at = {"after_first_token": 1, "after_tokens": plan.after_tokens}.get(plan.fate)
     t0 = time.monotonic()
 
@@ -213,8 +269,13 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: P
 
     async def read() -> None:
         nonlocal pieces
-        async with client.stream("POST", f"{url}{ROUTES[prompt.route]}", json=body, timeout=timeout,
-                                 extensions={"trace": trace}) as r:
+        async with client.stream(
+            "POST",
+            f"{url}{ROUTES[prompt.route]}",
+            json=body,
+            timeout=timeout,
+            extensions={"trace": trace},
+        ) as r:
             out.status = r.status_code
             if r.status_code != 200:
                 raw = await r.aread()
@@ -246,7 +307,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: P
                 pieces += bool(ids or text)
                 if cancel_at and pieces >= cancel_at:
                     out.end = "cancelled"
-                    return                        # leaving the block closes the socket mid-stream
+                    return  # leaving the block closes the socket mid-stream
             out.end = out.end or "stream_error"
             out.error = out.error or "the stream ended without [DONE]"
 
@@ -274,7 +335,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: P
 QUEUE_NAMES = ("bootstrap", "waiting", "inflight", "prealloc", "transfer", "running", "retracted")
 
 
-async def watch_queues(nodes: dict[str, str], peak: dict[str, dict[str, int]], stop: asyncio.Event) -> None:
+async def watch_queues(
+    nodes: dict[str, str], peak: dict[str, dict[str, int]], stop: asyncio.Event
+) -> None:
     """The longest queue seen on each node's PP0 (its stats, pushed twice a second)."""
     async with httpx.AsyncClient(timeout=10, headers=AUTH) as c:
         while not stop.is_set():
@@ -286,8 +349,9 @@ async def watch_queues(nodes: dict[str, str], peak: dict[str, dict[str, int]], s
                 await asyncio.wait_for(stop.wait(), 0.5)
 
 
-async def run_storm(url: str, model: str, prompts: list[Prompt], plans: list[Plan],
-                    nodes: dict[str, str]) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
+async def run_storm(
+    url: str, model: str, prompts: list[Prompt], plans: list[Plan], nodes: dict[str, str]
+) -> tuple[list[Outcome], dict[str, dict[str, int]]]:
     sem = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY)
     peak: dict[str, dict[str, int]] = {role: {} for role in nodes}
@@ -310,8 +374,12 @@ async def run_storm(url: str, model: str, prompts: list[Prompt], plans: list[Pla
 
 # --- reading the cluster's state ------------------------------------------------------------------
 
+
 def node_urls(url: str) -> dict[str, str]:
-    return {w["role"]: w["url"] for w in httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]}
+    return {
+        w["role"]: w["url"]
+        for w in httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+    }
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
@@ -324,7 +392,9 @@ def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
 
 
 def total(metrics: dict, name: str, **labels) -> float:
-    return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == w for k, w in labels.items()))
+    return sum(
+        v for lab, v in metrics.get(name, []) if all(lab.get(k) == w for k, w in labels.items())
+    )
 
 
 def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
@@ -334,9 +404,17 @@ def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
         m = scrape(node)
         info = httpx.get(f"{node}/server_info", headers=AUTH, timeout=10).json()
         got[role] = {
-            "kv_used_tokens": [v for _, v in sorted(m["pdserve_kv_pool_used_tokens"],
-                                                  key=lambda s: int(s[0]["pp_rank"]))],
-            "queues": {f"pp{lab['pp_rank']}:{lab['queue']}": v for lab, v in m["pdserve_queue_requests"] if v},
+            "kv_used_tokens": [
+                v
+                for _, v in sorted(
+                    m["pdserve_kv_pool_used_tokens"], key=lambda s: int(s[0]["pp_rank"])
+                )
+            ],
+            "queues": {
+                f"pp{lab['pp_rank']}:{lab['queue']}": v
+                for lab, v in m["pdserve_queue_requests"]
+                if v
+            },
             "quarantine": [r.get("quarantine", 0) for r in info["ranks"]],
             "front_pending": info["load"]["in_flight"],
             "ranks": len(info["ranks"]),
@@ -345,22 +423,29 @@ def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
 
 
 def is_idle(state: dict[str, dict], pp: dict[str, int]) -> bool:
-    return all(len(s["kv_used_tokens"]) == pp[role] and not any(s["kv_used_tokens"]) and not s["queues"]
-               and not any(s["quarantine"]) and s["front_pending"] == 0 for role, s in state.items())
+    return all(
+        len(s["kv_used_tokens"]) == pp[role]
+        and not any(s["kv_used_tokens"])
+        and not s["queues"]
+        and not any(s["quarantine"])
+        and s["front_pending"] == 0
+        for role, s in state.items()
+    )
 
 
 # --- the storm, once per layout ---------------------------------------------------------------------
+
 
 @dataclass
 class Storm:
     outcomes: list[Outcome]
     wall_s: float
     settle_s: float
-    idle: dict[str, dict]                # idle_state() after the settle time
-    peak_queues: dict[str, dict[str, int]]   # role -> queue -> longest seen on PP0 during the storm
-    router: tuple[dict, dict]            # the router's metrics before and after
+    idle: dict[str, dict]  # idle_state() after the settle time
+    peak_queues: dict[str, dict[str, int]]  # role -> queue -> longest seen on PP0 during the storm
+    router: tuple[dict, dict]  # the router's metrics before and after
     nodes: dict[str, tuple[dict, dict]]  # role -> the node's metrics before and after
-    retractions: int                     # on decode PP0
+    retractions: int  # on decode PP0
 
 
 @pytest.fixture(scope="module")
@@ -380,14 +465,26 @@ def storm(cluster, prompts) -> Storm:
             break
         time.sleep(0.5)
     settle = time.monotonic() - t1
-    retractions = httpx.get(f"{nodes['decode']}/server_info", headers=AUTH, timeout=10).json()["ranks"][0]["retractions"]
-    result = Storm(outcomes, wall, settle, idle, peak, (router_before, scrape(url)),
-                   {role: (nodes_before[role], scrape(n)) for role, n in nodes.items()}, retractions)
+    retractions = httpx.get(f"{nodes['decode']}/server_info", headers=AUTH, timeout=10).json()[
+        "ranks"
+    ][0]["retractions"]
+    result = Storm(
+        outcomes,
+        wall,
+        settle,
+        idle,
+        peak,
+        (router_before, scrape(url)),
+        {role: (nodes_before[role], scrape(n)) for role, n in nodes.items()},
+        retractions,
+    )
     by_fate = Counter(f"{o.plan.fate}->{o.end}" for o in outcomes)
-    print(f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests in "
-          f"{wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, load {os.getloadavg()}"
-          f"\n  longest queues on PP0: {peak}"
-          f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: {dict(sorted(by_fate.items()))}")
+    print(
+        f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests in "
+        f"{wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, load {os.getloadavg()}"
+        f"\n  longest queues on PP0: {peak}"
+        f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: {dict(sorted(by_fate.items()))}"
+    )
     return result
 
 
@@ -404,7 +501,11 @@ def test_every_request_ends_and_every_answer_is_the_reference(storm, prompts):
         want = p.ref[: plan.max_tokens]
         # Whatever arrived, even from a cancelled request, is the start of the reference.
         assert o.tokens == want[: len(o.tokens)], (plan, o.tokens, want)
-        assert p.ref_text[plan.max_tokens].startswith(o.text), (plan, o.text, p.ref_text[plan.max_tokens])
+        assert p.ref_text[plan.max_tokens].startswith(o.text), (
+            plan,
+            o.text,
+            p.ref_text[plan.max_tokens],
+        )
         if o.end == "completed":
             assert o.finish_reason == "length", (plan, o.finish_reason)
             assert o.text == p.ref_text[plan.max_tokens], (plan, o.text)
@@ -414,16 +515,23 @@ def test_every_request_ends_and_every_answer_is_the_reference(storm, prompts):
     assert ends["completed"] >= N_REQUESTS // 5 and ends["cancelled"] >= N_REQUESTS // 5, ends
     assert ends["gave_up"] >= 10, ends
     for fate in ("before_first_byte", "during_prefill"):
-        assert any(o.plan.fate == fate and o.status is None and o.end == "cancelled" for o in outs), fate
+        assert any(
+            o.plan.fate == fate and o.status is None and o.end == "cancelled" for o in outs
+        ), fate
     for fate in ("after_tokens", "after_first_token"):
-        assert any(o.plan.fate == fate and (o.tokens or o.text) and o.end == "cancelled" for o in outs), fate
+        assert any(
+            o.plan.fate == fate and (o.tokens or o.text) and o.end == "cancelled" for o in outs
+        ), fate
 
 
 def test_kv_pools_and_queues_are_empty_on_every_rank(storm, cluster):
     """After the settle time: no KV held on any rank of any node, no queued request, no front request."""
     for role, s in storm.idle.items():
         assert s["ranks"] == cluster.pp[role], (role, s)
-        assert len(s["kv_used_tokens"]) == cluster.pp[role] and not any(s["kv_used_tokens"]), (role, s)
+        assert len(s["kv_used_tokens"]) == cluster.pp[role] and not any(s["kv_used_tokens"]), (
+            role,
+            s,
+        )
         assert not s["queues"] and not any(s["quarantine"]), (role, s)
         assert s["front_pending"] == 0, (role, s)
 
@@ -443,8 +551,11 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
     for kind, route in ROUTES.items():
         mine = [o for o in outs if prompts[o.plan.prompt].route == kind]
         statuses = {lab["status"] for lab, _ in ra.get("pdserve_router_requests_total", [])}
-        d = {st: total(ra, "pdserve_router_requests_total", route=route, status=st)
-             - total(rb, "pdserve_router_requests_total", route=route, status=st) for st in statuses}
+        d = {
+            st: total(ra, "pdserve_router_requests_total", route=route, status=st)
+            - total(rb, "pdserve_router_requests_total", route=route, status=st)
+            for st in statuses
+        }
         # Every request that went out whole was recorded once (one cancelled while being sent may not be).
         sent = sum(o.sent for o in mine)
         assert sent <= sum(d.values()) <= len(mine), (kind, d, sent, len(mine))
@@ -455,14 +566,22 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
         assert {st for st, n in d.items() if n} <= {"200", "499"}, (kind, d)
     # The decode node finished (length) at least every request the router answered in full, and the
     # prefill node handed over (prefill_done) at least as many.
-    router_ok = sum(total(ra, "pdserve_router_requests_total", route=r, status="200")
-                    - total(rb, "pdserve_router_requests_total", route=r, status="200") for r in ROUTES.values())
-    delta = {role: {reason: total(a, "pdserve_requests_total", finish_reason=reason)
-                    - total(b, "pdserve_requests_total", finish_reason=reason)
-                    for reason in ("length", "prefill_done", "abort")}
-             for role, (b, a) in storm.nodes.items()}
-    assert delta["decode"]["length"] >= router_ok and delta["prefill"]["prefill_done"] >= router_ok, \
-        (delta, router_ok)
+    router_ok = sum(
+        total(ra, "pdserve_router_requests_total", route=r, status="200")
+        - total(rb, "pdserve_router_requests_total", route=r, status="200")
+        for r in ROUTES.values()
+    )
+    delta = {
+        role: {
+            reason: total(a, "pdserve_requests_total", finish_reason=reason)
+            - total(b, "pdserve_requests_total", finish_reason=reason)
+            for reason in ("length", "prefill_done", "abort")
+        }
+        for role, (b, a) in storm.nodes.items()
+    }
+    assert (
+        delta["decode"]["length"] >= router_ok and delta["prefill"]["prefill_done"] >= router_ok
+    ), (delta, router_ok)
     # Nothing is left in flight at the router, and no node was marked unhealthy.
     workers = httpx.get(f"{cluster.url}/workers", headers=AUTH, timeout=10).json()["workers"]
     assert all(w["in_flight"] == 0 and w["healthy"] for w in workers), workers
@@ -471,15 +590,28 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
 def test_no_unhandled_error_in_any_log(storm, cluster):
     """Client cancellations are routine: no process of the cluster may log a traceback for one."""
     lines = cluster.log.read_text(errors="replace").splitlines()
-    bad = [i for i, ln in enumerate(lines) if "Traceback" in ln or "unhandled error" in ln or " ERROR " in ln]
-    assert not bad, "\n---\n".join("\n".join(lines[i:i + 40]) for i in bad[:3])
+    bad = [
+        i
+        for i, ln in enumerate(lines)
+        if "Traceback" in ln or "unhandled error" in ln or " ERROR " in ln
+    ]
+    assert not bad, "\n---\n".join("\n".join(lines[i : i + 40]) for i in bad[:3])
 
 
 def test_cluster_still_answers_correctly(storm, cluster, prompts):
     model = httpx.get(f"{cluster.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    longest = {route: max((p for p in prompts if p.route == route), key=lambda p: len(p.ids)) for route in ROUTES}
+    longest = {
+        route: max((p for p in prompts if p.route == route), key=lambda p: len(p.ids))
+        for route in ROUTES
+    }
     for p in longest.values():
-        body = {"model": model, **p.payload, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": model,
+            **p.payload,
+            "max_tokens": MAX_NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(f"{cluster.url}{ROUTES[p.route]}", json=body, timeout=60)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]

@@ -11,6 +11,7 @@ around the fault; a killed node must report unhealthy and stop its other ranks, 
 the same port must be taken back into service. Each test leaves the cluster whole: every node
 healthy in the router, no request in flight, no KV page held. docs/RELIABILITY.md has the numbers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,49 +22,69 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster import free_port, group_alive, start, wait_healthy
 from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
+from prometheus_client.parser import text_string_to_metric_families
 from reference import hf_greedy, load_hf
 
-STALL_S = 9.5              # SIGSTOP length: longer than PDSERVE_KV_TRANSFER_TIMEOUT_S (8 s)
-QUARANTINE_S = 15.0        # a failed room's decode pages outlast the stall (a stalled write resumes)
+STALL_S = 9.5  # SIGSTOP length: longer than PDSERVE_KV_TRANSFER_TIMEOUT_S (8 s)
+QUARANTINE_S = 15.0  # a failed room's decode pages outlast the stall (a stalled write resumes)
 ENV = {**FAST_TIMEOUTS, "PDSERVE_KV_QUARANTINE_S": str(QUARANTINE_S)}
-ROUTER_ARGS = ["--health-interval", "0.5", "--health-timeout", "2", "--health-failure-threshold", "2",
-               "--health-success-threshold", "2", "--decode-policy", "round_robin", "--request-timeout", "40",
-               "--stream-idle-timeout", "30", "--cb-open-seconds", "5", "--log-level", "warning"]
-CLIENT_TIMEOUT_S = 90.0    # one request, send to last byte: a hang fails the test
+ROUTER_ARGS = [
+    "--health-interval",
+    "0.5",
+    "--health-timeout",
+    "2",
+    "--health-failure-threshold",
+    "2",
+    "--health-success-threshold",
+    "2",
+    "--decode-policy",
+    "round_robin",
+    "--request-timeout",
+    "40",
+    "--stream-idle-timeout",
+    "30",
+    "--cb-open-seconds",
+    "5",
+    "--log-level",
+    "warning",
+]
+CLIENT_TIMEOUT_S = 90.0  # one request, send to last byte: a hang fails the test
 CLIENTS = 4
 
 _rng = random.Random(21)
 SHORT = [[_rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 24, 33, 40, 12, 28)]
-SHORT_NEW = 40             # long enough to be decoding when a decode rank dies
+SHORT_NEW = 40  # long enough to be decoding when a decode rank dies
 LONG = [[_rng.randrange(3, 380) for _ in range(n)] for n in (160, 190, 220, 250, 280, 200)]
-LONG_NEW = 4               # 10 to 18 chunks of 16 tokens: transfers are in flight for a while
+LONG_NEW = 4  # 10 to 18 chunks of 16 tokens: transfers are in flight for a while
 FRESH = [[_rng.randrange(3, 380) for _ in range(n)] for n in (21, 26, 31, 36, 22, 27, 32, 37)]
-FRESH_NEW = 8              # prompts no node has seen, so cache_aware spreads them over both prefill nodes
+FRESH_NEW = 8  # prompts no node has seen, so cache_aware spreads them over both prefill nodes
 
 
 def references(model_path: Path) -> dict[str, list[list[int]]]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)            # a tiny model: more threads only spin against the nodes' ranks
+    torch.set_num_threads(1)  # a tiny model: more threads only spin against the nodes' ranks
     try:
         model = load_hf(model_path)
-        return {"short": hf_greedy(model, SHORT, SHORT_NEW), "long": hf_greedy(model, LONG, LONG_NEW),
-                "fresh": hf_greedy(model, FRESH, FRESH_NEW)}
+        return {
+            "short": hf_greedy(model, SHORT, SHORT_NEW),
+            "long": hf_greedy(model, LONG, LONG_NEW),
+            "fresh": hf_greedy(model, FRESH, FRESH_NEW),
+        }
     finally:
         torch.set_num_threads(threads)
 
 
 # --- the cluster ------------------------------------------------------------------------------------
+
 
 @dataclass
 class Node:
@@ -71,7 +92,7 @@ class Node:
     role: str
     pp: int
     port: int = field(default_factory=free_port)
-    bport: int | None = None             # prefill: the bootstrap server's port
+    bport: int | None = None  # prefill: the bootstrap server's port
     proc: subprocess.Popen | None = None
     starts: int = 0
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -84,9 +105,15 @@ class Node:
 class Chaos:
     def __init__(self, model: Path, tmp: Path):
         self.model, self.tmp = model, tmp
-        self.nodes = {n.name: n for n in (Node("p1", "prefill", 2, bport=free_port()),
-                                          Node("p2", "prefill", 1, bport=free_port()),
-                                          Node("d1", "decode", 2), Node("d2", "decode", 1))}
+        self.nodes = {
+            n.name: n
+            for n in (
+                Node("p1", "prefill", 2, bport=free_port()),
+                Node("p2", "prefill", 1, bport=free_port()),
+                Node("d1", "decode", 2),
+                Node("d2", "decode", 1),
+            )
+        }
         self.router_port = free_port()
         self.router = f"http://127.0.0.1:{self.router_port}"
         self.stack = contextlib.ExitStack()
@@ -97,36 +124,67 @@ class Chaos:
 
     def launch(self, node: Node) -> None:
         """`pdserve prefill|decode` on the node's fixed port (and bootstrap port), not waiting."""
-        cmd = [node.role, "--model", str(self.model), "--pp", str(node.pp), "--port", str(node.port), *NODE_ARGS]
+        cmd = [
+            node.role,
+            "--model",
+            str(self.model),
+            "--pp",
+            str(node.pp),
+            "--port",
+            str(node.port),
+            *NODE_ARGS,
+        ]
         if node.bport:
             cmd += ["--bootstrap-port", str(node.bport)]
         node.starts += 1
         node.stack = contextlib.ExitStack()
-        _, node.proc = node.stack.enter_context(start(cmd, node.port, self.log(node), env=ENV, wait=False))
+        _, node.proc = node.stack.enter_context(
+            start(cmd, node.port, self.log(node), env=ENV, wait=False)
+        )
 
     def wait_node(self, node: Node) -> None:
         wait_healthy(node.url, node.proc, 240, self.log(node))
 
-    def __enter__(self) -> "Chaos":
+    def __enter__(self) -> Chaos:
         try:
             for node in self.nodes.values():
                 self.launch(node)
             p1, p2, d1, d2 = self.nodes.values()
-            cmd = ["router", "--port", str(self.router_port), "--prefill", p1.url, str(p1.bport),
-                   "--prefill", p2.url, str(p2.bport), "--decode", d1.url, "--decode", d2.url, *ROUTER_ARGS]
-            _, router = self.stack.enter_context(start(cmd, self.router_port, self.tmp / "router.log", wait=False))
-            self.refs = references(self.model)     # while the nodes load
+            cmd = [
+                "router",
+                "--port",
+                str(self.router_port),
+                "--prefill",
+                p1.url,
+                str(p1.bport),
+                "--prefill",
+                p2.url,
+                str(p2.bport),
+                "--decode",
+                d1.url,
+                "--decode",
+                d2.url,
+                *ROUTER_ARGS,
+            ]
+            _, router = self.stack.enter_context(
+                start(cmd, self.router_port, self.tmp / "router.log", wait=False)
+            )
+            self.refs = references(self.model)  # while the nodes load
             for node in self.nodes.values():
                 self.wait_node(node)
             wait_healthy(self.router, router, 120, self.tmp / "router.log")
-            wait_for(lambda: all(w["healthy"] for w in self.workers().values()), 60, "router sees every node healthy")
+            wait_for(
+                lambda: all(w["healthy"] for w in self.workers().values()),
+                60,
+                "router sees every node healthy",
+            )
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stack.close()                    # the router first: no traffic while the nodes stop
+        self.stack.close()  # the router first: no traffic while the nodes stop
         for node in self.nodes.values():
             node.stack.close()
 
@@ -141,14 +199,16 @@ class Chaos:
     # --- looking at it ---
     def ranks(self, node: Node) -> dict[int, int]:
         """pp_rank -> pid of the node's live rank processes (children of its front)."""
-        out = subprocess.run(["ps", "--ppid", str(node.proc.pid), "-o", "pid="], capture_output=True, text=True)
+        out = subprocess.run(
+            ["ps", "--ppid", str(node.proc.pid), "-o", "pid="], capture_output=True, text=True
+        )
         ranks = {}
         for pid in map(int, out.stdout.split()):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
-                continue                       # exited meanwhile
-            if b"--spec" in argv:              # a zombie has an empty command line
+                continue  # exited meanwhile
+            if b"--spec" in argv:  # a zombie has an empty command line
                 ranks[json.loads(argv[argv.index(b"--spec") + 1])["pp_rank"]] = pid
         return ranks
 
@@ -156,7 +216,9 @@ class Chaos:
         return httpx.get(f"{node.url}/server_info", timeout=10).json()["ranks"]
 
     def workers(self) -> dict[str, dict]:
-        return {w["url"]: w for w in httpx.get(f"{self.router}/workers", timeout=10).json()["workers"]}
+        return {
+            w["url"]: w for w in httpx.get(f"{self.router}/workers", timeout=10).json()["workers"]
+        }
 
     def router_healthy(self, node: Node) -> bool:
         return self.workers()[node.url]["healthy"]
@@ -170,14 +232,17 @@ class Chaos:
         seen["killed"] = time.monotonic()
         wait_for(lambda: not self.router_healthy(node), 20, f"the router to mark {what} unhealthy")
         seen["marked"] = time.monotonic()
-        time.sleep(3)                           # the load goes on through the healthy nodes
+        time.sleep(3)  # the load goes on through the healthy nodes
         return seen
 
     def assert_whole(self) -> None:
         """Every node healthy (node and router), no request in flight anywhere, no KV page held."""
         urls = [n.url for n in self.nodes.values()]
-        wait_for(lambda: all(w["healthy"] and w["in_flight"] == 0 for w in self.workers().values()), 30,
-                 "every worker healthy with nothing in flight")
+        wait_for(
+            lambda: all(w["healthy"] and w["in_flight"] == 0 for w in self.workers().values()),
+            30,
+            "every worker healthy with nothing in flight",
+        )
         for url in urls:
             assert httpx.get(f"{url}/health", timeout=10).status_code == 200, url
         left = wait_pages_free(*urls, timeout=QUARANTINE_S + 30)
@@ -218,16 +283,19 @@ def counter(url: str, name: str, **labels: str) -> float:
 
 # --- the load -------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Outcome:
-    kind: str                  # which prompt set: short, long, fresh
+    kind: str  # which prompt set: short, long, fresh
     prompt: int
     t0: float
     t1: float = 0.0
     status: int | None = None
     tokens: list[int] = field(default_factory=list)
-    error: str | None = None   # the message of an HTTP error body or an SSE error event
-    broken: str | None = None  # not a clear error: a client timeout, a cut connection, an unreadable body
+    error: str | None = None  # the message of an HTTP error body or an SSE error event
+    broken: str | None = (
+        None  # not a clear error: a client timeout, a cut connection, an unreadable body
+    )
 
 
 PROMPTS = {"short": (SHORT, SHORT_NEW), "long": (LONG, LONG_NEW), "fresh": (FRESH, FRESH_NEW)}
@@ -235,7 +303,11 @@ PROMPTS = {"short": (SHORT, SHORT_NEW), "long": (LONG, LONG_NEW), "fresh": (FRES
 
 async def stream_one(c: httpx.AsyncClient, router: str, kind: str, i: int) -> Outcome:
     prompts, max_new = PROMPTS[kind]
-    body = {"input_ids": prompts[i], "stream": True, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
+    body = {
+        "input_ids": prompts[i],
+        "stream": True,
+        "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
+    }
     out = Outcome(kind, i, time.monotonic())
     try:
         async with c.stream("POST", f"{router}/generate", json=body) as resp:
@@ -261,13 +333,16 @@ def under_load(router: str, kinds: list[str], fault: Callable[[], object]):
     """One streaming client per entry of `kinds` sends prompts of that kind one after another while
     `fault()` runs in a thread; they stop once it returned (finishing what they sent).
     Returns (outcomes, fault's result)."""
+
     async def main():
         stop, outs = asyncio.Event(), []
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as c:
+
             async def client(kind: str, k: int) -> None:
                 while not stop.is_set():
                     outs.append(await stream_one(c, router, kind, k % len(PROMPTS[kind][0])))
                     k += len(kinds)
+
             tasks = [asyncio.create_task(client(kind, k)) for k, kind in enumerate(kinds)]
             try:
                 result = await asyncio.to_thread(fault)
@@ -275,6 +350,7 @@ def under_load(router: str, kinds: list[str], fault: Callable[[], object]):
                 stop.set()
                 await asyncio.gather(*tasks)
         return outs, result
+
     return asyncio.run(main())
 
 
@@ -282,6 +358,7 @@ def send_all(router: str, kind: str, indices: list[int]) -> list[Outcome]:
     async def main():
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as c:
             return await asyncio.gather(*(stream_one(c, router, kind, i) for i in indices))
+
     return asyncio.run(main())
 
 
@@ -294,12 +371,16 @@ def judge(outs: list[Outcome], refs: dict) -> tuple[list[Outcome], list[Outcome]
         what = f"{o.kind} prompt {o.prompt} (status {o.status}, {len(o.tokens)} tokens)"
         assert o.broken is None, f"{what} did not end in an answer or a clear error: {o.broken}"
         assert o.t1 - o.t0 < CLIENT_TIMEOUT_S, what
-        assert o.tokens == want[:len(o.tokens)], f"{what}: tokens differ from transformers"
+        assert o.tokens == want[: len(o.tokens)], f"{what}: tokens differ from transformers"
         if o.error is None:
-            assert o.status == 200 and o.tokens == want, f"{what}: a 200 without the whole reference"
+            assert o.status == 200 and o.tokens == want, (
+                f"{what}: a 200 without the whole reference"
+            )
             ok.append(o)
         else:
-            assert o.error.strip() and o.status is not None and (o.status >= 400 or o.status == 200), what
+            assert (
+                o.error.strip() and o.status is not None and (o.status >= 400 or o.status == 200)
+            ), what
             failed.append(o)
     return ok, failed
 
@@ -313,7 +394,11 @@ def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
     open period: after the fault it is half-open, which lets one request through at a time. The
     others are registered again after."""
     others = [n for n in chaos.nodes.values() if n.role == node.role and n is not node]
-    wait_for(lambda: chaos.workers()[node.url]["circuit"] != "open", 30, f"{node.name}'s breaker to let requests in")
+    wait_for(
+        lambda: chaos.workers()[node.url]["circuit"] != "open",
+        30,
+        f"{node.name}'s breaker to let requests in",
+    )
     before = counter(node.url, "pdserve_requests_total", finish_reason=reason)
     try:
         for n in others:
@@ -322,24 +407,42 @@ def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
         for i in range(len(FRESH)):
             _, failed = judge(send_all(chaos.router, "fresh", [i]), refs)
             assert not failed, [o.error for o in failed]
-            wait_for(lambda: chaos.workers()[node.url]["in_flight"] == 0, 10, f"the router to settle {node.name}'s request")
+            wait_for(
+                lambda: chaos.workers()[node.url]["in_flight"] == 0,
+                10,
+                f"the router to settle {node.name}'s request",
+            )
     finally:
         for n in others:
-            body = {"url": n.url, "role": n.role, **({"bootstrap_port": n.bport} if n.bport else {})}
+            body = {
+                "url": n.url,
+                "role": n.role,
+                **({"bootstrap_port": n.bport} if n.bport else {}),
+            }
             r = httpx.post(f"{chaos.router}/workers", json=body, timeout=10)
             assert r.status_code == 200, r.text
-    wait_for(lambda: counter(node.url, "pdserve_requests_total", finish_reason=reason) >= before + len(FRESH), 10,
-             f"{node.name} to count the {len(FRESH)} requests the router sent it")
+    wait_for(
+        lambda: (
+            counter(node.url, "pdserve_requests_total", finish_reason=reason) >= before + len(FRESH)
+        ),
+        10,
+        f"{node.name} to count the {len(FRESH)} requests the router sent it",
+    )
 
 
-def report(fault: str, outs: list[Outcome], ok: list[Outcome], failed: list[Outcome], retries: float) -> None:
+def report(
+    fault: str, outs: list[Outcome], ok: list[Outcome], failed: list[Outcome], retries: float
+) -> None:
     errors = sorted({o.error for o in failed})
     slowest = max(o.t1 - o.t0 for o in outs)
-    print(f"\n[chaos] {fault}: {len(outs)} requests, {len(ok)} succeeded (exact), {len(failed)} failed, "
-          f"router retries {retries:g}, slowest request {slowest:.1f} s; errors: {errors}")
+    print(
+        f"\n[chaos] {fault}: {len(outs)} requests, {len(ok)} succeeded (exact), {len(failed)} failed, "
+        f"router retries {retries:g}, slowest request {slowest:.1f} s; errors: {errors}"
+    )
 
 
 # --- the faults ----------------------------------------------------------------------------------------
+
 
 def test_bootstrap_server_unreachable(chaos, refs):
     """The router is told a port where nothing listens as P2's bootstrap port (through its own
@@ -347,31 +450,46 @@ def test_bootstrap_server_unreachable(chaos, refs):
     sides end the room at the bootstrap timeout and the router retries on a new pair."""
     p2 = chaos.nodes["p2"]
     decodes = [chaos.nodes["d1"], chaos.nodes["d2"]]
+
     def register_p2(bootstrap_port: int) -> None:
         httpx.delete(f"{chaos.router}/workers", params={"url": p2.url}, timeout=10)
-        r = httpx.post(f"{chaos.router}/workers", timeout=10,
-                       json={"url": p2.url, "role": "prefill", "bootstrap_port": bootstrap_port})
-        assert r.status_code == 200 and r.json()["worker"]["bootstrap_port"] == bootstrap_port, r.text
+        r = httpx.post(
+            f"{chaos.router}/workers",
+            timeout=10,
+            json={"url": p2.url, "role": "prefill", "bootstrap_port": bootstrap_port},
+        )
+        assert r.status_code == 200 and r.json()["worker"]["bootstrap_port"] == bootstrap_port, (
+            r.text
+        )
 
     def timeouts() -> float:
-        return sum(counter(d.url, "pdserve_kv_transfer_failures_total", reason="bootstrap_timeout") for d in decodes)
+        return sum(
+            counter(d.url, "pdserve_kv_transfer_failures_total", reason="bootstrap_timeout")
+            for d in decodes
+        )
+
     retries = lambda: counter(chaos.router, "pdserve_router_retries_total")  # noqa: E731
     timeouts0, retries0 = timeouts(), retries()
 
     def fault():
-        wait_for(lambda: retries() >= retries0 + 2, 60, "two requests to fail on P2's bootstrap port")
+        wait_for(
+            lambda: retries() >= retries0 + 2, 60, "two requests to fail on P2's bootstrap port"
+        )
+
     try:
-        register_p2(free_port())            # nothing listens there
+        register_p2(free_port())  # nothing listens there
         outs, _ = under_load(chaos.router, ["fresh"] * CLIENTS, fault)
     finally:
         register_p2(p2.bport)
     ok, failed = judge(outs, refs)
     report("bootstrap unreachable", outs, ok, failed, retries() - retries0)
-    wait_for(lambda: timeouts() > timeouts0, 10, "the decode nodes to report the bootstrap timeouts")
+    wait_for(
+        lambda: timeouts() > timeouts0, 10, "the decode nodes to report the bootstrap timeouts"
+    )
     # P1 is healthy: every request P2 could not serve is served by a new pair, none fails.
     assert not failed, [o.error for o in failed]
     assert httpx.get(f"{p2.url}/health", timeout=10).status_code == 200
-    serve_until_used(chaos, p2, refs, "prefill_done")      # with the right port, P2 serves again
+    serve_until_used(chaos, p2, refs, "prefill_done")  # with the right port, P2 serves again
     chaos.assert_whole()
 
 
@@ -384,32 +502,54 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
     seen: dict = {}
 
     def fault():
-        wait_for(lambda: (chaos.rank_stats(d1)[0] or {}).get("running", 0) > 0, 60, "requests decoding on D1")
+        wait_for(
+            lambda: (chaos.rank_stats(d1)[0] or {}).get("running", 0) > 0,
+            60,
+            "requests decoding on D1",
+        )
         return chaos.kill_rank1(d1, seen, "D1")
+
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     outs, seen = under_load(chaos.router, ["short"] * CLIENTS, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
-    report(f"decode rank SIGKILL (router marked D1 unhealthy {seen['marked'] - seen['killed']:.1f} s after the kill)",
-           outs, ok, failed, retries)
+    report(
+        f"decode rank SIGKILL (router marked D1 unhealthy {seen['marked'] - seen['killed']:.1f} s after the kill)",
+        outs,
+        ok,
+        failed,
+        retries,
+    )
     # The streams D1 was decoding end in an error that says why; nothing else fails. The node names
     # the first rank exit it sees: the killed rank (-9) or rank 0, which its dead peer stops (1).
     why = [f"rank process {pid} (local #{r}) exited" for r, pid in seen["ranks"].items()]
     assert failed, "no request was decoding on D1 when its rank was killed"
     for o in failed:
-        assert o.status == 200 and o.error.startswith("node failure: ") and any(w in o.error for w in why), o.error
-    assert all(o.error is None for o in outs if o.t0 > seen["marked"]), "requests after D1 was marked failed"
+        assert (
+            o.status == 200
+            and o.error.startswith("node failure: ")
+            and any(w in o.error for w in why)
+        ), o.error
+    assert all(o.error is None for o in outs if o.t0 > seen["marked"]), (
+        "requests after D1 was marked failed"
+    )
     # The node: unhealthy with the reason, its other rank stopped, its front still answering.
     health = httpx.get(f"{d1.url}/health", timeout=10)
     assert health.status_code == 503 and any(w in health.json()["detail"] for w in why), health.text
     wait_for(lambda: chaos.ranks(d1) == {}, 15, "D1 to stop its other rank")
     assert front.poll() is None, "D1's front exited"
-    pd_body = {"input_ids": SHORT[0], "bootstrap_room": 1, "bootstrap_host": "127.0.0.1",
-               "bootstrap_port": chaos.nodes["p1"].bport}
+    pd_body = {
+        "input_ids": SHORT[0],
+        "bootstrap_room": 1,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": chaos.nodes["p1"].bport,
+    }
     r = httpx.post(f"{d1.url}/generate", json=pd_body, timeout=10)
     assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"], r.text
-    assert f'pdserve_router_worker_healthy{{role="decode",worker="{d1.url}"}} 0.0' in \
-        httpx.get(f"{chaos.router}/metrics", timeout=10).text
+    assert (
+        f'pdserve_router_worker_healthy{{role="decode",worker="{d1.url}"}} 0.0'
+        in httpx.get(f"{chaos.router}/metrics", timeout=10).text
+    )
     # A fresh node on the same port comes back into service.
     chaos.restart(d1)
     wait_for(lambda: chaos.router_healthy(d1), 30, "the router to mark the new D1 healthy")
@@ -440,36 +580,56 @@ def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
             time.sleep(STALL_S)
             # D2 (PP 1) frees a failed room's pages as soon as its one rank allows: it must have
             # seen the fault for the check below to say anything.
-            wait_for(lambda: peer_dead(decodes[1]) > dead0["d2"], 3, "D2 to fail a room of the silent rank")
+            wait_for(
+                lambda: peer_dead(decodes[1]) > dead0["d2"],
+                3,
+                "D2 to fail a room of the silent rank",
+            )
             # Just before it resumes: per decode node, the rooms failed for the silent rank, then
             # (a vote later) its rooms in quarantine and those still waiting for KV.
             dead = {d.name: peer_dead(d) - dead0[d.name] for d in decodes}
             time.sleep(1)
             queues = {d.name: chaos.rank_stats(d)[0] for d in decodes}
-            at_resume = {n: (dead[n], q["quarantine"], q["prealloc"] + q["transfer"]) for n, q in queues.items()}
+            at_resume = {
+                n: (dead[n], q["quarantine"], q["prealloc"] + q["transfer"])
+                for n, q in queues.items()
+            }
         finally:
             os.kill(ranks[1], signal.SIGCONT)
-        time.sleep(4)                           # requests sent around the resume
+        time.sleep(4)  # requests sent around the resume
         return at_resume
+
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     # Short requests decode while the stalled rank's rooms fail: theirs are the pages a resumed
     # write would hit if a failed room's pages were reused too early.
     outs, at_resume = under_load(chaos.router, ["long"] * CLIENTS + ["short"] * 3, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
-    report(f"prefill rank SIGSTOP (at resume, per decode node (peer_dead, quarantined, waiting for KV): "
-           f"{at_resume})", outs, ok, failed, retries)
+    report(
+        f"prefill rank SIGSTOP (at resume, per decode node (peer_dead, quarantined, waiting for KV): "
+        f"{at_resume})",
+        outs,
+        ok,
+        failed,
+        retries,
+    )
     assert retries >= 1, "no request was caught by the stall"
     # None of those rooms' pages went back to the pool. D2 (PP 1) failed each on its only rank: it is
     # in quarantine. On D1 (PP 2) a room fails once both ranks see it fail (rank 0 reads from P1's
     # rank 0, which is alive): until then it waits for KV, with its pages.
     dead, quarantined, _ = at_resume["d2"]
-    assert quarantined >= dead, f"D2 freed the pages of rooms the stalled rank could still write: {at_resume}"
+    assert quarantined >= dead, (
+        f"D2 freed the pages of rooms the stalled rank could still write: {at_resume}"
+    )
     dead, quarantined, waiting = at_resume["d1"]
-    assert quarantined + waiting >= dead, f"D1 freed the pages of rooms the stalled rank could still write: {at_resume}"
-    assert not failed, [o.error for o in failed]     # P2 is healthy: every retry finds a pair
+    assert quarantined + waiting >= dead, (
+        f"D1 freed the pages of rooms the stalled rank could still write: {at_resume}"
+    )
+    assert not failed, [o.error for o in failed]  # P2 is healthy: every retry finds a pair
     assert chaos.ranks(p1) == ranks, "P1's ranks changed: the stall was not survived"
-    wait_for(lambda: httpx.get(f"{p1.url}/health", timeout=10).status_code == 200, 30, "P1 healthy again")
+    wait_for(
+        lambda: httpx.get(f"{p1.url}/health", timeout=10).status_code == 200, 30, "P1 healthy again"
+    )
     serve_until_used(chaos, p1, refs, "prefill_done")
     chaos.assert_whole()
 
@@ -491,14 +651,21 @@ def test_prefill_rank_sigkill_mid_transfer(chaos, refs):
     def fault():
         wait_for(prefilling, 60, "P1 prefilling")
         return chaos.kill_rank1(p1, seen, "P1")
+
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     outs, seen = under_load(chaos.router, ["long"] * CLIENTS, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
-    report(f"prefill rank SIGKILL ({seen['pending']} requests on P1, router marked it unhealthy "
-           f"{seen['marked'] - seen['killed']:.1f} s after the kill)", outs, ok, failed, retries)
+    report(
+        f"prefill rank SIGKILL ({seen['pending']} requests on P1, router marked it unhealthy "
+        f"{seen['marked'] - seen['killed']:.1f} s after the kill)",
+        outs,
+        ok,
+        failed,
+        retries,
+    )
     assert retries >= 1, "no request was on P1 when its rank was killed"
-    assert not failed, [o.error for o in failed]     # nothing had reached the client: all retried
+    assert not failed, [o.error for o in failed]  # nothing had reached the client: all retried
     why = [f"rank process {pid} (local #{r}) exited" for r, pid in seen["ranks"].items()]
     health = httpx.get(f"{p1.url}/health", timeout=10)
     assert health.status_code == 503 and any(w in health.json()["detail"] for w in why), health.text

@@ -1,4 +1,5 @@
 """PPConsensusStore with real ZMQ sockets: ranks > 0 run in separate (spawned) processes, PP0 here."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -20,8 +21,13 @@ from infra.channel_auth import Sealer
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 10.0
-B, W, T, S, F = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success,
-                 KVPoll.Failed)
+B, W, T, S, F = (
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+    KVPoll.Success,
+    KVPoll.Failed,
+)
 
 
 def _rank_worker(conn) -> None:
@@ -39,7 +45,9 @@ def _rank_worker(conn) -> None:
             elif cmd == "del":
                 del store[args[0]]
                 out = None
-            elif cmd == "script":   # random puts/deletes/updates, then a marker; returns the final dict
+            elif (
+                cmd == "script"
+            ):  # random puts/deletes/updates, then a marker; returns the final dict
                 rng = random.Random(args[0])
                 for _ in range(args[1]):
                     room = rng.randrange(40)
@@ -49,10 +57,12 @@ def _rank_worker(conn) -> None:
                     elif op < 0.6:
                         store[room] = rng.choice(list(KVPoll))
                     else:
-                        store.update_status(room, rng.choice([B, W, T, S, F]) if room in store else B)
+                        store.update_status(
+                            room, rng.choice([B, W, T, S, F]) if room in store else B
+                        )
                 store[args[2]] = S
                 out = {k: int(v) for k, v in store.items()}
-            elif cmd == "ladder":   # every room climbs B -> W -> T -> S, rooms interleaved
+            elif cmd == "ladder":  # every room climbs B -> W -> T -> S, rooms interleaved
                 for status in (B, W, T, S):
                     for room in range(args[0]):
                         store[room] = status
@@ -128,7 +138,9 @@ def cluster(ranks):
         pp0.close()
 
 
-def wait_until(pred, what: str, store: PPConsensusStore | None = None, timeout: float = WAIT_S) -> None:
+def wait_until(
+    pred, what: str, store: PPConsensusStore | None = None, timeout: float = WAIT_S
+) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
@@ -155,7 +167,7 @@ def test_replication_keeps_each_ranks_write_order(cluster):
     pp0, ranks = cluster
     rooms = 300
     for r in (1, 2, 3):
-        ranks.conns[r - 1].send(("ladder", rooms))   # all three write at once
+        ranks.conns[r - 1].send(("ladder", rooms))  # all three write at once
     seen = {r: [[] for _ in range(rooms)] for r in (1, 2, 3)}
     deadline = time.monotonic() + WAIT_S
     while not all(seen[r][room][-1:] == [S] for r in (1, 2, 3) for room in range(rooms)):
@@ -168,7 +180,9 @@ def test_replication_keeps_each_ranks_write_order(cluster):
     for r in (1, 2, 3):
         assert ranks.conns[r - 1].recv() == ("ok", None)
         for room in range(rooms):
-            assert seen[r][room] == sorted(seen[r][room]), f"rank {r} room {room} went back: {seen[r][room]}"
+            assert seen[r][room] == sorted(seen[r][room]), (
+                f"rank {r} room {room} went back: {seen[r][room]}"
+            )
 
 
 def test_status_missing_is_bootstrapping_any_failed_is_failed_else_min(cluster):
@@ -180,20 +194,20 @@ def test_status_missing_is_bootstrapping_any_failed_is_failed_else_min(cluster):
         wait_until(lambda: pp0.collect(room)[r] == v, f"rank {r} = {v.name}", pp0)
 
     pp0[room] = S
-    assert pp0.status(room) == B          # ranks 1..3 have no entry
+    assert pp0.status(room) == B  # ranks 1..3 have no entry
     put(1, S)
     put(2, S)
-    assert pp0.status(room) == B          # rank 3 still missing
+    assert pp0.status(room) == B  # rank 3 still missing
     put(3, T)
-    assert pp0.status(room) == T          # min
+    assert pp0.status(room) == T  # min
     put(3, S)
     assert pp0.status(room) == S
-    assert pp0.statuses([room, room + 1, room]) == [S, B, S]   # one read for many rooms
+    assert pp0.statuses([room, room + 1, room]) == [S, B, S]  # one read for many rooms
     put(2, F)
-    assert pp0.status(room) == F          # any Failed
+    assert pp0.status(room) == F  # any Failed
     ranks.call(2, "del", room)
     wait_until(lambda: pp0.collect(room)[2] is None, "delete", pp0)
-    assert pp0.status(room) == B          # deleted => missing again
+    assert pp0.status(room) == B  # deleted => missing again
     del pp0[room]
     assert pp0.collect(room) == [None, S, None, S]
 
@@ -207,28 +221,52 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(pp0.address)
     pk = msgpack.packb
-    seal = Sealer(CHANNEL, "pp1").seal      # a rank of this cluster (it holds the secret) sending garbage
+    seal = Sealer(
+        CHANNEL, "pp1"
+    ).seal  # a rank of this cluster (it holds the secret) sending garbage
     sealed = {
-        "malformed": [b"\xff\x00garbage", pickle.dumps([1, 1, 5, 4]), b"", pk([1, 1, 5, 4]) + b"\x00",
-                      pk([1, 1, 5, 4, "x" * 100])],
+        "malformed": [
+            b"\xff\x00garbage",
+            pickle.dumps([1, 1, 5, 4]),
+            b"",
+            pk([1, 1, 5, 4]) + b"\x00",
+            pk([1, 1, 5, 4, "x" * 100]),
+        ],
         "bad_shape": [pk([1, 1, 5]), pk(7), pk("abc"), pk(None)],
-        "unknown_op": [pk([9, 1, 5, 4]), pk([1.0, 1, 5, 4]), pk([True, 1, 5, 4]), pk(["put", 1, 5, 4])],
+        "unknown_op": [
+            pk([9, 1, 5, 4]),
+            pk([1.0, 1, 5, 4]),
+            pk([True, 1, 5, 4]),
+            pk(["put", 1, 5, 4]),
+        ],
         "bad_rank": [pk([1, 0, 5, 4]), pk([1, 3, 5, 4]), pk([1, -1, 5, 4]), pk([1, "1", 5, 4])],
         "bad_key": [pk([1, 1, "room", 4]), pk([1, 1, 5.5, 4]), pk([1, 1, None, 4])],
-        "bad_value": [pk([1, 1, 5, 7]), pk([1, 1, 5, -1]), pk([1, 1, 5, "x"]), pk([2, 1, 5, 4]),
-                      pk([1, 1, 5, None])],
+        "bad_value": [
+            pk([1, 1, 5, 7]),
+            pk([1, 1, 5, -1]),
+            pk([1, 1, 5, "x"]),
+            pk([2, 1, 5, 4]),
+            pk([1, 1, 5, None]),
+        ],
     }
-    unsealed = [pk([1, 1, 5, 4]), b"", Sealer(CHANNEL, "pp1", secret="another-cluster").seal(pk([1, 1, 5, 4])),
-                Sealer("kv-control", "pp1").seal(pk([1, 1, 5, 4])), seal(pk([1, 1, 5, 4]))[:-1] + b"\x05"]
+    unsealed = [
+        pk([1, 1, 5, 4]),
+        b"",
+        Sealer(CHANNEL, "pp1", secret="another-cluster").seal(pk([1, 1, 5, 4])),
+        Sealer("kv-control", "pp1").seal(pk([1, 1, 5, 4])),
+        seal(pk([1, 1, 5, 4]))[:-1] + b"\x05",
+    ]
     try:
         for frames in sealed.values():
             for f in frames:
                 raw.send(seal(f))
-        raw.send_multipart([seal(pk([1, 1, 5, 4])), b"extra"])   # a multi-frame message is malformed too
+        raw.send_multipart(
+            [seal(pk([1, 1, 5, 4])), b"extra"]
+        )  # a multi-frame message is malformed too
         for f in unsealed:
             raw.send(f)
         raw.send(Sealer(CHANNEL, "pp2").seal(pk([1, 1, 5, 4])))  # rank 2 writing rank 1's replica
-        once = seal(pk([2, 1, 99, None]))       # a valid delete of a room nobody wrote, then its replay
+        once = seal(pk([2, 1, 99, None]))  # a valid delete of a room nobody wrote, then its replay
         raw.send(once)
         raw.send(once)
         expect = {k: len(v) for k, v in sealed.items()}
@@ -236,7 +274,7 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
         expect.update(unauthenticated=len(unsealed), foreign_rank=1, replayed=1)
         wait_until(lambda: sum(pp0.dropped.values()) == sum(expect.values()), "all drops", pp0)
         assert dict(pp0.dropped) == expect
-        assert pp0.collect(5) == [None, None, None]       # nothing bad was applied
+        assert pp0.collect(5) == [None, None, None]  # nothing bad was applied
         rank1[5] = W
         wait_until(lambda: pp0.collect(5)[1] == W, "a good write after the bad ones", pp0)
     finally:
@@ -258,7 +296,7 @@ def test_an_oversized_message_is_dropped_and_the_store_keeps_working():
         raw.send(b"x" * (1 << 20))
         rank1[7] = W
         wait_until(lambda: pp0.collect(7)[1] == W, "a good write after the oversized one", pp0)
-        assert sum(pp0.dropped.values()) == 0          # never reached the store: libzmq dropped it
+        assert sum(pp0.dropped.values()) == 0  # never reached the store: libzmq dropped it
     finally:
         raw.close()
         ctx.term()
@@ -270,13 +308,19 @@ def test_bad_types_raise_on_the_callers_thread_and_send_nothing():
     pp0 = PPConsensusStore(0, 2)
     rank1 = PPConsensusStore(1, 2, pp0.address)
     try:
-        for key, value, err in [("room", S, TypeError), (1.5, S, TypeError), (True, S, TypeError),
-                                (1 << 64, S, TypeError), (1, 9, ValueError), (1, "S", TypeError),
-                                (1, 2.0, TypeError)]:
+        for key, value, err in [
+            ("room", S, TypeError),
+            (1.5, S, TypeError),
+            (True, S, TypeError),
+            (1 << 64, S, TypeError),
+            (1, 9, ValueError),
+            (1, "S", TypeError),
+            (1, 2.0, TypeError),
+        ]:
             with pytest.raises(err):
                 rank1[key] = value
         with pytest.raises(ValueError):
-            rank1.update_status(3, S)                       # a room cannot start at Success
+            rank1.update_status(3, S)  # a room cannot start at Success
         with pytest.raises(RuntimeError, match="PP0-only"):
             rank1.status(1)
         rank1[1] = B
@@ -302,7 +346,7 @@ def test_close_flushes_queued_writes_and_closes_sockets():
     assert all(pp0.collect(room)[1] == W for room in range(2000))
     pp0.close()
     assert pp0._sock.closed
-    pp0.close()   # idempotent
+    pp0.close()  # idempotent
 
 
 def test_single_rank_store_needs_no_sockets():
@@ -328,8 +372,13 @@ FAULT_SCRIPT = textwrap.dedent("""
 
 
 def test_background_thread_failure_ends_the_process_within_one_second():
-    proc = subprocess.Popen([sys.executable, "-c", FAULT_SCRIPT], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAULT_SCRIPT],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "injecting"
         t0 = time.monotonic()

@@ -1,4 +1,5 @@
 """Ring votes and leader sync with threads standing in for ranks (InMemoryRing), plus KVPoll rules."""
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consensus import (Ballot, ConsensusError, ConsensusTimeout, InMemoryRing, KVPoll, LeaderSync,
-                       PPGroupTransport, RingVote, Verdict, done_for, update_status)
+from consensus import (
+    Ballot,
+    ConsensusError,
+    ConsensusTimeout,
+    InMemoryRing,
+    KVPoll,
+    LeaderSync,
+    PPGroupTransport,
+    RingVote,
+    Verdict,
+    done_for,
+    update_status,
+)
 from consensus.vote import merge
 
 JOIN_S = 20.0
@@ -57,8 +69,10 @@ def test_kvpoll_order_and_rule_table():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([KVPoll.Bootstrapping, KVPoll.WaitingForInput]),
-       st.lists(st.sampled_from(list(KVPoll)), max_size=12))
+@given(
+    st.sampled_from([KVPoll.Bootstrapping, KVPoll.WaitingForInput]),
+    st.lists(st.sampled_from(list(KVPoll)), max_size=12),
+)
 def test_kvpoll_only_moves_up_and_failed_is_terminal(start, updates):
     cur = update_status(None, start)
     for new in updates:
@@ -73,7 +87,9 @@ def test_kvpoll_only_moves_up_and_failed_is_terminal(start, updates):
 def test_done_for_kinds():
     assert done_for("release", KVPoll.Success) and done_for("release", KVPoll.Failed)
     assert not done_for("release", KVPoll.Transferring) and not done_for("release", None)
-    assert done_for("prealloc", KVPoll.WaitingForInput) and not done_for("prealloc", KVPoll.Bootstrapping)
+    assert done_for("prealloc", KVPoll.WaitingForInput) and not done_for(
+        "prealloc", KVPoll.Bootstrapping
+    )
     with pytest.raises(ValueError, match="known"):
         done_for("nope", KVPoll.Success)
 
@@ -87,7 +103,10 @@ def test_ballot_moves_aborted_from_good_to_bad():
             Ballot(good=frozenset({bad_id})).resolved()
     st_ = {1: KVPoll.Success, 2: KVPoll.Failed, 3: KVPoll.Transferring, 4: KVPoll.WaitingForInput}
     assert Ballot.from_statuses("release", st_).resolved() == (frozenset({1}), frozenset({2}))
-    assert Ballot.from_statuses("prealloc", st_).resolved() == (frozenset({1, 3, 4}), frozenset({2}))
+    assert Ballot.from_statuses("prealloc", st_).resolved() == (
+        frozenset({1, 3, 4}),
+        frozenset({2}),
+    )
 
 
 sets = st.frozensets(st.integers(0, 15), max_size=10)
@@ -118,8 +137,8 @@ def test_partition_retries_ids_not_final_locally(caplog):
 # ---- the property test: threads as ranks --------------------------------------------------------
 @dataclass(frozen=True)
 class Obs:
-    final_at: int | None   # iteration from which the id is final on this rank (None: never)
-    bad: bool              # final state is bad (Failed)
+    final_at: int | None  # iteration from which the id is final on this rank (None: never)
+    bad: bool  # final state is bad (Failed)
     aborted_at: int | None  # iteration from which the id is aborted on this rank
 
 
@@ -133,11 +152,21 @@ IDS = {"release": list(range(6)), "retract": [f"r{i}" for i in range(4)]}
 
 
 def ballot_at(obs: dict, applied: set, i: int) -> Ballot:
-    good = {x for x, o in obs.items() if x not in applied and o.final_at is not None
-            and o.final_at <= i and not o.bad}
-    bad = {x for x, o in obs.items() if x not in applied and o.final_at is not None
-           and o.final_at <= i and o.bad}
-    aborted = {x for x, o in obs.items() if x not in applied and o.aborted_at is not None and o.aborted_at <= i}
+    good = {
+        x
+        for x, o in obs.items()
+        if x not in applied and o.final_at is not None and o.final_at <= i and not o.bad
+    }
+    bad = {
+        x
+        for x, o in obs.items()
+        if x not in applied and o.final_at is not None and o.final_at <= i and o.bad
+    }
+    aborted = {
+        x
+        for x, o in obs.items()
+        if x not in applied and o.aborted_at is not None and o.aborted_at <= i
+    }
     return Ballot(frozenset(good), frozenset(bad), frozenset(aborted))
 
 
@@ -147,7 +176,9 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
     size = data.draw(st.integers(1, 8), label="pp_size")
     slots = size + data.draw(st.integers(0, 2), label="async_depth")
     iters = 2 * slots + 8
-    obs = {k: [{x: data.draw(obs_strategy(iters)) for x in IDS[k]} for _ in range(size)] for k in KINDS}
+    obs = {
+        k: [{x: data.draw(obs_strategy(iters)) for x in IDS[k]} for _ in range(size)] for k in KINDS
+    }
 
     def rank_loop(rank, transport):
         vote = RingVote(transport, slots, kinds=KINDS)
@@ -161,7 +192,8 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
             for k in KINDS:
                 mine = obs[k][rank]
                 good, bad, retry = verdicts[k].partition(
-                    lambda x: mine[x].final_at is not None and mine[x].final_at <= i, kind=k)
+                    lambda x: mine[x].final_at is not None and mine[x].final_at <= i, kind=k
+                )
                 assert not retry, f"rank {rank} iteration {i}: {k} applied before final: {retry}"
                 assert not (good | bad) & applied[k], "an id was applied twice"
                 applied[k] |= good | bad
@@ -181,20 +213,34 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
             if j < 0:
                 assert not good and not bad, "a verdict was applied before any vote in its slot"
                 continue
-            exp = [ballot_at(obs[k][r], applied_before(log, kn, j), j).resolved() for r in range(size)]
+            exp = [
+                ballot_at(obs[k][r], applied_before(log, kn, j), j).resolved() for r in range(size)
+            ]
             pending = pending_at(log, kn, j, slots)
             final = frozenset.intersection(*[g | b for g, b in exp])
-            assert good == frozenset.intersection(*[g for g, _ in exp]) - pending, f"{k} good, iteration {i}"
-            assert bad == (frozenset.union(*[b for _, b in exp]) & final) - pending, f"{k} bad, iteration {i}"
-            for x in good | bad:   # nothing before every rank was final; aborted => bad
-                assert all(obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= j for r in range(size))
-                if any(obs[k][r][x].aborted_at is not None and obs[k][r][x].aborted_at <= j for r in range(size)):
+            assert good == frozenset.intersection(*[g for g, _ in exp]) - pending, (
+                f"{k} good, iteration {i}"
+            )
+            assert bad == (frozenset.union(*[b for _, b in exp]) & final) - pending, (
+                f"{k} bad, iteration {i}"
+            )
+            for x in good | bad:  # nothing before every rank was final; aborted => bad
+                assert all(
+                    obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= j
+                    for r in range(size)
+                )
+                if any(
+                    obs[k][r][x].aborted_at is not None and obs[k][r][x].aborted_at <= j
+                    for r in range(size)
+                ):
                     assert x in bad
         # Liveness: an id final on every rank by iteration iters - L is applied by the end.
         applied = applied_before(log, kn, iters)
         for x in IDS[k]:
-            if all(obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= iters - slots
-                   for r in range(size)):
+            if all(
+                obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= iters - slots
+                for r in range(size)
+            ):
                 assert x in applied, f"{k} id {x} final everywhere but never applied"
 
 
@@ -205,7 +251,9 @@ def applied_before(log, kn: int, j: int) -> set:
 
 def pending_at(log, kn: int, j: int, slots: int) -> set:
     """Ids cast in a verdict before iteration j and applied in iteration >= j (harvest still to come)."""
-    return set().union(*[log[i][kn][1] | log[i][kn][2] for i in range(j, min(len(log), j + slots - 1))])
+    return set().union(
+        *[log[i][kn][1] | log[i][kn][2] for i in range(j, min(len(log), j + slots - 1))]
+    )
 
 
 # ---- call order, protocol errors, timeouts ------------------------------------------------------
@@ -224,6 +272,7 @@ def test_ranks_out_of_step_raise_consensus_error():
     def body(rank, t):
         kinds = ("release",) if rank == 0 else ("release", "retract")
         RingVote(t, 2, kinds=kinds).pass1(0, {})
+
     with pytest.raises(ConsensusError, match="out of step"):
         run_ranks(2, body)
 
@@ -248,6 +297,7 @@ def test_pp_group_transport_adapter_over_fake_group():
                 return links[(src, rank)].get(timeout=timeout_s)
             except queue.Empty:
                 raise TimeoutError from None
+
         return PPGroupTransport(rank, 3, send, recv, timeout_s=2.0)
 
     ring_results: list = [None] * 3
@@ -255,13 +305,26 @@ def test_pp_group_transport_adapter_over_fake_group():
     def target(r):
         t = make(r)
         v = RingVote(t, 1, kinds=("prealloc",))
-        v.pass1(0, {"prealloc": Ballot(good=frozenset({1, 2}), bad=frozenset({5} if r == 1 else ()) | {7})})
-        ring_results[r] = (v.pass2(0)["prealloc"], LeaderSync(t).sync_polls([KVPoll.Success] if r == 0 else None))
+        v.pass1(
+            0,
+            {
+                "prealloc": Ballot(
+                    good=frozenset({1, 2}), bad=frozenset({5} if r == 1 else ()) | {7}
+                )
+            },
+        )
+        ring_results[r] = (
+            v.pass2(0)["prealloc"],
+            LeaderSync(t).sync_polls([KVPoll.Success] if r == 0 else None),
+        )
+
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(3)]
     [t.start() for t in threads]
     [t.join(JOIN_S) for t in threads]
     assert ring_results == [(Verdict(frozenset({1, 2}), frozenset({7})), [KVPoll.Success])] * 3
-    t0 = PPGroupTransport(0, 3, lambda d, p: None, lambda s, to: (_ for _ in ()).throw(TimeoutError()), 0.1)
+    t0 = PPGroupTransport(
+        0, 3, lambda d, p: None, lambda s, to: (_ for _ in ()).throw(TimeoutError()), 0.1
+    )
     with pytest.raises(ConsensusTimeout):
         t0.recv_prev()
 
@@ -274,12 +337,13 @@ def test_leader_sync_sends_pp0_list_down_the_chain(size):
     def body(rank, t):
         sync, vote = LeaderSync(t), RingVote(t, 1)
         out = []
-        for i in range(3):   # shares the links with a vote in the same iteration
+        for i in range(3):  # shares the links with a vote in the same iteration
             vote.pass1(0, {"release": Ballot(good=frozenset({i}))})
             out.append(sync.sync_polls(polls[i:] if rank == 0 else None))
             out.append(vote.pass2(0)["release"])
             out.append(sync.sync("rids", ["a", "b"] if rank == 0 else None))
         return out
+
     results = run_ranks(size, body)
     assert all(r == results[0] for r in results)
     assert results[0][0] == polls and results[0][1] == Verdict(frozenset({0}))
@@ -294,11 +358,13 @@ def test_leader_sync_misuse():
 
     def body(rank, t):
         return LeaderSync(t).sync("a" if rank == 0 else "b", [1] if rank == 0 else None)
+
     with pytest.raises(ConsensusError, match="out of step"):
         run_ranks(2, body)
 
     def not_polls(rank, t):
         sync = LeaderSync(t)
         return sync.sync("bootstrap", [2, 9]) if rank == 0 else sync.sync_polls(None)
+
     with pytest.raises(ConsensusError, match="non-KVPoll"):
         run_ranks(2, not_polls)

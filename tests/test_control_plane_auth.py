@@ -4,6 +4,7 @@
   sockets); each is dropped and counted, the readers keep reading, the node answers like transformers;
 * a PD pair gets forged KV control messages for a room in flight; the room completes exactly.
 Unit checks of the sealing itself (infra/channel_auth.py) come first."""
+
 from __future__ import annotations
 
 import os
@@ -16,24 +17,37 @@ import msgpack
 import psutil
 import pytest
 import zmq
-
 from cluster import free_port, start
+from pd_cluster import body as pd_body
+from pd_cluster import decode_node, prefill_node
+from reference import hf_greedy, load_hf
+
 from consensus.kvpoll import KVPoll
 from infra.channel_auth import OVERHEAD, AuthError, Opener, Sealer
-from runtime.front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
-from runtime.metrics import FRONT_CHANNELS
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import CHANNEL as KV_CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
-from pd_cluster import body as pd_body, decode_node, prefill_node
-from reference import hf_greedy, load_hf
+from runtime.front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
+from runtime.metrics import FRONT_CHANNELS
 
 SECRET = "control-plane-test-secret"
 # The decode request waits for its prefill half on purpose: long KV timeouts, not pd_cluster's fast ones.
 QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 MAX_NEW = 8
-NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
-             "--max-running", "32", "--threads", "1"]
+NODE_ARGS = [
+    "--page-size",
+    "4",
+    "--chunk-size",
+    "16",
+    "--max-batch-tokens",
+    "64",
+    "--max-total-tokens",
+    "8192",
+    "--max-running",
+    "32",
+    "--threads",
+    "1",
+]
 
 
 # ---- sealing -------------------------------------------------------------------------------------
@@ -57,12 +71,12 @@ def test_a_frame_opens_only_with_its_secret_and_channel_once_and_intact():
             o.open(f)
         assert e.value.reason == "unauthenticated", what
     with pytest.raises(AuthError) as e:
-        opener.open(frame)                          # the same frame again
+        opener.open(frame)  # the same frame again
     assert e.value.reason == "replayed"
     older, newer = seal(b"a"), seal(b"b")
     assert opener.open(newer)[1] == b"b"
     with pytest.raises(AuthError):
-        opener.open(older)                          # overtaken by a later frame of the same sender
+        opener.open(older)  # overtaken by a later frame of the same sender
 
 
 # ---- a real node ---------------------------------------------------------------------------------
@@ -77,8 +91,12 @@ def reference(tiny6, prompts):
 
 
 def _generate(url: str, ids: list[int]) -> list[int]:
-    r = httpx.post(f"{url}/generate", timeout=120, headers={"Authorization": f"Bearer {SECRET}"},
-                   json={"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        headers={"Authorization": f"Bearer {SECRET}"},
+        json={"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}},
+    )
     r.raise_for_status()
     return r.json()["token_ids"]
 
@@ -91,7 +109,9 @@ def _info(url: str) -> dict:
 
 def _listening_ports(pid: int, skip: int) -> list[int]:
     conns = psutil.Process(pid).net_connections(kind="tcp")
-    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port != skip})
+    return sorted(
+        {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port != skip}
+    )
 
 
 def _front_unix_sockets(pid: int) -> list[str]:
@@ -119,38 +139,65 @@ def _wait_dropped(url: str, want: dict, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
-def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(tiny6, prompts, reference, tmp_path):
+def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(
+    tiny6, prompts, reference, tmp_path
+):
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
     env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_INTERNAL_TOKEN": SECRET}
     with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
         assert _generate(url, prompts[0]) == reference[0]
         ports = _listening_ports(proc.pid, skip=port)
-        assert len(ports) == 1, ports                # stats (PULL); requests and events are unix sockets
+        assert len(ports) == 1, ports  # stats (PULL); requests and events are unix sockets
         unix = _front_unix_sockets(proc.pid)
         assert [os.path.basename(u) for u in unix] == ["evt", "req"], unix
         assert stat.S_IMODE(os.stat(os.path.dirname(unix[0])).st_mode) == 0o700
         ports = [*ports, *(f"ipc://{u}" for u in unix)]
-        evt, stats = Sealer(EVT_CHANNEL, "intruder", secret=SECRET), Sealer(STATS_CHANNEL, "pp9", secret=SECRET)
+        evt, stats = (
+            Sealer(EVT_CHANNEL, "intruder", secret=SECRET),
+            Sealer(STATS_CHANNEL, "pp9", secret=SECRET),
+        )
         ctx = zmq.Context()
         try:
             for p in ports:
-                _send(ctx, p, [msgpack.packb([[]]),                     # the event that killed the reader
-                               evt.seal(msgpack.packb([[]])),           # the same, sealed as an event batch
-                               evt.seal(msgpack.packb(5)),              # sealed, not a batch
-                               stats.seal(msgpack.packb({"pp_rank": 9})),   # sealed stats of no rank
-                               Sealer(EVT_CHANNEL, "x", secret="wrong").seal(msgpack.packb([]))])
-                _send(ctx, p, [b"\0" * (max(EVT_MAX_BYTES, STATS_MAX_BYTES) + OVERHEAD + 1)])   # > MAXMSGSIZE
+                _send(
+                    ctx,
+                    p,
+                    [
+                        msgpack.packb([[]]),  # the event that killed the reader
+                        evt.seal(msgpack.packb([[]])),  # the same, sealed as an event batch
+                        evt.seal(msgpack.packb(5)),  # sealed, not a batch
+                        stats.seal(msgpack.packb({"pp_rank": 9})),  # sealed stats of no rank
+                        Sealer(EVT_CHANNEL, "x", secret="wrong").seal(msgpack.packb([])),
+                    ],
+                )
+                _send(
+                    ctx, p, [b"\0" * (max(EVT_MAX_BYTES, STATS_MAX_BYTES) + OVERHEAD + 1)]
+                )  # > MAXMSGSIZE
         finally:
             ctx.term()
-        want = {"events:unauthenticated": 3, "events:bad_event": 1, "events:malformed": 1,
-                "stats:unauthenticated": 4, "stats:malformed": 1}
-        assert _wait_dropped(url, want) == want      # the oversized ones never reached a reader
-        lines = [ln for ln in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-                 if ln.startswith("pdserve_control_messages_dropped_total{")]
-        counted = {(ln.split('channel="')[1].split('"')[0], ln.split('reason="')[1].split('"')[0]): float(ln.split()[-1])
-                   for ln in lines}
-        assert counted == {(FRONT_CHANNELS[k.split(":")[0]], k.split(":")[1]): float(v) for k, v in want.items()}
+        want = {
+            "events:unauthenticated": 3,
+            "events:bad_event": 1,
+            "events:malformed": 1,
+            "stats:unauthenticated": 4,
+            "stats:malformed": 1,
+        }
+        assert _wait_dropped(url, want) == want  # the oversized ones never reached a reader
+        lines = [
+            ln
+            for ln in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+            if ln.startswith("pdserve_control_messages_dropped_total{")
+        ]
+        counted = {
+            (ln.split('channel="')[1].split('"')[0], ln.split('reason="')[1].split('"')[0]): float(
+                ln.split()[-1]
+            )
+            for ln in lines
+        }
+        assert counted == {
+            (FRONT_CHANNELS[k.split(":")[0]], k.split(":")[1]): float(v) for k, v in want.items()
+        }
         got = [_generate(url, ids) for ids in prompts]
         for i, (g, r) in enumerate(zip(got, reference)):
             assert g == r, f"prompt {i} differs from transformers after the foreign messages"
@@ -170,46 +217,96 @@ def _wait(pred, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exactly(tiny6, prompts, reference,
-                                                                                      tmp_path):
+def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exactly(
+    tiny6, prompts, reference, tmp_path
+):
     """A decode request is registered and waits for its KV; a foreign socket then tells the decode
     rank the room failed (or succeeded) and sends the prefill rank registrations for the room,
     unsigned and signed by a member that is not the room's peer. Then the prefill request runs. All
     forgeries are dropped and counted; the decode node answers exactly like transformers."""
     env = {**QUEUE_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": SECRET}
-    with prefill_node(tiny6, 1, tmp_path, env=env) as (purl, bport, _), \
-            decode_node(tiny6, 1, tmp_path, env=env) as (durl, _):
-        _wait(lambda: _kv(purl).get("ctrl_port") and _kv(durl).get("ctrl_port"), "both ranks' KV stats")
+    with (
+        prefill_node(tiny6, 1, tmp_path, env=env) as (purl, bport, _),
+        decode_node(tiny6, 1, tmp_path, env=env) as (durl, _),
+    ):
+        _wait(
+            lambda: _kv(purl).get("ctrl_port") and _kv(durl).get("ctrl_port"),
+            "both ranks' KV stats",
+        )
         room, ids = 1234567, prompts[2]
-        r = httpx.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, timeout=10,
-                      headers={"Authorization": f"Bearer {SECRET}"})   # what the router does
+        r = httpx.put(
+            f"{durl}/bootstrap_servers",
+            json={"servers": [f"127.0.0.1:{bport}"]},
+            timeout=10,
+            headers={"Authorization": f"Bearer {SECRET}"},
+        )  # what the router does
         assert r.status_code == 200, r.text
         with ThreadPoolExecutor(1) as ex:
-            decode = ex.submit(httpx.post, f"{durl}/generate", json=pd_body(ids, room, bport, MAX_NEW), timeout=120,
-                               headers={"Authorization": f"Bearer {SECRET}"})
-            _wait(lambda: (_info(durl)["ranks"][0] or {}).get("held_pages", 0) > 0,
-                  "the decode rank to register the room")
-            stranger = Sealer(KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET)     # a member, not the room's peer
+            decode = ex.submit(
+                httpx.post,
+                f"{durl}/generate",
+                json=pd_body(ids, room, bport, MAX_NEW),
+                timeout=120,
+                headers={"Authorization": f"Bearer {SECRET}"},
+            )
+            _wait(
+                lambda: (_info(durl)["ranks"][0] or {}).get("held_pages", 0) > 0,
+                "the decode rank to register the room",
+            )
+            stranger = Sealer(
+                KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET
+            )  # a member, not the room's peer
             fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
             ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", len(ids), 0, None))
             abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
             pool = PoolDesc(4096, 64, 4, 0, 6, 128, "float32")
-            reg = encode_message(KVRegister(room, 0, ((0, 6),), "127.0.0.1", 9, "127.0.0.1:9", pool, (0, 1, 2),
-                                            4096, 512, 4096, 512))
+            reg = encode_message(
+                KVRegister(
+                    room,
+                    0,
+                    ((0, 6),),
+                    "127.0.0.1",
+                    9,
+                    "127.0.0.1:9",
+                    pool,
+                    (0, 1, 2),
+                    4096,
+                    512,
+                    4096,
+                    512,
+                )
+            )
             ctx = zmq.Context()
             try:
-                _send(ctx, _kv(durl)["ctrl_port"], [fail, ok, stranger.seal(fail), stranger.seal(ok),
-                                                    stranger.seal(abort)])
+                _send(
+                    ctx,
+                    _kv(durl)["ctrl_port"],
+                    [fail, ok, stranger.seal(fail), stranger.seal(ok), stranger.seal(abort)],
+                )
                 _send(ctx, _kv(purl)["ctrl_port"], [reg, stranger.seal(reg)])
             finally:
                 ctx.term()
             # Until the decode rank has read them all (or, were one taken for real, the room ended).
-            _wait(lambda: sum(_kv(durl)["dropped"].values()) >= 5 or decode.done(), "the forgeries to be read")
-            p = httpx.post(f"{purl}/generate", json=pd_body(ids, room, bport, MAX_NEW), timeout=120,
-                           headers={"Authorization": f"Bearer {SECRET}"})
+            _wait(
+                lambda: sum(_kv(durl)["dropped"].values()) >= 5 or decode.done(),
+                "the forgeries to be read",
+            )
+            p = httpx.post(
+                f"{purl}/generate",
+                json=pd_body(ids, room, bport, MAX_NEW),
+                timeout=120,
+                headers={"Authorization": f"Bearer {SECRET}"},
+            )
             d = decode.result(timeout=120)
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         assert d.json()["token_ids"] == reference[2]
-        want = {durl: {"unauthenticated": 2, "foreign_peer": 3}, purl: {"unauthenticated": 1, "foreign_peer": 1}}
-        for url, w in want.items():     # stats arrive twice a second: wait for a fresh reading
-            _wait(lambda: _kv(url)["dropped"] == w, f"{url} to report {w} (has {_kv(url)['dropped']})", 15)
+        want = {
+            durl: {"unauthenticated": 2, "foreign_peer": 3},
+            purl: {"unauthenticated": 1, "foreign_peer": 1},
+        }
+        for url, w in want.items():  # stats arrive twice a second: wait for a fresh reading
+            _wait(
+                lambda: _kv(url)["dropped"] == w,
+                f"{url} to report {w} (has {_kv(url)['dropped']})",
+                15,
+            )

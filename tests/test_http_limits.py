@@ -2,6 +2,7 @@
 process in front of stub nodes: slow request headers are cut off at the header timeout, and a
 streaming client that stops reading loses its connection at the write timeout, which frees its
 admission slot. And the router's SSE keep-alive while a stream waits for its first token."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import time
 import httpx
 import openai
 import pytest
-
 from cluster import free_port, start
-from router.config import RetryConfig
 from stub_node import Cluster, StubNode
+
+from router.config import RetryConfig
 
 HEADER_TIMEOUT_S, WRITE_TIMEOUT_S = 3, 2
 SLOW_CLIENTS = 500
@@ -29,12 +30,31 @@ def router(tmp_path_factory):
     prefill = StubNode(role="prefill", bootstrap_port=free_port(), max_context=10**7)
     decode = StubNode(role="decode", max_context=10**7, natural_tokens=20_000)
     port = free_port()
-    cmd = ["router", "--port", str(port), "--prefill", prefill.url, str(prefill.behavior.bootstrap_port),
-           "--decode", decode.url, "--max-concurrent", "1", "--max-queue", "0", "--health-interval", "0.5"]
-    env = {"PDSERVE_HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
-           "PDSERVE_HTTP_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)}
+    cmd = [
+        "router",
+        "--port",
+        str(port),
+        "--prefill",
+        prefill.url,
+        str(prefill.behavior.bootstrap_port),
+        "--decode",
+        decode.url,
+        "--max-concurrent",
+        "1",
+        "--max-queue",
+        "0",
+        "--health-interval",
+        "0.5",
+    ]
+    env = {
+        "PDSERVE_HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "PDSERVE_HTTP_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
+    }
     try:
-        with start(cmd, port, tmp_path_factory.mktemp("limits") / "router.log", env=env) as (url, _):
+        with start(cmd, port, tmp_path_factory.mktemp("limits") / "router.log", env=env) as (
+            url,
+            _,
+        ):
             yield url
     finally:
         prefill.stop()
@@ -60,22 +80,23 @@ def test_slow_headers_are_cut_off_and_others_are_served(router):
         slow.append(s)
     stop = threading.Event()
 
-    def drip():           # one more header line to each open connection, every half second
+    def drip():  # one more header line to each open connection, every half second
         while not stop.wait(0.5):
             for s in slow:
                 try:
                     s.send(b"X-Slow: 1\r\n")
                 except OSError:
                     pass
+
     dripper = threading.Thread(target=drip, daemon=True)
     dripper.start()
     try:
-        assert httpx.get(f"{router}/health", timeout=30).status_code == 200     # served meanwhile
+        assert httpx.get(f"{router}/health", timeout=30).status_code == 200  # served meanwhile
         sel = selectors.DefaultSelector()
         for s in slow:
             sel.register(s, selectors.EVENT_READ)
         open_ = set(slow)
-        deadline = time.monotonic() + 120      # far past the 3 s header timeout, for a loaded machine
+        deadline = time.monotonic() + 120  # far past the 3 s header timeout, for a loaded machine
         while open_ and time.monotonic() < deadline:
             for key, _ in sel.select(timeout=1):
                 if closed_by_peer(key.fileobj):
@@ -99,12 +120,14 @@ def test_a_client_that_stops_reading_frees_its_slot(router):
     port = int(router.rsplit(":", 1)[1])
     body = json.dumps({"text": "x" * 1000, "stream": True}).encode()
     s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a reader that stopped: a full window
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that stopped: a full window
     s.connect(("127.0.0.1", port))
     try:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        assert s.recv(64).startswith(b"HTTP/1.1 200")        # streaming; never read again
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        assert s.recv(64).startswith(b"HTTP/1.1 200")  # streaming; never read again
         assert generate(router) == 429, "the stream holds the router's only slot"
         deadline = time.monotonic() + 120
         status = 429
@@ -118,6 +141,7 @@ def test_a_client_that_stops_reading_frees_its_slot(router):
 
 # --- SSE keep-alive (router/keepalive.py), on the router in a thread over stub nodes ---------------
 
+
 def wait_running_zero(cluster, timeout: float = 30.0) -> int:
     admission = cluster.app.state.router.admission
     deadline = time.monotonic() + timeout
@@ -128,25 +152,39 @@ def wait_running_zero(cluster, timeout: float = 30.0) -> int:
 
 def test_sse_pings_while_the_first_token_is_slow():
     with Cluster(node_kw={"first_token_delay_s": 1.5}, sse_keepalive_s=0.2) as cluster:
-        body = {"model": "stub-model", "messages": [{"role": "user", "content": "one two three"}],
-                "max_tokens": 4, "stream": True}
+        body = {
+            "model": "stub-model",
+            "messages": [{"role": "user", "content": "one two three"}],
+            "max_tokens": 4,
+            "stream": True,
+        }
         with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = [ln for ln in r.iter_lines() if ln]
         assert r.status_code == 200
         first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
-        assert first_data >= 1 and all(ln == ": ping" for ln in lines[:first_data]), lines[:first_data + 1]
+        assert first_data >= 1 and all(ln == ": ping" for ln in lines[:first_data]), lines[
+            : first_data + 1
+        ]
         assert lines[-1] == "data: [DONE]"
         # SSE clients skip comments: the official SDK reads the same stream whole
         sdk = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=30, max_retries=0)
-        chunks = sdk.chat.completions.create(model="stub-model", messages=body["messages"], max_tokens=4,
-                                             stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two three one"
+        chunks = sdk.chat.completions.create(
+            model="stub-model", messages=body["messages"], max_tokens=4, stream=True
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            == "one two three one"
+        )
         assert wait_running_zero(cluster) == 0
 
 
 def test_sse_failure_after_pings_is_an_error_event_and_frees_the_slot():
-    with Cluster(node_kw={"fail": "hang"}, sse_keepalive_s=0.2, request_timeout_s=1.0,
-                 retry=RetryConfig(max_retries=0)) as cluster:
+    with Cluster(
+        node_kw={"fail": "hang"},
+        sse_keepalive_s=0.2,
+        request_timeout_s=1.0,
+        retry=RetryConfig(max_retries=0),
+    ) as cluster:
         body = {"text": "one two", "stream": True, "sampling_params": {"max_tokens": 2}}
         with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=30) as r:
             lines = [ln for ln in r.iter_lines() if ln]

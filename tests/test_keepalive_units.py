@@ -1,5 +1,6 @@
 """router/keepalive.py without a cluster: a client that leaves while the router pings (the stream
 committed to 200, the dispatch still running) frees its admission slot and cancels the dispatch."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,24 +19,29 @@ def test_client_leaving_during_pings_frees_the_slot():
         router = types.SimpleNamespace(
             cfg=types.SimpleNamespace(sse_keepalive_s=0.05),
             admission=types.SimpleNamespace(release=lambda: released.append(1)),
-            metrics=types.SimpleNamespace(observe_request=lambda *a: observed.append(a[1])))
+            metrics=types.SimpleNamespace(observe_request=lambda *a: observed.append(a[1])),
+        )
 
-        async def dispatch():           # a slow first token; its cancellation clean-up takes a step
+        async def dispatch():  # a slow first token; its cancellation clean-up takes a step
             try:
                 await asyncio.sleep(100)
             finally:
                 await asyncio.sleep(0.01)
+
         opening = asyncio.create_task(dispatch())
-        resp = StreamingResponse(pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error),
-                                 media_type="text/event-stream")
+        resp = StreamingResponse(
+            pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error),
+            media_type="text/event-stream",
+        )
         sent = []
 
         async def send(message):
             sent.append(message)
 
-        async def receive():            # the client goes away after a few pings
+        async def receive():  # the client goes away after a few pings
             await asyncio.sleep(0.2)
             return {"type": "http.disconnect"}
+
         await resp({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
         await asyncio.sleep(0.1)
         assert any(m.get("body") == b": ping\n\n" for m in sent)
@@ -58,14 +64,15 @@ def test_an_attempt_that_opens_as_the_client_leaves_is_aborted():
         router = types.SimpleNamespace(
             cfg=types.SimpleNamespace(sse_keepalive_s=0.05),
             admission=types.SimpleNamespace(release=lambda: released.append(1)),
-            metrics=types.SimpleNamespace(observe_request=lambda *a: None))
+            metrics=types.SimpleNamespace(observe_request=lambda *a: None),
+        )
         opening = asyncio.get_running_loop().create_future()
         gen = pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error)
         assert await gen.__anext__() == ": ping\n\n"
-        nxt = asyncio.ensure_future(gen.__anext__())     # waiting in the ping loop
+        nxt = asyncio.ensure_future(gen.__anext__())  # waiting in the ping loop
         await asyncio.sleep(0.01)
         opening.set_result(FakeAttempt())
-        nxt.cancel()                                       # and the client leaves in the same step
+        nxt.cancel()  # and the client leaves in the same step
         with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
             await nxt
 

@@ -1,5 +1,6 @@
 """kv_transfer.engine against a real Mooncake engine over TCP on loopback (it writes into its own
 registered memory, so one process is enough): windowed writes, stop, dead peer, rejected address."""
+
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +40,7 @@ def scattered(src, dst):
     data = bytes(src)
     want = bytearray(SIZE)
     for i, j in enumerate(order):
-        want[j * DESC:(j + 1) * DESC] = data[i * DESC:(i + 1) * DESC]
+        want[j * DESC : (j + 1) * DESC] = data[i * DESC : (i + 1) * DESC]
     return [(s + i * DESC, d + j * DESC, DESC) for i, j in enumerate(order)], bytes(want)
 
 
@@ -56,11 +57,11 @@ def test_stop_ends_the_write_with_nothing_left_in_flight(engine, buffers):
     polls = iter(range(1 << 30))
     with pytest.raises(TransferError, match="stopped") as e:
         engine.write(engine.session_id, descs, 32, lambda: next(polls) >= 3)
-    assert e.value.session_id is None          # stopped by us: the peer is not to blame
+    assert e.value.session_id is None  # stopped by us: the peer is not to blame
     after = bytes(dst)
-    assert after != bytes(SIZE)                # some blocks had landed: it stopped part-way
+    assert after != bytes(SIZE)  # some blocks had landed: it stopped part-way
     time.sleep(0.2)
-    assert bytes(dst) == after                 # and no write of this call was still on the wire
+    assert bytes(dst) == after  # and no write of this call was still on the wire
 
 
 def test_dead_peer_and_rejected_address_raise_with_the_session(engine, buffers):
@@ -70,5 +71,7 @@ def test_dead_peer_and_rejected_address_raise_with_the_session(engine, buffers):
     assert e.value.session_id == "127.0.0.1:1"
     # an address outside every registered buffer of the peer: refused by the peer, retried once
     with pytest.raises(TransferError) as e:
-        engine.write(engine.session_id, [(ctypes.addressof(src), ctypes.addressof(dst) + 4 * SIZE, DESC)], 8)
+        engine.write(
+            engine.session_id, [(ctypes.addressof(src), ctypes.addressof(dst) + 4 * SIZE, DESC)], 8
+        )
     assert e.value.session_id == engine.session_id

@@ -5,12 +5,13 @@ Two prefill nodes (PA, PB) and two decode nodes (DA, DB), PP 1 each, bootstrap s
 (as the prefill fronts would). The processes hold a cluster secret (PDSERVE_INTERNAL_TOKEN), so
 every control message is authenticated. Tests run in file order; the last two kill processes.
 """
+
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import random
 import os
+import random
 import socket
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ from dataclasses import replace
 import msgpack
 import pytest
 import zmq
+from kv_transfer_workers import RankProcess
 
 from consensus.kvpoll import KVPoll
 from infra.channel_auth import Sealer
@@ -25,13 +27,17 @@ from infra.cluster_secret import ENV as SECRET_ENV
 from kv_transfer import BootstrapServer, PoolDesc, TransferConfig
 from kv_transfer.manager import CHANNEL
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
-from kv_transfer_workers import RankProcess
 
 LAYERS = (0, 30)
-TB, PS, NUM_PAGES, N = 128, 16, 256, 100         # tokens per room
-AUX_SLOTS = 16                                   # per decode process (kv_transfer_workers' default)
-CFG = dict(bootstrap_timeout_s=3.0, waiting_timeout_s=20.0, transfer_timeout_s=3.0, heartbeat_interval_s=0.3,
-           heartbeat_misses=3)
+TB, PS, NUM_PAGES, N = 128, 16, 256, 100  # tokens per room
+AUX_SLOTS = 16  # per decode process (kv_transfer_workers' default)
+CFG = dict(
+    bootstrap_timeout_s=3.0,
+    waiting_timeout_s=20.0,
+    transfer_timeout_s=3.0,
+    heartbeat_interval_s=0.3,
+    heartbeat_misses=3,
+)
 HB_TIMEOUT = 2.5
 FAILED, SUCCESS, WAITING = int(KVPoll.Failed), int(KVPoll.Success), int(KVPoll.WaitingForInput)
 DONE = [FAILED, SUCCESS]
@@ -49,8 +55,11 @@ class Cluster:
         self.ports = {}
         for node in ("A", "B"):
             self.ports[f"P{node}"] = self.procs[f"P{node}"].call(
-                "prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, self.servers[node].addr)
-            self.ports[f"D{node}"] = self.procs[f"D{node}"].call("decode", "m", CFG, 0, [LAYERS], NUM_PAGES, PS, TB)
+                "prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, self.servers[node].addr
+            )
+            self.ports[f"D{node}"] = self.procs[f"D{node}"].call(
+                "decode", "m", CFG, 0, [LAYERS], NUM_PAGES, PS, TB
+            )
         assert all(self.procs[p].call("wait_registered", "m", 10) for p in ("PA", "PB"))
         self.pages = {name: list(range(NUM_PAGES)) for name in self.procs}
         self.aux_slots = {name: itertools.cycle(range(AUX_SLOTS)) for name in self.procs}
@@ -61,7 +70,9 @@ class Cluster:
         self.pages[name] = [p for p in free if p not in pick]
         return pick
 
-    def room(self, p: str, d: str, register: bool = True, sender: bool = True) -> tuple[int, list, list]:
+    def room(
+        self, p: str, d: str, register: bool = True, sender: bool = True
+    ) -> tuple[int, list, list]:
         room = rng.getrandbits(63)
         ptab, dtab = self.take(p, 7), self.take(d, 7)
         if sender:
@@ -75,7 +86,9 @@ class Cluster:
         return room, ptab, dtab
 
     def send_all(self, p: str, room: int, ptab: list, start: int = 0, end: int = N) -> None:
-        self.procs[p].call("send_chunk", "m", room, ptab, start, end, end == N, b"tok" if end == N else None)
+        self.procs[p].call(
+            "send_chunk", "m", room, ptab, start, end, end == N, b"tok" if end == N else None
+        )
 
     def wait(self, name: str, rooms: list[int], statuses=DONE, timeout: float = 15.0) -> dict:
         return self.procs[name].call("wait", "m", rooms, statuses, timeout, timeout=timeout + 10)
@@ -93,7 +106,7 @@ SECRET = "kv-faults-cluster-secret"
 @pytest.fixture(scope="module")
 def cluster():
     c, old = None, os.environ.get(SECRET_ENV)
-    os.environ[SECRET_ENV] = SECRET           # inherited by the spawned rank processes
+    os.environ[SECRET_ENV] = SECRET  # inherited by the spawned rank processes
     try:
         c = Cluster()
         yield c
@@ -124,7 +137,7 @@ def _grew(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-SLACK_S = 5.0   # a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
+SLACK_S = 5.0  # a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
 
 
 def _assert(got: dict, want: int, within: float | None = None):
@@ -152,7 +165,7 @@ def test_abort_from_either_side(cluster, side):
     c = cluster
     (ra, pa, _), (rb, pb, _) = c.room("PA", "DA"), c.room("PA", "DA")
     _assert(c.wait("PA", [ra, rb], [WAITING, FAILED]), WAITING)
-    c.send_all("PA", ra, pa, 0, 16)           # ra is mid-transfer when aborted
+    c.send_all("PA", ra, pa, 0, 16)  # ra is mid-transfer when aborted
     c.procs["PA" if side == "prefill" else "DA"].call("abort", "m", ra)
     c.send_all("PA", rb, pb)
     _assert(c.wait("PA", [ra], timeout=5), FAILED, within=2)
@@ -173,10 +186,16 @@ def test_decode_own_failure_tells_the_prefill(cluster):
     node frees once the grace ran out and gives to the next request."""
     c = cluster
     # A second decode manager in DB's process, with a waiting timeout that fires before any chunk.
-    c.procs["DB"].call("decode", "fast", {**CFG, "waiting_timeout_s": 1.0}, 0, [LAYERS], NUM_PAGES, PS, TB)
+    c.procs["DB"].call(
+        "decode", "fast", {**CFG, "waiting_timeout_s": 1.0}, 0, [LAYERS], NUM_PAGES, PS, TB
+    )
     try:
         before = c.procs["PA"].call("stats", "m")["failures"]
-        room, ptab, dtab = rng.getrandbits(63), c.take("PA", 7), list(range(7))   # "fast" has its own pool
+        room, ptab, dtab = (
+            rng.getrandbits(63),
+            c.take("PA", 7),
+            list(range(7)),
+        )  # "fast" has its own pool
         c.procs["PA"].call("fill", "m", room, ptab, N)
         c.procs["PA"].call("create_sender", "m", room)
         c.procs["DB"].call("create_receiver", "fast", room, c.servers["A"].addr)
@@ -185,14 +204,17 @@ def test_decode_own_failure_tells_the_prefill(cluster):
         assert got[room][:2] == (FAILED, "waiting_timeout"), got
         # The prefill rank learns it (its own waiting timeout, 20 s, is far beyond this wait).
         got = c.wait("PA", [room], timeout=10)
-        assert got[room][:2] == (FAILED, "aborted_by_decode"), \
+        assert got[room][:2] == (FAILED, "aborted_by_decode"), (
             f"the prefill sender was not told of the decode's own failure: {got}"
-        assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {"aborted_by_decode": 1}
+        )
+        assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {
+            "aborted_by_decode": 1
+        }
         # Its final word reached the decode rank: nothing can write into the pages any more.
         assert c.procs["DB"].call("wait_quiesced", "fast", room, 10, timeout=20)
-        c.send_all("PA", room, ptab)              # the prefill node's chunks for the room: dropped
+        c.send_all("PA", room, ptab)  # the prefill node's chunks for the room: dropped
         pieces = (LAYERS[1] - LAYERS[0]) * 2 * -(-N // PS)
-        assert c.procs["DB"].call("check", "fast", room, dtab, N) == pieces     # untouched
+        assert c.procs["DB"].call("check", "fast", room, dtab, N) == pieces  # untouched
     finally:
         c.procs["DB"].call("close", "fast")
 
@@ -205,9 +227,11 @@ def test_decode_abort_before_the_sender_exists(cluster):
     took the pending registration and wrote into the pages of the aborted room."""
     c = cluster
     room, ptab, dtab = c.room("PA", "DA", sender=False)
-    _assert(c.wait("DA", [room], [WAITING, FAILED]), WAITING)     # the registration went out
+    _assert(c.wait("DA", [room], [WAITING, FAILED]), WAITING)  # the registration went out
     c.procs["DA"].call("abort", "m", room)
-    assert c.procs["DA"].call("wait_quiesced", "m", room, 10, timeout=20), "no final word from the prefill rank"
+    assert c.procs["DA"].call("wait_quiesced", "m", room, 10, timeout=20), (
+        "no final word from the prefill rank"
+    )
     before = c.procs["PA"].call("stats", "m")["failures"]
     c.procs["PA"].call("fill", "m", room, ptab, N)
     c.procs["PA"].call("create_sender", "m", room)
@@ -215,13 +239,15 @@ def test_decode_abort_before_the_sender_exists(cluster):
     assert got[room] == (FAILED, "aborted_by_decode"), got
     assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {"aborted_by_decode": 1}
     c.send_all("PA", room, ptab)
-    assert c.procs["DA"].call("check", "m", room, dtab, N) == (LAYERS[1] - LAYERS[0]) * 2 * -(-N // PS)
+    assert c.procs["DA"].call("check", "m", room, dtab, N) == (LAYERS[1] - LAYERS[0]) * 2 * -(
+        -N // PS
+    )
 
 
 def test_room_nobody_registered(cluster):
     c = cluster
-    lonely, _, _ = c.room("PA", "DA", register=False)            # sender, decode never registers
-    orphan, _, _ = c.room("PA", "DB", sender=False)              # decode registers, no sender ever
+    lonely, _, _ = c.room("PA", "DA", register=False)  # sender, decode never registers
+    orphan, _, _ = c.room("PA", "DB", sender=False)  # decode registers, no sender ever
     ok, ptab, _ = c.room("PA", "DA")
     _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
     c.send_all("PA", ok, ptab)
@@ -235,7 +261,7 @@ def test_bootstrap_server_never_answers(cluster):
     c = cluster
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
-    mute.listen(16)                           # accepts connections in the kernel, never answers
+    mute.listen(16)  # accepts connections in the kernel, never answers
     try:
         c.procs["DA"].call("create_receiver", "m", 424242, f"127.0.0.1:{mute.getsockname()[1]}")
         c.procs["DA"].call("register", "m", 424242, [0, 1], None)
@@ -251,14 +277,20 @@ def test_bootstrap_server_never_answers(cluster):
 def test_malformed_control_messages_dropped(cluster):
     c = cluster
     before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
-    insider = Sealer(CHANNEL, "127.0.0.1:1/1")          # holds the secret: its frames reach the decoder
+    insider = Sealer(CHANNEL, "127.0.0.1:1/1")  # holds the secret: its frames reach the decoder
     for name in ("PA", "DA"):
-        bad = [b"\xc1 garbage",                                              # not msgpack
-               msgpack.packb({"t": "status", "room": "x"}),                   # wrong keys/types
-               msgpack.packb({"t": "abort", "room": 1, "side": "decode", "rank": -1, "reason": "r"}),
-               msgpack.packb([1, 2, 3])]                                      # not a map
-        _push_all(c.ports[name], bad + [insider.seal(f) for f in bad]
-                  + [insider.seal(encode_message(KVStatus(99, 0, int(KVPoll.Success), "", 1, 0, None)))])
+        bad = [
+            b"\xc1 garbage",  # not msgpack
+            msgpack.packb({"t": "status", "room": "x"}),  # wrong keys/types
+            msgpack.packb({"t": "abort", "room": 1, "side": "decode", "rank": -1, "reason": "r"}),
+            msgpack.packb([1, 2, 3]),
+        ]  # not a map
+        _push_all(
+            c.ports[name],
+            bad
+            + [insider.seal(f) for f in bad]
+            + [insider.seal(encode_message(KVStatus(99, 0, int(KVPoll.Success), "", 1, 0, None)))],
+        )
     ok, ptab, dtab = c.room("PA", "DA")
     _assert(c.wait("PA", [ok], [WAITING, FAILED]), WAITING)
     c.send_all("PA", ok, ptab)
@@ -266,7 +298,7 @@ def test_malformed_control_messages_dropped(cluster):
     assert c.procs["DA"].call("check", "m", ok, dtab, N) == 0
     after = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
     grew = {n: {k: v - before[n].get(k, 0) for k, v in after[n].items()} for n in after}
-    for n in ("PA", "DA"):      # unsealed: not authenticated; sealed: authenticated, then malformed
+    for n in ("PA", "DA"):  # unsealed: not authenticated; sealed: authenticated, then malformed
         assert grew[n].get("unauthenticated") == 4 and grew[n].get("malformed") == 4, grew
     assert grew["PA"].get("unexpected") == 1 and grew["DA"].get("unknown_room") == 1, grew
 
@@ -285,33 +317,68 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
     before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
     pool = PoolDesc.from_wire(da_pool)
     session, port = da_id.rsplit("/", 1)
-    other_pages = c.take("DA", 7)                         # another request's pages in the same pool
-    aux_len = TransferConfig().aux_slot_bytes             # what DA registers with (same place, other pages)
-    reg = KVRegister(room, 0, (LAYERS,), "127.0.0.1", int(port), session, pool, tuple(other_pages),
-                     aux_base, aux_len, aux_base, aux_size)
+    other_pages = c.take("DA", 7)  # another request's pages in the same pool
+    aux_len = TransferConfig().aux_slot_bytes  # what DA registers with (same place, other pages)
+    reg = KVRegister(
+        room,
+        0,
+        (LAYERS,),
+        "127.0.0.1",
+        int(port),
+        session,
+        pool,
+        tuple(other_pages),
+        aux_base,
+        aux_len,
+        aux_base,
+        aux_size,
+    )
     moved = replace(reg, pool=PoolDesc(**{**da_pool, "base_ptr": pool.base_ptr + pool.page_bytes}))
-    as_da = Sealer(CHANNEL, da_id)                         # a cluster member claiming to be DA
+    as_da = Sealer(CHANNEL, da_id)  # a cluster member claiming to be DA
     ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", N, 0, None))
     fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
     abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
-    stranger = Sealer(CHANNEL, "127.0.0.1:9/9")            # has the secret, is not a peer of the room
+    stranger = Sealer(CHANNEL, "127.0.0.1:9/9")  # has the secret, is not a peer of the room
     outsider = Sealer(CHANNEL, pa_id, secret="another-cluster")
-    _push_all(c.ports["PA"], [encode_message(reg), outsider.seal(encode_message(reg)),
-                              stranger.seal(encode_message(reg)),       # a register naming another sender
-                              as_da.seal(encode_message(moved)),                    # pool changed
-                              as_da.seal(encode_message(replace(reg, page_ids=(NUM_PAGES,)))),   # outside
-                              as_da.seal(encode_message(replace(reg, aux_ptr=aux_base + aux_size))),  # outside
-                              as_da.seal(encode_message(reg))])                     # re-register
-    _push_all(c.ports["DA"], [ok, fail, abort, outsider.seal(ok), outsider.seal(fail),
-                              stranger.seal(ok), stranger.seal(fail), stranger.seal(abort)])
+    _push_all(
+        c.ports["PA"],
+        [
+            encode_message(reg),
+            outsider.seal(encode_message(reg)),
+            stranger.seal(encode_message(reg)),  # a register naming another sender
+            as_da.seal(encode_message(moved)),  # pool changed
+            as_da.seal(encode_message(replace(reg, page_ids=(NUM_PAGES,)))),  # outside
+            as_da.seal(encode_message(replace(reg, aux_ptr=aux_base + aux_size))),  # outside
+            as_da.seal(encode_message(reg)),
+        ],
+    )  # re-register
+    _push_all(
+        c.ports["DA"],
+        [
+            ok,
+            fail,
+            abort,
+            outsider.seal(ok),
+            outsider.seal(fail),
+            stranger.seal(ok),
+            stranger.seal(fail),
+            stranger.seal(abort),
+        ],
+    )
     c.send_all("PA", room, ptab)
     _assert(c.wait("DA", [room]), SUCCESS)
     _assert(c.wait("PA", [room]), SUCCESS)
     assert c.procs["DA"].call("check", "m", room, dtab, N) == 0
     assert c.procs["DA"].call("read_aux", "m", room) == b"tok"
     grew = {n: _grew(before[n], c.procs[n].call("stats", "m")["dropped"]) for n in before}
-    assert grew["PA"] == {"unauthenticated": 2, "foreign_peer": 1, "pool_changed": 1, "bad_pages": 1, "bad_aux": 1,
-                          "duplicate_register": 1}, grew
+    assert grew["PA"] == {
+        "unauthenticated": 2,
+        "foreign_peer": 1,
+        "pool_changed": 1,
+        "bad_pages": 1,
+        "bad_aux": 1,
+        "duplicate_register": 1,
+    }, grew
     assert grew["DA"] == {"unauthenticated": 5, "foreign_peer": 3}, grew
 
 
@@ -348,7 +415,6 @@ def test_prefill_killed(cluster):
     _assert(c.wait("DB", [ok]), SUCCESS)
 
 
-
 def test_prefill_restarted_on_the_same_address(cluster):
     """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on the
     same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to tell it
@@ -363,7 +429,9 @@ def test_prefill_restarted_on_the_same_address(cluster):
         c.aux_slots[name] = itertools.cycle(range(AUX_SLOTS))
 
     def start_pc():
-        c.procs["PC"].call("prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, c.servers["C"].addr)
+        c.procs["PC"].call(
+            "prefill", "m", CFG, 0, 1, LAYERS, NUM_PAGES, PS, TB, c.servers["C"].addr
+        )
         assert c.procs["PC"].call("wait_registered", "m", 10)
 
     def one_room():
@@ -380,5 +448,5 @@ def test_prefill_restarted_on_the_same_address(cluster):
     c.procs["PC"] = RankProcess(ctx, "PC2")
     c.pages["PC"] = list(range(NUM_PAGES))
     start_pc()
-    time.sleep(3 * CFG["heartbeat_interval_s"])        # a few of DC's heartbeats to PC's server
+    time.sleep(3 * CFG["heartbeat_interval_s"])  # a few of DC's heartbeats to PC's server
     one_room()

@@ -1,23 +1,24 @@
 """Byte-exact KV transfer over real Mooncake (TCP, loopback) between separate rank processes, for
 independent prefill/decode PP sizes and page sizes, scattered page tables and chunked sending."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
 import random
 
 import pytest
+from kv_transfer_workers import RankProcess
 
 from consensus.kvpoll import KVPoll
 from kv_transfer import BootstrapServer
 from kv_transfer.layout import pages_for, split_layers
-from kv_transfer_workers import RankProcess
 
 NUM_LAYERS = 30
-TOKEN_BYTES = 128                    # 2 KV heads x head dim 16 x fp32
+TOKEN_BYTES = 128  # 2 KV heads x head dim 16 x fp32
 NUM_PAGES = 64
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (3, 5)]
-PAGE_CASES = [(16, 16, False), (4, 4, False), (16, 4, True)]   # prefill page, decode page, checksum
-ROOMS = [(150, [50, 150]), (37, [37])]                          # prompt tokens, chunk ends
+PAGE_CASES = [(16, 16, False), (4, 4, False), (16, 4, True)]  # prefill page, decode page, checksum
+ROOMS = [(150, [50, 150]), (37, [37])]  # prompt tokens, chunk ends
 DONE = [int(KVPoll.Success), int(KVPoll.Failed)]
 
 
@@ -41,7 +42,11 @@ def _tables(rng: random.Random, page_size: int) -> list[list[int]]:
     out = []
     for k, (n, _) in enumerate(ROOMS):
         need = pages_for(n, page_size)
-        pick = sorted(rng.sample(free[:need + need // 2 + 2], need)) if k == 0 else rng.sample(free, need)
+        pick = (
+            sorted(rng.sample(free[: need + need // 2 + 2], need))
+            if k == 0
+            else rng.sample(free, need)
+        )
         free = [p for p in free if p not in pick]
         out.append(pick)
     return out
@@ -55,12 +60,29 @@ def test_byte_exact_transfer(ranks, p_pp, d_pp):
     rng = random.Random(p_pp * 10 + d_pp)
     for case, (p_ps, d_ps, checksum) in enumerate(PAGE_CASES):
         name = f"L{p_pp}x{d_pp}c{case}"
-        cfg = dict(bootstrap_timeout_s=15, waiting_timeout_s=15, transfer_timeout_s=15, heartbeat_interval_s=0.5,
-                   checksum=checksum, max_inflight_descriptors=8)
+        cfg = dict(
+            bootstrap_timeout_s=15,
+            waiting_timeout_s=15,
+            transfer_timeout_s=15,
+            heartbeat_interval_s=0.5,
+            checksum=checksum,
+            max_inflight_descriptors=8,
+        )
         server = BootstrapServer(heartbeat_timeout_s=10).start()
         try:
             for i, p in enumerate(prefill):
-                p.call("prefill", name, cfg, i, p_pp, p_slices[i], NUM_PAGES, p_ps, TOKEN_BYTES, server.addr)
+                p.call(
+                    "prefill",
+                    name,
+                    cfg,
+                    i,
+                    p_pp,
+                    p_slices[i],
+                    NUM_PAGES,
+                    p_ps,
+                    TOKEN_BYTES,
+                    server.addr,
+                )
             for j, d in enumerate(decode):
                 d.call("decode", name, cfg, j, d_slices, NUM_PAGES, d_ps, TOKEN_BYTES)
             assert all(p.call("wait_registered", name, 10) for p in prefill)
@@ -83,7 +105,16 @@ def test_byte_exact_transfer(ranks, p_pp, d_pp):
                 for end in ends:
                     last = end == n
                     for p in prefill:
-                        p.call("send_chunk", name, room, ptab, start, end, last, f"aux-{room}".encode() if last else None)
+                        p.call(
+                            "send_chunk",
+                            name,
+                            room,
+                            ptab,
+                            start,
+                            end,
+                            last,
+                            f"aux-{room}".encode() if last else None,
+                        )
                     start = end
             for who in prefill + decode:
                 got = who.call("wait", name, list(rooms), DONE, 20)
@@ -94,7 +125,9 @@ def test_byte_exact_transfer(ranks, p_pp, d_pp):
                     assert d.call("read_aux", name, room) == f"aux-{room}".encode()
             for d in decode:
                 st = d.call("stats", name)
-                assert st["rooms_succeeded"] == len(rooms) and not st["failures"] and not st["dropped"], st
+                assert (
+                    st["rooms_succeeded"] == len(rooms) and not st["failures"] and not st["dropped"]
+                ), st
             sent = sum(p.call("stats", name)["bytes_sent"] for p in prefill)
             assert sent >= sum(n for n, *_ in rooms.values()) * NUM_LAYERS * 2 * TOKEN_BYTES
         finally:

@@ -1,5 +1,6 @@
 """Pure parts of kv_transfer: layer mapping, descriptor grouping (checked by replaying the
 descriptors on byte arrays), the control-message codec, the bootstrap state/app, protocol choice."""
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,23 @@ from starlette.testclient import TestClient
 from consensus.kvpoll import KVPoll, update_status
 from kv_transfer.bootstrap import BootstrapState, PrefillRankInfo, build_app
 from kv_transfer.engine import resolve_protocol
-from kv_transfer.layout import (PoolDesc, build_descriptors, coalesce, intersect, overlapping,
-                                pages_for, split_layers)
-from kv_transfer.messages import KVAbort, KVRegister, KVStatus, MessageError, decode_message, encode_message
+from kv_transfer.layout import (
+    PoolDesc,
+    build_descriptors,
+    coalesce,
+    intersect,
+    overlapping,
+    pages_for,
+    split_layers,
+)
+from kv_transfer.messages import (
+    KVAbort,
+    KVRegister,
+    KVStatus,
+    MessageError,
+    decode_message,
+    encode_message,
+)
 
 TB = 8
 
@@ -25,14 +40,20 @@ def pool(base, pages, ps, a, b):
 def test_split_and_overlap():
     assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
     assert intersect((0, 10), (10, 20)) is None and intersect((0, 12), (10, 20)) == (10, 12)
-    prefill = dict(enumerate(split_layers(30, 3)))           # [0,10) [10,20) [20,30)
+    prefill = dict(enumerate(split_layers(30, 3)))  # [0,10) [10,20) [20,30)
     assert overlapping((6, 12), prefill) == [(0, 6, 10), (1, 10, 12)]
     assert overlapping((0, 30), prefill) == [(0, 0, 10), (1, 10, 20), (2, 20, 30)]
     for p_pp in range(1, 7):
         for d_pp in range(1, 7):
             d_slices = split_layers(30, d_pp)
-            for a, b in split_layers(30, p_pp):        # every prefill layer goes to exactly one decode rank
-                covered = [lo for _, lo, hi in overlapping((a, b), dict(enumerate(d_slices))) for lo in range(lo, hi)]
+            for a, b in split_layers(
+                30, p_pp
+            ):  # every prefill layer goes to exactly one decode rank
+                covered = [
+                    lo
+                    for _, lo, hi in overlapping((a, b), dict(enumerate(d_slices)))
+                    for lo in range(lo, hi)
+                ]
                 assert covered == list(range(a, b))
 
 
@@ -42,12 +63,16 @@ def _replay(src: PoolDesc, dst: PoolDesc, descs) -> tuple[bytearray, bytearray]:
     for s, d, n in descs:
         assert src.base_ptr <= s and s + n <= src.base_ptr + src.nbytes
         assert dst.base_ptr <= d and d + n <= dst.base_ptr + dst.nbytes
-        mem_dst[d - dst.base_ptr:d - dst.base_ptr + n] = mem_src[s - src.base_ptr:s - src.base_ptr + n]
+        mem_dst[d - dst.base_ptr : d - dst.base_ptr + n] = mem_src[
+            s - src.base_ptr : s - src.base_ptr + n
+        ]
     return mem_src, mem_dst
 
 
 @pytest.mark.parametrize("p_ps,d_ps", [(4, 4), (4, 8), (8, 4), (3, 5)])
-@pytest.mark.parametrize("src_layers,dst_layers", [((0, 6), (0, 6)), ((0, 6), (2, 9)), ((3, 9), (0, 4))])
+@pytest.mark.parametrize(
+    "src_layers,dst_layers", [((0, 6), (0, 6)), ((0, 6), (2, 9)), ((3, 9), (0, 4))]
+)
 def test_descriptors_move_exactly_the_shared_tokens(p_ps, d_ps, src_layers, dst_layers):
     rng = random.Random(p_ps * 100 + d_ps)
     src, dst = pool(4096, 16, p_ps, *src_layers), pool(1 << 20, 16, d_ps, *dst_layers)
@@ -62,7 +87,7 @@ def test_descriptors_move_exactly_the_shared_tokens(p_ps, d_ps, src_layers, dst_
             for t in range(n):
                 s = src.addr(sp[t // p_ps], layer, kv, t % p_ps) - src.base_ptr
                 d = dst.addr(dp[t // d_ps], layer, kv, t % d_ps) - dst.base_ptr
-                assert md[d:d + TB] == ms[s:s + TB], (layer, kv, t)
+                assert md[d : d + TB] == ms[s : s + TB], (layer, kv, t)
 
 
 def test_descriptor_grouping():
@@ -87,34 +112,67 @@ def test_descriptor_grouping():
 def test_descriptors_reject_bad_tables():
     src, dst = pool(0, 8, 4, 0, 2), pool(1 << 20, 8, 4, 0, 2)
     with pytest.raises(ValueError):
-        build_descriptors(src, dst, [0], [0, 1], 0, 8)            # prefill table too short
+        build_descriptors(src, dst, [0], [0, 1], 0, 8)  # prefill table too short
     with pytest.raises(ValueError):
-        build_descriptors(src, dst, [0, 9], [0, 1], 0, 8)         # page outside the pool
+        build_descriptors(src, dst, [0, 9], [0, 1], 0, 8)  # page outside the pool
     with pytest.raises(ValueError):
         build_descriptors(src, PoolDesc(1 << 20, 8, 4, 0, 2, TB, "bfloat16"), [0, 1], [0, 1], 0, 8)
     assert build_descriptors(src, pool(1 << 20, 8, 4, 2, 4), [0, 1], [0, 1], 0, 8) == []
 
 
 def _register():
-    return KVRegister(1 << 62, 1, ((0, 15), (15, 30)), "127.0.0.1", 5555, "127.0.0.1:1234",
-                      pool(1 << 30, 64, 16, 15, 30), (3, 9, 4), 777, 4096, 0, 8192)
+    return KVRegister(
+        1 << 62,
+        1,
+        ((0, 15), (15, 30)),
+        "127.0.0.1",
+        5555,
+        "127.0.0.1:1234",
+        pool(1 << 30, 64, 16, 15, 30),
+        (3, 9, 4),
+        777,
+        4096,
+        0,
+        8192,
+    )
 
 
 def test_codec_round_trip_and_strictness():
-    for msg in (_register(), KVStatus(5, 2, int(KVPoll.Success), "", 100, 12, 0xDEAD),
-                KVStatus(5, 2, int(KVPoll.Failed), "transfer_error", 0, 0, None), KVAbort(5, "decode", 0, "aborted")):
+    for msg in (
+        _register(),
+        KVStatus(5, 2, int(KVPoll.Success), "", 100, 12, 0xDEAD),
+        KVStatus(5, 2, int(KVPoll.Failed), "transfer_error", 0, 0, None),
+        KVAbort(5, "decode", 0, "aborted"),
+    ):
         assert decode_message(encode_message(msg)) == msg
     good = msgpack.unpackb(encode_message(_register()))
     bad = [
-        b"\xc1garbage", b"", msgpack.packb([1, 2]), msgpack.packb({"t": "nope"}),
-        msgpack.packb({**good, "room": "1"}), msgpack.packb({**good, "room": -1}),
-        msgpack.packb({**good, "room": 1 << 63}), msgpack.packb({**good, "page_ids": [1, "2"]}),
-        msgpack.packb({**good, "page_ids": [True]}), msgpack.packb({**good, "extra": 1}),
+        b"\xc1garbage",
+        b"",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"t": "nope"}),
+        msgpack.packb({**good, "room": "1"}),
+        msgpack.packb({**good, "room": -1}),
+        msgpack.packb({**good, "room": 1 << 63}),
+        msgpack.packb({**good, "page_ids": [1, "2"]}),
+        msgpack.packb({**good, "page_ids": [True]}),
+        msgpack.packb({**good, "extra": 1}),
         msgpack.packb({k: v for k, v in good.items() if k != "aux_ptr"}),
-        msgpack.packb({**good, "dst_slices": [[5, 3]]}), msgpack.packb({**good, "pool": {"base_ptr": 1}}),
+        msgpack.packb({**good, "dst_slices": [[5, 3]]}),
+        msgpack.packb({**good, "pool": {"base_ptr": 1}}),
         msgpack.packb({**good, "ctrl_port": 0}),
-        msgpack.packb({"t": "status", "room": 1, "src_rank": 0, "status": 2, "reason": "", "num_tokens": 0,
-                       "aux_bytes": 0, "checksum": None}),                     # not a terminal status
+        msgpack.packb(
+            {
+                "t": "status",
+                "room": 1,
+                "src_rank": 0,
+                "status": 2,
+                "reason": "",
+                "num_tokens": 0,
+                "aux_bytes": 0,
+                "checksum": None,
+            }
+        ),  # not a terminal status
         msgpack.packb({"t": "abort", "room": 1, "side": "router", "rank": 0, "reason": ""}),
     ]
     for data in bad:
@@ -123,7 +181,9 @@ def test_codec_round_trip_and_strictness():
 
 
 def _info(rank, size, a, b):
-    return PrefillRankInfo(rank, size, a, b, "127.0.0.1", 6000 + rank, f"127.0.0.1:{7000 + rank}", 16, 768, "float32")
+    return PrefillRankInfo(
+        rank, size, a, b, "127.0.0.1", 6000 + rank, f"127.0.0.1:{7000 + rank}", 16, 768, "float32"
+    )
 
 
 def test_bootstrap_state_route_and_liveness():
@@ -137,7 +197,10 @@ def test_bootstrap_state_route_and_liveness():
     now[0] = 1.0
     assert st.heartbeat("127.0.0.1:7000", ["dec:1", "never-seen"]) == []
     now[0] = 2.5
-    assert st.heartbeat("127.0.0.1:7000", ["dec:1", "127.0.0.1:7001"]) == ["dec:1", "127.0.0.1:7001"]
+    assert st.heartbeat("127.0.0.1:7000", ["dec:1", "127.0.0.1:7001"]) == [
+        "dec:1",
+        "127.0.0.1:7001",
+    ]
 
 
 def test_bootstrap_app_endpoints():
@@ -145,17 +208,22 @@ def test_bootstrap_app_endpoints():
     auth = {"authorization": "Bearer s3cret"}
     assert client.get("/health").json()["status"] == "ok"
     assert client.put("/route", json=_info(0, 2, 0, 15).to_wire()).status_code == 401
-    assert client.put("/route", json={**_info(0, 2, 0, 15).to_wire(), "pp_rank": "0"}, headers=auth).status_code == 400
+    assert (
+        client.put(
+            "/route", json={**_info(0, 2, 0, 15).to_wire(), "pp_rank": "0"}, headers=auth
+        ).status_code
+        == 400
+    )
     assert client.put("/route", json=_info(0, 2, 0, 15).to_wire(), headers=auth).status_code == 200
     assert client.get("/route?layer_start=0&layer_end=30", headers=auth).status_code == 503
     assert client.put("/route", json=_info(1, 2, 15, 30).to_wire(), headers=auth).status_code == 200
     r = client.get("/route?layer_start=20&layer_end=30&session=d", headers=auth)
     assert r.status_code == 200 and [x["pp_rank"] for x in r.json()["ranks"]] == [1]
     sessions = sorted([_info(0, 2, 0, 15).session_id, _info(1, 2, 15, 30).session_id])
-    assert client.post("/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth).json() == \
-        {"dead": [], "ranks": sessions}
+    assert client.post(
+        "/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth
+    ).json() == {"dead": [], "ranks": sessions}
     assert client.post("/heartbeat", json={"session": 1}, headers=auth).status_code == 400
-
 
 
 def test_bootstrap_app_refuses_oversized_bodies():
@@ -170,6 +238,7 @@ def test_bootstrap_app_refuses_oversized_bodies():
         for _ in range(2000):
             yield b'"' + b"p" * 100 + b'",'
         yield b'"p"]}'
+
     assert client.post("/heartbeat", content=chunks(), headers=auth).status_code == 413
     assert client.put("/route", content=chunks(), headers=auth).status_code == 413
 
@@ -178,7 +247,10 @@ def test_protocol_choice(monkeypatch):
     monkeypatch.delenv("PDSERVE_TRANSFER_PROTOCOL", raising=False)
     monkeypatch.delenv("PDSERVE_TRANSFER_DEVICE", raising=False)
     assert resolve_protocol(None, None, found_devices=[]) == ("tcp", "")
-    assert resolve_protocol(None, None, found_devices=["mlx5_0", "mlx5_1"]) == ("rdma", "mlx5_0,mlx5_1")
+    assert resolve_protocol(None, None, found_devices=["mlx5_0", "mlx5_1"]) == (
+        "rdma",
+        "mlx5_0,mlx5_1",
+    )
     assert resolve_protocol("tcp", None, found_devices=["mlx5_0"]) == ("tcp", "")
     monkeypatch.setenv("PDSERVE_TRANSFER_PROTOCOL", "rdma")
     assert resolve_protocol(None, "mlx5_3", found_devices=[]) == ("rdma", "mlx5_3")

@@ -1,5 +1,6 @@
 """The package layering of docs/ARCHITECTURE.md section 2, checked against every import in the
 source (top-level and inside functions), so an upward import fails here and not in review."""
+
 from __future__ import annotations
 
 import ast
@@ -48,9 +49,12 @@ def test_every_package_imports_only_downward():
 
 
 def test_engine_needs_no_network_or_process_group():
-    bad = [f"{f.relative_to(ROOT)}:{line} imports {mod}"
-           for f in sorted((ROOT / "engine").glob("*.py")) for line, mod in _imports(f)
-           if any(mod == m or mod.startswith(m + ".") for m in ENGINE_FORBIDDEN)]
+    bad = [
+        f"{f.relative_to(ROOT)}:{line} imports {mod}"
+        for f in sorted((ROOT / "engine").glob("*.py"))
+        for line, mod in _imports(f)
+        if any(mod == m or mod.startswith(m + ".") for m in ENGINE_FORBIDDEN)
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -1,5 +1,6 @@
 """Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their layers,
 and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF model."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import ModelLoadError, load_model_config, load_slice, load_tokenizer, resolve_model
-from tests.test_model import PLAN, TOTAL, max_err, run_plan
+from engine.loader import (
+    ModelLoadError,
+    load_model_config,
+    load_slice,
+    load_tokenizer,
+    resolve_model,
+)
 from tests.cluster import ROOT
+from tests.test_model import PLAN, TOTAL, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 
 LINEAR = {"rope_type": "linear", "factor": 2.0}
@@ -35,7 +42,11 @@ def tiny(tmp_path_factory):
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf LlamaModel.permute (what the loader must undo)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(hf_dir, out, arch="llama"):
@@ -58,11 +69,22 @@ def write_gguf(hf_dir, out, arch="llama"):
     g.add_rope_scaling_factor(c["rope_parameters"]["factor"])
     g.add_eos_token_id(c["eos_token_id"])
     g.add_bos_token_id(c["bos_token_id"])
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for name, t in w.items():
         a = t.float().numpy()
         if name.startswith("model.layers."):
@@ -90,8 +112,12 @@ def test_gguf_slices_match_hf(tiny, tmp_path):
     cfg = load_model_config(path)
     hf_cfg = load_model_config(tiny)
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0} and cfg.tie_word_embeddings
-    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == \
-        (hf_cfg.num_layers, hf_cfg.num_heads, hf_cfg.num_kv_heads, hf_cfg.head_dim)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        hf_cfg.num_layers,
+        hf_cfg.num_heads,
+        hf_cfg.num_kv_heads,
+        hf_cfg.head_dim,
+    )
     rng = random.Random(1)
     seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
     ref = hf_logits(tiny, seqs)
@@ -112,13 +138,14 @@ def test_gguf_metadata_cache(tiny, tmp_path, monkeypatch):
 
     def no_reader(_path):
         raise AssertionError("the GGUF was parsed again instead of read from the cache")
+
     with monkeypatch.context() as m:
         m.setattr(loader, "_open_gguf", no_reader)
         assert load_model_config(path) == cfg
         cached = load_slice(path, 0, 4).state_dict()
     assert parsed.keys() == cached.keys() and all(torch.equal(parsed[k], cached[k]) for k in parsed)
     before = loader.gguf_cache_dir(path)
-    write_gguf(tiny, path)                        # same bytes, new mtime: never trusted blindly
+    write_gguf(tiny, path)  # same bytes, new mtime: never trusted blindly
     assert loader.gguf_cache_dir(path) != before
 
 
@@ -133,22 +160,33 @@ def test_stop_detokenizer_decodes_like_transformers(tiny):
 
 def test_slice_loads_only_its_layers(tiny):
     cfg = load_model_config(tiny)
-    per_layer = 6   # norms, fused qkv, o, fused gate_up, down (no bias in llama)
+    per_layer = 6  # norms, fused qkv, o, fused gate_up, down (no bias in llama)
     mid = load_slice(tiny, 1, 3)
     names = [n for n, _ in mid.named_parameters()]
     assert not mid.is_first and not mid.is_last
-    assert len(names) == 2 * per_layer and all(n.startswith(("layers.0.", "layers.1.")) for n in names)
+    assert len(names) == 2 * per_layer and all(
+        n.startswith(("layers.0.", "layers.1.")) for n in names
+    )
     assert not any("layers.0." in n or "layers.3." in n for n in mid.weight_names())
     first, last = load_slice(tiny, 0, 1), load_slice(tiny, 1, 4)
-    assert [n for n, _ in first.named_parameters() if not n.startswith("layers.")] == ["embed_weight"]
-    assert [n for n, _ in last.named_parameters() if not n.startswith("layers.")] == ["norm_weight", "lm_head_weight"]
+    assert [n for n, _ in first.named_parameters() if not n.startswith("layers.")] == [
+        "embed_weight"
+    ]
+    assert [n for n, _ in last.named_parameters() if not n.startswith("layers.")] == [
+        "norm_weight",
+        "lm_head_weight",
+    ]
     assert len(list(last.layers)) == 3
     # tied embeddings: the last slice reads the embedding matrix as its LM head
     assert "model.embed_tokens.weight" in last.weight_names()
     assert torch.equal(last.lm_head_weight, first.embed_weight)
     total = sum(p.numel() for p in load_slice(tiny, 0, 4).parameters())
-    assert total == sum(p.numel() for p in first.parameters()) + sum(p.numel() for p in last.parameters()) \
-        - cfg.vocab_size * cfg.hidden_size   # one slice shares embedding and head
+    assert (
+        total
+        == sum(p.numel() for p in first.parameters())
+        + sum(p.numel() for p in last.parameters())
+        - cfg.vocab_size * cfg.hidden_size
+    )  # one slice shares embedding and head
 
 
 def _one_line_error(fn, *match) -> str:
@@ -176,7 +214,10 @@ def test_unsupported_architecture(tiny, tmp_path):
     c["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(c))
     _one_line_error(lambda: load_slice(d, 0, 1), "unsupported architecture 'gpt2'", "llama")
-    c["model_type"], c["rope_parameters"] = "llama", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    c["model_type"], c["rope_parameters"] = (
+        "llama",
+        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4},
+    )
     (d / "config.json").write_text(json.dumps(c))
     _one_line_error(lambda: load_model_config(d), "rope_type 'yarn'")
 
@@ -190,14 +231,16 @@ def test_unsupported_gguf_architecture(tmp_path):
     g.write_kv_data_to_file()
     g.write_tensors_to_file()
     g.close()
-    _one_line_error(lambda: load_slice(tmp_path / "m.gguf", 0, 1), "unsupported architecture 'gpt2'")
+    _one_line_error(
+        lambda: load_slice(tmp_path / "m.gguf", 0, 1), "unsupported architecture 'gpt2'"
+    )
 
 
 def test_corrupt_safetensors(tiny, tmp_path):
     d = tmp_path / "bad"
     shutil.copytree(tiny, d)
     data = (d / "model.safetensors").read_bytes()
-    (d / "model.safetensors").write_bytes(data[: len(data) // 2])      # truncated
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
     _one_line_error(lambda: load_slice(d, 0, 4), "model.safetensors")
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     _one_line_error(lambda: load_slice(d, 0, 4), "model.safetensors")
@@ -207,9 +250,9 @@ def test_corrupt_gguf(tiny, tmp_path):
     good = write_gguf(tiny, tmp_path / "good.gguf")
     data = good.read_bytes()
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(data[: len(data) // 2])                             # truncated in the tensor data
+    bad.write_bytes(data[: len(data) // 2])  # truncated in the tensor data
     _one_line_error(lambda: load_slice(bad, 0, 4), "bad.gguf")
-    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)                    # garbage after the magic
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)  # garbage after the magic
     _one_line_error(lambda: load_model_config(bad), "bad.gguf")
 
 
@@ -220,13 +263,18 @@ def test_bad_slice_bounds(tiny):
 def test_resolve_default_model():
     p = resolve_model(None)
     assert p.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and p.is_file()
-    assert resolve_model("SmolLM2-135M-Instruct") == p == resolve_model("HuggingFaceTB/smollm2-135m-instruct")
+    assert (
+        resolve_model("SmolLM2-135M-Instruct")
+        == p
+        == resolve_model("HuggingFaceTB/smollm2-135m-instruct")
+    )
 
 
 def test_hf_tokenizer_and_eos(tiny):
     tok = load_tokenizer(tiny)
     assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False)
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
     assert load_model_config(tiny).eos_token_ids == (tok.eos_token_id,)
 
 
@@ -234,12 +282,15 @@ def test_node_front_path_never_imports_torch(tiny):
     """What a node front runs before serving (its modules, the model config, the tokenizer) leaves
     torch unimported: importing it costs a front ~2.5 s of CPU while its ranks start. The tokenizer
     it gets is the one AutoTokenizer gives."""
-    code = ("import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
-            "from engine.loader import load_model_config, load_tokenizer; "
-            f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
-            "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+    code = (
+        "import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
+        "from engine.loader import load_model_config, load_tokenizer; "
+        f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
+        "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split(" ", 1)[1].strip() == "[]", out.stdout
     from transformers import AutoTokenizer
@@ -247,12 +298,16 @@ def test_node_front_path_never_imports_torch(tiny):
     ours, auto = load_tokenizer(tiny), AutoTokenizer.from_pretrained(str(tiny))
     assert type(ours) is type(auto)
     chat = [{"role": "user", "content": "the cache page prefill"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     text = "rank router slot, layer token: pipeline transfer!"
     assert ours(text)["input_ids"] == auto(text)["input_ids"]
-    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
-                                                                        auto.pad_token_id)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (
+        auto.eos_token_id,
+        auto.bos_token_id,
+        auto.pad_token_id,
+    )
 
 
 def test_auto_dtype_is_the_models_own(tiny, tmp_path):
@@ -267,13 +322,19 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     shutil.copytree(tiny, bf16)
     c = json.loads((bf16 / "config.json").read_text())
     c.pop("dtype", None)
-    c["torch_dtype"] = "bfloat16"                 # how checkpoints before transformers 4.56 say it
+    c["torch_dtype"] = "bfloat16"  # how checkpoints before transformers 4.56 say it
     (bf16 / "config.json").write_text(json.dumps(c))
     assert load_model_config(bf16).dtype == "bfloat16"
-    assert load_model_config(write_gguf(tiny, tmp_path / "tiny.gguf")).dtype == "float32"   # F32 tensors
-    assert load_model_config(resolve_model(None)).dtype == "bfloat16"                       # Q4_1 SmolLM2
-    assert (_gguf_dtype([0, 0]), _gguf_dtype([0, 1]), _gguf_dtype([0, 30]), _gguf_dtype([0, 3, 8])) == \
-        ("float32", "float16", "bfloat16", "bfloat16")
+    assert (
+        load_model_config(write_gguf(tiny, tmp_path / "tiny.gguf")).dtype == "float32"
+    )  # F32 tensors
+    assert load_model_config(resolve_model(None)).dtype == "bfloat16"  # Q4_1 SmolLM2
+    assert (
+        _gguf_dtype([0, 0]),
+        _gguf_dtype([0, 1]),
+        _gguf_dtype([0, 30]),
+        _gguf_dtype([0, 3, 8]),
+    ) == ("float32", "float16", "bfloat16", "bfloat16")
     auto = EngineConfig()
     assert auto.dtype == "auto"
     with pytest.raises(ValueError, match="resolved"):
@@ -282,6 +343,11 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     assert auto.for_model("float16", native_bf16=True).dtype == "bfloat16"
     # a CPU without bf16 units (AVX2 only) emulates bf16 matmuls: auto computes in fp32 there
     assert auto.for_model("bfloat16", native_bf16=False).dtype == "float32"
-    assert auto.for_model("float16", "cuda").dtype == "float16" and auto.for_model("float32").dtype == "float32"
+    assert (
+        auto.for_model("float16", "cuda").dtype == "float16"
+        and auto.for_model("float32").dtype == "float32"
+    )
     assert EngineConfig(dtype="float32").for_model("bfloat16").dtype == "float32"
-    assert EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
+    assert (
+        EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
+    )

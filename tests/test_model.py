@@ -4,6 +4,7 @@ Each scenario runs several requests in pieces: prefill in two chunks (the second
 first chunk's cached KV), mixed prefill + decode batches, then decode steps; every logit row we
 compute is compared to HF's full-sequence logits at the same position. Page tables are scattered.
 """
+
 from __future__ import annotations
 
 import random
@@ -11,15 +12,21 @@ import random
 import pytest
 import torch
 
-from engine import forward_batch
+from engine import forward_batch, loader
 from engine.forward_batch import BatchItem, build_forward_batch
 from engine.kv_cache import KVLayout, KVPool, pages_needed
-from engine import loader
-from engine.loader import StopDetokenizer, gguf_cache_dir, load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.loader import (
+    StopDetokenizer,
+    gguf_cache_dir,
+    load_model_config,
+    load_slice,
+    load_tokenizer,
+    resolve_model,
+)
 from tests.tiny_model import build_tiny_model
 
 PAGE_SIZE = 4
-PROMPTS = (5, 11, 17, 2, 140)   # the last one: a long chunk alone, causal from 0, then a masked one
+PROMPTS = (5, 11, 17, 2, 140)  # the last one: a long chunk alone, causal from 0, then a masked one
 DECODE_STEPS = 4
 # (request, new tokens, logits wanted); requests start at different steps, so batches mix kinds.
 PLAN = [
@@ -57,8 +64,20 @@ def scattered_tables(lengths, page_size, num_pages, seed=0):
 def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
     """Runs `plan` through the chained slices; returns {(request, position): logits row}."""
     num_pages = sum(pages_needed(len(s), page_size) for s in seqs) + 3
-    pools = [KVPool(KVLayout(num_pages, page_size, s.layer_start, s.layer_end, cfg.num_kv_heads,
-                             cfg.head_dim, dtype)) for s in slices]
+    pools = [
+        KVPool(
+            KVLayout(
+                num_pages,
+                page_size,
+                s.layer_start,
+                s.layer_end,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype,
+            )
+        )
+        for s in slices
+    ]
     tables = scattered_tables([len(s) for s in seqs], page_size, num_pages)
     done = [0] * len(seqs)
     got = {}
@@ -66,7 +85,7 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
         items, toks = [], []
         for r, n, logits in step:
             items.append(BatchItem(tables[r], done[r], n, logits))
-            toks += seqs[r][done[r]:done[r] + n]
+            toks += seqs[r][done[r] : done[r] + n]
             done[r] += n
         fb = build_forward_batch(items, page_size)
         x = torch.tensor(toks)
@@ -92,9 +111,16 @@ def max_err(got, ref):
 
 VARIANTS = {
     "llama": dict(),
-    "llama_tied_llama3": dict(tie=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 32}),
+    "llama_tied_llama3": dict(
+        tie=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "qwen2_bias": dict(arch="qwen2"),
     "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
@@ -113,6 +139,7 @@ def build_variant(tmp_path_factory):
             seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
             built[name] = path, cfg, seqs, hf_logits(path, seqs)
         return built[name]
+
     return build
 
 
@@ -126,7 +153,9 @@ def tiny_llama(build_variant):
     return build_variant("llama")
 
 
-@pytest.mark.parametrize("cuts", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["one_slice", "three_slices"])
+@pytest.mark.parametrize(
+    "cuts", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["one_slice", "three_slices"]
+)
 def test_tiny_matches_hf(tiny, cuts):
     path, cfg, seqs, ref = tiny
     slices = [load_slice(path, a, b) for a, b in cuts]
@@ -149,13 +178,19 @@ def test_small_groups_and_page_size(tiny_llama, monkeypatch):
 
 def test_bf16(tiny_llama):
     path, cfg, seqs, ref = tiny_llama
-    got = run_plan([load_slice(path, 0, 4, dtype=torch.bfloat16)], cfg, seqs, PLAN[:3], dtype=torch.bfloat16)
+    got = run_plan(
+        [load_slice(path, 0, 4, dtype=torch.bfloat16)], cfg, seqs, PLAN[:3], dtype=torch.bfloat16
+    )
     assert all(row.dtype == torch.float32 for row in got.values())
     assert max_err(got, ref) < 0.1
 
 
 def test_forward_batch_layout():
-    items = [BatchItem([7, 3], 5, 2, True), BatchItem([1], 0, 1, False), BatchItem([4, 9, 2], 0, 9, True)]
+    items = [
+        BatchItem([7, 3], 5, 2, True),
+        BatchItem([1], 0, 1, False),
+        BatchItem([4, 9, 2], 0, 9, True),
+    ]
     fb = build_forward_batch(items, page_size=4)
     assert fb.num_tokens == 12
     assert fb.positions.tolist() == [5, 6, 0] + list(range(9))
@@ -173,9 +208,11 @@ def smollm2():
     path = resolve_model(None)
     cfg = load_model_config(path)
     tok = load_tokenizer(path)
-    texts = ["The capital of France is Paris, and the capital of Italy is",
-             "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
-             "Pipeline parallelism splits the layers of a model across several processes."]
+    texts = [
+        "The capital of France is Paris, and the capital of Italy is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+        "Pipeline parallelism splits the layers of a model across several processes.",
+    ]
     seqs = [tok(t).input_ids for t in texts]
     return path, cfg, tok, seqs, hf_logits(path.parent, seqs, gguf_file=path.name)
 
@@ -183,14 +220,24 @@ def smollm2():
 @pytest.mark.heavy
 def test_smollm2_gguf_matches_hf(smollm2):
     path, cfg, tok, seqs, ref = smollm2
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == \
-        (30, 576, 9, 3, 64, 49152)
+    assert (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    ) == (30, 576, 9, 3, 64, 49152)
     assert cfg.tie_word_embeddings and 2 in cfg.eos_token_ids
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.endswith("<|im_start|>assistant\n")
-    decode = 3   # the last tokens of each text are fed one by one as decode steps
-    plan = [[(r, (len(s) - decode) // 2, False) for r, s in enumerate(seqs)],
-            [(r, len(s) - decode - (len(s) - decode) // 2, True) for r, s in enumerate(seqs)]]
+    decode = 3  # the last tokens of each text are fed one by one as decode steps
+    plan = [
+        [(r, (len(s) - decode) // 2, False) for r, s in enumerate(seqs)],
+        [(r, len(s) - decode - (len(s) - decode) // 2, True) for r, s in enumerate(seqs)],
+    ]
     plan += [[(r, 1, True) for r in range(len(seqs))]] * decode
     for cuts in ([(0, 30)], [(0, 11), (11, 30)]):
         got = run_plan([load_slice(path, a, b) for a, b in cuts], cfg, seqs, plan, page_size=16)
@@ -209,17 +256,29 @@ def test_smollm2_caches_read_back_the_same(smollm2, monkeypatch):
 
     def no_reader(_path):
         raise AssertionError("the GGUF was parsed again instead of read from the cache")
+
     monkeypatch.setattr(loader, "_open_gguf", no_reader)
     assert load_model_config(path) == cfg
     tok2 = load_tokenizer(path)
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode ✓ 漢字 and code: x**2"}]
-    assert tok2.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
-        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Ünïcode ✓ 漢字 and code: x**2"},
+    ]
+    assert tok2.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    ) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     text = tok.decode(seqs[1]) + " <|im_end|>\n\t漢字"
     assert tok2(text).input_ids == tok(text).input_ids
-    assert (tok2.eos_token_id, tok2.bos_token_id, tok2.all_special_ids) == (tok.eos_token_id, tok.bos_token_id,
-                                                                            tok.all_special_ids)
+    assert (tok2.eos_token_id, tok2.bos_token_id, tok2.all_special_ids) == (
+        tok.eos_token_id,
+        tok.bos_token_id,
+        tok.all_special_ids,
+    )
     detok, rng = StopDetokenizer(path), random.Random(3)
     for _ in range(200):
         ids = [rng.randrange(cfg.vocab_size) for _ in range(rng.randrange(1, 30))]
-        assert detok(ids) == tok.decode(ids, skip_special_tokens=True) == tok2.decode(ids, skip_special_tokens=True)
+        assert (
+            detok(ids)
+            == tok.decode(ids, skip_special_tokens=True)
+            == tok2.decode(ids, skip_special_tokens=True)
+        )

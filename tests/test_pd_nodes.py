@@ -1,4 +1,5 @@
 """Prefill and decode nodes as real processes with real Mooncake transfers over TCP on loopback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +10,17 @@ import time
 
 import httpx
 import pytest
-
 from cluster import group_alive
-from pd_cluster import (allow_bootstrap, body, decode_node, pd_generate, pd_generate_all, prefill_node, sse_tokens,
-                        wait_pages_free)
+from pd_cluster import (
+    allow_bootstrap,
+    body,
+    decode_node,
+    pd_generate,
+    pd_generate_all,
+    prefill_node,
+    sse_tokens,
+    wait_pages_free,
+)
 from reference import hf_greedy, load_hf
 
 MAX_NEW = 10
@@ -30,8 +38,10 @@ QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TI
 
 @pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 2), (3, 2), (2, 3), (1, 3)])
 def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, reference, tmp_path):
-    with prefill_node(tiny30, ppp, tmp_path, env=QUEUE_TIMEOUTS) as (purl, bport, _), \
-            decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _):
+    with (
+        prefill_node(tiny30, ppp, tmp_path, env=QUEUE_TIMEOUTS) as (purl, bport, _),
+        decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _),
+    ):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
@@ -45,13 +55,21 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
 
 def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches, then random aborts on both sides."""
-    with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _), decode_node(tiny30, 2, tmp_path) as (durl, _):
+    with (
+        prefill_node(tiny30, 2, tmp_path) as (purl, bport, _),
+        decode_node(tiny30, 2, tmp_path) as (durl, _),
+    ):
         allow_bootstrap(durl, bport)
 
         async def run():
             async with httpx.AsyncClient(timeout=60) as c:
                 # bootstrap: the decode side never comes; abort at the prefill node.
-                t = asyncio.create_task(c.post(f"{purl}/generate", json={**body(mixed_prompts[3], 11, bport, 5), "rid": "b1"}))
+                t = asyncio.create_task(
+                    c.post(
+                        f"{purl}/generate",
+                        json={**body(mixed_prompts[3], 11, bport, 5), "rid": "b1"},
+                    )
+                )
                 await asyncio.sleep(0.5)
                 assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
                 r = await t
@@ -60,14 +78,28 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                 # request is refused when it arrives, on either node, instead of waiting for a
                 # partner that already gave up until its bootstrap timeout.
                 for url, rid in ((purl, "e1"), (durl, "e2")):
-                    assert (await c.post(f"{url}/abort", json={"rid": rid})).json()["aborted"] is False
-                    r = await c.post(f"{url}/generate", json={**body(mixed_prompts[3], 13, bport, 5), "rid": rid})
+                    assert (await c.post(f"{url}/abort", json={"rid": rid})).json()[
+                        "aborted"
+                    ] is False
+                    r = await c.post(
+                        f"{url}/generate", json={**body(mixed_prompts[3], 13, bport, 5), "rid": rid}
+                    )
                     assert r.status_code == 409 and r.json()["error"]["code"] == "aborted", r.text
-                    for bad in ({"rid": 5}, {"rid": ""}, {"rid": "x" * 257}, {}):   # named, not remembered
+                    for bad in (
+                        {"rid": 5},
+                        {"rid": ""},
+                        {"rid": "x" * 257},
+                        {},
+                    ):  # named, not remembered
                         r = await c.post(f"{url}/abort", json=bad)
                         assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
                 # prealloc/transfer: the prefill side never comes; abort at the decode node.
-                t = asyncio.create_task(c.post(f"{durl}/generate", json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"}))
+                t = asyncio.create_task(
+                    c.post(
+                        f"{durl}/generate",
+                        json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"},
+                    )
+                )
                 await asyncio.sleep(0.5)
                 assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
                 r = await t
@@ -91,24 +123,33 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                             await c.post(f"{durl}/abort", json={"rid": rid})
                     rp, rd = await tp, await td
                     return k, mode, rp, rd
+
                 results = await asyncio.gather(*(one(i) for i in range(48)))
                 ok = 0
                 for k, mode, rp, rd in results:
-                    if rd.status_code == 200 and rd.json()["meta_info"]["finish_reason"]["type"] == "length":
+                    if (
+                        rd.status_code == 200
+                        and rd.json()["meta_info"]["finish_reason"]["type"] == "length"
+                    ):
                         assert rd.json()["token_ids"] == reference[k], (k, mode)
                         ok += 1
                     else:
                         assert mode != "none", (k, rp.text, rd.text)
                 assert ok >= 10
                 # Streaming client that goes away while decoding.
-                async with c.stream("POST", f"{durl}/generate", json=body(mixed_prompts[5], 77, bport, 40, True)) as s:
-                    pre = asyncio.create_task(c.post(f"{purl}/generate", json=body(mixed_prompts[5], 77, bport, 40)))
+                async with c.stream(
+                    "POST", f"{durl}/generate", json=body(mixed_prompts[5], 77, bport, 40, True)
+                ) as s:
+                    pre = asyncio.create_task(
+                        c.post(f"{purl}/generate", json=body(mixed_prompts[5], 77, bport, 40))
+                    )
                     lines = []
                     async for line in s.aiter_lines():
                         lines.append(line)
                         if len(sse_tokens(lines)) >= 3:
                             break
                 await pre
+
         asyncio.run(asyncio.wait_for(run(), 180))
         left = wait_pages_free(purl, durl, timeout=40)
         assert not any(left[purl]) and not any(left[durl]), f"pages still held: {left}"
@@ -120,11 +161,13 @@ def test_waiting_timeout_covers_the_pd_queues(tiny30, mixed_prompts, reference, 
     """`--waiting-timeout` also ends requests stuck in the PD queues (prefill bootstrap, decode
     prealloc/transfer) with a clear error, before the 8 s KV bootstrap/waiting timeouts would."""
     extra = ["--waiting-timeout", "3"]
-    with prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _), \
-            decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _):
+    with (
+        prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _),
+        decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _),
+    ):
         allow_bootstrap(durl, bport)
         with httpx.Client(timeout=30) as c:
-            for url, room in ((durl, 22), (purl, 21)):     # the other side never comes
+            for url, room in ((durl, 22), (purl, 21)):  # the other side never comes
                 # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
                 # message names that failure, not the waiting timeout.
                 r = c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
@@ -144,15 +187,21 @@ def _kill_group(proc):
 def test_decode_node_killed_then_prefill_recovers(tiny30, mixed_prompts, reference, tmp_path):
     with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _):
         with decode_node(tiny30, 2, tmp_path, name="decode-a") as (durl, dproc):
+
             async def start_then_kill():
                 async with httpx.AsyncClient(timeout=60) as c:
-                    tasks = [asyncio.create_task(pd_generate(c, purl, durl, bport, mixed_prompts[i], 200))
-                             for i in range(8)]
+                    tasks = [
+                        asyncio.create_task(
+                            pd_generate(c, purl, durl, bport, mixed_prompts[i], 200)
+                        )
+                        for i in range(8)
+                    ]
                     await asyncio.sleep(1.5)
                     _kill_group(dproc)
                     t0 = time.monotonic()
                     res = await asyncio.gather(*tasks, return_exceptions=True)
                     return res, time.monotonic() - t0
+
             res, took = asyncio.run(start_then_kill())
             assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
         assert group_alive(dproc.pid) == []
@@ -169,21 +218,33 @@ def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, referen
 
             async def start_then_kill():
                 async with httpx.AsyncClient(timeout=60) as c:
-                    tasks = [asyncio.create_task(c.post(f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)))
-                             for i in range(6)]
+                    tasks = [
+                        asyncio.create_task(
+                            c.post(
+                                f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
+                            )
+                        )
+                        for i in range(6)
+                    ]
                     await asyncio.sleep(0.2)
                     _kill_group(pproc)
                     t0 = time.monotonic()
                     res = await asyncio.gather(*tasks)
                     return res, time.monotonic() - t0
+
             res, took = asyncio.run(start_then_kill())
             assert took < 40
             for r in res:
                 if r.status_code == 200:
                     # Never a 200 with wrong text: an unfinished transfer must end in an error.
-                    assert "error" in r.json() or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+                    assert (
+                        "error" in r.json()
+                        or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+                    )
         # The replacement starts while the decode node's quarantine runs out (they do not interact).
         with prefill_node(tiny30, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
             left = wait_pages_free(durl, timeout=40)
-            assert not any(left[durl]), f"decode still holds pages after the prefill node died: {left}"
+            assert not any(left[durl]), (
+                f"decode still holds pages after the prefill node died: {left}"
+            )
             assert pd_generate_all(purl2, durl, bport2, mixed_prompts[:4], MAX_NEW) == reference[:4]

@@ -1,4 +1,5 @@
 """The core plan: which cores each rank's compute threads own, and where the I/O processes go."""
+
 from __future__ import annotations
 
 import os

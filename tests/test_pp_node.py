@@ -1,4 +1,5 @@
 """A colocated PP node made of real processes: correctness per layout, aborts, divergence, rank death."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +12,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from cluster import free_port, group_alive, start
 from reference import hf_greedy, load_hf
 
 MAX_NEW = 12
-NODE_ARGS = ["--page-size", "4", "--chunk-size", "16", "--max-batch-tokens", "64", "--max-total-tokens", "8192",
-             "--max-running", "32", "--threads", "1"]
+NODE_ARGS = [
+    "--page-size",
+    "4",
+    "--chunk-size",
+    "16",
+    "--max-batch-tokens",
+    "64",
+    "--max-total-tokens",
+    "8192",
+    "--max-running",
+    "32",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +39,14 @@ def reference(tiny30, mixed_prompts):
 
 def generate_all(url: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
     def one(ids):
-        r = httpx.post(f"{url}/generate", timeout=120, json={
-            "input_ids": ids, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}})
+        r = httpx.post(
+            f"{url}/generate",
+            timeout=120,
+            json={"input_ids": ids, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}},
+        )
         r.raise_for_status()
         return r.json()["token_ids"]
+
     with ThreadPoolExecutor(len(prompts)) as ex:
         return list(ex.map(one, prompts))
 
@@ -41,13 +57,29 @@ def rank_stats(url: str, settle_s: float = 3.0) -> list[dict]:
     return httpx.get(f"{url}/server_info", timeout=10).json()["ranks"]
 
 
-@pytest.mark.parametrize("pp,depth", [(1, 0), (2, 0), (3, 0), (4, 0), (2, 1)],
-                         ids=["pp1", "pp2", "pp3", "pp4-uneven-8/8/7/7", "pp2-async1"])
+@pytest.mark.parametrize(
+    "pp,depth",
+    [(1, 0), (2, 0), (3, 0), (4, 0), (2, 1)],
+    ids=["pp1", "pp2", "pp3", "pp4-uneven-8/8/7/7", "pp2-async1"],
+)
 def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference, tmp_path):
     port = free_port()
-    cmd = ["serve", "--model", str(tiny30), "--pp", str(pp), "--port", str(port), "--async-depth", str(depth),
-           *NODE_ARGS]
-    with start(cmd, port, tmp_path / "node.log", env={"PDSERVE_RANK_CONSENSUS_CHECK": "1"}) as (url, _):
+    cmd = [
+        "serve",
+        "--model",
+        str(tiny30),
+        "--pp",
+        str(pp),
+        "--port",
+        str(port),
+        "--async-depth",
+        str(depth),
+        *NODE_ARGS,
+    ]
+    with start(cmd, port, tmp_path / "node.log", env={"PDSERVE_RANK_CONSENSUS_CHECK": "1"}) as (
+        url,
+        _,
+    ):
         got = generate_all(url, mixed_prompts)
         for i, (g, want) in enumerate(zip(got, reference)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
@@ -57,7 +89,9 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
         if depth == 0:
             _check_rank_cores(stats, pp)
         assert [s["held_pages"] for s in stats] == [0] * pp
-        assert httpx.get(f"{url}/health").status_code == 200, "the consensus checker or a rank failed"
+        assert httpx.get(f"{url}/health").status_code == 200, (
+            "the consensus checker or a rank failed"
+        )
     log = (tmp_path / "node.log").read_text()
     assert "diverged" not in log
     if pp == 4:
@@ -69,7 +103,7 @@ def _check_rank_cores(stats, pp):
     two ranks share a core while the host has enough of them."""
     from runtime.placement import plan_placement
 
-    plan = plan_placement(pp, sorted(os.sched_getaffinity(0)), threads=1)     # NODE_ARGS: --threads 1
+    plan = plan_placement(pp, sorted(os.sched_getaffinity(0)), threads=1)  # NODE_ARGS: --threads 1
     got = [os.sched_getaffinity(s["pid"]) for s in sorted(stats, key=lambda s: s["pp_rank"])]
     assert got == [set(c) for c in plan.rank_cores]
     if pp <= len(os.sched_getaffinity(0)):
@@ -87,17 +121,23 @@ def _check_stop_string(url, model, prompts, refs):
         for k in range(3, len(ref) - 2):
             head = tok.decode(ref[:k], skip_special_tokens=True)
             full = tok.decode(ref, skip_special_tokens=True)
-            stop = tok.decode(ref[:k + 1], skip_special_tokens=True)[len(head):]
+            stop = tok.decode(ref[: k + 1], skip_special_tokens=True)[len(head) :]
             if len(stop.strip()) >= 2 and full.find(stop) == len(head):
                 break
         else:
             continue
-        r = httpx.post(f"{url}/generate", timeout=120, json={
-            "input_ids": prompt, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True, "stop": [stop]}})
+        r = httpx.post(
+            f"{url}/generate",
+            timeout=120,
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True, "stop": [stop]},
+            },
+        )
         r.raise_for_status()
         got = r.json()
         assert got["meta_info"]["finish_reason"]["type"] == "stop", got
-        assert got["token_ids"] == ref[:k + 1], (stop, got)
+        assert got["token_ids"] == ref[: k + 1], (stop, got)
         assert got["text"] == head, (stop, got["text"], full)
         return
     raise AssertionError("no reference answer has a usable stop string")
@@ -110,17 +150,29 @@ async def _storm(url: str, prompts, n: int, seed: int) -> tuple[list, int]:
     cancelled = 0
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
         async def one(i):
             nonlocal cancelled
             k = i % len(prompts)
             mode = rng.choice(["before", "early", "mid", "none"])
-            cut_after = {"before": 0, "early": 1, "mid": rng.randint(2, MAX_NEW - 1), "none": 10**9}[mode]
+            cut_after = {
+                "before": 0,
+                "early": 1,
+                "mid": rng.randint(2, MAX_NEW - 1),
+                "none": 10**9,
+            }[mode]
             delay = rng.uniform(0, 0.05)
             toks = []
             try:
-                async with client.stream("POST", f"{url}/generate", json={
-                        "input_ids": prompts[k], "stream": True,
-                        "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}}) as r:
+                async with client.stream(
+                    "POST",
+                    f"{url}/generate",
+                    json={
+                        "input_ids": prompts[k],
+                        "stream": True,
+                        "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True},
+                    },
+                ) as r:
                     if cut_after == 0:
                         await asyncio.sleep(delay)
                         cancelled += 1
@@ -135,6 +187,7 @@ async def _storm(url: str, prompts, n: int, seed: int) -> tuple[list, int]:
                 done.append((k, toks))
             except httpx.HTTPError:
                 cancelled += 1
+
         await asyncio.gather(*(one(i) for i in range(n)))
     return done, cancelled
 
@@ -144,12 +197,16 @@ def test_abort_storm_pp3(tiny30, mixed_prompts, reference, tmp_path):
     cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]
     with start(cmd, port, tmp_path / "node.log") as (url, _):
         t0 = time.monotonic()
-        done, cancelled = asyncio.run(asyncio.wait_for(_storm(url, mixed_prompts, 200, seed=3), timeout=240))
+        done, cancelled = asyncio.run(
+            asyncio.wait_for(_storm(url, mixed_prompts, 200, seed=3), timeout=240)
+        )
         assert cancelled > 50 and len(done) > 20, (cancelled, len(done))
         for k, toks in done:
             assert toks == reference[k], f"completed request for prompt {k} is wrong"
         stats = rank_stats(url)
-        assert [s["held_pages"] for s in stats] == [0, 0, 0], "pages still held after every request ended"
+        assert [s["held_pages"] for s in stats] == [0, 0, 0], (
+            "pages still held after every request ended"
+        )
         assert [s["running"] + s["waiting"] for s in stats] == [0, 0, 0]
         # The node still serves correctly afterwards.
         assert generate_all(url, mixed_prompts[:4]) == reference[:4]
@@ -216,14 +273,30 @@ def _alive(pid: int) -> bool:
 def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp_path):
     """`--nnodes 2`: the same command on two "hosts" (here two process trees on loopback)."""
     from cluster import wait_healthy
+
     port, dist = free_port(), free_port()
-    common = ["serve", "--model", str(tiny30), "--pp", "2", "--nnodes", "2", "--dist-init-addr",
-              f"127.0.0.1:{dist}", *NODE_ARGS]
-    with start([*common, "--node-rank", "0", "--port", str(port)], port, tmp_path / "host0.log", wait=False) as (url, p0):
-        with start([*common, "--node-rank", "1", "--port", str(free_port())], port, tmp_path / "host1.log",
-                   wait=False) as (_, p1):
-            wait_healthy(url, p0, 120, tmp_path / "host0.log")
-            assert generate_all(url, mixed_prompts[:6]) == reference[:6]
-            ranks = httpx.get(f"{url}/server_info").json()["ranks"]
-            assert [r["pp_rank"] for r in ranks] == [0, 1]
+    common = [
+        "serve",
+        "--model",
+        str(tiny30),
+        "--pp",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{dist}",
+        *NODE_ARGS,
+    ]
+    with start(
+        [*common, "--node-rank", "0", "--port", str(port)], port, tmp_path / "host0.log", wait=False
+    ) as (url, p0), start(
+        [*common, "--node-rank", "1", "--port", str(free_port())],
+        port,
+        tmp_path / "host1.log",
+        wait=False,
+    ) as (_, p1):
+        wait_healthy(url, p0, 120, tmp_path / "host0.log")
+        assert generate_all(url, mixed_prompts[:6]) == reference[:6]
+        ranks = httpx.get(f"{url}/server_info").json()["ranks"]
+        assert [r["pp_rank"] for r in ranks] == [0, 1]
     assert "node-rank 1" in (tmp_path / "host1.log").read_text()

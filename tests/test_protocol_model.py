@@ -7,13 +7,13 @@ counterexample of the property it targets.
 Opt-in (PDSERVE_VERIFY_PROTOCOL=1): the whole set builds ~30 verifiers and takes minutes on a
 small machine, so `make test` leaves it to `make verify-protocol` (a separate CI step, .ci/run).
 """
+
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
-
-import os
 
 import pytest
 
@@ -22,10 +22,14 @@ sys.path.insert(0, str(ROOT / "protocol_model"))
 import verify  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("PDSERVE_VERIFY_PROTOCOL") != "1",
-                       reason="opt-in: PDSERVE_VERIFY_PROTOCOL=1 (CI runs `make verify-protocol`)"),
-    pytest.mark.skipif(not (shutil.which("spin") and shutil.which("cc")),
-                       reason="needs spin and a C compiler (scripts/setup.sh --test installs them)"),
+    pytest.mark.skipif(
+        os.environ.get("PDSERVE_VERIFY_PROTOCOL") != "1",
+        reason="opt-in: PDSERVE_VERIFY_PROTOCOL=1 (CI runs `make verify-protocol`)",
+    ),
+    pytest.mark.skipif(
+        not (shutil.which("spin") and shutil.which("cc")),
+        reason="needs spin and a C compiler (scripts/setup.sh --test installs them)",
+    ),
 ]
 
 
@@ -38,8 +42,9 @@ def workdir(tmp_path_factory):
 def test_property(check, workdir):
     r = verify.run_check(check, workdir)
     if check.known:
-        assert r.errors > 0 and verify.classify(r.what) == check.known, \
+        assert r.errors > 0 and verify.classify(r.what) == check.known, (
             f"{check.name}: the finding ({check.known}) no longer shows: {r.what or 'no error'}; update verify.KNOWN"
+        )
         return
     assert r.complete, f"{check.name}: search incomplete ({r.what})"
     assert r.errors == 0, f"{check.name}: {r.what} (states {r.states})"
@@ -48,5 +53,9 @@ def test_property(check, workdir):
 @pytest.mark.parametrize("check", verify.mutant_checks(), ids=lambda c: c.name)
 def test_mutant_gives_counterexample(check, workdir):
     r = verify.run_check(check, workdir)
-    assert r.errors > 0, f"{check.name}: the mutant passed; the model no longer checks {check.props[0]}"
-    assert verify.classify(r.what) == check.props[0], f"{check.name}: broke {r.what}, not {check.props[0]}"
+    assert r.errors > 0, (
+        f"{check.name}: the mutant passed; the model no longer checks {check.props[0]}"
+    )
+    assert verify.classify(r.what) == check.props[0], (
+        f"{check.name}: broke {r.what}, not {check.props[0]}"
+    )

@@ -1,5 +1,6 @@
 """Router fault handling against stub nodes: dead and returning nodes, circuit breaker, retries,
 prefill errors and hangs, saturation (429) and client disconnects (abort to both nodes)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -8,9 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from stub_node import Cluster
 
 from router.config import BreakerConfig, HealthConfig, RetryConfig
-from stub_node import Cluster
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]
@@ -46,7 +47,9 @@ def test_one_of_two_decode_nodes_killed_requests_keep_succeeding():
         assert alive.stats.generate == 8
         metrics = httpx.get(cluster.url + "/metrics", timeout=5).text
         assert "pdserve_router_retries_total 0.0" not in metrics
-        wait_until(lambda: not worker_view(cluster, dead.url)["healthy"], what="dead node unhealthy")
+        wait_until(
+            lambda: not worker_view(cluster, dead.url)["healthy"], what="dead node unhealthy"
+        )
 
 
 def test_node_dies_and_comes_back_health_and_breaker():
@@ -64,10 +67,11 @@ def test_node_dies_and_comes_back_health_and_breaker():
         assert f'pdserve_router_circuit_state{{worker="{decode.url}"}} 1.0' in text
         assert chat(cluster).json()["error"]["code"] == "no_available_workers"
         decode.behavior.fail = None
-        wait_until(lambda: worker_view(cluster, decode.url)["circuit"] == "half_open",
-                   what="half-open")
-        assert chat(cluster).status_code == 200      # the half-open probe succeeds ...
-        assert worker_view(cluster, decode.url)["circuit"] == "closed"    # ... and closes it
+        wait_until(
+            lambda: worker_view(cluster, decode.url)["circuit"] == "half_open", what="half-open"
+        )
+        assert chat(cluster).status_code == 200  # the half-open probe succeeds ...
+        assert worker_view(cluster, decode.url)["circuit"] == "closed"  # ... and closes it
 
         # Health: the node dies -> unhealthy -> 503; comes back -> healthy -> 200.
         decode.kill()
@@ -84,8 +88,9 @@ def test_node_dies_and_comes_back_health_and_breaker():
 
 
 def test_prefill_error_is_a_5xx_with_body_and_decode_is_aborted():
-    with Cluster(prefill=1, decode=1, retry=FAST_RETRY,
-                 node_kw={"first_token_delay_s": 5.0}) as cluster:
+    with Cluster(
+        prefill=1, decode=1, retry=FAST_RETRY, node_kw={"first_token_delay_s": 5.0}
+    ) as cluster:
         cluster.prefill[0].behavior.fail = "500"
         t0 = time.monotonic()
         r = chat(cluster)
@@ -97,13 +102,20 @@ def test_prefill_error_is_a_5xx_with_body_and_decode_is_aborted():
         assert decode.stats.generate == 3, "one try plus two retries"
         rooms = cluster.prefill[0].stats.rooms
         assert len(set(rooms)) == 3, "each retry draws a new room"
-        wait_until(lambda: set(decode.stats.rids) <= set(decode.stats.aborts),
-                   what="abort sent to the decode node for every try")
+        wait_until(
+            lambda: set(decode.stats.rids) <= set(decode.stats.aborts),
+            what="abort sent to the decode node for every try",
+        )
 
 
 def test_prefill_hang_times_out_with_body():
-    with Cluster(prefill=1, decode=1, request_timeout_s=0.5, retry=RetryConfig(max_retries=0),
-                 node_kw={"first_token_delay_s": 10.0}) as cluster:
+    with Cluster(
+        prefill=1,
+        decode=1,
+        request_timeout_s=0.5,
+        retry=RetryConfig(max_retries=0),
+        node_kw={"first_token_delay_s": 10.0},
+    ) as cluster:
         cluster.prefill[0].behavior.fail = "hang"
         r = chat(cluster, stream=True)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
@@ -113,8 +125,14 @@ def test_prefill_hang_times_out_with_body():
 
 
 def test_saturation_gives_429_with_retry_after():
-    with Cluster(prefill=1, decode=1, max_concurrent=1, max_queue=1, retry_after_s=2,
-                 node_kw={"first_token_delay_s": 0.8}) as cluster:
+    with Cluster(
+        prefill=1,
+        decode=1,
+        max_concurrent=1,
+        max_queue=1,
+        retry_after_s=2,
+        node_kw={"first_token_delay_s": 0.8},
+    ) as cluster:
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             results = list(pool.map(lambda _: chat(cluster), range(5)))
         codes = sorted(r.status_code for r in results)
@@ -128,8 +146,9 @@ def test_saturation_gives_429_with_retry_after():
 
 
 def test_client_disconnect_mid_stream_aborts_both_nodes():
-    with Cluster(prefill=1, decode=1,
-                 node_kw={"token_delay_s": 0.1, "natural_tokens": 200}) as cluster:
+    with Cluster(
+        prefill=1, decode=1, node_kw={"token_delay_s": 0.1, "natural_tokens": 200}
+    ) as cluster:
         body = {"model": MODEL, "messages": CHAT, "stream": True}
         with httpx.Client(timeout=10) as client:
             with client.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r:
@@ -157,8 +176,7 @@ def test_client_timeout_before_answer_aborts_both_nodes():
 def test_node_error_mid_stream_reaches_sdk_as_error():
     with Cluster(prefill=1, decode=1) as cluster:
         cluster.decode[0].behavior.fail = "midstream"
-        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=10,
-                               max_retries=0)
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=10, max_retries=0)
         stream = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
         with pytest.raises(openai.APIError):
             for _ in stream:

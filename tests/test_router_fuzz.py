@@ -12,6 +12,7 @@ One real cluster (router with an API key, a prefill node and a decode node on th
    router counted no 5xx and no process logged a traceback.
 Every request has a client timeout, so a hang fails a test instead of stalling it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,20 +25,20 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+from cluster import free_port, start, wait_healthy
 from hypothesis import HealthCheck, Phase, given, settings
+from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
 from prometheus_client.parser import text_string_to_metric_families
+from reference import hf_greedy, load_hf
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
-from cluster import free_port, start, wait_healthy
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
-from reference import hf_greedy, load_hf
 from router.openai_protocol import ChatRequest, CompletionRequest
 
 KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CONTEXT = 256
-TIMEOUT = 60.0          # per request: a hang fails the test
+TIMEOUT = 60.0  # per request: a hang fails the test
 MAX_NEW = 8
 PROMPT_IDS = [17, 203, 5, 88, 301, 42, 9, 150, 77, 260]
 CHAT_PROMPT = [{"role": "user", "content": "prefill decode rank"}]
@@ -53,7 +54,7 @@ class Cluster:
     model: str
     nodes: tuple[str, str]
     logs: tuple[Path, ...]
-    client: httpx.Client         # with the API key; one connection pool for the whole file
+    client: httpx.Client  # with the API key; one connection pool for the whole file
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +65,46 @@ def cluster(tiny_model, tmp_path_factory):
     logs = tuple(tmp / f"{name}.log" for name in ("prefill", "decode", "router"))
     with contextlib.ExitStack() as stack:
         # Both nodes load at once; each `start` still stops its own process group at the end.
-        prefill = stack.enter_context(start(
-            ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), *args], pport,
-            logs[0], env=FAST_TIMEOUTS, wait=False))
-        decode = stack.enter_context(start(["decode", "--port", str(dport), *args], dport,
-                                           logs[1], env=FAST_TIMEOUTS, wait=False))
+        prefill = stack.enter_context(
+            start(
+                ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), *args],
+                pport,
+                logs[0],
+                env=FAST_TIMEOUTS,
+                wait=False,
+            )
+        )
+        decode = stack.enter_context(
+            start(
+                ["decode", "--port", str(dport), *args],
+                dport,
+                logs[1],
+                env=FAST_TIMEOUTS,
+                wait=False,
+            )
+        )
         for (url, proc), log in zip((prefill, decode), logs):
             wait_healthy(url, proc, 240, log)
-        url, _ = stack.enter_context(start(
-            ["router", "--port", str(rport), "--prefill", prefill[0], str(bport),
-             "--decode", decode[0], "--api-key", KEY, "--health-interval", "1"], rport, logs[2]))
+        url, _ = stack.enter_context(
+            start(
+                [
+                    "router",
+                    "--port",
+                    str(rport),
+                    "--prefill",
+                    prefill[0],
+                    str(bport),
+                    "--decode",
+                    decode[0],
+                    "--api-key",
+                    KEY,
+                    "--health-interval",
+                    "1",
+                ],
+                rport,
+                logs[2],
+            )
+        )
         client = stack.enter_context(httpx.Client(base_url=url, headers=AUTH, timeout=TIMEOUT))
         model = client.get("/v1/models").json()["data"][0]["id"]
         yield Cluster(url, model, (prefill[0], decode[0]), logs, client)
@@ -85,10 +116,19 @@ def post(c: Cluster, path: str, *, headers: dict | None = None, **kw) -> httpx.R
 
 def greedy_answers(c: Cluster) -> tuple[list[int], str]:
     """(token ids of a native greedy request, text of an OpenAI chat greedy request)."""
-    native = post(c, GENERATE, json={"input_ids": PROMPT_IDS, "sampling_params": {
-        "max_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0}})
-    chat = post(c, CHAT, json={"model": c.model, "messages": CHAT_PROMPT, "max_tokens": MAX_NEW,
-                               "temperature": 0})
+    native = post(
+        c,
+        GENERATE,
+        json={
+            "input_ids": PROMPT_IDS,
+            "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True, "temperature": 0},
+        },
+    )
+    chat = post(
+        c,
+        CHAT,
+        json={"model": c.model, "messages": CHAT_PROMPT, "max_tokens": MAX_NEW, "temperature": 0},
+    )
     assert native.status_code == 200 and chat.status_code == 200, (native.text, chat.text)
     return native.json()["token_ids"], chat.json()["choices"][0]["message"]["content"]
 
@@ -109,8 +149,13 @@ def error_of(r: httpx.Response) -> dict:
     return openai_error(r.json())
 
 
-def expect(r: httpx.Response, status: int, param: str | None = None, code: str | None = None,
-           what: str = "") -> dict:
+def expect(
+    r: httpx.Response,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    what: str = "",
+) -> dict:
     assert r.status_code == status, f"{what}: {r.status_code} {r.text[:300]}"
     err = error_of(r)
     if param is not None:
@@ -139,8 +184,12 @@ def test_openapi_document_describes_the_public_api(cluster):
     doc = cluster.client.get("/openapi.json").json()
     assert doc["openapi"] == "3.1.0"
     assert {p: set(ops) for p, ops in doc["paths"].items()} == {
-        CHAT: {"post"}, COMPLETIONS: {"post"}, GENERATE: {"post"}, "/v1/models": {"get"},
-        "/health": {"get"}}
+        CHAT: {"post"},
+        COMPLETIONS: {"post"},
+        GENERATE: {"post"},
+        "/v1/models": {"get"},
+        "/health": {"get"},
+    }
     schemas = doc["components"]["schemas"]
     for name, model in (("ChatRequest", ChatRequest), ("CompletionRequest", CompletionRequest)):
         props = schemas[name]["properties"]
@@ -149,7 +198,7 @@ def test_openapi_document_describes_the_public_api(cluster):
         assert props["max_tokens"]["anyOf"][0]["maximum"] == CONTEXT - 1
     assert doc["paths"][CHAT]["post"]["security"] == [{"bearer": []}]
     assert "security" not in doc["paths"]["/health"]["get"]
-    schemathesis.openapi.from_dict(doc).validate()      # against the OpenAPI 3.1 meta-schema
+    schemathesis.openapi.from_dict(doc).validate()  # against the OpenAPI 3.1 meta-schema
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +208,19 @@ def api_schema(cluster):
 
 def _fuzz(operation, mode: GenerationMode, examples: int, check) -> None:
     # The Authorization header is fixed, so negative cases break the body, not the key.
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @given(case=operation.as_strategy(generation_mode=mode, headers=AUTH))
     def run(case):
         check(case)
+
     run()
 
 
@@ -210,8 +266,12 @@ NEGATIVE_EXAMPLES = 25
 
 
 def test_schemathesis_valid_cases_are_served_as_documented(cluster, api_schema):
-    response_checks = [st_checks.not_a_server_error, st_checks.status_code_conformance,
-                       st_checks.content_type_conformance, st_checks.response_schema_conformance]
+    response_checks = [
+        st_checks.not_a_server_error,
+        st_checks.status_code_conformance,
+        st_checks.content_type_conformance,
+        st_checks.response_schema_conformance,
+    ]
     served: dict[str, list[int]] = {}
     for result in api_schema.get_all_operations():
         op = result.ok()
@@ -225,8 +285,10 @@ def test_schemathesis_valid_cases_are_served_as_documented(cluster, api_schema):
             case.validate_response(r, checks=response_checks)
             statuses.append(r.status_code)
             if r.status_code != 200:
-                assert _refusal_the_schema_cannot_state(path, case.body, r), \
+                assert _refusal_the_schema_cannot_state(path, case.body, r), (
                     f"valid case refused: {r.status_code} {r.text[:300]}"
+                )
+
         _fuzz(op, GenerationMode.POSITIVE, POSITIVE_EXAMPLES[op.path], check)
     assert set(served) == set(POSITIVE_EXAMPLES)
     for path, statuses in served.items():
@@ -236,9 +298,13 @@ def test_schemathesis_valid_cases_are_served_as_documented(cluster, api_schema):
 
 
 def test_schemathesis_invalid_cases_get_4xx(cluster, api_schema):
-    response_checks = [st_checks.not_a_server_error, st_checks.negative_data_rejection,
-                       st_checks.status_code_conformance, st_checks.content_type_conformance,
-                       st_checks.response_schema_conformance]
+    response_checks = [
+        st_checks.not_a_server_error,
+        st_checks.negative_data_rejection,
+        st_checks.status_code_conformance,
+        st_checks.content_type_conformance,
+        st_checks.response_schema_conformance,
+    ]
     statuses: list[int] = []
 
     def check(case):
@@ -247,9 +313,10 @@ def test_schemathesis_invalid_cases_get_4xx(cluster, api_schema):
         assert 400 <= r.status_code < 500, f"{r.status_code} {r.text[:300]}"
         openai_error(r.json())
         statuses.append(r.status_code)
+
     for path in POSTS:
         _fuzz(api_schema[path]["POST"], GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES, check)
-    assert len(statuses) >= 2 * NEGATIVE_EXAMPLES     # hypothesis may stop early on small spaces
+    assert len(statuses) >= 2 * NEGATIVE_EXAMPLES  # hypothesis may stop early on small spaces
 
 
 # --- 3. hand-written bad input ----------------------------------------------------------------
@@ -277,29 +344,37 @@ def nested(depth: int) -> dict:
 
 
 def test_huge_bodies_get_413_and_long_prompts_400(cluster):
-    twenty_mb = json.dumps(chat_body(cluster, messages=[
-        {"role": "user", "content": "x" * (20 << 20)}])).encode()
+    twenty_mb = json.dumps(
+        chat_body(cluster, messages=[{"role": "user", "content": "x" * (20 << 20)}])
+    ).encode()
     for path in POSTS:
         expect(post(cluster, path, content=twenty_mb), 413, code="body_too_large", what=path)
 
-    def chunks():          # no Content-Length: the router counts while it reads
+    def chunks():  # no Content-Length: the router counts while it reads
         for _ in range(20):
             yield b" " * (1 << 20)
+
     expect(post(cluster, CHAT, content=chunks()), 413, code="body_too_large", what="chunked")
     # Far over the 256-token context, but under the body limit: the node counts and refuses.
     words = "the cache page token " * 20_000
-    for path, body in ((CHAT, chat_body(cluster, messages=[{"role": "user", "content": words}])),
-                       (COMPLETIONS, completion_body(cluster, prompt=words)),
-                       (COMPLETIONS, completion_body(cluster, prompt=[5] * 100_000, stream=True)),
-                       (GENERATE, {"input_ids": [5] * 100_000, "stream": True})):
+    for path, body in (
+        (CHAT, chat_body(cluster, messages=[{"role": "user", "content": words}])),
+        (COMPLETIONS, completion_body(cluster, prompt=words)),
+        (COMPLETIONS, completion_body(cluster, prompt=[5] * 100_000, stream=True)),
+        (GENERATE, {"input_ids": [5] * 100_000, "stream": True}),
+    ):
         expect(post(cluster, path, json=body), 400, code="context_length_exceeded", what=path)
 
 
 MALFORMED = {
     "array nested 100k deep": (b"[" * 100_000 + b"]" * 100_000, {}, 400, None),
     "object nested 100k deep": (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, {}, 400, None),
-    "invalid UTF-8": (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
-                      {}, 400, None),
+    "invalid UTF-8": (
+        b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        {},
+        400,
+        None,
+    ),
     "truncated UTF-8": (b'{"prompt": "\xe2\x82"}', {}, 400, None),
     "UTF-8 encoded surrogate": (b'{"prompt": "\xed\xa0\x80"}', {}, 400, None),
     "not JSON": (b"hello", {}, 400, None),
@@ -310,8 +385,12 @@ MALFORMED = {
     "JSON null": (b"null", {}, 400, None),
     "a JSON number": (b"42", {}, 400, None),
     "text/plain": (None, {"content-type": "text/plain"}, 415, "Content-Type"),
-    "form-urlencoded": (None, {"content-type": "application/x-www-form-urlencoded"}, 415,
-                        "Content-Type"),
+    "form-urlencoded": (
+        None,
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        "Content-Type",
+    ),
     "multipart": (None, {"content-type": "multipart/form-data; boundary=x"}, 415, "Content-Type"),
 }
 
@@ -321,19 +400,28 @@ def test_malformed_bodies_get_4xx(cluster, case):
     content, headers, status, param = MALFORMED[case]
     for path in POSTS:
         body = content if content is not None else json.dumps(valid_body(cluster, path)).encode()
-        expect(post(cluster, path, content=body, headers=headers), status, param=param,
-               what=f"{case} on {path}")
+        expect(
+            post(cluster, path, content=body, headers=headers),
+            status,
+            param=param,
+            what=f"{case} on {path}",
+        )
 
 
 def test_json_content_type_with_charset_and_nesting_up_to_the_limit_are_accepted(cluster):
     for path in POSTS:
-        r = post(cluster, path, content=json.dumps(valid_body(cluster, path)).encode(),
-                 headers={"content-type": "application/json; charset=utf-8"})
+        r = post(
+            cluster,
+            path,
+            content=json.dumps(valid_body(cluster, path)).encode(),
+            headers={"content-type": "application/json; charset=utf-8"},
+        )
         assert r.status_code == 200, r.text
     # The body is depth 1, so an unknown field may hold 63 levels; one more is refused.
     assert post(cluster, CHAT, json=chat_body(cluster, extra=nested(63))).status_code == 200
-    err = expect(post(cluster, CHAT, json=chat_body(cluster, extra=nested(64))), 400,
-                 code="invalid_json")
+    err = expect(
+        post(cluster, CHAT, json=chat_body(cluster, extra=nested(64))), 400, code="invalid_json"
+    )
     assert "nested deeper than 64" in err["message"]
 
 
@@ -342,21 +430,49 @@ def test_lone_surrogates_and_non_finite_numbers_name_the_field(cluster):
     expect(post(cluster, CHAT, content=surrogate.encode()), 400, param="messages.0.content")
     native = '{"text": "a", "sampling_params": {"temperature": %s}}'
     for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
-        expect(post(cluster, GENERATE, content=(native % literal).encode()), 400,
-               param="sampling_params.temperature", what=literal)
-        body = json.dumps(completion_body(cluster)).replace('"max_tokens": 2',
-                                                           f'"top_p": {literal}')
+        expect(
+            post(cluster, GENERATE, content=(native % literal).encode()),
+            400,
+            param="sampling_params.temperature",
+            what=literal,
+        )
+        body = json.dumps(completion_body(cluster)).replace(
+            '"max_tokens": 2', f'"top_p": {literal}'
+        )
         expect(post(cluster, COMPLETIONS, content=body.encode()), 400, param="top_p", what=literal)
 
 
 # Numbers each field must refuse (`top_k` = -1 means "off", so -2 is the negative one).
-BAD_NUMBERS = ["-2", "NaN", "Infinity", "-Infinity", "1e999", str(10**30), str(2**64), "0.5",
-               "8.0", '"1"', "true", "[1]", '{"v": 1}']
-NUMBER_FIELDS = {CHAT: ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
-                        "top_logprobs", "top_k", "min_p"],
-                 COMPLETIONS: ["max_tokens", "temperature", "top_p", "n", "seed", "logprobs",
-                               "top_k", "min_p"]}
-FLOAT_FIELDS = {"temperature", "top_p", "min_p"}     # 0.5 is fine there
+BAD_NUMBERS = [
+    "-2",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e999",
+    str(10**30),
+    str(2**64),
+    "0.5",
+    "8.0",
+    '"1"',
+    "true",
+    "[1]",
+    '{"v": 1}',
+]
+NUMBER_FIELDS = {
+    CHAT: [
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "top_logprobs",
+        "top_k",
+        "min_p",
+    ],
+    COMPLETIONS: ["max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "top_k", "min_p"],
+}
+FLOAT_FIELDS = {"temperature", "top_p", "min_p"}  # 0.5 is fine there
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
@@ -369,8 +485,11 @@ def test_bad_numbers_name_the_field(cluster, path):
             body = {k: v for k, v in valid_body(cluster, path).items() if k != field}
             raw = json.dumps(body)[:-1] + f', "{field}": {literal}}}'
             r = post(cluster, path, content=raw.encode())
-            ok = r.status_code == 400 and r.json()["error"]["param"] == field \
+            ok = (
+                r.status_code == 400
+                and r.json()["error"]["param"] == field
                 and field in r.json()["error"]["message"]
+            )
             if not ok:
                 failures.append((field, literal, r.status_code, r.text[:200]))
     assert not failures, failures
@@ -379,15 +498,29 @@ def test_bad_numbers_name_the_field(cluster, path):
 # One or more values of a wrong type (or shape) for every field of each OpenAI request model.
 WRONG = {
     "model": [5, ["m"], None, {"id": "m"}],
-    "messages": ["hi", {"role": "user"}, [5], [{"content": "x"}], [{"role": "user", "content": 5}],
-                 [{"role": "user", "content": [{"type": "text"}]}],
-                 [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]],
+    "messages": [
+        "hi",
+        {"role": "user"},
+        [5],
+        [{"content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+        [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}],
+    ],
     "prompt": [5, None, {"text": "x"}, [1.5], [True], [[1], [2]], [["a"]]],
     "stream": ["true", 1, None],
     "stream_options": ["yes", [True], {"include_usage": "yes"}],
-    "max_tokens": ["8"], "max_completion_tokens": [[8]], "temperature": ["0"], "top_p": [[]],
-    "seed": [{}], "n": ["1"], "top_k": [1.5], "min_p": ["x"], "top_logprobs": [True],
-    "presence_penalty": ["0", 0.5], "frequency_penalty": [[0], -1.0],
+    "max_tokens": ["8"],
+    "max_completion_tokens": [[8]],
+    "temperature": ["0"],
+    "top_p": [[]],
+    "seed": [{}],
+    "n": ["1"],
+    "top_k": [1.5],
+    "min_p": ["x"],
+    "top_logprobs": [True],
+    "presence_penalty": ["0", 0.5],
+    "frequency_penalty": [[0], -1.0],
     "stop": [5, [5], [""], ["a"] * 17, {"s": "x"}],
     "stop_token_ids": [5, ["a"], [-1], [True]],
     "ignore_eos": ["no", 0],
@@ -406,8 +539,11 @@ def test_wrong_types_for_every_field_name_it(cluster, path, model):
             body = {**valid_body(cluster, path), field: value}
             r = post(cluster, path, json=body)
             param = r.json()["error"]["param"] if r.status_code == 400 else None
-            if r.status_code != 400 or not (param or "").startswith(field) \
-                    or field not in r.json()["error"]["message"]:
+            if (
+                r.status_code != 400
+                or not (param or "").startswith(field)
+                or field not in r.json()["error"]["message"]
+            ):
                 failures.append((field, value, r.status_code, r.text[:200]))
     assert not failures, failures
 
@@ -415,86 +551,123 @@ def test_wrong_types_for_every_field_name_it(cluster, path, model):
 def test_empty_and_missing_fields_name_the_field(cluster):
     m = cluster.model
     for path, body, param in [
-            (CHAT, {"model": m, "messages": []}, "messages"),
-            (CHAT, {"model": m}, "messages"),
-            (CHAT, {"messages": CHAT_PROMPT}, "model"),
-            (CHAT, {}, "model"),
-            (COMPLETIONS, {"model": m, "prompt": ""}, "prompt"),
-            (COMPLETIONS, {"model": m, "prompt": []}, "prompt"),
-            (COMPLETIONS, {"model": m, "prompt": [[]]}, "prompt"),
-            (COMPLETIONS, {"model": m}, "prompt"),
-            (GENERATE, {}, "text"),
-            (GENERATE, {"text": ""}, "text"),
-            (GENERATE, {"input_ids": []}, "input_ids"),
-            (GENERATE, {"messages": []}, "messages")]:
+        (CHAT, {"model": m, "messages": []}, "messages"),
+        (CHAT, {"model": m}, "messages"),
+        (CHAT, {"messages": CHAT_PROMPT}, "model"),
+        (CHAT, {}, "model"),
+        (COMPLETIONS, {"model": m, "prompt": ""}, "prompt"),
+        (COMPLETIONS, {"model": m, "prompt": []}, "prompt"),
+        (COMPLETIONS, {"model": m, "prompt": [[]]}, "prompt"),
+        (COMPLETIONS, {"model": m}, "prompt"),
+        (GENERATE, {}, "text"),
+        (GENERATE, {"text": ""}, "text"),
+        (GENERATE, {"input_ids": []}, "input_ids"),
+        (GENERATE, {"messages": []}, "messages"),
+    ]:
         expect(post(cluster, path, json=body), 400, param=param, what=f"{path} {body}")
-    expect(post(cluster, CHAT, json=chat_body(cluster, model="no-such-model")), 404,
-           param="model", code="model_not_found")
+    expect(
+        post(cluster, CHAT, json=chat_body(cluster, model="no-such-model")),
+        404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def test_unknown_fields_are_ignored_like_openai(cluster):
     greedy = chat_body(cluster, temperature=0, max_tokens=MAX_NEW)
     plain = post(cluster, CHAT, json=greedy)
-    extra = post(cluster, CHAT, json={**greedy, "user": "u1", "tools": [], "logit_bias": {"5": 1},
-                                      "frobnicate": {"deep": [1, {"x": None}]}})
+    extra = post(
+        cluster,
+        CHAT,
+        json={
+            **greedy,
+            "user": "u1",
+            "tools": [],
+            "logit_bias": {"5": 1},
+            "frobnicate": {"deep": [1, {"x": None}]},
+        },
+    )
     assert plain.status_code == extra.status_code == 200, extra.text
     text = plain.json()["choices"][0]["message"]["content"]
     assert extra.json()["choices"][0]["message"]["content"] == text
-    r = post(cluster, GENERATE, json={"input_ids": PROMPT_IDS, "unknown": [1, 2],
-                                      "sampling_params": {"max_tokens": 2}})
+    r = post(
+        cluster,
+        GENERATE,
+        json={"input_ids": PROMPT_IDS, "unknown": [1, 2], "sampling_params": {"max_tokens": 2}},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_native_generate_bad_input_names_the_field(cluster):
     for body, param in [
-            ({"text": "a", "input_ids": [1]}, "text"),
-            ({"text": "a", "sampling_params": [1]}, "sampling_params"),
-            ({"text": "a", "stream": "yes"}, "stream"),
-            ({"text": 5}, "text"),
-            ({"input_ids": [-1]}, "input_ids"),
-            ({"input_ids": [10**30]}, "input_ids"),
-            ({"input_ids": [1.5]}, "input_ids"),
-            ({"messages": [{"role": 1, "content": "x"}]}, "messages"),
-            ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
-            ({"text": "a", "sampling_params": {"max_tokens": 10**30}}, "max_tokens"),
-            ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
-            ({"text": "a", "sampling_params": {"top_k": 2**64}}, "top_k"),
-            ({"text": "a", "sampling_params": {"seed": 2**64}}, "seed"),
-            ({"text": "a", "sampling_params": {"stop_token_ids": [2**64]}}, "stop_token_ids"),
-            ({"text": "a", "sampling_params": {"ignore_eos": 2**64}}, "ignore_eos"),
-            ({"text": "a", "sampling_params": {"logprobs": "yes"}}, "logprobs"),
-            ({"text": "a", "sampling_params": {"top_logprobs": 21}}, "top_logprobs"),
-            ({"text": "a", "sampling_params": {"top_logprobs": 2}}, "top_logprobs")]:
+        ({"text": "a", "input_ids": [1]}, "text"),
+        ({"text": "a", "sampling_params": [1]}, "sampling_params"),
+        ({"text": "a", "stream": "yes"}, "stream"),
+        ({"text": 5}, "text"),
+        ({"input_ids": [-1]}, "input_ids"),
+        ({"input_ids": [10**30]}, "input_ids"),
+        ({"input_ids": [1.5]}, "input_ids"),
+        ({"messages": [{"role": 1, "content": "x"}]}, "messages"),
+        ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"text": "a", "sampling_params": {"max_tokens": 10**30}}, "max_tokens"),
+        ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
+        ({"text": "a", "sampling_params": {"top_k": 2**64}}, "top_k"),
+        ({"text": "a", "sampling_params": {"seed": 2**64}}, "seed"),
+        ({"text": "a", "sampling_params": {"stop_token_ids": [2**64]}}, "stop_token_ids"),
+        ({"text": "a", "sampling_params": {"ignore_eos": 2**64}}, "ignore_eos"),
+        ({"text": "a", "sampling_params": {"logprobs": "yes"}}, "logprobs"),
+        ({"text": "a", "sampling_params": {"top_logprobs": 21}}, "top_logprobs"),
+        ({"text": "a", "sampling_params": {"top_logprobs": 2}}, "top_logprobs"),
+    ]:
         for stream in (False, True):
-            expect(post(cluster, GENERATE, json={**body, "stream": body.get("stream", stream)}),
-                   400, param=param, what=f"{body} stream={stream}")
+            expect(
+                post(cluster, GENERATE, json={**body, "stream": body.get("stream", stream)}),
+                400,
+                param=param,
+                what=f"{body} stream={stream}",
+            )
 
 
 def test_tiny_temperatures_are_greedy_not_a_dead_rank(cluster, greedy_before):
     """logits / 1e-110 is inf in float32: this used to kill the node's rank (NaN probabilities)."""
     for temperature in (1e-110, 5e-324, 1e-6):
-        r = post(cluster, GENERATE, json={"input_ids": PROMPT_IDS, "sampling_params": {
-            "max_tokens": MAX_NEW, "ignore_eos": True, "temperature": temperature}})
+        r = post(
+            cluster,
+            GENERATE,
+            json={
+                "input_ids": PROMPT_IDS,
+                "sampling_params": {
+                    "max_tokens": MAX_NEW,
+                    "ignore_eos": True,
+                    "temperature": temperature,
+                },
+            },
+        )
         assert r.status_code == 200 and r.json()["token_ids"] == greedy_before[0], r.text
-        r = post(cluster, CHAT, json=chat_body(cluster, temperature=temperature,
-                                               max_tokens=MAX_NEW))
+        r = post(
+            cluster, CHAT, json=chat_body(cluster, temperature=temperature, max_tokens=MAX_NEW)
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == greedy_before[1]
 
 
 def test_streaming_requests_with_bad_params_get_a_json_4xx_not_a_stream(cluster):
     for path, body, status, param in [
-            (CHAT, chat_body(cluster, temperature=-1), 400, "temperature"),
-            (CHAT, chat_body(cluster, max_tokens=0), 400, "max_tokens"),
-            (CHAT, chat_body(cluster, max_tokens=10**6), 400, "max_tokens"),
-            (CHAT, chat_body(cluster, n=2), 400, "n"),
-            (CHAT, chat_body(cluster, stream_options={"include_usage": "yes"}),
-             400, "stream_options.include_usage"),
-            (CHAT, chat_body(cluster, model="nope"), 404, "model"),
-            (COMPLETIONS, completion_body(cluster, top_p=0), 400, "top_p"),
-            (COMPLETIONS, completion_body(cluster, stop_token_ids=[2**64]), 400,
-             "stop_token_ids.0"),
-            (COMPLETIONS, completion_body(cluster, prompt=[1] * 300), 400, "max_tokens")]:
+        (CHAT, chat_body(cluster, temperature=-1), 400, "temperature"),
+        (CHAT, chat_body(cluster, max_tokens=0), 400, "max_tokens"),
+        (CHAT, chat_body(cluster, max_tokens=10**6), 400, "max_tokens"),
+        (CHAT, chat_body(cluster, n=2), 400, "n"),
+        (
+            CHAT,
+            chat_body(cluster, stream_options={"include_usage": "yes"}),
+            400,
+            "stream_options.include_usage",
+        ),
+        (CHAT, chat_body(cluster, model="nope"), 404, "model"),
+        (COMPLETIONS, completion_body(cluster, top_p=0), 400, "top_p"),
+        (COMPLETIONS, completion_body(cluster, stop_token_ids=[2**64]), 400, "stop_token_ids.0"),
+        (COMPLETIONS, completion_body(cluster, prompt=[1] * 300), 400, "max_tokens"),
+    ]:
         with cluster.client.stream("POST", path, json={**body, "stream": True}) as r:
             r.read()
         expect(r, status, param=param, what=f"{path} {body}")
@@ -502,21 +675,26 @@ def test_streaming_requests_with_bad_params_get_a_json_4xx_not_a_stream(cluster)
 
 def _router_requests(c: Cluster) -> dict[tuple[str, str], float]:
     text = c.client.get("/metrics").text
-    return {(s.labels["route"], s.labels["status"]): s.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "pdserve_router_requests"
-            for s in family.samples if s.name == "pdserve_router_requests_total"}
+    return {
+        (s.labels["route"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "pdserve_router_requests"
+        for s in family.samples
+        if s.name == "pdserve_router_requests_total"
+    }
 
 
 def _leave_mid_body(c: Cluster, path: str, chunked: bool) -> None:
     host, port = c.url.removeprefix("http://").split(":")
     length = "Transfer-Encoding: chunked" if chunked else "Content-Length: 100000"
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\n{length}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\n{length}\r\n\r\n"
+    ).encode()
     part = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 1000
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(head + (b"%x\r\n" % len(part) + part + b"\r\n" if chunked else part))
-        time.sleep(0.2)                  # let the router start reading, then go away
+        time.sleep(0.2)  # let the router start reading, then go away
 
 
 def test_client_that_leaves_mid_body_is_counted_499_not_500(cluster):
@@ -558,7 +736,9 @@ def _tracebacks(log: str) -> list[str]:
     found, lines = [], log.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Traceback (most recent call last)"):
-            end = next((j for j in range(i + 1, len(lines)) if not lines[j].startswith(" ")),
-                       len(lines) - 1)
+            end = next(
+                (j for j in range(i + 1, len(lines)) if not lines[j].startswith(" ")),
+                len(lines) - 1,
+            )
             found.append(lines[end])
     return found

@@ -1,5 +1,6 @@
 """The router's HTTP surface against stub nodes: OpenAI SDK compatibility, PD fields, bad inputs,
 auth, worker registration, metrics. Every server runs on loopback and is stopped by `Cluster`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,6 @@ import asyncio
 import httpx
 import openai
 import pytest
-
 from stub_node import Cluster, StubNode
 
 MODEL = "stub-model"
@@ -30,30 +30,43 @@ def post(cluster, path, key="sk-test", **kw) -> httpx.Response:
 
 
 def test_chat_non_streaming_parses_and_reaches_both_nodes(pd):
-    out = sdk(pd).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, seed=7,
-                                          temperature=0.5, top_p=0.9, stop=["zzz"])
+    out = sdk(pd).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, seed=7, temperature=0.5, top_p=0.9, stop=["zzz"]
+    )
     assert out.object == "chat.completion" and out.model == MODEL and out.id.startswith("chatcmpl-")
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == "one two three one"
     assert out.choices[0].finish_reason == "length"
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 4, 7)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        3,
+        4,
+        7,
+    )
     p, d = pd.prefill[0].stats.bodies[-1], pd.decode[0].stats.bodies[-1]
     assert p == d, "prefill and decode get the same request"
     assert p["rid"] and 0 <= p["bootstrap_room"] < 2**63
     assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998
     assert p["messages"] == CHAT
-    assert p["sampling_params"] == {"max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "seed": 7,
-                                    "stop": ["zzz"]}
+    assert p["sampling_params"] == {
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": ["zzz"],
+    }
 
 
 def test_chat_streaming_role_first_usage_last(pd):
-    stream = sdk(pd).chat.completions.create(model=MODEL, messages=CHAT, stream=True,
-                                             stream_options={"include_usage": True})
+    stream = sdk(pd).chat.completions.create(
+        model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "one two three one two three one two"
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
@@ -80,21 +93,25 @@ def test_completions_text_and_token_ids(pd):
 
 def test_async_sdk_streaming_and_not(pd):
     async def go():
-        client = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="sk-test", timeout=10,
-                                    max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=pd.url + "/v1", api_key="sk-test", timeout=10, max_retries=0
+        )
         whole = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
-        stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                                      stream=True)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, stream=True
+        )
         parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         await client.close()
         return whole, "".join(parts)
+
     whole, streamed = asyncio.run(asyncio.wait_for(go(), 20))
     assert whole.choices[0].message.content == streamed == "one two"
 
 
 def test_chat_logprobs(pd):
-    out = sdk(pd).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                          logprobs=True, top_logprobs=2)
+    out = sdk(pd).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 2 and len(content[0].top_logprobs) == 2
 
@@ -113,22 +130,44 @@ BAD = [
     (b'{"model": "stub-model", "messages": []}', 400, "messages"),
     (b'{"model": "stub-model"}', 400, "messages"),
     (b'{"model": "stub-model", "messages": "hi"}', 400, "messages"),
-    (b'{"model": "stub-model", "messages": [{"role": "wizard", "content": "x"}]}', 400,
-     "messages.0.role"),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "wizard", "content": "x"}]}',
+        400,
+        "messages.0.role",
+    ),
     (b'{"model": "other-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
-     400, "max_tokens"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
-     400, "max_tokens"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
-     400, "temperature"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
-     400, "top_p"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
-     400, "stream"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], '
-     b'"max_tokens": 100000}', 400, "max_tokens"),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        400,
+        "max_tokens",
+    ),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+        400,
+        "max_tokens",
+    ),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+        400,
+        "temperature",
+    ),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "top_p": NaN}',
+        400,
+        "top_p",
+    ),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        400,
+        "stream",
+    ),
+    (
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], '
+        b'"max_tokens": 100000}',
+        400,
+        "max_tokens",
+    ),
 ]
 
 
@@ -143,10 +182,12 @@ def test_bad_chat_inputs_get_openai_4xx(pd, body, status, param):
 
 
 def test_bad_completion_inputs_and_node_context_error(pd):
-    for body, param in [({"model": MODEL, "prompt": ""}, "prompt"),
-                        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
-                        ({"model": MODEL, "prompt": 5}, "prompt"),
-                        ({"model": MODEL, "prompt": "a", "echo": True}, "echo")]:
+    for body, param in [
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": 5}, "prompt"),
+        ({"model": MODEL, "prompt": "a", "echo": True}, "echo"),
+    ]:
         r = post(pd, "/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # Prompt over the node's context: the node's 400 comes back as is.
@@ -177,24 +218,45 @@ def test_workers_endpoint_needs_internal_token_and_adds_removes(pd):
         assert post(pd, "/workers", key="tok", json=body).status_code == 409
         assert post(pd, "/workers", key="tok", json={"url": "nope"}).status_code == 400
         assert httpx.get(pd.url + "/workers", timeout=5).status_code == 401
-        assert httpx.get(pd.url + "/workers", headers={"Authorization": "Bearer sk-test"},
-                         timeout=5).status_code == 401
-        assert httpx.delete(pd.url + "/workers", params={"url": extra.url}, timeout=5).status_code == 401
-        urls = [w["url"] for w in httpx.get(pd.url + "/workers", headers={"Authorization": "Bearer tok"},
-                                             timeout=5).json()["workers"]]
+        assert (
+            httpx.get(
+                pd.url + "/workers", headers={"Authorization": "Bearer sk-test"}, timeout=5
+            ).status_code
+            == 401
+        )
+        assert (
+            httpx.delete(pd.url + "/workers", params={"url": extra.url}, timeout=5).status_code
+            == 401
+        )
+        urls = [
+            w["url"]
+            for w in httpx.get(
+                pd.url + "/workers", headers={"Authorization": "Bearer tok"}, timeout=5
+            ).json()["workers"]
+        ]
         assert extra.url in urls
         # the router told every decode node which bootstrap servers it may contact
-        assert extra.stats.bootstrap_servers == [f"127.0.0.1:{pd.prefill[0].behavior.bootstrap_port}"]
+        assert extra.stats.bootstrap_servers == [
+            f"127.0.0.1:{pd.prefill[0].behavior.bootstrap_port}"
+        ]
         # power_of_two between two idle decode nodes is a coin flip per request: 4 requests missed
         # the new node 1 time in 16 (a full-suite run failed so); 20 miss it 1 time in a million.
         for _ in range(20):
             sdk(pd).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
         assert extra.stats.generate >= 1, "power_of_two spreads requests to the new decode node"
-        r = httpx.delete(pd.url + "/workers", params={"url": extra.url},
-                         headers={"Authorization": "Bearer tok"}, timeout=5)
+        r = httpx.delete(
+            pd.url + "/workers",
+            params={"url": extra.url},
+            headers={"Authorization": "Bearer tok"},
+            timeout=5,
+        )
         assert r.status_code == 200
-        r = httpx.delete(pd.url + "/workers", params={"url": extra.url},
-                         headers={"Authorization": "Bearer tok"}, timeout=5)
+        r = httpx.delete(
+            pd.url + "/workers",
+            params={"url": extra.url},
+            headers={"Authorization": "Bearer tok"},
+            timeout=5,
+        )
         assert r.status_code == 404
     finally:
         extra.stop()

@@ -1,4 +1,5 @@
 """Router unit tests: policies, prefix tree, circuit breaker, admission, config/CLI parsing."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,15 @@ from router.admission import Admission, Rejected
 from router.circuit import CircuitBreaker, CircuitState
 from router.config import BreakerConfig, CacheAwareConfig, RouterConfig, WorkerSpec
 from router.main import add_router_args, router_config_from_args
-from router.policies import (CacheAware, LeastLoad, PowerOfTwo, PrefixTree, Random, RoundRobin,
-                             make_policy)
+from router.policies import (
+    CacheAware,
+    LeastLoad,
+    PowerOfTwo,
+    PrefixTree,
+    Random,
+    RoundRobin,
+    make_policy,
+)
 
 
 @dataclass(eq=False)
@@ -92,8 +100,10 @@ def test_make_policy_lists_supported_names():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.text("abc", max_size=12), st.sampled_from("xyz")), max_size=30),
-       st.text("abc", max_size=12))
+@given(
+    st.lists(st.tuples(st.text("abc", max_size=12), st.sampled_from("xyz")), max_size=30),
+    st.text("abc", max_size=12),
+)
 def test_prefix_tree_match_is_longest_inserted_prefix(entries, query):
     tree = PrefixTree(max_chars=10**9)
     for text, url in entries:
@@ -130,12 +140,13 @@ class Clock:
 
 def test_breaker_opens_half_opens_and_closes():
     clock = Clock()
-    cb = CircuitBreaker(BreakerConfig(failure_threshold=3, success_threshold=2, open_s=10),
-                        clock)
+    cb = CircuitBreaker(BreakerConfig(failure_threshold=3, success_threshold=2, open_s=10), clock)
     for _ in range(2):
-        cb.on_dispatch(); cb.record(False)
+        cb.on_dispatch()
+        cb.record(False)
     assert cb.state is CircuitState.CLOSED
-    cb.on_dispatch(); cb.record(False)
+    cb.on_dispatch()
+    cb.record(False)
     assert cb.state is CircuitState.OPEN and not cb.can_pass()
     clock.t = 10.0
     assert cb.state is CircuitState.HALF_OPEN and cb.can_pass()
@@ -143,25 +154,30 @@ def test_breaker_opens_half_opens_and_closes():
     assert not cb.can_pass(), "half-open lets one request at a time"
     cb.record(True)
     assert cb.state is CircuitState.HALF_OPEN and cb.can_pass()
-    cb.on_dispatch(); cb.record(True)
+    cb.on_dispatch()
+    cb.record(True)
     assert cb.state is CircuitState.CLOSED
 
 
 def test_breaker_half_open_failure_reopens_and_neutral_outcome_frees_probe():
     clock = Clock()
     cb = CircuitBreaker(BreakerConfig(failure_threshold=1, success_threshold=1, open_s=5), clock)
-    cb.on_dispatch(); cb.record(False)
+    cb.on_dispatch()
+    cb.record(False)
     clock.t = 5.0
-    cb.on_dispatch(); cb.record(None)          # client went away: no verdict
+    cb.on_dispatch()
+    cb.record(None)  # client went away: no verdict
     assert cb.state is CircuitState.HALF_OPEN and cb.can_pass()
-    cb.on_dispatch(); cb.record(False)
+    cb.on_dispatch()
+    cb.record(False)
     assert cb.state is CircuitState.OPEN
 
 
 def test_breaker_success_resets_failure_count():
     cb = CircuitBreaker(BreakerConfig(failure_threshold=2))
     for ok in (False, True, False, True, False):
-        cb.on_dispatch(); cb.record(ok)
+        cb.on_dispatch()
+        cb.record(ok)
     assert cb.state is CircuitState.CLOSED
 
 
@@ -169,7 +185,8 @@ def test_breaker_success_resets_failure_count():
 def test_admission_queue_and_reject():
     async def scenario():
         adm = Admission(max_concurrent=2, max_queue=1, queue_timeout_s=5)
-        await adm.acquire(); await adm.acquire()
+        await adm.acquire()
+        await adm.acquire()
         queued = asyncio.create_task(adm.acquire())
         await asyncio.sleep(0)
         assert adm.waiting == 1
@@ -178,8 +195,10 @@ def test_admission_queue_and_reject():
         adm.release()
         await asyncio.wait_for(queued, 1)
         assert adm.running == 2 and adm.waiting == 0
-        adm.release(); adm.release()
+        adm.release()
+        adm.release()
         assert adm.running == 0
+
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
@@ -196,6 +215,7 @@ def test_admission_queue_timeout_and_cancel_keep_counts():
         assert adm.waiting == 0
         adm.release()
         assert adm.running == 0
+
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
@@ -205,9 +225,19 @@ def parse(*argv: str) -> RouterConfig:
 
 
 def test_cli_prefill_with_and_without_bootstrap_port():
-    cfg = parse("--prefill", "http://127.0.0.1:30000", "8998", "--prefill", "http://127.0.0.1:30002",
-                "--decode", "http://127.0.0.1:30001", "--policy", "round_robin",
-                "--max-concurrent", "8")
+    cfg = parse(
+        "--prefill",
+        "http://127.0.0.1:30000",
+        "8998",
+        "--prefill",
+        "http://127.0.0.1:30002",
+        "--decode",
+        "http://127.0.0.1:30001",
+        "--policy",
+        "round_robin",
+        "--max-concurrent",
+        "8",
+    )
     assert cfg.workers[0] == WorkerSpec("http://127.0.0.1:30000", "prefill", 8998)
     assert cfg.workers[1].bootstrap_port is None
     assert cfg.workers[2].role == "decode"
@@ -223,12 +253,15 @@ def test_cli_colocated_and_env_secrets(monkeypatch):
     assert cfg.api_key == "k1" and cfg.internal_token == "t1"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--prefill", "http://a:1"), "needs at least one --decode"),
-    (("--decode", "http://a:1"), "needs at least one --prefill"),
-    (("--prefill", "http://a:1", "x", "--decode", "http://b:1"), "not a number"),
-    (("--worker", "a:1"), "must look like"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--prefill", "http://a:1"), "needs at least one --decode"),
+        (("--decode", "http://a:1"), "needs at least one --prefill"),
+        (("--prefill", "http://a:1", "x", "--decode", "http://b:1"), "not a number"),
+        (("--worker", "a:1"), "must look like"),
+    ],
+)
 def test_cli_rejects_bad_worker_lists(argv, message):
     with pytest.raises(ValueError, match=message):
         parse(*argv)

@@ -3,6 +3,7 @@
 The oracle makes the next token a function of the whole sequence, so a request's output is only
 right if the scheduler fed it its real history (including after retraction and prefix sharing).
 """
+
 import random
 
 import pytest
@@ -26,7 +27,7 @@ def expected(prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(oracle(seq))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def run_to_end(s: Scheduler, max_steps: int = 10_000) -> dict[str, Req]:
@@ -50,9 +51,15 @@ def run_to_end(s: Scheduler, max_steps: int = 10_000) -> dict[str, Req]:
 
 
 def make(num_pages=256, page=4, slots=1, cache=True, **kw) -> Scheduler:
-    cfg = SchedulerConfig(page_size=page, chunk_size=kw.pop("chunk", 8), max_batch_tokens=kw.pop("mbt", 32),
-                          max_running=kw.pop("max_running", 16), max_context=512, num_slots=slots,
-                          enable_prefix_cache=cache)
+    cfg = SchedulerConfig(
+        page_size=page,
+        chunk_size=kw.pop("chunk", 8),
+        max_batch_tokens=kw.pop("mbt", 32),
+        max_running=kw.pop("max_running", 16),
+        max_context=512,
+        num_slots=slots,
+        enable_prefix_cache=cache,
+    )
     return Scheduler(cfg, PageAllocator(num_pages))
 
 
@@ -94,7 +101,9 @@ def test_prefix_cache_shares_pages_and_output_is_unchanged():
     run_to_end(s)
     s.add(Req("b", shared + [60], SamplingParams(max_tokens=4, ignore_eos=True)))
     done = run_to_end(s)
-    assert done["b"].cached_len == 32, "the 32-token shared prefix (8 pages of 4) should come from the cache"
+    assert done["b"].cached_len == 32, (
+        "the 32-token shared prefix (8 pages of 4) should come from the cache"
+    )
     assert s.cache.hit_tokens_total == 32
     assert done["b"].output_ids == expected(shared + [60], 4)
     assert s.held_pages() == 0
@@ -121,17 +130,25 @@ def test_two_schedulers_with_the_same_inputs_decide_the_same():
         s = make(num_pages=40, slots=2)
         log = []
         for i in range(10):
-            s.add(Req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))],
-                      SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True)))
+            s.add(
+                Req(
+                    f"r{i}",
+                    [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))],
+                    SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True),
+                )
+            )
         for _ in range(400):
             if not s.has_work:
                 break
             for mb in range(2):
                 b = s.schedule(mb)
                 log.append([(e.req.rid, e.start, e.num_new, tuple(e.pages)) for e in b.entries])
-                toks = [oracle(e.req.all_ids[: e.start + e.num_new]) for e in b.entries if e.need_logits]
+                toks = [
+                    oracle(e.req.all_ids[: e.start + e.num_new]) for e in b.entries if e.need_logits
+                ]
                 s.harvest(b, SampleOut(toks) if toks else None)
         return log
+
     assert trace(1) == trace(1)
 
 
@@ -139,10 +156,10 @@ def test_abort_everywhere_frees_everything():
     s = make(slots=2)
     for i in range(6):
         s.add(Req(f"r{i}", list(range(1, 20 + i)), SamplingParams(max_tokens=30, ignore_eos=True)))
-    b0 = s.schedule(0)                      # some requests in flight in slot 0
-    assert s.abort("r5") is not None        # still waiting => removed at once
+    b0 = s.schedule(0)  # some requests in flight in slot 0
+    assert s.abort("r5") is not None  # still waiting => removed at once
     inflight = b0.entries[0].req.rid
-    s.abort(inflight)                       # in flight => ends at harvest
+    s.abort(inflight)  # in flight => ends at harvest
     assert s.reqs[inflight].to_finish is not None
     s.harvest(b0, SampleOut([0] * len(b0.sampling_entries)) if b0.sampling_entries else None)
     assert inflight not in s.reqs
@@ -165,8 +182,8 @@ def test_prefix_cache_evicts_lru_deterministically():
         a.free(free)
         c.unlock(h)
     c.check_integrity()
-    assert c.num_cached_pages == 4    # [1,2] shared, [3,4], [5,6], [7,8]
-    c.match([7, 8], 2)                # touch [7,8]: now [3,4] is the least recently used leaf
+    assert c.num_cached_pages == 4  # [1,2] shared, [3,4], [5,6], [7,8]
+    c.match([7, 8], 2)  # touch [7,8]: now [3,4] is the least recently used leaf
     assert c.evict(1) == 1
     assert c.match([1, 2, 3, 4], 4)[0].__len__() == 1 and len(c.match([7, 8], 2)[0]) == 1
 

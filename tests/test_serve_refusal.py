@@ -1,6 +1,7 @@
 """A node refuses to listen beyond loopback without the cluster secret (runtime/serve.py
 `refuse_unprotected`): also on the hosts that run only ranks (--node-rank > 0), and when only the
 KV control sockets (the advertised host) would be reachable from the network."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,12 @@ def no_secret(monkeypatch):
 
 
 def test_advertised_host_beyond_loopback_needs_the_secret(monkeypatch):
-    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.1.2.3")      # KV control binds there
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.1.2.3")  # KV control binds there
     for role in ("prefill", "decode"):
         with pytest.raises(SystemExit, match="without a cluster secret"):
             refuse_unprotected(args("127.0.0.1"), role)
         assert refuse_unprotected(args("127.0.0.1", insecure=True), role) is None
-    assert refuse_unprotected(args("127.0.0.1"), "colocated") is None     # no KV sockets there
+    assert refuse_unprotected(args("127.0.0.1"), "colocated") is None  # no KV sockets there
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "s")
     assert refuse_unprotected(args("127.0.0.1"), "decode") == "s"
 

@@ -1,4 +1,5 @@
 """A cluster started the way `pdserve up` starts it, driven by the official openai SDK."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,12 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-
 from cluster import ROOT, free_port, group_alive, kill_group
 from reference import hf_greedy, load_hf
 
-NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 8192 --threads 1"
+NODE_ARGS = (
+    "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 8192 --threads 1"
+)
 MAX_NEW = 12
 
 
@@ -27,11 +28,30 @@ def cluster(tiny30, tmp_path_factory):
     """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
     port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny30), "--port", str(port),
-           "--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2", "--node-args", NODE_ARGS,
-           "--router-args", "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        "--model",
+        str(tiny30),
+        "--port",
+        str(port),
+        "--prefill-pp",
+        "2",
+        "--decode-pp",
+        "2",
+        "--decode-nodes",
+        "2",
+        "--node-args",
+        NODE_ARGS,
+        "--router-args",
+        "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2",
+    ]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -48,12 +68,15 @@ def cluster(tiny30, tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_reference(tiny30):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(tiny30))
     model = load_hf(tiny30)
     eos = tok.eos_token_id
     out = {}
     for q in ["the cache page", "prefill decode rank", "router slot layer token"]:
-        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         toks = hf_greedy(model, [ids], MAX_NEW)[0]
         if eos in toks:
@@ -79,12 +102,20 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     for q, (n_prompt, toks, text) in chat_reference.items():
         msgs = [{"role": "user", "content": q}]
-        r = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0)
+        r = client.chat.completions.create(
+            model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0
+        )
         assert r.choices[0].message.content == text, q
         assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == len(toks)
         assert r.usage.total_tokens == n_prompt + len(toks)
-        stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=name,
+            messages=msgs,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         parts, usage = [], None
         for chunk in stream:
             if chunk.choices:
@@ -96,15 +127,30 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
     async def run_async():
         ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         qs = list(chat_reference)
-        rs = await asyncio.gather(*(ac.chat.completions.create(
-            model=name, messages=[{"role": "user", "content": q}], max_tokens=MAX_NEW, temperature=0) for q in qs))
+        rs = await asyncio.gather(
+            *(
+                ac.chat.completions.create(
+                    model=name,
+                    messages=[{"role": "user", "content": q}],
+                    max_tokens=MAX_NEW,
+                    temperature=0,
+                )
+                for q in qs
+            )
+        )
         for q, r in zip(qs, rs):
             assert r.choices[0].message.content == chat_reference[q][2]
-        s = await ac.chat.completions.create(model=name, messages=[{"role": "user", "content": qs[0]}],
-                                             max_tokens=MAX_NEW, temperature=0, stream=True)
+        s = await ac.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": qs[0]}],
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in s if c.choices])
         assert text == chat_reference[qs[0]][2]
         await ac.close()
+
     asyncio.run(run_async())
 
 
@@ -121,7 +167,10 @@ def test_readme_curl_works_through_the_router(cluster):
     url, _, log = cluster
     cmd = re.search(r"  (curl .*?\}')\n", log.read_text(), re.S).group(1).replace("\\\n", " ")
     out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and json.loads(out.stdout)["choices"][0]["finish_reason"] in ("stop", "length"), out
+    assert out.returncode == 0 and json.loads(out.stdout)["choices"][0]["finish_reason"] in (
+        "stop",
+        "length",
+    ), out
 
 
 def test_every_node_requires_the_generated_secret(cluster):
@@ -132,14 +181,22 @@ def test_every_node_requires_the_generated_secret(cluster):
     assert {w["role"] for w in workers} == {"prefill", "decode"}
     for w in workers:
         node = w["url"]
-        assert httpx.post(f"{node}/generate", json={"input_ids": [1, 2], "bootstrap_room": 1}).status_code == 401
+        assert (
+            httpx.post(
+                f"{node}/generate", json={"input_ids": [1, 2], "bootstrap_room": 1}
+            ).status_code
+            == 401
+        )
         assert httpx.post(f"{node}/abort", json={"rid": "x"}).status_code == 401
         assert httpx.get(f"{node}/server_info").status_code == 401
         assert httpx.get(f"{node}/server_info", headers=auth).status_code == 200
         if w["role"] == "prefill":
             boot = f"http://127.0.0.1:{w['bootstrap_port']}"
             assert httpx.put(f"{boot}/route", json={}).status_code == 401
-            assert httpx.post(f"{boot}/heartbeat", json={"session": "s", "peers": []}).status_code == 401
+            assert (
+                httpx.post(f"{boot}/heartbeat", json={"session": "s", "peers": []}).status_code
+                == 401
+            )
         else:
             assert httpx.put(f"{node}/bootstrap_servers", json={"servers": []}).status_code == 401
 
@@ -159,15 +216,23 @@ def test_the_secret_is_on_no_command_line(cluster):
 def test_sse_ends_with_done_and_completions_work(cluster):
     url, _, _ = cluster
     name = model_name(url)
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-            "model": name, "prompt": "the cache", "max_tokens": 5, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": name, "prompt": "the cache", "max_tokens": 5, "stream": True},
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": name, "prompt": "the cache", "max_tokens": 5})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": name, "prompt": "the cache", "max_tokens": 5},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-AUTH: dict[str, str] = {}      # the cluster secret's header, read by the fixture
+AUTH: dict[str, str] = {}  # the cluster secret's header, read by the fixture
 
 
 def node_urls(url: str) -> dict[str, list[str]]:
@@ -184,9 +249,18 @@ def pages(node: str) -> list[int]:
 def test_client_disconnect_frees_kv_on_both_nodes(cluster):
     url, _, _ = cluster
     name = model_name(url)
-    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
-            "model": name, "messages": [{"role": "user", "content": "the page " * 30}], "max_tokens": 400,
-            "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": name,
+            "messages": [{"role": "user", "content": "the page " * 30}],
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as r:
         n = 0
         for line in r.iter_lines():
             n += line.startswith("data: ")
@@ -208,14 +282,43 @@ def test_bad_inputs_get_4xx_and_the_router_stays_up(cluster):
     cases = [
         (b"{not json", 400),
         (json.dumps({"model": name, "messages": []}).encode(), 400),
-        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
-        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400),
-        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), 400),
-        (json.dumps({"model": name, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400),
-        (json.dumps({"model": name, "messages": [{"role": "user", "content": "the " * 3000}]}).encode(), 400),
+        (
+            json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            404,
+        ),
+        (
+            json.dumps(
+                {"model": name, "messages": [{"role": "user", "content": "x"}], "n": 2}
+            ).encode(),
+            400,
+        ),
+        (
+            json.dumps(
+                {"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}
+            ).encode(),
+            400,
+        ),
+        (
+            json.dumps(
+                {
+                    "model": name,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "temperature": "hot",
+                }
+            ).encode(),
+            400,
+        ),
+        (
+            json.dumps(
+                {"model": name, "messages": [{"role": "user", "content": "the " * 3000}]}
+            ).encode(),
+            400,
+        ),
     ]
     for raw, want in cases:
-        r = httpx.post(f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        )
         assert r.status_code == want, (raw[:80], r.status_code, r.text)
         assert "error" in r.json() and r.json()["error"]["message"]
     assert httpx.get(f"{url}/health").status_code == 200
@@ -227,10 +330,20 @@ def test_429_under_saturation(cluster):
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as c:
-            reqs = [c.post(f"{url}/v1/chat/completions", json={
-                "model": name, "messages": [{"role": "user", "content": f"load {i}"}], "max_tokens": 30,
-                "ignore_eos": True}) for i in range(64)]
+            reqs = [
+                c.post(
+                    f"{url}/v1/chat/completions",
+                    json={
+                        "model": name,
+                        "messages": [{"role": "user", "content": f"load {i}"}],
+                        "max_tokens": 30,
+                        "ignore_eos": True,
+                    },
+                )
+                for i in range(64)
+            ]
             return await asyncio.gather(*reqs)
+
     res = asyncio.run(flood())
     codes = [r.status_code for r in res]
     assert 429 in codes and 200 in codes, codes
@@ -247,8 +360,12 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     ok = 0
     for i in range(8):
-        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": f"q {i}"}],
-                                           max_tokens=4, temperature=0)
+        r = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": f"q {i}"}],
+            max_tokens=4,
+            temperature=0,
+        )
         ok += bool(r.choices[0].message.content is not None)
     assert ok == 8
     deadline = time.monotonic() + 20
@@ -264,15 +381,20 @@ def _healthy(node: str) -> bool:
     try:
         return httpx.get(f"{node}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
-        return False       # the decode node the test above killed
+        return False  # the decode node the test above killed
 
 
 def test_metrics_of_router_and_nodes(cluster):
     """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the traffic
     above, and the pool is empty when idle."""
     from prometheus_client.parser import text_string_to_metric_families
+
     url, _, _ = cluster
-    expected = [ln.strip() for ln in (ROOT / "deploy" / "metrics.txt").read_text().splitlines() if ln.strip()]
+    expected = [
+        ln.strip()
+        for ln in (ROOT / "deploy" / "metrics.txt").read_text().splitlines()
+        if ln.strip()
+    ]
     nodes = node_urls(url)
     live = [n for n in nodes["prefill"] + nodes["decode"] if _healthy(n)]
     families: dict[str, dict] = {}
@@ -297,8 +419,17 @@ def test_metrics_of_router_and_nodes(cluster):
     assert samples[(url, "pdserve_router_requests_total")] > 0
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        used = {n: [s.value for s in next(f for f in text_string_to_metric_families(httpx.get(f"{n}/metrics").text)
-                                          if f.name == "pdserve_kv_pool_used_tokens").samples] for n in live}
+        used = {
+            n: [
+                s.value
+                for s in next(
+                    f
+                    for f in text_string_to_metric_families(httpx.get(f"{n}/metrics").text)
+                    if f.name == "pdserve_kv_pool_used_tokens"
+                ).samples
+            ]
+            for n in live
+        }
         if all(v and not any(v) for v in used.values()):
             break
         time.sleep(0.5)
@@ -308,7 +439,9 @@ def test_metrics_of_router_and_nodes(cluster):
 def test_ctrl_c_stops_every_process(cluster):
     """Runs last: SIGINT to `pdserve up` stops the router, the nodes and every rank."""
     url, proc, log = cluster
-    assert len(group_alive(proc.pid, wait_s=0)) >= 7      # up, router, fronts, ranks (one decode node died)
+    assert (
+        len(group_alive(proc.pid, wait_s=0)) >= 7
+    )  # up, router, fronts, ranks (one decode node died)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"

@@ -3,6 +3,7 @@
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small generated corpus,
 and the weights are random with a fixed seed, saved with `save_pretrained`.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_WORDS = (
-    "the a of to and in is it that for on was with as be at by this had not are but from or have an "
-    "they which one you were all we her she there would their will when who him been has more if no "
-    "out so said what up its about into than them can only other new some could time these two may "
-    "then do first any my now such like our over man me even most made after also did many before "
-    "must through back years where much your way well down should because each just those people "
-    "prefill decode pipeline cache page token layer request router transfer rank slot"
-).split()
+_WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be", "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "prefill", "decode", "pipeline", "cache", "page", "token", "layer", "request", "router", "transfer", "rank", "slot"]
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
@@ -30,7 +24,9 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
     for _ in range(n_lines):
         n = rng.randint(4, 20)
         words = [rng.choice(_WORDS) for _ in range(n)]
-        lines.append(" ".join(words) + rng.choice([".", "!", "?", ",", ""]) + str(rng.randint(0, 999)))
+        lines.append(
+            " ".join(words) + rng.choice([".", "!", "?", ",", ""]) + str(rng.randint(0, 999))
+        )
     return lines
 
 
@@ -43,20 +39,37 @@ def build_tokenizer(out: Path, vocab_size: int = 384):
     tok.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(2000, seed=0), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
 
 
-def build_tiny_model(out: Path, *, num_layers: int = 4, hidden: int = 64, heads: int = 4,
-                     kv_heads: int = 2, intermediate: int = 128, tie: bool = False,
-                     arch: str = "llama", seed: int = 0, rope_scaling: dict | None = None) -> Path:
+def build_tiny_model(
+    out: Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    tie: bool = False,
+    arch: str = "llama",
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+) -> Path:
     """Writes config.json, model.safetensors and the tokenizer into `out` and returns it."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -66,10 +79,18 @@ def build_tiny_model(out: Path, *, num_layers: int = 4, hidden: int = 64, heads:
     tok = build_tokenizer(out)
     vocab = len(tok)
     common = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, dtype="float32",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        dtype="float32",
     )
     if arch == "llama":
         cfg = LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)

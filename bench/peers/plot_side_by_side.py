@@ -1,6 +1,7 @@
 """Plot one side_by_side.sh run: output tok/s against concurrency, and TTFT / ITL p50 and p99, for
 vLLM and every pdserve system in OUT_DIR (aiperf's profile_export_aiperf.json per level).
 Usage: plot_side_by_side.py OUT_DIR PNG   (needs matplotlib: the project .venv has it)"""
+
 import json
 import os
 import sys
@@ -25,17 +26,24 @@ def main() -> int:
     out, png = sys.argv[1], sys.argv[2]
     systems = sorted(s for s in os.listdir(out) if os.path.isdir(os.path.join(out, s)))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("output_token_throughput", "avg", "output tok/s", False),
-              ("time_to_first_token", "p50", "TTFT (ms), p50 solid / p99 dashed", True),
-              ("inter_token_latency", "p50", "ITL (ms), p50 solid / p99 dashed", True)]
+    panels = [
+        ("output_token_throughput", "avg", "output tok/s", False),
+        ("time_to_first_token", "p50", "TTFT (ms), p50 solid / p99 dashed", True),
+        ("inter_token_latency", "p50", "ITL (ms), p50 solid / p99 dashed", True),
+    ]
     for ax, (metric, stat, title, with_p99) in zip(axes, panels):
         for s in systems:
             xs, ys = series(out, s, metric, stat)
             if not xs:
                 continue
-            line, = ax.plot(xs, ys, marker="o", label=s)
+            (line,) = ax.plot(xs, ys, marker="o", label=s)
             if with_p99:
-                ax.plot(*series(out, s, metric, "p99"), marker="x", linestyle="--", color=line.get_color())
+                ax.plot(
+                    *series(out, s, metric, "p99"),
+                    marker="x",
+                    linestyle="--",
+                    color=line.get_color(),
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks([1, 8, 32], ["1", "8", "32"])
         ax.set_xlabel("concurrency")

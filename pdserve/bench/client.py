@@ -4,6 +4,7 @@ TTFT is the arrival of the first chunk with non-empty content (a chat stream's f
 carries only the role). Output tokens come from the server's `usage` (asked for with
 `stream_options.include_usage`); a server that sends none gets its content chunks counted instead.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,8 @@ from pdserve.bench.workload import BenchRequest
 
 @dataclass(frozen=True)
 class Target:
-    base_url: str                 # http://host:port (no /v1)
-    endpoint: str                 # "chat" | "completions"
+    base_url: str  # http://host:port (no /v1)
+    endpoint: str  # "chat" | "completions"
     model: str
     api_key: str | None = None
     ignore_eos: bool = True
@@ -34,8 +35,12 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def payload(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_tokens, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
             body["messages"] = req.chat_messages()
         else:
@@ -50,15 +55,16 @@ class Target:
 @dataclass(eq=False)
 class RequestRecord:
     """What one request did. Times are perf_counter seconds; `chunk_times` are relative to `start`."""
+
     request: BenchRequest
     warmup: bool = False
     start: float = 0.0
     end: float | None = None
     ttft: float | None = None
     chunk_times: list[float] = field(default_factory=list)
-    prompt_tokens: int | None = None            # from the server's usage
+    prompt_tokens: int | None = None  # from the server's usage
     usage_completion_tokens: int | None = None
-    error: str | None = None                    # kind: http_429, connect_error, timeout, ...
+    error: str | None = None  # kind: http_429, connect_error, timeout, ...
     status: int | None = None
     error_body: str | None = None
 
@@ -98,13 +104,18 @@ def _content(chunk: dict) -> str:
     parts = []
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta")
-        texts = [delta.get("content"), delta.get("reasoning_content")] if isinstance(delta, dict) \
+        texts = (
+            [delta.get("content"), delta.get("reasoning_content")]
+            if isinstance(delta, dict)
             else [choice.get("text")]
+        )
         parts += [t for t in texts if isinstance(t, str)]
     return "".join(parts)
 
 
-async def send(client: httpx.AsyncClient, target: Target, rec: RequestRecord, timeout_s: float) -> None:
+async def send(
+    client: httpx.AsyncClient, target: Target, rec: RequestRecord, timeout_s: float
+) -> None:
     """Sends `rec.request` and fills `rec` in place (so a cancelled request still leaves its record).
     `timeout_s` bounds the whole request, however slowly its chunks trickle in."""
     rec.start = time.perf_counter()
@@ -118,8 +129,12 @@ async def send(client: httpx.AsyncClient, target: Target, rec: RequestRecord, ti
 async def _stream(client: httpx.AsyncClient, target: Target, rec: RequestRecord) -> None:
     req = rec.request
     try:
-        async with client.stream("POST", target.base_url + target.path, json=target.payload(req),
-                                 headers=target.headers()) as resp:
+        async with client.stream(
+            "POST",
+            target.base_url + target.path,
+            json=target.payload(req),
+            headers=target.headers(),
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 rec.fail(f"http_{resp.status_code}", resp.status_code, body)
@@ -152,7 +167,9 @@ async def _stream(client: httpx.AsyncClient, target: Target, rec: RequestRecord)
                 usage = chunk.get("usage")
                 if isinstance(usage, dict):
                     rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-                    rec.usage_completion_tokens = usage.get("completion_tokens", rec.usage_completion_tokens)
+                    rec.usage_completion_tokens = usage.get(
+                        "completion_tokens", rec.usage_completion_tokens
+                    )
             if not done:
                 rec.fail("incomplete_stream", 200, "the stream ended without data: [DONE]")
                 return
@@ -161,5 +178,5 @@ async def _stream(client: httpx.AsyncClient, target: Target, rec: RequestRecord)
         rec.fail("connect_error", None, str(e))
     except httpx.TimeoutException as e:
         rec.fail("timeout", None, str(e) or type(e).__name__)
-    except httpx.HTTPError as e:                 # connection dropped mid-stream, protocol errors
+    except httpx.HTTPError as e:  # connection dropped mid-stream, protocol errors
         rec.fail("read_error", None, f"{type(e).__name__}: {e}")

@@ -1,4 +1,5 @@
 """An optional PNG of a sweep: TTFT and ITL percentiles, and throughput, against the load."""
+
 from __future__ import annotations
 
 from pdserve.bench.workload import BenchError
@@ -11,12 +12,15 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise BenchError(f"--plot needs matplotlib, which is not installed; install it with: {_INSTALL}") from None
+        raise BenchError(
+            f"--plot needs matplotlib, which is not installed; install it with: {_INSTALL}"
+        ) from None
 
 
 def write_plot(path: str, summaries: list[dict], title: str) -> None:
     require_matplotlib()
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -34,7 +38,13 @@ def write_plot(path: str, summaries: list[dict], title: str) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     ax = axes[2]
-    ax.plot(xs, [s["output_token_throughput"] for s in summaries], "o-", color="C0", label="output tok/s")
+    ax.plot(
+        xs,
+        [s["output_token_throughput"] for s in summaries],
+        "o-",
+        color="C0",
+        label="output tok/s",
+    )
     ax.set_ylabel("output tokens/s", color="C0")
     ax.set_xlabel(xname)
     ax.grid(alpha=0.3)

@@ -8,6 +8,7 @@ Goodput is the rate of requests that succeeded AND met every bound given (`--slo
 `--slo-itl-ms`, `--slo-e2e-ms`); a one-token answer has no ITL and meets an ITL bound. With no
 bound given every successful request counts, so goodput equals the request throughput.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,10 +47,24 @@ def percentile(sorted_vals: list[float], q: float) -> float:
 def distribution(values: list[float], scale: float = 1.0) -> dict:
     vals = sorted(v * scale for v in values)
     if not vals:
-        return {"count": 0, "mean": None, "min": None, "p50": None, "p90": None, "p99": None, "max": None}
-    return {"count": len(vals), "mean": round(sum(vals) / len(vals), 3), "min": round(vals[0], 3),
-            "p50": round(percentile(vals, 50), 3), "p90": round(percentile(vals, 90), 3),
-            "p99": round(percentile(vals, 99), 3), "max": round(vals[-1], 3)}
+        return {
+            "count": 0,
+            "mean": None,
+            "min": None,
+            "p50": None,
+            "p90": None,
+            "p99": None,
+            "max": None,
+        }
+    return {
+        "count": len(vals),
+        "mean": round(sum(vals) / len(vals), 3),
+        "min": round(vals[0], 3),
+        "p50": round(percentile(vals, 50), 3),
+        "p90": round(percentile(vals, 90), 3),
+        "p99": round(percentile(vals, 99), 3),
+        "max": round(vals[-1], 3),
+    }
 
 
 def input_tokens(r: RequestRecord) -> tuple[int, str]:
@@ -69,13 +84,16 @@ def summarize(result: LoadResult, slo: Slo) -> dict:
 
     def rate(n: int) -> float:
         return round(n / dur, 4) if dur > 0 else 0.0
+
     ins = [input_tokens(r) for r in ok]
     out_total = sum(r.output_tokens for r in ok)
     in_total = sum(n for n, _ in ins)
     good = sum(slo.meets(r) for r in ok)
     examples: dict[str, str] = {}
     for r in failed:
-        examples.setdefault(r.error, f"status {r.status}: {r.error_body}" if r.status else str(r.error_body))
+        examples.setdefault(
+            r.error, f"status {r.status}: {r.error_body}" if r.status else str(r.error_body)
+        )
     return {
         "label": result.load.label(),
         "load": result.load.as_dict(),
@@ -92,8 +110,9 @@ def summarize(result: LoadResult, slo: Slo) -> dict:
         "total_output_tokens": out_total,
         "total_input_tokens": in_total,
         "input_tokens_source": dict(Counter(src for _, src in ins)),
-        "output_tokens_source": dict(Counter("usage" if r.usage_completion_tokens is not None else "chunks"
-                                             for r in ok)),
+        "output_tokens_source": dict(
+            Counter("usage" if r.usage_completion_tokens is not None else "chunks" for r in ok)
+        ),
         "output_tokens_as_requested": sum(r.output_tokens == r.max_tokens for r in ok),
         "output_tokens_per_request": distribution([r.output_tokens for r in ok]),
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None], _MS),
@@ -109,15 +128,27 @@ def summarize(result: LoadResult, slo: Slo) -> dict:
 
 def record_dict(r: RequestRecord, result: LoadResult) -> dict:
     """One request; `start_ms` counts from the measured phase's start (warm-up requests: < 0)."""
+
     def ms(s: float | None) -> float | None:
         return None if s is None else round(s * _MS, 3)
-    return {"warmup": r.warmup, "ok": r.ok, "error": r.error, "status": r.status, "error_body": r.error_body,
-            "start_ms": ms(r.start - result.t0) if r.start else None,       # 0: cancelled before it was sent
-            "start_unix": round(result.t0_unix + r.start - result.t0, 6) if r.start else None,
-            "ttft_ms": ms(r.ttft), "itl_ms": ms(r.itl), "e2e_ms": ms(r.e2e),
-            "output_tokens": r.output_tokens if r.ok else None, "max_tokens": r.max_tokens,
-            "prompt_tokens": r.prompt_tokens, "client_prompt_tokens": r.request.prompt_tokens,
-            "chunk_times_ms": [ms(t) for t in r.chunk_times]}
+
+    return {
+        "warmup": r.warmup,
+        "ok": r.ok,
+        "error": r.error,
+        "status": r.status,
+        "error_body": r.error_body,
+        "start_ms": ms(r.start - result.t0) if r.start else None,  # 0: cancelled before it was sent
+        "start_unix": round(result.t0_unix + r.start - result.t0, 6) if r.start else None,
+        "ttft_ms": ms(r.ttft),
+        "itl_ms": ms(r.itl),
+        "e2e_ms": ms(r.e2e),
+        "output_tokens": r.output_tokens if r.ok else None,
+        "max_tokens": r.max_tokens,
+        "prompt_tokens": r.prompt_tokens,
+        "client_prompt_tokens": r.request.prompt_tokens,
+        "chunk_times_ms": [ms(t) for t in r.chunk_times],
+    }
 
 
 def records(result: LoadResult) -> list[dict]:
@@ -128,15 +159,23 @@ def format_summary(s: dict) -> str:
     def row(name: str, d: dict) -> str:
         if not d["count"]:
             return f"  {name:<9} (none)"
-        return (f"  {name:<9} mean {d['mean']:>9.1f}  p50 {d['p50']:>9.1f}  p90 {d['p90']:>9.1f}  "
-                f"p99 {d['p99']:>9.1f}")
-    lines = [f"== {s['label']}{'  (interrupted)' if s['interrupted'] else ''} ==",
-             f"  requests  {s['completed']} ok, {s['failed']} failed, {s['cancelled']} cancelled "
-             f"in {s['duration_s']:.2f} s (+{s['warmup_requests']} warm-up)",
-             f"  throughput {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
-             f"{s['input_token_throughput']:.1f} input tok/s",
-             f"  goodput   {s['goodput']:.3f} req/s ({s['good_requests']} met the SLO {s['slo'] or '(none)'})",
-             "  latency (ms):", row("TTFT", s["ttft_ms"]), row("ITL", s["itl_ms"]), row("e2e", s["e2e_ms"])]
+        return (
+            f"  {name:<9} mean {d['mean']:>9.1f}  p50 {d['p50']:>9.1f}  p90 {d['p90']:>9.1f}  "
+            f"p99 {d['p99']:>9.1f}"
+        )
+
+    lines = [
+        f"== {s['label']}{'  (interrupted)' if s['interrupted'] else ''} ==",
+        f"  requests  {s['completed']} ok, {s['failed']} failed, {s['cancelled']} cancelled "
+        f"in {s['duration_s']:.2f} s (+{s['warmup_requests']} warm-up)",
+        f"  throughput {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
+        f"{s['input_token_throughput']:.1f} input tok/s",
+        f"  goodput   {s['goodput']:.3f} req/s ({s['good_requests']} met the SLO {s['slo'] or '(none)'})",
+        "  latency (ms):",
+        row("TTFT", s["ttft_ms"]),
+        row("ITL", s["itl_ms"]),
+        row("e2e", s["e2e_ms"]),
+    ]
     if s["errors"]:
         lines.append("  errors    " + ", ".join(f"{k}: {v}" for k, v in s["errors"].items()))
         for kind, example in s["error_examples"].items():

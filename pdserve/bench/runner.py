@@ -5,6 +5,7 @@ measured phase ends when `num_requests` were sent and answered, or when `duratio
 (requests already in flight then still finish), or when `stop` is set (Ctrl-C): in-flight requests
 are cancelled and recorded as `cancelled`, and what finished is still reported.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,14 @@ from pdserve.bench.workload import BenchRequest
 
 @dataclass(frozen=True)
 class Load:
-    concurrency: int | None = None          # closed loop: this many requests always in flight
-    request_rate: float | None = None       # open loop: Poisson arrivals, requests/s
-    max_concurrency: int | None = None      # open loop: a cap on requests in flight
+    concurrency: int | None = None  # closed loop: this many requests always in flight
+    request_rate: float | None = None  # open loop: Poisson arrivals, requests/s
+    max_concurrency: int | None = None  # open loop: a cap on requests in flight
 
     def __post_init__(self):
-        assert (self.concurrency is None) != (self.request_rate is None), "one of concurrency, request_rate"
+        assert (self.concurrency is None) != (self.request_rate is None), (
+            "one of concurrency, request_rate"
+        )
 
     def label(self) -> str:
         if self.concurrency is not None:
@@ -35,8 +38,15 @@ class Load:
         return f"rate {self.request_rate:g}/s{cap}"
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in (("concurrency", self.concurrency), ("request_rate", self.request_rate),
-                                  ("max_concurrency", self.max_concurrency)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("concurrency", self.concurrency),
+                ("request_rate", self.request_rate),
+                ("max_concurrency", self.max_concurrency),
+            )
+            if v is not None
+        }
 
 
 @dataclass
@@ -45,8 +55,8 @@ class LoadResult:
     records: list[RequestRecord]
     warmup: list[RequestRecord]
     duration_s: float
-    t0: float                   # perf_counter at the start of the measured phase
-    t0_unix: float              # the same moment on the wall clock, to line records up with other tools
+    t0: float  # perf_counter at the start of the measured phase
+    t0_unix: float  # the same moment on the wall clock, to line records up with other tools
     interrupted: bool = False
 
 
@@ -59,6 +69,7 @@ class Progress:
         if enabled:
             try:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=True)
             except ImportError:
                 pass
@@ -80,6 +91,7 @@ class Progress:
 @dataclass
 class _Phase:
     """The requests of one phase: hands out the next request until a bound is hit."""
+
     requests: list[BenchRequest]
     limit: int | None
     deadline: float | None
@@ -89,8 +101,11 @@ class _Phase:
 
     def take(self) -> RequestRecord | None:
         i = len(self.records)
-        if self.stop.is_set() or (self.limit is not None and i >= self.limit) or \
-                (self.deadline is not None and time.perf_counter() >= self.deadline):
+        if (
+            self.stop.is_set()
+            or (self.limit is not None and i >= self.limit)
+            or (self.deadline is not None and time.perf_counter() >= self.deadline)
+        ):
             return None
         req = self.requests[i % len(self.requests)]
         rec = RequestRecord(req, warmup=self.warmup)
@@ -98,8 +113,12 @@ class _Phase:
         return rec
 
 
-async def _send(client: httpx.AsyncClient, target: Target, rec: RequestRecord, progress: Progress) -> None:
-    await send(client, target, rec, client.timeout.read)      # the client's read timeout is --request-timeout
+async def _send(
+    client: httpx.AsyncClient, target: Target, rec: RequestRecord, progress: Progress
+) -> None:
+    await send(
+        client, target, rec, client.timeout.read
+    )  # the client's read timeout is --request-timeout
     progress.update()
 
 
@@ -107,11 +126,19 @@ async def _closed_loop(client, target, phase: _Phase, concurrency: int, progress
     async def worker():
         while (rec := phase.take()) is not None:
             await _send(client, target, rec, progress)
+
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def _open_loop(client, target, phase: _Phase, rate: float, cap: int | None, rng: random.Random,
-                     progress: Progress) -> None:
+async def _open_loop(
+    client,
+    target,
+    phase: _Phase,
+    rate: float,
+    cap: int | None,
+    rng: random.Random,
+    progress: Progress,
+) -> None:
     gate = asyncio.Semaphore(cap) if cap else None
     tasks: set[asyncio.Task] = set()
 
@@ -143,15 +170,24 @@ async def _open_loop(client, target, phase: _Phase, rate: float, cap: int | None
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _run_phase(client, target, load: Load, phase: _Phase, rng: random.Random, progress: Progress,
-                     warmup_concurrency: int | None = None) -> bool:
+async def _run_phase(
+    client,
+    target,
+    load: Load,
+    phase: _Phase,
+    rng: random.Random,
+    progress: Progress,
+    warmup_concurrency: int | None = None,
+) -> bool:
     """Runs one phase; returns True when `stop` cut it short."""
     if warmup_concurrency is not None:
         work = _closed_loop(client, target, phase, warmup_concurrency, progress)
     elif load.concurrency is not None:
         work = _closed_loop(client, target, phase, load.concurrency, progress)
     else:
-        work = _open_loop(client, target, phase, load.request_rate, load.max_concurrency, rng, progress)
+        work = _open_loop(
+            client, target, phase, load.request_rate, load.max_concurrency, rng, progress
+        )
     main = asyncio.ensure_future(work)
     stopper = asyncio.ensure_future(phase.stop.wait())
     await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -166,9 +202,19 @@ async def _run_phase(client, target, load: Load, phase: _Phase, rng: random.Rand
     return interrupted
 
 
-async def run_load(target: Target, load: Load, requests: list[BenchRequest], warmup: list[BenchRequest], *,
-                   num_requests: int | None, duration: float | None, arrival_seed: str, stop: asyncio.Event,
-                   request_timeout: float, progress: bool) -> LoadResult:
+async def run_load(
+    target: Target,
+    load: Load,
+    requests: list[BenchRequest],
+    warmup: list[BenchRequest],
+    *,
+    num_requests: int | None,
+    duration: float | None,
+    arrival_seed: str,
+    stop: asyncio.Event,
+    request_timeout: float,
+    progress: bool,
+) -> LoadResult:
     in_flight = load.concurrency or load.max_concurrency
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     timeout = httpx.Timeout(request_timeout, connect=min(10.0, request_timeout))
@@ -178,10 +224,14 @@ async def run_load(target: Target, load: Load, requests: list[BenchRequest], war
         if warmup:
             bar = Progress(f"warm-up, {load.label()}", len(warmup), progress)
             burst = load.concurrency or load.max_concurrency or len(warmup)
-            stopped = await _run_phase(client, target, load, warm, rng, bar, warmup_concurrency=burst)
+            stopped = await _run_phase(
+                client, target, load, warm, rng, bar, warmup_concurrency=burst
+            )
             bar.close()
             if stopped:
-                return LoadResult(load, [], warm.records, 0.0, time.perf_counter(), time.time(), interrupted=True)
+                return LoadResult(
+                    load, [], warm.records, 0.0, time.perf_counter(), time.time(), interrupted=True
+                )
         t0, t0_unix = time.perf_counter(), time.time()
         phase = _Phase(requests, num_requests, None if duration is None else t0 + duration, stop)
         bar = Progress(load.label(), num_requests, progress)

@@ -8,6 +8,7 @@ length is exact in tokens (of the text itself: a chat template adds its own toke
 server's `usage.prompt_tokens` counts); without one, a prompt of length n is n words, which most
 tokenizers of English turn into roughly n tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class LengthDist:
-    kind: str           # "fixed" | "uniform" | "normal"
-    a: float            # fixed value | uniform low | normal mean
-    b: float = 0.0      # uniform high | normal std
+    kind: str  # "fixed" | "uniform" | "normal"
+    a: float  # fixed value | uniform low | normal mean
+    b: float = 0.0  # uniform high | normal std
     lo: int = 1
     hi: int = 1
 
@@ -36,8 +37,10 @@ class LengthDist:
             except ValueError:
                 vals = []
             if len(vals) not in n:
-                raise BenchError(f"{flag}: cannot read {spec!r}; use N, uniform:LOW,HIGH or "
-                                 "normal:MEAN,STD[,MIN,MAX]")
+                raise BenchError(
+                    f"{flag}: cannot read {spec!r}; use N, uniform:LOW,HIGH or "
+                    "normal:MEAN,STD[,MIN,MAX]"
+                )
             return vals
 
         kind, _, rest = spec.partition(":")
@@ -49,16 +52,24 @@ class LengthDist:
         if kind == "uniform":
             low, high = ints(rest, (2,))
             if not 1 <= low <= high or low != int(low) or high != int(high):
-                raise BenchError(f"{flag}: uniform:LOW,HIGH needs whole numbers 1 <= LOW <= HIGH, got {spec!r}")
+                raise BenchError(
+                    f"{flag}: uniform:LOW,HIGH needs whole numbers 1 <= LOW <= HIGH, got {spec!r}"
+                )
             return cls("uniform", low, high, int(low), int(high))
         if kind == "normal":
             vals = ints(rest, (2, 4))
             mean, std = vals[0], vals[1]
-            lo, hi = (vals[2], vals[3]) if len(vals) == 4 else (max(1.0, mean - 3 * std), mean + 3 * std)
+            lo, hi = (
+                (vals[2], vals[3]) if len(vals) == 4 else (max(1.0, mean - 3 * std), mean + 3 * std)
+            )
             if std < 0 or not 1 <= lo <= hi or mean < 1:
-                raise BenchError(f"{flag}: normal needs MEAN >= 1, STD >= 0 and 1 <= MIN <= MAX, got {spec!r}")
+                raise BenchError(
+                    f"{flag}: normal needs MEAN >= 1, STD >= 0 and 1 <= MIN <= MAX, got {spec!r}"
+                )
             return cls("normal", mean, std, int(round(lo)), int(round(hi)))
-        raise BenchError(f"{flag}: unknown distribution {kind!r}; use N, uniform:LOW,HIGH or normal:MEAN,STD")
+        raise BenchError(
+            f"{flag}: unknown distribution {kind!r}; use N, uniform:LOW,HIGH or normal:MEAN,STD"
+        )
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -78,10 +89,11 @@ class LengthDist:
 @dataclass(frozen=True)
 class BenchRequest:
     """One request to send. Exactly one of `prompt` (text) and `messages` (chat) is set."""
+
     prompt: str | None
     messages: tuple[dict, ...] | None
     max_tokens: int
-    prompt_tokens: int | None      # counted by the client's tokenizer; None without one
+    prompt_tokens: int | None  # counted by the client's tokenizer; None without one
     prompt_words: int
 
     def chat_messages(self) -> list[dict]:
@@ -89,24 +101,26 @@ class BenchRequest:
 
 
 # Our own small vocabulary for synthetic text: plain words about machines, weather and travel.
-_NOUNS = ("river engine garden signal window harbor lantern ledger orbit meadow circuit valley "
-          "compass tower kettle bridge forest canvas market mirror planet saddle thunder violin "
-          "pocket ribbon anchor beacon cellar desert falcon glacier island jacket ladder marble "
-          "needle pepper quartz rocket summit tunnel umbrella velvet wagon yarn zenith copper "
-          "morning evening letter number station voyage winter summer question answer").split()
-_VERBS = ("carries follows gathers holds lifts measures opens paints reaches shapes turns "
-          "watches builds crosses draws finds guides keeps moves pulls sends writes brings "
-          "counts drops folds hears joins leaves names").split()
-_ADJS = ("quiet bright heavy narrow gentle hollow early silver green rapid distant steady "
-         "golden humble plain sharp tidy warm young ancient careful curious").split()
-_SMALL = ("the a one each every some this that".split(), "of near over under beside across through "
-          "behind along".split(), "and but while so yet".split())
+_NOUNS = ["river", "engine", "garden", "signal", "window", "harbor", "lantern", "ledger", "orbit", "meadow", "circuit", "valley", "compass", "tower", "kettle", "bridge", "forest", "canvas", "market", "mirror", "planet", "saddle", "thunder", "violin", "pocket", "ribbon", "anchor", "beacon", "cellar", "desert", "falcon", "glacier", "island", "jacket", "ladder", "marble", "needle", "pepper", "quartz", "rocket", "summit", "tunnel", "umbrella", "velvet", "wagon", "yarn", "zenith", "copper", "morning", "evening", "letter", "number", "station", "voyage", "winter", "summer", "question", "answer"]
+_VERBS = ["carries", "follows", "gathers", "holds", "lifts", "measures", "opens", "paints", "reaches", "shapes", "turns", "watches", "builds", "crosses", "draws", "finds", "guides", "keeps", "moves", "pulls", "sends", "writes", "brings", "counts", "drops", "folds", "hears", "joins", "leaves", "names"]
+_ADJS = ["quiet", "bright", "heavy", "narrow", "gentle", "hollow", "early", "silver", "green", "rapid", "distant", "steady", "golden", "humble", "plain", "sharp", "tidy", "warm", "young", "ancient", "careful", "curious"]
+_SMALL = (
+    ["the", "a", "one", "each", "every", "some", "this", "that"],
+    ["of", "near", "over", "under", "beside", "across", "through", "behind", "along"],
+    ["and", "but", "while", "so", "yet"],
+)
 
 
 def _sentence(rng: random.Random) -> list[str]:
     det, prep, conj = _SMALL
-    words = [rng.choice(det), rng.choice(_ADJS), rng.choice(_NOUNS), rng.choice(_VERBS),
-             rng.choice(det), rng.choice(_NOUNS)]
+    words = [
+        rng.choice(det),
+        rng.choice(_ADJS),
+        rng.choice(_NOUNS),
+        rng.choice(_VERBS),
+        rng.choice(det),
+        rng.choice(_NOUNS),
+    ]
     for _ in range(rng.randint(0, 2)):
         words += [rng.choice(prep), rng.choice(det), rng.choice(_ADJS), rng.choice(_NOUNS)]
     if rng.random() < 0.3:
@@ -129,6 +143,7 @@ class TokenCounter:
     def __init__(self, path: str):
         try:
             from transformers import AutoTokenizer
+
             self.tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise BenchError(f"--tokenizer: cannot load a tokenizer from {path!r}: {e}") from None
@@ -140,9 +155,9 @@ class TokenCounter:
     def exact_text(self, rng: random.Random, n: int) -> tuple[str, int]:
         """Seeded text of exactly `n` tokens (or the nearest count the tokenizer allows)."""
         words = random_words(rng, n)
-        while self.count(" ".join(words)) < n:          # a word is at least one token: rarely loops
+        while self.count(" ".join(words)) < n:  # a word is at least one token: rarely loops
             words += random_words(rng, n)
-        lo, hi = 0, len(words)                          # largest prefix of words with <= n tokens
+        lo, hi = 0, len(words)  # largest prefix of words with <= n tokens
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.count(" ".join(words[:mid])) <= n:
@@ -154,7 +169,7 @@ class TokenCounter:
         fillers = list(self._fillers) or ["a"]
         while have < n:
             rng.shuffle(fillers)
-            for w in fillers:       # a one-token word that adds exactly one token here
+            for w in fillers:  # a one-token word that adds exactly one token here
                 cand = f"{text} {w}" if text else w
                 if self.count(cand) == have + 1:
                     text, have = cand, have + 1
@@ -167,8 +182,15 @@ class TokenCounter:
 class Workload:
     """Seeded requests: `requests(n, key)` gives the same list for the same seed and key."""
 
-    def __init__(self, *, isl: LengthDist, osl: LengthDist, seed: int, tokenizer: TokenCounter | None = None,
-                 dataset: list[dict] | None = None):
+    def __init__(
+        self,
+        *,
+        isl: LengthDist,
+        osl: LengthDist,
+        seed: int,
+        tokenizer: TokenCounter | None = None,
+        dataset: list[dict] | None = None,
+    ):
         self.isl, self.osl, self.seed = isl, osl, seed
         self.tokenizer = tokenizer
         self.dataset = dataset
@@ -223,11 +245,20 @@ def load_jsonl(path: str) -> list[dict]:
             raise BenchError(f"{where}: 'prompt' must be a non-empty string")
         if "messages" in entry:
             msgs = entry["messages"]
-            if not (isinstance(msgs, list) and msgs and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs)):
-                raise BenchError(f"{where}: 'messages' must be a non-empty list of "
-                                 "{'role': str, 'content': str}")
+            if not (
+                isinstance(msgs, list)
+                and msgs
+                and all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                )
+            ):
+                raise BenchError(
+                    f"{where}: 'messages' must be a non-empty list of "
+                    "{'role': str, 'content': str}"
+                )
         mt = entry.get("max_tokens")
         if mt is not None and not (isinstance(mt, int) and not isinstance(mt, bool) and mt >= 1):
             raise BenchError(f"{where}: 'max_tokens' must be an integer >= 1")
