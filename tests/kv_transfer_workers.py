@@ -129,6 +129,16 @@ class Host:
                 return {r: (s, why, time.monotonic() - t0) for r, (s, why) in polled.items()}
             time.sleep(0.02)
 
+    def wait_quiesced(self, name, room, timeout):
+        """Waits until a decode room is quiesced without the grace (every prefill rank of its route
+        sent its final word, or it never registered); returns whether it is."""
+        t0 = time.monotonic()
+        while not self.rooms[(name, room)].quiesced(float("inf")):
+            if time.monotonic() - t0 > timeout:
+                return False
+            time.sleep(0.02)
+        return True
+
     def read_aux(self, name, room):
         return self.rooms[(name, room)].read_aux()
 
