@@ -13,8 +13,9 @@ from fastapi import Request
 
 from engine.core import SamplingParams
 from pd_common.messages import PDAddRequest, check_room
-from runtime.front import NodeFront, RequestError
+from runtime.front import NodeFront
 from runtime.http_app import read_json
+from runtime.prompt import RequestError
 
 MAX_BOOTSTRAP_SERVERS = 4096
 

@@ -11,9 +11,9 @@ Sends are asynchronous: `send_*` returns at once and keeps the buffers alive; `c
 the previous turn's sends. Receives block, with the group's timeout, so a dead or stuck peer ends in
 an exception (the rank then exits), never in an endless wait.
 
-On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits only
-on the event of the receive that produced its input, and a forward whose output buffer is reused
-(CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
+On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits
+only on the event of the receive that produced its input, and a forward whose output buffer is
+reused (CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class PPComm:
         return h
 
     def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
-        """`commit_after`: turns until the receiver surely took it (the ring's last hop: pp_size)."""
+        """`commit_after`: turns until the receiver surely took it (ring's last hop: pp_size)."""
         payload = torch.frombuffer(
             bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8
         )
@@ -191,7 +191,7 @@ class PPComm:
                 return val
             self._inbox[(src, k)].append(val)
 
-    # --- collectives (start-up agreement and the consensus checker) --------------------------------
+    # --- collectives (start-up agreement and the consensus checker) -------------------------------
     def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
         t = torch.tensor(values, dtype=torch.int64)
         lo, hi = t.clone(), t.clone()
