@@ -12,8 +12,8 @@ the previous turn's sends. Receives block, with the group's timeout, so a dead o
 an exception (the rank then exits), never in an endless wait.
 
 On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits
-only on the event of the receive that produced its input, and a forward whose output buffer is
-reused (CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
+only on the event of the receive that produced its input. A send keeps its tensor alive until the
+turn it is committed in, so no forward overwrites what a send still reads.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class PPComm:
         self.stream = None
         if comm_stream and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
-        self._send_done: torch.cuda.Event | None = None
         self.bytes_sent = 0
 
     @property
@@ -122,8 +121,6 @@ class PPComm:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 tw = dist.isend(t, dst, group=self.dev_group)
-            self._send_done = torch.cuda.Event()
-            self._send_done.record(self.stream)
         else:
             tw = dist.isend(t, dst, group=self.dev_group)
         self._sends.append((self.turn + 1, (hw, tw, h, t)))
@@ -155,11 +152,6 @@ class PPComm:
             _, item = self._sends.popleft()
             for w in item[:2]:
                 w.wait()
-
-    def fence_reused_output(self) -> None:
-        """Before a forward overwrites a buffer that an earlier send still reads (CUDA graphs)."""
-        if self._send_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._send_done)
 
     # --- receiving --------------------------------------------------------------------------------
     def _recv_one(self, src: int) -> tuple[int, Any]:
