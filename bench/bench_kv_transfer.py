@@ -39,7 +39,7 @@ class Node:
     """All ranks of one node in this process, one shared Mooncake engine."""
 
     def __init__(self):
-        from kv_transfer.engine import MooncakeEngine
+        from kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.bufs, self.rooms, self.raw = [], [], {}, []

@@ -15,8 +15,8 @@ from fastapi import Request
 from engine.core import SamplingParams
 from pd_common.messages import PDAddRequest, check_room
 from runtime.front import NodeFront
-from runtime.messages import AddRequest
 from runtime.http_app import read_json
+from runtime.messages import AddRequest
 from runtime.prompt import RequestError
 
 MAX_BOOTSTRAP_SERVERS = 4096

@@ -22,7 +22,7 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 
 class Host:
     def __init__(self):
-        from kv_transfer.engine import MooncakeEngine
+        from kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
