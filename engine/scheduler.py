@@ -119,7 +119,7 @@ class Scheduler:
         # Prefill side of PD: a request that ends keeps its pages until `release(rid)`: its KV may
         # still be on the wire (even after an abort, a transfer thread may be reading them).
         self.hold_kv_on_finish = hold_kv_on_finish
-        self.held: dict[str, Req] = {}
+        self.kept_kv: dict[str, Req] = {}  # finished, KV kept until `release` (hold_kv_on_finish)
 
     # --- inputs ------------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
@@ -323,7 +323,7 @@ class Scheduler:
         if req.status == ReqStatus.RUNNING:
             self.slots[self._slot_of(req)].remove(req)
             if self.hold_kv_on_finish:
-                self.held[req.rid] = req
+                self.kept_kv[req.rid] = req
             else:
                 self._release_kv(req)
         req.finish = reason
@@ -346,7 +346,7 @@ class Scheduler:
     @rank_consensus("release", args=lambda self, rid: rid)
     def release(self, rid: str) -> None:
         """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
-        self._release_kv(self.held.pop(rid))
+        self._release_kv(self.kept_kv.pop(rid))
 
     @rank_consensus("add_prefilled", args=lambda self, req, pages, mb: [req.rid, list(pages), mb])
     def add_prefilled(self, req: Req, pages: list[int], mb: int) -> None:
@@ -369,9 +369,10 @@ class Scheduler:
     def used_tokens(self) -> int:
         """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
         return sum(r.kv_len for s in self.slots for r in s) + sum(
-            r.kv_len for r in self.held.values()
+            r.kv_len for r in self.kept_kv.values()
         )
 
     def held_pages(self) -> int:
+        """Pages live or kept requests hold, prefix-cache pages excluded (0 when nothing runs)."""
         cached = self.cache.num_cached_pages if self.cache is not None else 0
         return self.allocator.num_used - cached

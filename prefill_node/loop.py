@@ -144,9 +144,9 @@ class PrefillLoop(PDLoop):
         if req.finish.kind == "abort":
             pd.aborted, pd.reason = True, req.finish.message or "aborted"
             pd.transfer.abort(pd.reason)
-            if pd.sent_upto == 0 and req.rid in self.sched.held:
+            if pd.sent_upto == 0 and req.rid in self.sched.kept_kv:
                 self.sched.release(req.rid)  # no transfer thread ever saw its pages
-            if req.rid in self.sched.held:
+            if req.rid in self.sched.kept_kv:
                 self.inflight[pd.room] = pd  # freed by the release vote, once no thread reads them
             else:
                 self._end(pd, pd.reason)
@@ -182,7 +182,7 @@ class PrefillLoop(PDLoop):
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
             self._stage_done(pd.rid, "inflight")
-            if pd.rid in self.sched.held:
+            if pd.rid in self.sched.kept_kv:
                 self.sched.release(pd.rid)
             if room in good and not pd.aborted:
                 self.emit(PrefillDoneEvent(pd.rid, pd.req.prompt_len, pd.req.cached_len))
