@@ -170,6 +170,7 @@ def _hf_config(folder: Path) -> ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=c.get("bos_token_id"),
             dtype=_hf_dtype(c),
+            qk_norm=arch == "qwen3",
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(
@@ -453,6 +454,8 @@ def _expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (cfg.vocab_size, h)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (cfg.head_dim,)
     if name.endswith("norm.weight"):
         return (h,)
     if "q_proj" in name:

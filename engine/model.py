@@ -37,6 +37,8 @@ class DecoderLayer(torch.nn.Module):
             _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
         )
         self.o_weight = _empty(h, cfg.q_size, dtype=dtype)
+        self.q_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
         self.down_weight = _empty(h, inter, dtype=dtype)
@@ -56,6 +58,9 @@ class DecoderLayer(torch.nn.Module):
                     self.qkv_bias[off : off + n].copy_(w[a + f"{p}_proj.bias"])
                 off += n
             self.o_weight.copy_(w[a + "o_proj.weight"])
+            if cfg.qk_norm:
+                self.q_norm_weight.copy_(w[a + "q_norm.weight"])
+                self.k_norm_weight.copy_(w[a + "k_norm.weight"])
             inter = cfg.intermediate_size
             self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
             self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
@@ -87,7 +92,17 @@ class DecoderLayer(torch.nn.Module):
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = nh // nkv
-        qk = apply_rope(qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d), *rope)
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d)
+        if cfg.qk_norm:
+            eps = cfg.rms_norm_eps
+            qk = torch.cat(
+                (
+                    F.rms_norm(qk[:, :nh], (d,), self.q_norm_weight, eps),
+                    F.rms_norm(qk[:, nh:], (d,), self.k_norm_weight, eps),
+                ),
+                dim=1,
+            )
+        qk = apply_rope(qk, *rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, nkv, d)
         kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
@@ -176,6 +191,8 @@ class ModelSlice(torch.nn.Module):
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             if self.cfg.attention_bias:
                 names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if self.cfg.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if self.is_last:
             names.append("model.norm.weight")
             names.append(

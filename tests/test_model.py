@@ -122,6 +122,7 @@ VARIANTS = {
         },
     ),
     "qwen2_bias": dict(arch="qwen2"),
+    "qwen3_qk_norm": dict(arch="qwen3"),
     "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
