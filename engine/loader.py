@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -92,6 +93,8 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
                 return Path(loc) / fname
         raise ModelLoadError(f"package {dist} is installed but has no {fname}; reinstall it")
     p = Path(raw).expanduser()
+    if not p.exists() and HUB_ID.match(raw):
+        return _from_hub(raw)
     if not p.exists():
         raise ModelLoadError(
             f"model not found: {raw} (give a .gguf file, a Hugging Face folder with config.json "
@@ -112,6 +115,41 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
                 f"{p} is not a GGUF file (no GGUF magic) nor a Hugging Face folder"
             )
     return p
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")  # "org/name" on the Hugging Face Hub
+# What serving needs from a Hub repo (no *.bin, *.pth or other formats' duplicates).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A Hub repo's snapshot folder: from the local Hugging Face cache when the Hub is offline
+    (HF_HUB_OFFLINE=1) or unreachable, else downloaded (config, safetensors, tokenizer only)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        folder = Path(
+            snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline)
+        )
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        where = "the Hub is offline (HF_HUB_OFFLINE)" if offline else f"{type(e).__name__}"
+        raise ModelLoadError(
+            f"model {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"could not be downloaded: {where}. On a connected machine: "
+            f"`hf download {repo_id}`, then copy the cache or pass the folder."
+        ) from None
+    missing = [f for f in ("config.json",) if not (folder / f).is_file()]
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        missing.append("tokenizer.json")
+    if missing:
+        raise ModelLoadError(
+            f"model {repo_id}: the cached snapshot {folder} lacks {', '.join(missing)}"
+        )
+    return folder
 
 
 def _is_gguf(p: Path) -> bool:

@@ -351,3 +351,36 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     assert (
         EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
     )
+
+
+def _fake_hub_cache(root, repo_id: str, model_dir, files=None):
+    """A Hugging Face cache laid out as huggingface_hub writes it: refs/main -> snapshots/<rev>/."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    for f in sorted(model_dir.iterdir()):
+        if files is None or f.name in files:
+            shutil.copy(f, snap / f.name)
+    return snap
+
+
+def test_a_hub_id_resolves_from_the_local_cache_when_offline(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snap = _fake_hub_cache(tmp_path / "hub", "pdserve-test/tiny", tiny)
+    assert resolve_model("pdserve-test/tiny") == snap
+    assert load_model_config("pdserve-test/tiny") == load_model_config(tiny)
+    _one_line_error(lambda: resolve_model("pdserve-test/absent"), "not in the Hugging Face cache")
+
+
+def test_a_hub_snapshot_without_weights_names_what_is_missing(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _fake_hub_cache(tmp_path / "hub", "pdserve-test/partial", tiny, files={"config.json"})
+    _one_line_error(lambda: resolve_model("pdserve-test/partial"), "*.safetensors, tokenizer.json")
