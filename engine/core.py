@@ -28,6 +28,37 @@ class ParamError(ValueError):
         self.field = field_name
 
 
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as OpenAI sends it ({"123": 5.0}, string keys) or as pairs, sorted by token id."""
+    if v is None:
+        return ()
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in v
+    ):
+        items = [tuple(p) for p in v]
+    else:
+        raise ParamError("logit_bias", "must map token ids to biases")
+    out = {}
+    for t, b in items:
+        try:
+            tid = int(t) if not isinstance(t, bool) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or str(t).strip() != str(tid):
+            raise ParamError("logit_bias", f"keys must be token ids, got {t!r}")
+        out[tid] = b
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -41,6 +72,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Penalties (OpenAI / vLLM semantics): presence and frequency on the generated tokens,
+    # repetition (divide positive logits, multiply negative ones) on prompt and generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
     @property
     def greedy(self) -> bool:
@@ -104,7 +141,36 @@ class SamplingParams:
             f"must be an integer in [0, 20], got {self.top_logprobs!r}",
         )
         need(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs: true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(_real(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        need(_real(v) and 0.0 < v <= 10.0, "repetition_penalty", f"must be in (0, 10], got {v!r}")
+        need(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"
+        )
+        for t, b in self.logit_bias:
+            need(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31,
+                "logit_bias",
+                f"token ids must be integers >= 0, got {t!r}",
+            )
+            need(
+                _real(b) and -100.0 <= b <= 100.0,
+                "logit_bias",
+                f"biases are in [-100, 100], got {b!r}",
+            )
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling must adjust this request's logits before choosing."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -118,6 +184,8 @@ class SamplingParams:
                 )
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if "logit_bias" in d:
+            d["logit_bias"] = _bias_pairs(d["logit_bias"])
         for k in ("stop", "stop_token_ids"):
             if k in d:
                 if d[k] is None:
@@ -132,6 +200,7 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(p) for p in self.logit_bias]
         return d
 
 

@@ -65,4 +65,5 @@ class ModelRunner:
         entries = batch.sampling_entries
         params: list[SamplingParams] = [e.req.params for e in entries]
         steps = [len(e.req.output_ids) for e in entries]
-        return sample(logits, params, steps, self.generator)
+        histories = [(e.req.input_ids, e.req.output_ids) for e in entries]
+        return sample(logits, params, steps, self.generator, histories)

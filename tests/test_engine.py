@@ -146,6 +146,12 @@ def test_streaming_interface_yields_every_token(engine, mixed_prompts, reference
         ({"stop": 5}, "stop"),
         ({"temperature": float("nan")}, "temperature"),
         ({"bogus": 1}, "bogus"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(engine, bad, field):
