@@ -1,4 +1,5 @@
-"""Agreement between PP ranks: KVPoll, PPConsensusStore, two-pass ring votes, leader sync (no torch).
+"""Agreement between PP ranks: KVPoll, PPConsensusStore, two-pass ring votes,
+leader sync (no torch).
 
 kvpoll.py       KVPoll and its update rule
 store.py        PPConsensusStore: room -> KVPoll replicated to PP0 (bootstrap consensus)

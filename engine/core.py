@@ -1,13 +1,15 @@
 """The shared vocabulary of the engine: sampling parameters, requests, batches.
 
 Every PP rank builds the same `Req` objects from the same replicated inputs and mutates them with
-the same outputs, so everything here must be a pure function of those inputs (docs/ARCHITECTURE.md section 4).
+the same outputs, so everything here must be a pure function of those inputs
+(docs/ARCHITECTURE.md section 4).
 
 Lengths, named once and derived from each other:
 
     prompt_len    = len(input_ids)
     seq_len       = prompt_len + len(output_ids)       tokens the request has, prompt + generated
-    kv_len        = tokens whose KV is written in the pool (or scheduled to be, once a batch is built)
+    kv_len        = tokens whose KV is written in the pool
+                    (or scheduled to be, once a batch is built)
     cached_len    = prefix-cache hit at admission (pages shared with other requests)
     extend_len    = tokens the current batch computes for this request
 """
@@ -108,7 +110,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Builds validated params from a JSON-like dict; unknown keys are an error naming the key."""
+        """Builds validated params from a JSON-like dict;
+        unknown keys are an error naming the key."""
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:

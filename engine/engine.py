@@ -126,7 +126,7 @@ class Engine:
         if len(params) != len(prompts):
             raise ParamError("params", f"{len(params)} sampling params for {len(prompts)} prompts")
         self._done = {}
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         while self.scheduler.has_work:
             self.step()
         return [self._completion(self._done.pop(rid)) for rid in rids]

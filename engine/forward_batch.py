@@ -90,7 +90,8 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
         need = -(-it.kv_len // page_size)
         if len(it.page_table) < need:
             raise ValueError(
-                f"item {b}: {it.kv_len} tokens need {need} pages, page table has {len(it.page_table)}"
+                f"item {b}: {it.kv_len} tokens need {need} pages, page table has "
+                f"{len(it.page_table)}"
             )
         offsets.append(row)
         pos = range(it.start, it.kv_len)

@@ -72,7 +72,8 @@ def _reason(e: BaseException) -> str:
 
 
 def resolve_model(name_or_path: str | Path | None) -> Path:
-    """A known model name (default: SmolLM2-135M-Instruct), a .gguf file or a Hugging Face folder -> its path."""
+    """A known model name (default: SmolLM2-135M-Instruct), a .gguf file or a Hugging Face folder
+    -> its path."""
     raw = (
         DEFAULT_MODEL
         if name_or_path is None or not str(name_or_path).strip()
@@ -189,7 +190,8 @@ def _ids(v) -> list[int]:
 
 
 def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
-    """name -> tensor reader over the folder's safetensors files (sharded or not); only headers are read here."""
+    """name -> tensor reader over the folder's safetensors files (sharded or not);
+    only headers are read here."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -201,7 +203,7 @@ def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
             f = stack.enter_context(safe_open(str(path), framework="pt"))
         except Exception as e:  # safetensors raises its own error types for corrupt headers/data
             raise ModelLoadError(f"cannot read weights from {path}: {_reason(e)}") from None
-        where.update((k, (f, path)) for k in f.keys())
+        where.update((k, (f, path)) for k in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
 
     def fetch(name: str) -> torch.Tensor | None:
         if name not in where:
@@ -217,8 +219,9 @@ def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
 
 # ----------------------------------------------------------------------------------------- GGUF
 def _open_gguf(path: Path):
-    """The (cached) GGUFReader of `path`: opening one parses every metadata string (~5 s for SmolLM2's
-    98k tokenizer strings), so config, slice and tokenizer loads in one process share it."""
+    """The (cached) GGUFReader of `path`: opening one parses every metadata string (~5 s for
+    SmolLM2's 98k tokenizer strings), so config, slice and tokenizer loads in one process share
+    it."""
     st = path.stat()
     return _open_gguf_cached(str(path.resolve()), st.st_mtime_ns, st.st_size)
 
@@ -332,7 +335,8 @@ def _dequant(raw: np.ndarray, qtype: int, shape: list[int]) -> torch.Tensor:
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undoes llama.cpp's convert_hf_to_gguf permute() of Q/K rows (back to HF's rotate-half layout)."""
+    """Undoes llama.cpp's convert_hf_to_gguf permute() of Q/K rows
+    (back to HF's rotate-half layout)."""
     return (
         w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
         .transpose(1, 2)
@@ -540,9 +544,9 @@ def _tokenizer_config(folder: Path) -> dict | None:
 
 
 def _from_folder(folder: Path):
-    """AutoTokenizer.from_pretrained(folder), without AutoTokenizer when the folder names the plain fast
-    tokenizer class: importing AutoTokenizer imports torch (~2.5 s here), which a node front never
-    needs. Any other class goes through AutoTokenizer."""
+    """AutoTokenizer.from_pretrained(folder), without AutoTokenizer when the folder names the plain
+    fast tokenizer class: importing AutoTokenizer imports torch (~2.5 s here), which a node front
+    never needs. Any other class goes through AutoTokenizer."""
     cls = (_tokenizer_config(folder) or {}).get("tokenizer_class")
     if cls in _PLAIN_FAST and (folder / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
@@ -572,7 +576,8 @@ def _tokenizer_cache(gguf: Path) -> Path:
 
 def _save_tokenizer(tok, dest: Path) -> None:
     """Writes into a fresh folder, then renames it into place: processes starting together may all
-    write, and a reader only ever sees a complete folder. A cache that cannot be written is skipped."""
+    write, and a reader only ever sees a complete folder.
+    A cache that cannot be written is skipped."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))

@@ -1,4 +1,5 @@
-"""Sampling on the last slice: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling on the last slice: greedy, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
 A seeded request draws from a generator seeded by (seed, number of tokens it already generated), so
 its output depends only on its own logits and seed, never on what else shares its batch. Unseeded
@@ -46,7 +47,8 @@ def sample(
     steps: list[int],
     generator: torch.Generator | None = None,
 ) -> SampleOut:
-    """logits: float32 [R, vocab], one row per sampling request; steps[i] = tokens it generated so far."""
+    """logits: float32 [R, vocab], one row per sampling request;
+    steps[i] = tokens it generated so far."""
     logits = logits.float()
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
@@ -67,7 +69,7 @@ def sample(
         vals, idx = torch.topk(logp, k, dim=-1)
         vals, idx = vals.tolist(), idx.tolist()
         tops = [
-            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs]))
+            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs], strict=True))
             for i, p in enumerate(params)
         ]
     return SampleOut(token_ids, chosen, tops)

@@ -157,8 +157,9 @@ class Cluster:
             self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
             router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
         print(
-            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
-            f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores",
+            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, "
+            f"{a.decode_nodes} decode node(s) x PP {a.decode_pp}: {total} rank processes on "
+            f"{len(os.sched_getaffinity(0))} cores",
             flush=True,
         )
         self._wait_nodes()
@@ -267,7 +268,8 @@ def up_main(args) -> int:
             {"id": "default"}
         ]
         print(
-            f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
+            "[up] cluster secret (for /workers and the nodes' internal endpoints) in "
+            f"{cluster.secret_file}",
             flush=True,
         )
         print(

@@ -132,7 +132,8 @@ def properties_checks() -> list[Check]:
             # PP 3: a supertrace (bitstate) search in a small bit array, bounded in time: a partial
             # search (see the docs for its coverage), not a proof.
             Check(f"{model}-pp3-faults", model, 3, "faults", "safety", bitstate=BITS3, extra=fx),
-            # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED (found at 2^22, 2.1 M states)
+            # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED
+            # (found at 2^22, 2.1 M states)
             Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS, extra=fx),
             Check(f"{model}-pp3-aborts", model, 3, "aborts", "safety", bitstate=BITS3, extra=fx),
             Check(
@@ -351,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     failed += not ok
                     print(
-                        f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s"
-                        f"  ({r.what or 'no error: the finding no longer shows; update KNOWN'})",
+                        f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} "
+                        f"{r.seconds:6.1f}s  "
+                        f"({r.what or 'no error: the finding no longer shows; update KNOWN'})",
                         flush=True,
                     )
                     continue
@@ -360,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 status = "OK  " if ok else "FAIL"
                 why = "" if ok else f"  ({r.what or 'incomplete search'})"
                 print(
-                    f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s{why}"
-                    + ("  <- this property" if broken else ""),
+                    f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} "
+                    f"{r.seconds:6.1f}s{why}" + ("  <- this property" if broken else ""),
                     flush=True,
                 )
     finally:
@@ -370,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"work directory kept: {work}")
     print(
-        f"total {time.monotonic() - t_all:.1f}s, {'all passed' if not failed else f'{failed} failed'}"
+        f"total {time.monotonic() - t_all:.1f}s, "
+        f"{'all passed' if not failed else f'{failed} failed'}"
     )
     return 1 if failed else 0
 

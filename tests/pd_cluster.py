@@ -104,7 +104,8 @@ async def pd_generate(
     max_new: int,
     room: int | None = None,
 ) -> tuple[dict, dict]:
-    """What the router does: the same request to both nodes at once; returns (prefill, decode) JSON."""
+    """What the router does: the same request to both nodes at once; returns
+    (prefill, decode) JSON."""
     r = await client.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]})
     assert r.status_code == 200, r.text
     room = room if room is not None else random.getrandbits(63)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -197,7 +198,7 @@ def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny30, tmp
     ends = [r["start_ms"] + r["e2e_ms"] for r in recs]
     assert starts == sorted(starts)
     assert any(starts[i + 1] < ends[i] for i in range(len(recs) - 1)), (starts, ends)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in pairwise(starts)]
     assert max(gaps) > 2 * min(gaps), gaps
 
 

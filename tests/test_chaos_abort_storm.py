@@ -1,4 +1,5 @@
-"""Chaos: an abort storm through a whole cluster (`pdserve up`: router + 1 prefill node + 1 decode node).
+"""Chaos: an abort storm through a whole cluster (`pdserve up`: router + 1 prefill node + 1 decode
+node).
 
 1,000 streaming requests per layout go through the router with a seeded mix of fates: run to the
 end, cancelled before the first byte, after a few tokens, during a multi-chunk prefill, right after
@@ -38,16 +39,17 @@ MAX_NEW = 16  # the longest answer; references are computed this long
 # Small pools (128 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
 # chunk 16 so the long prompts take up to 7 prefill chunks.
 NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 512 --threads 1"
-# Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the tests'
-# 8 s KV timeouts would turn that queueing into failures. Quarantine stays short for the settle time.
+# Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the
+# tests' 8 s KV timeouts would turn that queueing into failures.
+# Quarantine stays short for the settle time.
 KV_TIMEOUTS = {
     **FAST_TIMEOUTS,
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90",
     "PDSERVE_KV_WAITING_TIMEOUT_S": "90",
     "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30",
 }
-# Hang bounds. A stream silent for 60 s (httpx's read timeout) or a request alive for 120 s is a hang;
-# the storm as a whole takes about 2 minutes on a busy 2-core machine and must end within 8.
+# Hang bounds. A stream silent for 60 s (httpx's read timeout) or a request alive for 120 s is a
+# hang; the storm as a whole takes about 2 minutes on a busy 2-core machine and must end within 8.
 STORM_BOUND_S = 480.0
 REQUEST_BOUND_S = 120.0
 SETTLE_S = 60.0  # quarantine (10 s in FAST_TIMEOUTS) + release votes + stats push
@@ -68,7 +70,8 @@ ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 def default_sigint() -> None:
-    """A shell without job control starts background jobs with SIGINT ignored; Ctrl-C must reach `up`."""
+    """A shell without job control starts background jobs with SIGINT ignored;
+    Ctrl-C must reach `up`."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -161,7 +164,12 @@ def prompts(tiny6) -> list[Prompt]:
     for n in (3, 5, 8, 12, 17, 23, 31, 40, 52, 64, 80, 100):
         ids = [rng.randrange(3, len(tok)) for _ in range(n)]
         out.append(Prompt("completion", {"prompt": ids}, ids, [], []))
-    words = ["the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token", "pipeline", "transfer"]
+    # fmt: off
+    words = [
+        "the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token",
+        "pipeline", "transfer",
+    ]
+    # fmt: on
     for n in (1, 2, 3, 5, 8, 12, 16, 20, 24, 30, 36, 44):
         q = " ".join(rng.choice(words) for _ in range(n))
         text = tok.apply_chat_template(
@@ -170,7 +178,7 @@ def prompts(tiny6) -> list[Prompt]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out.append(Prompt("chat", {"messages": [{"role": "user", "content": q}]}, ids, [], []))
     model = load_hf(tiny6)
-    for p, ref in zip(out, hf_greedy(model, [p.ids for p in out], MAX_NEW)):
+    for p, ref in zip(out, hf_greedy(model, [p.ids for p in out], MAX_NEW), strict=True):
         p.ref = ref
         p.ref_text = [tok.decode(ref[:n], skip_special_tokens=True) for n in range(MAX_NEW + 1)]
     assert sum(p.long for p in out) >= 8
@@ -227,7 +235,8 @@ def make_plans(prompts: list[Prompt], seed: int) -> list[Plan]:
 
 
 def chunk_tokens(chunk: dict) -> tuple[list[int] | None, str, str | None]:
-    """(token ids from the logprobs entries or None, text, finish_reason) of one OpenAI SSE chunk."""
+    """(token ids from the logprobs entries or None, text, finish_reason) of one OpenAI SSE
+    chunk."""
     choice = chunk["choices"][0]
     lp = choice.get("logprobs")
     ids = None
@@ -398,7 +407,8 @@ def total(metrics: dict, name: str, **labels) -> float:
 
 
 def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
-    """What must be zero on an idle cluster, per node: KV per rank, queue lengths, front requests."""
+    """What must be zero on an idle cluster, per node:
+    KV per rank, queue lengths, front requests."""
     got = {}
     for role, node in nodes.items():
         m = scrape(node)
@@ -433,7 +443,7 @@ def is_idle(state: dict[str, dict], pp: dict[str, int]) -> bool:
     )
 
 
-# --- the storm, once per layout ---------------------------------------------------------------------
+# --- the storm, once per layout -------------------------------------------------------------------
 
 
 @dataclass
@@ -480,10 +490,11 @@ def storm(cluster, prompts) -> Storm:
     )
     by_fate = Counter(f"{o.plan.fate}->{o.end}" for o in outcomes)
     print(
-        f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests in "
-        f"{wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, load {os.getloadavg()}"
-        f"\n  longest queues on PP0: {peak}"
-        f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: {dict(sorted(by_fate.items()))}"
+        f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests "
+        f"in {wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, "
+        f"load {os.getloadavg()}\n  longest queues on PP0: {peak}"
+        f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: "
+        f"{dict(sorted(by_fate.items()))}"
     )
     return result
 
@@ -525,7 +536,8 @@ def test_every_request_ends_and_every_answer_is_the_reference(storm, prompts):
 
 
 def test_kv_pools_and_queues_are_empty_on_every_rank(storm, cluster):
-    """After the settle time: no KV held on any rank of any node, no queued request, no front request."""
+    """After the settle time: no KV held on any rank of any node, no queued request,
+    no front request."""
     for role, s in storm.idle.items():
         assert s["ranks"] == cluster.pp[role], (role, s)
         assert len(s["kv_used_tokens"]) == cluster.pp[role] and not any(s["kv_used_tokens"]), (
@@ -556,7 +568,8 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
             - total(rb, "pdserve_router_requests_total", route=route, status=st)
             for st in statuses
         }
-        # Every request that went out whole was recorded once (one cancelled while being sent may not be).
+        # Every request that went out whole was recorded once
+        # (one cancelled while being sent may not be).
         sent = sum(o.sent for o in mine)
         assert sent <= sum(d.values()) <= len(mine), (kind, d, sent, len(mine))
         completed = sum(o.end == "completed" for o in mine)
@@ -620,7 +633,8 @@ def test_cluster_still_answers_correctly(storm, cluster, prompts):
 
 
 def test_ctrl_c_leaves_no_process(storm, cluster):
-    """Runs last for each layout: SIGINT to `pdserve up` stops the router, both nodes and every rank."""
+    """Runs last for each layout: SIGINT to `pdserve up` stops the router,
+    both nodes and every rank."""
     assert len(group_alive(cluster.proc.pid, wait_s=0)) == 1 + 1 + 2 + sum(cluster.pp.values())
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=60) == 0, cluster.log.read_text()[-2000:]

@@ -1,4 +1,5 @@
-"""The offline engine on a real (tiny) model: batching, seeds, prefix cache, retraction, validation."""
+"""The offline engine on a real (tiny) model: batching, seeds, prefix cache, retraction,
+validation."""
 
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def test_stop_strings_stop_tokens_and_logprobs(engine, mixed_prompts, reference)
         SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True),
     )[0]
     assert len(o.logprobs) == 4 and all(lp <= 0 for lp in o.logprobs)
-    assert all(len(t) == 3 and t[0][0] == tok for t, tok in zip(o.top_logprobs, o.token_ids))
+    assert all(
+        len(t) == 3 and t[0][0] == tok for t, tok in zip(o.top_logprobs, o.token_ids, strict=True)
+    )
     text = engine.tokenizer.decode(reference[2], skip_special_tokens=True)
     if len(text) > 4:
         stop = text[2:4]

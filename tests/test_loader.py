@@ -1,5 +1,6 @@
-"""Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their layers,
-and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF model."""
+"""Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their
+layers, and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF
+model."""
 
 from __future__ import annotations
 
@@ -286,7 +287,8 @@ def test_node_front_path_never_imports_torch(tiny):
         "import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
         "from engine.loader import load_model_config, load_tokenizer; "
         f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
-        "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+        "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or "
+        "m.startswith('torch.'))[:3])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
@@ -338,7 +340,7 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     auto = EngineConfig()
     assert auto.dtype == "auto"
     with pytest.raises(ValueError, match="resolved"):
-        auto.torch_dtype
+        _ = auto.torch_dtype
     assert auto.for_model("bfloat16", native_bf16=True).torch_dtype == torch.bfloat16
     assert auto.for_model("float16", native_bf16=True).dtype == "bfloat16"
     # a CPU without bf16 units (AVX2 only) emulates bf16 matmuls: auto computes in fp32 there

@@ -89,11 +89,11 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
             done[r] += n
         fb = build_forward_batch(items, page_size)
         x = torch.tensor(toks)
-        for s, pool in zip(slices, pools):
+        for s, pool in zip(slices, pools, strict=True):
             x = s(x, fb, pool)
         wanted = [(r, done[r] - 1) for r, _, logits in step if logits]
         assert x.dtype == torch.float32 and x.shape == (len(wanted), cfg.vocab_size)
-        got.update(zip(wanted, x))
+        got.update(zip(wanted, x, strict=True))
     return got
 
 
@@ -128,7 +128,8 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def build_variant(tmp_path_factory):
-    """variant name -> (path, config, token sequences, HF logits per sequence); each built once per module."""
+    """variant name -> (path, config, token sequences, HF logits per sequence);
+    each built once per module."""
     built = {}
 
     def build(name):
@@ -166,7 +167,8 @@ def test_tiny_matches_hf(tiny, cuts):
 
 
 def test_small_groups_and_page_size(tiny_llama, monkeypatch):
-    """Several decode/extend attention groups per batch (sorted, padded), and a page size of 1 and 16."""
+    """Several decode/extend attention groups per batch
+    (sorted, padded), and a page size of 1 and 16."""
     path, cfg, seqs, ref = tiny_llama
     monkeypatch.setattr(forward_batch, "DECODE_GROUP_SIZE", 2)
     monkeypatch.setattr(forward_batch, "EXTEND_GROUP_SIZE", 2)

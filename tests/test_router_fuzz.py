@@ -83,7 +83,7 @@ def cluster(tiny_model, tmp_path_factory):
                 wait=False,
             )
         )
-        for (url, proc), log in zip((prefill, decode), logs):
+        for (url, proc), log in zip((prefill, decode), logs[:2], strict=True):
             wait_healthy(url, proc, 240, log)
         url, _ = stack.enter_context(
             start(

@@ -138,7 +138,7 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
                 for q in qs
             )
         )
-        for q, r in zip(qs, rs):
+        for q, r in zip(qs, rs, strict=True):
             assert r.choices[0].message.content == chat_reference[q][2]
         s = await ac.chat.completions.create(
             model=name,
@@ -385,8 +385,8 @@ def _healthy(node: str) -> bool:
 
 
 def test_metrics_of_router_and_nodes(cluster):
-    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the traffic
-    above, and the pool is empty when idle."""
+    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the
+    traffic above, and the pool is empty when idle."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url, _, _ = cluster

@@ -11,11 +11,25 @@ import random
 from pathlib import Path
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be", "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "prefill", "decode", "pipeline", "cache", "page", "token", "layer", "request", "router", "transfer", "rank", "slot"]
+# fmt: off
+_WORDS = [
+    "the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be",
+    "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which",
+    "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when",
+    "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its",
+    "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time",
+    "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over",
+    "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must",
+    "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because",
+    "each", "just", "those", "people", "prefill", "decode", "pipeline", "cache", "page", "token",
+    "layer", "request", "router", "transfer", "rank", "slot",
+]
+# fmt: on
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:

@@ -203,7 +203,8 @@ async def _sweep(
     summaries, interrupted = [], False
     pool = args.num_requests or POOL_FOR_DURATION
     for i, load in enumerate(loads):
-        # Each load gets its own prompts so a prefix cache warmed by one load does not flatter the next.
+        # Each load gets its own prompts so a prefix cache warmed by one load does not flatter the
+        # next.
         if workload.tokenizer is not None and pool > 200:
             print(
                 f"[bench] building {pool} prompts with the tokenizer", file=sys.stderr, flush=True
@@ -266,9 +267,9 @@ def _bench(args) -> int:
     target = Target(base, args.endpoint, model, args.api_key, args.ignore_eos, extra)
     workload = Workload(isl=isl, osl=osl, seed=args.seed, tokenizer=tokenizer, dataset=dataset)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    prompts = f"dataset {args.dataset}" if dataset else f"isl {isl.describe()} osl {osl.describe()}"
     print(
-        f"[bench] {base} model {model!r}, {args.endpoint} endpoint, "
-        f"{'dataset ' + args.dataset if dataset else f'isl {isl.describe()} osl {osl.describe()}'}, "
+        f"[bench] {base} model {model!r}, {args.endpoint} endpoint, {prompts}, "
         f"{len(loads)} load(s)",
         file=sys.stderr,
         flush=True,
