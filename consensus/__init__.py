@@ -20,7 +20,7 @@ from consensus.transport import (
     PPGroupTransport,
     RingTransport,
 )
-from consensus.vote import KINDS, PREALLOC, RELEASE, RETRACT, TRANSFERRED, Ballot, RingVote, Verdict
+from consensus.vote import KINDS, PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote, Verdict
 
 __all__ = [
     "KVPoll",
@@ -42,5 +42,4 @@ __all__ = [
     "RELEASE",
     "TRANSFERRED",
     "PREALLOC",
-    "RETRACT",
 ]

@@ -65,8 +65,7 @@ logger = logging.getLogger(__name__)
 RELEASE = "release"  # prefill: transfer ended (Success/Failed) -> free the prefill KV
 TRANSFERRED = "transferred"  # decode: KV arrived (Success) -> start decoding; Failed -> fail
 PREALLOC = "prealloc"  # decode: good = WaitingForInput (pages preallocated), bad = Failed
-RETRACT = "retract"  # decode: retracted requests that may resume (good only)
-KINDS = (RELEASE, TRANSFERRED, PREALLOC, RETRACT)
+KINDS = (RELEASE, TRANSFERRED, PREALLOC)
 
 Id = int | str
 _EMPTY: frozenset = frozenset()

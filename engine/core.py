@@ -11,7 +11,8 @@ Lengths, named once and derived from each other:
     kv_len        = tokens whose KV is written in the pool
                     (or scheduled to be, once a batch is built)
     cached_len    = prefix-cache hit at admission (pages shared with other requests)
-    extend_len    = tokens the current batch computes for this request
+
+The tokens one batch computes for a request are its `BatchEntry.num_new` (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -173,12 +174,10 @@ class Req:
     pages: list[int] = field(default_factory=list)  # page table: logical page i -> pool page
     kv_len: int = 0
     cached_len: int = 0
-    extend_len: int = 0
     finish: FinishReason | None = None
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
-    decoded_text_len: int = 0  # for stop-string scanning
 
     @property
     def prompt_len(self) -> int:
@@ -195,7 +194,3 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish is not None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= self.prompt_len

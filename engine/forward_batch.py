@@ -72,10 +72,6 @@ class ForwardBatch:
     max_position: int
     max_group_pages: int  # largest Bg * pages over groups (size of the gather workspace)
 
-    @property
-    def is_decode(self) -> bool:
-        return all(g.max_q == 1 for g in self.groups)
-
 
 def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") -> ForwardBatch:
     if not items:

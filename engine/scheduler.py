@@ -257,7 +257,6 @@ class Scheduler:
     def _place(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         start = req.kv_len
         req.kv_len += n
-        req.extend_len = n
         req.in_flight = True
         batch.entries.append(BatchEntry(req, start, n, req.kv_len == req.seq_len, list(req.pages)))
 
