@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, apply_threads
 from engine.core import FinishReason, ParamError, Req, SamplingParams
-from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ slice, the final norm and LM head only on the last. Q/K/V and gate/up are fused 
 at load time, so every layer runs four big matmuls over all T tokens of the batch.
 
 Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
-loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
+loaders in `engine/loader.py` and `engine/gguf_file.py` turn safetensors or GGUF tensors into those
+names.
 """
 
 from __future__ import annotations

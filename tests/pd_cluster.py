@@ -10,22 +10,8 @@ import time
 from pathlib import Path
 
 import httpx
-from cluster import free_port, start
+from cluster import NODE_ARGS, free_port, start
 
-NODE_ARGS = [
-    "--page-size",
-    "4",
-    "--chunk-size",
-    "16",
-    "--max-batch-tokens",
-    "64",
-    "--max-total-tokens",
-    "8192",
-    "--max-running",
-    "32",
-    "--threads",
-    "1",
-]
 FAST_TIMEOUTS = {
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8",
     "PDSERVE_KV_WAITING_TIMEOUT_S": "8",

@@ -19,7 +19,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, group_alive, kill_group
+from cluster import free_port, group_alive, node_args, pdserve_up
+from metrics_scrape import scrape, total
 from pd_cluster import FAST_TIMEOUTS
-from prometheus_client.parser import text_string_to_metric_families
 from reference import hf_greedy, load_hf
 
 LAYOUTS = [(2, 2), (3, 2)]  # (prefill PP, decode PP)
@@ -38,7 +37,7 @@ CONCURRENCY = 48  # client requests in flight
 MAX_NEW = 16  # the longest answer; references are computed this long
 # Small pools (128 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
 # chunk 16 so the long prompts take up to 7 prefill chunks.
-NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 512 --threads 1"
+NODE_ARGS = " ".join(node_args(max_total_tokens=512, max_running=None))
 # Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the
 # tests' 8 s KV timeouts would turn that queueing into failures.
 # Quarantine stays short for the settle time.
@@ -94,11 +93,7 @@ def cluster(request, tiny6, tmp_path_factory):
     ppp, dpp = request.param
     port = free_port()
     log = tmp_path_factory.mktemp(f"storm{ppp}{dpp}") / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
+    args = [
         "--model",
         str(tiny6),
         "--port",
@@ -118,26 +113,9 @@ def cluster(request, tiny6, tmp_path_factory):
         "PDSERVE_LOG_LEVEL": "WARNING",
         "PDSERVE_INTERNAL_TOKEN": SECRET,
     }
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 480  # a busy 2-core machine starts 8 or 9 processes slowly
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield Cluster(url, proc, log, {"prefill": ppp, "decode": dpp})
-    finally:
-        kill_group(proc, grace=20)
+    # a busy 2-core machine starts 8 or 9 processes slowly
+    with pdserve_up(args, log, timeout=480, env=env, preexec_fn=default_sigint) as proc:
+        yield Cluster(f"http://127.0.0.1:{port}", proc, log, {"prefill": ppp, "decode": dpp})
 
 
 @dataclass
@@ -389,21 +367,6 @@ def node_urls(url: str) -> dict[str, str]:
         w["role"]: w["url"]
         for w in httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
     }
-
-
-def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
-    """Metric name -> [(labels, value)] of one /metrics page."""
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def total(metrics: dict, name: str, **labels) -> float:
-    return sum(
-        v for lab, v in metrics.get(name, []) if all(lab.get(k) == w for k, w in labels.items())
-    )
 
 
 def idle_state(nodes: dict[str, str]) -> dict[str, dict]:

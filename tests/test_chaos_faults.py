@@ -30,9 +30,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import free_port, group_alive, start, wait_healthy
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
-from prometheus_client.parser import text_string_to_metric_families
+from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
+from metrics_scrape import counter
+from pd_cluster import FAST_TIMEOUTS, wait_pages_free
 from reference import hf_greedy, load_hf
 
 STALL_S = 9.5  # SIGSTOP length: longer than PDSERVE_KV_TRANSFER_TIMEOUT_S (8 s)
@@ -272,16 +272,6 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(0.2)
-
-
-def counter(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus counter's samples at `url`/metrics whose labels include `labels`."""
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 # --- the load -------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from cluster import free_port, start
+from cluster import NODE_ARGS, free_port, start
+from metrics_scrape import scrape
 from pd_cluster import body as pd_body
 from pd_cluster import decode_node, prefill_node
 from reference import hf_greedy, load_hf
@@ -36,20 +37,6 @@ SECRET = "control-plane-test-secret"
 # long KV timeouts, not pd_cluster's fast ones.
 QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 MAX_NEW = 8
-NODE_ARGS = [
-    "--page-size",
-    "4",
-    "--chunk-size",
-    "16",
-    "--max-batch-tokens",
-    "64",
-    "--max-total-tokens",
-    "8192",
-    "--max-running",
-    "32",
-    "--threads",
-    "1",
-]
 
 
 # ---- sealing -------------------------------------------------------------------------------------
@@ -187,17 +174,8 @@ def test_foreign_malformed_and_oversized_messages_do_not_stop_the_node(
             "stats:malformed": 1,
         }
         assert _wait_dropped(url, want) == want  # the oversized ones never reached a reader
-        lines = [
-            ln
-            for ln in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-            if ln.startswith("pdserve_control_messages_dropped_total{")
-        ]
-        counted = {
-            (ln.split('channel="')[1].split('"')[0], ln.split('reason="')[1].split('"')[0]): float(
-                ln.split()[-1]
-            )
-            for ln in lines
-        }
+        dropped = scrape(url).get("pdserve_control_messages_dropped_total", [])
+        counted = {(lab["channel"], lab["reason"]): v for lab, v in dropped}
         assert counted == {
             (FRONT_CHANNELS[k.split(":")[0]], k.split(":")[1]): float(v) for k, v in want.items()
         }

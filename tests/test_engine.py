@@ -182,7 +182,8 @@ def test_incremental_detokenizer_equals_a_full_decode():
     decode, over 200 random token sequences of the default model's byte-level vocabulary (pieces of
     multi-byte characters included) and real multi-byte text, in random chunk sizes."""
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(5)

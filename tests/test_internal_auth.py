@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, start
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, body
+from cluster import NODE_ARGS, ROOT, free_port, start
+from pd_cluster import FAST_TIMEOUTS, body
 from reference import hf_greedy, load_hf
 
 SECRET = "test-cluster-secret"

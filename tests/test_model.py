@@ -12,17 +12,13 @@ import random
 import pytest
 import torch
 
-from engine import forward_batch, loader
+from engine import forward_batch, gguf_file
+from engine.detokenizer import StopDetokenizer
 from engine.forward_batch import BatchItem, build_forward_batch
+from engine.gguf_file import gguf_cache_dir
 from engine.kv_cache import KVLayout, KVPool, pages_needed
-from engine.loader import (
-    StopDetokenizer,
-    gguf_cache_dir,
-    load_model_config,
-    load_slice,
-    load_tokenizer,
-    resolve_model,
-)
+from engine.loader import load_model_config, load_slice, resolve_model
+from engine.tokenizer import load_tokenizer
 from tests.tiny_model import build_tiny_model
 
 PAGE_SIZE = 4
@@ -259,7 +255,7 @@ def test_smollm2_caches_read_back_the_same(smollm2, monkeypatch):
     def no_reader(_path):
         raise AssertionError("the GGUF was parsed again instead of read from the cache")
 
-    monkeypatch.setattr(loader, "_open_gguf", no_reader)
+    monkeypatch.setattr(gguf_file, "_open_gguf", no_reader)
     assert load_model_config(path) == cfg
     tok2 = load_tokenizer(path)
     msgs = [

@@ -13,24 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import free_port, group_alive, start
+from cluster import NODE_ARGS, free_port, group_alive, start
 from reference import hf_greedy, load_hf
 
 MAX_NEW = 12
-NODE_ARGS = [
-    "--page-size",
-    "4",
-    "--chunk-size",
-    "16",
-    "--max-batch-tokens",
-    "64",
-    "--max-total-tokens",
-    "8192",
-    "--max-running",
-    "32",
-    "--threads",
-    "1",
-]
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +99,9 @@ def _check_rank_cores(stats, pp):
 
 def _check_stop_string(url, model, prompts, refs):
     """A stop string the greedy answer reaches mid-way ends it there: the ranks decode the output
-    tail for the check (engine.loader.StopDetokenizer, loaded on first use). The stop string is
+    tail for the check (engine.detokenizer.StopDetokenizer, loaded on first use). The stop string is
     the text of one answer token whose first occurrence starts where that token starts."""
-    from engine.loader import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
     for prompt, ref in zip(prompts, refs, strict=True):
