@@ -33,7 +33,7 @@ from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from engine.core import Req
 from engine.kv_cache import pages_needed
-from pd_common.loop_base import PDReq, decode_aux, vote_transport
+from pd_common.loop_base import PDReq, unpack_aux, vote_transport
 from runtime.rank_process import RankParts
 from runtime.slot_loop import SlotLoop
 
@@ -223,7 +223,7 @@ class DecodeLoop(SlotLoop):
                 self._fail(pd, "KV transfer failed")
 
     def _start_decoding(self, pd: PDReq, mb: int) -> None:
-        tok, lp, top = decode_aux(pd.kv.read_aux())
+        tok, lp, top = unpack_aux(pd.kv.read_aux())
         req = pd.req
         req.output_ids.append(tok)
         if req.params.logprobs and lp is not None:

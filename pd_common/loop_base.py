@@ -29,11 +29,11 @@ def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:
     )
 
 
-def encode_aux(token: int, logprob: float | None, top: list | None) -> bytes:
+def pack_aux(token: int, logprob: float | None, top: list | None) -> bytes:
     return msgpack.packb([int(token), logprob, [list(p) for p in top] if top else None])
 
 
-def decode_aux(data: bytes) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+def unpack_aux(data: bytes) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     tok, lp, top = msgpack.unpackb(data, raw=False)
     if not isinstance(tok, int):
         raise ValueError("aux data without a token id")

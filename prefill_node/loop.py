@@ -33,7 +33,7 @@ from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
 from engine.core import Req
 from engine.scheduler import ScheduledBatch
-from pd_common.loop_base import PDReq, encode_aux, vote_transport
+from pd_common.loop_base import PDReq, pack_aux, vote_transport
 from runtime.rank_process import RankParts
 from runtime.slot_loop import SlotLoop
 
@@ -184,7 +184,7 @@ class PrefillLoop(SlotLoop):
             pd.sent_upto,
             req.kv_len,
             last=True,
-            aux=encode_aux(req.output_ids[-1], lp, top),
+            aux=pack_aux(req.output_ids[-1], lp, top),
         )
         self.inflight[pd.room] = pd
         self._t_stage[pd.rid] = time.monotonic()

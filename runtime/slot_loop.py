@@ -66,7 +66,7 @@ class LoopStats:
     last_progress: float = field(default_factory=time.monotonic)  # watchdog only, never decisions
 
 
-def decode_sampling(d: dict) -> SamplingParams:
+def sampling_from_wire(d: dict) -> SamplingParams:
     return SamplingParams.from_dict(d)
 
 
@@ -243,7 +243,7 @@ class SlotLoop:
             if kind == "add":
                 _, rid, input_ids, params = msg[:4]
                 try:
-                    self.sched.add(Req(rid, list(input_ids), decode_sampling(params)))
+                    self.sched.add(Req(rid, list(input_ids), sampling_from_wire(params)))
                     self.mark_queued(rid)
                 except ParamError as e:  # every rank rejects it the same way; PP0 answers
                     self._events.append(["error", rid, str(e), e.field])
@@ -281,7 +281,7 @@ class SlotLoop:
     ) -> SamplingParams | None:
         """Validates a PD loop's new request the same way on every rank; PP0 reports a rejection."""
         try:
-            sp = decode_sampling(params)
+            sp = sampling_from_wire(params)
             self.sched.check_admissible(len(ids), sp)
             if known or rid in self.sched.reqs:
                 raise ParamError("rid", f"duplicate request id {rid!r}")
