@@ -1,15 +1,18 @@
 """The shared vocabulary of the engine: sampling parameters, requests, batches.
 
 Every PP rank builds the same `Req` objects from the same replicated inputs and mutates them with
-the same outputs, so everything here must be a pure function of those inputs (docs/ARCHITECTURE.md section 4).
+the same outputs, so everything here must be a pure function of those inputs
+(docs/ARCHITECTURE.md section 4).
 
 Lengths, named once and derived from each other:
 
     prompt_len    = len(input_ids)
     seq_len       = prompt_len + len(output_ids)       tokens the request has, prompt + generated
-    kv_len        = tokens whose KV is written in the pool (or scheduled to be, once a batch is built)
+    kv_len        = tokens whose KV is written in the pool
+                    (or scheduled to be, once a batch is built)
     cached_len    = prefix-cache hit at admission (pages shared with other requests)
-    extend_len    = tokens the current batch computes for this request
+
+The tokens one batch computes for a request are its `BatchEntry.num_new` (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Builds validated params from a JSON-like dict; unknown keys are an error naming the key."""
+        """Builds validated params from a JSON-like dict;
+        unknown keys are an error naming the key."""
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:
@@ -239,12 +243,10 @@ class Req:
     pages: list[int] = field(default_factory=list)  # page table: logical page i -> pool page
     kv_len: int = 0
     cached_len: int = 0
-    extend_len: int = 0
     finish: FinishReason | None = None
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
-    decoded_text_len: int = 0  # for stop-string scanning
 
     @property
     def prompt_len(self) -> int:
@@ -261,7 +263,3 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish is not None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= self.prompt_len

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, apply_threads
 from engine.core import FinishReason, ParamError, Req, SamplingParams
-from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class Engine:
         if len(params) != len(prompts):
             raise ParamError("params", f"{len(params)} sampling params for {len(prompts)} prompts")
         self._done = {}
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         while self.scheduler.has_work:
             self.step()
         return [self._completion(self._done.pop(rid)) for rid in rids]

@@ -1,12 +1,14 @@
-"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the paged KV pool.
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the
+paged KV pool.
 
-RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias, tied
-or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first slice,
-the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each at
-load time, so every layer runs four big matmuls over all T tokens of the batch.
+RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias,
+tied or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first
+slice, the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each
+at load time, so every layer runs four big matmuls over all T tokens of the batch.
 
 Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
-loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
+loaders in `engine/loader.py` and `engine/gguf_file.py` turn safetensors or GGUF tensors into those
+names.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class DecoderLayer(torch.nn.Module):
         self.down_weight = _empty(h, inter, dtype=dtype)
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
-        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused weights,
-        one at a time (no concatenated temporaries)."""
+        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
+        weights, one at a time (no concatenated temporaries)."""
         a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
         parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         with torch.no_grad():
@@ -109,7 +111,7 @@ class DecoderLayer(torch.nn.Module):
         kv[fb.out_pages, 0, fb.out_offs] = k.to(kv.dtype)
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
-        for g, mask in zip(fb.groups, masks):
+        for g, mask in zip(fb.groups, masks, strict=True):
             n = g.num_seqs * g.pages
             kbuf, vbuf = ws[0, :n], ws[1, :n]
             torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)  # ONE gather for K, one for V
@@ -136,7 +138,8 @@ class DecoderLayer(torch.nn.Module):
 
 
 class ModelSlice(torch.nn.Module):
-    """Layers [layer_start, layer_end) of the decoder; pool local layer i = global layer layer_start + i."""
+    """Layers [layer_start, layer_end) of the decoder;
+    pool local layer i = global layer layer_start + i."""
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
         super().__init__()
@@ -218,8 +221,8 @@ class ModelSlice(torch.nn.Module):
                     self.lm_head_weight.copy_(w[head])
 
     def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers and
-        forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
+        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
+        and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
         lay = pool.layout
         shape = (2, fb.max_group_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
         numel = 2 * fb.max_group_pages * lay.page_size * lay.num_kv_heads * lay.head_dim
@@ -229,10 +232,11 @@ class ModelSlice(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the previous
-        slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and attends over
-        each request's cached + new KV. Returns hidden [T, hidden] (not last), or on the last slice
-        float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in fb.logit_rows."""
+        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
+        previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
+        attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
+        the last slice float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in
+        fb.logit_rows."""
         lay = pool.layout
         if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
             raise ValueError(

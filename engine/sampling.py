@@ -101,7 +101,7 @@ def sample(
         vals, idx = torch.topk(logp, k, dim=-1)
         vals, idx = vals.tolist(), idx.tolist()
         tops = [
-            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs]))
+            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs], strict=True))
             for i, p in enumerate(params)
         ]
     return SampleOut(token_ids, chosen, tops)

@@ -25,7 +25,8 @@ import zmq
 
 from consensus import rank_checker
 from engine.config import EngineConfig, apply_threads
-from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
+from engine.detokenizer import StopDetokenizer
+from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_config import split_layers
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler

@@ -310,7 +310,7 @@ class TokenizerLoading:
     files) overlap instead of running one after the other. Any use waits for the load."""
 
     def __init__(self, path):
-        from engine.loader import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
         self._future = self._pool.submit(load_tokenizer, path)

@@ -65,7 +65,7 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
         decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _),
     ):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
-        for i, (g, want) in enumerate(zip(got, reference)):
+        for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
         # Decode-local: the same prompts with no bootstrap fields are prefilled on the decode node
         # (chunked, by the same scheduler on every decode rank), all at once.
@@ -81,7 +81,8 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
 
 
 def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
-    """Deterministic cases for the stages only one side reaches, then random aborts on both sides."""
+    """Deterministic cases for the stages only one side reaches,
+    then random aborts on both sides."""
     with (
         prefill_node(tiny30, 2, tmp_path) as (purl, bport, _),
         decode_node(tiny30, 2, tmp_path) as (durl, _),
@@ -131,7 +132,8 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                 assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
                 r = await t
                 assert r.status_code >= 400
-                # Random aborts: waiting, mid-chunk, inflight on prefill; transfer, running on decode.
+                # Random aborts: waiting, mid-chunk, inflight on prefill;
+                # transfer, running on decode.
                 rng = random.Random(5)
 
                 async def one(i):
