@@ -81,6 +81,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    guide: tuple[str, str] | None = None  # structured output: (kind, spec), engine/grammar.py
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +164,7 @@ class SamplingParams:
                 "logit_bias",
                 f"biases are in [-100, 100], got {b!r}",
             )
+        self._check_guide()
         return self
 
     @property
@@ -174,6 +176,16 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
         )
+
+    def _check_guide(self) -> None:
+        if self.guide is None:
+            return
+        from engine.grammar import GrammarError, check_guide
+
+        try:
+            check_guide(self.guide)
+        except GrammarError as e:
+            raise ParamError("guide", str(e)) from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -190,6 +202,8 @@ class SamplingParams:
             d["stop"] = [d["stop"]]
         if "logit_bias" in d:
             d["logit_bias"] = _bias_pairs(d["logit_bias"])
+        if isinstance(d.get("guide"), list):
+            d["guide"] = tuple(d["guide"])
         for k in ("stop", "stop_token_ids"):
             if k in d:
                 if d[k] is None:
@@ -205,6 +219,7 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
+        d["guide"] = list(self.guide) if self.guide is not None else None
         return d
 
 
@@ -247,6 +262,7 @@ class Req:
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
+    guide_state: Any = None  # sampling rank only: the grammar matcher (engine/grammar.py)
 
     @property
     def prompt_len(self) -> int:

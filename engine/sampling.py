@@ -73,15 +73,19 @@ def sample(
     steps: list[int],
     generator: torch.Generator | None = None,
     histories: list[tuple[list[int], list[int]]] | None = None,
+    mask=None,
 ) -> SampleOut:
     """logits: float32 [R, vocab], one row per sampling request; steps[i] = tokens it generated so
-    far; histories[i] = (prompt ids, generated ids), needed only for penalized requests."""
+    far; histories[i] = (prompt ids, generated ids), needed only for penalized requests; `mask`
+    forbids tokens in place after the penalties (structured output, engine/grammar.py)."""
     logits = logits.float()
-    if any(p.penalized for p in params):
+    if mask is not None or any(p.penalized for p in params):
         logits = logits.clone()  # the forward's output is an inference tensor: adjust a copy
     for i, p in enumerate(params):
         if p.penalized:
             apply_penalties(logits[i], p, *histories[i])
+    if mask is not None:
+        mask(logits)
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:

@@ -26,10 +26,12 @@ import zmq
 from consensus import rank_checker
 from engine.config import EngineConfig, apply_threads
 from engine.detokenizer import StopDetokenizer
+from engine.grammar import GrammarSampler
 from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_config import split_layers
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from infra.procs import die_with_parent, setup_logging
 from runtime.front import (
@@ -268,6 +270,10 @@ def build_rank(
         cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
+    if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
+        runner.grammar = GrammarSampler(
+            lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
+        )
     plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
         pp_size=spec.pp_size,
