@@ -1,11 +1,12 @@
 """Rank consensus checker: proves that every PP rank makes the same decisions.
 
 Decision points (scheduling result, prefix-cache match/insert/evict, allocator, finish checks) are
-decorated with `@rank_consensus("name", args=..., result=...)`. When `PDSERVE_RANK_CONSENSUS_CHECK=1`
-each call appends `(name, selected args, selected result)` to a per-process log and folds it into a
-running SHA-1 digest. The slot loop calls `checker.digest()` every few iterations and compares the
-digests across ranks (MIN/MAX all-reduce of the digest's leading 63 bits); on a mismatch every rank
-prints its recent calls so the first diverging call can be found, and exits.
+decorated with `@rank_consensus("name", args=..., result=...)`. When
+`PDSERVE_RANK_CONSENSUS_CHECK=1` each call appends `(name, selected args, selected result)` to a
+per-process log and folds it into a running SHA-1 digest. The slot loop calls `checker.digest()`
+every few iterations and compares the digests across ranks (MIN/MAX all-reduce of the digest's
+leading 63 bits); on a mismatch every rank prints its recent calls so the first diverging call can
+be found, and exits.
 
 When the switch is off, the decorator returns the function itself: zero overhead.
 """
@@ -56,13 +57,15 @@ class RankChecker:
         return int.from_bytes(hashlib.sha1(line.encode()).digest()[:8], "big") & ((1 << 63) - 1)
 
     def window(self) -> list[int]:
-        """[index of the oldest kept call, then one hash per kept call], padded to a fixed length."""
+        """[index of the oldest kept call, then one hash per kept call],
+        padded to a fixed length."""
         first = self.recent[0][0] if self.recent else self.calls + 1
         hashes = [self.line_hash(line) for _, _, line in self.recent]
         return [first] + hashes + [-1] * (self.keep - len(hashes))
 
     def describe_first_divergence(self, windows: list[list[int]]) -> str:
-        """Given every rank's `window()`, the first call index at which they differ, and this rank's call."""
+        """Given every rank's `window()`, the first call index at which they differ,
+        and this rank's call."""
         first = max(w[0] for w in windows)
         for idx in range(first, self.calls + 1):
             vals = {w[1 + idx - w[0]] if 0 <= idx - w[0] < self.keep else None for w in windows}
@@ -84,7 +87,8 @@ CHECKER = RankChecker()
 def rank_consensus(
     name: str, args: Callable[..., Any] | None = None, result: Callable[[Any], Any] | None = None
 ):
-    """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across ranks."""
+    """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across
+    ranks."""
 
     def deco(fn):
         if not ENABLED:

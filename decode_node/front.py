@@ -1,4 +1,5 @@
-"""The decode node's front: PD admission (the prefill node's bootstrap address and the room).
+"""The decode node's front: PD admission (the prefill node's bootstrap address and the room), and
+decode-local requests: a body without any bootstrap field is prefilled on this node.
 
 The bootstrap address comes in the request body, but the decode ranks contact it (with the cluster
 secret), so the front admits only addresses on its allowlist: the prefill bootstrap servers the
@@ -9,10 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.front import NodeFront, RequestError
+from fastapi import Request
 
-ROOM_MAX = (1 << 63) - 1
+from engine.core import SamplingParams
+from pd_common.messages import PDAddRequest, check_room
+from runtime.front import NodeFront
+from runtime.http_app import read_json
+from runtime.messages import AddRequest
+from runtime.prompt import RequestError
+
 MAX_BOOTSTRAP_SERVERS = 4096
+BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 
 class DecodeFront(NodeFront):
@@ -39,16 +47,23 @@ class DecodeFront(NodeFront):
         self.bootstrap_servers = frozenset(servers)
         return sorted(self.bootstrap_servers)
 
-    def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
-        room, host, port = (
-            body.get("bootstrap_room"),
-            body.get("bootstrap_host"),
-            body.get("bootstrap_port"),
-        )
-        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room <= ROOM_MAX:
-            raise RequestError(
-                400, "'bootstrap_room' must be an integer in [0, 2^63)", "bootstrap_room"
-            )
+    def add_routes(self, app: Any, check_internal: Any) -> None:
+        @app.put("/bootstrap_servers")
+        async def bootstrap_servers(request: Request):
+            """The prefill bootstrap servers this decode node may contact (the router keeps it
+            current)."""
+            check_internal(request)
+            return {"servers": self.set_bootstrap_servers(await read_json(request))}
+
+    def add_request(
+        self, rid: str, ids: list[int], params: SamplingParams, body: dict[str, Any]
+    ) -> AddRequest:
+        if all(body.get(k) is None for k in BOOTSTRAP_FIELDS):
+            # No prefill node named: this node prefills the prompt itself (the same engine and
+            # scheduler, chunked and mixed with the running decode batch).
+            return super().add_request(rid, ids, params, body)
+        room = check_room(body)
+        host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
         if not isinstance(host, str) or not host or len(host) > 255:
             raise RequestError(
                 400, "'bootstrap_host' (the prefill node's host) is required", "bootstrap_host"
@@ -64,7 +79,4 @@ class DecodeFront(NodeFront):
                 "bootstrap_host",
                 "unknown_bootstrap_server",
             )
-        return [room, addr]
-
-    def add_kind(self) -> str:
-        return "pd_add"
+        return PDAddRequest(rid, ids, params.to_dict(), room, addr)

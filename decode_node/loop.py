@@ -2,7 +2,7 @@
 
 Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
-  meta "pd_add"   a receiver for the room is created; the request joins the `prealloc` queue
+  PDAddRequest    a receiver for the room is created; the request joins the `prealloc` queue
   prealloc        first come first served, the same decision on every rank (same pool, same
                   history): pages for the prompt and an aux slot, after the pages retracted
                   requests need to resume; each rank registers them with the prefill ranks that
@@ -26,59 +26,37 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from typing import Any
 
 from consensus.kvpoll import done_for
 from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
-from engine.core import Req
+from engine.core import Req, SamplingParams
 from engine.kv_cache import pages_needed
-from pd_common.loop_base import PDReq, decode_aux, vote_transport
+from pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
+from pd_common.messages import PDAddRequest
+from runtime.messages import TokenEvent
 from runtime.rank_process import RankParts
-from runtime.slot_loop import SlotLoop
 
 log = logging.getLogger("pdserve.decode")
 
 
-class DecodeLoop(SlotLoop):
+class DecodeLoop(PDLoop):
     def __init__(self, parts: RankParts, kv_mgr, aux_slots: int):
-        super().__init__(
-            parts.loop_cfg,
-            parts.comm,
-            parts.runner,
-            parts.sched,
-            parts.front,
-            on_meta=self._on_meta,
-        )
-        self.kv = kv_mgr
+        super().__init__(parts, kv_mgr)
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))
         self.prealloc: list[PDReq] = []  # arrival order, the same on every rank
         self.transfer: dict[int, PDReq] = {}  # room -> admitted request whose KV is arriving
-        self.by_rid: dict[str, PDReq] = {}
-        self.quarantine: dict[
-            int, PDReq
-        ] = {}  # failed rooms whose pages a late write could still hit
-        self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
-        self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its votes were cast
+        # failed rooms whose pages a late write could still hit
+        self.quarantine: dict[int, PDReq] = {}
         self.aux_free = list(range(aux_slots))  # a heap: lowest free slot first, like the pages
-
-    def kv_stats(self) -> dict:
-        return self.kv.stats.snapshot()
-
-    def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> None:
-        t0 = self._t_stage.pop(rid, None)
-        if t0 is not None:
-            now = time.monotonic()
-            self.observe(f"queue:{queue}", now - t0)
-            if next_queue:
-                self._t_stage[rid] = now
 
     def has_outstanding(self) -> bool:
         return bool(self.by_rid or self.quarantine)
 
     def queue_sizes(self) -> dict[str, int]:
         return {
+            **super().queue_sizes(),
             "prealloc": len(self.prealloc),
             "transfer": len(self.transfer),
             "quarantine": len(self.quarantine),
@@ -88,37 +66,25 @@ class DecodeLoop(SlotLoop):
         # by_rid holds the requests in prealloc and transfer: no decode step yet, so waiting.
         return "waiting" if rid in self.by_rid else super().request_phase(rid)
 
-    # --- meta ---------------------------------------------------------------------------------------
-    def _on_meta(self, msg: list[Any]) -> bool:
-        if msg[0] != "pd_add":
-            return False
-        _, rid, ids, params_d, room, bootstrap_addr = msg[:6]
-        params = self.admissible(rid, ids, params_d, known=rid in self.by_rid)
-        if params is None:
-            return True
-        pd = PDReq(
-            rid,
-            int(room),
-            Req(rid, list(ids), params),
-            self.kv.create_receiver(int(room), bootstrap_addr),
-        )
+    # --- a new request ----------------------------------------------------------------------------
+    def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
+        receiver = self.kv_mgr.create_receiver(msg.room, msg.bootstrap_addr)
+        pd = PDReq(msg.rid, msg.room, Req(msg.rid, list(msg.input_ids), params), receiver)
         self.prealloc.append(pd)
-        self.by_rid[rid] = pd
-        self._t_stage[rid] = time.monotonic()
-        return True
+        return pd
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
         pd = self.by_rid.get(rid)
         if pd is None:
             return False
         pd.aborted, pd.reason = True, why
-        pd.kv.abort(why)
+        pd.transfer.abort(why)
         if not pd.pages:  # never registered: nothing can be written to it
             self.prealloc.remove(pd)
             self._end(pd, why)
         return True
 
-    # --- prealloc and the votes ----------------------------------------------------------------------
+    # --- prealloc and the votes -------------------------------------------------------------------
     def before_schedule(self, t: int, mb: int) -> None:
         self._preallocate()
         registered = [pd for pd in self.prealloc if pd.pages]
@@ -129,19 +95,19 @@ class DecodeLoop(SlotLoop):
             {
                 PREALLOC: Ballot.from_statuses(
                     PREALLOC,
-                    {pd.room: pd.kv.poll() for pd in registered},
+                    {pd.room: pd.transfer.poll() for pd in registered},
                     [pd.room for pd in registered if pd.aborted],
                 ),
                 TRANSFERRED: Ballot.from_statuses(
                     TRANSFERRED,
-                    {r: pd.kv.poll() for r, pd in self.transfer.items()},
+                    {r: pd.transfer.poll() for r, pd in self.transfer.items()},
                     [r for r, pd in self.transfer.items() if pd.aborted],
                 ),
                 RELEASE: Ballot(
                     good=frozenset(
                         r
                         for r, pd in self.quarantine.items()
-                        if pd.kv.quiesced(self.kv.config.quarantine_s)
+                        if pd.transfer.quiesced(self.kv_mgr.config.quarantine_s)
                     )
                 ),
             },
@@ -164,7 +130,7 @@ class DecodeLoop(SlotLoop):
                 break  # first come first served
             pd.pages = alloc.alloc(need)
             pd.aux_slot = heapq.heappop(self.aux_free)
-            pd.kv.register(pd.pages, pd.aux_slot)
+            pd.transfer.register(pd.pages, pd.aux_slot)
             placed.append((pd.room, pd.pages, pd.aux_slot))
         return placed
 
@@ -175,12 +141,12 @@ class DecodeLoop(SlotLoop):
             self.observe("consensus:decode_votes", time.monotonic() - t_cast)
         pre = {pd.room: pd for pd in self.prealloc if pd.pages}
         good, bad, _ = verdicts[PREALLOC].partition(
-            lambda room: room in pre and done_for(PREALLOC, pre[room].kv.poll()), PREALLOC
+            lambda room: room in pre and done_for(PREALLOC, pre[room].transfer.poll()), PREALLOC
         )
         self._apply_prealloc(pre, good, bad)
         good, bad, _ = verdicts[TRANSFERRED].partition(
             lambda room: (
-                room in self.transfer and done_for(TRANSFERRED, self.transfer[room].kv.poll())
+                room in self.transfer and done_for(TRANSFERRED, self.transfer[room].transfer.poll())
             ),
             TRANSFERRED,
         )
@@ -223,7 +189,7 @@ class DecodeLoop(SlotLoop):
                 self._fail(pd, "KV transfer failed")
 
     def _start_decoding(self, pd: PDReq, mb: int) -> None:
-        tok, lp, top = decode_aux(pd.kv.read_aux())
+        tok, lp, top = unpack_aux(pd.transfer.read_aux())
         req = pd.req
         req.output_ids.append(tok)
         if req.params.logprobs and lp is not None:
@@ -232,13 +198,12 @@ class DecodeLoop(SlotLoop):
         heapq.heappush(self.aux_free, pd.aux_slot)
         self.by_rid.pop(pd.rid, None)
         self.emit(
-            [
-                "token",
+            TokenEvent(
                 pd.rid,
                 tok,
                 lp if req.params.logprobs else None,
                 top if req.params.top_logprobs else None,
-            ]
+            )
         )
         self.sched.add_prefilled(req, pd.pages, mb)
         if self.is_first and req.rid in self.sched.reqs:
@@ -249,13 +214,6 @@ class DecodeLoop(SlotLoop):
         agrees, by the release vote, that no prefill write can land in them any more."""
         self.quarantine[pd.room] = pd
         self._end(
-            pd, pd.reason if pd.aborted else f"{what}: {pd.kv.reason or 'a decode rank failed'}"
+            pd,
+            pd.reason if pd.aborted else f"{what}: {pd.transfer.reason or 'a decode rank failed'}",
         )
-
-    def _end(self, pd: PDReq, why: str) -> None:
-        self.by_rid.pop(pd.rid, None)
-        self._t_stage.pop(pd.rid, None)
-        self.emit(["error", pd.rid, why, None])
-
-    def close(self) -> None:
-        self.kv.close()

@@ -5,33 +5,19 @@ from __future__ import annotations
 import sys
 
 from decode_node.loop import DecodeLoop
-from infra.cluster_secret import cluster_secret
-from kv_transfer.layout import PoolDesc
-from kv_transfer.manager import TransferConfig
+from engine.model_config import split_layers
 from kv_transfer.receiver import DecodeKVManager
-from runtime.rank_process import RankParts, run_rank, split_layers
+from pd_common.rank_setup import pool_desc, transfer_config
+from runtime.rank_process import RankParts, run_rank
 
 AUX_SLOTS = 256
 
 
 def make_loop(parts: RankParts) -> DecodeLoop:
-    spec = parts.spec
-    pool = parts.runner.pool
-    lay = pool.layout
-    desc = PoolDesc(
-        pool.data_ptr,
-        lay.num_pages,
-        lay.page_size,
-        lay.layer_start,
-        lay.layer_end,
-        lay.token_bytes,
-        str(lay.dtype).removeprefix("torch."),
+    slices = split_layers(parts.mcfg.num_layers, parts.spec.pp_size)
+    kv = DecodeKVManager(
+        transfer_config(parts), pool_desc(parts), parts.spec.pp_rank, slices, aux_slots=AUX_SLOTS
     )
-    cfg = TransferConfig.from_env(
-        host=spec.extra.get("transfer_host", "127.0.0.1"), auth_token=cluster_secret()
-    )
-    slices = split_layers(parts.mcfg.num_layers, spec.pp_size)
-    kv = DecodeKVManager(cfg, desc, spec.pp_rank, slices, aux_slots=AUX_SLOTS)
     return DecodeLoop(parts, kv, AUX_SLOTS)
 
 

@@ -14,8 +14,8 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
 def decode_main(args) -> int:
     from decode_node.front import DecodeFront
 
-    extra = {"transfer_host": advertise_host(args)}
+    transfer = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
-        return run_remote_ranks(args, "decode", "decode_node.rank", extra)
+        return run_remote_ranks(args, "decode", "decode_node.rank", transfer)
     front, app = make_front(args, "decode", DecodeFront)
-    return run_node(args, front, app, "decode", module="decode_node.rank", extra=extra)
+    return run_node(args, front, app, "decode", module="decode_node.rank", transfer=transfer)

@@ -10,7 +10,7 @@ Prefill front: BootstrapServer(host, port).start(), or mount build_app(Bootstrap
 """
 
 from kv_transfer.bootstrap import BootstrapServer, BootstrapState, PrefillRankInfo, build_app
-from kv_transfer.layout import PoolDesc, split_layers
+from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
 from kv_transfer.receiver import DecodeKVManager, KVReceiver
 from kv_transfer.sender import KVSender, PrefillKVManager
@@ -22,7 +22,6 @@ __all__ = [
     "PrefillRankInfo",
     "build_app",
     "PoolDesc",
-    "split_layers",
     "TransferConfig",
     "DecodeKVManager",
     "KVReceiver",

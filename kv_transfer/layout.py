@@ -79,19 +79,6 @@ class PoolDesc:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Contiguous slices, the first `num_layers % pp_size` ranks one layer longer (tests, bench)."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers over {pp_size} ranks")
-    base, extra = divmod(num_layers, pp_size)
-    out, start = [], 0
-    for r in range(pp_size):
-        end = start + base + (1 if r < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None

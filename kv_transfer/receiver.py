@@ -7,7 +7,9 @@ Receiver states (KVPoll):
                    from each                                                  -> waiting timeout
   Success          every overlapping prefill rank reported Success and the aux slot holds this
                    room's aux data (and, with the checksum flag, the KV matches)
-  Failed           terminal: a prefill Failed/Abort, a timeout, a dead peer, or our own abort
+  Failed           terminal: a prefill Failed/Abort, a timeout, a dead peer, or our own abort; once
+                   the registration went out, every prefill rank of the route that has not sent
+                   its final word is told (KVAbort), whatever the reason
 The scheduler only calls `register`, `poll`, `read_aux` and `abort`; none of them blocks.
 """
 
@@ -22,10 +24,10 @@ from consensus.kvpoll import KVPoll
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
-from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc, intersect
 from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, read_aux, sender_id
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
+from kv_transfer.mooncake import MooncakeEngine
 
 
 class KVReceiver:
@@ -66,7 +68,7 @@ class KVReceiver:
         return self._aux if self._status == KVPoll.Success else None
 
     def abort(self, reason: str = "aborted") -> None:
-        self._fail(reason, abort=True)
+        self._fail(reason)
 
     def prefill_sessions(self) -> list[str]:
         with self._lock:
@@ -161,7 +163,7 @@ class KVReceiver:
             return time.monotonic() - self.finished_at > grace_s
 
     def on_status(self, msg: KVStatus) -> None:
-        self.note_quiet(msg.src_rank)
+        self.note_quiet(msg.src_rank)  # first: _fail tells only the ranks not quiet
         if msg.status == KVPoll.Failed:
             self._fail(f"prefill_failed:{msg.reason}" if msg.reason else "prefill_failed")
             return
@@ -227,21 +229,26 @@ class KVReceiver:
             elif self._done:
                 self.try_finish()
 
-    def _fail(self, reason: str, abort: bool = False, detail: str = "") -> None:
+    def _fail(self, reason: str, detail: str = "") -> None:
+        """Failed, and a KVAbort to every prefill rank of the route that may still write: the
+        registration went out and the rank has not sent its final word (`_quiet`). That covers the
+        failures this rank decides itself (an abort, its timeouts, `peer_dead`, `bootstrap_lost`,
+        `checksum_mismatch`, `aux_unexpected`), so a sender still writing stops after its write in
+        flight and answers with its final word instead of writing on into pages that are reused
+        once the grace ran out (finding 1 of docs/PROTOCOL_MODEL.md). A failure that came from a
+        prefill rank (its Failed status or KVAbort, noted quiet first) is not echoed to it; the
+        other ranks of the route are told. `mgr.send` never blocks, so a dead peer costs nothing."""
         with self._lock:
             if self._status in (KVPoll.Failed, KVPoll.Success):
                 return
             self._status, self.reason = KVPoll.Failed, reason
             self.finished_at = time.monotonic()
-            route = self._route if self._sent else None
+            tell = [r for r in self._route if r.pp_rank not in self._quiet] if self._sent else []
         mgr = self._mgr
         mgr.stats.add_failure(reason.split(":")[0])
         mgr.warn("room %d failed: %s %s", self.room, reason, detail)
-        if abort and route:
-            for r in route:
-                mgr.send(
-                    r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200])
-                )
+        for r in tell:
+            mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200]))
 
 
 class DecodeKVManager(KVManagerBase):
@@ -317,7 +324,7 @@ class DecodeKVManager(KVManagerBase):
                 sender,
             )
         elif isinstance(msg, KVAbort):
-            recv.note_quiet(msg.rank)
+            recv.note_quiet(msg.rank)  # first: no KVAbort goes back to the rank that sent it
             recv._fail("aborted_by_prefill", detail=msg.reason)
         else:
             recv.on_status(msg)

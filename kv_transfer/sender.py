@@ -25,7 +25,6 @@ from consensus.kvpoll import KVPoll
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
-from kv_transfer.engine import MooncakeEngine, TransferError
 from kv_transfer.layout import (
     LAYOUT_NAME,
     PoolDesc,
@@ -36,6 +35,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, sender_id, write_aux
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
+from kv_transfer.mooncake import MooncakeEngine, TransferError
 
 KNOWN_PEERS_KEPT = 4096  # decode managers whose registered pool a prefill rank remembers
 
@@ -347,6 +347,7 @@ class PrefillKVManager(KVManagerBase):
         self._pending: dict[
             int, list[tuple[float, KVRegister]]
         ] = {}  # registrations before create_sender
+        self._withdrawn: dict[int, float] = {}  # rooms a decode rank aborted while pending: when
         # Each decode manager's pool and place, as its first authenticated registration gave them:
         # later registrations must name the same, so none can point writes at other memory.
         self._known_peers: OrderedDict[str, tuple] = OrderedDict()
@@ -399,8 +400,11 @@ class PrefillKVManager(KVManagerBase):
                 raise ValueError(f"room {room} already has a sender (a room is never reused)")
             sender = self._senders[room] = KVSender(self, room)
             pending = self._pending.pop(room, [])
+            withdrawn = self._withdrawn.pop(room, None) is not None
         for _, msg in pending:
             sender.on_register(msg)
+        if withdrawn:
+            sender._fail("aborted_by_decode")  # tells the decode ranks still registered
         return sender
 
     def write_aux(self, room: int, aux: bytes, peer: KVRegister, stop) -> int:
@@ -432,8 +436,20 @@ class PrefillKVManager(KVManagerBase):
                     return
             sender.on_register(msg)
         elif isinstance(msg, KVAbort) and msg.side == "decode":
-            room = self._senders.get(msg.room)
-            if room is None:
+            with self._lock:
+                room = self._senders.get(msg.room)
+                withdrawn = self._withdraw(msg.room, msg.rank, sender) if room is None else []
+            if withdrawn:
+                # The decode rank gave the room up before this rank had its sender: the registration
+                # is gone (a sender created later must not write into those pages, which the decode
+                # side reuses), the sender will fail at once, and the decode rank gets its final word.
+                for m in withdrawn:
+                    self.send(
+                        m.ctrl_host,
+                        m.ctrl_port,
+                        _status(msg.room, self.pp_rank, KVPoll.Failed, "aborted_by_decode"),
+                    )
+            elif room is None:
                 self.stats.add_dropped("unknown_room")
             elif not room.is_peer(msg.rank, sender):
                 self._drop(
@@ -446,6 +462,24 @@ class PrefillKVManager(KVManagerBase):
                 room.on_decode_abort(msg.rank)
         else:
             self.stats.add_dropped("unexpected")
+
+    def _withdraw(self, room: int, dst_rank: int, sender: str) -> list[KVRegister]:
+        """Under the lock: removes the pending registrations of decode rank `dst_rank` by `sender` in
+        `room` (a sender created later fails at once); returns them."""
+
+        def its(m: KVRegister) -> bool:
+            return m.dst_rank == dst_rank and sender_id(m.session_id, m.ctrl_port) == sender
+
+        regs = self._pending.get(room, [])
+        mine = [m for _, m in regs if its(m)]
+        if mine:
+            rest = [(t, m) for t, m in regs if not its(m)]
+            if rest:
+                self._pending[room] = rest
+            else:
+                del self._pending[room]
+            self._withdrawn[room] = time.monotonic()  # kept as long as a pending registration
+        return mine
 
     def _check_register(self, msg: KVRegister, sender: str) -> str | None:
         """Why `msg` from `sender` is refused, or None: a decode manager registers only itself
@@ -473,6 +507,9 @@ class PrefillKVManager(KVManagerBase):
         ttl = self.config.terminal_ttl_s
         with self._lock:
             senders = list(self._senders.values())
+            for room, since in list(self._withdrawn.items()):
+                if now - since > self.config.bootstrap_timeout_s:
+                    del self._withdrawn[room]
             for room, regs in list(self._pending.items()):
                 if now - regs[0][0] > self.config.bootstrap_timeout_s:
                     del self._pending[room]

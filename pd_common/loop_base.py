@@ -1,16 +1,22 @@
-"""What both PD loops share without knowing about the transfer: the consensus ring over the PP group,
-the aux payload (first token + logprobs) codec, and the per-request PD record."""
+"""What both PD loops share: the PD loop base (its request record, queues' timers, admission of a
+PD request, the end of a request), the consensus ring over the PP group, and the aux payload
+(first token + logprobs) codec."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
-from engine.core import Req
+from engine.core import ParamError, Req, SamplingParams
+from pd_common.messages import PDAddRequest
+from runtime.messages import ErrorEvent
 from runtime.pp_comm import Msg, PPComm
+from runtime.rank_process import RankParts
+from runtime.slot_loop import SlotLoop
 
 
 def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:
@@ -29,11 +35,11 @@ def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:
     )
 
 
-def encode_aux(token: int, logprob: float | None, top: list | None) -> bytes:
+def pack_aux(token: int, logprob: float | None, top: list | None) -> bytes:
     return msgpack.packb([int(token), logprob, [list(p) for p in top] if top else None])
 
 
-def decode_aux(data: bytes) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+def unpack_aux(data: bytes) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     tok, lp, top = msgpack.unpackb(data, raw=False)
     if not isinstance(tok, int):
         raise ValueError("aux data without a token id")
@@ -47,9 +53,80 @@ class PDReq:
     rid: str
     room: int
     req: Req
-    kv: Any  # KVSender (prefill) or KVReceiver (decode)
+    transfer: (
+        Any  # this rank's end of the room's transfer: KVSender (prefill) or KVReceiver (decode)
+    )
     sent_upto: int = 0  # prefill: tokens whose KV was handed to the sender
     pages: list[int] = field(default_factory=list)  # decode: preallocated pages
     aux_slot: int | None = None  # decode: where the first token lands
     aborted: bool = False
     reason: str = ""
+
+
+class PDLoop(SlotLoop):
+    """The slot loop of a PD rank: a PD request (`PDAddRequest`) opens a room with this rank's end
+    of the transfer, and waits in the subclass's own queues around the engine's scheduler."""
+
+    def __init__(self, parts: RankParts, kv_mgr):
+        super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
+        self.kv_mgr = kv_mgr  # this rank's KV manager: the sender/receiver factory and its stats
+        self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues
+        self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
+        self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its votes were cast
+
+    def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
+        """The subclass's record of a new PD request, its transfer end created, queued."""
+        raise NotImplementedError
+
+    def apply_message(self, msg: Any) -> bool:
+        if not isinstance(msg, PDAddRequest):
+            return super().apply_message(msg)
+        params = self._admissible(msg)
+        if params is not None:
+            self.by_rid[msg.rid] = self.open_room(msg, params)
+            self._t_stage[msg.rid] = time.monotonic()
+        return True
+
+    def _admissible(self, msg: PDAddRequest) -> SamplingParams | None:
+        """Validates a PD request the same way on every rank; PP0 reports a rejection."""
+        try:
+            sp = SamplingParams.from_dict(msg.params)
+            self.sched.check_admissible(len(msg.input_ids), sp)
+            if msg.rid in self.by_rid or msg.rid in self.sched.reqs:
+                raise ParamError("rid", f"duplicate request id {msg.rid!r}")
+            return sp
+        except ParamError as e:
+            self.emit(ErrorEvent(msg.rid, str(e), e.field))
+            return None
+
+    def has_outstanding(self) -> bool:
+        return bool(self.by_rid)
+
+    def kv_stats(self) -> dict:
+        return {
+            **self.kv_mgr.stats.snapshot(),
+            "ctrl_port": getattr(self.kv_mgr, "ctrl_port", None),
+        }
+
+    def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> float | None:
+        """Observes the time `rid` spent in `queue` (metrics only); returns it, if it was timed."""
+        t0 = self._t_stage.pop(rid, None)
+        if t0 is None:
+            return None
+        now = time.monotonic()
+        self.observe(f"queue:{queue}", now - t0)
+        if next_queue:
+            self._t_stage[rid] = now
+        return now - t0
+
+    def _end(self, pd: PDReq, why: str) -> None:
+        """The request failed or was aborted here: PP0 tells the front, every rank forgets it."""
+        self.emit(ErrorEvent(pd.rid, why, None))
+        self._forget(pd)
+
+    def _forget(self, pd: PDReq) -> None:
+        self.by_rid.pop(pd.rid, None)
+        self._t_stage.pop(pd.rid, None)
+
+    def close(self) -> None:
+        self.kv_mgr.close()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -101,24 +102,45 @@ class Cluster:
         return p
 
     def start(self) -> str:
+        """Starts the nodes, waits until every rank has loaded, then starts the router; returns
+        the router's URL."""
         a = self.args
-        models = a.model or [os.environ.get("PDSERVE_MODEL") or None]  # None: the nodes' default
-        per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
-        total = per_model * len(models)
         env = dict(os.environ, **{SECRET_ENV: self.secret})
         env.pop(SECRET_FILE_ENV, None)
-        plan = plan_placement(total, sorted(os.sched_getaffinity(0)), a.threads)
-        node_names = [
-            (f"prefill-{m * a.prefill_nodes + i}", a.prefill_pp)
-            for m in range(len(models))
-            for i in range(a.prefill_nodes)
+        cpus = self._plan_cores()
+        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
+        router_cmd += self._start_prefill_nodes(env, cpus)
+        router_cmd += self._start_decode_nodes(env, cpus)
+        print(
+            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, "
+            f"{a.decode_nodes} decode node(s) x PP {a.decode_pp}: {self._num_ranks()} rank "
+            f"processes on {len(os.sched_getaffinity(0))} cores",
+            flush=True,
+        )
+        self._wait_nodes()
+        return self._start_router(router_cmd, env)
+
+    def _models(self) -> list[str | None]:
+        """The models to serve, each on its own prefill and decode nodes (None: the default)."""
+        return self.args.model or [os.environ.get("PDSERVE_MODEL") or None]
+
+    def _num_ranks(self) -> int:
+        a = self.args
+        per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
+        return per_model * len(self._models())
+
+    def _plan_cores(self) -> Callable[[int], list[str]]:
+        """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
+        cores, and returns `cpus(pp)`: the core flags of the next node (with `pp` ranks) started."""
+        a = self.args
+        plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
+        m = len(self._models())
+        names = [
+            f"prefill-{i} pp{r}" for i in range(a.prefill_nodes * m) for r in range(a.prefill_pp)
         ]
-        node_names += [
-            (f"decode-{m * a.decode_nodes + i}", a.decode_pp)
-            for m in range(len(models))
-            for i in range(a.decode_nodes)
+        names += [
+            f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
         ]
-        names = [f"{name} pp{r}" for name, pp in node_names for r in range(pp)]
         print(f"[up] placement: {plan.describe(names)}", flush=True)
         bind_cores(plan.io_cores)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
@@ -129,57 +151,68 @@ class Cluster:
             at += pp
             return ["--cpus", plan.flag(at - pp, pp), *io]
 
+        return cpus
+
+    def _start_prefill_nodes(
+        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+    ) -> list[str]:
+        """Spawns the prefill nodes; returns their flags for the router's command line."""
+        a = self.args
         extra = shlex.split(a.node_args)
-        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
-        for m, path in enumerate(models):
+        router_flags = []
+        for i, path in enumerate(p for p in self._models() for _ in range(a.prefill_nodes)):
             model = ["--model", path] if path else []
-            for i in range(m * a.prefill_nodes, (m + 1) * a.prefill_nodes):
-                port, bport = free_port(), free_port()
-                self._spawn(
-                    f"prefill-{i}",
-                    [
-                        "prefill",
-                        *model,
-                        "--pp",
-                        str(a.prefill_pp),
-                        "--port",
-                        str(port),
-                        "--bootstrap-port",
-                        str(bport),
-                        *cpus(a.prefill_pp),
-                        *extra,
-                    ],
-                    env,
-                )
-                self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
-                router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
-        for m, path in enumerate(models):
+            port, bport = free_port(), free_port()
+            self._spawn(
+                f"prefill-{i}",
+                [
+                    "prefill",
+                    *model,
+                    "--pp",
+                    str(a.prefill_pp),
+                    "--port",
+                    str(port),
+                    "--bootstrap-port",
+                    str(bport),
+                    *cpus(a.prefill_pp),
+                    *extra,
+                ],
+                env,
+            )
+            self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
+            router_flags += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
+        return router_flags
+
+    def _start_decode_nodes(
+        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+    ) -> list[str]:
+        """Spawns the decode nodes; returns their flags for the router's command line."""
+        a = self.args
+        extra = shlex.split(a.node_args)
+        router_flags = []
+        for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
             model = ["--model", path] if path else []
-            for i in range(m * a.decode_nodes, (m + 1) * a.decode_nodes):
-                port = free_port()
-                self._spawn(
-                    f"decode-{i}",
-                    [
-                        "decode",
-                        *model,
-                        "--pp",
-                        str(a.decode_pp),
-                        "--port",
-                        str(port),
-                        *cpus(a.decode_pp),
-                        *extra,
-                    ],
-                    env,
-                )
-                self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
-                router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
-        which = f" for each of {len(models)} models" if len(models) > 1 else ""
-        print(
-            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
-            f"PP {a.decode_pp}{which}: {total} rank processes on {len(os.sched_getaffinity(0))} cores",
-            flush=True,
-        )
-        self._wait_nodes()
+            port = free_port()
+            self._spawn(
+                f"decode-{i}",
+                [
+                    "decode",
+                    *model,
+                    "--pp",
+                    str(a.decode_pp),
+                    "--port",
+                    str(port),
+                    *cpus(a.decode_pp),
+                    *extra,
+                ],
+                env,
+            )
+            self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
+            router_flags += ["--decode", f"http://127.0.0.1:{port}"]
+        return router_flags
+
+    def _start_router(self, router_cmd: list[str], env: dict[str, str]) -> str:
+        a = self.args
         if a.policy:
             router_cmd += ["--policy", a.policy]
         if a.api_key:
@@ -285,7 +318,8 @@ def up_main(args) -> int:
             {"id": "default"}
         ]
         print(
-            f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
+            "[up] cluster secret (for /workers and the nodes' internal endpoints) in "
+            f"{cluster.secret_file}",
             flush=True,
         )
         print(

@@ -10,18 +10,12 @@ import asyncio
 import time
 from typing import Any
 
-from runtime.front import NodeFront, Pending, RequestError
-
-ROOM_MAX = (1 << 63) - 1
-
-
-def check_room(body: dict[str, Any]) -> int:
-    room = body.get("bootstrap_room")
-    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room <= ROOM_MAX:
-        raise RequestError(
-            400, "'bootstrap_room' must be an integer in [0, 2^63)", "bootstrap_room"
-        )
-    return room
+from engine.core import SamplingParams
+from pd_common.messages import PDAddRequest, PrefillDoneEvent, check_room
+from runtime.answer import Pending
+from runtime.front import NodeFront
+from runtime.messages import AbortRequest, ErrorEvent
+from runtime.prompt import RequestError
 
 
 class PrefillFront(NodeFront):
@@ -29,17 +23,17 @@ class PrefillFront(NodeFront):
         super().__init__(*a, **kw)
         self.bootstrap_port = bootstrap_port
 
-    def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
-        return [check_room(body)]
+    def add_request(
+        self, rid: str, ids: list[int], params: SamplingParams, body: dict[str, Any]
+    ) -> PDAddRequest:
+        return PDAddRequest(rid, ids, params.to_dict(), check_room(body), "")
 
-    def add_kind(self) -> str:
-        return "pd_add"
-
-    async def prefill_result(self, p: Pending) -> dict[str, Any]:
+    async def answer(self, p: Pending) -> dict[str, Any]:
+        """The hand-off result: once the prompt's KV reached the decode node, or its failure."""
         try:
             while True:
                 ev = await p.events.get()
-                if ev[0] == "prefill_done":
+                if isinstance(ev, PrefillDoneEvent):
                     p.done = True
                     p.t_first = time.monotonic()
                     self._observe(p, "prefill_done")
@@ -49,19 +43,18 @@ class PrefillFront(NodeFront):
                         "token_ids": [],
                         "meta_info": {
                             "prompt_tokens": p.prompt_tokens,
-                            "cached_tokens": ev[3],
+                            "cached_tokens": ev.cached_len,
                             "finish_reason": {"type": "prefill_done"},
                         },
                     }
-                if ev[0] == "error":
+                if isinstance(ev, ErrorEvent):
                     p.done = True
                     self._observe(p, "abort")
-                    raise RequestError(
-                        400 if ev[3] else 502, ev[2], ev[3], None if ev[3] else "prefill_failed"
-                    )
+                    code = None if ev.field else "prefill_failed"
+                    raise RequestError(400 if ev.field else 502, ev.message, ev.field, code)
         except asyncio.CancelledError:
             if not p.done and p.rid in self.pending:
-                self.send(["abort", p.rid, "client disconnected"])
+                self.send(AbortRequest(p.rid, "client disconnected"))
             raise
 
     def server_info(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""The prefill node's slot loop: bootstrap -> waiting -> running (chunked prefill) -> inflight -> released.
+"""The prefill node's slot loop: bootstrap, waiting, running (chunked prefill), inflight, released.
 
 Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
-  meta "pd_add"    a sender for the room is created; the request joins the `bootstrap` queue
+  PDAddRequest     a sender for the room is created; the request joins the `bootstrap` queue
   bootstrap        each rank writes its sender's status into the PPConsensusStore; PP0 reads
                    min over ranks for the queue, in order, and sends its list down the chain
                    (leader sync); every rank moves the same requests in the same iteration:
@@ -24,49 +24,38 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
 
 from consensus.kvpoll import KVPoll, done_for
 from consensus.leader_sync import LeaderSync
 from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
-from engine.core import Req
+from engine.core import Req, SamplingParams
 from engine.scheduler import ScheduledBatch
-from pd_common.loop_base import PDReq, encode_aux, vote_transport
+from pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
+from pd_common.messages import PDAddRequest, PrefillDoneEvent
 from runtime.rank_process import RankParts
-from runtime.slot_loop import SlotLoop
 
 log = logging.getLogger("pdserve.prefill")
 
 
-class PrefillLoop(SlotLoop):
+class PrefillLoop(PDLoop):
     def __init__(self, parts: RankParts, kv_mgr, store: PPConsensusStore | None):
-        super().__init__(
-            parts.loop_cfg,
-            parts.comm,
-            parts.runner,
-            parts.sched,
-            parts.front,
-            on_meta=self._on_meta,
-        )
-        self.stream_tokens = False  # the front hears "prefill_done" or "error" only
-        self.kv = kv_mgr
+        super().__init__(parts, kv_mgr)
+        self.stream_tokens = False  # the front hears PrefillDoneEvent or ErrorEvent only
         self.store = store
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(RELEASE,))
         self.sync = LeaderSync(ring) if parts.comm else None
         self.bootstrap: list[PDReq] = []  # queue order is arrival order, the same on every rank
         self.inflight: dict[int, PDReq] = {}  # room -> request whose KV is on the wire
-        self.by_rid: dict[str, PDReq] = {}
-        self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
-        self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its release vote was cast
-
-    def has_outstanding(self) -> bool:
-        return bool(self.by_rid)
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)}
+        return {
+            **super().queue_sizes(),
+            "bootstrap": len(self.bootstrap),
+            "inflight": len(self.inflight),
+        }
 
     def request_phase(self, rid: str) -> str | None:
         pd = self.by_rid.get(rid)
@@ -74,45 +63,32 @@ class PrefillLoop(SlotLoop):
             return super().request_phase(rid)
         return "running" if pd.room in self.inflight else "waiting"  # else still bootstrapping
 
-    def kv_stats(self) -> dict:
-        return self.kv.stats.snapshot()
-
-    def _stage_done(self, rid: str, queue: str) -> None:
-        t0 = self._t_stage.pop(rid, None)
-        if t0 is not None:
-            self.observe(f"queue:{queue}", time.monotonic() - t0)
-            if queue == "bootstrap":
-                self.observe("bootstrap", time.monotonic() - t0)
-
-    # --- meta ---------------------------------------------------------------------------------------
-    def _on_meta(self, msg: list[Any]) -> bool:
-        if msg[0] != "pd_add":
-            return False
-        _, rid, ids, params_d, room = msg[:5]
-        params = self.admissible(rid, ids, params_d, known=rid in self.by_rid)
-        if params is None:
-            return True
+    # --- a new request ----------------------------------------------------------------------------
+    def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         # The prefill side samples the first token only; the decode side continues the same params.
-        req = Req(rid, list(ids), replace(params, max_tokens=1, stop=()))
-        pd = PDReq(rid, int(room), req, self.kv.create_sender(int(room)))
+        req = Req(msg.rid, list(msg.input_ids), replace(params, max_tokens=1, stop=()))
+        pd = PDReq(msg.rid, msg.room, req, self.kv_mgr.create_sender(msg.room))
         self.bootstrap.append(pd)
-        self.by_rid[rid] = pd
-        self._t_stage[rid] = time.monotonic()
-        return True
+        return pd
+
+    def _bootstrap_done(self, rid: str) -> None:
+        waited = self._stage_done(rid, "bootstrap")
+        if waited is not None:
+            self.observe("bootstrap", waited)
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
         pd = self.by_rid.get(rid)
         if pd is None:
             return False
         pd.aborted, pd.reason = True, why
-        pd.kv.abort(why)
+        pd.transfer.abort(why)
         return True
 
-    # --- bootstrap (PPConsensusStore + leader sync) ------------------------------------------------
+    # --- bootstrap (PPConsensusStore + leader sync) -----------------------------------------------
     def before_schedule(self, t: int, mb: int) -> None:
         if self.bootstrap:
             self._bootstrap_step()
-        statuses = {room: pd.kv.poll() for room, pd in self.inflight.items()}
+        statuses = {room: pd.transfer.poll() for room, pd in self.inflight.items()}
         aborted = [room for room, pd in self.inflight.items() if pd.aborted]
         if self.inflight and self.is_first:
             self._t_cast[mb] = time.monotonic()
@@ -120,9 +96,9 @@ class PrefillLoop(SlotLoop):
 
     def _bootstrap_step(self) -> None:
         t0 = time.monotonic()
-        local = [pd.kv.poll() for pd in self.bootstrap]
+        local = [pd.transfer.poll() for pd in self.bootstrap]
         if self.store is not None:
-            for pd, st in zip(self.bootstrap, local):
+            for pd, st in zip(self.bootstrap, local, strict=True):
                 self.store.update_status(pd.room, st)
             polls = (
                 self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
@@ -139,28 +115,26 @@ class PrefillLoop(SlotLoop):
     )
     def _apply_bootstrap(self, polls: list[KVPoll]) -> None:
         keep = []
-        for pd, st in zip(self.bootstrap, polls):
+        for pd, st in zip(self.bootstrap, polls, strict=True):
             if st == KVPoll.Failed:
-                self._stage_done(pd.rid, "bootstrap")
-                self._end(
-                    pd,
-                    f"bootstrap failed: {pd.reason or pd.kv.reason or 'decode side never registered'}",
-                )
+                self._bootstrap_done(pd.rid)
+                why = pd.reason or pd.transfer.reason or "decode side never registered"
+                self._end(pd, f"bootstrap failed: {why}")
             elif st >= KVPoll.WaitingForInput:
-                self._stage_done(pd.rid, "bootstrap")
+                self._bootstrap_done(pd.rid)
                 self.sched.add(pd.req)
                 self.mark_queued(pd.rid)
             else:
                 keep.append(pd)
         self.bootstrap = keep
 
-    # --- chunks and first token ---------------------------------------------------------------------
+    # --- chunks and first token -------------------------------------------------------------------
     def after_forward(self, batch: ScheduledBatch) -> None:
         for e in batch.entries:
             pd = self.by_rid.get(e.req.rid)
             if pd is not None and not pd.aborted:
                 end = e.start + e.num_new
-                pd.kv.send_chunk(e.pages, pd.sent_upto, end, last=False)
+                pd.transfer.send_chunk(e.pages, pd.sent_upto, end, last=False)
                 pd.sent_upto = end
 
     def on_finished(self, req: Req) -> None:
@@ -169,34 +143,36 @@ class PrefillLoop(SlotLoop):
             return
         if req.finish.kind == "abort":
             pd.aborted, pd.reason = True, req.finish.message or "aborted"
-            pd.kv.abort(pd.reason)
-            if pd.sent_upto == 0 and req.rid in self.sched.held:
+            pd.transfer.abort(pd.reason)
+            if pd.sent_upto == 0 and req.rid in self.sched.kept_kv:
                 self.sched.release(req.rid)  # no transfer thread ever saw its pages
-            if req.rid in self.sched.held:
+            if req.rid in self.sched.kept_kv:
                 self.inflight[pd.room] = pd  # freed by the release vote, once no thread reads them
             else:
                 self._end(pd, pd.reason)
             return
         lp = req.output_logprobs[-1] if req.output_logprobs else None
         top = req.output_top_logprobs[-1] if req.output_top_logprobs else None
-        pd.kv.send_chunk(
+        pd.transfer.send_chunk(
             req.pages,
             pd.sent_upto,
             req.kv_len,
             last=True,
-            aux=encode_aux(req.output_ids[-1], lp, top),
+            aux=pack_aux(req.output_ids[-1], lp, top),
         )
         self.inflight[pd.room] = pd
         self._t_stage[pd.rid] = time.monotonic()
 
-    # --- release vote ------------------------------------------------------------------------------
+    # --- release vote -----------------------------------------------------------------------------
     def after_harvest(self, t: int, hb: int) -> None:
         verdict = self.vote.pass2(hb)[RELEASE]
         t_cast = self._t_cast.pop(hb, None)
         if t_cast is not None:
             self.observe("consensus:prefill_release", time.monotonic() - t_cast)
         good, bad, _retry = verdict.partition(
-            lambda room: room in self.inflight and done_for(RELEASE, self.inflight[room].kv.poll()),
+            lambda room: (
+                room in self.inflight and done_for(RELEASE, self.inflight[room].transfer.poll())
+            ),
             RELEASE,
         )
         self._apply_release(good, bad)
@@ -206,28 +182,24 @@ class PrefillLoop(SlotLoop):
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
             self._stage_done(pd.rid, "inflight")
-            if pd.rid in self.sched.held:
+            if pd.rid in self.sched.kept_kv:
                 self.sched.release(pd.rid)
             if room in good and not pd.aborted:
-                self.emit(["prefill_done", pd.rid, pd.req.prompt_len, pd.req.cached_len])
+                self.emit(PrefillDoneEvent(pd.rid, pd.req.prompt_len, pd.req.cached_len))
                 self._forget(pd)
             else:
                 self._end(
                     pd,
-                    pd.reason or f"KV transfer failed: {pd.kv.reason or 'a prefill rank failed'}",
+                    pd.reason
+                    or f"KV transfer failed: {pd.transfer.reason or 'a prefill rank failed'}",
                 )
 
-    def _end(self, pd: PDReq, why: str) -> None:
-        self.emit(["error", pd.rid, why, None])
-        self._forget(pd)
-
     def _forget(self, pd: PDReq) -> None:
-        self.by_rid.pop(pd.rid, None)
-        self._t_stage.pop(pd.rid, None)
+        super()._forget(pd)
         if self.store is not None:
             self.store.pop(pd.room, None)
 
     def close(self) -> None:
-        self.kv.close()
+        super().close()
         if self.store is not None:
             self.store.close()

@@ -5,27 +5,11 @@ from __future__ import annotations
 import sys
 
 from consensus.store import PPConsensusStore
-from infra.cluster_secret import cluster_secret
-from kv_transfer.layout import PoolDesc
-from kv_transfer.manager import TransferConfig
 from kv_transfer.sender import PrefillKVManager
+from pd_common.rank_setup import pool_desc, transfer_config
 from prefill_node.loop import PrefillLoop
 from runtime.pp_comm import Msg
 from runtime.rank_process import RankParts, run_rank
-
-
-def pool_desc(parts: RankParts) -> PoolDesc:
-    pool = parts.runner.pool
-    lay = pool.layout
-    return PoolDesc(
-        pool.data_ptr,
-        lay.num_pages,
-        lay.page_size,
-        lay.layer_start,
-        lay.layer_end,
-        lay.token_bytes,
-        str(lay.dtype).removeprefix("torch."),
-    )
 
 
 def consensus_store(parts: RankParts) -> PPConsensusStore | None:
@@ -33,9 +17,8 @@ def consensus_store(parts: RankParts) -> PPConsensusStore | None:
     comm, spec = parts.comm, parts.spec
     if comm is None:
         return None
-    host = spec.extra.get("transfer_host", "127.0.0.1")
     if spec.pp_rank == 0:
-        store = PPConsensusStore(0, spec.pp_size, host=host)
+        store = PPConsensusStore(0, spec.pp_size, host=spec.transfer_host)
         for r in range(1, spec.pp_size):
             comm.send_obj(r, store.address, Msg.SYNC)
         comm.flush()
@@ -45,11 +28,8 @@ def consensus_store(parts: RankParts) -> PPConsensusStore | None:
 
 def make_loop(parts: RankParts) -> PrefillLoop:
     spec = parts.spec
-    cfg = TransferConfig.from_env(
-        host=spec.extra.get("transfer_host", "127.0.0.1"), auth_token=cluster_secret()
-    )
     kv = PrefillKVManager(
-        cfg, pool_desc(parts), spec.pp_rank, spec.pp_size, spec.extra["bootstrap_addr"]
+        transfer_config(parts), pool_desc(parts), spec.pp_rank, spec.pp_size, spec.bootstrap_addr
     )
     return PrefillLoop(parts, kv, consensus_store(parts))
 

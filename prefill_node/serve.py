@@ -18,14 +18,14 @@ def prefill_main(args) -> int:
     from kv_transfer.bootstrap import BootstrapServer
     from prefill_node.front import PrefillFront
 
-    extra = {"transfer_host": advertise_host(args)}
+    transfer = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
         host0 = args.dist_init_addr.rsplit(":", 1)[0]
         return run_remote_ranks(
             args,
             "prefill",
             "prefill_node.rank",
-            {**extra, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"},
+            {**transfer, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"},
         )
     from infra.cluster_secret import cluster_secret
 
@@ -40,7 +40,10 @@ def prefill_main(args) -> int:
             app,
             "prefill",
             module="prefill_node.rank",
-            extra={**extra, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"},
+            transfer={
+                **transfer,
+                "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}",
+            },
         )
     finally:
         server.stop()

@@ -67,25 +67,26 @@ byte peer[PP * NREQ];           /* Peer state */
 #define QUIESCED(x) (rcv[x] == SUCCESS || (rcv[x] == FAILED && (!rcv_sent[x] || rcv_quiet[x] || grace[x])))
 #endif
 
-/* KVReceiver._fail (under its lock); `notify`: a KVAbort goes to the prefill rank when registered */
+/* KVReceiver._fail (under its lock): a KVAbort goes to the prefill rank once the registration went
+   out, unless it sent its terminal message (_quiet: a failure it reported is not echoed back).
+   `notify` is 1 for every caller in the code; it is 0 only under the mutant below. */
 inline rcv_fail(x, notify) {
     if
     :: rcv[x] != FAILED && rcv[x] != SUCCESS ->
         rcv[x] = FAILED;
-        if :: notify && rcv_sent[x] -> rcv_abort_sent[x] = 1 :: else fi
+        if :: notify && rcv_sent[x] && !rcv_quiet[x] -> rcv_abort_sent[x] = 1 :: else fi
     :: else
     fi
 }
 
-/* Failures the decode side finds itself (its timeouts, peer_dead, bootstrap_lost): the code as it
-   is tells the prefill rank only of a client abort (KVReceiver._fail sends KVAbort only with
-   abort=True), so a prefill sender that is alive keeps writing while the quarantine grace runs
-   out: finding 1 in docs/PROTOCOL_MODEL.md. FIX_NOTIFY_OWN models the fix: a KVAbort for every
-   failure of a registered room that did not come from the prefill side. */
-#ifdef FIX_NOTIFY_OWN
-#define NOTIFY_OWN 1
-#else
+/* Failures the decode side finds itself (its timeouts, peer_dead, bootstrap_lost) tell the prefill
+   rank like a client abort does. M_NO_NOTIFY_OWN re-introduces finding 1 of docs/PROTOCOL_MODEL.md
+   (fixed): only a client abort sent KVAbort, so a prefill sender that is alive and never told
+   writes on after the quarantine grace ran out, into a freed page. */
+#ifdef M_NO_NOTIFY_OWN
 #define NOTIFY_OWN 0
+#else
+#define NOTIFY_OWN 1
 #endif
 
 inline free_page(k, x, r) {
@@ -280,7 +281,7 @@ proctype Rank(byte k) {
 inline TERMINAL(x) {
     peer[x] = W_DONE; rcv_quiet[x] = 1;
     if
-    :: peer_fail[x] -> rcv_fail(x, 0)
+    :: peer_fail[x] -> rcv_fail(x, 1)           /* quiet: nothing is echoed back */
     :: else -> if :: rcv[x] == WAITING -> rcv[x] = SUCCESS :: else fi
     fi
 }

@@ -20,10 +20,6 @@ UNSUPPORTED_CODE = "unsupported_parameter"
 COMMON: dict[str, tuple] = {
     # OpenAI
     "n": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "metadata": ({},),  # only for stored completions
     "store": (False,),
     "service_tier": ("auto", "default"),  # one tier here
@@ -31,7 +27,6 @@ COMMON: dict[str, tuple] = {
     # vLLM's extensions
     "best_of": (1,),
     "use_beam_search": (False,),
-    "repetition_penalty": (1,),
     "length_penalty": (1,),
     "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
@@ -41,9 +36,6 @@ COMMON: dict[str, tuple] = {
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),

@@ -8,6 +8,7 @@ wrong becomes an `ApiError` with an OpenAI-style body.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -86,6 +87,27 @@ class _Model(BaseModel):
         return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
 
 
+class JsonSchemaFormat(_Model):
+    name: StrictStr = Field(max_length=64)
+    description: StrictStr | None = None
+    # `schema` shadows a BaseModel attribute: stored as schema_, sent and documented as "schema"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(
+                "invalid_value", "json_schema is required with type json_schema, and only then", {}
+            )
+        return self
+
+
 class StreamOptions(_Model):
     UNSUPPORTED = openai_fields.STREAM_OPTIONS
     include_usage: StrictBool = False
@@ -119,6 +141,58 @@ class _Common(_Model):
     return_tokens_as_token_ids: StrictBool | None = Field(
         None, description="logprob tokens as 'token_id:<id>' (vLLM's)"
     )
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0, le=10.0, description="vLLM's")
+    logit_bias: dict[str, Annotated[float, Field(strict=False, ge=-100, le=100)]] | None = Field(
+        None, json_schema_extra={"maxProperties": 300}
+    )
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (one at most).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = Field(None, max_length=4096)
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if v is not None:
+            if len(v) > 300:
+                raise ValueError("at most 300 tokens")
+            for k in v:
+                if not k.isdigit() or int(k) >= 2**31:
+                    raise ValueError(f"keys are token ids, got {k!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_guide(self):
+        given = [
+            n
+            for n in ("response_format", "guided_json", "guided_regex", "guided_choice")
+            if getattr(self, n) is not None
+            and not (n == "response_format" and self.response_format.type == "text")
+        ]
+        if len(given) > 1:
+            raise PydanticCustomError(
+                "invalid_value", "at most one of {fields}", {"fields": ", ".join(given)}
+            )
+        return self
+
+    def _guide(self) -> list[str] | None:
+        """The node's `guide` (engine/grammar.py): [kind, spec]."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return ["json_object", ""]
+        if rf is not None and rf.type == "json_schema":
+            return ["json_schema", json.dumps(rf.json_schema.schema_)]
+        if self.guided_json is not None:
+            spec = self.guided_json
+            return ["json_schema", spec if isinstance(spec, str) else json.dumps(spec)]
+        if self.guided_regex is not None:
+            return ["regex", self.guided_regex]
+        if self.guided_choice is not None:
+            return ["choice", json.dumps(self.guided_choice)]
+        return None
 
     @field_validator("top_k")
     @classmethod
@@ -154,6 +228,11 @@ class _Common(_Model):
             "stop": stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias or None,
+            "guide": self._guide(),
         }
         return {**params, **{k: v for k, v in given.items() if v is not None}}
 

@@ -1,15 +1,16 @@
 """A node's front process: HTTP (docs/PROTOCOL.md), tokenization, and the ZMQ link to PP0.
 
-The front never schedules anything. It validates and tokenizes a request, hands it to PP0 as
-`["add", rid, input_ids, sampling_params]`, and turns PP0's events (`token`, `finish`, `error`) back
-into an HTTP answer. Only PP0 talks to the front, so every request gets exactly one answer.
-It also collects every rank's stats (pool and queues) for /health, /server_info and /metrics.
+The front never schedules anything. It validates and tokenizes a request, hands it to PP0 as an
+`AddRequest` (runtime/messages.py), and turns PP0's events (`TokenEvent`, `FinishEvent`,
+`ErrorEvent`) back into an HTTP answer. Only PP0 talks to the front, so every request gets exactly
+one answer. It also collects every rank's stats (pool and queues) for /health, /server_info and
+/metrics.
 
-Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is sealed
-with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers open
-and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong shape
-is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep reading.
-"""
+Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is
+sealed with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers
+open and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong
+shape is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep
+reading."""
 
 from __future__ import annotations
 
@@ -22,36 +23,33 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgpack
-import orjson
 import zmq
 import zmq.asyncio
 
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from runtime.answer import Pending, finish_chunk, meta_info, token_chunk
+from runtime.messages import (
+    AbortRequest,
+    AbortUnknownEvent,
+    AddRequest,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    RankStats,
+    TokenEvent,
+    encode,
+    unpack,
+)
+from runtime.prompt import RequestError, prompt_ids
 from runtime.token_text import TokenBytes, TokenText
 
 log = logging.getLogger("pdserve.front")
-
-
-class RequestError(Exception):
-    """A client error, answered with an OpenAI-style body."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 RID_MAX = 256  # characters of a request id
@@ -66,33 +64,6 @@ OVERLOADED = "node_overloaded"  # the error code of that 503 (with Retry-After)
 # and the per-iteration samples of half a second. Far above real traffic, far below harm.
 REQ_CHANNEL, EVT_CHANNEL, STATS_CHANNEL = "front-req", "front-evt", "front-stats"
 REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
-# Least length of each event kind PP0 sends (what the consumers index).
-EVENT_LEN = {"token": 5, "finish": 5, "error": 4, "prefill_done": 4, "abort_unknown": 2}
-
-
-def check_event(ev: Any) -> bool:
-    return (
-        type(ev) is list
-        and len(ev) >= 2
-        and type(ev[0]) is str
-        and len(ev) >= EVENT_LEN.get(ev[0], 1 << 30)
-        and type(ev[1]) is str
-    )
-
-
-@dataclass
-class Pending:
-    rid: str
-    prompt_tokens: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Any]] = field(default_factory=list)
-    t_start: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    done: bool = False
-    token_text: TokenText | None = None  # logprobs: each token's text and bytes
 
 
 class NodeFront:
@@ -138,11 +109,12 @@ class NodeFront:
         else:
             self.stats_addr = self._bind(self.stats_sock, host)
         self.pending: dict[str, Pending] = {}
-        # rids aborted before their /generate arrived (the router sends abort and generate on separate
-        # connections, so an abort can overtake its request): that request is refused when it comes,
-        # instead of waiting for a KV partner that already gave up (a bootstrap timeout later)
+        # rids aborted before their /generate arrived (the router sends abort and generate on
+        # separate connections, so an abort can overtake its request): that request is refused when
+        # it comes, instead of waiting for a KV partner that already gave up (a bootstrap timeout
+        # later)
         self.early_aborts: OrderedDict[str, float] = OrderedDict()
-        self.rank_stats: dict[int, dict[str, Any]] = {}
+        self.rank_stats: dict[int, RankStats] = {}
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None  # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
@@ -176,7 +148,7 @@ class NodeFront:
             log.error("node unhealthy: %s", why)
             self.dead = why
         for p in list(self.pending.values()):
-            p.events.put_nowait(["error", p.rid, f"node failure: {why}", None])
+            p.events.put_nowait(ErrorEvent(p.rid, f"node failure: {why}", None))
 
     def healthy(self, stale_s: float = 15.0) -> tuple[bool, str]:
         if self.dead:
@@ -191,49 +163,7 @@ class NodeFront:
 
     # --- requests ---------------------------------------------------------------------------------
     def tokenize(self, body: dict[str, Any]) -> list[int]:
-        given = [k for k in ("text", "messages", "input_ids") if body.get(k) is not None]
-        if len(given) != 1:
-            raise RequestError(
-                400, "exactly one of 'text', 'messages', 'input_ids' is required", "text"
-            )
-        kind = given[0]
-        if kind == "text":
-            if not isinstance(body["text"], str):
-                raise RequestError(400, "'text' must be a string", "text")
-            ids = self.tok(body["text"])["input_ids"]
-        elif kind == "messages":
-            msgs = body["messages"]
-            if (
-                not isinstance(msgs, list)
-                or not msgs
-                or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                )
-            ):
-                raise RequestError(
-                    400,
-                    "'messages' must be a non-empty list of {role, content} strings",
-                    "messages",
-                )
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = body["input_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-                for t in ids
-            ):
-                raise RequestError(
-                    400,
-                    f"'input_ids' must be a list of integers in [0, {self.vocab_size})",
-                    "input_ids",
-                )
-        if not ids:
-            raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
-        return list(ids)
+        return prompt_ids(self.tok, body, self.vocab_size)
 
     def admit(self, body: dict[str, Any], ids: list[int] | None = None) -> Pending:
         """Checks and queues a request; `ids`: its prompt, if the caller tokenised it already."""
@@ -281,20 +211,20 @@ class NodeFront:
             raise RequestError(
                 409, f"request {rid!r} was aborted before it arrived", "rid", "aborted"
             )
-        extra = self.extra_add_fields(body)
+        msg = self.add_request(rid, ids, params, body)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
         if params.logprobs:
             self.token_bytes = self.token_bytes or TokenBytes(self.tok)
             p.token_text = TokenText(self.token_bytes)
         self.pending[rid] = p
-        self.send([self.add_kind(), rid, ids, params.to_dict()] + extra)
+        self.send(msg)
         return p
 
     def tokens_left(self, prompt_len: int) -> int:
-        """max_tokens for a request that sends null (an OpenAI chat without one): the rest of the context,
-        or of the KV pool if smaller, capped by the model's max_new_tokens; at least 1."""
+        """max_tokens for a request that sends null (an OpenAI chat without one): the rest of the
+        context, or of the KV pool if smaller, capped by the model's max_new_tokens; at least 1."""
         pool = min(
-            (s["num_pages"] * s["page_size"] for s in self.rank_stats.values()),
+            (s.num_pages * s.page_size for s in self.rank_stats.values()),
             default=self.max_context,
         )
         left, cap = (
@@ -303,15 +233,23 @@ class NodeFront:
         )
         return max(1, min(left, cap) if cap else left)
 
-    def extra_add_fields(self, body: dict[str, Any]) -> list[Any]:
-        """PD fronts append their fields (bootstrap address and room) to the add message."""
-        return []
+    def add_request(
+        self, rid: str, ids: list[int], params: SamplingParams, body: dict[str, Any]
+    ) -> AddRequest:
+        """The message that starts a request on the ranks; a PD front checks and adds its own
+        fields (room, bootstrap server) and raises RequestError naming a bad one."""
+        return AddRequest(rid, ids, params.to_dict())
 
-    def add_kind(self) -> str:
-        return "add"
+    async def answer(self, p: Pending) -> dict[str, Any] | None:
+        """The whole answer of a front whose requests end before any token streams (prefill: at
+        the KV hand-off); None: the app streams or collects the request's tokens."""
+        return None
 
-    def send(self, msg: list[Any]) -> None:
-        self.req_sock.send(self._sealer.seal(msgpack.packb(msg, use_bin_type=True)))
+    def add_routes(self, app: Any, check_internal: Any) -> None:
+        """A front's own HTTP endpoints (decode: the bootstrap allowlist)."""
+
+    def send(self, msg: Any) -> None:
+        self.req_sock.send(self._sealer.seal(msgpack.packb(encode(msg), use_bin_type=True)))
 
     def abort(self, rid: str, why: str = "aborted by client") -> bool:
         if rid not in self.pending:
@@ -320,7 +258,7 @@ class NodeFront:
             while len(self.early_aborts) > EARLY_ABORTS_KEPT:
                 self.early_aborts.popitem(last=False)
             return False
-        self.send(["abort", rid, why])
+        self.send(AbortRequest(rid, why))
         return True
 
     async def events(self, p: Pending) -> AsyncIterator[dict[str, Any]]:
@@ -328,54 +266,17 @@ class NodeFront:
         try:
             while True:
                 ev = await p.events.get()
-                kind = ev[0]
-                if kind == "token":
-                    toks = [ev[2]]
-                    lps = (
-                        [p.token_text.entry(ev[2], ev[3], ev[4])]
-                        if ev[3] is not None and p.token_text
-                        else []
-                    )
-                    # Coalesce what is already queued into one chunk.
-                    fin = None
-                    while not p.events.empty() and fin is None:
-                        nxt = p.events.get_nowait()
-                        if nxt[0] == "token":
-                            toks.append(nxt[2])
-                            if nxt[3] is not None and p.token_text:
-                                lps.append(p.token_text.entry(nxt[2], nxt[3], nxt[4]))
-                        else:
-                            fin = nxt
-                    if p.t_first is None:
-                        p.t_first = time.monotonic()
-                    p.token_ids.extend(toks)
-                    p.logprobs.extend(lps)
-                    chunk = {
-                        "rid": p.rid,
-                        "text": p.detok.add(toks),
-                        "token_ids": toks,
-                        "meta_info": self._meta(p, None, lps),
-                    }
-                    if fin is None:
-                        yield chunk
-                        continue
+                if isinstance(ev, TokenEvent):
+                    chunk, ev = token_chunk(p, ev)
                     yield chunk
-                    ev, kind = fin, fin[0]
-                if kind == "finish":
-                    reason = {"type": ev[2]}
-                    if ev[3]:
-                        reason["message"] = ev[3]
-                    if ev[4] is not None:
-                        reason["matched"] = ev[4]
-                    tail = p.detok.finish(ev[4] if isinstance(ev[4], str) else None)
-                    p.done = True
-                    self._observe(p, ev[2])
-                    meta = self._meta(p, reason, [])
-                    if len(ev) > 7:
-                        meta["cached_tokens"] = ev[7]  # prefix-cache hit at admission
-                    yield {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": meta}
+                    if ev is None:
+                        continue
+                if isinstance(ev, FinishEvent):
+                    chunk = finish_chunk(p, ev)
+                    self._observe(p, ev.kind)
+                    yield chunk
                     return
-                if kind == "error":
+                if isinstance(ev, ErrorEvent):
                     p.done = True
                     self._observe(p, "abort")
                     yield {
@@ -383,27 +284,17 @@ class NodeFront:
                         "text": "",
                         "token_ids": [],
                         "error": {
-                            "message": ev[2],
-                            "type": "invalid_request_error" if ev[3] else "server_error",
-                            "param": ev[3],
+                            "message": ev.message,
+                            "type": "invalid_request_error" if ev.field else "server_error",
+                            "param": ev.field,
                             "code": None,
                         },
-                        "meta_info": self._meta(p, {"type": "abort", "message": ev[2]}, []),
+                        "meta_info": meta_info(p, {"type": "abort", "message": ev.message}, []),
                     }
                     return
         finally:
             if not p.done and self.dead is None and p.rid in self.pending:
-                self.send(["abort", p.rid, "client disconnected"])
-
-    def _meta(self, p: Pending, reason, lps) -> dict[str, Any]:
-        m = {
-            "prompt_tokens": p.prompt_tokens,
-            "completion_tokens": len(p.token_ids),
-            "finish_reason": reason,
-        }
-        if p.params.logprobs:
-            m["logprobs"] = lps
-        return m
+                self.send(AbortRequest(p.rid, "client disconnected"))
 
     def _observe(self, p: Pending, finish: str) -> None:
         if self.metrics is not None:
@@ -427,24 +318,23 @@ class NodeFront:
 
     def _on_events(self, raw: bytes) -> None:
         _, payload = self._evt_opener.open(raw)
-        events = msgpack.unpackb(payload, raw=False)
-        if type(events) is not list:
-            raise ValueError(f"an event batch is a list, got {type(events).__name__}")
+        events, bad = unpack(payload)
+        for err in bad:
+            self._drop("events:bad_event", err)
         for ev in events:
-            if not check_event(ev):
-                self._drop("events:bad_event", ValueError(f"event {str(ev)[:80]}"))
+            if not isinstance(ev, Event):
+                self._drop("events:bad_event", ValueError(f"{type(ev).__name__} is no event"))
                 continue
-            if ev[0] == "abort_unknown":
-                p = self.pending.get(ev[1])
-                if p is not None and not p.done:
-                    ev = ["error", ev[1], "aborted", None]
-                else:
+            p = self.pending.get(ev.rid)
+            if p is None:
+                continue
+            if isinstance(ev, AbortUnknownEvent):
+                if p.done:
                     continue
-            p = self.pending.get(ev[1])
-            if p is not None:
-                p.events.put_nowait(ev)
-                if ev[0] in ("finish", "error", "prefill_done"):
-                    del self.pending[ev[1]]  # over on the ranks; `p` still streams its queue
+                ev = ErrorEvent(ev.rid, "aborted", None)
+            p.events.put_nowait(ev)
+            if ev.terminal:
+                del self.pending[ev.rid]  # over on the ranks; `p` still streams its queue
 
     async def _read_stats(self) -> None:
         while True:
@@ -458,9 +348,12 @@ class NodeFront:
 
     def _on_stats(self, raw: bytes) -> None:
         sender, payload = self._stats_opener.open(raw)
-        st = msgpack.unpackb(payload, raw=False)
-        r = st["pp_rank"]
-        if type(r) is not int or not 0 <= r < self.pp_size or sender != f"pp{r}":
+        good, bad = unpack(payload)
+        if bad or len(good) != 1 or not isinstance(good[0], RankStats):
+            raise ValueError(f"not one RankStats: {bad[0] if bad else len(good)}")
+        st = good[0]
+        r = st.pp_rank
+        if not 0 <= r < self.pp_size or sender != f"pp{r}":
             raise ValueError(f"stats of pp_rank {r!r} from {sender}")
         self.rank_stats[r] = st
         self.rank_seen[r] = time.monotonic()
@@ -472,6 +365,7 @@ class NodeFront:
 
     def server_info(self) -> dict[str, Any]:
         ok, why = self.healthy()
+        pp0 = self.rank_stats.get(0)
         return {
             "model": self.model_name,
             "role": self.role,
@@ -483,18 +377,13 @@ class NodeFront:
             "healthy": ok,
             "status": why,
             "load": {
-                "running": sum(
-                    s.get("running", 0) for s in self.rank_stats.values() if s["pp_rank"] == 0
-                ),
-                "waiting": self.rank_stats.get(0, {}).get("waiting", 0),
+                "running": pp0.queues.get("running", 0) if pp0 else 0,
+                "waiting": pp0.queues.get("waiting", 0) if pp0 else 0,
                 "in_flight": len(self.pending),
             },
-            "ranks": [self.rank_stats.get(r) for r in range(self.pp_size)],
+            "ranks": [
+                st.to_json() if (st := self.rank_stats.get(r)) else None
+                for r in range(self.pp_size)
+            ],
             "dropped_messages": dict(self.dropped),
         }
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    if isinstance(obj, str):
-        return f"data: {obj}\n\n".encode()
-    return b"data: " + orjson.dumps(obj) + b"\n\n"

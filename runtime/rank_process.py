@@ -10,7 +10,6 @@ with one clear log line and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -26,9 +25,13 @@ import zmq
 
 from consensus import rank_checker
 from engine.config import EngineConfig, apply_threads
-from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
+from engine.detokenizer import StopDetokenizer
+from engine.grammar import GrammarSampler
+from engine.loader import load_model_config, load_slice, resolve_model
+from engine.model_config import split_layers
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from infra.procs import die_with_parent, setup_logging
 from runtime.front import (
@@ -39,25 +42,13 @@ from runtime.front import (
     STATS_CHANNEL,
     STATS_MAX_BYTES,
 )
+from runtime.messages import KVRankStats, RankStats, decode, pack
 from runtime.placement import bind_cores
 from runtime.pp_comm import PPComm
 from runtime.rank_spec import RankSpec
 from runtime.slot_loop import LoopConfig, SlotLoop
 
 log = logging.getLogger("pdserve.rank")
-
-
-def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """Contiguous slices, earlier ranks one layer longer when it does not divide (30/4: 8,8,7,7)."""
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"pp size {pp_size} must be between 1 and the model's {num_layers} layers")
-    base, extra = divmod(num_layers, pp_size)
-    out, start = [], 0
-    for r in range(pp_size):
-        n = base + (1 if r < extra else 0)
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 class ZmqFrontIO:
@@ -84,8 +75,8 @@ class ZmqFrontIO:
                 err,
             )
 
-    def poll(self, timeout_ms: int) -> list[list[Any]]:
-        out: list[list[Any]] = []
+    def poll(self, timeout_ms: int) -> list[Any]:
+        out: list[Any] = []
         if not self.pull.poll(timeout_ms):
             return out
         while True:
@@ -94,20 +85,42 @@ class ZmqFrontIO:
             except zmq.Again:
                 return out
             try:
-                msg = msgpack.unpackb(self._opener.open(raw)[1], raw=False)
+                msg = decode(msgpack.unpackb(self._opener.open(raw)[1], raw=False))
             except AuthError as e:
                 self._drop(e.reason, e)
                 continue
             except Exception as e:  # the front is ours, but never trust bytes from a socket
                 self._drop("malformed", e)
                 continue
-            if isinstance(msg, list) and msg and isinstance(msg[0], str):
-                out.append(msg)
-            else:
-                self._drop("malformed", "not a [kind, ...] list")
+            out.append(msg)
 
-    def report(self, events: list[list[Any]]) -> None:
-        self.push.send(self._sealer.seal(msgpack.packb(events, use_bin_type=True)))
+    def report(self, events: list[Any]) -> None:
+        self.push.send(self._sealer.seal(pack(events)))
+
+
+def rank_stats(loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None) -> RankStats:
+    """What one rank reports to the front (and the in-process tests read directly)."""
+    s, alloc = loop.sched, loop.sched.allocator
+    cache = s.cache
+    return RankStats(
+        pp_rank=pp_rank,
+        pid=os.getpid(),
+        iterations=loop.stats.iterations,
+        forwards=loop.stats.forwards,
+        held_pages=s.held_pages(),
+        used_tokens=s.used_tokens,
+        num_pages=alloc.num_pages,
+        free_pages=alloc.num_free,
+        page_size=s.cfg.page_size,
+        cached_pages=cache.num_cached_pages if cache else 0,
+        locked_cached_pages=cache.num_cached_pages - cache.evictable_pages if cache else 0,
+        prefix_hit_tokens=cache.hit_tokens_total if cache else 0,
+        retractions=s.num_retractions,
+        queues=loop.queue_sizes(),
+        samples=loop.drain_samples(),
+        front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
+        kv=kv,
+    )
 
 
 class StatsReporter:
@@ -130,47 +143,26 @@ class StatsReporter:
         if self.sock is None or (now < self._next and not force):
             return
         self._next = now + self.period
-        s, alloc = self.loop.sched, self.loop.sched.allocator
-        stats = {
-            "pp_rank": self.spec.pp_rank,
-            "pid": os.getpid(),
-            "iterations": self.loop.stats.iterations,
-            "forwards": self.loop.stats.forwards,
-            "waiting": len(s.waiting),
-            "running": s.num_running,
-            "held_pages": s.held_pages(),
-            "used_tokens": s.used_tokens,
-            "num_pages": alloc.num_pages,
-            "free_pages": alloc.num_free,
-            "page_size": s.cfg.page_size,
-            "cached_pages": s.cache.num_cached_pages if s.cache else 0,
-            # prefix-cache pages a request still locks (not evictable): held KV too, for leak checks
-            "locked_cached_pages": s.cache.num_cached_pages - s.cache.evictable_pages
-            if s.cache
-            else 0,
-            "prefix_hit_tokens": s.cache.hit_tokens_total if s.cache else 0,
-            "retractions": s.num_retractions,
-            "retracted": sum(r.status.value == "retracted" for r in s.waiting),
-            **self.loop.queue_sizes(),
-            "samples": self.loop.drain_samples(),
-        }
-        dropped = getattr(getattr(self.loop, "front", None), "dropped", None)
-        if dropped:  # PP0: messages from the front it dropped, by reason
-            stats["front_dropped"] = dict(dropped)
+        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats())
+        self._send(stats)
+
+    def _kv_rank_stats(self) -> KVRankStats | None:
         kv = self.loop.kv_stats()
-        if kv is not None:
-            new = kv["latency_count"] - self._kv_latencies_seen
-            stats["kv"] = {
-                "bytes": kv["bytes_sent"] + kv["bytes_received"],
-                "failures": kv["failures"],
-                "latencies": [lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
-                # control messages dropped by reason, and where they come in (for operators)
-                "dropped": kv["dropped"],
-                "ctrl_port": getattr(self.loop.kv, "ctrl_port", None),
-            }
-            self._kv_latencies_seen = kv["latency_count"]
+        if kv is None:
+            return None
+        new = kv["latency_count"] - self._kv_latencies_seen
+        self._kv_latencies_seen = kv["latency_count"]
+        return KVRankStats(
+            bytes=kv["bytes_sent"] + kv["bytes_received"],
+            failures=dict(kv["failures"]),
+            latencies=[lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
+            dropped=dict(kv["dropped"]),
+            ctrl_port=kv.get("ctrl_port"),
+        )
+
+    def _send(self, stats: RankStats) -> None:
         try:
-            self.sock.send(self._sealer.seal(msgpack.packb(stats)), zmq.NOBLOCK)
+            self.sock.send(self._sealer.seal(pack([stats])), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -212,6 +204,45 @@ class RankParts:
     front: ZmqFrontIO | None = None
 
 
+def join_pp_group(spec: RankSpec) -> PPComm:
+    return PPComm(
+        spec.pp_rank,
+        spec.pp_size,
+        init_method=spec.dist_init,
+        backend=spec.backend,
+        timeout_s=spec.pp_timeout_s,
+        device=spec.device,
+        comm_stream=spec.comm_stream,
+    )
+
+
+def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
+    """Capacities every decision reads are agreed once: the minimum over ranks."""
+    lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
+    return replace(
+        cfg,
+        max_total_tokens=lo[0] * cfg.page_size,
+        max_running=lo[1],
+        chunk_size=lo[2],
+        max_batch_tokens=lo[3],
+    )
+
+
+def plant_divergence_if_asked(spec: RankSpec, runner: ModelRunner) -> None:
+    """Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
+    consensus checker exists for; this rank then hands out different page ids. Only the
+    environment the rank was started with can ask for it (no request or message can), and only
+    with the checker on, which stops the node at the first diverging call: never wrong output."""
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") != str(spec.pp_rank):
+        return
+    if rank_checker.ENABLED:
+        log.warning(
+            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
+            spec.pp_rank,
+        )
+        runner.pool.allocator.alloc(1)
+
+
 def build_rank(
     spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None
 ) -> RankParts:
@@ -234,49 +265,22 @@ def build_rank(
         cfg.dtype,
         f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
     )
-    comm = None
-    if spec.pp_size > 1:
-        comm = PPComm(
-            spec.pp_rank,
-            spec.pp_size,
-            init_method=spec.dist_init,
-            backend=spec.backend,
-            timeout_s=spec.pp_timeout_s,
-            device=spec.device,
-            comm_stream=bool(spec.extra.get("comm_stream")),
-        )
-        # Capacities every decision reads are agreed once: the minimum over ranks.
-        lo, _ = comm.all_min_max(
-            [cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens]
-        )
-        cfg = replace(
-            cfg,
-            max_total_tokens=lo[0] * cfg.page_size,
-            max_running=lo[1],
-            chunk_size=lo[2],
-            max_batch_tokens=lo[3],
-        )
+    comm = join_pp_group(spec) if spec.pp_size > 1 else None
+    if comm is not None:
+        cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
-    if (
-        os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank)
-        and rank_checker.ENABLED
-    ):
-        # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
-        # consensus checker exists for; this rank then hands out different page ids. Only the
-        # environment the rank was started with can ask for it (no request or message can), and only
-        # with the checker on, which stops the node at the first diverging call: never wrong output.
-        log.warning(
-            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
-            spec.pp_rank,
+    if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
+        runner.grammar = GrammarSampler(
+            lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
         )
-        runner.pool.allocator.alloc(1)
+    plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
         pp_size=spec.pp_size,
         async_depth=spec.async_depth,
         skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
-        waiting_timeout_s=float(spec.extra.get("waiting_timeout_s", 0.0)),
-        running_timeout_s=float(spec.extra.get("running_timeout_s", 0.0)),
+        waiting_timeout_s=spec.waiting_timeout_s,
+        running_timeout_s=spec.running_timeout_s,
     )
     sched_cfg = replace(
         cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
@@ -304,7 +308,10 @@ def run_rank(
     """Parses the spec, builds the rank and runs its loop until SIGTERM or a fatal error."""
     ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
-    spec = RankSpec(**json.loads(ap.parse_args(argv).spec))
+    try:
+        spec = RankSpec.from_json(ap.parse_args(argv).spec)
+    except ValueError as e:  # a MessageError, or JSONDecodeError
+        ap.error(f"--spec: {e}")
     setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
     bind_cores(
         spec.cpus

@@ -1,16 +1,21 @@
-"""What the node front starts a rank process with (sent as JSON on its command line). Kept apart
-from runtime/rank_process.py so the front can build it without importing torch."""
+"""What the node front starts a rank process with (JSON on its command line, checked strictly on
+arrival). Kept apart from runtime/rank_process.py so the front can build it without importing
+torch."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.messages import from_mapping
 
-@dataclass
+
+@dataclass(frozen=True)
 class RankSpec:
     model: str | None
-    engine: dict[str, Any]
+    engine: dict[str, Any]  # EngineConfig fields (EngineConfig.from_kwargs checks them)
     pp_size: int
     pp_rank: int
     dist_init: str  # tcp://host:port of the PP group's rendezvous
@@ -25,4 +30,18 @@ class RankSpec:
     device: str = "cpu"
     role: str = "colocated"
     cpus: list[int] = field(default_factory=list)  # cores this rank's threads own; [] = unbound
-    extra: dict[str, Any] = field(default_factory=dict)
+    waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer (0 = off)
+    running_timeout_s: float = 0.0  # PP0 aborts a request alive longer (0 = off)
+    comm_stream: bool = False  # PP sends on their own CUDA stream
+    # Set by the PD nodes: where this rank's KV transfer endpoint listens, and (prefill) the
+    # node's bootstrap server that decode ranks look rooms up in.
+    transfer_host: str = "127.0.0.1"
+    bootstrap_addr: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        """Raises ValueError (MessageError) naming what is wrong."""
+        return from_mapping(cls, json.loads(text))

@@ -1,4 +1,4 @@
-"""`pdserve serve`: a colocated PP node (front + one process per PP rank), also the base of the PD nodes.
+"""`pdserve serve`: a colocated PP node (front + one process per PP rank); the PD nodes build on it.
 
 The launcher starts the front's sockets, starts the local rank processes, watches them, and serves
 HTTP. A rank that exits marks the node unhealthy (the front answers 503 and fails what is pending)
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any
 
 import uvicorn
@@ -169,7 +167,7 @@ class RankSet:
         self._stopping = False
         for spec in specs:
             self.procs.append(
-                subprocess.Popen([sys.executable, "-m", module, "--spec", json.dumps(asdict(spec))])
+                subprocess.Popen([sys.executable, "-m", module, "--spec", spec.to_json()])
             )
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
@@ -212,7 +210,7 @@ def front_host(args) -> str:
 
 
 def stats_port(args) -> int:
-    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1 (known to every host)."""
+    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1."""
     if args.nnodes > 1:
         if not args.dist_init_addr:
             raise SystemExit(
@@ -223,8 +221,9 @@ def stats_port(args) -> int:
 
 
 def make_specs(
-    args, role: str, front_addrs: dict[str, str], extra: dict[str, Any] | None = None
+    args, role: str, front_addrs: dict[str, str], transfer: dict[str, str] | None = None
 ) -> list[RankSpec]:
+    """`transfer`: a PD node's RankSpec.transfer_host and bootstrap_addr."""
     ranks = local_ranks(args)
     dist = (
         f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
@@ -250,14 +249,12 @@ def make_specs(
             role=role,
             device=args.device,
             backend="nccl" if args.device.startswith("cuda") else "gloo",
-            extra={
-                "waiting_timeout_s": args.waiting_timeout,
-                "running_timeout_s": args.running_timeout,
-                "comm_stream": args.pp_comm_stream,
-                **(extra or {}),
-            },
+            waiting_timeout_s=args.waiting_timeout,
+            running_timeout_s=args.running_timeout,
+            comm_stream=args.pp_comm_stream,
+            **(transfer or {}),
         )
-        for r, cores in zip(ranks, plan.rank_cores)
+        for r, cores in zip(ranks, plan.rank_cores, strict=True)
     ]
 
 
@@ -266,12 +263,15 @@ def run_node(
     front,
     app,
     role: str,
-    extra: dict[str, Any] | None = None,
+    transfer: dict[str, str] | None = None,
     module: str = "runtime.rank_process",
 ) -> int:
     """Starts the ranks, serves HTTP until stopped, then stops every rank."""
     specs = make_specs(
-        args, role, {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr}, extra
+        args,
+        role,
+        {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
+        transfer,
     )
     server = uvicorn.Server(
         server_config(
@@ -310,7 +310,7 @@ class TokenizerLoading:
     files) overlap instead of running one after the other. Any use waits for the load."""
 
     def __init__(self, path):
-        from engine.loader import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
         self._future = self._pool.submit(load_tokenizer, path)
@@ -366,13 +366,13 @@ def make_front(args, role: str, cls=None, **kw):
     return front, build_app(front, secret)
 
 
-def run_remote_ranks(args, role: str, module: str, extra: dict[str, Any] | None = None) -> int:
-    """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
+def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
+    """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
     refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
-    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, extra)
+    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, transfer)
     stopped = threading.Event()
     ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
     try:

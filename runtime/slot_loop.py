@@ -1,9 +1,9 @@
 """The slot loop: one iteration of docs/ARCHITECTURE.md section 3 on one PP rank.
 
-    L = pp_size + async_depth slots; iteration t works on slot mb = t % L and harvests slot (t+1) % L
+    L = pp_size + async_depth slots; iteration t works on slot mb = t % L, harvests (t+1) % L
 
-    ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives PP0's list
-                   from its predecessor; forwarded unchanged down the chain, even when empty
+    ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives
+                   PP0's list from its predecessor; forwarded unchanged down the chain, even empty
     apply meta     new requests and aborts, in list order, before scheduling (all ranks, same slot)
     schedule       the same deterministic scheduler on every rank => the same batch for slot mb
     forward        hidden states in from rank k-1, out to rank k+1, only for a non-empty batch;
@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +28,19 @@ from consensus import rank_checker
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
 from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
+from runtime.messages import (
+    AbortRequest,
+    AbortUnknownEvent,
+    AddRequest,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    TokenEvent,
+    decode,
+    encode,
+    out_from_wire,
+    out_to_wire,
+)
 from runtime.pp_comm import Msg, PPComm
 
 log = logging.getLogger(__name__)
@@ -37,8 +49,8 @@ log = logging.getLogger(__name__)
 class FrontIO(Protocol):
     """PP0's seam to the front (ZMQ in a node, in-memory in tests)."""
 
-    def poll(self, timeout_ms: int) -> list[list[Any]]: ...
-    def report(self, events: list[list[Any]]) -> None: ...
+    def poll(self, timeout_ms: int) -> list[Any]: ...
+    def report(self, events: list[Event]) -> None: ...
 
 
 @dataclass
@@ -66,29 +78,11 @@ class LoopStats:
     last_progress: float = field(default_factory=time.monotonic)  # watchdog only, never decisions
 
 
-def decode_sampling(d: dict) -> SamplingParams:
-    return SamplingParams.from_dict(d)
-
-
-def out_to_wire(out: SampleOut | None) -> list | None:
-    if out is None:
-        return None
-    tops = (
-        [[list(p) for p in row] for row in out.top_logprobs]
-        if out.top_logprobs is not None
-        else None
-    )
-    return [out.token_ids, out.logprobs, tops]
-
-
-def out_from_wire(w: list | None) -> SampleOut | None:
-    if w is None:
-        return None
-    tops = [[(int(i), float(v)) for i, v in row] for row in w[2]] if w[2] is not None else None
-    return SampleOut(list(w[0]), w[1], tops)
-
-
 class SlotLoop:
+    """One rank's loop. A PD loop extends it by subclassing: the hooks below (`apply_message` for
+    its own message kinds, the queue steps around the iteration, its own stats) are the one way in.
+    """
+
     def __init__(
         self,
         cfg: LoopConfig,
@@ -96,7 +90,6 @@ class SlotLoop:
         runner: ModelRunner,
         scheduler: Scheduler,
         front: FrontIO | None,
-        on_meta: Callable[[list[Any]], bool] | None = None,
     ):
         self.cfg = cfg
         self.comm = comm
@@ -105,7 +98,6 @@ class SlotLoop:
         self.runner = runner
         self.sched = scheduler
         self.front = front  # PP0 only
-        self.on_meta = on_meta  # a PD loop's own message kinds; returns True if handled
         self.batches: list[ScheduledBatch | None] = [
             None
         ] * cfg.num_slots  # scheduled, not harvested
@@ -113,10 +105,10 @@ class SlotLoop:
         self.send_queue: deque[tuple[int, SampleOut | None]] = deque()  # last rank, async_depth
         self.stats = LoopStats()
         self.stop = threading.Event()
-        self._events: list[list[Any]] = []  # PP0: what to tell the front this iteration
+        self._events: list[Event] = []  # PP0: what to tell the front this iteration
         self._arrived: dict[str, float] = {}  # PP0: rid -> monotonic arrival, for timeouts only
         self.stream_tokens = True  # the prefill loop answers with its own events
-        # Metrics only (PP0; wall clock never reaches a decision): samples since the last stats push.
+        # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
         self.samples: dict[str, list[float]] = {}
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
@@ -131,12 +123,6 @@ class SlotLoop:
         return self.rank == self.size - 1
 
     # --- one iteration ----------------------------------------------------------------------------
-    def run(self) -> None:
-        t = 0
-        while not self.stop.is_set():
-            self.iteration(t)
-            t += 1
-
     def iteration(self, t: int) -> None:
         mb = t % self.cfg.num_slots
         if self.comm:
@@ -158,7 +144,7 @@ class SlotLoop:
         if rank_consensus_enabled() and self.comm and t % self.cfg.check_every == 0:
             self.check_consensus(t)
 
-    # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration ----
+    # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration
     def before_schedule(self, t: int, mb: int) -> None:
         """Runs on every rank after the meta was applied and before slot `mb` is scheduled."""
 
@@ -199,61 +185,66 @@ class SlotLoop:
             )
         return self._idle_ms
 
-    def ingest_meta(self) -> list[list[Any]]:
+    def ingest_meta(self) -> list[Any]:
         if self.is_first:
             meta = self.front.poll(self._idle_wait_ms()) if self.front else []
             if meta:
                 self._idle_ms = 0
             meta.extend(self.timeout_aborts(meta))
         else:
-            meta = self.comm.recv(self.comm.prev, Msg.META)
+            # PP0 decoded and checked every message; a failure here is a bug, and it stops the rank.
+            meta = [decode(m) for m in self.comm.recv(self.comm.prev, Msg.META)]
         if self.comm and not self.is_last:
-            self.comm.send_obj(self.comm.next, meta, Msg.META)
+            self.comm.send_obj(self.comm.next, [encode(m) for m in meta], Msg.META)
         return meta
 
-    def timeout_aborts(self, incoming: list[list[Any]]) -> list[list[Any]]:
-        """PP0 only: wall-clock timeouts become abort messages in the meta stream (docs/ARCHITECTURE.md section 7)."""
+    def timeout_aborts(self, incoming: list[Any]) -> list[AbortRequest]:
+        """PP0 only: wall-clock timeouts become abort messages in the meta stream
+        (docs/ARCHITECTURE.md section 7)."""
         wt, rt = self.cfg.waiting_timeout_s, self.cfg.running_timeout_s
         if not (wt or rt):
             return []
         now = time.monotonic()
         for m in incoming:
-            if m[0] in ("add", "pd_add"):
-                self._arrived[m[1]] = now
+            if isinstance(m, AddRequest):
+                self._arrived[m.rid] = now
         out = []
         for rid, t0 in list(self._arrived.items()):
             phase = self.request_phase(rid)
             if phase is None:
-                if all(m[1] != rid for m in incoming):
+                if all(m.rid != rid for m in incoming):
                     del self._arrived[rid]
                 continue
             waited = now - t0
             if wt and phase == "waiting" and waited > wt:
-                out.append(["abort", rid, f"waiting timeout: queued for more than {wt:g} s"])
+                out.append(AbortRequest(rid, f"waiting timeout: queued for more than {wt:g} s"))
             elif rt and waited > rt:
-                out.append(["abort", rid, f"running timeout: alive for more than {rt:g} s"])
+                out.append(AbortRequest(rid, f"running timeout: alive for more than {rt:g} s"))
             else:
                 continue
             del self._arrived[rid]
         return out
 
-    def apply_meta(self, meta: list[list[Any]]) -> None:
+    def apply_meta(self, meta: list[Any]) -> None:
         for msg in meta:
-            kind = msg[0]
-            if kind == "add":
-                _, rid, input_ids, params = msg[:4]
-                try:
-                    self.sched.add(Req(rid, list(input_ids), decode_sampling(params)))
-                    self.mark_queued(rid)
-                except ParamError as e:  # every rank rejects it the same way; PP0 answers
-                    self._events.append(["error", rid, str(e), e.field])
-            elif kind == "abort":
-                why = msg[2] if len(msg) > 2 else "aborted by client"
-                req = self.sched.abort(msg[1], why)
-                if req is None and not self.abort_elsewhere(msg[1], why):
-                    self._events.append(["abort_unknown", msg[1]])
-            elif self.on_meta is None or not self.on_meta(msg):
-                log.warning("unknown meta message kind %r dropped", kind)
+            if isinstance(msg, AbortRequest):
+                req = self.sched.abort(msg.rid, msg.reason)
+                if req is None and not self.abort_elsewhere(msg.rid, msg.reason):
+                    self.emit(AbortUnknownEvent(msg.rid))
+            elif not self.apply_message(msg):
+                log.warning("message %s dropped: this loop does not take it", type(msg).__name__)
+
+    def apply_message(self, msg: Any) -> bool:
+        """Applies a request message on every rank; False if this loop does not take its kind.
+        A PD loop takes its own kinds here and leaves the rest to this one."""
+        if type(msg) is not AddRequest:
+            return False
+        try:
+            self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
+            self.mark_queued(msg.rid)
+        except ParamError as e:  # every rank rejects it the same way; PP0 answers
+            self.emit(ErrorEvent(msg.rid, str(e), e.field))
+        return True
 
     def observe(self, name: str, seconds: float) -> None:
         """Records a latency sample for the front's histograms (PP0 only, metrics only)."""
@@ -273,28 +264,16 @@ class SlotLoop:
         return None
 
     def queue_sizes(self) -> dict[str, int]:
-        """Sizes of the PD loop's own queues, for stats and metrics."""
-        return {}
-
-    def admissible(
-        self, rid: str, ids: list[int], params: dict, known: bool = False
-    ) -> SamplingParams | None:
-        """Validates a PD loop's new request the same way on every rank; PP0 reports a rejection."""
-        try:
-            sp = decode_sampling(params)
-            self.sched.check_admissible(len(ids), sp)
-            if known or rid in self.sched.reqs:
-                raise ParamError("rid", f"duplicate request id {rid!r}")
-            return sp
-        except ParamError as e:
-            self.emit(["error", rid, str(e), e.field])
-            return None
+        """Requests per queue, for stats and metrics; a PD loop adds its own queues."""
+        s = self.sched
+        retracted = sum(r.status.value == "retracted" for r in s.waiting)
+        return {"waiting": len(s.waiting), "running": s.num_running, "retracted": retracted}
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
         """A PD loop aborts a request that sits in one of its own queues; True if it knew it."""
         return False
 
-    def emit(self, event: list[Any]) -> None:
+    def emit(self, event: Event) -> None:
         """PP0 tells the front (every rank may call it; only PP0's events leave)."""
         if self.is_first:
             self._events.append(event)
@@ -317,7 +296,7 @@ class SlotLoop:
     def _needs_ring(self, batch: ScheduledBatch | None) -> bool:
         if batch is None or not batch.entries:
             return False
-        return bool(batch.sampling_entries) or not self.cfg.skip_pure_chunk_comm
+        return not (batch.is_pure_chunk and self.cfg.skip_pure_chunk_comm)
 
     def exchange_and_harvest(self, t: int, mb: int, batch: ScheduledBatch, y: Any) -> None:
         hb = (t + 1) % self.cfg.num_slots
@@ -363,7 +342,7 @@ class SlotLoop:
             for req in got:
                 lp = req.output_logprobs[-1] if req.params.logprobs else None
                 top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
-                self._events.append(["token", req.rid, req.output_ids[-1], lp, top])
+                self._events.append(TokenEvent(req.rid, req.output_ids[-1], lp, top))
 
     def _time_admissions(self, batch: ScheduledBatch) -> None:
         now = time.monotonic()
@@ -383,8 +362,7 @@ class SlotLoop:
             if self.is_first and self.stream_tokens:
                 f = req.finish
                 self._events.append(
-                    [
-                        "finish",
+                    FinishEvent(
                         req.rid,
                         f.kind,
                         f.message,
@@ -392,7 +370,7 @@ class SlotLoop:
                         req.prompt_len,
                         len(req.output_ids),
                         req.cached_len,
-                    ]
+                    )
                 )
         if self.is_first and self._events and self.front:
             self.front.report(self._events)

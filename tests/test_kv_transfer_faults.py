@@ -137,7 +137,8 @@ def _grew(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-SLACK_S = 5.0  # a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
+# a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
+SLACK_S = 5.0
 
 
 def _assert(got: dict, want: int, within: float | None = None):
@@ -150,11 +151,11 @@ def _assert(got: dict, want: int, within: float | None = None):
 def test_normal_rooms_complete(cluster):
     c = cluster
     rooms = [c.room("PA", "DA"), c.room("PA", "DB"), c.room("PB", "DA")]
-    for p, (room, ptab, _) in zip(["PA", "PA", "PB"], rooms):
+    for p, (room, ptab, _) in zip(["PA", "PA", "PB"], rooms, strict=True):
         _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
         c.send_all(p, room, ptab, 0, 40)
         c.send_all(p, room, ptab, 40, N)
-    for d, (room, _, dtab) in zip(["DA", "DB", "DA"], rooms):
+    for d, (room, _, dtab) in zip(["DA", "DB", "DA"], rooms, strict=True):
         _assert(c.wait(d, [room]), SUCCESS)
         assert c.procs[d].call("check", "m", room, dtab, N) == 0
         assert c.procs[d].call("read_aux", "m", room) == b"tok"
@@ -174,6 +175,74 @@ def test_abort_from_either_side(cluster, side):
     _assert(c.wait("PA", [rb]), SUCCESS)
     reason = c.procs["PA"].call("poll", "m", [ra])[ra][1]
     assert reason == ("aborted" if side == "prefill" else "aborted_by_decode")
+
+
+def test_decode_own_failure_tells_the_prefill(cluster):
+    """Finding 1 of docs/PROTOCOL_MODEL.md. A decode rank that gives up a registered room on its own
+    (here its waiting timeout; peer_dead, bootstrap_lost, a bad checksum or aux take the same path)
+    sends KVAbort to the room's prefill rank: the sender ends Failed (`aborted_by_decode`) and sends
+    its final word, so the decode side may reuse the pages without trusting the quarantine grace,
+    and the sender's later chunks go nowhere. Before, only a client abort sent KVAbort: the sender
+    stayed WaitingForInput and wrote its chunks into the pages of the failed room, which the decode
+    node frees once the grace ran out and gives to the next request."""
+    c = cluster
+    # A second decode manager in DB's process, with a waiting timeout that fires before any chunk.
+    c.procs["DB"].call(
+        "decode", "fast", {**CFG, "waiting_timeout_s": 1.0}, 0, [LAYERS], NUM_PAGES, PS, TB
+    )
+    try:
+        before = c.procs["PA"].call("stats", "m")["failures"]
+        room, ptab, dtab = (
+            rng.getrandbits(63),
+            c.take("PA", 7),
+            list(range(7)),
+        )  # "fast" has its own pool
+        c.procs["PA"].call("fill", "m", room, ptab, N)
+        c.procs["PA"].call("create_sender", "m", room)
+        c.procs["DB"].call("create_receiver", "fast", room, c.servers["A"].addr)
+        c.procs["DB"].call("register", "fast", room, dtab, 0)
+        got = c.procs["DB"].call("wait", "fast", [room], DONE, 15, timeout=25)
+        assert got[room][:2] == (FAILED, "waiting_timeout"), got
+        # The prefill rank learns it (its own waiting timeout, 20 s, is far beyond this wait).
+        got = c.wait("PA", [room], timeout=10)
+        assert got[room][:2] == (FAILED, "aborted_by_decode"), (
+            f"the prefill sender was not told of the decode's own failure: {got}"
+        )
+        assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {
+            "aborted_by_decode": 1
+        }
+        # Its final word reached the decode rank: nothing can write into the pages any more.
+        assert c.procs["DB"].call("wait_quiesced", "fast", room, 10, timeout=20)
+        c.send_all("PA", room, ptab)  # the prefill node's chunks for the room: dropped
+        pieces = (LAYERS[1] - LAYERS[0]) * 2 * -(-N // PS)
+        assert c.procs["DB"].call("check", "fast", room, dtab, N) == pieces  # untouched
+    finally:
+        c.procs["DB"].call("close", "fast")
+
+
+def test_decode_abort_before_the_sender_exists(cluster):
+    """A decode rank registers and gives the room up before the prefill rank created its sender
+    (a prefill queue, or a prefill rank resuming from a stall reads both messages at once): the
+    prefill rank withdraws the pending registration and answers with its final word, and the sender
+    created later fails at once. Before, the KVAbort was dropped as `unknown_room` and the sender
+    took the pending registration and wrote into the pages of the aborted room."""
+    c = cluster
+    room, ptab, dtab = c.room("PA", "DA", sender=False)
+    _assert(c.wait("DA", [room], [WAITING, FAILED]), WAITING)  # the registration went out
+    c.procs["DA"].call("abort", "m", room)
+    assert c.procs["DA"].call("wait_quiesced", "m", room, 10, timeout=20), (
+        "no final word from the prefill rank"
+    )
+    before = c.procs["PA"].call("stats", "m")["failures"]
+    c.procs["PA"].call("fill", "m", room, ptab, N)
+    c.procs["PA"].call("create_sender", "m", room)
+    got = c.procs["PA"].call("poll", "m", [room])
+    assert got[room] == (FAILED, "aborted_by_decode"), got
+    assert _grew(before, c.procs["PA"].call("stats", "m")["failures"]) == {"aborted_by_decode": 1}
+    c.send_all("PA", room, ptab)
+    assert c.procs["DA"].call("check", "m", room, dtab, N) == (LAYERS[1] - LAYERS[0]) * 2 * -(
+        -N // PS
+    )
 
 
 def test_room_nobody_registered(cluster):
@@ -318,11 +387,11 @@ def test_decode_killed_mid_transfer(cluster):
     c = cluster
     to_da = [c.room("PA", "DA"), c.room("PB", "DA")]
     to_db = [c.room("PA", "DB"), c.room("PB", "DB")]
-    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db, strict=True):
         _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
         c.send_all(p, room, ptab, 0, 32)
     c.procs["DA"].kill()
-    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db, strict=True):
         c.send_all(p, room, ptab, 32, N)
     limit = max(CFG["transfer_timeout_s"], HB_TIMEOUT + 2 * CFG["heartbeat_interval_s"]) + 1.5
     _assert(c.wait("PA", [to_da[0][0]], timeout=10), FAILED, within=limit)
@@ -348,10 +417,11 @@ def test_prefill_killed(cluster):
 
 
 def test_prefill_restarted_on_the_same_address(cluster):
-    """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on the
-    same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to tell it
-    that route died. Its heartbeats see that the server's ranks changed, so its next room to PC looks
-    the route up again and completes (the stale route would register with the dead process and time out)."""
+    """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on
+    the same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to
+    tell it that route died. Its heartbeats see that the server's ranks changed, so its next room to
+    PC looks the route up again and completes (the stale route would register with the dead process
+    and time out)."""
     c = cluster
     ctx = mp.get_context("spawn")
     c.servers["C"] = BootstrapServer(heartbeat_timeout_s=HB_TIMEOUT).start()

@@ -15,7 +15,7 @@ ALLOWED = {
     "engine": {"consensus"},
     "kv_transfer": {"consensus", "infra"},
     "runtime": {"engine", "consensus", "infra"},
-    "pd_common": {"runtime", "engine", "consensus", "infra"},
+    "pd_common": {"runtime", "engine", "kv_transfer", "consensus", "infra"},
     "prefill_node": {"pd_common", "runtime", "engine", "kv_transfer", "consensus", "infra"},
     "decode_node": {"pd_common", "runtime", "engine", "kv_transfer", "consensus", "infra"},
     "router": {"infra"},

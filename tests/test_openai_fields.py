@@ -5,6 +5,8 @@ neutral value and never reach a node; any other value, and any unknown field, is
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from stub_node import Cluster
@@ -39,13 +41,9 @@ def refused(call, param: str) -> openai.BadRequestError:
 
 # Real uses of the fields clients send most, through the SDK's own arguments.
 CHAT_USES = {
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.3,
-    "logit_bias": {"5": 10},
     "n": 2,
     "tools": [TOOL],
     "tool_choice": "required",
-    "response_format": {"type": "json_object"},
     "store": True,
     "metadata": {"k": "v"},
     "service_tier": "flex",
@@ -56,11 +54,7 @@ CHAT_USES = {
     "function_call": {"name": "get_weather"},
 }
 VLLM_USES = {  # vLLM's extensions travel in extra_body
-    "repetition_penalty": 1.2,
     "best_of": 3,
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
     "min_tokens": 4,
     "chat_template_kwargs": {"enable_thinking": False},
     "include_stop_str_in_output": True,
@@ -196,3 +190,44 @@ def test_openapi_document_lists_the_refused_fields_with_their_neutral_values():
             prop = schema["properties"][field]
             assert prop["enum"] == [None, *neutral] and "400" in prop["description"], field
     assert {"type": "string"} in schemas["ChatRequest"]["properties"]["user"]["anyOf"]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+# Implemented fields (issue #19 items 4-5): what the node is asked for, in its native form.
+IMPLEMENTED = [
+    (dict(presence_penalty=0.5), {}, {"presence_penalty": 0.5}),
+    (dict(frequency_penalty=-0.3), {}, {"frequency_penalty": -0.3}),
+    (dict(logit_bias={"5": 10}), {}, {"logit_bias": {"5": 10.0}}),
+    ({}, {"repetition_penalty": 1.2}, {"repetition_penalty": 1.2}),
+    (dict(response_format={"type": "json_object"}), {}, {"guide": ["json_object", ""]}),
+    (
+        dict(
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+        ),
+        {},
+        {"guide": ["json_schema", json.dumps(SCHEMA)]},
+    ),
+    ({}, {"guided_json": SCHEMA}, {"guide": ["json_schema", json.dumps(SCHEMA)]}),
+    ({}, {"guided_regex": "[a-z]+"}, {"guide": ["regex", "[a-z]+"]}),
+    ({}, {"guided_choice": ["yes", "no"]}, {"guide": ["choice", json.dumps(["yes", "no"])]}),
+]
+
+
+@pytest.mark.parametrize("kwargs,extra,native", IMPLEMENTED, ids=range(len(IMPLEMENTED)))
+def test_implemented_fields_reach_the_node(client, cluster, kwargs, extra, native):
+    node = cluster.colocated[0]
+    client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, extra_body=extra or None, **kwargs
+    )
+    sent = node.stats.bodies[-1]["sampling_params"]
+    assert {k: sent.get(k) for k in native} == native
+
+
+def test_two_guides_at_once_are_a_400(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            response_format={"type": "json_object"},
+            extra_body={"guided_regex": "a"},
+        )

@@ -1,0 +1,369 @@
+"""Typed messages between a node's processes, and their one strict codec.
+
+    front -> PP0      AddRequest, AbortRequest (a PD node adds its own kinds: pd_common/messages.py)
+    PP0 -> ranks      the same requests, forwarded down the PP chain as the meta stream
+    PP0 -> front      TokenEvent, FinishEvent, ErrorEvent, AbortUnknownEvent (+ the PD kinds)
+    rank -> front     RankStats (with KVRankStats on a PD rank), twice a second
+
+A message travels as a msgpack list `[tag, field, ...]` in field order. `decode` checks the tag, the
+number of fields and every field's type (from its annotation) and bound, and raises MessageError:
+readers drop and count what it rejects, and never die of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+MAX_STR = 4096  # characters of any string field (messages, reasons, rids)
+MAX_LIST = 1 << 22  # items of any list field (a prompt's token ids at most)
+MAX_MAP = 4096  # entries of any map field
+
+
+class MessageError(ValueError):
+    """Bytes that are not one of our messages, or a message that breaks its schema."""
+
+
+_BY_TAG: dict[str, type] = {}
+_SPECS: dict[type, tuple[tuple[Callable[[Any], Any], ...], Callable | None]] = {}
+
+
+def message(tag: str):
+    """Registers a dataclass as the message `tag` (unique across the node's channels)."""
+
+    def register(cls):
+        if tag in _BY_TAG:
+            raise ValueError(f"message tag {tag!r} is taken by {_BY_TAG[tag].__name__}")
+        cls.TAG = tag
+        _BY_TAG[tag] = cls
+        return cls
+
+    return register
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def encode(msg: Any) -> list:
+    """The wire form of a registered message (or a nested dataclass: its fields only)."""
+    cls = type(msg)
+    names = _NAMES.get(cls)
+    if names is None:  # per token on the hot path: look the fields up once per class
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    values = [_to_wire(getattr(msg, n)) for n in names]
+    tag = getattr(cls, "TAG", None)
+    return values if tag is None else [tag, *values]
+
+
+def decode(obj: Any) -> Any:
+    """A registered message from its wire form; MessageError if it is not exactly one."""
+    if type(obj) is not list or not obj or type(obj[0]) is not str:
+        raise MessageError("a message is a non-empty list starting with its tag")
+    cls = _BY_TAG.get(obj[0])
+    if cls is None:
+        raise MessageError(f"unknown message tag {obj[0][:40]!r}")
+    return _build(cls, obj[1:])
+
+
+def from_mapping(cls: type, d: Any) -> Any:
+    """A message from a {field: value} map (a readable form, e.g. JSON on a command line): exactly
+    the class's fields, each checked as `decode` checks it."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if type(d) is not dict or set(d) != set(names):
+        got = sorted(d) if type(d) is dict else type(d).__name__
+        raise MessageError(f"{cls.__name__} needs exactly the fields {names}, got {got}")
+    return _build(cls, [d[n] for n in names])
+
+
+def pack(msgs: list[Any]) -> bytes:
+    return msgpack.packb([encode(m) for m in msgs], use_bin_type=True)
+
+
+def unpack(data: bytes) -> tuple[list[Any], list[MessageError]]:
+    """A batch: the messages that decode, and the errors of those that did not."""
+    try:
+        batch = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for garbage; all mean "not ours"
+        raise MessageError(f"not msgpack: {type(e).__name__}") from None
+    if type(batch) is not list:
+        raise MessageError(f"a batch is a list, got {type(batch).__name__}")
+    good, bad = [], []
+    for obj in batch:
+        try:
+            good.append(decode(obj))
+        except MessageError as e:
+            bad.append(e)
+    return good, bad
+
+
+_PLAIN = (int, float, str, bool, type(None), dict)
+
+
+def _to_wire(v: Any) -> Any:
+    if type(v) in _PLAIN:
+        return v
+    if type(v) is list and v and type(v[0]) in _PLAIN and type(v[-1]) in _PLAIN:
+        return v  # token ids: nothing nested to convert
+    if isinstance(v, (tuple, list)):
+        return [_to_wire(x) for x in v]
+    if dataclasses.is_dataclass(v):
+        return encode(v)
+    return v
+
+
+def _build(cls: type, values: list) -> Any:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        hints = typing.get_type_hints(cls)
+        checks = tuple(
+            _checker(hints[f.name], f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls)
+        )
+        spec = _SPECS[cls] = (checks, getattr(cls, "validate", None))
+    checks, validate = spec
+    if len(values) != len(checks):
+        raise MessageError(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
+    msg = cls(*[check(v) for check, v in zip(checks, values, strict=True)])
+    if validate is not None:  # bounds beyond the types (a room's range, ...)
+        validate(msg)
+    return msg
+
+
+def _checker(ann: Any, where: str) -> Callable[[Any], Any]:
+    """A function that validates (and, for nested messages and tuples, builds) one field value."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType):
+        return _union_checker(args, where)
+    if ann in (bool, int, float, str) or ann is Any:
+        return _scalar_checker(ann, where)
+    if origin in (list, tuple, dict) or ann in (list, tuple, dict):
+        return _container_checker(origin or ann, args, where)
+    if dataclasses.is_dataclass(ann):
+
+        def nested(v):
+            if type(v) is not list:
+                raise MessageError(f"{where}: expected a {ann.__name__} (a list)")
+            return _build(ann, v)
+
+        return nested
+    raise TypeError(f"{where}: no wire check for the annotation {ann!r}")
+
+
+def _union_checker(args: tuple, where: str) -> Callable[[Any], Any]:
+    options = [_checker(a, where) for a in args if a is not type(None)]
+    optional = type(None) in args
+    if len(options) == 1:  # `X | None`: no try/except on the hot path
+        only = options[0]
+        return lambda v: None if v is None else only(v)
+
+    def one_of(v):
+        if v is None and optional:
+            return None
+        for check in options:
+            try:
+                return check(v)
+            except MessageError:
+                pass
+        raise MessageError(f"{where}: unexpected {type(v).__name__}")
+
+    return one_of
+
+
+def _scalar_checker(ann: Any, where: str) -> Callable[[Any], Any]:
+    if ann is Any:
+        return lambda v: v
+    if ann is float:
+
+        def real(v):
+            if type(v) not in (float, int):
+                raise MessageError(f"{where}: expected a number, got {type(v).__name__}")
+            return float(v)
+
+        return real
+    if ann is str:
+
+        def short_str(v):
+            if type(v) is not str or len(v) > MAX_STR:
+                raise MessageError(f"{where}: expected a string of at most {MAX_STR} characters")
+            return v
+
+        return short_str
+    return _exact(ann, where)  # bool, int: exactly (True is no token id)
+
+
+def _container_checker(kind: type, args: tuple, where: str) -> Callable[[Any], Any]:
+    if kind is dict:
+        key = _checker(args[0], where) if args else (lambda v: v)
+        val = _checker(args[1], where) if args else (lambda v: v)
+
+        def mapping(v):
+            if type(v) is not dict or len(v) > MAX_MAP:
+                raise MessageError(f"{where}: expected a map of at most {MAX_MAP} entries")
+            return {key(k): val(x) for k, x in v.items()}
+
+        return mapping
+    if kind is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple
+        items = [_checker(a, where) for a in args]
+
+        def record(v):
+            if type(v) is not list or len(v) != len(items):
+                raise MessageError(f"{where}: expected a list of {len(items)} items")
+            return tuple(check(x) for check, x in zip(items, v, strict=True))
+
+        return record
+    item = _checker(args[0], where) if args else (lambda v: v)
+    make = tuple if kind is tuple else list
+
+    def seq(v):
+        if type(v) is not list or len(v) > MAX_LIST:
+            raise MessageError(f"{where}: expected a list of at most {MAX_LIST} items")
+        return make(item(x) for x in v)
+
+    return seq
+
+
+def _exact(t: type, where: str) -> Callable[[Any], Any]:
+    def check(v):
+        if type(v) is not t:
+            raise MessageError(f"{where}: expected {t.__name__}, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+# --- front -> PP0 (and down the PP chain) ---------------------------------------------------------
+@message("add")
+@dataclass(frozen=True)
+class AddRequest:
+    """A new request: its prompt and its sampling parameters (SamplingParams.to_dict)."""
+
+    rid: str
+    input_ids: list[int]
+    params: dict[str, Any]
+
+    def validate(self) -> None:
+        if not self.input_ids or min(self.input_ids) < 0:
+            raise MessageError("AddRequest.input_ids: a non-empty list of token ids")
+
+
+@message("abort")
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+    reason: str
+
+
+# --- PP0 -> front ---------------------------------------------------------------------------------
+class Event:
+    """What PP0 tells the front about one request; `terminal`: the request is over on the ranks."""
+
+    terminal: ClassVar[bool] = False
+    rid: str
+
+
+@message("token")
+@dataclass(frozen=True)
+class TokenEvent(Event):
+    rid: str
+    token: int
+    logprob: float | None  # None unless the request asked for logprobs
+    top: list[tuple[int, float]] | None  # (token id, logprob) pairs, when asked for
+
+
+@message("finish")
+@dataclass(frozen=True)
+class FinishEvent(Event):
+    terminal: ClassVar[bool] = True
+    rid: str
+    kind: str  # FinishReason kind: stop, length, abort
+    message: str | None
+    matched: int | str | None  # the stop token id or stop string that ended it
+    prompt_len: int
+    output_len: int
+    cached_len: int  # prompt tokens the prefix cache served
+
+
+@message("error")
+@dataclass(frozen=True)
+class ErrorEvent(Event):
+    terminal: ClassVar[bool] = True
+    rid: str
+    message: str
+    field: str | None  # the request field at fault (a client error); None: a server-side failure
+
+
+@message("abort_unknown")
+@dataclass(frozen=True)
+class AbortUnknownEvent(Event):
+    """An abort for a request no rank knows (it finished, or never arrived)."""
+
+    rid: str
+
+
+# --- rank -> front --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVRankStats:
+    """A PD rank's transfer counters since start (latencies: those new since the last push)."""
+
+    bytes: int
+    failures: dict[str, int]
+    latencies: list[float]
+    dropped: dict[str, int]  # control messages dropped, by reason
+    ctrl_port: int | None  # where the rank's KV control socket listens
+
+
+@message("stats")
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's state for the front's /health, /server_info and /metrics."""
+
+    pp_rank: int
+    pid: int
+    iterations: int
+    forwards: int
+    held_pages: int  # pages live requests hold (prefix-cache pages they lock included)
+    used_tokens: int
+    num_pages: int
+    free_pages: int
+    page_size: int
+    cached_pages: int
+    locked_cached_pages: int  # prefix-cache pages a request still locks (not evictable)
+    prefix_hit_tokens: int
+    retractions: int
+    queues: dict[str, int]  # requests per queue: waiting, running, retracted + a PD loop's own
+    samples: dict[str, list[float]]  # latency samples since the last push, by name
+    front_dropped: dict[str, int] = field(default_factory=dict)  # PP0: bad front messages
+    kv: KVRankStats | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The stats as /server_info shows them: the queues inline, as before they were typed."""
+        d = dataclasses.asdict(self)
+        d.update(d.pop("queues"))
+        return d
+
+
+# --- last rank -> PP0 -> ... (the output ring, runtime/slot_loop.py) ------------------------------
+def out_to_wire(out: Any) -> list | None:  # a SampleOut
+    if out is None:
+        return None
+    tops = (
+        [[list(p) for p in row] for row in out.top_logprobs]
+        if out.top_logprobs is not None
+        else None
+    )
+    return [out.token_ids, out.logprobs, tops]
+
+
+def out_from_wire(w: list | None) -> Any:
+    """The SampleOut of a ring message (imported here: the front reads this module, no torch)."""
+    from engine.scheduler import SampleOut
+
+    if w is None:
+        return None
+    tops = [[(int(i), float(v)) for i, v in row] for row in w[2]] if w[2] is not None else None
+    return SampleOut(list(w[0]), w[1], tops)
