@@ -4,6 +4,14 @@ import random
 import pytest
 from tiny_model import build_tiny_model
 
+from consensus import rank_checker
+
+# The rank consensus checker is on in the test process: the in-process clusters (tests/inproc.py)
+# compare every rank's decisions. The decorator reads the switch when a decision point is defined,
+# so this comes before any engine or loop module is imported. Nodes started as processes keep
+# their own environment (PDSERVE_RANK_CONSENSUS_CHECK, tests/pd_cluster.py).
+rank_checker.enable()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
