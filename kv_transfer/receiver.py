@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from consensus.kvpoll import KVPoll
+from kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
@@ -30,7 +31,7 @@ from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, read_
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
 
 
-class KVReceiver:
+class KVReceiver(BaseKVReceiver):
     def __init__(self, mgr: DecodeKVManager, room: int, bootstrap_addr: str):
         self.room, self.bootstrap_addr = room, bootstrap_addr
         self._mgr = mgr
@@ -251,7 +252,7 @@ class KVReceiver:
             mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200]))
 
 
-class DecodeKVManager(KVManagerBase):
+class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
     """The KV manager of one decode rank; `dst_slices` are the layer slices of all decode ranks."""
 
     side = "decode"

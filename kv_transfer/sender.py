@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from consensus.kvpoll import KVPoll
+from kv_transfer.base import BaseKVSender, BasePrefillKVManager
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
@@ -49,7 +50,7 @@ class Chunk:
     aux: bytes | None
 
 
-class KVSender:
+class KVSender(BaseKVSender):
     def __init__(self, mgr: PrefillKVManager, room: int):
         self.room = room
         self._mgr = mgr
@@ -326,7 +327,7 @@ def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:
     return KVStatus(room, rank, int(status), reason[:200], 0, 0, None)
 
 
-class PrefillKVManager(KVManagerBase):
+class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
     """The KV manager of one prefill rank: registers with its node's bootstrap server, owns senders."""
 
     side = "prefill"
