@@ -202,8 +202,15 @@ class RankParts:
 
 
 def build_rank(
-    spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None
+    spec: RankSpec,
+    *,
+    hold_kv_on_finish: bool = False,
+    prefix_cache: bool | None = None,
+    comm: Any = None,
 ) -> RankParts:
+    """Loads the rank's slice and builds its runner and scheduler. `comm`: a PP group end to use
+    instead of joining `spec.dist_init` (the in-memory one of runtime/pp_comm_memory.py, when the
+    tests run a node's ranks as threads); None: a PP>1 rank joins the torch.distributed group."""
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
     threads = apply_threads(cfg.threads)  # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
@@ -223,8 +230,7 @@ def build_rank(
         cfg.dtype,
         f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
     )
-    comm = None
-    if spec.pp_size > 1:
+    if spec.pp_size > 1 and comm is None:
         comm = PPComm(
             spec.pp_rank,
             spec.pp_size,
@@ -234,6 +240,7 @@ def build_rank(
             device=spec.device,
             comm_stream=spec.comm_stream,
         )
+    if spec.pp_size > 1:
         # Capacities every decision reads are agreed once: the minimum over ranks.
         lo, _ = comm.all_min_max(
             [cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens]
