@@ -2,7 +2,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup setup-test serve test bench soak clean verify-protocol chaos-campaign
+.PHONY: setup setup-test serve lint test bench soak clean verify-protocol chaos-campaign
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -15,8 +15,13 @@ setup-test:
 serve: setup
 	$(VENV)/bin/pdserve up
 
-# The test suite (what CI runs).
-test: setup-test
+# ruff (pyproject.toml [tool.ruff]): lint and format check; a finding fails `make test` and CI.
+lint: setup-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The test suite (what CI runs): lint first, then pytest.
+test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # Opt-in, not part of `test`: `pdserve up` under streaming load with cancellations for 10 minutes,

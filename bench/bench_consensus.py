@@ -4,8 +4,8 @@ Measures, per PP size:
 * store replication: rank k writes a room's last missing status -> PP0's `status(room)` shows it
   (all other ranks already wrote theirs), p50/p99 in microseconds;
 * PP0 `statuses()` cost per room (one call for 256 rooms, all ranks reported);
-* one full two-pass vote round (4 kinds, 32 ids each; pass 1 PP0 -> last, pass 2 last -> PP0 -> ...):
-  PP0 starts pass 1 -> the last rank to get the verdict has it, p50/p99;
+* one full two-pass vote round (4 kinds, 32 ids each; pass 1 PP0 -> last, pass 2 last -> PP0 ->
+  ...): PP0 starts pass 1 -> the last rank to get the verdict has it, p50/p99;
 * one leader sync of 64 statuses (PP0 -> last).
 The ring runs over ZMQ PUSH/PULL through `PPGroupTransport` (the engine will use its PP group).
 Clocks: time.perf_counter_ns is CLOCK_MONOTONIC, shared by processes on one host.
@@ -139,7 +139,7 @@ def ring_worker(rank: int, size: int, rounds: int, addr_q, peers_q, out_q) -> No
     }
     polls = [KVPoll.WaitingForInput] * 64
     vote_t, sync_t = [], []
-    for n in range(rounds + 20):  # 20 warm-up rounds
+    for _ in range(rounds + 20):  # 20 warm-up rounds
         if rank == 0:
             time.sleep(0.003)  # keep rounds apart
         t0 = now()
@@ -147,7 +147,7 @@ def ring_worker(rank: int, size: int, rounds: int, addr_q, peers_q, out_q) -> No
         verdict = vote.pass2(0)
         vote_t.append((t0, now()))
         assert verdict["release"].good == rooms
-    for n in range(rounds + 20):
+    for _ in range(rounds + 20):
         if rank == 0:
             time.sleep(0.002)
         t0 = now()
@@ -193,7 +193,7 @@ def bench_ring(size: int, rounds: int) -> dict:
     return {"vote": spans(0), "sync": spans(1)}
 
 
-# ---- code cost per hop, without the OS: a middle rank's work, in this process ---------------------
+# ---- code cost per hop, without the OS: a middle rank's work, in this process --------------------
 class _ReplayTransport(PPGroupTransport):
     """Rank 1 of 3 whose previous rank 'sends' pre-encoded frames; sends are encoded and dropped."""
 
@@ -250,12 +250,13 @@ def main() -> None:
     lines = [
         "# Consensus latency (bench/bench_consensus.py)",
         "",
-        f"Loopback, one process per rank, {args.rounds} samples each; machine: {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average at start "
-        f"{load0:.1f} (other jobs share the machine). Microseconds.",
+        f"Loopback, one process per rank, {args.rounds} samples each; machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average at start {load0:.1f} (other jobs share the machine). Microseconds.",
         "",
-        "| PP | store repl p50 | store repl p99 | PP0 statuses()/room | vote round p50 | vote round p99 "
-        "| leader sync p50 | leader sync p99 | bootstrap added p50 | bootstrap added p99 |",
+        "| PP | store repl p50 | store repl p99 | PP0 statuses()/room | vote round p50 "
+        "| vote round p99 | leader sync p50 | leader sync p99 | bootstrap added p50 "
+        "| bootstrap added p99 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, st, ring in rows:
@@ -263,7 +264,8 @@ def main() -> None:
         lines.append(
             f"| {size} | {pct(st['repl'], 50):.0f} | {pct(st['repl'], 99):.0f} | "
             f"{st['status_us']:.2f} | {pct(ring['vote'], 50):.0f} | {pct(ring['vote'], 99):.0f} | "
-            f"{pct(ring['sync'], 50):.0f} | {pct(ring['sync'], 99):.0f} | {added[0]:.0f} | {added[1]:.0f} |"
+            f"{pct(ring['sync'], 50):.0f} | {pct(ring['sync'], 99):.0f} | {added[0]:.0f} | "
+            f"{added[1]:.0f} |"
         )
     code = bench_code()
     lines += [

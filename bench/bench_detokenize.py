@@ -3,7 +3,8 @@
 For each output length, one request's tokens arrive one at a time (as a streamed answer does) and
 the front turns them into text: `IncrementalDetokenizer` (the `tokenizers` decode stream, one step
 per token) against the same class forced onto its fallback (re-decoding the whole output per
-token, what the front did before). Greedy SmolLM2 ids are replaced by a seeded mix of vocabulary ids.
+token, what the front did before). Greedy SmolLM2 ids are replaced by a seeded mix of vocabulary
+ids.
 
   .venv/bin/python bench/bench_detokenize.py [--lengths 64,512,2048]
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from engine.loader import load_tokenizer, resolve_model  # noqa: E402
+from engine.loader import resolve_model  # noqa: E402
+from engine.tokenizer import load_tokenizer  # noqa: E402
 
 
 def per_token_us(tok, ids: list[int], stream: bool) -> float:
@@ -43,7 +45,8 @@ def main() -> int:
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(0)
     print(
-        "| output tokens | decode stream (µs CPU / token) | full re-decode (µs CPU / token) | ratio |"
+        "| output tokens | decode stream (µs CPU / token) | full re-decode (µs CPU / token) | "
+        "ratio |"
     )
     print("|---:|---:|---:|---:|")
     for n in map(int, a.lengths.split(",")):

@@ -1,16 +1,18 @@
-"""Offline engine throughput on SmolLM2-135M-Instruct vs transformers, and our fraction of the roofline.
+"""Offline engine throughput on SmolLM2-135M-Instruct vs transformers,
+and our fraction of the roofline.
 
-Workload: `--requests` seeded prompts of random token ids (lengths uniform in [32, 256]), `--max-tokens`
-output tokens each, greedy, ignore_eos.
+Workload: `--requests` seeded prompts of random token ids (lengths uniform in [32, 256]),
+`--max-tokens` output tokens each, greedy, ignore_eos.
   ours:          Engine.generate on all requests as one continuous batch, torch threads = 2, fp32;
-  transformers:  AutoModelForCausalLM (dequantized from the same GGUF, fp32) `generate` one request at a
-                 time on a seeded subset of `--hf-requests` of the same requests (the full set would take
-                 ~10 minutes); rates, not totals, are compared;
-  roofline:      (prompt + output tokens) x 2 x (parameters touched per token) / s, over the FLOP/s of a
-                 2048x2048 @ 2048x2048 fp32 matmul measured here with 2 threads (best of several).
-Parameters touched per token: every decoder-layer weight for every token, plus the tied lm_head for each
-sampled token (prefill computes logits only at the last prompt position). Attention score FLOPs are
-not counted (they would only raise our number).
+  transformers:  AutoModelForCausalLM (dequantized from the same GGUF, fp32) `generate` one request
+                 at a time on a seeded subset of `--hf-requests` of the same requests (the full set
+                 would take ~10 minutes); rates, not totals, are compared;
+  roofline:      (prompt + output tokens) x 2 x (parameters touched per token) / s, over the FLOP/s
+                 of a 2048x2048 @ 2048x2048 fp32 matmul measured here with 2 threads
+                 (best of several).
+Parameters touched per token: every decoder-layer weight for every token, plus the tied lm_head for
+each sampled token (prefill computes logits only at the last prompt position). Attention score FLOPs
+are not counted (they would only raise our number).
 
   .venv/bin/python bench/bench_engine.py [--requests 64] [--max-tokens 128] [--hf-requests 8]
 """
@@ -56,7 +58,8 @@ def matmul_flops(n: int = 2048, reps: int = 6) -> float:
 
 
 def param_counts(eng: Engine) -> tuple[int, int]:
-    """(parameters of the decoder layers + final norm, parameters of the (tied) embedding / lm_head)."""
+    """(parameters of the decoder layers + final norm, parameters of the (tied) embedding /
+    lm_head)."""
     model = eng.runner.model
     seen, total, embed = set(), 0, 0
     for name, p in model.named_parameters():
@@ -159,22 +162,26 @@ def main() -> int:
     hf_s, hf_outs, hf_load = hf_run(path, sub, args.max_tokens)
     hf_out = sum(map(len, hf_outs))
     hf_rate = hf_out / hf_s
-    same = sum(a == outs[i].token_ids for a, i in zip(hf_outs, idx))
+    same = sum(a == outs[i].token_ids for a, i in zip(hf_outs, idx, strict=True))
     first_diff = []
-    for a, i in zip(hf_outs, idx):
+    for a, i in zip(hf_outs, idx, strict=True):
         b = outs[i].token_ids
         if a != b:
             first_diff.append(
-                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                next(
+                    (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)),
+                )
             )
     print(
-        f"transformers: {hf_out} tokens ({len(sub)} requests) in {hf_s:.1f} s = {hf_rate:.1f} tok/s; "
-        f"token-identical {same}/{len(sub)}",
+        f"transformers: {hf_out} tokens ({len(sub)} requests) in {hf_s:.1f} s = {hf_rate:.1f} "
+        f"tok/s; token-identical {same}/{len(sub)}",
         flush=True,
     )
     load1 = os.getloadavg()
 
     speedup = ours_rate / hf_rate
+    hf_roof = 2 * (layer_p * (sum(map(len, sub)) + hf_out) + embed_p * hf_out) / hf_s / flops
     rows = [
         (
             "ours: Engine.generate, 1 continuous batch, fp32, 2 threads",
@@ -190,7 +197,7 @@ def main() -> int:
             hf_out,
             f"{hf_s:.1f}",
             f"{hf_rate:.1f}",
-            f"{2 * (layer_p * (sum(map(len, sub)) + hf_out) + embed_p * hf_out) / hf_s / flops:.1%}",
+            f"{hf_roof:.1%}",
         ),
     ]
     table = [
@@ -203,35 +210,42 @@ def main() -> int:
         [
             "# Offline engine throughput (SmolLM2-135M-Instruct)",
             "",
-            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}, torch "
-            f"{torch.__version__}; shared with other jobs. Load average (1/5/15 min) at start "
-            f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after our run {load_mid[0]:.2f}/{load_mid[1]:.2f}/"
-            f"{load_mid[2]:.2f}, at the end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}.",
+            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), "
+            f"Python {platform.python_version()}, torch {torch.__version__}; "
+            "shared with other jobs. Load average (1/5/15 min) at start "
+            f"{load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, after our run "
+            f"{load_mid[0]:.2f}/{load_mid[1]:.2f}/{load_mid[2]:.2f}, "
+            f"at the end {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}.",
             "",
-            f"Workload: {args.requests} requests, prompts of seeded random token ids, lengths uniform in [32, 256] "
-            f"({n_prompt} prompt tokens, mean {n_prompt / args.requests:.0f}), {args.max_tokens} output tokens each, "
-            "greedy, ignore_eos. Served dtype: **fp32** (the default; token-identical to the fp32 reference). "
-            f"torch threads = {THREADS} for both.",
+            f"Workload: {args.requests} requests, prompts of seeded random token ids, "
+            f"lengths uniform in [32, 256] ({n_prompt} prompt tokens, "
+            f"mean {n_prompt / args.requests:.0f}), {args.max_tokens} output tokens each, greedy, "
+            "ignore_eos. Served dtype: **fp32** (the default; token-identical to the fp32 "
+            f"reference). torch threads = {THREADS} for both.",
             "",
-            f"transformers ran a seeded subset of {len(sub)} of the {args.requests} requests (indices {idx}), one at a "
-            f"time, because the full set would take ~{args.requests * args.max_tokens / hf_rate / 60:.0f} min at its "
-            f"rate; its rate is extrapolated to the full set. Model load: {hf_load:.0f} s (not timed). "
+            f"transformers ran a seeded subset of {len(sub)} of the {args.requests} requests "
+            f"(indices {idx}), one at a time, because the full set would take "
+            f"~{args.requests * args.max_tokens / hf_rate / 60:.0f} min at its rate; "
+            f"its rate is extrapolated to the full set. Model load: {hf_load:.0f} s (not timed). "
             f"Its outputs vs ours on those requests: token-identical {same}/{len(sub)}"
             + (f" (first differing positions {first_diff})" if first_diff else "")
             + ".",
             "",
             *table,
             "",
-            f"Roofline: FLOPs = 2 x ({layer_p / 1e6:.1f}M decoder-layer parameters x (prompt + output tokens) + "
-            f"{embed_p / 1e6:.1f}M lm_head parameters x output tokens) = {flop / 1e12:.2f} TFLOP, over the measured "
-            f"fp32 matmul peak {flops / 1e9:.1f} GFLOP/s (2048x2048 @ 2048x2048, {THREADS} threads, best of 6). "
+            f"Roofline: FLOPs = 2 x ({layer_p / 1e6:.1f}M decoder-layer parameters x (prompt + "
+            f"output tokens) + {embed_p / 1e6:.1f}M lm_head parameters x output tokens) = "
+            f"{flop / 1e12:.2f} TFLOP, over the measured fp32 matmul peak {flops / 1e9:.1f} "
+            f"GFLOP/s (2048x2048 @ 2048x2048, {THREADS} threads, best of 6). "
             "Attention score FLOPs are not counted.",
             "",
-            f"- speed-up over transformers: **{speedup:.2f}x** (target >= 2.5x: {'met' if ok_speed else 'NOT met'})",
-            f"- fraction of roofline: **{roof:.1%}** (target >= 50%: {'met' if ok_roof else 'NOT met'})",
+            f"- speed-up over transformers: **{speedup:.2f}x** (target >= 2.5x: "
+            f"{'met' if ok_speed else 'NOT met'})",
+            f"- fraction of roofline: **{roof:.1%}** (target >= 50%: "
+            f"{'met' if ok_roof else 'NOT met'})",
             "",
-            f"Command: `.venv/bin/python bench/bench_engine.py --requests {args.requests} --max-tokens "
-            f"{args.max_tokens} --hf-requests {args.hf_requests}`",
+            f"Command: `.venv/bin/python bench/bench_engine.py --requests {args.requests} "
+            f"--max-tokens {args.max_tokens} --hf-requests {args.hf_requests}`",
             "",
         ]
     )

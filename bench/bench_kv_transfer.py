@@ -9,7 +9,8 @@ Reported: effective GB/s of one room (send_chunk on prefill -> Success on every 
 included) vs a single raw `batch_transfer_sync_write` of the same total bytes between the same two
 engines, their ratio (target >= 0.8), and per-room latency with 1, 8 and 32 rooms in flight.
 
-    .venv/bin/python bench/bench_kv_transfer.py [--layouts 1x1,2x3,3x2] [--out bench/results/kv_transfer.md]
+    .venv/bin/python bench/bench_kv_transfer.py [--layouts 1x1,2x3,3x2]
+        [--out bench/results/kv_transfer.md]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Node:
     """All ranks of one node in this process, one shared Mooncake engine."""
 
     def __init__(self):
-        from kv_transfer.engine import MooncakeEngine
+        from kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.bufs, self.rooms, self.raw = [], [], {}, []
@@ -135,12 +136,13 @@ class Node:
 
     def send_all(self):
         t0 = time.monotonic()
-        for (_, room), (s, src) in self.rooms.items():
+        for s, src in self.rooms.values():
             s.send_chunk(src, 0, PROMPT, last=True, aux=b"first-token" * 4)
         return t0
 
     def finish_times(self):
-        """Per room: when the last decode rank saw Success (monotonic clock, shared by processes)."""
+        """Per room: when the last decode rank saw Success
+        (monotonic clock, shared by processes)."""
         out = {}
         for (_, room), (r, _) in self.rooms.items():
             out[room] = max(out.get(room, 0.0), r.finished_at or float("inf"))
@@ -220,15 +222,16 @@ def main():
         lines = [
             "# kv_transfer benchmark",
             "",
-            f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, pages of {PAGE_SIZE}: "
-            f"{KV_BYTES / 1e6:.1f} MB per room, scattered page tables; Mooncake TCP on loopback, "
-            f"{os.cpu_count()} cores shared with other jobs. Raw = one `batch_transfer_sync_write` of the "
-            f"same {KV_BYTES / 1e6:.1f} MB (one descriptor) between the same two engines, measured "
-            f"interleaved with the 1-room runs; medians of {args.repeats}.",
+            f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, "
+            f"pages of {PAGE_SIZE}: {KV_BYTES / 1e6:.1f} MB per room, scattered page tables; "
+            f"Mooncake TCP on loopback, {os.cpu_count()} cores shared with other jobs. "
+            f"Raw = one `batch_transfer_sync_write` of the same {KV_BYTES / 1e6:.1f} MB (one "
+            "descriptor) between the same two engines, measured interleaved with the 1-room runs; "
+            f"medians of {args.repeats}.",
             "",
             "| layout (prefill PP x decode PP) | raw GB/s | kv_transfer 1 room GB/s | ratio | "
-            "latency/room, 1 in flight (ms) | 8 in flight: median / max (ms) | 32 in flight: median / max (ms) | "
-            "aggregate GB/s at 32 |",
+            "latency/room, 1 in flight (ms) | 8 in flight: median / max (ms) | 32 in flight: "
+            "median / max (ms) | aggregate GB/s at 32 |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for layout in args.layouts.split(","):
@@ -240,8 +243,8 @@ def main():
             l8, l32 = res[8][0], res[32][0]
             agg = 32 * KV_BYTES / l32[-1] / 1e9
             lines.append(
-                f"| {p_pp} x {d_pp} | {raw_gbs:.2f} | {gbs:.2f} | {gbs / raw_gbs:.2f} | {one * 1e3:.1f} | "
-                f"{statistics.median(l8) * 1e3:.0f} / {l8[-1] * 1e3:.0f} | "
+                f"| {p_pp} x {d_pp} | {raw_gbs:.2f} | {gbs:.2f} | {gbs / raw_gbs:.2f} | "
+                f"{one * 1e3:.1f} | {statistics.median(l8) * 1e3:.0f} / {l8[-1] * 1e3:.0f} | "
                 f"{statistics.median(l32) * 1e3:.0f} / {l32[-1] * 1e3:.0f} | {agg:.2f} |"
             )
             print(lines[-1], flush=True)

@@ -6,7 +6,8 @@ busy process on one of their cores makes that thread the slow one (measured befo
 2.4 s -> 14.5 s). The default plan gives a node's one rank one core and keeps the other for I/O, so
 a neighbour on the I/O core costs nothing and one on the compute core costs its share.
 
-  .venv/bin/python bench/bench_neighbour.py [--model M] [--repeats 3] [--output bench/results/neighbour.md]
+  .venv/bin/python bench/bench_neighbour.py [--model M] [--repeats 3]
+      [--output bench/results/neighbour.md]
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def main() -> int:
             f"busy core 1 {on1:.2f} s ({on1 / alone:.1f}x)",
             flush=True,
         )
-    load = open("/proc/loadavg").read().split()[:3]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     lines = [
         "| node | alone (s) | busy process on core 0 | busy process on core 1 |",
         "|---|---:|---:|---:|",
@@ -138,7 +140,8 @@ def main() -> int:
     ]
     text = (
         "\n".join(lines)
-        + f"\n\nOne 64-token greedy request, median of {a.repeats}; load average after: {' '.join(load)}.\n"
+        + f"\n\nOne 64-token greedy request, median of {a.repeats}; load average after: "
+        f"{' '.join(load)}.\n"
     )
     print(text)
     if a.output:

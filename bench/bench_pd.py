@@ -1,14 +1,17 @@
-"""PD disaggregation vs a colocated node with the same number of rank processes (SmolLM2-135M-Instruct, fp32).
+"""PD disaggregation vs a colocated node with the same number of rank processes
+(SmolLM2-135M-Instruct, fp32).
 
-  PD:        `pdserve prefill --pp 2 --threads 1` + `pdserve decode --pp 2 --threads 1` (4 rank processes),
-             driven like the router (tests/pd_cluster.py `pd_generate`): the same request with a random
-             63-bit bootstrap_room to both nodes at once, the decode node's /generate streamed (SSE).
+  PD:        `pdserve prefill --pp 2 --threads 1` + `pdserve decode --pp 2 --threads 1` (4 rank
+             processes), driven like the router (tests/pd_cluster.py `pd_generate`): the same
+             request with a random 63-bit bootstrap_room to both nodes at once, the decode node's
+             /generate streamed (SSE).
   colocated: `pdserve serve --pp 4 --threads 1` (4 rank processes), /generate streamed.
 Workload per concurrency level: seeded random token-id prompts of 100-250 tokens, 64 output tokens,
-ignore_eos (fresh prompts per level, the same for both systems). TTFT = send -> first streamed token,
-ITL = per request (last token - first token) / (tokens - 1), throughput = output tokens / wall.
-Queues: every node's GET /server_info ranks[0] is sampled every 100 ms (mean occupancy); if a node exports
-pdserve_queue_time_seconds on /metrics, the mean time per queue is taken from it as well.
+ignore_eos (fresh prompts per level, the same for both systems). TTFT = send -> first streamed
+token, ITL = per request (last token - first token) / (tokens - 1), throughput = output tokens /
+wall. Queues: every node's GET /server_info ranks[0] is sampled every 100 ms (mean occupancy); if a
+node exports pdserve_queue_time_seconds on /metrics,
+the mean time per queue is taken from it as well.
 
   .venv/bin/python bench/bench_pd.py [--levels 1:4,8:16,32:32] [--max-tokens 64]
 """
@@ -41,13 +44,13 @@ def run_levels(nodes: dict[str, str], send, levels, max_new: int) -> list[loadge
         prompts = loadgen.make_prompts(n, seed=100 + conc)
         before = {name: loadgen.queue_time_counters(u) for name, u in nodes.items()}
 
-        async def go():
+        async def go(prompts, conc):
             sampler = loadgen.QueueSampler(nodes, 0.1)
             sampler.start()
             res, wall = await loadgen.run_level(prompts, max_new, conc, send)
             return res, wall, await sampler.stop()
 
-        res, wall, occ = asyncio.run(go())
+        res, wall, occ = asyncio.run(go(prompts, conc))
         qt = {
             name: loadgen.queue_time_delta(before[name], loadgen.queue_time_counters(u))
             for name, u in nodes.items()
@@ -55,9 +58,9 @@ def run_levels(nodes: dict[str, str], send, levels, max_new: int) -> list[loadge
         lvl = loadgen.LevelResult(conc, res, wall, occ, qt)
         out.append(lvl)
         print(
-            f"  concurrency {conc}: {lvl.out_tokens} tokens in {wall:.1f} s = {lvl.out_tokens / wall:.1f} tok/s, "
-            f"TTFT {lvl.stat('ttft'):.2f} s, ITL {lvl.stat('itl') * 1e3:.0f} ms, errors {lvl.errors}, "
-            f"load {loadgen.loadavg()}",
+            f"  concurrency {conc}: {lvl.out_tokens} tokens in {wall:.1f} s = "
+            f"{lvl.out_tokens / wall:.1f} tok/s, TTFT {lvl.stat('ttft'):.2f} s, "
+            f"ITL {lvl.stat('itl') * 1e3:.0f} ms, errors {lvl.errors}, load {loadgen.loadavg()}",
             flush=True,
         )
         for r in res:
@@ -99,7 +102,8 @@ def run_pd(levels, max_new: int, logdir: Path, threads: int):
         wait_healthy(purl, pp, 300, logdir / "prefill.log")
         wait_healthy(durl, dp, 300, logdir / "decode.log")
         startup = time.perf_counter() - t
-        # this script plays the router: it tells the decode node the one bootstrap server it may contact
+        # this script plays the router: it tells the decode node the one bootstrap server it may
+        # contact
         httpx.put(
             f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, timeout=10
         ).raise_for_status()
@@ -162,17 +166,18 @@ def main() -> int:
     co, co_start = run_colocated(levels, args.max_tokens, logdir, args.threads)
 
     rows = [
-        "| system | concurrency | requests | output tokens | seconds | output tok/s | mean TTFT s | p50 TTFT s "
-        "| p99 TTFT s | mean ITL ms | p50 ITL ms | p99 ITL ms | errors |",
+        "| system | concurrency | requests | output tokens | seconds | output tok/s | mean TTFT s "
+        "| p50 TTFT s | p99 TTFT s | mean ITL ms | p50 ITL ms | p99 ITL ms | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     f = loadgen.fmt
     for name, res in (("PD (P: PP 2, D: PP 2)", pd), ("colocated PP 4", co)):
         for lv in res:
             rows.append(
-                f"| {name} | {lv.concurrency} | {len(lv.results)} | {lv.out_tokens} | {lv.wall:.1f} | "
-                f"{lv.out_tokens / lv.wall:.1f} | {f(lv.stat('ttft'), 1, 2)} | {f(lv.stat('ttft', 0.5), 1, 2)} | "
-                f"{f(lv.stat('ttft', 0.99), 1, 2)} | {f(lv.stat('itl'), 1e3)} | {f(lv.stat('itl', 0.5), 1e3)} | "
+                f"| {name} | {lv.concurrency} | {len(lv.results)} | {lv.out_tokens} | "
+                f"{lv.wall:.1f} | {lv.out_tokens / lv.wall:.1f} | {f(lv.stat('ttft'), 1, 2)} | "
+                f"{f(lv.stat('ttft', 0.5), 1, 2)} | {f(lv.stat('ttft', 0.99), 1, 2)} | "
+                f"{f(lv.stat('itl'), 1e3)} | {f(lv.stat('itl', 0.5), 1e3)} | "
                 f"{f(lv.stat('itl', 0.99), 1e3)} | {lv.errors} |"
             )
     qrows = [
@@ -212,10 +217,11 @@ def main() -> int:
                     have_qt = True
     qt_note = (
         (
-            "Nodes export no `pdserve_queue_time_seconds` on /metrics in this build, so per-request queue times "
-            "are not available; below is the mean queue occupancy at PP0 sampled every 100 ms from "
-            "GET /server_info (the ranks push stats every 0.5 s, so samples repeat), and a Little's-law "
-            "estimate of the mean time per request in each queue = occupancy x wall / requests."
+            "Nodes export no `pdserve_queue_time_seconds` on /metrics in this build, "
+            "so per-request queue times are not available; below is the mean queue occupancy at "
+            "PP0 sampled every 100 ms from GET /server_info (the ranks push stats every 0.5 s, "
+            "so samples repeat), and a Little's-law estimate of the mean time per request in each "
+            "queue = occupancy x wall / requests."
         )
         if not have_qt
         else "Mean time per queue from `pdserve_queue_time_seconds` (delta over the level): "
@@ -231,21 +237,28 @@ def main() -> int:
         [
             "# PD disaggregation vs colocated (SmolLM2-135M-Instruct, fp32)",
             "",
-            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}; load generator, "
-            f"all node fronts and rank processes share it with other jobs. Load average 1/5/15 min at start {load0}, "
+            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), "
+            f"Python {platform.python_version()}; load generator, all node fronts and rank "
+            f"processes share it with other jobs. Load average 1/5/15 min at start {load0}, "
             f"at the end {loadgen.loadavg()}. Whole script: {time.perf_counter() - t_all:.0f} s.",
             "",
-            f"PD: `pdserve prefill --pp 2 --threads {args.threads}` + `pdserve decode --pp 2 --threads {args.threads}` "
-            f"(started in {pd_start:.0f} s), driven like the router (tests/pd_cluster.py `pd_generate`: same body with a "
-            f"random bootstrap_room to both nodes at once), decode /generate streamed. Colocated: `pdserve serve --pp 4 "
-            f"--threads {args.threads}` (started in {co_start:.0f} s). Both: 4 rank processes x {args.threads} thread "
-            f"on 2 cores, default engine settings (page 16, chunk 512, KV transfer over Mooncake TCP on loopback for PD).",
+            f"PD: `pdserve prefill --pp 2 --threads {args.threads}` + `pdserve decode --pp 2 "
+            f"--threads {args.threads}` (started in {pd_start:.0f} s), "
+            "driven like the router (tests/pd_cluster.py `pd_generate`: "
+            "same body with a random bootstrap_room to both nodes at once), "
+            "decode /generate streamed. Colocated: `pdserve serve --pp 4 --threads "
+            f"{args.threads}` (started in {co_start:.0f} s). Both: "
+            f"4 rank processes x {args.threads} thread on 2 cores, default engine settings (page "
+            "16, chunk 512, KV transfer over Mooncake TCP on loopback for PD).",
             "",
-            f"Workload per level: seeded random token-id prompts of 100-250 tokens, {args.max_tokens} output tokens, "
-            "ignore_eos; a closed loop with `concurrency` requests in flight; fresh prompts per level (no prefix-cache "
-            "hits), the same prompts for both systems. One warm-up pair before the first level. TTFT = send to first "
-            "streamed token (client side), ITL = per request (last - first token) / (tokens - 1), throughput = output "
-            "tokens / wall of the level. Node logs: " + str(logdir) + ".",
+            "Workload per level: seeded random token-id prompts of 100-250 tokens, "
+            f"{args.max_tokens} output tokens, ignore_eos; a closed loop with `concurrency` "
+            "requests in flight; fresh prompts per level (no prefix-cache hits), "
+            "the same prompts for both systems. One warm-up pair before the first level. "
+            "TTFT = send to first streamed token (client side), ITL = per request (last - first "
+            "token) / (tokens - 1), throughput = output tokens / wall of the level. Node logs: "
+            + str(logdir)
+            + ".",
             "",
             *rows,
             "",
@@ -257,7 +270,8 @@ def main() -> int:
             "",
             *trows,
             "",
-            f"Command: `.venv/bin/python bench/bench_pd.py --levels {args.levels} --max-tokens {args.max_tokens}`",
+            f"Command: `.venv/bin/python bench/bench_pd.py --levels {args.levels} --max-tokens "
+            f"{args.max_tokens}`",
             "",
         ]
     )

@@ -5,12 +5,13 @@
     iteration, no forward, no ring) on a PPComm, a real Scheduler and a dummy runner that is never
     called. After a warm-up, every rank times `--iters` iterations; reported: median and p99 µs per
     iteration, and wall / iterations, per rank (the max over ranks is the pipeline's rhythm).
-(b) Throughput of PP = 2 (1 torch thread per rank) vs PP = 1 (2 threads) on SmolLM2-135M-Instruct with
-    the same total threads: `pdserve serve --pp N --threads T` as a process, `--requests` requests
-    (prompts of 100-250 seeded random token ids, 64 output tokens, ignore_eos) with `--concurrency` in
-    flight through POST /generate (streaming); output tokens/s and TTFT.
+(b) Throughput of PP = 2 (1 torch thread per rank) vs PP = 1 (2 threads) on SmolLM2-135M-Instruct
+    with the same total threads: `pdserve serve --pp N --threads T` as a process, `--requests`
+    requests (prompts of 100-250 seeded random token ids, 64 output tokens, ignore_eos) with
+    `--concurrency` in flight through POST /generate (streaming); output tokens/s and TTFT.
 
-  .venv/bin/python bench/bench_pp.py [--iters 2000] [--requests 32] [--concurrency 32] [--skip-a] [--skip-b]
+  .venv/bin/python bench/bench_pp.py [--iters 2000] [--requests 32] [--concurrency 32]
+      [--skip-a] [--skip-b]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402
 
 
-# --- (a) the empty slot loop ------------------------------------------------------------------------
+# --- (a) the empty slot loop ----------------------------------------------------------------------
 def _rank(rank: int, size: int, init: str, warmup: int, iters: int, q) -> None:
     import torch
 
@@ -98,7 +99,7 @@ def bench_loop(size: int, warmup: int, iters: int) -> list[tuple]:
     return sorted(out)
 
 
-# --- (b) PP = 2 vs PP = 1 through a colocated node ----------------------------------------------------
+# --- (b) PP = 2 vs PP = 1 through a colocated node ------------------------------------------------
 def bench_node(pp: int, threads: int, prompts, max_new: int, concurrency: int, logdir: Path):
     port = loadgen.free_port()
     cmd = ["serve", "--pp", str(pp), "--threads", str(threads), "--port", str(port)]
@@ -135,14 +136,16 @@ def main() -> int:
     lines = [
         "# Pipeline parallelism: slot-loop overhead and PP = 2 vs PP = 1",
         "",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}; "
-        f"shared with other jobs (load average 1/5/15 min at start: {loadgen.loadavg()}).",
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), "
+        f"Python {platform.python_version()}; shared with other jobs (load average 1/5/15 min at "
+        f"start: {loadgen.loadavg()}).",
         "",
     ]
 
     if not args.skip_a:
         rows = [
-            "| PP | rank | median µs/iteration | p99 µs/iteration | wall µs/iteration | forwards | payload bytes sent |",
+            "| PP | rank | median µs/iteration | p99 µs/iteration | wall µs/iteration | forwards | "
+            "payload bytes sent |",
             "|---:|---:|---:|---:|---:|---:|---:|",
         ]
         summary = []
@@ -151,18 +154,20 @@ def main() -> int:
             res = bench_loop(size, args.warmup, args.iters)
             for rank, med, p99, wall, fw, nbytes in res:
                 rows.append(
-                    f"| {size} | {rank} | {med * 1e6:.0f} | {p99 * 1e6:.0f} | {wall * 1e6:.0f} | {fw} | {nbytes} |"
+                    f"| {size} | {rank} | {med * 1e6:.0f} | {p99 * 1e6:.0f} | {wall * 1e6:.0f} | "
+                    f"{fw} | {nbytes} |"
                 )
             summary.append((size, max(r[1] for r in res), max(r[3] for r in res)))
             print(rows[-len(res) :], flush=True)
         lines += [
             "## (a) Slot-loop control overhead (empty model step)",
             "",
-            f"Real rank processes (multiprocessing spawn), torch.distributed gloo on loopback, 1 torch thread "
-            f"each; every rank runs `SlotLoop.iteration` on a PPComm + real Scheduler + a runner that is never "
-            f"called (no requests: every iteration is the meta metronome only, no hidden states, no ring). "
-            f"{args.warmup} warm-up iterations, then {args.iters} timed. PP = 4 puts 4 busy processes on "
-            f"2 cores. Load average before: {la}, after: {loadgen.loadavg()}.",
+            "Real rank processes (multiprocessing spawn), torch.distributed gloo on loopback, "
+            "1 torch thread each; every rank runs `SlotLoop.iteration` on a PPComm + real "
+            "Scheduler + a runner that is never called (no requests: every iteration is the meta "
+            f"metronome only, no hidden states, no ring). {args.warmup} warm-up iterations, "
+            f"then {args.iters} timed. PP = 4 puts 4 busy processes on 2 cores. "
+            f"Load average before: {la}, after: {loadgen.loadavg()}.",
             "",
             "| PP | median µs/iteration (max over ranks) | wall µs/iteration (max over ranks) |",
             "|---:|---:|---:|",
@@ -179,8 +184,9 @@ def main() -> int:
         n_prompt = sum(map(len, prompts))
         tmp = Path(tempfile.mkdtemp(prefix="bench_pp_"))
         rows = [
-            "| config | processes x threads | requests | concurrency | output tokens | seconds | output tok/s "
-            "| mean TTFT s | p50 TTFT s | max TTFT s | mean ITL ms | errors | node start s | load avg before/after |",
+            "| config | processes x threads | requests | concurrency | output tokens | seconds | "
+            "output tok/s | mean TTFT s | p50 TTFT s | max TTFT s | mean ITL ms | errors | node "
+            "start s | load avg before/after |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         rates = {}
@@ -190,10 +196,13 @@ def main() -> int:
             )
             rates[pp] = lvl.out_tokens / lvl.wall
             rows.append(
-                f"| PP {pp} | {pp} x {threads} | {len(prompts)} | {args.concurrency} | {lvl.out_tokens} | "
-                f"{lvl.wall:.1f} | {rates[pp]:.1f} | {loadgen.fmt(lvl.stat('ttft'), 1, 2)} | "
-                f"{loadgen.fmt(lvl.stat('ttft', 0.5), 1, 2)} | {loadgen.fmt(lvl.stat('ttft', 1.0), 1, 2)} | "
-                f"{loadgen.fmt(lvl.stat('itl'), 1e3, 0)} | {lvl.errors} | {startup:.0f} | {l0} / {l1} |"
+                f"| PP {pp} | {pp} x {threads} | {len(prompts)} | {args.concurrency} | "
+                f"{lvl.out_tokens} | {lvl.wall:.1f} | {rates[pp]:.1f} | "
+                f"{loadgen.fmt(lvl.stat('ttft'), 1, 2)} | "
+                f"{loadgen.fmt(lvl.stat('ttft', 0.5), 1, 2)} | "
+                f"{loadgen.fmt(lvl.stat('ttft', 1.0), 1, 2)} | "
+                f"{loadgen.fmt(lvl.stat('itl'), 1e3, 0)} | {lvl.errors} | {startup:.0f} | {l0} / "
+                f"{l1} |"
             )
             print(rows[-1], flush=True)
             for r in lvl.results:
@@ -202,12 +211,13 @@ def main() -> int:
         lines += [
             "## (b) PP = 2 vs PP = 1, same total threads (SmolLM2-135M-Instruct, fp32)",
             "",
-            f"`pdserve serve --pp N --threads T` (defaults otherwise: page 16, chunk 512, max batch tokens "
-            f"2048, prefix cache on; prompts are random so nothing is shared), {len(prompts)} requests of "
-            f"seeded random token ids, 100-250 tokens ({n_prompt} prompt tokens), {args.max_tokens} output "
-            f"tokens, ignore_eos, all sent at once (concurrency {args.concurrency}) to POST /generate with "
-            f"`stream: true`; TTFT and ITL measured by the client from the SSE token lines. One warm-up "
-            f"pair of requests before timing. Node logs: {tmp}.",
+            "`pdserve serve --pp N --threads T` (defaults otherwise: page 16, chunk 512, "
+            "max batch tokens 2048, prefix cache on; prompts are random so nothing is shared), "
+            f"{len(prompts)} requests of seeded random token ids, 100-250 tokens ({n_prompt} "
+            f"prompt tokens), {args.max_tokens} output tokens, ignore_eos, "
+            f"all sent at once (concurrency {args.concurrency}) to POST /generate with `stream: "
+            "true`; TTFT and ITL measured by the client from the SSE token lines. "
+            f"One warm-up pair of requests before timing. Node logs: {tmp}.",
             "",
             *rows,
             "",

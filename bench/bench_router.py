@@ -112,82 +112,82 @@ def main() -> None:
     args = parser.parse_args()
     py = sys.executable
     procs = []
-    router_log = open(args.router_log, "w")
-    try:
-        stub = [py, "tests/stub_node.py", "--port", "0", "--natural-tokens", "4"]
-        prefill, p_port = start(stub + ["--role", "prefill", "--bootstrap-port", "8998"])
-        procs.append(prefill)
-        decode, d_port = start(stub + ["--role", "decode"])
-        procs.append(decode)
-        r_port = free_port()
-        procs.append(
-            subprocess.Popen(
-                [
-                    py,
-                    "-m",
-                    "router.main",
-                    "--prefill",
-                    f"http://127.0.0.1:{p_port}",
-                    "--decode",
-                    f"http://127.0.0.1:{d_port}",
-                    "--port",
-                    str(r_port),
-                    "--log-level",
-                    "warning",
-                    "--max-concurrent",
-                    "1024",
-                    "--max-queue",
-                    "4096",
-                    "--connect-timeout",
-                    "30",
-                ],
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=router_log,
-            )
-        )
-        router = f"http://127.0.0.1:{r_port}"
-        wait_ready(router + "/health")
-        rows = []
-        for concurrency, n in LEVELS:
-            n = max(concurrency, int(n * args.requests_scale))
-            direct, d_wall, d_err = asyncio.run(
-                load(
-                    f"http://127.0.0.1:{d_port}/generate",
-                    {"messages": MESSAGES, "sampling_params": {"max_tokens": 4}},
-                    concurrency,
-                    n,
+    with open(args.router_log, "w") as router_log:
+        try:
+            stub = [py, "tests/stub_node.py", "--port", "0", "--natural-tokens", "4"]
+            prefill, p_port = start(stub + ["--role", "prefill", "--bootstrap-port", "8998"])
+            procs.append(prefill)
+            decode, d_port = start(stub + ["--role", "decode"])
+            procs.append(decode)
+            r_port = free_port()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        py,
+                        "-m",
+                        "router.main",
+                        "--prefill",
+                        f"http://127.0.0.1:{p_port}",
+                        "--decode",
+                        f"http://127.0.0.1:{d_port}",
+                        "--port",
+                        str(r_port),
+                        "--log-level",
+                        "warning",
+                        "--max-concurrent",
+                        "1024",
+                        "--max-queue",
+                        "4096",
+                        "--connect-timeout",
+                        "30",
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=router_log,
                 )
             )
-            routed, r_wall, r_err = asyncio.run(
-                load(
-                    router + "/v1/chat/completions",
-                    {"model": "stub-model", "messages": MESSAGES, "max_tokens": 4},
-                    concurrency,
-                    n,
+            router = f"http://127.0.0.1:{r_port}"
+            wait_ready(router + "/health")
+            rows = []
+            for concurrency, n in LEVELS:
+                n = max(concurrency, int(n * args.requests_scale))
+                direct, d_wall, d_err = asyncio.run(
+                    load(
+                        f"http://127.0.0.1:{d_port}/generate",
+                        {"messages": MESSAGES, "sampling_params": {"max_tokens": 4}},
+                        concurrency,
+                        n,
+                    )
                 )
-            )
-            row = {
-                "c": concurrency,
-                "n": n,
-                "d50": pct(direct, 50),
-                "d99": pct(direct, 99),
-                "r50": pct(routed, 50),
-                "r99": pct(routed, 99),
-                "d_rps": len(direct) / d_wall,
-                "r_rps": len(routed) / r_wall,
-                "errors": d_err + r_err,
-            }
-            rows.append(row)
-            print(row, flush=True)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                routed, r_wall, r_err = asyncio.run(
+                    load(
+                        router + "/v1/chat/completions",
+                        {"model": "stub-model", "messages": MESSAGES, "max_tokens": 4},
+                        concurrency,
+                        n,
+                    )
+                )
+                row = {
+                    "c": concurrency,
+                    "n": n,
+                    "d50": pct(direct, 50),
+                    "d99": pct(direct, 99),
+                    "r50": pct(routed, 50),
+                    "r99": pct(routed, 99),
+                    "d_rps": len(direct) / d_wall,
+                    "r_rps": len(routed) / r_wall,
+                    "errors": d_err + r_err,
+                }
+                rows.append(row)
+                print(row, flush=True)
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     ms = lambda s: f"{s * 1000:.2f}"  # noqa: E731
     lines = [
         "# Router overhead (stub nodes that answer at once)",

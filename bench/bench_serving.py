@@ -9,7 +9,8 @@ per level (the level index is the seed, so no level warms the prefix cache for a
 --aiperf, aiperf (the client behind the vLLM-CPU reference numbers, see README) also measures the PD
 cluster with the reference command, request counts as given by --levels.
 
-  .venv/bin/python bench/bench_serving.py [--levels 1:16,8:32,32:64] [--systems pd,colocated,hf] [--aiperf]
+  .venv/bin/python bench/bench_serving.py [--levels 1:16,8:32,32:64]
+      [--systems pd,colocated,hf] [--aiperf]
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def loadavg() -> str:
 
 
 def export_tokenizer(dest: Path) -> Path:
-    """The default model's tokenizer (from its GGUF) as a Hugging Face folder, for `--tokenizer` and aiperf."""
+    """The default model's tokenizer (from its GGUF) as a Hugging Face folder,
+    for `--tokenizer` and aiperf."""
     if (dest / "tokenizer.json").exists():
         return dest
     from transformers import AutoConfig, AutoTokenizer
@@ -271,8 +273,9 @@ def run_pd_aiperf(levels, tok_dir, out_dir, logdir) -> list[dict]:
 
 def md_table(results: dict) -> str:
     lines = [
-        "| system | concurrency | requests | output tok/s | input tok/s | req/s | goodput req/s | "
-        "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 s | errors | load (1/5/15) |",
+        "| system | concurrency | requests | output tok/s | input tok/s | req/s | goodput req/s "
+        "| TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 s | errors "
+        "| load (1/5/15) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, rows in results.items():
@@ -282,9 +285,10 @@ def md_table(results: dict) -> str:
             conc = s["load"].get("concurrency")
             lines.append(
                 f"| {name} | {conc} | {s['completed']} | {s['output_token_throughput']:.1f} | "
-                f"{s['input_token_throughput']:.1f} | {s['request_throughput']:.3f} | {s['goodput']:.3f} | "
-                f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['itl_ms']['p50']:.1f} | "
-                f"{s['itl_ms']['p99']:.1f} | {s['e2e_ms']['p50'] / 1e3:.1f} | {s['failed']} | {s['_load']} |"
+                f"{s['input_token_throughput']:.1f} | {s['request_throughput']:.3f} | "
+                f"{s['goodput']:.3f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | "
+                f"{s['itl_ms']['p50']:.1f} | {s['itl_ms']['p99']:.1f} | "
+                f"{s['e2e_ms']['p50'] / 1e3:.1f} | {s['failed']} | {s['_load']} |"
             )
     return "\n".join(lines)
 
@@ -324,13 +328,15 @@ def main() -> int:
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     text = [
         "# Serving benchmark (SmolLM2-135M-Instruct, fp32)\n",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}. "
-        f"Load average at start {start_load}, at the end {loadavg()}; whole script {time.monotonic() - t0:.0f} s. "
-        f"Raw JSON: {work}/results.json.\n",
-        f"Workload: `pdserve bench`, streaming chat, prompts of seeded synthetic text with exact token "
-        f"lengths uniform in [40, 504] (SmolLM2 tokenizer, before the chat template), {OSL} output tokens "
-        f"(ignore_eos), closed loop at each concurrency, 2 warm-up requests per level; level i uses seed i "
-        f"for every system. Goodput SLO: TTFT <= 2 s and ITL <= 100 ms.\n",
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), "
+        f"Python {platform.python_version()}. Load average at start {start_load}, "
+        f"at the end {loadavg()}; whole script {time.monotonic() - t0:.0f} s. Raw JSON: "
+        f"{work}/results.json.\n",
+        "Workload: `pdserve bench`, streaming chat, prompts of seeded synthetic text with exact "
+        "token lengths uniform in [40, 504] (SmolLM2 tokenizer, before the chat template), "
+        f"{OSL} output tokens (ignore_eos), closed loop at each concurrency, "
+        "2 warm-up requests per level; level i uses seed i for every system. Goodput SLO: "
+        "TTFT <= 2 s and ITL <= 100 ms.\n",
         "Command: `.venv/bin/python bench/bench_serving.py " + " ".join(sys.argv[1:]) + "`\n",
         md_table(results),
     ]
@@ -338,19 +344,20 @@ def main() -> int:
         h = results["hf"]
         text.append(
             f"\ntransformers `generate`, fp32, 2 threads, one request at a time over the first "
-            f"{h['requests']} level-0 prompts: {h['output_tokens_per_s']:.1f} output tok/s, mean TTFT "
-            f"{h['ttft_mean_ms']:.0f} ms, mean e2e {h['e2e_mean_ms'] / 1e3:.1f} s (load {h['_load']})."
+            f"{h['requests']} level-0 prompts: {h['output_tokens_per_s']:.1f} output tok/s, "
+            f"mean TTFT {h['ttft_mean_ms']:.0f} ms, mean e2e {h['e2e_mean_ms'] / 1e3:.1f} s (load "
+            f"{h['_load']})."
         )
     if "aiperf_pd" in results:
         text.append(
-            "\naiperf 0.13 against the PD cluster (the reference command of README, request counts as "
-            "listed):\n\n| concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | load |"
-            "\n|---:|---:|---:|---:|---:|---:|---|"
+            "\naiperf 0.13 against the PD cluster (the reference command of README, "
+            "request counts as listed):\n\n| concurrency | requests | output tok/s | TTFT p50 ms | "
+            "TTFT p99 ms | ITL p50 ms | load |\n|---:|---:|---:|---:|---:|---:|---|"
         )
         for r in results["aiperf_pd"]:
             d = r["raw"]
 
-            def g(key, stat):
+            def g(key, stat, d=d):
                 v = (d.get(key) or {}).get(stat)
                 return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
 

@@ -218,8 +218,9 @@ def main(argv=None) -> int:
     tot = {k: sum(r[k] for r in runs) for k in ("divergences", "hangs", "pages_left", "unreadable")}
     print(
         f"campaign: {len(runs)} runs ({a.seeds} seed(s) x {len(layouts)} layouts), "
-        f"{time.monotonic() - t_all:.0f} s: divergences {tot['divergences']}, hangs {tot['hangs']}, "
-        f"pages left {tot['pages_left']}, nodes unreadable at the check {tot['unreadable']}; logs in {base}"
+        f"{time.monotonic() - t_all:.0f} s: divergences {tot['divergences']}, "
+        f"hangs {tot['hangs']}, pages left {tot['pages_left']}, nodes unreadable at the check "
+        f"{tot['unreadable']}; logs in {base}"
     )
     return 1 if tot["divergences"] or tot["hangs"] or tot["pages_left"] else 0
 

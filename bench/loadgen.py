@@ -1,5 +1,6 @@
-"""Shared pieces of bench_pp.py and bench_pd.py: prompts, nodes as processes, a streaming load generator,
-a queue sampler. Nodes are started with tests/cluster.py `start` (own process group, always stopped)."""
+"""Shared pieces of bench_pp.py and bench_pd.py: prompts, nodes as processes, a streaming load
+generator, a queue sampler. Nodes are started with tests/cluster.py `start`
+(own process group, always stopped)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class ReqResult:
 async def stream_generate(
     c: httpx.AsyncClient, url: str, body: dict, t0: float, res: ReqResult
 ) -> None:
-    """POST {url}/generate with stream=True; records the arrival of every token (SSE `data:` lines)."""
+    """POST {url}/generate with stream=True; records the arrival of every token
+    (SSE `data:` lines)."""
     async with c.stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
         if r.status_code != 200:
             res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
@@ -109,7 +111,8 @@ class LevelResult:
 async def run_level(
     prompts: list[list[int]], max_new: int, concurrency: int, send
 ) -> tuple[list[ReqResult], float]:
-    """Runs every prompt with at most `concurrency` in flight; `send(client, ids, t0, res)` does one request."""
+    """Runs every prompt with at most `concurrency` in flight;
+    `send(client, ids, t0, res)` does one request."""
     sem = asyncio.Semaphore(concurrency)
     results = [ReqResult() for _ in prompts]
 
@@ -134,7 +137,8 @@ async def run_level(
 class QueueSampler:
     """Samples GET /server_info of each node every `period` s; mean occupancy of each queue at PP0.
 
-    The ranks push their stats to the front every 0.5 s, so consecutive samples may repeat a value."""
+    The ranks push their stats to the front every 0.5 s,
+    so consecutive samples may repeat a value."""
 
     def __init__(self, nodes: dict[str, str], period: float = 0.1):
         self.nodes, self.period = nodes, period
@@ -180,7 +184,8 @@ _QT = re.compile(r"^pdserve_queue_time_seconds_(sum|count)\{([^}]*)\}\s+([0-9.eE
 
 
 def queue_time_counters(url: str) -> dict[str, list[float]]:
-    """queue -> [sum, count] of pdserve_queue_time_seconds if the node exports it (empty otherwise)."""
+    """queue -> [sum, count] of pdserve_queue_time_seconds if the node exports it
+    (empty otherwise)."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:

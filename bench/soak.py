@@ -1,20 +1,21 @@
-"""Soak: a whole `pdserve up` cluster under moderate streaming load for a long time; does any process leak?
+"""Soak: a whole `pdserve up` cluster under moderate streaming load for a long time;
+does any process leak?
 
-Starts `pdserve up` (default: the real default model; `--model` picks another, e.g. a tiny HF folder),
-drives streaming chat requests at a fixed concurrency for `--duration` seconds, a fraction of them
-cancelled by the client after a few tokens (a real socket close), and samples the resident memory
-(VmRSS) and open file descriptors of every process of the cluster — found by walking /proc from the
-launcher's pid — at start, every `--sample-every` seconds, and at two idle moments: the baseline,
-after `--warmup` seconds of load (first connections, caches and allocator arenas are made by then),
-and the end, after the rest of the load. Both idle samples follow `IDLE_S` without load, so
-keep-alive sockets have closed and aborted rooms are released. Verdict per process:
+Starts `pdserve up` (default: the real default model; `--model` picks another, e.g. a tiny HF
+folder), drives streaming chat requests at a fixed concurrency for `--duration` seconds, a fraction
+of them cancelled by the client after a few tokens (a real socket close), and samples the resident
+memory (VmRSS) and open file descriptors of every process of the cluster — found by walking /proc
+from the launcher's pid — at start, every `--sample-every` seconds, and at two idle moments: the
+baseline, after `--warmup` seconds of load (first connections, caches and allocator arenas are made
+by then), and the end, after the rest of the load. Both idle samples follow `IDLE_S` without load,
+so keep-alive sockets have closed and aborted rooms are released. Verdict per process:
 
   RSS    end <= baseline * (1 + rss_growth_pct / 100)
   fds    end <= baseline + fd_slack
   alive  the process exists from start to end
 
-Writes a JSON report and a markdown table (`--out`, default bench/results/soak.{json,md}) and exits 1
-if anything failed. Everything it started is stopped, also on Ctrl-C or SIGTERM.
+Writes a JSON report and a markdown table (`--out`, default bench/results/soak.{json,md}) and exits
+1 if anything failed. Everything it started is stopped, also on Ctrl-C or SIGTERM.
 
   .venv/bin/python bench/soak.py [--duration 600] [--model PATH] [--concurrency 8]
   make soak SOAK_ARGS="--duration 180 --model /path/to/tiny"
@@ -41,10 +42,16 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 IDLE_S = 10.0  # no load before the baseline and end samples (uvicorn's keep-alive is 5 s)
-WORDS = ["the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token", "pipeline", "transfer", "what", "is", "a", "good", "way", "to", "explain", "why", "memory", "grows", "when", "requests", "are", "cancelled", "early"]
+# fmt: off
+WORDS = [
+    "the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token",
+    "pipeline", "transfer", "what", "is", "a", "good", "way", "to", "explain", "why", "memory",
+    "grows", "when", "requests", "are", "cancelled", "early",
+]
+# fmt: on
 
 
-# --- the process tree, from /proc -------------------------------------------------------------------
+# --- the process tree, from /proc -----------------------------------------------------------------
 
 
 def parent_of(pid: int) -> int | None:
@@ -69,8 +76,8 @@ def process_tree(root: int) -> list[int]:
 
 
 def label(pid: int, names: dict[int, str]) -> str | None:
-    """A name for a cluster process: "up", "router", "prefill:PORT front", "prefill:PORT pp1" (a rank is
-    named after its node's front, its parent)."""
+    """A name for a cluster process: "up", "router", "prefill:PORT front", "prefill:PORT pp1" (a
+    rank is named after its node's front, its parent)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
@@ -134,7 +141,7 @@ class Sampler:
                 series.gone_at = now
 
 
-# --- the load ---------------------------------------------------------------------------------------
+# --- the load -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -204,7 +211,7 @@ async def drive(
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
 
 
-# --- the cluster ------------------------------------------------------------------------------------
+# --- the cluster ----------------------------------------------------------------------------------
 
 
 def start_cluster(args, log_path: Path) -> subprocess.Popen:
@@ -250,8 +257,8 @@ def wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
 
 
 def stop_cluster(proc: subprocess.Popen) -> list[int]:
-    """Ctrl-C to `pdserve up` (its own orderly stop); returns the cluster's processes still alive 60 s
-    later or after `up` exited (orphans), then SIGKILLs whatever is left of the group."""
+    """Ctrl-C to `pdserve up` (its own orderly stop); returns the cluster's processes still alive
+    60 s later or after `up` exited (orphans), then SIGKILLs whatever is left of the group."""
     pids = process_tree(proc.pid)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -267,7 +274,7 @@ def stop_cluster(proc: subprocess.Popen) -> list[int]:
     return left
 
 
-# --- the verdict -------------------------------------------------------------------------------------
+# --- the verdict ----------------------------------------------------------------------------------
 
 
 def judge(
@@ -311,26 +318,26 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Soak: {a['duration']:.0f} s on {report['model']}",
         "",
-        f"{report['date']}, {report['host']}, prefill PP {a['prefill_pp']} / decode PP {a['decode_pp']}, "
-        f"concurrency {a['concurrency']}, max_tokens <= {a['max_tokens']}, "
+        f"{report['date']}, {report['host']}, prefill PP {a['prefill_pp']} / decode PP "
+        f"{a['decode_pp']}, concurrency {a['concurrency']}, max_tokens <= {a['max_tokens']}, "
         f"{a['cancel_fraction'] * 100:.0f} % cancelled by the client; load average at the end "
         f"{report['loadavg_end']}.",
         "",
-        f"Requests: {load['sent']} sent, {load['completed']} completed, {load['cancelled']} cancelled, "
-        f"{load['errors']} errors; {load['tokens']} streamed chunks. Baseline: idle after {a['warmup']:.0f} s "
-        f"of load; end: idle after the rest. Limits: RSS growth <= {a['rss_growth_pct']:g} %, "
-        f"fds <= baseline + {a['fd_slack']}.",
+        f"Requests: {load['sent']} sent, {load['completed']} completed, "
+        f"{load['cancelled']} cancelled, {load['errors']} errors; {load['tokens']} streamed "
+        f"chunks. Baseline: idle after {a['warmup']:.0f} s of load; end: idle after the rest. "
+        f"Limits: RSS growth <= {a['rss_growth_pct']:g} %, fds <= baseline + {a['fd_slack']}.",
         "",
-        "| process | RSS start MiB | RSS baseline | RSS end | RSS max | growth % | fds start | fds baseline "
-        "| fds end | verdict |",
+        "| process | RSS start MiB | RSS baseline | RSS end | RSS max | growth % | fds start | fds "
+        "baseline | fds end | verdict |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["processes"]:
         verdict = "ok" if r["ok"] else "FAIL: " + "; ".join(r["problems"])
         lines.append(
-            f"| {r['name']} | {r['rss_start_mib']:.0f} | {r.get('rss_base_mib', float('nan')):.0f} | "
-            f"{r['rss_end_mib']:.0f} | {r['rss_max_mib']:.0f} | {r.get('rss_growth_pct', 'n/a')} | "
-            f"{r['fds_start']} | {r.get('fds_base', 'n/a')} | {r['fds_end']} | {verdict} |"
+            f"| {r['name']} | {r['rss_start_mib']:.0f} | {r.get('rss_base_mib', float('nan')):.0f} "
+            f"| {r['rss_end_mib']:.0f} | {r['rss_max_mib']:.0f} | {r.get('rss_growth_pct', 'n/a')} "
+            f"| {r['fds_start']} | {r.get('fds_base', 'n/a')} | {r['fds_end']} | {verdict} |"
         )
     lines += [
         "",
@@ -341,7 +348,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-# --- main ---------------------------------------------------------------------------------------------
+# --- main -----------------------------------------------------------------------------------------
 
 
 def interrupt(_signum, _frame) -> None:
@@ -410,13 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         sampler = Sampler(proc.pid)
         sampler.sample()
         print(
-            f"[soak] ready: {len(sampler.procs)} processes; {args.duration:.0f} s of load on {model}",
+            f"[soak] ready: {len(sampler.procs)} processes; {args.duration:.0f} s of load on "
+            f"{model}",
             flush=True,
         )
         stats = LoadStats()
 
         async def phase(seconds: float, seed: int) -> float:
-            """Load for `seconds` with periodic samples, then IDLE_S idle; returns the idle sample's time."""
+            """Load for `seconds` with periodic samples, then IDLE_S idle;
+            returns the idle sample's time."""
             load = asyncio.create_task(
                 drive(
                     url,

@@ -1,4 +1,5 @@
-"""Agreement between PP ranks: KVPoll, PPConsensusStore, two-pass ring votes, leader sync (no torch).
+"""Agreement between PP ranks: KVPoll, PPConsensusStore, two-pass ring votes,
+leader sync (no torch).
 
 kvpoll.py       KVPoll and its update rule
 store.py        PPConsensusStore: room -> KVPoll replicated to PP0 (bootstrap consensus)
@@ -19,7 +20,7 @@ from consensus.transport import (
     PPGroupTransport,
     RingTransport,
 )
-from consensus.vote import KINDS, PREALLOC, RELEASE, RETRACT, TRANSFERRED, Ballot, RingVote, Verdict
+from consensus.vote import KINDS, PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote, Verdict
 
 __all__ = [
     "KVPoll",
@@ -41,5 +42,4 @@ __all__ = [
     "RELEASE",
     "TRANSFERRED",
     "PREALLOC",
-    "RETRACT",
 ]

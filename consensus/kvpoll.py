@@ -1,4 +1,5 @@
-"""KVPoll: the ordered status of one room's KV transfer, and its update rule (docs/ARCHITECTURE.md section 5).
+"""KVPoll: the ordered status of one room's KV transfer, and its update rule
+(docs/ARCHITECTURE.md section 5).
 
     Failed(0) < Bootstrapping(1) < WaitingForInput(2) < Transferring(3) < Success(4)
 
@@ -12,7 +13,8 @@ whole room `Failed`. The update rule (`update_status`) is the only way a status 
     None         Transferring / Success   ValueError       (a room cannot start half-way)
     Failed       anything                 Failed           (terminal)
     any          Failed                   Failed
-    any          other                    max(current, new) (only moves up; a stale lower value is ignored)
+    any          other                    max(current, new)
+                                          (only moves up; a stale lower value is ignored)
 
 `done_for(kind, status)` says whether a status is final *for one vote kind* (see vote.py): a room
 whose transfer ended (Success or Failed) is done for the release/transferred votes, a room that

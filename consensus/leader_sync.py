@@ -1,4 +1,5 @@
-"""Leader sync: PP0 decides, the list goes down the chain unchanged (docs/ARCHITECTURE.md section 5, way 1).
+"""Leader sync: PP0 decides, the list goes down the chain unchanged
+(docs/ARCHITECTURE.md section 5, way 1).
 
 PP0 passes its list of conclusions (for example the bootstrap status of each room in its bootstrap
 queue, in queue order, from `PPConsensusStore.status`); every other rank passes None and gets PP0's
@@ -25,7 +26,8 @@ class LeaderSync:
         self.t = transport
 
     def sync(self, tag: str, values: Sequence[Any] | None) -> list:
-        """PP0: `values` (plain msgpack-able items) is sent down; others: pass None, get PP0's list."""
+        """PP0: `values` (plain msgpack-able items) is sent down; others:
+        pass None, get PP0's list."""
         if self.t.is_first:
             if values is None:
                 raise ValueError("PP0 must pass the list to sync (other ranks pass None)")

@@ -63,13 +63,15 @@ class RankChecker:
         return int.from_bytes(hashlib.sha1(line.encode()).digest()[:8], "big") & ((1 << 63) - 1)
 
     def window(self) -> list[int]:
-        """[index of the oldest kept call, then one hash per kept call], padded to a fixed length."""
+        """[index of the oldest kept call, then one hash per kept call],
+        padded to a fixed length."""
         first = self.recent[0][0] if self.recent else self.calls + 1
         hashes = [self.line_hash(line) for _, _, line in self.recent]
         return [first] + hashes + [-1] * (self.keep - len(hashes))
 
     def describe_first_divergence(self, windows: list[list[int]]) -> str:
-        """Given every rank's `window()`, the first call index at which they differ, and this rank's call."""
+        """Given every rank's `window()`, the first call index at which they differ,
+        and this rank's call."""
         first = max(w[0] for w in windows)
         for idx in range(first, self.calls + 1):
             vals = {w[1 + idx - w[0]] if 0 <= idx - w[0] < self.keep else None for w in windows}
@@ -117,7 +119,8 @@ def enable() -> None:
 def rank_consensus(
     name: str, args: Callable[..., Any] | None = None, result: Callable[[Any], Any] | None = None
 ):
-    """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across ranks."""
+    """Marks a decision point. `args(*a, **kw)` and `result(r)` select what must agree across
+    ranks."""
 
     def deco(fn):
         if not ENABLED:

@@ -1,4 +1,5 @@
-"""PPConsensusStore: room -> KVPoll on every rank, replicated to PP0 (docs/ARCHITECTURE.md section 5, way 3).
+"""PPConsensusStore: room -> KVPoll on every rank, replicated to PP0
+(docs/ARCHITECTURE.md section 5, way 3).
 
 Each rank reads and writes its own entries like a dict. On PP0 the store also holds a replica of
 every other rank's entries and answers `status(room)`: `Bootstrapping` while any rank has no entry
@@ -9,8 +10,9 @@ Wire: PP0 binds a ZMQ PULL socket on `tcp://{host}:*` and exposes `.address`; th
 (the engine broadcasts it over the PP group) and every other rank connects one PUSH socket to it.
 Each put/delete is one msgpack frame `[op, rank, key, value]` (op PUT=1 with a KVPoll int, DELETE=2
 with None); never pickle. The frame is sealed (infra/channel_auth.py, channel "consensus-store",
-sender "pp<rank>"): an HMAC of the cluster secret and a per-rank sequence number, so PP0 applies only
-frames a rank of this cluster sent, once, in order; the socket takes no message larger than a frame.
+sender "pp<rank>"): an HMAC of the cluster secret and a per-rank sequence number, so PP0 applies
+only frames a rank of this cluster sent, once, in order;
+the socket takes no message larger than a frame.
 
 Contract:
 * Writes never block on the network: the frame is encoded on the caller's thread (a bad key or
@@ -63,7 +65,8 @@ def _check_key(room: object) -> int:
 
 
 class PPConsensusStore(MutableMapping):
-    """A dict room -> KVPoll whose writes on PP>0 are replicated to PP0 (see the module contract)."""
+    """A dict room -> KVPoll whose writes on PP>0 are replicated to PP0
+    (see the module contract)."""
 
     def __init__(
         self, pp_rank: int, pp_size: int, address: str | None = None, host: str = "127.0.0.1"
@@ -134,7 +137,8 @@ class PPConsensusStore(MutableMapping):
         return len(self._local)
 
     def update_status(self, room: int, status: KVPoll | int) -> KVPoll:
-        """Apply kvpoll.update_status to this rank's entry; writes (and replicates) only a change."""
+        """Apply kvpoll.update_status to this rank's entry; writes
+        (and replicates) only a change."""
         new = update_status(self._local.get(room), status)
         if self._local.get(room) != new:
             self[room] = new
@@ -142,13 +146,15 @@ class PPConsensusStore(MutableMapping):
 
     # ---- PP0 -----------------------------------------------------------------------------------
     def status(self, room: int) -> KVPoll:
-        """PP0 only: Bootstrapping while any rank has no entry for `room`, else the min over ranks."""
+        """PP0 only: Bootstrapping while any rank has no entry for `room`,
+        else the min over ranks."""
         self._need_leader("status")
         self.drain()
         return self._status(room)
 
     def statuses(self, rooms: Iterable[int]) -> list[KVPoll]:
-        """PP0 only: `status` of each room, in order, reading the socket once (the per-iteration call)."""
+        """PP0 only: `status` of each room, in order, reading the socket once
+        (the per-iteration call)."""
         self._need_leader("statuses")
         self.drain()
         return [self._status(room) for room in rooms]
@@ -170,7 +176,8 @@ class PPConsensusStore(MutableMapping):
         return [replica.get(room) for replica in self._replicas]
 
     def drain(self, timeout_s: float = 0.0) -> int:
-        """PP0: apply the frames that arrived (waiting up to `timeout_s` for a first one); returns the count."""
+        """PP0: apply the frames that arrived (waiting up to `timeout_s` for a first one);
+        returns the count."""
         if self.rank != 0 or self._sock is None:
             return 0
         if timeout_s > 0 and not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):

@@ -1,4 +1,5 @@
-"""The ring seam under the votes and the leader sync: send to the next rank, receive from the previous.
+"""The ring seam under the votes and the leader sync:
+send to the next rank, receive from the previous.
 
 Ranks form a ring: rank k sends to (k+1) % size and receives from (k-1) % size. The votes use the
 chain links k -> k+1 and the ring link last -> 0; nothing else.
@@ -33,7 +34,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class ConsensusError(RuntimeError):
-    """The ranks broke the vote protocol (call order, slot, or message shape differs between ranks)."""
+    """The ranks broke the vote protocol (call order, slot, or message shape differs between
+    ranks)."""
 
 
 class ConsensusTimeout(ConsensusError):
@@ -46,7 +48,8 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """Plain data from msgpack bytes, with size limits; ValueError (or msgpack's errors) on bad input."""
+    """Plain data from msgpack bytes, with size limits; ValueError
+    (or msgpack's errors) on bad input."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
@@ -116,9 +119,9 @@ class InMemoryTransport(RingTransport):
 class PPGroupTransport(RingTransport):
     """The real ring: the engine's PP group moves the bytes.
 
-    `send_obj(dst, payload)` must be asynchronous (docs/ARCHITECTURE.md section 3: async send, sync recv) and
-    keep per-link order; `recv_obj(src, timeout_s)` returns the next payload from `src` and raises
-    `TimeoutError` when none arrived in time (translated here into `ConsensusTimeout`).
+    `send_obj(dst, payload)` must be asynchronous (docs/ARCHITECTURE.md section 3: async send, sync
+    recv) and keep per-link order; `recv_obj(src, timeout_s)` returns the next payload from `src`
+    and raises `TimeoutError` when none arrived in time (translated here into `ConsensusTimeout`).
     """
 
     def __init__(

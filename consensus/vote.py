@@ -29,10 +29,12 @@ when all ballots are empty (the empty messages are the metronome):
 
     for i in itertools.count():
         mb = i % L
-        vote.pass1(mb, ballots)            # PP0: send | middle: recv, merge, send | last: recv, merge, keep
+        # PP0: send | middle: recv, merge, send | last: recv, merge, keep
+        vote.pass1(mb, ballots)
         ...                                # schedule, launch, exchange hidden states
-        verdicts = vote.pass2((mb + 1) % L)  # last: return the verdict it sent to PP0 in pass 1 |
-                                           # PP0: recv, forward | middle: recv, forward unless next is last
+        # last: return the verdict it sent to PP0 in pass 1 |
+        # PP0: recv, forward | middle: recv, forward unless next is last
+        verdicts = vote.pass2((mb + 1) % L)
         apply(verdicts)                    # same verdicts, same iteration, every rank
 
 pass2(h) returns the verdict of the latest pass1(h) (empty verdicts while slot h never voted), so a
@@ -63,8 +65,7 @@ logger = logging.getLogger(__name__)
 RELEASE = "release"  # prefill: transfer ended (Success/Failed) -> free the prefill KV
 TRANSFERRED = "transferred"  # decode: KV arrived (Success) -> start decoding; Failed -> fail
 PREALLOC = "prealloc"  # decode: good = WaitingForInput (pages preallocated), bad = Failed
-RETRACT = "retract"  # decode: retracted requests that may resume (good only)
-KINDS = (RELEASE, TRANSFERRED, PREALLOC, RETRACT)
+KINDS = (RELEASE, TRANSFERRED, PREALLOC)
 
 Id = int | str
 _EMPTY: frozenset = frozenset()
@@ -102,13 +103,15 @@ class Ballot:
     def from_statuses(
         cls, kind: str, statuses: Mapping[Id, KVPoll | None], aborted: Iterable[Id] = ()
     ) -> Ballot:
-        """Ballot from local KVPoll statuses: Failed -> bad, other final states for `kind` -> good."""
+        """Ballot from local KVPoll statuses: Failed -> bad,
+        other final states for `kind` -> good."""
         good = {i for i, s in statuses.items() if s != KVPoll.Failed and done_for(kind, s)}
         bad = {i for i, s in statuses.items() if s == KVPoll.Failed}
         return cls(frozenset(good), frozenset(bad), frozenset(aborted))
 
     def resolved(self) -> tuple[frozenset, frozenset]:
-        """(good, bad) with aborted ids moved from good to bad; an id both good and bad counts bad."""
+        """(good, bad) with aborted ids moved from good to bad;
+        an id both good and bad counts bad."""
         good, bad = _check_ids(self.good, "good"), _check_ids(self.bad, "bad")
         aborted = _check_ids(self.aborted, "aborted")
         moved = good & aborted
@@ -186,11 +189,14 @@ class RingVote:
         if self.t.is_first:
             tally = mine
         else:
-            tally = [merge(tk, g, b) for tk, (g, b) in zip(self._recv("v1", mb)[1], mine)]
+            tally = [
+                merge(tk, g, b) for tk, (g, b) in zip(self._recv("v1", mb)[1], mine, strict=True)
+            ]
         self._voted[mb] = True
         if self.t.is_last:
-            # The verdict leaves at once; PP0 takes it when it harvests slot `mb` (L - 1 turns later),
-            # so PP0 never waits for the last rank's current iteration and the pipeline stays full.
+            # The verdict leaves at once; PP0 takes it when it harvests slot `mb` (L - 1 turns
+            # later), so PP0 never waits for the last rank's current iteration and the pipeline
+            # stays full.
             self._kept[mb] = self._without_pending(mb, tally)
             if self.t.size > 1:
                 self.t.send_next(["v2", mb, _pack(self._kept[mb])])
@@ -222,7 +228,7 @@ class RingVote:
             if self.t.rank + 1 < self.t.size - 1:
                 self.t.send_next(raw)  # forwarded unchanged (already sorted)
         self._voted[mb] = False
-        return {k: Verdict(g, b) for k, (g, b) in zip(self.kinds, kept)}
+        return {k: Verdict(g, b) for k, (g, b) in zip(self.kinds, kept, strict=True)}
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_slot(self, mb: int) -> None:
@@ -230,7 +236,8 @@ class RingVote:
             raise ValueError(f"slot must be in [0, {self.num_slots}), got {mb!r}")
 
     def _recv(self, tag: str, mb: int) -> tuple[list, list[tuple[frozenset, frozenset]]]:
-        """(raw message, parsed (good, bad) per kind) of the vote `tag` for slot `mb` from the previous rank."""
+        """(raw message, parsed (good, bad) per kind) of the vote `tag` for slot `mb` from the
+        previous rank."""
         try:
             msg = self.t.recv_prev()
         except ConsensusTimeout as e:

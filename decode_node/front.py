@@ -1,4 +1,5 @@
-"""The decode node's front: PD admission (the prefill node's bootstrap address and the room).
+"""The decode node's front: PD admission (the prefill node's bootstrap address and the room), and
+decode-local requests: a body without any bootstrap field is prefilled on this node.
 
 The bootstrap address comes in the request body, but the decode ranks contact it (with the cluster
 secret), so the front admits only addresses on its allowlist: the prefill bootstrap servers the
@@ -13,10 +14,13 @@ from fastapi import Request
 
 from engine.core import SamplingParams
 from pd_common.messages import PDAddRequest, check_room
-from runtime.front import NodeFront, RequestError
+from runtime.front import NodeFront
 from runtime.http_app import read_json
+from runtime.messages import AddRequest
+from runtime.prompt import RequestError
 
 MAX_BOOTSTRAP_SERVERS = 4096
+BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 
 class DecodeFront(NodeFront):
@@ -53,7 +57,11 @@ class DecodeFront(NodeFront):
 
     def add_request(
         self, rid: str, ids: list[int], params: SamplingParams, body: dict[str, Any]
-    ) -> PDAddRequest:
+    ) -> AddRequest:
+        if all(body.get(k) is None for k in BOOTSTRAP_FIELDS):
+            # No prefill node named: this node prefills the prompt itself (the same engine and
+            # scheduler, chunked and mixed with the running decode batch).
+            return super().add_request(rid, ids, params, body)
         room = check_room(body)
         host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
         if not isinstance(host, str) or not host or len(host) > 255:

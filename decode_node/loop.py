@@ -67,7 +67,7 @@ class DecodeLoop(PDLoop):
         # by_rid holds the requests in prealloc and transfer: no decode step yet, so waiting.
         return "waiting" if rid in self.by_rid else super().request_phase(rid)
 
-    # --- a new request ------------------------------------------------------------------------------
+    # --- a new request ----------------------------------------------------------------------------
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         receiver = self.kv_mgr.create_receiver(msg.room, msg.bootstrap_addr)
         pd = PDReq(msg.rid, msg.room, Req(msg.rid, list(msg.input_ids), params), receiver)
@@ -85,7 +85,7 @@ class DecodeLoop(PDLoop):
             self._end(pd, why)
         return True
 
-    # --- prealloc and the votes ----------------------------------------------------------------------
+    # --- prealloc and the votes -------------------------------------------------------------------
     def before_schedule(self, t: int, mb: int) -> None:
         self._preallocate()
         registered = [pd for pd in self.prealloc if pd.pages]

@@ -43,7 +43,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_total_tokens < self.page_size:
             raise ValueError(
-                f"max_total_tokens ({self.max_total_tokens}) must be >= page_size ({self.page_size})"
+                f"max_total_tokens ({self.max_total_tokens}) must be >= page_size "
+                f"({self.page_size})"
             )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
@@ -102,7 +103,8 @@ class EngineConfig:
 
 
 def apply_threads(threads: int) -> int:
-    """Sets torch's intra-op threads (0 => every core this process may run on); returns the count."""
+    """Sets torch's intra-op threads (0 => every core this process may run on);
+    returns the count."""
     if threads <= 0:
         threads = len(os.sched_getaffinity(0))
     import torch
@@ -112,7 +114,8 @@ def apply_threads(threads: int) -> int:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls on this CPU's own bf16 instructions (AVX-512 BF16 or AMX)."""
+    """Whether oneDNN runs bf16 matmuls on this CPU's own bf16 instructions
+    (AVX-512 BF16 or AMX)."""
     import torch
 
     try:

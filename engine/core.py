@@ -1,15 +1,18 @@
 """The shared vocabulary of the engine: sampling parameters, requests, batches.
 
 Every PP rank builds the same `Req` objects from the same replicated inputs and mutates them with
-the same outputs, so everything here must be a pure function of those inputs (docs/ARCHITECTURE.md section 4).
+the same outputs, so everything here must be a pure function of those inputs
+(docs/ARCHITECTURE.md section 4).
 
 Lengths, named once and derived from each other:
 
     prompt_len    = len(input_ids)
     seq_len       = prompt_len + len(output_ids)       tokens the request has, prompt + generated
-    kv_len        = tokens whose KV is written in the pool (or scheduled to be, once a batch is built)
+    kv_len        = tokens whose KV is written in the pool
+                    (or scheduled to be, once a batch is built)
     cached_len    = prefix-cache hit at admission (pages shared with other requests)
-    extend_len    = tokens the current batch computes for this request
+
+The tokens one batch computes for a request are its `BatchEntry.num_new` (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,37 @@ class ParamError(ValueError):
         self.field = field_name
 
 
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as OpenAI sends it ({"123": 5.0}, string keys) or as pairs, sorted by token id."""
+    if v is None:
+        return ()
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in v
+    ):
+        items = [tuple(p) for p in v]
+    else:
+        raise ParamError("logit_bias", "must map token ids to biases")
+    out = {}
+    for t, b in items:
+        try:
+            tid = int(t) if not isinstance(t, bool) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or str(t).strip() != str(tid):
+            raise ParamError("logit_bias", f"keys must be token ids, got {t!r}")
+        out[tid] = b
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -41,6 +75,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Penalties (OpenAI / vLLM semantics): presence and frequency on the generated tokens,
+    # repetition (divide positive logits, multiply negative ones) on prompt and generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    guide: tuple[str, str] | None = None  # structured output: (kind, spec), engine/grammar.py
 
     @property
     def greedy(self) -> bool:
@@ -104,11 +145,52 @@ class SamplingParams:
             f"must be an integer in [0, 20], got {self.top_logprobs!r}",
         )
         need(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs: true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(_real(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        need(_real(v) and 0.0 < v <= 10.0, "repetition_penalty", f"must be in (0, 10], got {v!r}")
+        need(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"
+        )
+        for t, b in self.logit_bias:
+            need(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31,
+                "logit_bias",
+                f"token ids must be integers >= 0, got {t!r}",
+            )
+            need(
+                _real(b) and -100.0 <= b <= 100.0,
+                "logit_bias",
+                f"biases are in [-100, 100], got {b!r}",
+            )
+        self._check_guide()
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling must adjust this request's logits before choosing."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    def _check_guide(self) -> None:
+        if self.guide is None:
+            return
+        from engine.grammar import GrammarError, check_guide
+
+        try:
+            check_guide(self.guide)
+        except GrammarError as e:
+            raise ParamError("guide", str(e)) from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Builds validated params from a JSON-like dict; unknown keys are an error naming the key."""
+        """Builds validated params from a JSON-like dict;
+        unknown keys are an error naming the key."""
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:
@@ -118,6 +200,10 @@ class SamplingParams:
                 )
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if "logit_bias" in d:
+            d["logit_bias"] = _bias_pairs(d["logit_bias"])
+        if isinstance(d.get("guide"), list):
+            d["guide"] = tuple(d["guide"])
         for k in ("stop", "stop_token_ids"):
             if k in d:
                 if d[k] is None:
@@ -132,6 +218,8 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(p) for p in self.logit_bias]
+        d["guide"] = list(self.guide) if self.guide is not None else None
         return d
 
 
@@ -170,12 +258,11 @@ class Req:
     pages: list[int] = field(default_factory=list)  # page table: logical page i -> pool page
     kv_len: int = 0
     cached_len: int = 0
-    extend_len: int = 0
     finish: FinishReason | None = None
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
-    decoded_text_len: int = 0  # for stop-string scanning
+    guide_state: Any = None  # sampling rank only: the grammar matcher (engine/grammar.py)
 
     @property
     def prompt_len(self) -> int:
@@ -192,7 +279,3 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish is not None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= self.prompt_len

@@ -1,11 +1,20 @@
-"""Incremental detokenization for streaming: emit only text that can no longer change.
+"""Token ids to text, for the two places that need it.
 
-A token can end in the middle of a UTF-8 character (decoded as U+FFFD until the next token arrives)
+`IncrementalDetokenizer` (a node front, streaming) emits only text that can no longer change. A
+token can end in the middle of a UTF-8 character (decoded as U+FFFD until the next token arrives)
 and a stop string can start in this chunk and finish in a later one, so the tail that could still
 change is held back until the next token or the end.
+
+`StopDetokenizer` (a rank, stop strings) decodes a window of output ids, statelessly: the same ids
+give the same text on every PP rank, which a per-request stream could not promise.
 """
 
 from __future__ import annotations
+
+import threading
+
+from engine.model_path import resolve_model
+from engine.tokenizer import load_tokenizer, plain_tokenizer_json
 
 
 class IncrementalDetokenizer:
@@ -73,3 +82,33 @@ class IncrementalDetokenizer:
         out = full[self.emitted :] if len(full) > self.emitted else ""
         self.emitted = max(self.emitted, len(full))
         return out
+
+
+class StopDetokenizer:
+    """`ids -> text` for stop-string checks on a rank, loaded on first use (most requests have no
+    stop strings; a prefill rank never checks one). With a tokenizer.json (a HF folder, or a cached
+    GGUF tokenizer) it is the `tokenizers` library alone, ~50 ms and no transformers import, which
+    decodes exactly like transformers' fast tokenizer unless the tokenizer asks for the clean-up
+    of tokenization spaces; otherwise the transformers tokenizer."""
+
+    def __init__(self, path):
+        self.path = resolve_model(path)
+        self._decode = None
+        self._lock = threading.Lock()
+
+    def __call__(self, ids: list[int]) -> str:
+        if self._decode is None:
+            with self._lock:
+                if self._decode is None:
+                    self._decode = self._load()
+        return self._decode(ids)
+
+    def _load(self):
+        tj = plain_tokenizer_json(self.path)
+        if tj is not None:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(tj))
+        else:
+            tok = load_tokenizer(self.path)
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)

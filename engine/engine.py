@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig, apply_threads
 from engine.core import FinishReason, ParamError, Req, SamplingParams
-from engine.loader import load_model_config, load_slice, load_tokenizer, resolve_model
+from engine.grammar import GrammarSampler
+from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class Engine:
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
         self.runner = ModelRunner(
             model, config.num_pages, config.page_size, config.torch_dtype, config.seed
+        )
+        self.runner.grammar = GrammarSampler(
+            lambda: self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         max_ctx = min(config.max_context, self.model_config.max_position_embeddings)
         self.scheduler = Scheduler(
@@ -126,7 +131,7 @@ class Engine:
         if len(params) != len(prompts):
             raise ParamError("params", f"{len(params)} sampling params for {len(prompts)} prompts")
         self._done = {}
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         while self.scheduler.has_work:
             self.step()
         return [self._completion(self._done.pop(rid)) for rid in rids]

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_cache import pages_needed
+
 DECODE_GROUP_SIZE = 8
 EXTEND_GROUP_SIZE = 16
 LONG_EXTEND = 64
@@ -72,10 +74,6 @@ class ForwardBatch:
     max_position: int
     max_group_pages: int  # largest Bg * pages over groups (size of the gather workspace)
 
-    @property
-    def is_decode(self) -> bool:
-        return all(g.max_q == 1 for g in self.groups)
-
 
 def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") -> ForwardBatch:
     if not items:
@@ -87,10 +85,11 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
             raise ValueError(
                 f"item {b}: num_new must be >= 1 and start >= 0, got {it.num_new}, {it.start}"
             )
-        need = -(-it.kv_len // page_size)
+        need = pages_needed(it.kv_len, page_size)
         if len(it.page_table) < need:
             raise ValueError(
-                f"item {b}: {it.kv_len} tokens need {need} pages, page table has {len(it.page_table)}"
+                f"item {b}: {it.kv_len} tokens need {need} pages, page table has "
+                f"{len(it.page_table)}"
             )
         offsets.append(row)
         pos = range(it.start, it.kv_len)
@@ -155,11 +154,11 @@ def _group_items(items: list[BatchItem]) -> list[list[int]]:
 def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, device) -> AttnGroup:
     bg = len(items)
     max_q = max(it.num_new for it in items)
-    pages = max(-(-it.kv_len // page_size) for it in items)
+    pages = max(pages_needed(it.kv_len, page_size) for it in items)
     kv_len = pages * page_size
     kv_pages = torch.zeros(bg, pages, dtype=torch.long)
     for r, it in enumerate(items):
-        need = -(-it.kv_len // page_size)
+        need = pages_needed(it.kv_len, page_size)
         kv_pages[r, :need] = torch.tensor(it.page_table[:need], dtype=torch.long)
     off = torch.tensor(offsets, dtype=torch.long)
     num_new = torch.tensor([it.num_new for it in items], dtype=torch.long)

@@ -1,6 +1,7 @@
 """The paged KV pool of one rank and its page allocator.
 
-Layout (docs/ARCHITECTURE.md section 6): one page holds **all of this rank's layers** for `page_size` tokens,
+Layout (docs/ARCHITECTURE.md section 6): one page holds **all of this rank's layers** for
+`page_size` tokens,
 
     kv[page, local_layer, k_or_v, token_in_page, kv_head, head_dim]
 
@@ -9,7 +10,8 @@ Sending a page's KV for a contiguous run of layers is one contiguous byte range:
 moves a few large descriptors instead of thousands of small per-layer pieces.
 
 Token slots are flat: slot = page * page_size + offset. Page ids come from the allocator, which is a
-pure function of its call sequence, so every PP rank hands out the same ids (docs/ARCHITECTURE.md section 4).
+pure function of its call sequence, so every PP rank hands out the same ids
+(docs/ARCHITECTURE.md section 4).
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ class KVPool:
     def gather(
         self, local_layer: int, pages: torch.Tensor, offs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at (pages, offs) index tensors of any shape S: returns [*S, kv_heads, head_dim] each."""
+        """K and V at (pages, offs) index tensors of any shape S:
+        returns [*S, kv_heads, head_dim] each."""
         layer = self.kv[:, local_layer]
         return layer[pages, 0, offs], layer[pages, 1, offs]
 

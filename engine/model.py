@@ -1,12 +1,14 @@
-"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the paged KV pool.
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the
+paged KV pool.
 
-RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias, tied
-or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first slice,
-the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each at
-load time, so every layer runs four big matmuls over all T tokens of the batch.
+RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias,
+tied or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first
+slice, the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each
+at load time, so every layer runs four big matmuls over all T tokens of the batch.
 
 Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
-loaders in `engine/loader.py` turn safetensors or GGUF tensors into those names.
+loaders in `engine/loader.py` and `engine/gguf_file.py` turn safetensors or GGUF tensors into those
+names.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ class DecoderLayer(torch.nn.Module):
             _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
         )
         self.o_weight = _empty(h, cfg.q_size, dtype=dtype)
+        self.q_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
         self.down_weight = _empty(h, inter, dtype=dtype)
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
-        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused weights,
-        one at a time (no concatenated temporaries)."""
+        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
+        weights, one at a time (no concatenated temporaries)."""
         a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
         parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         with torch.no_grad():
@@ -56,6 +60,9 @@ class DecoderLayer(torch.nn.Module):
                     self.qkv_bias[off : off + n].copy_(w[a + f"{p}_proj.bias"])
                 off += n
             self.o_weight.copy_(w[a + "o_proj.weight"])
+            if cfg.qk_norm:
+                self.q_norm_weight.copy_(w[a + "q_norm.weight"])
+                self.k_norm_weight.copy_(w[a + "k_norm.weight"])
             inter = cfg.intermediate_size
             self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
             self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
@@ -87,14 +94,24 @@ class DecoderLayer(torch.nn.Module):
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         group = nh // nkv
-        qk = apply_rope(qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d), *rope)
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d)
+        if cfg.qk_norm:
+            eps = cfg.rms_norm_eps
+            qk = torch.cat(
+                (
+                    F.rms_norm(qk[:, :nh], (d,), self.q_norm_weight, eps),
+                    F.rms_norm(qk[:, nh:], (d,), self.k_norm_weight, eps),
+                ),
+                dim=1,
+            )
+        qk = apply_rope(qk, *rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, nkv, d)
         kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
         kv[fb.out_pages, 0, fb.out_offs] = k.to(kv.dtype)
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
-        for g, mask in zip(fb.groups, masks):
+        for g, mask in zip(fb.groups, masks, strict=True):
             n = g.num_seqs * g.pages
             kbuf, vbuf = ws[0, :n], ws[1, :n]
             torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)  # ONE gather for K, one for V
@@ -121,7 +138,8 @@ class DecoderLayer(torch.nn.Module):
 
 
 class ModelSlice(torch.nn.Module):
-    """Layers [layer_start, layer_end) of the decoder; pool local layer i = global layer layer_start + i."""
+    """Layers [layer_start, layer_end) of the decoder;
+    pool local layer i = global layer layer_start + i."""
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
         super().__init__()
@@ -176,6 +194,8 @@ class ModelSlice(torch.nn.Module):
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             if self.cfg.attention_bias:
                 names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if self.cfg.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if self.is_last:
             names.append("model.norm.weight")
             names.append(
@@ -201,8 +221,8 @@ class ModelSlice(torch.nn.Module):
                     self.lm_head_weight.copy_(w[head])
 
     def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers and
-        forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
+        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
+        and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
         lay = pool.layout
         shape = (2, fb.max_group_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
         numel = 2 * fb.max_group_pages * lay.page_size * lay.num_kv_heads * lay.head_dim
@@ -212,10 +232,11 @@ class ModelSlice(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the previous
-        slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and attends over
-        each request's cached + new KV. Returns hidden [T, hidden] (not last), or on the last slice
-        float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in fb.logit_rows."""
+        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
+        previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
+        attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
+        the last slice float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in
+        fb.logit_rows."""
         lay = pool.layout
         if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
             raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -28,6 +28,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str = "float32"  # the weights' own dtype: what `--dtype auto` serves in
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
 
     @property
     def q_size(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from engine.core import SamplingParams
 from engine.forward_batch import BatchItem, build_forward_batch
+from engine.grammar import GrammarSampler
 from engine.kv_cache import KVLayout, KVPool
 from engine.model import ModelSlice
 from engine.sampling import sample
@@ -35,6 +36,7 @@ class ModelRunner:
             )
         )
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar: GrammarSampler | None = None  # set on the sampling rank (structured output)
 
     @property
     def is_first(self) -> bool:
@@ -65,4 +67,11 @@ class ModelRunner:
         entries = batch.sampling_entries
         params: list[SamplingParams] = [e.req.params for e in entries]
         steps = [len(e.req.output_ids) for e in entries]
-        return sample(logits, params, steps, self.generator)
+        histories = [(e.req.input_ids, e.req.output_ids) for e in entries]
+        mask = None
+        if any(p.guide is not None for p in params):
+            if self.grammar is None:
+                raise RuntimeError("a guided request on a runner without a grammar sampler")
+            reqs = [e.req for e in entries]
+            mask = lambda x: self.grammar.mask(x, reqs)  # noqa: E731
+        return sample(logits, params, steps, self.generator, histories, mask)

@@ -1,20 +1,21 @@
 """A page-aligned prefix (radix) cache: requests that share a prompt prefix share its KV pages.
 
 The tree's edges are whole pages of token ids (`page_size` tokens each), so a match is always a list
-of full pages and never splits a page. A node is referenced (locked) by every live request whose page
-table starts with its path; only unreferenced leaves are evicted, least recently used first.
+of full pages and never splits a page. A node is referenced (locked) by every live request whose
+page table starts with its path; only unreferenced leaves are evicted, least recently used first.
 
-Determinism (docs/ARCHITECTURE.md section 4): every PP rank runs the same call sequence, so the tree, the LRU
-order and therefore every eviction must be a pure function of that sequence. "Recently" is a logical
-clock bumped on every call, never wall time; children live in insertion-ordered dicts; ties in the
-eviction order break on the page id.
+Determinism (docs/ARCHITECTURE.md section 4): every PP rank runs the same call sequence, so the
+tree, the LRU order and therefore every eviction must be a pure function of that sequence.
+"Recently" is a logical clock bumped on every call, never wall time; children live in
+insertion-ordered dicts; ties in the eviction order break on the page id.
 
 Page ownership, for one request (P = page_size):
 
     pages[0 : cached_pages]        shared, owned by the tree, locked by the request's handle
     pages[cached_pages : ]         the request's own pages, allocated from the pool
     at finish: own full pages whose token chunk is new to the tree move into the tree; a chunk the
-    tree already has (a twin request inserted it first) and the partial last page go back to the pool.
+    tree already has (a twin request inserted it first) and the partial last page go back to the
+    pool.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class PrefixCache:
             stack.extend(n.children.values())
 
     def evict(self, num_pages: int) -> int:
-        """Frees up to `num_pages` unreferenced leaf pages, least recently used first. Returns the count."""
+        """Frees up to `num_pages` unreferenced leaf pages, least recently used first.
+        Returns the count."""
         if num_pages <= 0:
             return 0
         heap = [

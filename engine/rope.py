@@ -1,4 +1,5 @@
-"""Rotary position embedding: inverse frequencies (with scaling) and a cos/sin table indexed by position.
+"""Rotary position embedding: inverse frequencies (with scaling) and a cos/sin table indexed by
+position.
 
 The table is computed once per slice (float64, then cast) and indexed by the batch's positions, so a
 forward never recomputes trigonometry. Layout is Hugging Face's "rotate half" (not interleaved):
@@ -15,10 +16,11 @@ from engine.model_config import SUPPORTED_ROPE_TYPES
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (float64), as transformers computes them for each rope_type.
+    """Inverse frequencies [head_dim // 2] (float64),
+    as transformers computes them for each rope_type.
 
-    `freq_factors` is llama.cpp's form (a `rope_freqs.weight` tensor in GGUF): each frequency is divided
-    by its factor.
+    `freq_factors` is llama.cpp's form (a `rope_freqs.weight` tensor in GGUF): each frequency is
+    divided by its factor.
     """
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
@@ -45,7 +47,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RopeTable:
-    """cos/sin [max_pos, head_dim] (halves duplicated), grown on demand when a position exceeds it."""
+    """cos/sin [max_pos, head_dim] (halves duplicated),
+    grown on demand when a position exceeds it."""
 
     def __init__(
         self,
@@ -68,7 +71,8 @@ class RopeTable:
     def lookup(
         self, positions: torch.Tensor, max_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for `positions` [T]; `max_position` is positions.max() (known to the caller)."""
+        """cos, sin [T, 1, head_dim] for `positions` [T]; `max_position` is positions.max()
+        (known to the caller)."""
         if max_position >= self.cos.shape[0]:
             self._build(max(2 * self.cos.shape[0], max_position + 1))
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -1,4 +1,11 @@
-"""Sampling on the last slice: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Sampling on the last slice: penalties and logit_bias, then greedy or temperature, top-k, top-p,
+min-p, per-request seeds; logprobs.
+
+Logits are adjusted first, in this order: logit_bias added; repetition penalty over the prompt and
+generated tokens (a positive logit divided by it, a negative one multiplied, as transformers'
+RepetitionPenaltyLogitsProcessor); frequency and presence penalties over the generated tokens
+(logit -= frequency * count + presence * [count > 0], as OpenAI and vLLM define them). Greedy
+requests take the argmax of the adjusted logits; logprobs are those of the adjusted logits.
 
 A seeded request draws from a generator seeded by (seed, number of tokens it already generated), so
 its output depends only on its own logits and seed, never on what else shares its batch. Unseeded
@@ -40,14 +47,45 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def apply_penalties(
+    row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]
+) -> None:
+    """Adjusts one row of logits in place (see the module docstring for the order)."""
+    vocab = row.numel()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype)
+        row.index_add_(0, ids, bias)
+    if p.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        x = row.index_select(0, seen)
+        row.index_copy_(
+            0, seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        )
+    if (p.frequency_penalty or p.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
+        row.sub_(p.frequency_penalty * counts + p.presence_penalty * (counts > 0))
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     steps: list[int],
     generator: torch.Generator | None = None,
+    histories: list[tuple[list[int], list[int]]] | None = None,
+    mask=None,
 ) -> SampleOut:
-    """logits: float32 [R, vocab], one row per sampling request; steps[i] = tokens it generated so far."""
+    """logits: float32 [R, vocab], one row per sampling request; steps[i] = tokens it generated so
+    far; histories[i] = (prompt ids, generated ids), needed only for penalized requests; `mask`
+    forbids tokens in place after the penalties (structured output, engine/grammar.py)."""
     logits = logits.float()
+    if mask is not None or any(p.penalized for p in params):
+        logits = logits.clone()  # the forward's output is an inference tensor: adjust a copy
+    for i, p in enumerate(params):
+        if p.penalized:
+            apply_penalties(logits[i], p, *histories[i])
+    if mask is not None:
+        mask(logits)
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
@@ -67,7 +105,7 @@ def sample(
         vals, idx = torch.topk(logp, k, dim=-1)
         vals, idx = vals.tolist(), idx.tolist()
         tops = [
-            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs]))
+            list(zip(idx[i][: p.top_logprobs], vals[i][: p.top_logprobs], strict=True))
             for i, p in enumerate(params)
         ]
     return SampleOut(token_ids, chosen, tops)

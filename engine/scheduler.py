@@ -1,8 +1,8 @@
 """The deterministic scheduler: continuous batching, chunked prefill, prefix sharing, retraction.
 
 Every PP rank runs one of these on the same replicated inputs (new requests, aborts, sampled
-tokens), so its decisions must be a pure function of its call sequence (docs/ARCHITECTURE.md section 4): no
-wall clock, no unordered iteration, no rank-local resource readings. Capacities come from the
+tokens), so its decisions must be a pure function of its call sequence (docs/ARCHITECTURE.md section
+4): no wall clock, no unordered iteration, no rank-local resource readings. Capacities come from the
 config, which the ranks agree on at start-up.
 
 One request computes tokens `[kv_len, kv_len + num_new)` of `all_ids` per batch and samples when
@@ -51,7 +51,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_size > self.max_batch_tokens:
             raise ValueError(
-                f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens ({self.max_batch_tokens})"
+                f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens "
+                f"({self.max_batch_tokens})"
             )
 
 
@@ -119,11 +120,12 @@ class Scheduler:
         # Prefill side of PD: a request that ends keeps its pages until `release(rid)`: its KV may
         # still be on the wire (even after an abort, a transfer thread may be reading them).
         self.hold_kv_on_finish = hold_kv_on_finish
-        self.held: dict[str, Req] = {}
+        self.kept_kv: dict[str, Req] = {}  # finished, KV kept until `release` (hold_kv_on_finish)
 
-    # --- inputs ------------------------------------------------------------------------------------
+    # --- inputs -----------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raises ParamError for a request that could never run (too long for the context or the pool)."""
+        """Raises ParamError for a request that could never run
+        (too long for the context or the pool)."""
         if prompt_len < 1:
             raise ParamError("prompt", "is empty")
         total = prompt_len + params.max_tokens
@@ -166,7 +168,7 @@ class Scheduler:
             self._finish(req, reason)
         return req
 
-    # --- scheduling --------------------------------------------------------------------------------
+    # --- scheduling -------------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
         return sum(len(s) for s in self.slots)
@@ -219,7 +221,8 @@ class Scheduler:
                 n = min(left, self.cfg.chunk_size, budget)
                 self._place(batch, r, n)
                 budget -= n
-        # 3. Admissions, first come first served (a request that does not fit blocks the later ones).
+        # 3. Admissions, first come first served (a request that does not fit blocks the later
+        #    ones).
         while self.waiting and budget > 0 and self.num_running < self.cfg.max_running:
             req = self.waiting[0]
             if not self._admit(req, reserve=self.num_running):
@@ -254,12 +257,12 @@ class Scheduler:
     def _place(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         start = req.kv_len
         req.kv_len += n
-        req.extend_len = n
         req.in_flight = True
         batch.entries.append(BatchEntry(req, start, n, req.kv_len == req.seq_len, list(req.pages)))
 
     def _retract(self, req: Req) -> None:
-        """Preempts a running request that is not in flight: its KV goes back (to the prefix cache)."""
+        """Preempts a running request that is not in flight: its KV goes back
+        (to the prefix cache)."""
         assert not req.in_flight, f"retracting {req.rid} while in flight"
         self.slots[self._slot_of(req)].remove(req)
         self._release_kv(req)
@@ -274,14 +277,15 @@ class Scheduler:
                 return i
         raise AssertionError(f"{req.rid} is in no slot")
 
-    # --- outputs -----------------------------------------------------------------------------------
+    # --- outputs ----------------------------------------------------------------------------------
     @rank_consensus(
         "harvest",
         args=lambda self, batch, out: [batch.mb, out.token_ids if out else None],
         result=lambda r: [q.rid for q in r],
     )
     def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> list[Req]:
-        """Applies a batch's sampled tokens; returns the requests that got a token (in batch order)."""
+        """Applies a batch's sampled tokens; returns the requests that got a token
+        (in batch order)."""
         got, k = [], 0
         for e in batch.entries:
             req = e.req
@@ -323,7 +327,7 @@ class Scheduler:
         if req.status == ReqStatus.RUNNING:
             self.slots[self._slot_of(req)].remove(req)
             if self.hold_kv_on_finish:
-                self.held[req.rid] = req
+                self.kept_kv[req.rid] = req
             else:
                 self._release_kv(req)
         req.finish = reason
@@ -346,12 +350,12 @@ class Scheduler:
     @rank_consensus("release", args=lambda self, rid: rid)
     def release(self, rid: str) -> None:
         """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
-        self._release_kv(self.held.pop(rid))
+        self._release_kv(self.kept_kv.pop(rid))
 
     @rank_consensus("add_prefilled", args=lambda self, req, pages, mb: [req.rid, list(pages), mb])
     def add_prefilled(self, req: Req, pages: list[int], mb: int) -> None:
-        """Decode side of PD: the prompt's KV arrived in `pages` and `req.output_ids` holds the first
-        token; the request joins slot `mb` as a running decode (it may finish at once)."""
+        """Decode side of PD: the prompt's KV arrived in `pages` and `req.output_ids` holds the
+        first token; the request joins slot `mb` as a running decode (it may finish at once)."""
         self._arrivals += 1
         req.arrival = self._arrivals
         req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, 0
@@ -364,14 +368,15 @@ class Scheduler:
         out, self.just_finished = self.just_finished, []
         return out
 
-    # --- observability -----------------------------------------------------------------------------
+    # --- observability ----------------------------------------------------------------------------
     @property
     def used_tokens(self) -> int:
         """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
         return sum(r.kv_len for s in self.slots for r in s) + sum(
-            r.kv_len for r in self.held.values()
+            r.kv_len for r in self.kept_kv.values()
         )
 
     def held_pages(self) -> int:
+        """Pages live or kept requests hold, prefix-cache pages excluded (0 when nothing runs)."""
         cached = self.cache.num_cached_pages if self.cache is not None else 0
         return self.allocator.num_used - cached

@@ -1,4 +1,5 @@
-"""Authenticated ZMQ frames: every message between ranks and nodes carries an HMAC of the cluster secret.
+"""Authenticated ZMQ frames: every message between ranks and nodes carries an HMAC of the cluster
+secret.
 
 Frame = b"PA1" | tag (32 bytes) | seq (u64) | sender length (u8) | sender | payload, where
 tag = HMAC-SHA256(channel key, everything after the tag) and the channel key is
@@ -13,7 +14,8 @@ Why HMAC and not ZMQ CURVE: every process of a cluster holds one shared secret, 
 would all be derived from it and name no one; CURVE needs a ZAP authenticator thread per context
 (asyncio ones included) and rejects peers silently, while a per-message MAC lets each reader count
 what it drops and binds the sender identity into the message. Control messages need integrity, not
-secrecy (the KV itself crosses Mooncake in the clear): confidentiality comes from the private network.
+secrecy (the KV itself crosses Mooncake in the clear):
+confidentiality comes from the private network.
 
 Without a secret (`cluster_secret()` is None: tests and loopback-only development) the same frames
 are used with an empty key, which anyone can forge: the control plane is then unauthenticated, which
@@ -86,7 +88,8 @@ class Opener:
         self._last: OrderedDict[bytes, int] = OrderedDict()
 
     def open(self, frame: bytes) -> tuple[str, bytes]:
-        """(sender, payload) of an authentic, fresh frame; AuthError otherwise (never anything else)."""
+        """(sender, payload) of an authentic, fresh frame; AuthError otherwise
+        (never anything else)."""
         start = len(MAGIC) + TAG_BYTES
         if len(frame) < start + _HEAD.size or frame[: len(MAGIC)] != MAGIC:
             raise AuthError("unauthenticated", "not a sealed frame")

@@ -10,7 +10,8 @@ connection here also has:
   * a write timeout: once the client's receive window is full (uvicorn pauses writing), the client
     must read within WRITE_TIMEOUT_S or the connection is dropped, which ends the response (the
     app sees a disconnect, and a stream releases what it holds).
-Both work on the protocol class (h11 or httptools): a thin subclass that only arms and disarms timers.
+Both work on the protocol class (h11 or httptools):
+a thin subclass that only arms and disarms timers.
 
 What uvicorn has, and why it is not enough: `timeout_keep_alive` starts only after a response;
 `h11_max_incomplete_event_size` bounds headers with h11 only (httptools, which uvicorn picks when it

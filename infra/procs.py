@@ -1,4 +1,5 @@
-"""Process hygiene shared by every launcher: children die with their parent, and are always reaped."""
+"""Process hygiene shared by every launcher: children die with their parent,
+and are always reaped."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import time
 log = logging.getLogger(__name__)
 
 
-PORTS_FROM = 20000  # free_port's range starts here: above Mooncake's handshake/RPC ports (12001, 15000-17000)
+# free_port's range starts here: above Mooncake's handshake/RPC ports (12001, 15000-17000)
+PORTS_FROM = 20000
 
 
 def _ephemeral_start() -> int:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, fields
 import zmq
 
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
-from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc
 from kv_transfer.messages import Message, MessageError, decode_message, encode_message
+from kv_transfer.mooncake import MooncakeEngine
 from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)

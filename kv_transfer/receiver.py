@@ -25,10 +25,10 @@ from kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
-from kv_transfer.engine import MooncakeEngine
 from kv_transfer.layout import PoolDesc, intersect
 from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, read_aux, sender_id
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
+from kv_transfer.mooncake import MooncakeEngine
 
 
 class KVReceiver(BaseKVReceiver):

@@ -26,7 +26,6 @@ from kv_transfer.base import BaseKVSender, BasePrefillKVManager
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
-from kv_transfer.engine import MooncakeEngine, TransferError
 from kv_transfer.layout import (
     LAYOUT_NAME,
     PoolDesc,
@@ -37,6 +36,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfig, sender_id, write_aux
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
+from kv_transfer.mooncake import MooncakeEngine, TransferError
 
 KNOWN_PEERS_KEPT = 4096  # decode managers whose registered pool a prefill rank remembers
 

@@ -63,8 +63,8 @@ class PDReq:
 
 
 class PDLoop(SlotLoop):
-    """The slot loop of a PD rank: a PD request (`PDAddRequest`) opens a room with this rank's end of
-    the transfer, and waits in the subclass's own queues around the engine's scheduler."""
+    """The slot loop of a PD rank: a PD request (`PDAddRequest`) opens a room with this rank's end
+    of the transfer, and waits in the subclass's own queues around the engine's scheduler."""
 
     def __init__(self, parts: RankParts, kv_mgr: BaseKVManager):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)

@@ -1,12 +1,12 @@
-"""The messages a PD node adds to the node's protocol (runtime/messages.py), and the room's bound."""
+"""The messages a PD node adds to the node's protocol (runtime/messages.py); the room's bound."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.front import RequestError
 from runtime.messages import AddRequest, Event, MessageError, message
+from runtime.prompt import RequestError
 
 ROOM_MAX = (1 << 63) - 1  # the router draws rooms in [0, 2^63): the same bound on every channel
 
@@ -42,7 +42,7 @@ class PDAddRequest(AddRequest):
 @message("prefill_done")
 @dataclass(frozen=True)
 class PrefillDoneEvent(Event):
-    """The prompt's KV reached the decode node (the release vote found every rank's transfer done)."""
+    """The prompt's KV reached the decode node: the release vote found every transfer done."""
 
     terminal: ClassVar[bool] = True
     rid: str

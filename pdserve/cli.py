@@ -24,9 +24,10 @@ def _generate(args) -> int:
     ]
     ids = [eng.tokenizer(m, add_special_tokens=False)["input_ids"] for m in msgs]
     outs = eng.generate(ids, SamplingParams(max_tokens=args.max_tokens))
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         print(
-            f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, finish={o.finish_reason.kind}]\n"
+            f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, "
+            f"finish={o.finish_reason.kind}]\n"
         )
     return 0
 

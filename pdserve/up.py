@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -98,11 +99,33 @@ class Cluster:
         return p
 
     def start(self) -> str:
+        """Starts the nodes, waits until every rank has loaded, then starts the router; returns
+        the router's URL."""
         a = self.args
-        total = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
         env = dict(os.environ, **{SECRET_ENV: self.secret})
         env.pop(SECRET_FILE_ENV, None)
-        plan = plan_placement(total, sorted(os.sched_getaffinity(0)), a.threads)
+        cpus = self._plan_cores()
+        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
+        router_cmd += self._start_prefill_nodes(env, cpus)
+        router_cmd += self._start_decode_nodes(env, cpus)
+        print(
+            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, "
+            f"{a.decode_nodes} decode node(s) x PP {a.decode_pp}: {self._num_ranks()} rank "
+            f"processes on {len(os.sched_getaffinity(0))} cores",
+            flush=True,
+        )
+        self._wait_nodes()
+        return self._start_router(router_cmd, env)
+
+    def _num_ranks(self) -> int:
+        a = self.args
+        return a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
+
+    def _plan_cores(self) -> Callable[[int], list[str]]:
+        """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
+        cores, and returns `cpus(pp)`: the core flags of the next node (with `pp` ranks) started."""
+        a = self.args
+        plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
         names = [f"prefill-{i} pp{r}" for i in range(a.prefill_nodes) for r in range(a.prefill_pp)]
         names += [f"decode-{i} pp{r}" for i in range(a.decode_nodes) for r in range(a.decode_pp)]
         print(f"[up] placement: {plan.describe(names)}", flush=True)
@@ -115,9 +138,16 @@ class Cluster:
             at += pp
             return ["--cpus", plan.flag(at - pp, pp), *io]
 
+        return cpus
+
+    def _start_prefill_nodes(
+        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+    ) -> list[str]:
+        """Spawns the prefill nodes; returns their flags for the router's command line."""
+        a = self.args
         model = ["--model", a.model] if a.model else []
         extra = shlex.split(a.node_args)
-        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
+        router_flags = []
         for i in range(a.prefill_nodes):
             port, bport = free_port(), free_port()
             self._spawn(
@@ -137,7 +167,17 @@ class Cluster:
                 env,
             )
             self.nodes.append((f"prefill-{i}", f"http://127.0.0.1:{port}"))
-            router_cmd += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
+            router_flags += ["--prefill", f"http://127.0.0.1:{port}", str(bport)]
+        return router_flags
+
+    def _start_decode_nodes(
+        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+    ) -> list[str]:
+        """Spawns the decode nodes; returns their flags for the router's command line."""
+        a = self.args
+        model = ["--model", a.model] if a.model else []
+        extra = shlex.split(a.node_args)
+        router_flags = []
         for i in range(a.decode_nodes):
             port = free_port()
             self._spawn(
@@ -155,13 +195,11 @@ class Cluster:
                 env,
             )
             self.nodes.append((f"decode-{i}", f"http://127.0.0.1:{port}"))
-            router_cmd += ["--decode", f"http://127.0.0.1:{port}"]
-        print(
-            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode node(s) x "
-            f"PP {a.decode_pp}: {total} rank processes on {len(os.sched_getaffinity(0))} cores",
-            flush=True,
-        )
-        self._wait_nodes()
+            router_flags += ["--decode", f"http://127.0.0.1:{port}"]
+        return router_flags
+
+    def _start_router(self, router_cmd: list[str], env: dict[str, str]) -> str:
+        a = self.args
         if a.policy:
             router_cmd += ["--policy", a.policy]
         if a.api_key:
@@ -267,7 +305,8 @@ def up_main(args) -> int:
             {"id": "default"}
         ]
         print(
-            f"[up] cluster secret (for /workers and the nodes' internal endpoints) in {cluster.secret_file}",
+            "[up] cluster secret (for /workers and the nodes' internal endpoints) in "
+            f"{cluster.secret_file}",
             flush=True,
         )
         print(

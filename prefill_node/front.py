@@ -12,8 +12,10 @@ from typing import Any
 
 from engine.core import SamplingParams
 from pd_common.messages import PDAddRequest, PrefillDoneEvent, check_room
-from runtime.front import NodeFront, Pending, RequestError
+from runtime.answer import Pending
+from runtime.front import NodeFront
 from runtime.messages import AbortRequest, ErrorEvent
+from runtime.prompt import RequestError
 
 
 class PrefillFront(NodeFront):

@@ -1,4 +1,4 @@
-"""The prefill node's slot loop: bootstrap -> waiting -> running (chunked prefill) -> inflight -> released.
+"""The prefill node's slot loop: bootstrap, waiting, running (chunked prefill), inflight, released.
 
 Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
@@ -66,7 +66,7 @@ class PrefillLoop(PDLoop):
             return super().request_phase(rid)
         return "running" if pd.room in self.inflight else "waiting"  # else still bootstrapping
 
-    # --- a new request ------------------------------------------------------------------------------
+    # --- a new request ----------------------------------------------------------------------------
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         # The prefill side samples the first token only; the decode side continues the same params.
         req = Req(msg.rid, list(msg.input_ids), replace(params, max_tokens=1, stop=()))
@@ -87,7 +87,7 @@ class PrefillLoop(PDLoop):
         pd.transfer.abort(why)
         return True
 
-    # --- bootstrap (PPConsensusStore + leader sync) ------------------------------------------------
+    # --- bootstrap (PPConsensusStore + leader sync) -----------------------------------------------
     def before_schedule(self, t: int, mb: int) -> None:
         if self.bootstrap:
             self._bootstrap_step()
@@ -101,7 +101,7 @@ class PrefillLoop(PDLoop):
         t0 = time.monotonic()
         local = [pd.transfer.poll() for pd in self.bootstrap]
         if self.store is not None:
-            for pd, st in zip(self.bootstrap, local):
+            for pd, st in zip(self.bootstrap, local, strict=True):
                 self.store.update_status(pd.room, st)
             polls = (
                 self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
@@ -118,13 +118,11 @@ class PrefillLoop(PDLoop):
     )
     def _apply_bootstrap(self, polls: list[KVPoll]) -> None:
         keep = []
-        for pd, st in zip(self.bootstrap, polls):
+        for pd, st in zip(self.bootstrap, polls, strict=True):
             if st == KVPoll.Failed:
                 self._bootstrap_done(pd.rid)
-                self._end(
-                    pd,
-                    f"bootstrap failed: {pd.reason or pd.transfer.reason or 'decode side never registered'}",
-                )
+                why = pd.reason or pd.transfer.reason or "decode side never registered"
+                self._end(pd, f"bootstrap failed: {why}")
             elif st >= KVPoll.WaitingForInput:
                 self._bootstrap_done(pd.rid)
                 self.sched.add(pd.req)
@@ -133,7 +131,7 @@ class PrefillLoop(PDLoop):
                 keep.append(pd)
         self.bootstrap = keep
 
-    # --- chunks and first token ---------------------------------------------------------------------
+    # --- chunks and first token -------------------------------------------------------------------
     def after_forward(self, batch: ScheduledBatch) -> None:
         for e in batch.entries:
             pd = self.by_rid.get(e.req.rid)
@@ -149,9 +147,9 @@ class PrefillLoop(PDLoop):
         if req.finish.kind == "abort":
             pd.aborted, pd.reason = True, req.finish.message or "aborted"
             pd.transfer.abort(pd.reason)
-            if pd.sent_upto == 0 and req.rid in self.sched.held:
+            if pd.sent_upto == 0 and req.rid in self.sched.kept_kv:
                 self.sched.release(req.rid)  # no transfer thread ever saw its pages
-            if req.rid in self.sched.held:
+            if req.rid in self.sched.kept_kv:
                 self.inflight[pd.room] = pd  # freed by the release vote, once no thread reads them
             else:
                 self._end(pd, pd.reason)
@@ -168,7 +166,7 @@ class PrefillLoop(PDLoop):
         self.inflight[pd.room] = pd
         self._t_stage[pd.rid] = time.monotonic()
 
-    # --- release vote ------------------------------------------------------------------------------
+    # --- release vote -----------------------------------------------------------------------------
     def after_harvest(self, t: int, hb: int) -> None:
         verdict = self.vote.pass2(hb)[RELEASE]
         t_cast = self._t_cast.pop(hb, None)
@@ -187,7 +185,7 @@ class PrefillLoop(PDLoop):
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
             self._stage_done(pd.rid, "inflight")
-            if pd.rid in self.sched.held:
+            if pd.rid in self.sched.kept_kv:
                 self.sched.release(pd.rid)
             if room in good and not pd.aborted:
                 self.emit(PrefillDoneEvent(pd.rid, pd.req.prompt_len, pd.req.cached_len))

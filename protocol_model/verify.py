@@ -36,9 +36,8 @@ PROP_MACROS = {
 SCENARIOS = {
     "faults": dict(NREQ=1, MAXF=1, MAXAB=1),  # any one fault + an abort at any stage
     "reuse": dict(NREQ=2, MAXF=1, MAXAB=0),  # a fault in room 0, room 1 reuses its pages
-    "aborts": dict(
-        NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1
-    ),  # room 0 aborted at any point, room 1 runs
+    # room 0 aborted at any point, room 1 runs
+    "aborts": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1),
 }
 
 
@@ -85,69 +84,75 @@ def properties_checks() -> list[Check]:
         if not (HERE / f"{model}.pml").exists():
             continue
         fx = FIXED.get(model, {})
-        if model in KNOWN:
-            # the code as it is: the finding must show (and only it)
-            out.append(
-                Check(f"{model}-pp2-faults-as-is", model, 2, "faults", "safety", known=KNOWN[model])
-            )
-        if model == "prefill":
-            # finding 2: the stronger "no write reads a page when it is freed" does not hold
-            out.append(
-                Check(
-                    "prefill-pp2-faults-strict-read",
-                    model,
-                    2,
-                    "faults",
-                    "safety",
-                    ("strict-read",),
-                    known="strict-read",
-                    extra={"P_STRICT_READ": 1},
-                )
-            )
-        out += [
-            Check(f"{model}-pp2-faults", model, 2, "faults", "safety", extra=fx),
-            # prefill "reuse" is 4.7 M states exhaustive (about a minute): supertrace here
-            Check(
-                f"{model}-pp2-reuse",
-                model,
-                2,
-                "reuse",
-                "safety",
-                bitstate=BITS if model == "prefill" else 0,
-                extra=fx,
-            ),
-            Check(f"{model}-pp2-aborts", model, 2, "aborts", "safety", bitstate=BITS, extra=fx),
-            Check(
-                f"{model}-pp2-faults-live", model, 2, "faults", "liveness", ("liveness",), extra=fx
-            ),
-            Check(
-                f"{model}-pp2-reuse-live",
-                model,
-                2,
-                "reuse",
-                "liveness",
-                ("liveness",),
-                bitstate=BITS if model == "prefill" else 0,
-                extra=fx,
-            ),
-            # PP 3: a supertrace (bitstate) search in a small bit array, bounded in time: a partial
-            # search (see the docs for its coverage), not a proof.
-            Check(f"{model}-pp3-faults", model, 3, "faults", "safety", bitstate=BITS3, extra=fx),
-            # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED (found at 2^22, 2.1 M states)
-            Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS, extra=fx),
-            Check(f"{model}-pp3-aborts", model, 3, "aborts", "safety", bitstate=BITS3, extra=fx),
-            Check(
-                f"{model}-pp3-faults-live",
-                model,
-                3,
-                "faults",
-                "liveness",
-                ("liveness",),
-                bitstate=BITS3,
-                extra=fx,
-            ),
-        ]
+        out += _finding_checks(model) + _pp2_checks(model, fx) + _pp3_checks(model, fx)
     return out
+
+
+def _finding_checks(model: str) -> list[Check]:
+    """The model of the code as it is: each finding must show (and only it)."""
+    out = []
+    if model in KNOWN:
+        out.append(
+            Check(f"{model}-pp2-faults-as-is", model, 2, "faults", "safety", known=KNOWN[model])
+        )
+    if model == "prefill":
+        # finding 2: the stronger "no write reads a page when it is freed" does not hold
+        out.append(
+            Check(
+                "prefill-pp2-faults-strict-read",
+                model,
+                2,
+                "faults",
+                "safety",
+                ("strict-read",),
+                known="strict-read",
+                extra={"P_STRICT_READ": 1},
+            )
+        )
+    return out
+
+
+def _pp2_checks(model: str, fx: dict) -> list[Check]:
+    # prefill "reuse" is 4.7 M states exhaustive (about a minute): supertrace here
+    reuse_bits = BITS if model == "prefill" else 0
+    return [
+        Check(f"{model}-pp2-faults", model, 2, "faults", "safety", extra=fx),
+        Check(f"{model}-pp2-reuse", model, 2, "reuse", "safety", bitstate=reuse_bits, extra=fx),
+        Check(f"{model}-pp2-aborts", model, 2, "aborts", "safety", bitstate=BITS, extra=fx),
+        Check(f"{model}-pp2-faults-live", model, 2, "faults", "liveness", ("liveness",), extra=fx),
+        Check(
+            f"{model}-pp2-reuse-live",
+            model,
+            2,
+            "reuse",
+            "liveness",
+            ("liveness",),
+            bitstate=reuse_bits,
+            extra=fx,
+        ),
+    ]
+
+
+def _pp3_checks(model: str, fx: dict) -> list[Check]:
+    """PP 3: a supertrace (bitstate) search in a small bit array, bounded in time: a partial search
+    (see the docs for its coverage), not a proof."""
+    return [
+        Check(f"{model}-pp3-faults", model, 3, "faults", "safety", bitstate=BITS3, extra=fx),
+        # 2^22 for "reuse": at 2^20 the search misses M_PEER_DEAD_QUIESCED
+        # (found at 2^22, 2.1 M states)
+        Check(f"{model}-pp3-reuse", model, 3, "reuse", "safety", bitstate=BITS, extra=fx),
+        Check(f"{model}-pp3-aborts", model, 3, "aborts", "safety", bitstate=BITS3, extra=fx),
+        Check(
+            f"{model}-pp3-faults-live",
+            model,
+            3,
+            "faults",
+            "liveness",
+            ("liveness",),
+            bitstate=BITS3,
+            extra=fx,
+        ),
+    ]
 
 
 def mutant_checks() -> list[Check]:
@@ -167,53 +172,52 @@ def mutant_checks() -> list[Check]:
             ("M_FREE_AT_ABORT", "prefill", "faults", "no-double-free-no-leak"),
             ("M_SKIP_ABORT", "prefill", "faults", "deadlock-freedom"),
         ]
-    # Mutants go on top of the fixed model, so each counterexample is the mutant's own.
-    out = [
-        Check(
-            f"{model}-pp2-{mac}",
-            model,
-            2,
-            sc,
-            "liveness" if prop == "liveness" else "safety",
-            (prop,),
-            mutant=mac,
-            extra=FIXED.get(model, {}),
-        )
-        for mac, model, sc, prop in m
-    ]
+    out = [_mutant(mac, model, 2, sc, prop) for mac, model, sc, prop in m]
     # and the PP 3 partial search finds them too (one per property class it runs)
-    out += [
-        Check(
-            "decode-pp3-M_NO_PASS2",
-            "decode",
-            3,
-            "faults",
-            "safety",
-            ("agreement",),
-            bitstate=BITS3,
-            mutant="M_NO_PASS2",
-            extra=FIXED.get("decode", {}),
-        ),
-        Check(
-            "decode-pp3-M_PEER_DEAD_QUIESCED",
-            "decode",
-            3,
-            "reuse",
-            "safety",
-            ("safety",),
-            bitstate=BITS,
-            mutant="M_PEER_DEAD_QUIESCED",
-            extra=FIXED.get("decode", {}),
-        ),
-    ]
+    out.append(_mutant("M_NO_PASS2", "decode", 3, "faults", "agreement", bitstate=BITS3))
+    out.append(_mutant("M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", bitstate=BITS))
     return out
 
 
+def _mutant(mac: str, model: str, pp: int, scenario: str, prop: str, bitstate: int = 0) -> Check:
+    # Mutants go on top of the fixed model, so each counterexample is the mutant's own.
+    kind = "liveness" if prop == "liveness" else "safety"
+    name = f"{model}-pp{pp}-{mac}"
+    fx = FIXED.get(model, {})
+    return Check(name, model, pp, scenario, kind, (prop,), bitstate, mutant=mac, extra=fx)
+
+
 def run_check(c: Check, workdir: Path) -> Result:
+    """spin -a, cc pan.c and ./pan for one check, in its own folder under `workdir`."""
     d = workdir / c.name
     d.mkdir(parents=True, exist_ok=True)
     for f in HERE.glob("*.pml"):
         shutil.copy(f, d)
+    t0 = time.monotonic()
+    _build_pan(c, d)
+    try:
+        p = subprocess.run(
+            _pan_command(c), cwd=d, capture_output=True, text=True, timeout=c.timeout_s
+        )
+        out = p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return Result(
+            False, 0, f"timed out after {c.timeout_s} s", _states(out), time.monotonic() - t0, False
+        )
+    secs = time.monotonic() - t0
+    errors = int(m.group(1)) if (m := re.search(r"errors: (\d+)", out)) else -1
+    complete = "Search not completed" not in out and "-DMEMLIM bound" not in out and errors >= 0
+    trail = ""
+    if errors > 0 and (d / f"{c.model}.pml.trail").exists():
+        trail = str(d / f"{c.model}.pml.trail")
+    return Result(
+        errors == 0 and complete, errors, _first_error(out), _states(out), secs, complete, trail
+    )
+
+
+def _build_pan(c: Check, d: Path) -> None:
+    """The verifier of the check's model and properties: pan.c from spin, compiled to ./pan."""
     defs = {"PP": c.pp, **SCENARIOS[c.scenario], **c.extra}
     args = [f"-D{k}={v}" for k, v in defs.items()]
     if c.kind == "liveness":
@@ -222,7 +226,6 @@ def run_check(c: Check, workdir: Path) -> Result:
         args += [f"-D{PROP_MACROS[p]}" for p in c.props if p in PROP_MACROS]
     if c.mutant:
         args.append(f"-D{c.mutant}")
-    t0 = time.monotonic()
     subprocess.run(
         ["spin", "-a", *args, f"{c.model}.pml"],
         cwd=d,
@@ -245,22 +248,19 @@ def run_check(c: Check, workdir: Path) -> Result:
         text=True,
         timeout=120,
     )
+
+
+def _pan_command(c: Check) -> list[str]:
     pan = ["./pan", "-m400000"]
     if c.bitstate:
         pan.append(f"-w{c.bitstate}")
     if c.kind == "liveness":
         pan += ["-a", "-f"]
-    try:
-        p = subprocess.run(pan, cwd=d, capture_output=True, text=True, timeout=c.timeout_s)
-        out = p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Result(
-            False, 0, f"timed out after {c.timeout_s} s", _states(out), time.monotonic() - t0, False
-        )
-    secs = time.monotonic() - t0
-    errors = int(m.group(1)) if (m := re.search(r"errors: (\d+)", out)) else -1
-    what = ""
+    return pan
+
+
+def _first_error(out: str) -> str:
+    """The first error pan reports, in spin's words ("" when none)."""
     for pat in (
         r"pan:\d+: (assertion violated .*?) \(at depth",
         r"pan:\d+: (invalid end state)",
@@ -270,13 +270,8 @@ def run_check(c: Check, workdir: Path) -> Result:
         r"(error: max search depth too small)",
     ):
         if mm := re.search(pat, out):
-            what = mm.group(1)
-            break
-    complete = "Search not completed" not in out and "-DMEMLIM bound" not in out and errors >= 0
-    trail = ""
-    if errors > 0 and (d / f"{c.model}.pml.trail").exists():
-        trail = str(d / f"{c.model}.pml.trail")
-    return Result(errors == 0 and complete, errors, what, _states(out), secs, complete, trail)
+            return mm.group(1)
+    return ""
 
 
 def _states(out: str) -> int:
@@ -302,15 +297,7 @@ def classify(what: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--mutants", action="store_true", help="run the mutants instead of the properties"
-    )
-    ap.add_argument("--only", action="append", default=[], help="check name (repeatable)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory (trails)")
-    a = ap.parse_args(argv)
+    a = _parse_args(argv)
     if not shutil.which("spin") or not shutil.which("cc"):
         print(
             "verify-protocol: needs spin and a C compiler (scripts/setup.sh --test installs spin)",
@@ -326,55 +313,80 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for c in checks:
             r = run_check(c, work)
-            cfg = f"{c.model} PP{c.pp} {c.scenario}" + (f" {c.mutant}" if c.mutant else "")
-            mode = f"bitstate -w{c.bitstate}" if c.bitstate else "exhaustive"
-            if c.mutant:
-                hit = classify(r.what)
-                good = r.errors > 0 and hit in c.props
-                failed += not good
-                print(
-                    f"{'OK  ' if good else 'FAIL'} mutant {cfg:38s} target={c.props[0]:24s} "
-                    f"spin: {r.what or 'no error'} -> {hit}  states={r.states} {r.seconds:.1f}s"
-                    + (f" trail={r.trail}" if r.trail and a.keep else ""),
-                    flush=True,
-                )
-                continue
-            if c.extra:
-                cfg += " " + " ".join(c.extra)
-            for prop in c.props:
-                broken = r.errors > 0 and classify(r.what) == prop
-                ok = r.complete and r.errors == 0
-                if c.known:
-                    # the finding must show, as this property's counterexample; the others are not
-                    # proved by a run that stopped at it
-                    ok = r.errors > 0 and classify(r.what) == c.known
-                    status = (
-                        ("KNOWN-BUG" if prop == c.known else "UNPROVED ") if ok else "FAIL     "
-                    )
-                    failed += not ok
-                    print(
-                        f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s"
-                        f"  ({r.what or 'no error: the finding no longer shows; update KNOWN'})",
-                        flush=True,
-                    )
-                    continue
-                failed += not ok
-                status = "OK  " if ok else "FAIL"
-                why = "" if ok else f"  ({r.what or 'incomplete search'})"
-                print(
-                    f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} {r.seconds:6.1f}s{why}"
-                    + ("  <- this property" if broken else ""),
-                    flush=True,
-                )
+            failed += _report_mutant(c, r, a.keep) if c.mutant else _report_properties(c, r)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"work directory kept: {work}")
     print(
-        f"total {time.monotonic() - t_all:.1f}s, {'all passed' if not failed else f'{failed} failed'}"
+        f"total {time.monotonic() - t_all:.1f}s, "
+        f"{'all passed' if not failed else f'{failed} failed'}"
     )
     return 1 if failed else 0
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mutants", action="store_true", help="run the mutants instead of the properties"
+    )
+    ap.add_argument("--only", action="append", default=[], help="check name (repeatable)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (trails)")
+    return ap.parse_args(argv)
+
+
+def _config(c: Check) -> str:
+    return f"{c.model} PP{c.pp} {c.scenario}" + (f" {c.mutant}" if c.mutant else "")
+
+
+def _report_mutant(c: Check, r: Result, keep: bool) -> int:
+    """Prints the mutant's line; returns 1 if it failed (no counterexample for its target)."""
+    hit = classify(r.what)
+    good = r.errors > 0 and hit in c.props
+    print(
+        f"{'OK  ' if good else 'FAIL'} mutant {_config(c):38s} target={c.props[0]:24s} "
+        f"spin: {r.what or 'no error'} -> {hit}  states={r.states} {r.seconds:.1f}s"
+        + (f" trail={r.trail}" if r.trail and keep else ""),
+        flush=True,
+    )
+    return int(not good)
+
+
+def _report_properties(c: Check, r: Result) -> int:
+    """Prints one line per property of the check; returns how many failed."""
+    cfg = _config(c)
+    if c.extra:
+        cfg += " " + " ".join(c.extra)
+    mode = f"bitstate -w{c.bitstate}" if c.bitstate else "exhaustive"
+    failed = 0
+    for prop in c.props:
+        broken = r.errors > 0 and classify(r.what) == prop
+        ok = r.complete and r.errors == 0
+        if c.known:
+            # the finding must show, as this property's counterexample; the others are not
+            # proved by a run that stopped at it
+            ok = r.errors > 0 and classify(r.what) == c.known
+            status = ("KNOWN-BUG" if prop == c.known else "UNPROVED ") if ok else "FAIL     "
+            failed += not ok
+            print(
+                f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} "
+                f"{r.seconds:6.1f}s  "
+                f"({r.what or 'no error: the finding no longer shows; update KNOWN'})",
+                flush=True,
+            )
+            continue
+        failed += not ok
+        status = "OK  " if ok else "FAIL"
+        why = "" if ok else f"  ({r.what or 'incomplete search'})"
+        print(
+            f"{status} {prop:24s} {cfg:24s} {mode:14s} states={r.states:<9d} "
+            f"{r.seconds:6.1f}s{why}" + ("  <- this property" if broken else ""),
+            flush=True,
+        )
+    return failed
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
 The front never schedules anything. It validates and tokenizes a request, hands it to PP0 as an
 `AddRequest` (runtime/messages.py), and turns PP0's events (`TokenEvent`, `FinishEvent`,
-`ErrorEvent`) back into an HTTP answer. Only PP0 talks to the front, so every request gets exactly one answer.
-It also collects every rank's stats (pool and queues) for /health, /server_info and /metrics.
+`ErrorEvent`) back into an HTTP answer. Only PP0 talks to the front, so every request gets exactly
+one answer. It also collects every rank's stats (pool and queues) for /health, /server_info and
+/metrics.
 
-Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is sealed
-with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers open
-and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong shape
-is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep reading.
-"""
+Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is
+sealed with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers
+open and decode inside their guard: a message that is unsealed, replayed, malformed or of the wrong
+shape is dropped, counted in `dropped` (shown in /server_info) and logged once per kind; they keep
+reading."""
 
 from __future__ import annotations
 
@@ -22,17 +23,16 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import orjson
 import zmq
 import zmq.asyncio
 
 from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from runtime.answer import Pending, finish_chunk, meta_info, token_chunk
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
@@ -45,24 +45,9 @@ from runtime.messages import (
     encode,
     unpack,
 )
+from runtime.prompt import RequestError, prompt_ids
 
 log = logging.getLogger("pdserve.front")
-
-
-class RequestError(Exception):
-    """A client error, answered with an OpenAI-style body."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 RID_MAX = 256  # characters of a request id
@@ -77,20 +62,6 @@ OVERLOADED = "node_overloaded"  # the error code of that 503 (with Retry-After)
 # and the per-iteration samples of half a second. Far above real traffic, far below harm.
 REQ_CHANNEL, EVT_CHANNEL, STATS_CHANNEL = "front-req", "front-evt", "front-stats"
 REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
-
-
-@dataclass
-class Pending:
-    rid: str
-    prompt_tokens: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Any]] = field(default_factory=list)
-    t_start: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-    done: bool = False
 
 
 class NodeFront:
@@ -136,9 +107,10 @@ class NodeFront:
         else:
             self.stats_addr = self._bind(self.stats_sock, host)
         self.pending: dict[str, Pending] = {}
-        # rids aborted before their /generate arrived (the router sends abort and generate on separate
-        # connections, so an abort can overtake its request): that request is refused when it comes,
-        # instead of waiting for a KV partner that already gave up (a bootstrap timeout later)
+        # rids aborted before their /generate arrived (the router sends abort and generate on
+        # separate connections, so an abort can overtake its request): that request is refused when
+        # it comes, instead of waiting for a KV partner that already gave up (a bootstrap timeout
+        # later)
         self.early_aborts: OrderedDict[str, float] = OrderedDict()
         self.rank_stats: dict[int, RankStats] = {}
         self.rank_seen: dict[int, float] = {}
@@ -185,49 +157,7 @@ class NodeFront:
 
     # --- requests ---------------------------------------------------------------------------------
     def tokenize(self, body: dict[str, Any]) -> list[int]:
-        given = [k for k in ("text", "messages", "input_ids") if body.get(k) is not None]
-        if len(given) != 1:
-            raise RequestError(
-                400, "exactly one of 'text', 'messages', 'input_ids' is required", "text"
-            )
-        kind = given[0]
-        if kind == "text":
-            if not isinstance(body["text"], str):
-                raise RequestError(400, "'text' must be a string", "text")
-            ids = self.tok(body["text"])["input_ids"]
-        elif kind == "messages":
-            msgs = body["messages"]
-            if (
-                not isinstance(msgs, list)
-                or not msgs
-                or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                )
-            ):
-                raise RequestError(
-                    400,
-                    "'messages' must be a non-empty list of {role, content} strings",
-                    "messages",
-                )
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = body["input_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-                for t in ids
-            ):
-                raise RequestError(
-                    400,
-                    f"'input_ids' must be a list of integers in [0, {self.vocab_size})",
-                    "input_ids",
-                )
-        if not ids:
-            raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
-        return list(ids)
+        return prompt_ids(self.tok, body, self.vocab_size)
 
     def admit(self, body: dict[str, Any], ids: list[int] | None = None) -> Pending:
         """Checks and queues a request; `ids`: its prompt, if the caller tokenised it already."""
@@ -307,12 +237,14 @@ class NodeFront:
             while True:
                 ev = await p.events.get()
                 if isinstance(ev, TokenEvent):
-                    chunk, ev = self._token_chunk(p, ev)
+                    chunk, ev = token_chunk(p, ev)
                     yield chunk
                     if ev is None:
                         continue
                 if isinstance(ev, FinishEvent):
-                    yield self._finish_chunk(p, ev)
+                    chunk = finish_chunk(p, ev)
+                    self._observe(p, ev.kind)
+                    yield chunk
                     return
                 if isinstance(ev, ErrorEvent):
                     p.done = True
@@ -327,60 +259,12 @@ class NodeFront:
                             "param": ev.field,
                             "code": None,
                         },
-                        "meta_info": self._meta(p, {"type": "abort", "message": ev.message}, []),
+                        "meta_info": meta_info(p, {"type": "abort", "message": ev.message}, []),
                     }
                     return
         finally:
             if not p.done and self.dead is None and p.rid in self.pending:
                 self.send(AbortRequest(p.rid, "client disconnected"))
-
-    def _token_chunk(self, p: Pending, ev: TokenEvent) -> tuple[dict[str, Any], Event | None]:
-        """One chunk of `ev` and the tokens already queued behind it (coalesced), and the event
-        that ended the run, if one did."""
-        toks, lps, end = [], [], None
-        while True:
-            toks.append(ev.token)
-            if ev.logprob is not None:
-                lps.append([ev.token, ev.logprob, ev.top])
-            if p.events.empty():
-                break
-            nxt = p.events.get_nowait()
-            if not isinstance(nxt, TokenEvent):
-                end = nxt
-                break
-            ev = nxt
-        if p.t_first is None:
-            p.t_first = time.monotonic()
-        p.token_ids.extend(toks)
-        p.logprobs.extend(lps)
-        chunk = {
-            "rid": p.rid,
-            "text": p.detok.add(toks),
-            "token_ids": toks,
-            "meta_info": self._meta(p, None, lps),
-        }
-        return chunk, end
-
-    def _finish_chunk(self, p: Pending, ev: FinishEvent) -> dict[str, Any]:
-        reason: dict[str, Any] = {"type": ev.kind}
-        if ev.message:
-            reason["message"] = ev.message
-        if ev.matched is not None:
-            reason["matched"] = ev.matched
-        tail = p.detok.finish(ev.matched if isinstance(ev.matched, str) else None)
-        p.done = True
-        self._observe(p, ev.kind)
-        return {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": self._meta(p, reason, [])}
-
-    def _meta(self, p: Pending, reason, lps) -> dict[str, Any]:
-        m = {
-            "prompt_tokens": p.prompt_tokens,
-            "completion_tokens": len(p.token_ids),
-            "finish_reason": reason,
-        }
-        if p.params.logprobs:
-            m["logprobs"] = lps
-        return m
 
     def _observe(self, p: Pending, finish: str) -> None:
         if self.metrics is not None:
@@ -472,9 +356,3 @@ class NodeFront:
             ],
             "dropped_messages": dict(self.dropped),
         }
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    if isinstance(obj, str):
-        return f"data: {obj}\n\n".encode()
-    return b"data: " + orjson.dumps(obj) + b"\n\n"

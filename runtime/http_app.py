@@ -1,13 +1,15 @@
 """The HTTP surface of a node front (docs/PROTOCOL.md): /generate, /abort, /health, /server_info,
 /metrics, and a front's own endpoints (NodeFront.add_routes: the decode node's /bootstrap_servers).
 
-Everything but /health and /metrics needs the cluster secret (when the node has one): they are what a
-load balancer's probe and a Prometheus scraper read, and they tell nothing a request could abuse."""
+Everything but /health and /metrics needs the cluster secret (when the node has one): they are what
+a load balancer's probe and a Prometheus scraper read, and they tell nothing a request could
+abuse."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from infra.internal_auth import bearer_ok
-from runtime.front import OVERLOADED, RID_MAX, NodeFront, RequestError, sse
+from runtime.front import OVERLOADED, RID_MAX, NodeFront
+from runtime.prompt import RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in
@@ -60,19 +63,8 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
-    app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(RequestError)
-    async def _req_error(_: Request, e: RequestError):
-        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-    def check_internal(request: Request) -> None:
-        if not bearer_ok(request.headers.get("authorization"), internal_token):
-            raise RequestError(
-                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
-            )
+def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> None:
+    """POST /generate: the whole answer, or an SSE stream of chunks when `stream` is set."""
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -108,6 +100,23 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         if p.params.logprobs:
             meta["logprobs"] = p.logprobs
         return {"rid": p.rid, "text": "".join(text), "token_ids": p.token_ids, "meta_info": meta}
+
+
+def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
+    app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _req_error(_: Request, e: RequestError):
+        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def check_internal(request: Request) -> None:
+        if not bearer_ok(request.headers.get("authorization"), internal_token):
+            raise RequestError(
+                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
+            )
+
+    add_generate(app, front, check_internal)
 
     @app.post("/abort")
     async def abort(request: Request):

@@ -138,27 +138,45 @@ def _checker(ann: Any, where: str) -> Callable[[Any], Any]:
     """A function that validates (and, for nested messages and tuples, builds) one field value."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin in (typing.Union, types.UnionType):
-        options = [_checker(a, where) for a in args if a is not type(None)]
-        optional = type(None) in args
-        if len(options) == 1:  # `X | None`: no try/except on the hot path
-            only = options[0]
-            return lambda v: None if v is None else only(v)
+        return _union_checker(args, where)
+    if ann in (bool, int, float, str) or ann is Any:
+        return _scalar_checker(ann, where)
+    if origin in (list, tuple, dict) or ann in (list, tuple, dict):
+        return _container_checker(origin or ann, args, where)
+    if dataclasses.is_dataclass(ann):
 
-        def one_of(v):
-            if v is None and optional:
-                return None
-            for check in options:
-                try:
-                    return check(v)
-                except MessageError:
-                    pass
-            raise MessageError(f"{where}: unexpected {type(v).__name__}")
+        def nested(v):
+            if type(v) is not list:
+                raise MessageError(f"{where}: expected a {ann.__name__} (a list)")
+            return _build(ann, v)
 
-        return one_of
-    if ann is bool:
-        return _exact(bool, where)
-    if ann is int:
-        return _exact(int, where)
+        return nested
+    raise TypeError(f"{where}: no wire check for the annotation {ann!r}")
+
+
+def _union_checker(args: tuple, where: str) -> Callable[[Any], Any]:
+    options = [_checker(a, where) for a in args if a is not type(None)]
+    optional = type(None) in args
+    if len(options) == 1:  # `X | None`: no try/except on the hot path
+        only = options[0]
+        return lambda v: None if v is None else only(v)
+
+    def one_of(v):
+        if v is None and optional:
+            return None
+        for check in options:
+            try:
+                return check(v)
+            except MessageError:
+                pass
+        raise MessageError(f"{where}: unexpected {type(v).__name__}")
+
+    return one_of
+
+
+def _scalar_checker(ann: Any, where: str) -> Callable[[Any], Any]:
+    if ann is Any:
+        return lambda v: v
     if ann is float:
 
         def real(v):
@@ -175,28 +193,11 @@ def _checker(ann: Any, where: str) -> Callable[[Any], Any]:
             return v
 
         return short_str
-    if ann is Any:
-        return lambda v: v
-    if origin is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple
-        items = [_checker(a, where) for a in args]
+    return _exact(ann, where)  # bool, int: exactly (True is no token id)
 
-        def record(v):
-            if type(v) is not list or len(v) != len(items):
-                raise MessageError(f"{where}: expected a list of {len(items)} items")
-            return tuple(check(x) for check, x in zip(items, v, strict=True))
 
-        return record
-    if origin in (list, tuple) or ann in (list, tuple):
-        item = _checker(args[0], where) if args else (lambda v: v)
-        make = tuple if (origin or ann) is tuple else list
-
-        def seq(v):
-            if type(v) is not list or len(v) > MAX_LIST:
-                raise MessageError(f"{where}: expected a list of at most {MAX_LIST} items")
-            return make(item(x) for x in v)
-
-        return seq
-    if origin is dict or ann is dict:
+def _container_checker(kind: type, args: tuple, where: str) -> Callable[[Any], Any]:
+    if kind is dict:
         key = _checker(args[0], where) if args else (lambda v: v)
         val = _checker(args[1], where) if args else (lambda v: v)
 
@@ -206,15 +207,24 @@ def _checker(ann: Any, where: str) -> Callable[[Any], Any]:
             return {key(k): val(x) for k, x in v.items()}
 
         return mapping
-    if dataclasses.is_dataclass(ann):
+    if kind is tuple and args and args[-1] is not Ellipsis:  # a fixed-length tuple
+        items = [_checker(a, where) for a in args]
 
-        def nested(v):
-            if type(v) is not list:
-                raise MessageError(f"{where}: expected a {ann.__name__} (a list)")
-            return _build(ann, v)
+        def record(v):
+            if type(v) is not list or len(v) != len(items):
+                raise MessageError(f"{where}: expected a list of {len(items)} items")
+            return tuple(check(x) for check, x in zip(items, v, strict=True))
 
-        return nested
-    raise TypeError(f"{where}: no wire check for the annotation {ann!r}")
+        return record
+    item = _checker(args[0], where) if args else (lambda v: v)
+    make = tuple if kind is tuple else list
+
+    def seq(v):
+        if type(v) is not list or len(v) > MAX_LIST:
+            raise MessageError(f"{where}: expected a list of at most {MAX_LIST} items")
+        return make(item(x) for x in v)
+
+    return seq
 
 
 def _exact(t: type, where: str) -> Callable[[Any], Any]:
@@ -226,7 +236,7 @@ def _exact(t: type, where: str) -> Callable[[Any], Any]:
     return check
 
 
-# --- front -> PP0 (and down the PP chain) ----------------------------------------------------------
+# --- front -> PP0 (and down the PP chain) ---------------------------------------------------------
 @message("add")
 @dataclass(frozen=True)
 class AddRequest:
@@ -248,7 +258,7 @@ class AbortRequest:
     reason: str
 
 
-# --- PP0 -> front ------------------------------------------------------------------------------------
+# --- PP0 -> front ---------------------------------------------------------------------------------
 class Event:
     """What PP0 tells the front about one request; `terminal`: the request is over on the ranks."""
 
@@ -295,7 +305,7 @@ class AbortUnknownEvent(Event):
     rid: str
 
 
-# --- rank -> front -----------------------------------------------------------------------------------
+# --- rank -> front --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVRankStats:
     """A PD rank's transfer counters since start (latencies: those new since the last push)."""
@@ -335,3 +345,25 @@ class RankStats:
         d = dataclasses.asdict(self)
         d.update(d.pop("queues"))
         return d
+
+
+# --- last rank -> PP0 -> ... (the output ring, runtime/slot_loop.py) ------------------------------
+def out_to_wire(out: Any) -> list | None:  # a SampleOut
+    if out is None:
+        return None
+    tops = (
+        [[list(p) for p in row] for row in out.top_logprobs]
+        if out.top_logprobs is not None
+        else None
+    )
+    return [out.token_ids, out.logprobs, tops]
+
+
+def out_from_wire(w: list | None) -> Any:
+    """The SampleOut of a ring message (imported here: the front reads this module, no torch)."""
+    from engine.scheduler import SampleOut
+
+    if w is None:
+        return None
+    tops = [[(int(i), float(v)) for i, v in row] for row in w[2]] if w[2] is not None else None
+    return SampleOut(list(w[0]), w[1], tops)

@@ -24,71 +24,73 @@ class _RankCollector:
         self.node, self.role, self.front = node, role, None
 
     def collect(self):
-        labels = ["node", "role", "pp_rank"]
-        used = GaugeMetricFamily(
-            "pdserve_kv_pool_used_tokens", "KV tokens held by live requests", labels=labels
-        )
-        cap = GaugeMetricFamily(
-            "pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=labels
-        )
-        evict = GaugeMetricFamily(
-            "pdserve_kv_cache_evictable_tokens",
-            "prefix-cache tokens that can be evicted",
-            labels=labels,
-        )
-        hits = CounterMetricFamily(
-            "pdserve_prefix_cache_hit_tokens",
-            "prompt tokens served from the prefix cache",
-            labels=labels,
-        )
-        queue = GaugeMetricFamily(
-            "pdserve_queue_requests", "requests per queue", labels=labels + ["queue"]
-        )
-        up = GaugeMetricFamily("pdserve_rank_up", "1 while the rank reports stats", labels=labels)
-        kv_bytes = CounterMetricFamily(
-            "pdserve_kv_transfer_bytes",
-            "KV bytes sent (prefill) or received (decode)",
-            labels=labels,
-        )
-        kv_fail = CounterMetricFamily(
-            "pdserve_kv_transfer_failures",
-            "rooms whose KV transfer failed",
-            labels=labels + ["reason"],
-        )
-        dropped = CounterMetricFamily(
-            "pdserve_control_messages_dropped",
-            "ZMQ control messages dropped (unauthenticated, replayed, malformed, ...)",
-            labels=labels + ["channel", "reason"],
-        )
+        fam = _families()
         stats = self.front.rank_stats if self.front is not None else {}
         for key, n in sorted(getattr(self.front, "dropped", {}).items()):  # the front's readers
             channel, _, reason = key.partition(":")
-            dropped.add_metric(
+            fam["dropped"].add_metric(
                 [self.node, self.role, "", FRONT_CHANNELS.get(channel, channel), reason], n
             )
         for r in range(self.front.pp_size if self.front is not None else 0):
             st = stats.get(r)
             lv = [self.node, self.role, str(r)]
-            up.add_metric(lv, 1.0 if st else 0.0)
-            if not st:
-                continue
-            ps = st.page_size
-            used.add_metric(lv, st.held_pages * ps)
-            cap.add_metric(lv, st.num_pages * ps)
-            evict.add_metric(lv, st.cached_pages * ps)
-            hits.add_metric(lv, st.prefix_hit_tokens)
-            for q, n in sorted(st.queues.items()):  # the loop's queues: a PD loop adds its own
-                queue.add_metric(lv + [q], n)
-            kv = st.kv
-            if kv is not None:
-                kv_bytes.add_metric(lv, kv.bytes)
-                for reason, n in sorted(kv.failures.items()):
-                    kv_fail.add_metric(lv + [reason], n)
-                for reason, n in sorted(kv.dropped.items()):
-                    dropped.add_metric(lv + ["kv-control", reason], n)
-            for reason, n in sorted(st.front_dropped.items()):
-                dropped.add_metric(lv + ["front-req", reason], n)
-        yield from (used, cap, evict, hits, queue, up, kv_bytes, kv_fail, dropped)
+            fam["up"].add_metric(lv, 1.0 if st else 0.0)
+            if st:
+                _add_rank(fam, lv, st)
+        yield from fam.values()
+
+
+def _families() -> dict[str, Any]:
+    labels = ["node", "role", "pp_rank"]
+
+    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=labels + list(extra))
+
+    def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=labels + list(extra))
+
+    return {
+        "used": gauge("pdserve_kv_pool_used_tokens", "KV tokens held by live requests"),
+        "cap": gauge("pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens"),
+        "evict": gauge(
+            "pdserve_kv_cache_evictable_tokens", "prefix-cache tokens that can be evicted"
+        ),
+        "hits": counter(
+            "pdserve_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"
+        ),
+        "queue": gauge("pdserve_queue_requests", "requests per queue", ("queue",)),
+        "up": gauge("pdserve_rank_up", "1 while the rank reports stats"),
+        "kv_bytes": counter(
+            "pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)"
+        ),
+        "kv_fail": counter(
+            "pdserve_kv_transfer_failures", "rooms whose KV transfer failed", ("reason",)
+        ),
+        "dropped": counter(
+            "pdserve_control_messages_dropped",
+            "ZMQ control messages dropped (unauthenticated, replayed, malformed, ...)",
+            ("channel", "reason"),
+        ),
+    }
+
+
+def _add_rank(fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
+    ps = st.page_size
+    fam["used"].add_metric(lv, st.held_pages * ps)
+    fam["cap"].add_metric(lv, st.num_pages * ps)
+    fam["evict"].add_metric(lv, st.cached_pages * ps)
+    fam["hits"].add_metric(lv, st.prefix_hit_tokens)
+    for q, n in sorted(st.queues.items()):  # the loop's queues: a PD loop adds its own
+        fam["queue"].add_metric(lv + [q], n)
+    kv = st.kv
+    if kv is not None:
+        fam["kv_bytes"].add_metric(lv, kv.bytes)
+        for reason, n in sorted(kv.failures.items()):
+            fam["kv_fail"].add_metric(lv + [reason], n)
+        for reason, n in sorted(kv.dropped.items()):
+            fam["dropped"].add_metric(lv + ["kv-control", reason], n)
+    for reason, n in sorted(st.front_dropped.items()):
+        fam["dropped"].add_metric(lv + ["front-req", reason], n)
 
 
 class NodeMetrics:
@@ -96,66 +98,33 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.node, self.role = node, role
         lab = ["node", "role"]
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "time to first token",
-            lab,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+
+        def hist(name: str, doc: str, labels: list[str]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        self.ttft = hist("pdserve_time_to_first_token_seconds", "time to first token", lab)
+        self.itl = hist(
+            "pdserve_inter_token_latency_seconds", "mean time between output tokens", lab
         )
-        self.itl = Histogram(
-            "pdserve_inter_token_latency_seconds",
-            "mean time between output tokens",
-            lab,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.e2e = hist("pdserve_e2e_request_latency_seconds", "request latency", lab)
+        self.requests = counter("pdserve_requests", "finished requests", lab + ["finish_reason"])
+        self.prompt_tokens = counter("pdserve_prompt_tokens", "prompt tokens", lab)
+        self.gen_tokens = counter("pdserve_generation_tokens", "generated tokens", lab)
+        self.aborted = counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"])
+        self.queue_time = hist(
+            "pdserve_queue_time_seconds", "time a request spent in a queue", lab + ["queue"]
         )
-        self.e2e = Histogram(
-            "pdserve_e2e_request_latency_seconds",
-            "request latency",
-            lab,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.bootstrap = hist(
+            "pdserve_bootstrap_seconds", "prefill: request arrival to bootstrap decision", lab
         )
-        self.requests = Counter(
-            "pdserve_requests", "finished requests", lab + ["finish_reason"], registry=self.registry
+        self.kv_seconds = hist(
+            "pdserve_kv_transfer_seconds", "per-room KV transfer latency", lab + ["pp_rank"]
         )
-        self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "prompt tokens", lab, registry=self.registry
-        )
-        self.gen_tokens = Counter(
-            "pdserve_generation_tokens", "generated tokens", lab, registry=self.registry
-        )
-        self.aborted = Counter(
-            "pdserve_requests_aborted", "aborted requests", lab + ["reason"], registry=self.registry
-        )
-        self.queue_time = Histogram(
-            "pdserve_queue_time_seconds",
-            "time a request spent in a queue",
-            lab + ["queue"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.bootstrap = Histogram(
-            "pdserve_bootstrap_seconds",
-            "prefill: request arrival to bootstrap decision",
-            lab,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.kv_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "per-room KV transfer latency",
-            lab + ["pp_rank"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.consensus = Histogram(
-            "pdserve_consensus_round_seconds",
-            "vote cast to verdict applied (PP0)",
-            lab + ["kind"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.consensus = hist(
+            "pdserve_consensus_round_seconds", "vote cast to verdict applied (PP0)", lab + ["kind"]
         )
         self._ranks = _RankCollector(node, role)
         self.registry.register(self._ranks)

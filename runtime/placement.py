@@ -33,13 +33,15 @@ class Placement:
         return len(flat) != len(set(flat))
 
     def describe(self, names: Sequence[str]) -> str:
-        ranks = ", ".join(f"{n} -> {_cores(c)}" for n, c in zip(names, self.rank_cores))
+        ranks = ", ".join(
+            f"{n} -> {_cores(c)}" for n, c in zip(names, self.rank_cores, strict=True)
+        )
         io = _cores(self.io_cores) if self.io_cores else "any core (none left over)"
         note = "; cores shared by ranks (more ranks than cores)" if self.shared else ""
         return f"{ranks}; fronts/router -> {io}{note}"
 
     def flag(self, start: int, count: int) -> str:
-        """The `--cpus` value for `count` ranks from rank `start` on: cores by comma, ranks by ';'."""
+        """`--cpus` for `count` ranks from rank `start` on: cores by comma, ranks by ';'."""
         return ";".join(",".join(map(str, c)) for c in self.rank_cores[start : start + count])
 
 

@@ -11,9 +11,9 @@ Sends are asynchronous: `send_*` returns at once and keeps the buffers alive; `c
 the previous turn's sends. Receives block, with the group's timeout, so a dead or stuck peer ends in
 an exception (the rank then exits), never in an endless wait.
 
-On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits only
-on the event of the receive that produced its input, and a forward whose output buffer is reused
-(CUDA graphs) waits for the previous send of that buffer (`fence_reused_output`).
+On GPU with `comm_stream=True`, sends and receives run on their own CUDA stream: a forward waits
+only on the event of the receive that produced its input. A send keeps its tensor alive until the
+turn it is committed in, so no forward overwrites what a send still reads.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class PPComm:
         self.stream = None
         if comm_stream and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
-        self._send_done: torch.cuda.Event | None = None
         self.bytes_sent = 0
 
     @property
@@ -96,7 +95,7 @@ class PPComm:
         return h
 
     def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
-        """`commit_after`: turns until the receiver surely took it (the ring's last hop: pp_size)."""
+        """`commit_after`: turns until the receiver surely took it (ring's last hop: pp_size)."""
         payload = torch.frombuffer(
             bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8
         )
@@ -122,8 +121,6 @@ class PPComm:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 tw = dist.isend(t, dst, group=self.dev_group)
-            self._send_done = torch.cuda.Event()
-            self._send_done.record(self.stream)
         else:
             tw = dist.isend(t, dst, group=self.dev_group)
         self._sends.append((self.turn + 1, (hw, tw, h, t)))
@@ -156,11 +153,6 @@ class PPComm:
             for w in item[:2]:
                 w.wait()
 
-    def fence_reused_output(self) -> None:
-        """Before a forward overwrites a buffer that an earlier send still reads (CUDA graphs)."""
-        if self._send_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._send_done)
-
     # --- receiving --------------------------------------------------------------------------------
     def _recv_one(self, src: int) -> tuple[int, Any]:
         h = torch.empty(_HEADER, dtype=torch.int64)
@@ -191,7 +183,7 @@ class PPComm:
                 return val
             self._inbox[(src, k)].append(val)
 
-    # --- collectives (start-up agreement and the consensus checker) --------------------------------
+    # --- collectives (start-up agreement and the consensus checker) -------------------------------
     def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
         t = torch.tensor(values, dtype=torch.int64)
         lo, hi = t.clone(), t.clone()

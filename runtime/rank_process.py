@@ -25,10 +25,13 @@ import zmq
 
 from consensus import rank_checker
 from engine.config import EngineConfig, apply_threads
-from engine.loader import StopDetokenizer, load_model_config, load_slice, resolve_model
+from engine.detokenizer import StopDetokenizer
+from engine.grammar import GrammarSampler
+from engine.loader import load_model_config, load_slice, resolve_model
 from engine.model_config import split_layers
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from infra.procs import die_with_parent, setup_logging
 from runtime.front import (
@@ -201,6 +204,45 @@ class RankParts:
     front: ZmqFrontIO | None = None
 
 
+def join_pp_group(spec: RankSpec) -> PPComm:
+    return PPComm(
+        spec.pp_rank,
+        spec.pp_size,
+        init_method=spec.dist_init,
+        backend=spec.backend,
+        timeout_s=spec.pp_timeout_s,
+        device=spec.device,
+        comm_stream=spec.comm_stream,
+    )
+
+
+def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
+    """Capacities every decision reads are agreed once: the minimum over ranks."""
+    lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
+    return replace(
+        cfg,
+        max_total_tokens=lo[0] * cfg.page_size,
+        max_running=lo[1],
+        chunk_size=lo[2],
+        max_batch_tokens=lo[3],
+    )
+
+
+def plant_divergence_if_asked(spec: RankSpec, runner: ModelRunner) -> None:
+    """Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
+    consensus checker exists for; this rank then hands out different page ids. Only the
+    environment the rank was started with can ask for it (no request or message can), and only
+    with the checker on, which stops the node at the first diverging call: never wrong output."""
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") != str(spec.pp_rank):
+        return
+    if rank_checker.ENABLED:
+        log.warning(
+            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
+            spec.pp_rank,
+        )
+        runner.pool.allocator.alloc(1)
+
+
 def build_rank(
     spec: RankSpec,
     *,
@@ -231,42 +273,16 @@ def build_rank(
         f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
     )
     if spec.pp_size > 1 and comm is None:
-        comm = PPComm(
-            spec.pp_rank,
-            spec.pp_size,
-            init_method=spec.dist_init,
-            backend=spec.backend,
-            timeout_s=spec.pp_timeout_s,
-            device=spec.device,
-            comm_stream=spec.comm_stream,
-        )
-    if spec.pp_size > 1:
-        # Capacities every decision reads are agreed once: the minimum over ranks.
-        lo, _ = comm.all_min_max(
-            [cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens]
-        )
-        cfg = replace(
-            cfg,
-            max_total_tokens=lo[0] * cfg.page_size,
-            max_running=lo[1],
-            chunk_size=lo[2],
-            max_batch_tokens=lo[3],
-        )
+        comm = join_pp_group(spec)
+    if comm is not None:
+        cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
-    if (
-        os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") == str(spec.pp_rank)
-        and rank_checker.ENABLED
-    ):
-        # Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
-        # consensus checker exists for; this rank then hands out different page ids. Only the
-        # environment the rank was started with can ask for it (no request or message can), and only
-        # with the checker on, which stops the node at the first diverging call: never wrong output.
-        log.warning(
-            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
-            spec.pp_rank,
+    if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
+        runner.grammar = GrammarSampler(
+            lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
         )
-        runner.pool.allocator.alloc(1)
+    plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
         pp_size=spec.pp_size,
         async_depth=spec.async_depth,

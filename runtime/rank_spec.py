@@ -1,5 +1,6 @@
 """What the node front starts a rank process with (JSON on its command line, checked strictly on
-arrival). Kept apart from runtime/rank_process.py so the front can build it without importing torch."""
+arrival). Kept apart from runtime/rank_process.py so the front can build it without importing
+torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`pdserve serve`: a colocated PP node (front + one process per PP rank), also the base of the PD nodes.
+"""`pdserve serve`: a colocated PP node (front + one process per PP rank); the PD nodes build on it.
 
 The launcher starts the front's sockets, starts the local rank processes, watches them, and serves
 HTTP. A rank that exits marks the node unhealthy (the front answers 503 and fails what is pending)
@@ -210,7 +210,7 @@ def front_host(args) -> str:
 
 
 def stats_port(args) -> int:
-    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1 (known to every host)."""
+    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1."""
     if args.nnodes > 1:
         if not args.dist_init_addr:
             raise SystemExit(
@@ -254,7 +254,7 @@ def make_specs(
             comm_stream=args.pp_comm_stream,
             **(transfer or {}),
         )
-        for r, cores in zip(ranks, plan.rank_cores)
+        for r, cores in zip(ranks, plan.rank_cores, strict=True)
     ]
 
 
@@ -310,7 +310,7 @@ class TokenizerLoading:
     files) overlap instead of running one after the other. Any use waits for the load."""
 
     def __init__(self, path):
-        from engine.loader import load_tokenizer
+        from engine.tokenizer import load_tokenizer
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
         self._future = self._pool.submit(load_tokenizer, path)
@@ -361,7 +361,7 @@ def make_front(args, role: str, cls=None, **kw):
 
 
 def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
-    """--node-rank > 0: this host runs only its share of the node's ranks; the front is on node-rank 0."""
+    """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
     refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)

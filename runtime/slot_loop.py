@@ -1,9 +1,9 @@
 """The slot loop: one iteration of docs/ARCHITECTURE.md section 3 on one PP rank.
 
-    L = pp_size + async_depth slots; iteration t works on slot mb = t % L and harvests slot (t+1) % L
+    L = pp_size + async_depth slots; iteration t works on slot mb = t % L, harvests (t+1) % L
 
-    ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives PP0's list
-                   from its predecessor; forwarded unchanged down the chain, even when empty
+    ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives
+                   PP0's list from its predecessor; forwarded unchanged down the chain, even empty
     apply meta     new requests and aborts, in list order, before scheduling (all ranks, same slot)
     schedule       the same deterministic scheduler on every rank => the same batch for slot mb
     forward        hidden states in from rank k-1, out to rank k+1, only for a non-empty batch;
@@ -38,6 +38,8 @@ from runtime.messages import (
     TokenEvent,
     decode,
     encode,
+    out_from_wire,
+    out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
 
@@ -76,24 +78,6 @@ class LoopStats:
     last_progress: float = field(default_factory=time.monotonic)  # watchdog only, never decisions
 
 
-def out_to_wire(out: SampleOut | None) -> list | None:
-    if out is None:
-        return None
-    tops = (
-        [[list(p) for p in row] for row in out.top_logprobs]
-        if out.top_logprobs is not None
-        else None
-    )
-    return [out.token_ids, out.logprobs, tops]
-
-
-def out_from_wire(w: list | None) -> SampleOut | None:
-    if w is None:
-        return None
-    tops = [[(int(i), float(v)) for i, v in row] for row in w[2]] if w[2] is not None else None
-    return SampleOut(list(w[0]), w[1], tops)
-
-
 class SlotLoop:
     """One rank's loop. A PD loop extends it by subclassing: the hooks below (`apply_message` for
     its own message kinds, the queue steps around the iteration, its own stats) are the one way in.
@@ -124,7 +108,7 @@ class SlotLoop:
         self._events: list[Event] = []  # PP0: what to tell the front this iteration
         self._arrived: dict[str, float] = {}  # PP0: rid -> monotonic arrival, for timeouts only
         self.stream_tokens = True  # the prefill loop answers with its own events
-        # Metrics only (PP0; wall clock never reaches a decision): samples since the last stats push.
+        # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
         self.samples: dict[str, list[float]] = {}
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
@@ -160,7 +144,7 @@ class SlotLoop:
         if rank_consensus_enabled() and self.comm and t % self.cfg.check_every == 0:
             self.check_consensus(t)
 
-    # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration ----
+    # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration
     def before_schedule(self, t: int, mb: int) -> None:
         """Runs on every rank after the meta was applied and before slot `mb` is scheduled."""
 
@@ -215,7 +199,8 @@ class SlotLoop:
         return meta
 
     def timeout_aborts(self, incoming: list[Any]) -> list[AbortRequest]:
-        """PP0 only: wall-clock timeouts become abort messages in the meta stream (docs/ARCHITECTURE.md section 7)."""
+        """PP0 only: wall-clock timeouts become abort messages in the meta stream
+        (docs/ARCHITECTURE.md section 7)."""
         wt, rt = self.cfg.waiting_timeout_s, self.cfg.running_timeout_s
         if not (wt or rt):
             return []

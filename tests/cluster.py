@@ -16,6 +16,29 @@ from infra.procs import free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The node flags the tests use (in this order): a small pool and small batches, so that chunked
+# prefill, queueing and page reuse all happen with a few short prompts.
+_NODE_FLAGS = {
+    "page_size": 4,
+    "chunk_size": 16,
+    "max_batch_tokens": 64,
+    "max_total_tokens": 8192,
+    "max_running": 32,
+    "threads": 1,
+}
+
+
+def node_args(**overrides: int | None) -> list[str]:
+    """The tests' node flags; a keyword sets one (`chunk_size=32`), None leaves it out (the node's
+    default then applies)."""
+    flags = {**_NODE_FLAGS, **overrides}
+    return [
+        a for k, v in flags.items() if v is not None for a in (f"--{k.replace('_', '-')}", str(v))
+    ]
+
+
+NODE_ARGS = node_args()
+
 
 def kill_group(p: subprocess.Popen, grace: float = 8.0) -> None:
     """SIGTERM the process group (front + ranks), then SIGKILL whatever is left; reap the leader."""
@@ -98,3 +121,36 @@ def start(
         yield url, p
     finally:
         kill_group(p)
+
+
+@contextlib.contextmanager
+def pdserve_up(
+    args: list[str],
+    log_path: Path,
+    timeout: float,
+    env: dict | None = None,
+    poll_s: float = 0.5,
+    preexec_fn=None,
+):
+    """Runs `pdserve up <args>` in its own process group (`env`: its whole environment, default
+    this one's); yields the Popen once the log says `[up] ready`, within `timeout` seconds, and
+    always stops the whole group."""
+    with open(log_path, "wb") as logf:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while "[up] ready" not in log_path.read_text():
+            assert p.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(poll_s)
+        yield p
+    finally:
+        kill_group(p, grace=20)

@@ -15,8 +15,9 @@ rank_checker.enable()
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
-    """GGUF metadata and tokenizer caches (engine/loader.py) go to a fresh folder per session: the
-    first load of a GGUF in a session parses it like on a new machine, and ~/.cache stays clean."""
+    """GGUF metadata and tokenizer caches (engine/gguf_file.py) go to a fresh folder per session:
+    the first load of a GGUF in a session parses it like on a new machine, and ~/.cache stays
+    clean."""
     old = os.environ.get("PDSERVE_CACHE_DIR")
     os.environ["PDSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("pdserve-cache"))
     yield

@@ -22,7 +22,7 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 
 class Host:
     def __init__(self):
-        from kv_transfer.engine import MooncakeEngine
+        from kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
@@ -121,7 +121,8 @@ class Host:
         return {r: (int(self.rooms[(name, r)].poll()), self.rooms[(name, r)].reason) for r in rooms}
 
     def wait(self, name, rooms, statuses, timeout):
-        """Waits until every room's status is in `statuses`; returns {room: (status, reason, seconds)}."""
+        """Waits until every room's status is in `statuses`;
+        returns {room: (status, reason, seconds)}."""
         t0 = time.monotonic()
         while True:
             polled = self.poll(name, rooms)
@@ -146,7 +147,8 @@ class Host:
         return self.mgrs[name].stats.snapshot()
 
     def identity(self, name):
-        """(sender id on the control channel, pool as wire data, aux buffer address and size) of one manager."""
+        """(sender id on the control channel, pool as wire data, aux buffer address and size) of one
+        manager."""
         m = self.mgrs[name]
         return m.sender_id, m.pool.to_wire(), m.aux_base, m.aux_slots * m.config.aux_slot_bytes
 

@@ -10,22 +10,8 @@ import time
 from pathlib import Path
 
 import httpx
-from cluster import free_port, start
+from cluster import NODE_ARGS, free_port, start
 
-NODE_ARGS = [
-    "--page-size",
-    "4",
-    "--chunk-size",
-    "16",
-    "--max-batch-tokens",
-    "64",
-    "--max-total-tokens",
-    "8192",
-    "--max-running",
-    "32",
-    "--threads",
-    "1",
-]
 FAST_TIMEOUTS = {
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8",
     "PDSERVE_KV_WAITING_TIMEOUT_S": "8",
@@ -104,7 +90,8 @@ async def pd_generate(
     max_new: int,
     room: int | None = None,
 ) -> tuple[dict, dict]:
-    """What the router does: the same request to both nodes at once; returns (prefill, decode) JSON."""
+    """What the router does: the same request to both nodes at once; returns
+    (prefill, decode) JSON."""
     r = await client.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]})
     assert r.status_code == 200, r.text
     room = room if room is not None else random.getrandbits(63)

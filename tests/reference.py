@@ -1,4 +1,5 @@
-"""Hugging Face transformers as the correctness reference: plain greedy decoding, no stopping rules."""
+"""Hugging Face transformers as the correctness reference:
+plain greedy decoding, no stopping rules."""
 
 from __future__ import annotations
 

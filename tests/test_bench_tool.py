@@ -16,16 +16,15 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, kill_group
+from cluster import ROOT, free_port, kill_group, node_args, pdserve_up
 
 KEY = "bench-test-key"
-NODE_ARGS = (
-    "--page-size 4 --chunk-size 32 --max-batch-tokens 128 --max-total-tokens 8192 --threads 1"
-)
+NODE_ARGS = " ".join(node_args(chunk_size=32, max_batch_tokens=128, max_running=None))
 AIPERF_VERSION = "0.13.0"
 
 
@@ -33,11 +32,7 @@ AIPERF_VERSION = "0.13.0"
 def cluster(tiny30, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("bench_up") / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
+    args = [
         "--model",
         str(tiny30),
         "--port",
@@ -51,19 +46,9 @@ def cluster(tiny30, tmp_path_factory):
         "--node-args",
         NODE_ARGS,
     ]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 420  # a bound, not a speed check: shared cores can be busy
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
+    # 420 s: a bound, not a speed check (shared cores can be busy)
+    with pdserve_up(args, log, timeout=420, poll_s=0.3):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        kill_group(proc, grace=20)
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -197,7 +182,7 @@ def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny30, tmp
     ends = [r["start_ms"] + r["e2e_ms"] for r in recs]
     assert starts == sorted(starts)
     assert any(starts[i + 1] < ends[i] for i in range(len(recs) - 1)), (starts, ends)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in pairwise(starts)]
     assert max(gaps) > 2 * min(gaps), gaps
 
 

@@ -1,4 +1,5 @@
-"""Chaos: an abort storm through a whole cluster (`pdserve up`: router + 1 prefill node + 1 decode node).
+"""Chaos: an abort storm through a whole cluster (`pdserve up`: router + 1 prefill node + 1 decode
+node).
 
 1,000 streaming requests per layout go through the router with a seeded mix of fates: run to the
 end, cancelled before the first byte, after a few tokens, during a multi-chunk prefill, right after
@@ -18,7 +19,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, group_alive, kill_group
+from cluster import free_port, group_alive, node_args, pdserve_up
+from metrics_scrape import scrape, total
 from pd_cluster import FAST_TIMEOUTS
-from prometheus_client.parser import text_string_to_metric_families
 from reference import hf_greedy, load_hf
 
 LAYOUTS = [(2, 2), (3, 2)]  # (prefill PP, decode PP)
@@ -37,17 +37,18 @@ CONCURRENCY = 48  # client requests in flight
 MAX_NEW = 16  # the longest answer; references are computed this long
 # Small pools (128 pages of 4 tokens) so requests queue on both nodes and decodes are retracted;
 # chunk 16 so the long prompts take up to 7 prefill chunks.
-NODE_ARGS = "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 512 --threads 1"
-# Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the tests'
-# 8 s KV timeouts would turn that queueing into failures. Quarantine stays short for the settle time.
+NODE_ARGS = " ".join(node_args(max_total_tokens=512, max_running=None))
+# Requests wait in the decode node's prealloc queue while their prefill senders bootstrap: the
+# tests' 8 s KV timeouts would turn that queueing into failures.
+# Quarantine stays short for the settle time.
 KV_TIMEOUTS = {
     **FAST_TIMEOUTS,
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90",
     "PDSERVE_KV_WAITING_TIMEOUT_S": "90",
     "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30",
 }
-# Hang bounds. A stream silent for 60 s (httpx's read timeout) or a request alive for 120 s is a hang;
-# the storm as a whole takes about 2 minutes on a busy 2-core machine and must end within 8.
+# Hang bounds. A stream silent for 60 s (httpx's read timeout) or a request alive for 120 s is a
+# hang; the storm as a whole takes about 2 minutes on a busy 2-core machine and must end within 8.
 STORM_BOUND_S = 480.0
 REQUEST_BOUND_S = 120.0
 SETTLE_S = 60.0  # quarantine (10 s in FAST_TIMEOUTS) + release votes + stats push
@@ -68,7 +69,8 @@ ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 def default_sigint() -> None:
-    """A shell without job control starts background jobs with SIGINT ignored; Ctrl-C must reach `up`."""
+    """A shell without job control starts background jobs with SIGINT ignored;
+    Ctrl-C must reach `up`."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -91,11 +93,7 @@ def cluster(request, tiny6, tmp_path_factory):
     ppp, dpp = request.param
     port = free_port()
     log = tmp_path_factory.mktemp(f"storm{ppp}{dpp}") / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
+    args = [
         "--model",
         str(tiny6),
         "--port",
@@ -115,26 +113,9 @@ def cluster(request, tiny6, tmp_path_factory):
         "PDSERVE_LOG_LEVEL": "WARNING",
         "PDSERVE_INTERNAL_TOKEN": SECRET,
     }
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 480  # a busy 2-core machine starts 8 or 9 processes slowly
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield Cluster(url, proc, log, {"prefill": ppp, "decode": dpp})
-    finally:
-        kill_group(proc, grace=20)
+    # a busy 2-core machine starts 8 or 9 processes slowly
+    with pdserve_up(args, log, timeout=480, env=env, preexec_fn=default_sigint) as proc:
+        yield Cluster(f"http://127.0.0.1:{port}", proc, log, {"prefill": ppp, "decode": dpp})
 
 
 @dataclass
@@ -161,7 +142,12 @@ def prompts(tiny6) -> list[Prompt]:
     for n in (3, 5, 8, 12, 17, 23, 31, 40, 52, 64, 80, 100):
         ids = [rng.randrange(3, len(tok)) for _ in range(n)]
         out.append(Prompt("completion", {"prompt": ids}, ids, [], []))
-    words = ["the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token", "pipeline", "transfer"]
+    # fmt: off
+    words = [
+        "the", "cache", "page", "prefill", "decode", "rank", "router", "slot", "layer", "token",
+        "pipeline", "transfer",
+    ]
+    # fmt: on
     for n in (1, 2, 3, 5, 8, 12, 16, 20, 24, 30, 36, 44):
         q = " ".join(rng.choice(words) for _ in range(n))
         text = tok.apply_chat_template(
@@ -170,7 +156,7 @@ def prompts(tiny6) -> list[Prompt]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out.append(Prompt("chat", {"messages": [{"role": "user", "content": q}]}, ids, [], []))
     model = load_hf(tiny6)
-    for p, ref in zip(out, hf_greedy(model, [p.ids for p in out], MAX_NEW)):
+    for p, ref in zip(out, hf_greedy(model, [p.ids for p in out], MAX_NEW), strict=True):
         p.ref = ref
         p.ref_text = [tok.decode(ref[:n], skip_special_tokens=True) for n in range(MAX_NEW + 1)]
     assert sum(p.long for p in out) >= 8
@@ -227,7 +213,8 @@ def make_plans(prompts: list[Prompt], seed: int) -> list[Plan]:
 
 
 def chunk_tokens(chunk: dict) -> tuple[list[int] | None, str, str | None]:
-    """(token ids from the logprobs entries or None, text, finish_reason) of one OpenAI SSE chunk."""
+    """(token ids from the logprobs entries or None, text, finish_reason) of one OpenAI SSE
+    chunk."""
     choice = chunk["choices"][0]
     lp = choice.get("logprobs")
     ids = None
@@ -382,23 +369,9 @@ def node_urls(url: str) -> dict[str, str]:
     }
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
-    """Metric name -> [(labels, value)] of one /metrics page."""
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def total(metrics: dict, name: str, **labels) -> float:
-    return sum(
-        v for lab, v in metrics.get(name, []) if all(lab.get(k) == w for k, w in labels.items())
-    )
-
-
 def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
-    """What must be zero on an idle cluster, per node: KV per rank, queue lengths, front requests."""
+    """What must be zero on an idle cluster, per node:
+    KV per rank, queue lengths, front requests."""
     got = {}
     for role, node in nodes.items():
         m = scrape(node)
@@ -433,7 +406,7 @@ def is_idle(state: dict[str, dict], pp: dict[str, int]) -> bool:
     )
 
 
-# --- the storm, once per layout ---------------------------------------------------------------------
+# --- the storm, once per layout -------------------------------------------------------------------
 
 
 @dataclass
@@ -480,10 +453,11 @@ def storm(cluster, prompts) -> Storm:
     )
     by_fate = Counter(f"{o.plan.fate}->{o.end}" for o in outcomes)
     print(
-        f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests in "
-        f"{wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, load {os.getloadavg()}"
-        f"\n  longest queues on PP0: {peak}"
-        f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: {dict(sorted(by_fate.items()))}"
+        f"\nstorm prefill PP {pp['prefill']} / decode PP {pp['decode']}: {len(outcomes)} requests "
+        f"in {wall:.1f} s, idle after {settle:.1f} s, decode retractions {retractions}, "
+        f"load {os.getloadavg()}\n  longest queues on PP0: {peak}"
+        f"\n  ends: {dict(Counter(o.end for o in outcomes))}\n  by fate: "
+        f"{dict(sorted(by_fate.items()))}"
     )
     return result
 
@@ -525,7 +499,8 @@ def test_every_request_ends_and_every_answer_is_the_reference(storm, prompts):
 
 
 def test_kv_pools_and_queues_are_empty_on_every_rank(storm, cluster):
-    """After the settle time: no KV held on any rank of any node, no queued request, no front request."""
+    """After the settle time: no KV held on any rank of any node, no queued request,
+    no front request."""
     for role, s in storm.idle.items():
         assert s["ranks"] == cluster.pp[role], (role, s)
         assert len(s["kv_used_tokens"]) == cluster.pp[role] and not any(s["kv_used_tokens"]), (
@@ -556,7 +531,8 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
             - total(rb, "pdserve_router_requests_total", route=route, status=st)
             for st in statuses
         }
-        # Every request that went out whole was recorded once (one cancelled while being sent may not be).
+        # Every request that went out whole was recorded once
+        # (one cancelled while being sent may not be).
         sent = sum(o.sent for o in mine)
         assert sent <= sum(d.values()) <= len(mine), (kind, d, sent, len(mine))
         completed = sum(o.end == "completed" for o in mine)
@@ -620,7 +596,8 @@ def test_cluster_still_answers_correctly(storm, cluster, prompts):
 
 
 def test_ctrl_c_leaves_no_process(storm, cluster):
-    """Runs last for each layout: SIGINT to `pdserve up` stops the router, both nodes and every rank."""
+    """Runs last for each layout: SIGINT to `pdserve up` stops the router,
+    both nodes and every rank."""
     assert len(group_alive(cluster.proc.pid, wait_s=0)) == 1 + 1 + 2 + sum(cluster.pp.values())
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=60) == 0, cluster.log.read_text()[-2000:]

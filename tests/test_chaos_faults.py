@@ -4,12 +4,13 @@ Router + prefill P1 (PP 2) and P2 (PP 1) + decode D1 (PP 2) and D2 (PP 1), every
 `pdserve` process group on loopback with the tests' fast KV timeouts. Streaming clients send greedy
 requests whose tokens transformers gives. Faults, one per test: the router told a wrong bootstrap
 port for P2, a D1 rank SIGKILLed while requests decode, a P1 rank SIGSTOPped mid-transfer for longer
-than the transfer timeout and then continued, a P1 rank SIGKILLed mid-transfer. Every request must end
-in exactly the reference tokens or in a clear error (an HTTP error body or an SSE error event, never
-a 200 with other tokens, not even a wrong partial stream), within its timeout; the router must route
-around the fault; a killed node must report unhealthy and stop its other ranks, and a fresh node on
-the same port must be taken back into service. Each test leaves the cluster whole: every node
-healthy in the router, no request in flight, no KV page held. docs/RELIABILITY.md has the numbers.
+than the transfer timeout and then continued, a P1 rank SIGKILLed mid-transfer. Every request must
+end in exactly the reference tokens or in a clear error (an HTTP error body or an SSE error event,
+never a 200 with other tokens, not even a wrong partial stream), within its timeout; the router must
+route around the fault; a killed node must report unhealthy and stop its other ranks, and a fresh
+node on the same port must be taken back into service. Each test leaves the cluster whole: every
+node healthy in the router, no request in flight, no KV page held.
+docs/RELIABILITY.md has the numbers.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import free_port, group_alive, start, wait_healthy
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
-from prometheus_client.parser import text_string_to_metric_families
+from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
+from metrics_scrape import counter
+from pd_cluster import FAST_TIMEOUTS, wait_pages_free
 from reference import hf_greedy, load_hf
 
 STALL_S = 9.5  # SIGSTOP length: longer than PDSERVE_KV_TRANSFER_TIMEOUT_S (8 s)
@@ -83,7 +84,7 @@ def references(model_path: Path) -> dict[str, list[list[int]]]:
         torch.set_num_threads(threads)
 
 
-# --- the cluster ------------------------------------------------------------------------------------
+# --- the cluster ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -189,7 +190,8 @@ class Chaos:
             node.stack.close()
 
     def restart(self, node: Node) -> None:
-        """Stops the whole node (front and whatever ranks are left), then a fresh one on the same port."""
+        """Stops the whole node (front and whatever ranks are left),
+        then a fresh one on the same port."""
         old = node.proc
         node.stack.close()
         assert group_alive(old.pid) == [], f"{node.name}: processes left after the node was stopped"
@@ -224,7 +226,8 @@ class Chaos:
         return self.workers()[node.url]["healthy"]
 
     def kill_rank1(self, node: Node, seen: dict, what: str) -> dict:
-        """SIGKILLs the node's pp_rank 1; records when, and when the router marked the node unhealthy."""
+        """SIGKILLs the node's pp_rank 1; records when,
+        and when the router marked the node unhealthy."""
         ranks = self.ranks(node)
         assert sorted(ranks) == [0, 1], ranks
         seen["ranks"] = ranks
@@ -271,17 +274,7 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def counter(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus counter's samples at `url`/metrics whose labels include `labels`."""
-    total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-# --- the load -------------------------------------------------------------------------------------------
+# --- the load -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -364,7 +357,8 @@ def send_all(router: str, kind: str, indices: list[int]) -> list[Outcome]:
 
 def judge(outs: list[Outcome], refs: dict) -> tuple[list[Outcome], list[Outcome]]:
     """(succeeded, failed). Every success is exactly the reference; every failure a clear error with
-    whatever tokens it streamed a prefix of the reference; every request ended within its timeout."""
+    whatever tokens it streamed a prefix of the reference;
+    every request ended within its timeout."""
     ok, failed = [], []
     for o in outs:
         want = refs[o.kind][o.prompt]
@@ -436,12 +430,13 @@ def report(
     errors = sorted({o.error for o in failed})
     slowest = max(o.t1 - o.t0 for o in outs)
     print(
-        f"\n[chaos] {fault}: {len(outs)} requests, {len(ok)} succeeded (exact), {len(failed)} failed, "
-        f"router retries {retries:g}, slowest request {slowest:.1f} s; errors: {errors}"
+        f"\n[chaos] {fault}: {len(outs)} requests, {len(ok)} succeeded (exact), "
+        f"{len(failed)} failed, router retries {retries:g}, slowest request {slowest:.1f} s; "
+        f"errors: {errors}"
     )
 
 
-# --- the faults ----------------------------------------------------------------------------------------
+# --- the faults -----------------------------------------------------------------------------------
 
 
 def test_bootstrap_server_unreachable(chaos, refs):
@@ -514,7 +509,8 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
     report(
-        f"decode rank SIGKILL (router marked D1 unhealthy {seen['marked'] - seen['killed']:.1f} s after the kill)",
+        f"decode rank SIGKILL (router marked D1 unhealthy {seen['marked'] - seen['killed']:.1f} s "
+        "after the kill)",
         outs,
         ok,
         failed,
@@ -560,10 +556,10 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
 def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
     """SIGSTOP of P1's pp_rank 1 (it sends layers 15-30) while it prefills and transfers, for longer
     than the transfer timeout, then SIGCONT. Its rooms fail on both sides (the decode nodes first,
-    `peer_dead`: its heartbeats stopped) and are retried elsewhere. When it resumes it may finish the
-    write it was in and work off the registrations queued meanwhile: the decode pages of its failed
-    rooms must still be quarantined then, never handed to a request that decodes from them. The node
-    itself comes back without a restart."""
+    `peer_dead`: its heartbeats stopped) and are retried elsewhere. When it resumes it may finish
+    the write it was in and work off the registrations queued meanwhile: the decode pages of its
+    failed rooms must still be quarantined then, never handed to a request that decodes from them.
+    The node itself comes back without a restart."""
     p1 = chaos.nodes["p1"]
     decodes = [chaos.nodes["d1"], chaos.nodes["d2"]]
     ranks = chaos.ranks(p1)
@@ -606,17 +602,17 @@ def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
     report(
-        f"prefill rank SIGSTOP (at resume, per decode node (peer_dead, quarantined, waiting for KV): "
-        f"{at_resume})",
+        "prefill rank SIGSTOP (at resume, per decode node (peer_dead, quarantined, "
+        f"waiting for KV): {at_resume})",
         outs,
         ok,
         failed,
         retries,
     )
     assert retries >= 1, "no request was caught by the stall"
-    # None of those rooms' pages went back to the pool. D2 (PP 1) failed each on its only rank: it is
-    # in quarantine. On D1 (PP 2) a room fails once both ranks see it fail (rank 0 reads from P1's
-    # rank 0, which is alive): until then it waits for KV, with its pages.
+    # None of those rooms' pages went back to the pool. D2 (PP 1) failed each on its only rank: it
+    # is in quarantine. On D1 (PP 2) a room fails once both ranks see it fail (rank 0 reads from
+    # P1's rank 0, which is alive): until then it waits for KV, with its pages.
     dead, quarantined, _ = at_resume["d2"]
     assert quarantined >= dead, (
         f"D2 freed the pages of rooms the stalled rank could still write: {at_resume}"

@@ -1,4 +1,5 @@
-"""PPConsensusStore with real ZMQ sockets: ranks > 0 run in separate (spawned) processes, PP0 here."""
+"""PPConsensusStore with real ZMQ sockets: ranks > 0 run in separate
+(spawned) processes, PP0 here."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ class Ranks:
         return out
 
     def stop(self) -> None:
-        for conn, p in zip(self.conns, self.procs):
+        for conn, p in zip(self.conns, self.procs, strict=True):
             try:
                 conn.send(("exit",))
             except OSError:

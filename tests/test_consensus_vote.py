@@ -1,4 +1,5 @@
-"""Ring votes and leader sync with threads standing in for ranks (InMemoryRing), plus KVPoll rules."""
+"""Ring votes and leader sync with threads standing in for ranks
+(InMemoryRing), plus KVPoll rules."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ JOIN_S = 20.0
 
 
 def run_ranks(size: int, body, timeout_s: float = 5.0) -> list:
-    """Run body(rank, transport) on `size` threads; return their results, re-raise the first error."""
+    """Run body(rank, transport) on `size` threads; return their results,
+    re-raise the first error."""
     ring = InMemoryRing(size, timeout_s=timeout_s)
     results: list = [None] * size
     errors: list = []
@@ -192,7 +194,10 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
             for k in KINDS:
                 mine = obs[k][rank]
                 good, bad, retry = verdicts[k].partition(
-                    lambda x: mine[x].final_at is not None and mine[x].final_at <= i, kind=k
+                    lambda x, mine=mine, i=i: (
+                        mine[x].final_at is not None and mine[x].final_at <= i
+                    ),
+                    kind=k,
                 )
                 assert not retry, f"rank {rank} iteration {i}: {k} applied before final: {retry}"
                 assert not (good | bad) & applied[k], "an id was applied twice"
@@ -203,8 +208,9 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
 
     logs = run_ranks(size, rank_loop)
     assert all(log == logs[0] for log in logs), "ranks applied different verdicts"
-    # Replay with the reference formula: the verdict applied in iteration i was cast in j = i - L + 1,
-    # from ballots that exclude ids applied before j, minus ids cast earlier and not yet applied.
+    # Replay with the reference formula: the verdict applied in iteration i was cast in
+    # j = i - L + 1, from ballots that exclude ids applied before j, minus ids cast earlier and not
+    # yet applied.
     log = logs[0]
     for kn, k in enumerate(KINDS):
         for i in range(iters):
@@ -250,7 +256,8 @@ def applied_before(log, kn: int, j: int) -> set:
 
 
 def pending_at(log, kn: int, j: int, slots: int) -> set:
-    """Ids cast in a verdict before iteration j and applied in iteration >= j (harvest still to come)."""
+    """Ids cast in a verdict before iteration j and applied in iteration >= j
+    (harvest still to come)."""
     return set().union(
         *[log[i][kn][1] | log[i][kn][2] for i in range(j, min(len(log), j + slots - 1))]
     )

@@ -1,4 +1,5 @@
-"""Static checks of deploy/ (Dockerfile, docker-compose, Helm chart, Grafana, Prometheus) and the docs.
+"""Static checks of deploy/ (Dockerfile, docker-compose, Helm chart, Grafana, Prometheus) and the
+docs.
 
 No Docker engine, helm binary or cluster is needed: files are parsed and cross-checked with Python.
 - YAML files lint clean (yamllint) and parse; the chart's values.schema.json accepts the default
@@ -148,7 +149,8 @@ def cli_flags() -> dict[str, tuple[set[str], str]]:
                 "router.main.add_router_args",
             )
         else:
-            # Explicit fallback: the subcommand is not implemented yet, so check the agreed contract.
+            # Explicit fallback: the subcommand is not implemented yet,
+            # so check the agreed contract.
             out[sub] = (
                 CLI_CONTRACT[sub],
                 "CLI_CONTRACT in tests/test_deploy.py (not implemented yet)",
@@ -304,7 +306,8 @@ def has_path(values: dict, path: list[str]) -> bool:
 
 
 def role_only_spans(text: str) -> list[tuple[str, int, int]]:
-    """(role, start, end) of the `then` part of each `{{ if eq $role "ROLE" }} ... {{ end }}` block."""
+    """(role, start, end) of the `then` part of each `{{ if eq $role "ROLE" }} ... {{ end }}`
+    block."""
     spans, stack = [], []
     for m in re.finditer(r"{{-?\s*(if|range|with|define|block|else|end)\b([^}]*)}}", text):
         kind, rest = m.group(1), m.group(2)
@@ -406,7 +409,8 @@ def test_chart_ports_match_cli_and_image():
 
 def test_chart_dashboard_is_the_grafana_one():
     assert (CHART / "dashboards" / "pdserve.json").read_bytes() == DASHBOARD.read_bytes(), (
-        "copy deploy/grafana/pdserve.json to deploy/helm/pdserve/dashboards/ (Helm can't read outside the chart)"
+        "copy deploy/grafana/pdserve.json to deploy/helm/pdserve/dashboards/ (Helm can't read "
+        "outside the chart)"
     )
 
 
@@ -499,7 +503,8 @@ def _exported_families(text: str) -> set[str]:
 
 
 def test_metrics_exported_today_are_listed():
-    """What the code exports now is a subset of metrics.txt (the lead's live test checks the rest)."""
+    """What the code exports now is a subset of metrics.txt
+    (the lead's live test checks the rest)."""
     from router.metrics import RouterMetrics
     from runtime.metrics import NodeMetrics
 
@@ -551,7 +556,7 @@ def test_compose_services_and_images(compose):
             assert re.fullmatch(r"(prom/prometheus|grafana/grafana):[\w.-]+", image), (
                 f"{name}: {image}"
             )
-    for name, argv in pdserve_services(compose).items():
+    for name in pdserve_services(compose):
         assert "build" in services[name], (
             f"{name} runs pdserve but not the image from deploy/Dockerfile"
         )
@@ -669,7 +674,8 @@ def test_compose_has_no_default_secrets(compose):
 
 
 def test_image_refuses_a_public_router_without_an_api_key():
-    """The image runs `pdserve up` with the router on 0.0.0.0: without an API key it stops at once."""
+    """The image runs `pdserve up` with the router on 0.0.0.0:
+    without an API key it stops at once."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert "PDSERVE_ROUTER_HOST=0.0.0.0" in text and re.search(
         r'^CMD \["pdserve", "up"\]', text, re.M
@@ -714,7 +720,8 @@ def test_chart_security_context_and_service_account():
         in helpers
     )
     assert "kind: ServiceAccount" in texts["serviceaccount.yaml"]
-    # pods restart when the Secret changes: the StatefulSet template and both LWS templates, and the router
+    # pods restart when the Secret changes: the StatefulSet template and both LWS templates,
+    # and the router
     assert "checksum/secret:" in helpers and "sha256sum" in helpers
     assert (
         router.count('include "pdserve.podAnnotations"') == 1

@@ -1,4 +1,5 @@
-"""The offline engine on a real (tiny) model: batching, seeds, prefix cache, retraction, validation."""
+"""The offline engine on a real (tiny) model: batching, seeds, prefix cache, retraction,
+validation."""
 
 from __future__ import annotations
 
@@ -118,7 +119,9 @@ def test_stop_strings_stop_tokens_and_logprobs(engine, mixed_prompts, reference)
         SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, ignore_eos=True),
     )[0]
     assert len(o.logprobs) == 4 and all(lp <= 0 for lp in o.logprobs)
-    assert all(len(t) == 3 and t[0][0] == tok for t, tok in zip(o.top_logprobs, o.token_ids))
+    assert all(
+        len(t) == 3 and t[0][0] == tok for t, tok in zip(o.top_logprobs, o.token_ids, strict=True)
+    )
     text = engine.tokenizer.decode(reference[2], skip_special_tokens=True)
     if len(text) > 4:
         stop = text[2:4]
@@ -146,6 +149,12 @@ def test_streaming_interface_yields_every_token(engine, mixed_prompts, reference
         ({"stop": 5}, "stop"),
         ({"temperature": float("nan")}, "temperature"),
         ({"bogus": 1}, "bogus"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(engine, bad, field):
@@ -179,7 +188,8 @@ def test_incremental_detokenizer_equals_a_full_decode():
     decode, over 200 random token sequences of the default model's byte-level vocabulary (pieces of
     multi-byte characters included) and real multi-byte text, in random chunk sizes."""
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(5)

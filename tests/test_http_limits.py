@@ -139,7 +139,7 @@ def test_a_client_that_stops_reading_frees_its_slot(router):
         s.close()
 
 
-# --- SSE keep-alive (router/keepalive.py), on the router in a thread over stub nodes ---------------
+# --- SSE keep-alive (router/keepalive.py), on the router in a thread over stub nodes --------------
 
 
 def wait_running_zero(cluster, timeout: float = 30.0) -> int:

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, start
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, body
+from cluster import NODE_ARGS, ROOT, free_port, start
+from pd_cluster import FAST_TIMEOUTS, body
 from reference import hf_greedy, load_hf
 
 SECRET = "test-cluster-secret"
@@ -157,7 +157,8 @@ def test_decode_contacts_no_foreign_bootstrap_address(nodes, tiny30):
         assert r.status_code == 403 and r.json()["error"]["code"] == "unknown_bootstrap_server", (
             r.text
         )
-        # A real request after it: the ranks have handled everything sent before it by the time it ends.
+        # A real request after it: the ranks have handled everything sent before it by the time it
+        # ends.
         ids = [5, 6, 7, 8, 9, 10]
         want = hf_greedy(load_hf(tiny30), [ids], 4)[0]
         b = body(ids, 1234, bport, 4)

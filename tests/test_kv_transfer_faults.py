@@ -137,7 +137,8 @@ def _grew(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-SLACK_S = 5.0  # a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
+# a loaded 2-core machine delays threads; the bound proves "ends, by its timeout", not speed
+SLACK_S = 5.0
 
 
 def _assert(got: dict, want: int, within: float | None = None):
@@ -150,11 +151,11 @@ def _assert(got: dict, want: int, within: float | None = None):
 def test_normal_rooms_complete(cluster):
     c = cluster
     rooms = [c.room("PA", "DA"), c.room("PA", "DB"), c.room("PB", "DA")]
-    for p, (room, ptab, _) in zip(["PA", "PA", "PB"], rooms):
+    for p, (room, ptab, _) in zip(["PA", "PA", "PB"], rooms, strict=True):
         _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
         c.send_all(p, room, ptab, 0, 40)
         c.send_all(p, room, ptab, 40, N)
-    for d, (room, _, dtab) in zip(["DA", "DB", "DA"], rooms):
+    for d, (room, _, dtab) in zip(["DA", "DB", "DA"], rooms, strict=True):
         _assert(c.wait(d, [room]), SUCCESS)
         assert c.procs[d].call("check", "m", room, dtab, N) == 0
         assert c.procs[d].call("read_aux", "m", room) == b"tok"
@@ -386,11 +387,11 @@ def test_decode_killed_mid_transfer(cluster):
     c = cluster
     to_da = [c.room("PA", "DA"), c.room("PB", "DA")]
     to_db = [c.room("PA", "DB"), c.room("PB", "DB")]
-    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db, strict=True):
         _assert(c.wait(p, [room], [WAITING, FAILED]), WAITING)
         c.send_all(p, room, ptab, 0, 32)
     c.procs["DA"].kill()
-    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db):
+    for p, (room, ptab, _) in zip(["PA", "PB", "PA", "PB"], to_da + to_db, strict=True):
         c.send_all(p, room, ptab, 32, N)
     limit = max(CFG["transfer_timeout_s"], HB_TIMEOUT + 2 * CFG["heartbeat_interval_s"]) + 1.5
     _assert(c.wait("PA", [to_da[0][0]], timeout=10), FAILED, within=limit)
@@ -416,10 +417,11 @@ def test_prefill_killed(cluster):
 
 
 def test_prefill_restarted_on_the_same_address(cluster):
-    """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on the
-    same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to tell it
-    that route died. Its heartbeats see that the server's ranks changed, so its next room to PC looks
-    the route up again and completes (the stale route would register with the dead process and time out)."""
+    """A prefill node (PC) dies while no room of DC's uses it, then comes back as a new process on
+    the same bootstrap server. DC looked up PC's route for an earlier room; nothing failed on DC to
+    tell it that route died. Its heartbeats see that the server's ranks changed, so its next room to
+    PC looks the route up again and completes (the stale route would register with the dead process
+    and time out)."""
     c = cluster
     ctx = mp.get_context("spawn")
     c.servers["C"] = BootstrapServer(heartbeat_timeout_s=HB_TIMEOUT).start()

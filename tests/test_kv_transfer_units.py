@@ -12,7 +12,6 @@ from starlette.testclient import TestClient
 from consensus.kvpoll import KVPoll, update_status
 from engine.model_config import split_layers
 from kv_transfer.bootstrap import BootstrapState, PrefillRankInfo, build_app
-from kv_transfer.engine import resolve_protocol
 from kv_transfer.layout import (
     PoolDesc,
     build_descriptors,
@@ -29,6 +28,7 @@ from kv_transfer.messages import (
     decode_message,
     encode_message,
 )
+from kv_transfer.mooncake import resolve_protocol
 
 TB = 8
 

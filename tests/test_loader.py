@@ -1,5 +1,6 @@
-"""Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their layers,
-and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF model."""
+"""Loader: model resolution, one clear ModelLoadError per user mistake, slices load only their
+layers, and the GGUF path (llama.cpp Q/K permutation undone) on a tiny GGUF written here from the HF
+model."""
 
 from __future__ import annotations
 
@@ -13,13 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import (
-    ModelLoadError,
-    load_model_config,
-    load_slice,
-    load_tokenizer,
-    resolve_model,
-)
+from engine.loader import ModelLoadError, load_model_config, load_slice, resolve_model
+from engine.tokenizer import load_tokenizer
 from tests.cluster import ROOT
 from tests.test_model import PLAN, TOTAL, max_err, run_plan
 from tests.tiny_model import build_tiny_model
@@ -129,28 +125,28 @@ def test_gguf_metadata_cache(tiny, tmp_path, monkeypatch):
     """The first load parses the GGUF and caches its index; later loads (other processes, in
     production) read the index instead and get the same config and weights; a rewritten file gets
     a new cache entry."""
-    from engine import loader
+    from engine import gguf_file
 
     path = write_gguf(tiny, tmp_path / "tiny.gguf")
     cfg = load_model_config(path)
     parsed = load_slice(path, 0, 4).state_dict()
-    assert (loader.gguf_cache_dir(path) / "index.json").is_file()
+    assert (gguf_file.gguf_cache_dir(path) / "index.json").is_file()
 
     def no_reader(_path):
         raise AssertionError("the GGUF was parsed again instead of read from the cache")
 
     with monkeypatch.context() as m:
-        m.setattr(loader, "_open_gguf", no_reader)
+        m.setattr(gguf_file, "_open_gguf", no_reader)
         assert load_model_config(path) == cfg
         cached = load_slice(path, 0, 4).state_dict()
     assert parsed.keys() == cached.keys() and all(torch.equal(parsed[k], cached[k]) for k in parsed)
-    before = loader.gguf_cache_dir(path)
+    before = gguf_file.gguf_cache_dir(path)
     write_gguf(tiny, path)  # same bytes, new mtime: never trusted blindly
-    assert loader.gguf_cache_dir(path) != before
+    assert gguf_file.gguf_cache_dir(path) != before
 
 
 def test_stop_detokenizer_decodes_like_transformers(tiny):
-    from engine.loader import StopDetokenizer
+    from engine.detokenizer import StopDetokenizer
 
     tok, detok, rng = load_tokenizer(tiny), StopDetokenizer(tiny), random.Random(4)
     for _ in range(200):
@@ -284,9 +280,10 @@ def test_node_front_path_never_imports_torch(tiny):
     it gets is the one AutoTokenizer gives."""
     code = (
         "import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
-        "from engine.loader import load_model_config, load_tokenizer; "
+        "from engine.loader import load_model_config; from engine.tokenizer import load_tokenizer; "
         f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
-        "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+        "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or "
+        "m.startswith('torch.'))[:3])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
@@ -315,7 +312,7 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     fp32 test models stay fp32 (token-exact), a bf16 checkpoint and a quantized GGUF run in bf16,
     fp16 weights in bf16 on a CPU; an explicit dtype always wins."""
     from engine.config import EngineConfig
-    from engine.loader import _gguf_dtype
+    from engine.gguf_file import _gguf_dtype
 
     assert load_model_config(tiny).dtype == "float32"
     bf16 = tmp_path / "bf16"
@@ -338,7 +335,7 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     auto = EngineConfig()
     assert auto.dtype == "auto"
     with pytest.raises(ValueError, match="resolved"):
-        auto.torch_dtype
+        _ = auto.torch_dtype
     assert auto.for_model("bfloat16", native_bf16=True).torch_dtype == torch.bfloat16
     assert auto.for_model("float16", native_bf16=True).dtype == "bfloat16"
     # a CPU without bf16 units (AVX2 only) emulates bf16 matmuls: auto computes in fp32 there
@@ -351,3 +348,36 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     assert (
         EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
     )
+
+
+def _fake_hub_cache(root, repo_id: str, model_dir, files=None):
+    """A Hugging Face cache laid out as huggingface_hub writes it: refs/main -> snapshots/<rev>/."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / "0123456789abcdef"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    for f in sorted(model_dir.iterdir()):
+        if files is None or f.name in files:
+            shutil.copy(f, snap / f.name)
+    return snap
+
+
+def test_a_hub_id_resolves_from_the_local_cache_when_offline(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snap = _fake_hub_cache(tmp_path / "hub", "pdserve-test/tiny", tiny)
+    assert resolve_model("pdserve-test/tiny") == snap
+    assert load_model_config("pdserve-test/tiny") == load_model_config(tiny)
+    _one_line_error(lambda: resolve_model("pdserve-test/absent"), "not in the Hugging Face cache")
+
+
+def test_a_hub_snapshot_without_weights_names_what_is_missing(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _fake_hub_cache(tmp_path / "hub", "pdserve-test/partial", tiny, files={"config.json"})
+    _one_line_error(lambda: resolve_model("pdserve-test/partial"), "*.safetensors, tokenizer.json")

@@ -12,17 +12,13 @@ import random
 import pytest
 import torch
 
-from engine import forward_batch, loader
+from engine import forward_batch, gguf_file
+from engine.detokenizer import StopDetokenizer
 from engine.forward_batch import BatchItem, build_forward_batch
+from engine.gguf_file import gguf_cache_dir
 from engine.kv_cache import KVLayout, KVPool, pages_needed
-from engine.loader import (
-    StopDetokenizer,
-    gguf_cache_dir,
-    load_model_config,
-    load_slice,
-    load_tokenizer,
-    resolve_model,
-)
+from engine.loader import load_model_config, load_slice, resolve_model
+from engine.tokenizer import load_tokenizer
 from tests.tiny_model import build_tiny_model
 
 PAGE_SIZE = 4
@@ -89,11 +85,11 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
             done[r] += n
         fb = build_forward_batch(items, page_size)
         x = torch.tensor(toks)
-        for s, pool in zip(slices, pools):
+        for s, pool in zip(slices, pools, strict=True):
             x = s(x, fb, pool)
         wanted = [(r, done[r] - 1) for r, _, logits in step if logits]
         assert x.dtype == torch.float32 and x.shape == (len(wanted), cfg.vocab_size)
-        got.update(zip(wanted, x))
+        got.update(zip(wanted, x, strict=True))
     return got
 
 
@@ -122,13 +118,15 @@ VARIANTS = {
         },
     ),
     "qwen2_bias": dict(arch="qwen2"),
+    "qwen3_qk_norm": dict(arch="qwen3"),
     "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
 
 @pytest.fixture(scope="module")
 def build_variant(tmp_path_factory):
-    """variant name -> (path, config, token sequences, HF logits per sequence); each built once per module."""
+    """variant name -> (path, config, token sequences, HF logits per sequence);
+    each built once per module."""
     built = {}
 
     def build(name):
@@ -166,7 +164,8 @@ def test_tiny_matches_hf(tiny, cuts):
 
 
 def test_small_groups_and_page_size(tiny_llama, monkeypatch):
-    """Several decode/extend attention groups per batch (sorted, padded), and a page size of 1 and 16."""
+    """Several decode/extend attention groups per batch
+    (sorted, padded), and a page size of 1 and 16."""
     path, cfg, seqs, ref = tiny_llama
     monkeypatch.setattr(forward_batch, "DECODE_GROUP_SIZE", 2)
     monkeypatch.setattr(forward_batch, "EXTEND_GROUP_SIZE", 2)
@@ -257,7 +256,7 @@ def test_smollm2_caches_read_back_the_same(smollm2, monkeypatch):
     def no_reader(_path):
         raise AssertionError("the GGUF was parsed again instead of read from the cache")
 
-    monkeypatch.setattr(loader, "_open_gguf", no_reader)
+    monkeypatch.setattr(gguf_file, "_open_gguf", no_reader)
     assert load_model_config(path) == cfg
     tok2 = load_tokenizer(path)
     msgs = [

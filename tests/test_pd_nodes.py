@@ -26,6 +26,28 @@ from reference import hf_greedy, load_hf
 MAX_NEW = 10
 
 
+def decode_local_all(durl: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            res = await asyncio.gather(
+                *(
+                    c.post(
+                        f"{durl}/generate",
+                        json={
+                            "input_ids": ids,
+                            "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
+                        },
+                    )
+                    for ids in prompts
+                )
+            )
+        for r in res:
+            assert r.status_code == 200, r.text
+        return [r.json()["token_ids"] for r in res]
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def reference(tiny30, mixed_prompts):
     return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
@@ -43,8 +65,13 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
         decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _),
     ):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
-        for i, (g, want) in enumerate(zip(got, reference)):
+        for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
+        # Decode-local: the same prompts with no bootstrap fields are prefilled on the decode node
+        # (chunked, by the same scheduler on every decode rank), all at once.
+        local = decode_local_all(durl, mixed_prompts, MAX_NEW)
+        for i, (g, want) in enumerate(zip(local, reference, strict=True)):
+            assert g == want, f"decode-local prompt {i} differs from transformers"
         left = wait_pages_free(purl, durl)
         assert not any(left[purl]) and not any(left[durl]), left
         for url in (purl, durl):
@@ -54,7 +81,8 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
 
 
 def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
-    """Deterministic cases for the stages only one side reaches, then random aborts on both sides."""
+    """Deterministic cases for the stages only one side reaches,
+    then random aborts on both sides."""
     with (
         prefill_node(tiny30, 2, tmp_path) as (purl, bport, _),
         decode_node(tiny30, 2, tmp_path) as (durl, _),
@@ -104,7 +132,8 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
                 assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
                 r = await t
                 assert r.status_code >= 400
-                # Random aborts: waiting, mid-chunk, inflight on prefill; transfer, running on decode.
+                # Random aborts: waiting, mid-chunk, inflight on prefill;
+                # transfer, running on decode.
                 rng = random.Random(5)
 
                 async def one(i):

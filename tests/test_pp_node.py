@@ -1,4 +1,5 @@
-"""A colocated PP node made of real processes: correctness per layout, aborts, divergence, rank death."""
+"""A colocated PP node made of real processes: correctness per layout, aborts, divergence,
+rank death."""
 
 from __future__ import annotations
 
@@ -12,24 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import free_port, group_alive, start
+from cluster import NODE_ARGS, free_port, group_alive, start
 from reference import hf_greedy, load_hf
 
 MAX_NEW = 12
-NODE_ARGS = [
-    "--page-size",
-    "4",
-    "--chunk-size",
-    "16",
-    "--max-batch-tokens",
-    "64",
-    "--max-total-tokens",
-    "8192",
-    "--max-running",
-    "32",
-    "--threads",
-    "1",
-]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
         _,
     ):
         got = generate_all(url, mixed_prompts)
-        for i, (g, want) in enumerate(zip(got, reference)):
+        for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
         if (pp, depth) == (2, 0):
             _check_stop_string(url, tiny30, mixed_prompts, reference)
@@ -112,12 +99,12 @@ def _check_rank_cores(stats, pp):
 
 def _check_stop_string(url, model, prompts, refs):
     """A stop string the greedy answer reaches mid-way ends it there: the ranks decode the output
-    tail for the check (engine.loader.StopDetokenizer, loaded on first use). The stop string is
+    tail for the check (engine.detokenizer.StopDetokenizer, loaded on first use). The stop string is
     the text of one answer token whose first occurrence starts where that token starts."""
-    from engine.loader import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
-    for prompt, ref in zip(prompts, refs):
+    for prompt, ref in zip(prompts, refs, strict=True):
         for k in range(3, len(ref) - 2):
             head = tok.decode(ref[:k], skip_special_tokens=True)
             full = tok.decode(ref, skip_special_tokens=True)
@@ -230,8 +217,8 @@ def test_planted_divergence_is_caught(tiny30, mixed_prompts, tmp_path):
 
 
 def test_planted_divergence_needs_the_checker(tiny30, mixed_prompts, reference, tmp_path):
-    """The test-only hook does nothing unless the consensus checker is on too (which stops the node at
-    once): a node started with the hook's variable alone serves the right tokens."""
+    """The test-only hook does nothing unless the consensus checker is on too (which stops the node
+    at once): a node started with the hook's variable alone serves the right tokens."""
     port = free_port()
     cmd = ["serve", "--model", str(tiny30), "--pp", "2", "--port", str(port), *NODE_ARGS]
     env = {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
@@ -287,14 +274,20 @@ def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp
         f"127.0.0.1:{dist}",
         *NODE_ARGS,
     ]
-    with start(
-        [*common, "--node-rank", "0", "--port", str(port)], port, tmp_path / "host0.log", wait=False
-    ) as (url, p0), start(
-        [*common, "--node-rank", "1", "--port", str(free_port())],
-        port,
-        tmp_path / "host1.log",
-        wait=False,
-    ) as (_, p1):
+    with (
+        start(
+            [*common, "--node-rank", "0", "--port", str(port)],
+            port,
+            tmp_path / "host0.log",
+            wait=False,
+        ) as (url, p0),
+        start(
+            [*common, "--node-rank", "1", "--port", str(free_port())],
+            port,
+            tmp_path / "host1.log",
+            wait=False,
+        ) as (_, p1),
+    ):
         wait_healthy(url, p0, 120, tmp_path / "host0.log")
         assert generate_all(url, mixed_prompts[:6]) == reference[:6]
         ranks = httpx.get(f"{url}/server_info").json()["ranks"]

@@ -43,7 +43,8 @@ def test_property(check, workdir):
     r = verify.run_check(check, workdir)
     if check.known:
         assert r.errors > 0 and verify.classify(r.what) == check.known, (
-            f"{check.name}: the finding ({check.known}) no longer shows: {r.what or 'no error'}; update verify.KNOWN"
+            f"{check.name}: the finding ({check.known}) no longer shows: {r.what or 'no error'}; "
+            "update verify.KNOWN"
         )
         return
     assert r.complete, f"{check.name}: search incomplete ({r.what})"

@@ -150,11 +150,13 @@ def test_client_disconnect_mid_stream_aborts_both_nodes():
         prefill=1, decode=1, node_kw={"token_delay_s": 0.1, "natural_tokens": 200}
     ) as cluster:
         body = {"model": MODEL, "messages": CHAT, "stream": True}
-        with httpx.Client(timeout=10) as client:
-            with client.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r:
-                lines = r.iter_lines()
-                data = [line for line in (next(lines) for _ in range(6)) if line]
-                assert len(data) >= 2
+        with (
+            httpx.Client(timeout=10) as client,
+            client.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            data = [line for line in (next(lines) for _ in range(6)) if line]
+            assert len(data) >= 2
         rid = cluster.decode[0].stats.rids[-1]
         assert cluster.prefill[0].stats.rids[-1] == rid
         for node in cluster.nodes:

@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from cluster import free_port, start, wait_healthy
+from cluster import NODE_ARGS, free_port, start, wait_healthy
 from hypothesis import HealthCheck, Phase, given, settings
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS, wait_pages_free
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_scrape import parse
+from pd_cluster import FAST_TIMEOUTS, wait_pages_free
 from reference import hf_greedy, load_hf
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
@@ -83,7 +83,7 @@ def cluster(tiny_model, tmp_path_factory):
                 wait=False,
             )
         )
-        for (url, proc), log in zip((prefill, decode), logs):
+        for (url, proc), log in zip((prefill, decode), logs[:2], strict=True):
             wait_healthy(url, proc, 240, log)
         url, _ = stack.enter_context(
             start(
@@ -674,14 +674,8 @@ def test_streaming_requests_with_bad_params_get_a_json_4xx_not_a_stream(cluster)
 
 
 def _router_requests(c: Cluster) -> dict[tuple[str, str], float]:
-    text = c.client.get("/metrics").text
-    return {
-        (s.labels["route"], s.labels["status"]): s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "pdserve_router_requests"
-        for s in family.samples
-        if s.name == "pdserve_router_requests_total"
-    }
+    samples = parse(c.client.get("/metrics").text).get("pdserve_router_requests_total", [])
+    return {(lab["route"], lab["status"]): v for lab, v in samples}
 
 
 def _leave_mid_body(c: Cluster, path: str, chunked: bool) -> None:

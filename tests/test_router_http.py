@@ -143,12 +143,14 @@ BAD = [
         "max_tokens",
     ),
     (
-        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": '
+        b'"9"}',
         400,
         "max_tokens",
     ),
     (
-        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+        b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "temperature": '
+        b"-1}",
         400,
         "temperature",
     ),

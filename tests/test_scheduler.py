@@ -39,7 +39,8 @@ def run_to_end(s: Scheduler, max_steps: int = 10_000) -> dict[str, Req]:
             b = s.schedule(mb)
             toks = []
             for e in b.entries:
-                # The KV a batch "writes" must be exactly the request's real tokens at those positions.
+                # The KV a batch "writes" must be exactly the request's real tokens at those
+                # positions.
                 kv_written[e.req.rid] = e.start + e.num_new
                 if e.need_logits:
                     toks.append(oracle(e.req.all_ids[: e.start + e.num_new]))
@@ -174,7 +175,7 @@ def test_abort_everywhere_frees_everything():
 def test_prefix_cache_evicts_lru_deterministically():
     a = PageAllocator(8)
     c = PrefixCache(a, 2)
-    for i, toks in enumerate([[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]]):
+    for toks in [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]]:
         pages, h = c.match(toks, len(toks))
         c.lock(h)
         own = a.alloc(2 - len(pages) if len(toks) == 4 else 1)

@@ -8,18 +8,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, kill_group
+from cluster import ROOT, free_port, group_alive, node_args, pdserve_up
+from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
 
-NODE_ARGS = (
-    "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 8192 --threads 1"
-)
+NODE_ARGS = " ".join(node_args(max_running=None))
 MAX_NEW = 12
 
 
@@ -28,11 +26,7 @@ def cluster(tiny30, tmp_path_factory):
     """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
     port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
+    args = [
         "--model",
         str(tiny30),
         "--port",
@@ -48,21 +42,9 @@ def cluster(tiny30, tmp_path_factory):
         "--router-args",
         "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2",
     ]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+    with pdserve_up(args, log, timeout=240) as proc:
         AUTH.update(secret_headers(log))
-        yield url, proc, log
-    finally:
-        kill_group(proc, grace=20)
+        yield f"http://127.0.0.1:{port}", proc, log
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +120,7 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
                 for q in qs
             )
         )
-        for q, r in zip(qs, rs):
+        for q, r in zip(qs, rs, strict=True):
             assert r.choices[0].message.content == chat_reference[q][2]
         s = await ac.chat.completions.create(
             model=name,
@@ -385,10 +367,8 @@ def _healthy(node: str) -> bool:
 
 
 def test_metrics_of_router_and_nodes(cluster):
-    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the traffic
-    above, and the pool is empty when idle."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the
+    traffic above, and the pool is empty when idle."""
     url, _, _ = cluster
     expected = [
         ln.strip()
@@ -397,39 +377,26 @@ def test_metrics_of_router_and_nodes(cluster):
     ]
     nodes = node_urls(url)
     live = [n for n in nodes["prefill"] + nodes["decode"] if _healthy(n)]
-    families: dict[str, dict] = {}
-    samples: dict[tuple[str, str], float] = {}
+    families: set[str] = set()
+    samples = {}
     for target in [url, *live]:
         text = httpx.get(f"{target}/metrics").text
-        for fam in text_string_to_metric_families(text):
-            families[fam.name] = fam
-            for smp in fam.samples:
-                key = (target, smp.name)
-                samples[key] = samples.get(key, 0.0) + smp.value
-    names = set(families) | {f + "_total" for f in families}
+        families |= family_names(text)
+        samples[target] = parse(text)
+    names = families | {f + "_total" for f in families}
     missing = [m for m in expected if m not in names]
     assert not missing, f"not exported: {missing}"
     prefill, decode = nodes["prefill"][0], live[-1]
-    assert samples[(decode, "pdserve_generation_tokens_total")] > 0
-    assert samples[(prefill, "pdserve_kv_transfer_bytes_total")] > 0
-    assert samples[(decode, "pdserve_kv_transfer_bytes_total")] > 0
-    assert samples[(prefill, "pdserve_bootstrap_seconds_count")] > 0
-    assert samples[(decode, "pdserve_queue_time_seconds_count")] > 0
-    assert samples[(prefill, "pdserve_consensus_round_seconds_count")] > 0
-    assert samples[(url, "pdserve_router_requests_total")] > 0
+    assert total(samples[decode], "pdserve_generation_tokens_total") > 0
+    assert total(samples[prefill], "pdserve_kv_transfer_bytes_total") > 0
+    assert total(samples[decode], "pdserve_kv_transfer_bytes_total") > 0
+    assert total(samples[prefill], "pdserve_bootstrap_seconds_count") > 0
+    assert total(samples[decode], "pdserve_queue_time_seconds_count") > 0
+    assert total(samples[prefill], "pdserve_consensus_round_seconds_count") > 0
+    assert total(samples[url], "pdserve_router_requests_total") > 0
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        used = {
-            n: [
-                s.value
-                for s in next(
-                    f
-                    for f in text_string_to_metric_families(httpx.get(f"{n}/metrics").text)
-                    if f.name == "pdserve_kv_pool_used_tokens"
-                ).samples
-            ]
-            for n in live
-        }
+        used = {n: values(scrape(n, timeout=5), "pdserve_kv_pool_used_tokens") for n in live}
         if all(v and not any(v) for v in used.values()):
             break
         time.sleep(0.5)

@@ -11,11 +11,25 @@ import random
 from pathlib import Path
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be", "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "prefill", "decode", "pipeline", "cache", "page", "token", "layer", "request", "router", "transfer", "rank", "slot"]
+# fmt: off
+_WORDS = [
+    "the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "was", "with", "as", "be",
+    "at", "by", "this", "had", "not", "are", "but", "from", "or", "have", "an", "they", "which",
+    "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when",
+    "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its",
+    "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time",
+    "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over",
+    "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must",
+    "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because",
+    "each", "just", "those", "people", "prefill", "decode", "pipeline", "cache", "page", "token",
+    "layer", "request", "router", "transfer", "rank", "slot",
+]
+# fmt: on
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:
@@ -69,10 +83,11 @@ def build_tiny_model(
     arch: str = "llama",
     seed: int = 0,
     rope_scaling: dict | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Writes config.json, model.safetensors and the tokenizer into `out` and returns it."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +111,10 @@ def build_tiny_model(
         cfg = LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
     elif arch == "qwen2":
         cfg = Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
+    elif arch == "qwen3":  # q/k norms, and a head_dim that need not be hidden / heads
+        cfg = Qwen3Config(
+            rope_theta=10000.0, use_sliding_window=False, head_dim=head_dim or 32, **common
+        )
     else:
         raise ValueError(f"unknown arch {arch}")
     torch.manual_seed(seed)

@@ -18,7 +18,8 @@ def series(out: str, system: str, metric: str, stat: str) -> tuple[list[int], li
         p = os.path.join(out, system, f"c{c}", "profile_export_aiperf.json")
         if os.path.exists(p):
             xs.append(c)
-            ys.append(json.load(open(p))[metric][stat])
+            with open(p) as f:
+                ys.append(json.load(f)[metric][stat])
     return xs, ys
 
 
@@ -31,7 +32,7 @@ def main() -> int:
         ("time_to_first_token", "p50", "TTFT (ms), p50 solid / p99 dashed", True),
         ("inter_token_latency", "p50", "ITL (ms), p50 solid / p99 dashed", True),
     ]
-    for ax, (metric, stat, title, with_p99) in zip(axes, panels):
+    for ax, (metric, stat, title, with_p99) in zip(axes, panels, strict=True):
         for s in systems:
             xs, ys = series(out, s, metric, stat)
             if not xs:

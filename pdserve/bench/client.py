@@ -54,7 +54,8 @@ class Target:
 
 @dataclass(eq=False)
 class RequestRecord:
-    """What one request did. Times are perf_counter seconds; `chunk_times` are relative to `start`."""
+    """What one request did. Times are perf_counter seconds;
+    `chunk_times` are relative to `start`."""
 
     request: BenchRequest
     warmup: bool = False
@@ -100,7 +101,8 @@ class RequestRecord:
 
 
 def _content(chunk: dict) -> str:
-    """The output text of a chunk: chat content (and reasoning, which is output too) or completion text."""
+    """The output text of a chunk: chat content (and reasoning, which is output too) or completion
+    text."""
     parts = []
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta")
@@ -116,8 +118,8 @@ def _content(chunk: dict) -> str:
 async def send(
     client: httpx.AsyncClient, target: Target, rec: RequestRecord, timeout_s: float
 ) -> None:
-    """Sends `rec.request` and fills `rec` in place (so a cancelled request still leaves its record).
-    `timeout_s` bounds the whole request, however slowly its chunks trickle in."""
+    """Sends `rec.request` and fills `rec` in place (so a cancelled request still leaves its
+    record). `timeout_s` bounds the whole request, however slowly its chunks trickle in."""
     rec.start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):

@@ -26,6 +26,16 @@ POOL_FOR_DURATION = 1000
 
 
 def add_bench_args(ap: argparse.ArgumentParser) -> None:
+    _add_server_args(ap)
+    _add_workload_args(ap.add_argument_group("workload"))
+    _add_load_args(ap.add_argument_group("load"))
+    _add_slo_args(
+        ap.add_argument_group("SLO (goodput counts requests that meet every bound given)")
+    )
+    _add_output_args(ap.add_argument_group("output"))
+
+
+def _add_server_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)"
     )
@@ -34,7 +44,9 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="sent as a Bearer token"
     )
-    w = ap.add_argument_group("workload")
+
+
+def _add_workload_args(w: argparse._ArgumentGroup) -> None:
     w.add_argument(
         "--isl",
         default="128",
@@ -63,7 +75,9 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--extra-body", default=None, help="a JSON object merged into every request body"
     )
-    ld = ap.add_argument_group("load")
+
+
+def _add_load_args(ld: argparse._ArgumentGroup) -> None:
     ld.add_argument(
         "--concurrency", default=None, help="requests in flight; a list (1,8,32) is a sweep"
     )
@@ -84,11 +98,15 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=2, help="requests per load sent first and not measured"
     )
     ld.add_argument("--request-timeout", type=float, default=600.0)
-    s = ap.add_argument_group("SLO (goodput counts requests that meet every bound given)")
+
+
+def _add_slo_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--slo-ttft-ms", type=float, default=None)
     s.add_argument("--slo-itl-ms", type=float, default=None)
     s.add_argument("--slo-e2e-ms", type=float, default=None)
-    o = ap.add_argument_group("output")
+
+
+def _add_output_args(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--output", default=None, help="write the results as JSON to this file")
     o.add_argument(
         "--save-records", action="store_true", help="include every request's record in --output"
@@ -203,7 +221,8 @@ async def _sweep(
     summaries, interrupted = [], False
     pool = args.num_requests or POOL_FOR_DURATION
     for i, load in enumerate(loads):
-        # Each load gets its own prompts so a prefix cache warmed by one load does not flatter the next.
+        # Each load gets its own prompts so a prefix cache warmed by one load does not flatter the
+        # next.
         if workload.tokenizer is not None and pool > 200:
             print(
                 f"[bench] building {pool} prompts with the tokenizer", file=sys.stderr, flush=True
@@ -266,9 +285,9 @@ def _bench(args) -> int:
     target = Target(base, args.endpoint, model, args.api_key, args.ignore_eos, extra)
     workload = Workload(isl=isl, osl=osl, seed=args.seed, tokenizer=tokenizer, dataset=dataset)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    prompts = f"dataset {args.dataset}" if dataset else f"isl {isl.describe()} osl {osl.describe()}"
     print(
-        f"[bench] {base} model {model!r}, {args.endpoint} endpoint, "
-        f"{'dataset ' + args.dataset if dataset else f'isl {isl.describe()} osl {osl.describe()}'}, "
+        f"[bench] {base} model {model!r}, {args.endpoint} endpoint, {prompts}, "
         f"{len(loads)} load(s)",
         file=sys.stderr,
         flush=True,

@@ -168,9 +168,10 @@ def format_summary(s: dict) -> str:
         f"== {s['label']}{'  (interrupted)' if s['interrupted'] else ''} ==",
         f"  requests  {s['completed']} ok, {s['failed']} failed, {s['cancelled']} cancelled "
         f"in {s['duration_s']:.2f} s (+{s['warmup_requests']} warm-up)",
-        f"  throughput {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
-        f"{s['input_token_throughput']:.1f} input tok/s",
-        f"  goodput   {s['goodput']:.3f} req/s ({s['good_requests']} met the SLO {s['slo'] or '(none)'})",
+        f"  throughput {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} "
+        f"output tok/s, {s['input_token_throughput']:.1f} input tok/s",
+        f"  goodput   {s['goodput']:.3f} req/s ({s['good_requests']} met the SLO "
+        f"{s['slo'] or '(none)'})",
         "  latency (ms):",
         row("TTFT", s["ttft_ms"]),
         row("ITL", s["itl_ms"]),

@@ -1,4 +1,5 @@
-"""One load against a server: a fixed number of requests in flight, or a seeded Poisson arrival rate.
+"""One load against a server: a fixed number of requests in flight,
+or a seeded Poisson arrival rate.
 
 Warm-up requests run first (same load shape, records kept apart and left out of the stats). The
 measured phase ends when `num_requests` were sent and answered, or when `duration` seconds passed

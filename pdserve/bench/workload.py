@@ -101,9 +101,28 @@ class BenchRequest:
 
 
 # Our own small vocabulary for synthetic text: plain words about machines, weather and travel.
-_NOUNS = ["river", "engine", "garden", "signal", "window", "harbor", "lantern", "ledger", "orbit", "meadow", "circuit", "valley", "compass", "tower", "kettle", "bridge", "forest", "canvas", "market", "mirror", "planet", "saddle", "thunder", "violin", "pocket", "ribbon", "anchor", "beacon", "cellar", "desert", "falcon", "glacier", "island", "jacket", "ladder", "marble", "needle", "pepper", "quartz", "rocket", "summit", "tunnel", "umbrella", "velvet", "wagon", "yarn", "zenith", "copper", "morning", "evening", "letter", "number", "station", "voyage", "winter", "summer", "question", "answer"]
-_VERBS = ["carries", "follows", "gathers", "holds", "lifts", "measures", "opens", "paints", "reaches", "shapes", "turns", "watches", "builds", "crosses", "draws", "finds", "guides", "keeps", "moves", "pulls", "sends", "writes", "brings", "counts", "drops", "folds", "hears", "joins", "leaves", "names"]
-_ADJS = ["quiet", "bright", "heavy", "narrow", "gentle", "hollow", "early", "silver", "green", "rapid", "distant", "steady", "golden", "humble", "plain", "sharp", "tidy", "warm", "young", "ancient", "careful", "curious"]
+# fmt: off
+_NOUNS = [
+    "river", "engine", "garden", "signal", "window", "harbor", "lantern", "ledger", "orbit",
+    "meadow", "circuit", "valley", "compass", "tower", "kettle", "bridge", "forest", "canvas",
+    "market", "mirror", "planet", "saddle", "thunder", "violin", "pocket", "ribbon", "anchor",
+    "beacon", "cellar", "desert", "falcon", "glacier", "island", "jacket", "ladder", "marble",
+    "needle", "pepper", "quartz", "rocket", "summit", "tunnel", "umbrella", "velvet", "wagon",
+    "yarn", "zenith", "copper", "morning", "evening", "letter", "number", "station", "voyage",
+    "winter", "summer", "question", "answer",
+]
+_VERBS = [
+    "carries", "follows", "gathers", "holds", "lifts", "measures", "opens", "paints", "reaches",
+    "shapes", "turns", "watches", "builds", "crosses", "draws", "finds", "guides", "keeps", "moves",
+    "pulls", "sends", "writes", "brings", "counts", "drops", "folds", "hears", "joins", "leaves",
+    "names",
+]
+_ADJS = [
+    "quiet", "bright", "heavy", "narrow", "gentle", "hollow", "early", "silver", "green", "rapid",
+    "distant", "steady", "golden", "humble", "plain", "sharp", "tidy", "warm", "young", "ancient",
+    "careful", "curious",
+]
+# fmt: on
 _SMALL = (
     ["the", "a", "one", "each", "every", "some", "this", "that"],
     ["of", "near", "over", "under", "beside", "across", "through", "behind", "along"],
@@ -222,7 +241,8 @@ class Workload:
 
 
 def load_jsonl(path: str) -> list[dict]:
-    """Entries `{"prompt": str}` or `{"messages": [{"role", "content"}...]}`, optional `max_tokens`."""
+    """Entries `{"prompt": str}` or `{"messages": [{"role", "content"}...]}`,
+    optional `max_tokens`."""
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()

@@ -1,4 +1,4 @@
-"""kv_transfer.engine against a real Mooncake engine over TCP on loopback (it writes into its own
+"""kv_transfer.mooncake against a real Mooncake engine over TCP on loopback (it writes into its own
 registered memory, so one process is enough): windowed writes, stop, dead peer, rejected address."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_transfer.engine import MooncakeEngine, TransferError
+from kv_transfer.mooncake import MooncakeEngine, TransferError
 
 SIZE, DESC = 1 << 20, 4096
 
