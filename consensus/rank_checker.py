@@ -1,11 +1,12 @@
 """Rank consensus checker: proves that every PP rank makes the same decisions.
 
 Decision points (scheduling result, prefix-cache match/insert/evict, allocator, finish checks) are
-decorated with `@rank_consensus("name", args=..., result=...)`. When `PDSERVE_RANK_CONSENSUS_CHECK=1`
-each call appends `(name, selected args, selected result)` to its rank's log and folds it into a
-running SHA-1 digest. The slot loop calls `checker().digest63()` every few iterations and compares
-the digests across ranks (MIN/MAX all-reduce of the digest's leading 63 bits); on a mismatch every
-rank prints its recent calls so the first diverging call can be found, and exits.
+decorated with `@rank_consensus("name", args=..., result=...)`. When
+`PDSERVE_RANK_CONSENSUS_CHECK=1` each call appends `(name, selected args, selected result)` to its
+rank's log and folds it into a running SHA-1 digest. The slot loop calls `checker().digest63()`
+every few iterations and compares the digests across ranks (MIN/MAX all-reduce of the digest's
+leading 63 bits); on a mismatch every rank prints its recent calls so the first diverging call can
+be found, and exits.
 
 Whose log: a rank process has one, `CHECKER`. A thread may `bind` its own checker (the in-process
 test clusters of tests/inproc.py run each rank as a thread of one process); calls on that thread

@@ -192,7 +192,8 @@ class KVReceiver(BaseKVReceiver):
                 return self._fail("aux_unexpected")
             aux = read_aux(mgr.aux_ptr(slot), self.room, mgr.config.aux_slot_bytes)
             if aux is None:
-                return  # not landed yet (cannot happen over a completed write); retried by the reaper
+                # Not landed yet (cannot happen over a completed write); the reaper retries.
+                return
         if mgr.config.checksum:
             for r in route:
                 want = done[r.pp_rank].checksum
@@ -270,7 +271,8 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
         self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)
         if self.dst_slices[pp_rank] != pool.layers:
             raise ValueError(
-                f"decode rank {pp_rank}: pool layers {pool.layers} differ from {self.dst_slices[pp_rank]}"
+                f"decode rank {pp_rank}: pool layers {pool.layers} differ from "
+                f"{self.dst_slices[pp_rank]}"
             )
         self._receivers: dict[int, KVReceiver] = {}
         self._clients: dict[str, BootstrapClient] = {}
