@@ -18,6 +18,7 @@ and structural tags (tool calls) in one API. Its per-token cost on this CPU is i
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,21 +94,32 @@ class GrammarSampler:
     stop_token_ids: tuple[int, ...]
     _compiler: Any = None
     _compiled: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _compile(self, guide: tuple[str, str]):
+    def warm_up_in_background(self) -> None:
+        """Builds the tokenizer info (seconds on a small CPU) off the rank's loop, so the first
+        guided request does not stall every running stream of the rank."""
+        threading.Thread(target=self._compiler_ready, name="grammar-warm-up", daemon=True).start()
+
+    def _compiler_ready(self):
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.load_tokenizer(),
-                vocab_size=self.vocab_size,
-                stop_token_ids=list(self.stop_token_ids),
-            )
-            self._compiler = xgr.GrammarCompiler(info)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.load_tokenizer(),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=list(self.stop_token_ids),
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def _compile(self, guide: tuple[str, str]):
+        compiler = self._compiler or self._compiler_ready()
         if guide not in self._compiled:
             if len(self._compiled) >= 256:  # bounded: the oldest compiled guide goes first
                 self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[guide] = self._compiler.compile_grammar(_grammar(*guide))
+            self._compiled[guide] = compiler.compile_grammar(_grammar(*guide))
         return self._compiled[guide]
 
     def mask(self, logits, reqs: list) -> None:

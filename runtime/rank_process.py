@@ -282,6 +282,7 @@ def build_rank(
         runner.grammar = GrammarSampler(
             lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
         )
+        runner.grammar.warm_up_in_background()
     plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
         pp_size=spec.pp_size,
