@@ -2,13 +2,19 @@
 
 Decision points (scheduling result, prefix-cache match/insert/evict, allocator, finish checks) are
 decorated with `@rank_consensus("name", args=..., result=...)`. When
-`PDSERVE_RANK_CONSENSUS_CHECK=1` each call appends `(name, selected args, selected result)` to a
-per-process log and folds it into a running SHA-1 digest. The slot loop calls `checker.digest()`
+`PDSERVE_RANK_CONSENSUS_CHECK=1` each call appends `(name, selected args, selected result)` to its
+rank's log and folds it into a running SHA-1 digest. The slot loop calls `checker().digest63()`
 every few iterations and compares the digests across ranks (MIN/MAX all-reduce of the digest's
 leading 63 bits); on a mismatch every rank prints its recent calls so the first diverging call can
 be found, and exits.
 
-When the switch is off, the decorator returns the function itself: zero overhead.
+Whose log: a rank process has one, `CHECKER`. A thread may `bind` its own checker (the in-process
+test clusters of tests/inproc.py run each rank as a thread of one process); calls on that thread
+then go to it, and every other thread still uses `CHECKER`.
+
+When the switch is off, the decorator returns the function itself: zero overhead. The switch is
+read when a decorated function is defined (import time); `enable()` turns it on later, and refuses
+once a decision point was already defined without it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +88,33 @@ class RankChecker:
         return "\n".join(f"  #{i} {line}" for i, _, line in list(self.recent)[-n:])
 
 
-CHECKER = RankChecker()
+CHECKER = RankChecker()  # the rank process's checker
+_bound = threading.local()  # .checker: a thread's own checker (a rank run as a thread)
+_defined_off: list[str] = []  # decision points defined while the switch was off
+
+
+def checker() -> RankChecker:
+    """The checker of the calling thread's rank: the one it bound, else the process's `CHECKER`."""
+    return getattr(_bound, "checker", CHECKER)
+
+
+def bind(c: RankChecker | None) -> None:
+    """Makes `c` the calling thread's checker (None: back to the process's `CHECKER`)."""
+    if c is None:
+        _bound.__dict__.pop("checker", None)
+    else:
+        _bound.checker = c
+
+
+def enable() -> None:
+    """Turns the checker on in this process (tests), before any decision code is imported."""
+    global ENABLED
+    if _defined_off:
+        raise RuntimeError(
+            "rank_checker.enable() after decision points were defined without the checker "
+            f"({', '.join(_defined_off[:4])}...): call it before engine/ and the loops are imported"
+        )
+    ENABLED = True
 
 
 def rank_consensus(
@@ -92,13 +125,14 @@ def rank_consensus(
 
     def deco(fn):
         if not ENABLED:
+            _defined_off.append(name)
             return fn
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             chosen = args(*a, **kw) if args else None  # before the call: it may mutate them
             r = fn(*a, **kw)
-            CHECKER.record(name, chosen, result(r) if result else None)
+            checker().record(name, chosen, result(r) if result else None)
             return r
 
         return wrapper

@@ -32,6 +32,7 @@ from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from engine.core import Req, SamplingParams
 from engine.kv_cache import pages_needed
+from kv_transfer.base import BaseDecodeKVManager
 from pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
 from pd_common.messages import PDAddRequest
 from runtime.messages import TokenEvent
@@ -41,7 +42,7 @@ log = logging.getLogger("pdserve.decode")
 
 
 class DecodeLoop(PDLoop):
-    def __init__(self, parts: RankParts, kv_mgr, aux_slots: int):
+    def __init__(self, parts: RankParts, kv_mgr: BaseDecodeKVManager, aux_slots: int):
         super().__init__(parts, kv_mgr)
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))

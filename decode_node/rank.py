@@ -6,6 +6,7 @@ import sys
 
 from decode_node.loop import DecodeLoop
 from engine.model_config import split_layers
+from kv_transfer.base import BaseDecodeKVManager
 from kv_transfer.receiver import DecodeKVManager
 from pd_common.rank_setup import pool_desc, transfer_config
 from runtime.rank_process import RankParts, run_rank
@@ -13,17 +14,31 @@ from runtime.rank_process import RankParts, run_rank
 AUX_SLOTS = 256
 
 
-def make_loop(parts: RankParts) -> DecodeLoop:
-    slices = split_layers(parts.mcfg.num_layers, parts.spec.pp_size)
-    kv = DecodeKVManager(
-        transfer_config(parts), pool_desc(parts), parts.spec.pp_rank, slices, aux_slots=AUX_SLOTS
-    )
+# Decode keeps no prefix cache: its prompt KV arrives from the prefill node.
+BUILD_KWARGS = {"prefix_cache": False}
+
+
+def make_loop(parts: RankParts, kv: BaseDecodeKVManager | None = None) -> DecodeLoop:
+    """The rank's loop over `kv` (None: this rank's Mooncake manager; the in-process tests pass
+    an in-memory one, made with `AUX_SLOTS` aux slots over `dst_slices(parts)`)."""
+    if kv is None:
+        kv = DecodeKVManager(
+            transfer_config(parts),
+            pool_desc(parts),
+            parts.spec.pp_rank,
+            dst_slices(parts),
+            aux_slots=AUX_SLOTS,
+        )
     return DecodeLoop(parts, kv, AUX_SLOTS)
 
 
+def dst_slices(parts: RankParts) -> list[tuple[int, int]]:
+    """The layer slices of every rank of this decode node."""
+    return split_layers(parts.mcfg.num_layers, parts.spec.pp_size)
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Decode keeps no prefix cache: its prompt KV arrives from the prefill node.
-    return run_rank(argv, make_loop, build_kwargs={"prefix_cache": False})
+    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS)
 
 
 if __name__ == "__main__":

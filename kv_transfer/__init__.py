@@ -2,7 +2,8 @@
 
 Prefill rank:  mgr = PrefillKVManager(cfg, pool, pp_rank, pp_size, bootstrap_addr)
                s = mgr.create_sender(room); s.poll() ... WaitingForInput
-               s.send_chunk(page_ids, start, end, last, aux) per chunk; s.poll() ... Success | Failed
+               s.send_chunk(page_ids, start, end, last, aux) per chunk
+               s.poll() ... Success | Failed
 Decode rank:   mgr = DecodeKVManager(cfg, pool, pp_rank, dst_slices, aux_slots)
                r = mgr.create_receiver(room, bootstrap_addr); r.register(page_ids, aux_slot)
                r.poll() ... Success | Failed; r.read_aux()

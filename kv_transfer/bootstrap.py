@@ -34,7 +34,7 @@ MAX_BODY = 64 * 1024  # a registration or a heartbeat is well under 1 KiB (plus 
 
 @dataclass(frozen=True)
 class PrefillRankInfo:
-    """What a prefill rank registers: its layer slice, control endpoint, Mooncake session, KV format."""
+    """What a prefill rank registers: layer slice, control endpoint, Mooncake session, KV format."""
 
     pp_rank: int
     pp_size: int
@@ -107,7 +107,8 @@ class BootstrapState:
     def route(
         self, layer_start: int, layer_end: int, session: str | None = None
     ) -> list[PrefillRankInfo] | None:
-        """Prefill ranks whose layers intersect [layer_start, layer_end), by rank; None until all registered."""
+        """Prefill ranks whose layers meet [layer_start, layer_end), by rank; None until all
+        registered."""
         with self._lock:
             if session:
                 self._last_seen[session] = self._clock()

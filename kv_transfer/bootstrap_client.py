@@ -1,4 +1,4 @@
-"""HTTP calls to a prefill node's bootstrap server: register (with backoff), route query, heartbeat."""
+"""HTTP calls to a prefill node's bootstrap server: register (backoff), route query, heartbeat."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ class BootstrapClient:
     def route(
         self, layer_start: int, layer_end: int, session: str, deadline: float
     ) -> list[PrefillRankInfo]:
-        """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until deadline."""
+        """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until the
+        deadline."""
         delay = 0.05
         params = {"layer_start": layer_start, "layer_end": layer_end, "session": session}
         while True:
@@ -73,7 +74,8 @@ class BootstrapClient:
                     ranks = [PrefillRankInfo.from_wire(d) for d in r.json()["ranks"]]
                     if not ranks:
                         raise ValueError(
-                            f"no prefill rank of {self.addr} holds layers [{layer_start}, {layer_end})"
+                            f"no prefill rank of {self.addr} holds layers "
+                            f"[{layer_start}, {layer_end})"
                         )
                     return ranks
                 if r.status_code in (400, 401):

@@ -171,7 +171,7 @@ def build_descriptors(
 
 
 def coalesce(descs: Iterable[Desc]) -> list[Desc]:
-    """Merges each descriptor into the previous one when both its source and destination follow on."""
+    """Merges each descriptor into the previous one when its source and destination follow on."""
     out: list[Desc] = []
     for s, d, n in descs:
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:

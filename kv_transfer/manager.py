@@ -1,4 +1,5 @@
-"""What the prefill and decode KV managers share: config, engine, aux buffer, control sockets, threads.
+"""What the prefill and decode KV managers share: config, engine, aux buffer, control sockets,
+threads.
 
 Threads of one manager (none of them ever runs scheduler code):
   recv       opens (infra/channel_auth.py: HMAC of the cluster secret) and decodes control messages
@@ -221,7 +222,7 @@ class KVManagerBase:
                 logger.exception("%s control message %s failed", self._prefix, type(msg).__name__)
 
     def _drop(self, reason: str, fmt: str, *args) -> None:
-        """Counts a dropped message; logs the first of each reason (a flood must not flood the log)."""
+        """Counts a dropped message; logs the first of each reason (a flood must not flood logs)."""
         self.stats.add_dropped(reason)
         if reason not in self._logged_drops:
             self._logged_drops.add(reason)
@@ -269,5 +270,5 @@ class KVManagerBase:
 
 
 def sender_id(session_id: str, ctrl_port: int) -> str:
-    """A KV manager's name on the control channel: Mooncake session and control port (unique per manager)."""
+    """A KV manager's name on the control channel: Mooncake session and control port (unique)."""
     return f"{session_id}/{ctrl_port}"

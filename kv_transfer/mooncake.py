@@ -65,7 +65,7 @@ def resolve_protocol(
 
 
 class TransferError(RuntimeError):
-    """A failed write; `session_id` names the peer when the engine rejected it (None: stopped by us)."""
+    """A failed write; `session_id` names the peer the engine rejected (None: we stopped it)."""
 
     def __init__(self, message: str, session_id: str | None = None):
         super().__init__(message)

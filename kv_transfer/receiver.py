@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from consensus.kvpoll import KVPoll
+from kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
@@ -30,7 +31,7 @@ from kv_transfer.messages import KVAbort, KVRegister, KVStatus, Message
 from kv_transfer.mooncake import MooncakeEngine
 
 
-class KVReceiver:
+class KVReceiver(BaseKVReceiver):
     def __init__(self, mgr: DecodeKVManager, room: int, bootstrap_addr: str):
         self.room, self.bootstrap_addr = room, bootstrap_addr
         self._mgr = mgr
@@ -191,7 +192,8 @@ class KVReceiver:
                 return self._fail("aux_unexpected")
             aux = read_aux(mgr.aux_ptr(slot), self.room, mgr.config.aux_slot_bytes)
             if aux is None:
-                return  # not landed yet (cannot happen over a completed write); retried by the reaper
+                # Not landed yet (cannot happen over a completed write); the reaper retries.
+                return
         if mgr.config.checksum:
             for r in route:
                 want = done[r.pp_rank].checksum
@@ -251,7 +253,7 @@ class KVReceiver:
             mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200]))
 
 
-class DecodeKVManager(KVManagerBase):
+class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
     """The KV manager of one decode rank; `dst_slices` are the layer slices of all decode ranks."""
 
     side = "decode"
@@ -269,7 +271,8 @@ class DecodeKVManager(KVManagerBase):
         self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)
         if self.dst_slices[pp_rank] != pool.layers:
             raise ValueError(
-                f"decode rank {pp_rank}: pool layers {pool.layers} differ from {self.dst_slices[pp_rank]}"
+                f"decode rank {pp_rank}: pool layers {pool.layers} differ from "
+                f"{self.dst_slices[pp_rank]}"
             )
         self._receivers: dict[int, KVReceiver] = {}
         self._clients: dict[str, BootstrapClient] = {}

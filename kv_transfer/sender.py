@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from consensus.kvpoll import KVPoll
+from kv_transfer.base import BaseKVSender, BasePrefillKVManager
 from kv_transfer.bootstrap import PrefillRankInfo
 from kv_transfer.bootstrap_client import BootstrapClient, BootstrapTimeout
 from kv_transfer.checksum import kv_checksum
@@ -49,7 +50,7 @@ class Chunk:
     aux: bytes | None
 
 
-class KVSender:
+class KVSender(BaseKVSender):
     def __init__(self, mgr: PrefillKVManager, room: int):
         self.room = room
         self._mgr = mgr
@@ -212,7 +213,7 @@ class KVSender:
         return p is not None and sender_id(p.session_id, p.ctrl_port) == sender
 
     def on_decode_abort(self, dst_rank: int) -> None:
-        """The decode side gave up the room; it waits for a terminal message before reusing pages."""
+        """The decode side gave up the room; it waits for a final message before reusing pages."""
         with self._lock:
             quiet = self._status in (KVPoll.Failed, KVPoll.Success) and not self._busy
             peer = self._peers.get(dst_rank)
@@ -276,8 +277,9 @@ class KVSender:
         stop = lambda: self._status == KVPoll.Failed  # noqa: E731
         for _, p in peers:
             if p.session_id in mgr.failed_sessions:
-                # A peer that already failed another room fails this one at once, instead of holding a
-                # transfer thread (and the healthy peers' rooms queued behind it) in another write.
+                # A peer that already failed another room fails this one at once, instead of
+                # holding a transfer thread (and the healthy peers' rooms queued behind it) in
+                # another write.
                 raise TransferError(f"session {p.session_id} failed before", p.session_id)
             descs = build_descriptors(
                 mgr.pool, p.pool, chunk.page_ids, p.page_ids, chunk.token_start, chunk.token_end
@@ -326,8 +328,8 @@ def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:
     return KVStatus(room, rank, int(status), reason[:200], 0, 0, None)
 
 
-class PrefillKVManager(KVManagerBase):
-    """The KV manager of one prefill rank: registers with its node's bootstrap server, owns senders."""
+class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
+    """The KV manager of one prefill rank: registers with the bootstrap server, owns senders."""
 
     side = "prefill"
 
@@ -441,8 +443,9 @@ class PrefillKVManager(KVManagerBase):
                 withdrawn = self._withdraw(msg.room, msg.rank, sender) if room is None else []
             if withdrawn:
                 # The decode rank gave the room up before this rank had its sender: the registration
-                # is gone (a sender created later must not write into those pages, which the decode
-                # side reuses), the sender will fail at once, and the decode rank gets its final word.
+                # is gone (a sender created later must not write into those pages, which the
+                # decode side reuses), the sender will fail at once, and the decode rank gets its
+                # final word.
                 for m in withdrawn:
                     self.send(
                         m.ctrl_host,
@@ -464,8 +467,8 @@ class PrefillKVManager(KVManagerBase):
             self.stats.add_dropped("unexpected")
 
     def _withdraw(self, room: int, dst_rank: int, sender: str) -> list[KVRegister]:
-        """Under the lock: removes the pending registrations of decode rank `dst_rank` by `sender` in
-        `room` (a sender created later fails at once); returns them."""
+        """Under the lock: removes the pending registrations of decode rank `dst_rank` by `sender`
+        in `room` (a sender created later fails at once); returns them."""
 
         def its(m: KVRegister) -> bool:
             return m.dst_rank == dst_rank and sender_id(m.session_id, m.ctrl_port) == sender

@@ -7,9 +7,9 @@ from collections import Counter, deque
 
 
 class TransferStats:
-    """Thread-safe counters: bytes, descriptors (one engine write each), rooms, failures by reason, dropped messages,
-    and the latency of each finished room (seconds from the first chunk, or from registration on
-    decode, to Success)."""
+    """Thread-safe counters: bytes, descriptors (one engine write each), rooms, failures by reason,
+    dropped messages, and the latency of each finished room (seconds from the first chunk, or from
+    registration on decode, to Success)."""
 
     def __init__(self, keep_latencies: int = 1024):
         self._lock = threading.Lock()

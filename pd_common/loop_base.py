@@ -12,6 +12,7 @@ import msgpack
 
 from consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
 from engine.core import ParamError, Req, SamplingParams
+from kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from pd_common.messages import PDAddRequest
 from runtime.messages import ErrorEvent
 from runtime.pp_comm import Msg, PPComm
@@ -53,9 +54,7 @@ class PDReq:
     rid: str
     room: int
     req: Req
-    transfer: (
-        Any  # this rank's end of the room's transfer: KVSender (prefill) or KVReceiver (decode)
-    )
+    transfer: BaseKVSender | BaseKVReceiver  # this rank's end of the room's transfer
     sent_upto: int = 0  # prefill: tokens whose KV was handed to the sender
     pages: list[int] = field(default_factory=list)  # decode: preallocated pages
     aux_slot: int | None = None  # decode: where the first token lands
@@ -67,7 +66,7 @@ class PDLoop(SlotLoop):
     """The slot loop of a PD rank: a PD request (`PDAddRequest`) opens a room with this rank's end
     of the transfer, and waits in the subclass's own queues around the engine's scheduler."""
 
-    def __init__(self, parts: RankParts, kv_mgr):
+    def __init__(self, parts: RankParts, kv_mgr: BaseKVManager):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
         self.kv_mgr = kv_mgr  # this rank's KV manager: the sender/receiver factory and its stats
         self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues

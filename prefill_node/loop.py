@@ -32,6 +32,7 @@ from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
 from engine.core import Req, SamplingParams
 from engine.scheduler import ScheduledBatch
+from kv_transfer.base import BasePrefillKVManager
 from pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
 from pd_common.messages import PDAddRequest, PrefillDoneEvent
 from runtime.rank_process import RankParts
@@ -40,7 +41,9 @@ log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillLoop(PDLoop):
-    def __init__(self, parts: RankParts, kv_mgr, store: PPConsensusStore | None):
+    def __init__(
+        self, parts: RankParts, kv_mgr: BasePrefillKVManager, store: PPConsensusStore | None
+    ):
         super().__init__(parts, kv_mgr)
         self.stream_tokens = False  # the front hears PrefillDoneEvent or ErrorEvent only
         self.store = store

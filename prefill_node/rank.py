@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from consensus.store import PPConsensusStore
+from kv_transfer.base import BasePrefillKVManager
 from kv_transfer.sender import PrefillKVManager
 from pd_common.rank_setup import pool_desc, transfer_config
 from prefill_node.loop import PrefillLoop
@@ -26,16 +27,27 @@ def consensus_store(parts: RankParts) -> PPConsensusStore | None:
     return PPConsensusStore(spec.pp_rank, spec.pp_size, address=comm.recv(0, Msg.SYNC))
 
 
-def make_loop(parts: RankParts) -> PrefillLoop:
+# A finished request keeps its pages until the release vote: a transfer may still read them.
+BUILD_KWARGS = {"hold_kv_on_finish": True}
+
+
+def make_loop(parts: RankParts, kv: BasePrefillKVManager | None = None) -> PrefillLoop:
+    """The rank's loop over `kv` (None: this rank's Mooncake manager; the in-process tests pass
+    an in-memory one)."""
     spec = parts.spec
-    kv = PrefillKVManager(
-        transfer_config(parts), pool_desc(parts), spec.pp_rank, spec.pp_size, spec.bootstrap_addr
-    )
+    if kv is None:
+        kv = PrefillKVManager(
+            transfer_config(parts),
+            pool_desc(parts),
+            spec.pp_rank,
+            spec.pp_size,
+            spec.bootstrap_addr,
+        )
     return PrefillLoop(parts, kv, consensus_store(parts))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_rank(argv, make_loop, build_kwargs={"hold_kv_on_finish": True})
+    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS)
 
 
 if __name__ == "__main__":

@@ -244,8 +244,15 @@ def plant_divergence_if_asked(spec: RankSpec, runner: ModelRunner) -> None:
 
 
 def build_rank(
-    spec: RankSpec, *, hold_kv_on_finish: bool = False, prefix_cache: bool | None = None
+    spec: RankSpec,
+    *,
+    hold_kv_on_finish: bool = False,
+    prefix_cache: bool | None = None,
+    comm: Any = None,
 ) -> RankParts:
+    """Loads the rank's slice and builds its runner and scheduler. `comm`: a PP group end to use
+    instead of joining `spec.dist_init` (the in-memory one of runtime/pp_comm_memory.py, when the
+    tests run a node's ranks as threads); None: a PP>1 rank joins the torch.distributed group."""
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
     threads = apply_threads(cfg.threads)  # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
@@ -265,7 +272,8 @@ def build_rank(
         cfg.dtype,
         f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
     )
-    comm = join_pp_group(spec) if spec.pp_size > 1 else None
+    if spec.pp_size > 1 and comm is None:
+        comm = join_pp_group(spec)
     if comm is not None:
         cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)

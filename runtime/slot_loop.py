@@ -380,12 +380,10 @@ class SlotLoop:
         """Releases what the loop owns (a PD loop closes its KV manager and store)."""
 
     def check_consensus(self, t: int) -> None:
-        d = rank_checker.CHECKER.digest63()
-        lo, hi = self.comm.all_min_max([d])
+        checker = rank_checker.checker()
+        lo, hi = self.comm.all_min_max([checker.digest63()])
         if lo[0] != hi[0]:
-            where = rank_checker.CHECKER.describe_first_divergence(
-                self.comm.all_gather(rank_checker.CHECKER.window())
-            )
+            where = checker.describe_first_divergence(self.comm.all_gather(checker.window()))
             log.error(
                 "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where
             )

@@ -4,6 +4,14 @@ import random
 import pytest
 from tiny_model import build_tiny_model
 
+from consensus import rank_checker
+
+# The rank consensus checker is on in the test process: the in-process clusters (tests/inproc.py)
+# compare every rank's decisions. The decorator reads the switch when a decision point is defined,
+# so this comes before any engine or loop module is imported. Nodes started as processes keep
+# their own environment (PDSERVE_RANK_CONSENSUS_CHECK, tests/pd_cluster.py).
+rank_checker.enable()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
@@ -45,3 +53,25 @@ def mixed_prompts():
     rng = random.Random(7)
     lengths = [3, 5, 9, 16, 17, 24, 33, 40, 47, 52, 60, 64, 70, 12, 2, 38]
     return [[rng.randrange(3, 380) for _ in range(n)] for n in lengths]
+
+
+# Prompts of the in-process cluster tests: 3, 16, 17, 47 and 70 tokens (with chunks of 16: one
+# chunk, exactly one, one plus a token, three, five).
+INPROC_PROMPTS = (0, 3, 4, 8, 12)
+INPROC_MAX_NEW = 24
+
+
+@pytest.fixture(scope="session")
+def tiny6_greedy(tiny6, mixed_prompts):
+    """(prompts, transformers' greedy answers of INPROC_MAX_NEW tokens) on tiny6, the reference of
+    the in-process cluster tests; torch on one thread, several times faster on a busy machine."""
+    import torch
+    from reference import hf_greedy, load_hf
+
+    prompts = [mixed_prompts[i] for i in INPROC_PROMPTS]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return prompts, hf_greedy(load_hf(tiny6), prompts, INPROC_MAX_NEW)
+    finally:
+        torch.set_num_threads(threads)

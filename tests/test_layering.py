@@ -61,3 +61,18 @@ def test_engine_needs_no_network_or_process_group():
 def test_no_source_package_is_left_out_of_the_layering():
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert packages - ALL == set(), "add new packages to ALLOWED and to docs/ARCHITECTURE.md"
+
+
+# The in-memory seams stand in for gloo and Mooncake in tests only (docs/ARCHITECTURE.md section 9).
+TEST_ONLY = {"kv_transfer.in_memory", "runtime.pp_comm_memory"}
+
+
+def test_no_source_module_imports_a_test_only_seam():
+    bad = [
+        f"{f.relative_to(ROOT)}:{line} imports {mod}"
+        for pkg in ALL
+        for f in sorted((ROOT / pkg).glob("*.py"))
+        for line, mod in _imports(f)
+        if mod in TEST_ONLY
+    ]
+    assert not bad, "\n".join(bad)

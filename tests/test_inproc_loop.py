@@ -1,0 +1,139 @@
+"""The slot loop of a colocated node with its ranks as threads (tests/inproc.py), and the seams that
+make that possible: the in-memory PP group (runtime/pp_comm_memory.py) and the per-thread rank
+consensus checker (consensus/rank_checker.py). Real processes: tests/test_pp_node.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from inproc import ClusterError, ColocatedCluster, running, settled
+
+from consensus import rank_checker
+from runtime.pp_comm import Msg
+from runtime.pp_comm_memory import CommClosed, MemoryPPGroup
+from runtime.slot_loop import RankDivergence
+
+MAX_NEW = 12
+
+
+@pytest.mark.parametrize(
+    "pp,depth", [(1, 0), (2, 0), (3, 0), (2, 1)], ids=["pp1", "pp2", "pp3", "pp2-async1"]
+)
+def test_colocated_matches_transformers(pp, depth, tiny6, tiny6_greedy):
+    prompts, reference = tiny6_greedy
+    with running(lambda: ColocatedCluster(tiny6, pp, async_depth=depth)) as c:
+        got = c.generate_all(prompts, MAX_NEW)
+        for i, (g, want) in enumerate(zip(got, reference, strict=True)):
+            assert g == want[:MAX_NEW], f"prompt {i} (len {len(prompts[i])}) differs"
+        stats = c.wait_settled()
+        assert all(settled(s) for s in stats["colocated"]), stats
+        # A prompt seen before is served from the prefix cache, and the answer stays the same.
+        assert c.generate_all(prompts[-1:], MAX_NEW) == [reference[-1][:MAX_NEW]]
+        stats = c.wait_settled()
+        assert all(settled(s) and s.prefix_hit_tokens > 0 for s in stats["colocated"]), stats
+        assert all(t.checker.calls > 0 for t in c.node_.ranks)
+
+
+def test_planted_divergence_is_caught(tiny6, tiny6_greedy):
+    """Each rank thread keeps its own consensus checker: a rank-local allocation on one rank (the
+    kind of bug the checker is for) stops the node at the next comparison."""
+    prompts, _ = tiny6_greedy
+
+    def plant(parts):
+        if parts.spec.pp_rank == 1:
+            parts.runner.pool.allocator.alloc(1)
+
+    with (
+        pytest.raises(ClusterError) as err,
+        running(lambda: ColocatedCluster(tiny6, 2, on_parts=plant)) as c,
+    ):
+        c.generate_all(prompts[3:], MAX_NEW)
+    cause = err.value.__cause__
+    assert isinstance(cause, RankDivergence), repr(cause)
+    assert "first diverging call" in str(cause) and "'schedule'" in str(cause), str(cause)
+
+
+def test_rank_checker_is_per_thread():
+    mine, other = rank_checker.RankChecker(), rank_checker.RankChecker()
+    seen = {}
+
+    def rank(checker, name):
+        rank_checker.bind(checker)
+        rank_checker.checker().record(name, [1], None)
+        seen[name] = rank_checker.checker()
+        rank_checker.bind(None)
+
+    threads = [
+        threading.Thread(target=rank, args=(mine, "a")),
+        threading.Thread(target=rank, args=(other, "b")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert seen == {"a": mine, "b": other}
+    assert mine.calls == other.calls == 1 and mine.digest63() != other.digest63()
+    assert rank_checker.checker() is rank_checker.CHECKER  # an unbound thread: the process's
+
+
+def test_enable_refuses_after_decision_points_were_defined_off(monkeypatch):
+    monkeypatch.setattr(rank_checker, "_defined_off", ["schedule"])
+    with pytest.raises(RuntimeError, match="before engine"):
+        rank_checker.enable()
+
+
+# --- the in-memory PP group -----------------------------------------------------------------------
+def test_messages_go_through_msgpack_and_kinds_are_parked():
+    group = MemoryPPGroup(2, timeout_s=5)
+    a, b = group.comm(0), group.comm(1)
+    a.send_obj(1, [("x", 1)], Msg.META)
+    a.send_tensor(1, torch.arange(3.0), Msg.HIDDEN)
+    a.send_obj(1, {"k": b"v"}, Msg.OUTPUT)
+    assert b.recv(0, Msg.OUTPUT) == {"k": b"v"}  # the two before it are parked
+    assert torch.equal(b.recv(0, Msg.HIDDEN), torch.arange(3.0))
+    assert b.recv(0, Msg.META) == [["x", 1]]  # a tuple crossed the wire as a list
+    with pytest.raises(TypeError):
+        a.send_obj(1, object())
+    a.commit()  # every send was received: nothing to wait for
+    assert (a.prev, a.next, b.prev, b.next) == (1, 1, 0, 0)
+
+
+def test_commit_waits_for_the_receiver_and_waits_are_bounded():
+    group = MemoryPPGroup(2, timeout_s=0.3)
+    a, b = group.comm(0), group.comm(1)
+    a.send_obj(1, 1, Msg.META, commit_after=2)
+    a.commit()  # turn 1: not due yet
+    with pytest.raises(TimeoutError, match="not received"):
+        a.commit()  # turn 2: due, and rank 1 never took it
+    with pytest.raises(TimeoutError, match="nothing from 1"):
+        a.recv(1, Msg.META)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pytest.raises(CommClosed, b.recv, 0, Msg.VOTE)))
+    b.recv(0, Msg.META)
+    t.start()
+    group.close()
+    t.join(timeout=5)
+    assert not t.is_alive() and got
+    with pytest.raises(CommClosed):
+        a.send_obj(1, 2)
+
+
+def test_collectives_meet_in_call_order():
+    group = MemoryPPGroup(3, timeout_s=5)
+    out = {}
+
+    def rank(r):
+        comm = group.comm(r)
+        out[r] = (comm.all_min_max([r, -r]), comm.all_gather([r * 10]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    for r in range(3):
+        assert out[r] == (([0, -2], [2, 0]), [[0], [10], [20]])
+    with pytest.raises(TimeoutError, match="waited"):
+        MemoryPPGroup(2, timeout_s=0.2).comm(0).all_gather([1])

@@ -1,0 +1,241 @@
+"""Prefill and decode nodes with their ranks as threads of the test process (tests/inproc.py): the
+in-memory PP group and KV transfer instead of gloo and Mooncake, the real loops, schedulers, votes,
+consensus store and rank consensus checker. Each test takes seconds; the behaviours that need real
+processes (Mooncake, sockets, SIGKILL, timeouts) stay in tests/test_pd_nodes.py."""
+
+from __future__ import annotations
+
+import pytest
+from inproc import PDCluster, running, settled
+
+from consensus.kvpoll import KVPoll
+from pd_common.messages import PrefillDoneEvent
+from runtime.messages import ErrorEvent
+
+MAX_NEW = 8
+
+
+def _all_settled(stats) -> None:
+    for node, ranks in stats.items():
+        for s in ranks:
+            assert settled(s), f"{node} pp{s.pp_rank}: {s}"
+
+
+@pytest.mark.parametrize("ppp", [1, 2, 3])
+@pytest.mark.parametrize("dpp", [1, 2, 3])
+def test_every_layout_matches_transformers(ppp, dpp, tiny6, tiny6_greedy):
+    """Token-identical to transformers; afterwards no page held, no prefix-cache page locked, and
+    no byte of a decode pool changed outside the pages the requests had there."""
+    prompts, reference = tiny6_greedy
+    want = [r[:MAX_NEW] for r in reference]
+    with running(lambda: PDCluster(tiny6, ppp, dpp)) as c:
+        with c.paused():
+            before = c.decode_pools()
+        got = c.generate_all(prompts, MAX_NEW)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"prompt {i} (len {len(prompts[i])}) differs from transformers"
+        _all_settled(c.wait_settled())
+        with c.paused():
+            after = c.decode_pools()
+            for rank, (old, new) in enumerate(zip(before, after, strict=True)):
+                changed = {int(p) for p in (old != new).flatten(1).any(1).nonzero().flatten()}
+                touched = c.decode.ranks[rank].touched
+                assert changed, f"decode pp{rank}: nothing written"
+                assert changed <= touched, f"decode pp{rank}: pages {changed - touched} changed"
+        assert c.fabric.descriptors > 0
+        sent = sum(loop.kv_mgr.stats.bytes_sent for loop in c.prefill.loops)
+        received = sum(loop.kv_mgr.stats.bytes_received for loop in c.decode.loops)
+        assert sent == received > 0
+
+
+def test_different_page_sizes_match_transformers(tiny6, tiny6_greedy):
+    """Prefill pages of 4 tokens, decode pages of 8: the descriptors cut per layer and token run."""
+    prompts, reference = tiny6_greedy
+    decode = {"page_size": 8}
+    with running(lambda: PDCluster(tiny6, 2, 3, decode_engine=decode)) as c:
+        assert c.generate_all(prompts, MAX_NEW) == [r[:MAX_NEW] for r in reference]
+        _all_settled(c.wait_settled())
+
+
+def _loops_all(node, pred) -> bool:
+    """`pred` holds on every rank of `node` (paused: they all ended the same turn)."""
+    return all(pred(loop) for loop in node.loops)
+
+
+def _pd(loop, rid: str):
+    return loop.by_rid.get(rid)
+
+
+def test_aborts_at_every_stage(tiny6, tiny6_greedy):
+    """An abort in each queue a request passes through, caught there by running the nodes turn by
+    turn: every one ends with an answer on both sides, and nothing stays held."""
+    prompts, reference = tiny6_greedy
+    long, long_ref = prompts[4], reference[4]  # 70 tokens: five prefill chunks
+    # Prompts not seen before, for the aborts between chunks: the prefix cache would serve a known
+    # prompt in one chunk.
+    fresh = [list(reversed(long)), list(reversed(prompts[3]))]
+    # One prefill request at a time, so a second one waits in the scheduler's waiting queue.
+    with running(lambda: PDCluster(tiny6, 2, 2, prefill_engine={"max_running": 1})) as c:
+        p, d = c.prefill, c.decode
+
+        # prefill bootstrap: the decode side never comes.
+        with c.stepping():
+            c.submit("boot", long, MAX_NEW, sides=("prefill",))
+            c.step_until(lambda: _loops_all(p, lambda lp: _pd(lp, "boot") in lp.bootstrap))
+            c.abort("boot", "prefill")
+        r = c.result("boot", sides=("prefill",))
+        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+
+        # prefill waiting: behind a request that holds the one running place.
+        with c.stepping():
+            c.submit("first", long, MAX_NEW)
+            c.submit("wait", prompts[3], MAX_NEW)
+            c.step_until(
+                lambda: _loops_all(p, lambda lp: any(q.rid == "wait" for q in lp.sched.waiting))
+            )
+            c.abort("wait", "prefill")
+        r = c.result("wait")
+        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+        assert r.error is not None and "aborted_by_prefill" in r.error.message, r
+        assert c.result("first").tokens == long_ref[:MAX_NEW]
+
+        # prefill running, between chunks: some of the KV is on the decode side already.
+        def mid_prefill(lp):
+            pd = _pd(lp, "chunked")
+            return pd is not None and 0 < pd.sent_upto < len(fresh[0])
+
+        with c.stepping():
+            c.submit("chunked", fresh[0], MAX_NEW)
+            c.step_until(lambda: _loops_all(p, mid_prefill))
+            c.abort("chunked", "prefill")
+        r = c.result("chunked")
+        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+        assert r.error is not None and "aborted_by_prefill" in r.error.message, r
+
+        # prefill inflight: the KV landed, the release vote has not run yet. The decode side has
+        # its KV and decodes (the router aborts both sides when it gives up).
+        with c.stepping():
+            room = c.submit("inflight", prompts[2], MAX_NEW)
+            c.step_until(lambda: _loops_all(p, lambda lp: room in lp.inflight))
+            c.abort("inflight", "prefill")
+        r = c.result("inflight")
+        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+        assert r.ok and r.tokens == reference[2][:MAX_NEW], r
+
+        # decode prealloc: registered, before the PREALLOC verdict. The prefill side comes later
+        # and finds the room given up.
+        def registered(lp):
+            pd = _pd(lp, "prealloc")
+            return pd is not None and pd in lp.prealloc and bool(pd.pages)
+
+        with c.stepping():
+            room = c.submit("prealloc", prompts[1], MAX_NEW, sides=("decode",))
+            c.step_until(lambda: _loops_all(d, registered))
+            c.abort("prealloc", "decode")
+        r = c.result("prealloc", sides=("decode",))
+        assert r.error is not None and "abort" in r.error.message, r
+        c.submit("prealloc", prompts[1], MAX_NEW, sides=("prefill",), room=room)
+        r = c.result("prealloc", sides=("prefill",))
+        assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+
+        # decode transfer, the prefill side not there yet.
+        with c.stepping():
+            c.submit("transfer", prompts[1], MAX_NEW, sides=("decode",))
+            c.step_until(
+                lambda: _loops_all(d, lambda lp: _pd(lp, "transfer") in lp.transfer.values())
+            )
+            c.abort("transfer", "decode")
+        r = c.result("transfer", sides=("decode",))
+        assert r.error is not None and "abort" in r.error.message, r
+
+        # decode transfer while the prefill node is between chunks: its senders stop.
+        def sending(lp):
+            pd = _pd(lp, "transfer2")
+            return pd is not None and 0 < pd.sent_upto < len(fresh[1])
+
+        def waiting_for_kv(lp):
+            return _pd(lp, "transfer2") in lp.transfer.values()
+
+        with c.stepping():
+            c.submit("transfer2", fresh[1], MAX_NEW)
+            c.step_until(lambda: _loops_all(p, sending) and _loops_all(d, waiting_for_kv))
+            c.abort("transfer2", "decode")
+        r = c.result("transfer2")
+        assert r.error is not None and "abort" in r.error.message, r
+        assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+
+        # decode running: a few tokens out.
+        def decoding(lp):
+            req = lp.sched.reqs.get("running")
+            return req is not None and len(req.output_ids) >= 3
+
+        with c.stepping():
+            c.submit("running", long, 40)
+            c.step_until(lambda: _loops_all(d, decoding))
+            c.abort("running", "decode")
+        r = c.result("running")
+        assert isinstance(r.prefill, PrefillDoneEvent)
+        assert r.finish is not None and r.finish.kind == "abort", r
+        assert 3 <= len(r.tokens) < 40 and r.tokens == long_ref[: len(r.tokens)]
+
+        _all_settled(c.wait_settled())
+        assert c.generate_all(prompts[:3], MAX_NEW) == [x[:MAX_NEW] for x in reference[:3]]
+
+
+def _in_quarantine(room: int):
+    return lambda loop: room in loop.quarantine
+
+
+def test_failed_transfers_go_to_quarantine_and_come_back(tiny6, tiny6_greedy):
+    """The three decode votes: PREALLOC and TRANSFERRED good for the requests that complete; the
+    TRANSFERRED vote bad for a room whose writes failed (on every prefill rank, or on one), which
+    waits in quarantine until the RELEASE vote finds it quiesced on every decode rank."""
+    prompts, reference = tiny6_greedy
+    with running(lambda: PDCluster(tiny6, 2, 3)) as c:
+        d = c.decode
+        for room, rid, prefill_rank in ((5000, "all", None), (5001, "one", 1)):
+            c.fabric.fail_writes(room=room, prefill_rank=prefill_rank)
+            quarantined = _in_quarantine(room)
+            with c.stepping():
+                c.submit(rid, prompts[3], MAX_NEW, room=room)
+                c.step_until(lambda q=quarantined: _loops_all(d, q))
+                ends = [loop.quarantine[room].transfer for loop in d.loops]
+                assert any(end.poll() == KVPoll.Failed for end in ends)
+                c.step_until(lambda q=quarantined: not any(q(loop) for loop in d.loops))
+            r = c.result(rid)
+            assert r.error is not None and "KV transfer failed" in r.error.message, r
+            assert isinstance(r.prefill, ErrorEvent) and "KV transfer failed" in r.prefill.message
+            _all_settled(c.wait_settled())
+        assert c.generate_all(prompts, MAX_NEW) == [x[:MAX_NEW] for x in reference]
+        failures = [loop.kv_mgr.stats.snapshot()["failures"] for loop in c.prefill.loops]
+        assert sum(f.get("transfer_error", 0) for f in failures) >= 2, failures
+
+
+def test_retraction_under_decode_kv_pressure(tiny6, tiny6_greedy):
+    """A decode pool far smaller than the requests need: decodes are retracted and re-prefilled on
+    the decode node, rooms wait in prealloc without pages (one is aborted there), and every answer
+    is still token-identical to transformers."""
+    prompts, reference = tiny6_greedy
+    max_new = len(reference[0])
+    small = {"max_total_tokens": 160}  # 40 pages of 4 tokens; the 70-token prompt alone takes 24
+
+    def waiting_for_pages(lp):
+        pd = _pd(lp, "nopages")
+        return pd is not None and pd in lp.prealloc and not pd.pages
+
+    with running(lambda: PDCluster(tiny6, 2, 2, decode_engine=small)) as c:
+        rids = [f"k{i}" for i in range(len(prompts))]
+        with c.stepping():
+            for rid, ids in zip(rids, prompts, strict=True):
+                c.submit(rid, ids, max_new)
+            c.submit("nopages", prompts[4], max_new, sides=("decode",))
+            c.step_until(lambda: _loops_all(c.decode, waiting_for_pages))
+            c.abort("nopages", "decode")
+        r = c.result("nopages", sides=("decode",))
+        assert r.error is not None and "abort" in r.error.message, r
+        for rid, want in zip(rids, reference, strict=True):
+            r = c.result(rid)
+            assert r.ok and r.tokens == want, (rid, r)
+        stats = c.wait_settled()
+        _all_settled(stats)
+        assert all(s.retractions > 0 for s in stats["decode"]), stats["decode"]
