@@ -4,10 +4,10 @@
   colocated  `pdserve serve --pp 1` (2 torch threads) behind `pdserve router --worker`
   hf         transformers `generate`, one request at a time (no server; concurrency 1 only)
 
-Every server is driven by `pdserve bench` (streaming chat, ignore_eos, greedy) with the same seeded prompts
-per level (the level index is the seed, so no level warms the prefix cache for another). With
---aiperf, aiperf (the client behind the vLLM-CPU reference numbers, see README) also measures the PD
-cluster with the reference command, request counts as given by --levels.
+Every server is driven by `pdserve bench` (streaming chat, ignore_eos, greedy) with the same seeded
+prompts per level (the level index is the seed, so no level warms the prefix cache for another).
+With --aiperf, aiperf (the client behind the vLLM-CPU reference numbers, see README) also measures
+the PD cluster with the reference command, request counts as given by --levels.
 
   .venv/bin/python bench/bench_serving.py [--levels 1:16,8:32,32:64]
       [--systems pd,colocated,hf] [--aiperf]

@@ -67,7 +67,7 @@ class Failure(Exception):
 
 
 def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
-    """A node's non-200 answer before any byte: 4xx pass through (408/429 are retried), 5xx → 502."""
+    """A node's non-200 answer before any byte: 4xx pass through (408/429 retried), 5xx → 502."""
     try:
         parsed = json.loads(body)
         message = parsed["error"]["message"]

@@ -69,8 +69,8 @@ class RetryConfig:
 
 @dataclass(frozen=True)
 class CacheAwareConfig:
-    """cache_aware policy: route to the worker holding the longest prefix of the prompt when at least
-    `cache_threshold` of it matches; if the load is imbalanced (max - min > balance_abs and
+    """cache_aware policy: route to the worker holding the longest prefix of the prompt when at
+    least `cache_threshold` of it matches; if the load is imbalanced (max - min > balance_abs and
     max > min * balance_rel) pick the least loaded worker instead."""
 
     cache_threshold: float = 0.3

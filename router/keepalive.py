@@ -1,11 +1,11 @@
 """SSE keep-alive while a streaming request waits for its first token.
 
 A streaming answer normally starts once the decode node produced its first event, so the router can
-still retry on another pair (or answer a plain 4xx/5xx) before the client got a byte. When that takes
-longer than `sse_keepalive_s`, proxies with 30-60 s idle timeouts would cut the connection: the
-router then commits to a 200 stream and sends an SSE comment (`: ping`, which SSE clients ignore)
-every `sse_keepalive_s` until the attempt opens; a failure after that is an error event in the
-stream, as any mid-stream failure is.
+still retry on another pair (or answer a plain 4xx/5xx) before the client got a byte. When that
+takes longer than `sse_keepalive_s`, proxies with 30-60 s idle timeouts would cut the connection:
+the router then commits to a 200 stream and sends an SSE comment (`: ping`, which SSE clients
+ignore) every `sse_keepalive_s` until the attempt opens; a failure after that is an error event in
+the stream, as any mid-stream failure is.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ def _env(dest: str, default, kind=str):
     try:
         return kind(raw)
     except ValueError:
-        raise SystemExit(f"environment variable {name}={raw!r} is not a valid {kind.__name__}")
+        raise SystemExit(
+            f"environment variable {name}={raw!r} is not a valid {kind.__name__}"
+        ) from None
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

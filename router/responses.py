@@ -1,8 +1,8 @@
 """Build OpenAI responses (whole and streamed) from the decode node's native answers.
 
-The router has no tokenizer: a logprob entry's token text and bytes are the node's
-(`[id, logprob, top, text, bytes]`, top entries `[id, logprob, text, bytes]`, runtime/token_text.py),
-and `"token_id:<id>"` (its UTF-8 as bytes) for a node that sends no text.
+The router has no tokenizer: a logprob entry's token text and bytes are the node's (`[id, logprob,
+top, text, bytes]`, top entries `[id, logprob, text, bytes]`, runtime/token_text.py), and
+`"token_id:<id>"` (its UTF-8 as bytes) for a node that sends no text.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ async def forward(router: Router, path: str, model: str, body: dict[str, Any]) -
             answer = resp.json()
         except ValueError:
             answer = None
-        # 401/403: the node does not take this router's secret: the cluster's fault, not the client's
+        # 401/403: the node does not take this router's secret: the cluster's fault, not the
+        # client's
         refused = resp.status_code >= 500 or resp.status_code in (401, 403)
         if refused or not isinstance(answer, dict):
             failures.append(f"{worker.url}: {resp.status_code}")

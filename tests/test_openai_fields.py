@@ -88,14 +88,14 @@ def test_vllm_extensions_in_real_use_are_refused_and_named(client, field):
 def test_every_listed_field_refuses_a_value_other_than_its_neutral_ones(client):
     for field in openai_fields.CHAT:
         refused(
-            lambda: client.chat.completions.create(
+            lambda field=field: client.chat.completions.create(
                 model=MODEL, messages=CHAT, max_tokens=2, extra_body={field: "on"}
             ),
             field,
         )
     for field in openai_fields.COMPLETION:
         refused(
-            lambda: client.completions.create(
+            lambda field=field: client.completions.create(
                 model=MODEL, prompt="a b", max_tokens=2, extra_body={field: "on"}
             ),
             field,

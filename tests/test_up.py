@@ -439,31 +439,9 @@ def test_up_serves_several_models_each_on_its_own_nodes(tmp_path):
         build_tiny_model(tmp_path / name, num_layers=2, seed=5) for name in ("tiny-x", "tiny-y")
     ]
     port, log = free_port(), tmp_path / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
-        "--model",
-        str(paths[0]),
-        "--model",
-        str(paths[1]),
-        "--port",
-        str(port),
-        "--node-args",
-        NODE_ARGS,
-    ]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    args = ["--model", str(paths[0]), "--model", str(paths[1]), "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+    with pdserve_up([*args, "--node-args", NODE_ARGS], log, timeout=240) as proc:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny-x", "tiny-y"]
         workers = httpx.get(f"{url}/workers", headers=secret_headers(log)).json()["workers"]
@@ -493,8 +471,6 @@ def test_up_serves_several_models_each_on_its_own_nodes(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
         assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
-    finally:
-        kill_group(proc, grace=20)
 
 
 def _finished(node: str) -> float:
