@@ -44,7 +44,6 @@ from kv_transfer.base import (
     BaseKVSender,
     BasePrefillKVManager,
 )
-from kv_transfer.engine import TransferError
 from kv_transfer.layout import (
     Desc,
     PoolDesc,
@@ -54,6 +53,7 @@ from kv_transfer.layout import (
     overlapping,
 )
 from kv_transfer.manager import AUX_HEADER, TransferConfig, read_aux, write_aux
+from kv_transfer.mooncake import TransferError
 from kv_transfer.stats import TransferStats
 
 log = logging.getLogger(__name__)

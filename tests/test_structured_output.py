@@ -1,18 +1,15 @@
 """Structured output (engine/grammar.py): every guided greedy output parses and validates, on the
-offline engine and on PD nodes (layouts (2,2) and (1,3), rank consensus checker on), and the PD
-output equals the offline engine's for the same request."""
+offline engine and on PD nodes (layouts (2,2) and (1,3), ranks as threads, rank consensus checker
+on), and the PD output equals the offline engine's for the same request."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import re
 
-import httpx
 import jsonschema
 import pytest
-from pd_cluster import decode_node, prefill_node
+from inproc import PDCluster, running
 from test_engine import make
 
 from engine.core import ParamError, SamplingParams
@@ -39,8 +36,6 @@ SCHEMAS = {
     },
     "array": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
 }
-# The requests queue behind each other on a loaded machine (see tests/test_pd_nodes.py).
-QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
 
@@ -95,46 +90,24 @@ def test_a_bad_guide_names_the_field(guide):
 
 
 @pytest.mark.parametrize("ppp,dpp", [(2, 2), (1, 3)])
-def test_pd_guided_outputs_validate_and_match_the_engine(ppp, dpp, tiny30, tmp_path):
-    eng = make(tiny30)
+def test_pd_guided_outputs_validate_and_match_the_engine(ppp, dpp, tiny6):
+    """PD ranks as threads (tests/inproc.py), rank consensus checker on: the prefill side samples
+    the first token under the grammar, the decode side's matcher starts from it."""
+    eng = make(tiny6)
     cases = [(ids, name) for name in SCHEMAS for ids in PROMPTS[:2]]
+    params = {n: guided("json_schema", json.dumps(SCHEMAS[n])) for n in SCHEMAS}
     want = [
-        eng.generate(
-            [ids], SamplingParams.from_dict(guided("json_schema", json.dumps(SCHEMAS[n])))
-        )[0].token_ids
-        for ids, n in cases
+        eng.generate([ids], SamplingParams.from_dict(params[n]))[0].token_ids for ids, n in cases
     ]
-    with (
-        prefill_node(tiny30, ppp, tmp_path, env=QUEUE_TIMEOUTS) as (purl, bport, _),
-        decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _),
-    ):
-
-        async def run():
-            async with httpx.AsyncClient(timeout=120) as c:
-                r = await c.put(
-                    f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}
-                )
-                assert r.status_code == 200
-
-                async def one(ids, name):
-                    b = {
-                        "input_ids": ids,
-                        "bootstrap_room": random.getrandbits(63),
-                        "bootstrap_host": "127.0.0.1",
-                        "bootstrap_port": bport,
-                        "sampling_params": guided("json_schema", json.dumps(SCHEMAS[name])),
-                    }
-                    p, d = await asyncio.gather(
-                        c.post(f"{purl}/generate", json=b), c.post(f"{durl}/generate", json=b)
-                    )
-                    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
-                    return d.json()
-
-                return await asyncio.gather(*(one(ids, n) for ids, n in cases))
-
-        got = asyncio.run(run())
+    with running(lambda: PDCluster(tiny6, ppp, dpp)) as c:
+        rids = [f"g{i}" for i in range(len(cases))]
+        for rid, (ids, n) in zip(rids, cases, strict=True):
+            c.submit(rid, ids, params[n]["max_tokens"], ignore_eos=False, guide=params[n]["guide"])
+        got = [c.result(rid) for rid in rids]
+        c.wait_settled()
     for (_, name), g, w in zip(cases, got, want, strict=True):
-        jsonschema.validate(json.loads(g["text"]), SCHEMAS[name])
-        assert g["token_ids"] == w
-    for name in ("prefill", "decode"):
-        assert "diverged" not in (tmp_path / f"{name}.log").read_text()
+        assert g.ok, g
+        assert g.tokens == w
+        jsonschema.validate(
+            json.loads(eng.tokenizer.decode(g.tokens, skip_special_tokens=True)), SCHEMAS[name]
+        )
