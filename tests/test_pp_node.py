@@ -44,11 +44,10 @@ def rank_stats(url: str, settle_s: float = 3.0) -> list[dict]:
     return httpx.get(f"{url}/server_info", timeout=10).json()["ranks"]
 
 
-@pytest.mark.parametrize(
-    "pp,depth",
-    [(1, 0), (2, 0), (3, 0), (4, 0), (2, 1)],
-    ids=["pp1", "pp2", "pp3", "pp4-uneven-8/8/7/7", "pp2-async1"],
-)
+# PP 1, 2, 3 and async depth 1 run in seconds in-process (tests/test_inproc_loop.py, ranks as
+# threads over the in-memory PP group); here, real processes over gloo: an uneven split over 4
+# ranks, and async depth 1, whose sends complete turns later.
+@pytest.mark.parametrize("pp,depth", [(4, 0), (2, 1)], ids=["pp4-uneven-8/8/7/7", "pp2-async1"])
 def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference, tmp_path):
     port = free_port()
     cmd = [
