@@ -1,5 +1,12 @@
 """PD dispatch: pick a (prefill, decode) pair with the policies and open an attempt on it,
-retrying failed attempts on new pairs with backoff, until one opens or retries run out."""
+retrying failed attempts on new pairs with backoff, until one opens or retries run out.
+
+Decode-only fallback (a decode node prefills a request that names no prefill node): when no
+prefill node serving the model is eligible, or after an attempt whose prefill leg failed before
+the client got a byte, the request goes to a decode node alone. A healthy decode node is never
+idle while a client gets an error only a prefill node caused. Every route is counted in
+`pdserve_router_route_decisions_total{path, reason}`.
+"""
 
 from __future__ import annotations
 
@@ -48,13 +55,22 @@ class Dispatcher:
         fresh = [w for w in eligible if w.url not in exclude] or eligible
         return self.policies[role].select(fresh, key) if fresh else None
 
-    def pick(self, key: str, exclude: set[str], model: str | None = None) -> Route:
-        """A PD pair serving `model` (both halves), else a colocated worker serving it."""
+    def pick(
+        self, key: str, exclude: set[str], model: str | None = None, prefill_failed: bool = False
+    ) -> Route:
+        """A PD pair serving `model` (both halves); a decode node alone when no prefill node can
+        serve it or a prefill leg of this request failed; else a colocated worker serving it."""
         if self.registry.has_role("prefill") or self.registry.has_role("decode"):
-            prefill = self._choose("prefill", key, exclude, model)
             decode = self._choose("decode", key, exclude, model)
+            prefill = None if prefill_failed else self._choose("prefill", key, exclude, model)
             if prefill and decode:
+                self.metrics.route_decision("disaggregated", "default")
                 return Route(prefill, decode)
+            if decode:
+                self.metrics.route_decision(
+                    "decode_only", "prefill_failed" if prefill_failed else "no_prefill"
+                )
+                return Route(None, decode)
         colocated = self._choose("colocated", key, exclude, model)
         if colocated:
             return Route(None, colocated)
@@ -72,9 +88,10 @@ class Dispatcher:
         )
 
     def can_route(self) -> bool:
-        """Whether `pick` would find a pair or a colocated worker now (no policy is consulted)."""
+        """Whether `pick` would find a pair, a decode node alone or a colocated worker now (no
+        policy is consulted)."""
         eligible = self.registry.eligible
-        return bool(eligible("prefill") and eligible("decode")) or bool(eligible("colocated"))
+        return bool(eligible("decode")) or bool(eligible("colocated"))
 
     def backoff(self, n: int) -> float:
         r = self.cfg.retry
@@ -86,10 +103,10 @@ class Dispatcher:
         """Open an attempt on workers serving `model`, retrying on new pairs; raises ApiError when
         every try failed."""
         exclude: set[str] = set()
-        n, last = 0, None
+        n, last, prefill_failed = 0, None, False
         while True:
             try:
-                route = self.pick(key, exclude, model)
+                route = self.pick(key, exclude, model, prefill_failed)
             except ApiError:
                 if last is None:
                     raise
@@ -104,10 +121,15 @@ class Dispatcher:
                 log("rid=%s attempt %d failed: %s", attempt.rid, n, failure.message)
                 if not failure.retryable or n >= self.cfg.retry.max_retries:
                     raise failure.to_api_error() from None
-                # A new pair, not just a new culprit: a decode node reports a failed handoff (the
-                # prefill node's bootstrap server unreachable, its rank silent) as its own abort,
-                # and cache_aware would send the retry to the same prefill node again.
-                exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
+                if route.prefill is not None and failure.culprit is route.prefill:
+                    # The prefill leg failed: the decode side prefills the retry itself.
+                    prefill_failed = True
+                    exclude.add(route.prefill.url)
+                else:
+                    # A new pair, not just a new culprit: a decode node reports a failed handoff
+                    # (the prefill node's bootstrap server unreachable, its rank silent) as its own
+                    # abort, and cache_aware would send the retry to the same prefill node again.
+                    exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
             self.metrics.retries.inc()
             await asyncio.sleep(self.backoff(n))
             n += 1

@@ -32,6 +32,13 @@ _LATENCY_BUCKETS = (
 )
 
 
+ROUTE_DECISIONS = (
+    ("disaggregated", "default"),
+    ("decode_only", "no_prefill"),
+    ("decode_only", "prefill_failed"),
+)
+
+
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -51,6 +58,16 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.route_decisions = Counter(
+            "pdserve_router_route_decisions_total",
+            "Routes chosen per attempt: disaggregated (a prefill and a decode node) or decode_only "
+            "(the decode node prefills: no prefill node could serve, or this request's prefill leg "
+            "failed)",
+            ["path", "reason"],
+            registry=r,
+        )
+        for path, reason in ROUTE_DECISIONS:  # every label set exists at 0 from the start
+            self.route_decisions.labels(path=path, reason=reason)
         self.worker_healthy = Gauge(
             "pdserve_router_worker_healthy",
             "1 when the worker passes its health checks",
@@ -87,6 +104,9 @@ class RouterMetrics:
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels(role="router").observe(seconds)
+
+    def route_decision(self, path: str, reason: str) -> None:
+        self.route_decisions.labels(path=path, reason=reason).inc()
 
     def set_worker(self, url: str, role: str, healthy: bool, circuit: int) -> None:
         self.worker_healthy.labels(worker=url, role=role).set(1 if healthy else 0)
