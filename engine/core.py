@@ -37,6 +37,11 @@ class ParamError(ValueError):
 MODEL_DEFAULTED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 
 
+def _need(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ParamError(name, msg)
+
+
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
@@ -95,10 +100,8 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> SamplingParams:
-        def need(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ParamError(name, msg)
-
+        """Raises ParamError naming the first bad field; returns self."""
+        need = _need
         need(
             isinstance(self.max_tokens, int)
             and not isinstance(self.max_tokens, bool)
@@ -151,6 +154,13 @@ class SamplingParams:
             f"must be an integer in [0, 20], got {self.top_logprobs!r}",
         )
         need(self.logprobs or not self.top_logprobs, "top_logprobs", "needs logprobs: true")
+        self._check_adjustments()
+        self._check_guide()
+        return self
+
+    def _check_adjustments(self) -> None:
+        """Penalties and logit_bias."""
+        need = _need
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(_real(v) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
@@ -170,8 +180,6 @@ class SamplingParams:
                 "logit_bias",
                 f"biases are in [-100, 100], got {b!r}",
             )
-        self._check_guide()
-        return self
 
     @property
     def penalized(self) -> bool:

@@ -104,6 +104,26 @@ def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
         return {"rid": p.rid, "text": "".join(text), "token_ids": p.token_ids, "meta_info": meta}
 
 
+def add_tokenize(app: FastAPI, front: NodeFront, check_internal: Callable) -> None:
+    """POST /tokenize and /detokenize (vLLM's shapes), in the tokenizer thread pool."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        check_internal(request)
+        body = await read_json(request)
+        return await asyncio.get_running_loop().run_in_executor(
+            TOKENIZER_POOL, node_tokenize.tokenize, front, body
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        check_internal(request)
+        body = await read_json(request)
+        return await asyncio.get_running_loop().run_in_executor(
+            TOKENIZER_POOL, node_tokenize.detokenize, front, body
+        )
+
+
 def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
     app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
 
@@ -131,21 +151,7 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
             )
         return {"aborted": front.abort(rid)}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        check_internal(request)
-        body = await read_json(request)
-        return await asyncio.get_running_loop().run_in_executor(
-            TOKENIZER_POOL, node_tokenize.tokenize, front, body
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        check_internal(request)
-        body = await read_json(request)
-        return await asyncio.get_running_loop().run_in_executor(
-            TOKENIZER_POOL, node_tokenize.detokenize, front, body
-        )
+    add_tokenize(app, front, check_internal)
 
     @app.get("/health")
     async def health():
