@@ -7,7 +7,7 @@ import sys
 from decode_node.loop import DecodeLoop
 from engine.model_config import split_layers
 from kv_transfer.base import BaseDecodeKVManager
-from kv_transfer.receiver import DecodeKVManager
+from kv_transfer.decode_manager import DecodeKVManager
 from pd_common.rank_setup import pool_desc, transfer_config
 from runtime.rank_process import RankParts, run_rank
 

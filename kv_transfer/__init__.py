@@ -11,10 +11,12 @@ Prefill front: BootstrapServer(host, port).start(), or mount build_app(Bootstrap
 """
 
 from kv_transfer.bootstrap import BootstrapServer, BootstrapState, PrefillRankInfo, build_app
+from kv_transfer.decode_manager import DecodeKVManager
 from kv_transfer.layout import PoolDesc
 from kv_transfer.manager import TransferConfig
-from kv_transfer.receiver import DecodeKVManager, KVReceiver
-from kv_transfer.sender import KVSender, PrefillKVManager
+from kv_transfer.prefill_manager import PrefillKVManager
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
 from kv_transfer.stats import TransferStats
 
 __all__ = [

@@ -6,7 +6,7 @@ import sys
 
 from consensus.store import PPConsensusStore
 from kv_transfer.base import BasePrefillKVManager
-from kv_transfer.sender import PrefillKVManager
+from kv_transfer.prefill_manager import PrefillKVManager
 from pd_common.rank_setup import pool_desc, transfer_config
 from prefill_node.loop import PrefillLoop
 from runtime.pp_comm import Msg
