@@ -213,7 +213,7 @@ class KVReceiver:
             self._status = KVPoll.Success
             self.finished_at = time.monotonic()
         mgr.stats.add_received(received)
-        mgr.stats.add_success(self.room, self.finished_at - self.registered_at)
+        mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config

@@ -68,6 +68,7 @@ class KVSender:
         self.created_at, self._progress_at, self._inflight_since = now, now, None
         self._first_chunk_at: float | None = None
         self.finished_at: float | None = None
+        self.bytes_sent = 0  # KV bytes written for this room (transfer threads, one at a time)
 
     def poll(self) -> KVPoll:
         return self._status
@@ -284,6 +285,7 @@ class KVSender:
             )
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
+            self.bytes_sent += moved
         if not chunk.last:
             return
         aux_bytes = {}
@@ -319,7 +321,7 @@ class KVSender:
                     sums.get(p.dst_rank),
                 ),
             )
-        mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at)
+        mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
 
 
 def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:

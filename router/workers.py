@@ -3,10 +3,11 @@
 A worker is eligible for new requests when it is healthy (its `GET /health` probes pass), its
 circuit breaker lets requests through, and (prefill only) its bootstrap port is known.
 
-A decode node contacts only the bootstrap servers on its allowlist, which the registry keeps current:
-every decode probe sends it the bootstrap addresses of the prefill workers registered now (PUT
-/bootstrap_servers, with the cluster secret), and a prefill probe that finds a decode node's copy
-out of date sends it at once, so a prefill node is never eligible before the decode nodes know it.
+A decode node contacts only the bootstrap servers on its allowlist, which the registry keeps
+current: every decode probe sends it the bootstrap addresses of the prefill workers registered now
+(PUT /bootstrap_servers, with the cluster secret), and a prefill probe that finds a decode node's
+copy out of date sends it at once, so a prefill node is never eligible before the decode nodes
+know it.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ class WorkerRegistry:
             self._report(worker)
 
     def _report(self, worker: Worker) -> None:
-        self._metrics.set_worker(worker.url, worker.role, worker.healthy, int(worker.breaker.state))
+        state = worker.breaker.state.name.lower()
+        self._metrics.set_worker(worker.url, worker.role, worker.healthy, state)
 
     # --- health -----------------------------------------------------------------------------
     async def probe(self, worker: Worker) -> bool:

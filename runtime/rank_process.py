@@ -95,7 +95,9 @@ class ZmqFrontIO:
         self.push.send(self._sealer.seal(pack(events)))
 
 
-def rank_stats(loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None) -> RankStats:
+def rank_stats(
+    loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None, dtype: str = ""
+) -> RankStats:
     """What one rank reports to the front (and the in-process tests read directly)."""
     s, alloc = loop.sched, loop.sched.allocator
     cache = s.cache
@@ -117,12 +119,19 @@ def rank_stats(loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None) -> R
         samples=loop.drain_samples(),
         front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
         kv=kv,
+        dtype=dtype,
     )
 
 
 class StatsReporter:
     def __init__(
-        self, ctx: zmq.Context, addr: str, spec: RankSpec, loop: SlotLoop, period_s: float = 0.5
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        spec: RankSpec,
+        loop: SlotLoop,
+        period_s: float = 0.5,
+        dtype: str = "",
     ):
         self.sock = ctx.socket(zmq.PUSH) if addr else None
         if self.sock is not None:
@@ -131,7 +140,7 @@ class StatsReporter:
             limit_size(self.sock, STATS_MAX_BYTES)
             self.sock.connect(addr)
             self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
-        self.spec, self.loop, self.period = spec, loop, period_s
+        self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
         self._next = 0.0
         self._kv_latencies_seen = 0
 
@@ -140,7 +149,7 @@ class StatsReporter:
         if self.sock is None or (now < self._next and not force):
             return
         self._next = now + self.period
-        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats())
+        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats(), self.dtype)
         self._send(stats)
 
     def _kv_rank_stats(self) -> KVRankStats | None:
@@ -155,6 +164,7 @@ class StatsReporter:
             latencies=[lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
             dropped=dict(kv["dropped"]),
             ctrl_port=kv.get("ctrl_port"),
+            room_bytes=kv["recent_room_bytes"][-new:] if new > 0 else [],
         )
 
     def _send(self, stats: RankStats) -> None:
@@ -318,7 +328,7 @@ def run_rank(
         if spec.pp_rank == 0:
             parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr)
         loop = make_loop(parts)
-        stats = StatsReporter(ctx, spec.stats_addr, spec, loop)
+        stats = StatsReporter(ctx, spec.stats_addr, spec, loop, dtype=parts.cfg.dtype)
         start_watchdog(loop, spec.watchdog_s)
         log.info(
             "pp_rank %d ready: %d KV pages of %d tokens",

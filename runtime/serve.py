@@ -355,7 +355,7 @@ def make_front(args, role: str, cls=None, **kw):
         stats_port=stats_port(args),
         **kw,
     )
-    front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
+    front.metrics = NodeMetrics(f"{args.host}:{args.port}", role, front.finish_reasons)
     front.max_pending = args.max_pending
     return front, build_app(front, secret)
 

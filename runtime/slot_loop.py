@@ -42,6 +42,7 @@ from runtime.messages import (
     out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
+from runtime.reasons import AbortReason, as_reason, describe
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ class SlotLoop:
         self.runner = runner
         self.sched = scheduler
         self.front = front  # PP0 only
-        self.batches: list[ScheduledBatch | None] = [
-            None
-        ] * cfg.num_slots  # scheduled, not harvested
+        self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots  # not harvested yet
         self.last_outputs: dict[int, SampleOut | None] = {}  # last rank: slot -> outputs
         self.send_queue: deque[tuple[int, SampleOut | None]] = deque()  # last rank, async_depth
         self.stats = LoopStats()
@@ -217,9 +216,9 @@ class SlotLoop:
                 continue
             waited = now - t0
             if wt and phase == "waiting" and waited > wt:
-                out.append(AbortRequest(rid, f"waiting timeout: queued for more than {wt:g} s"))
+                out.append(AbortRequest(rid, AbortReason.WAITING_TIMEOUT))
             elif rt and waited > rt:
-                out.append(AbortRequest(rid, f"running timeout: alive for more than {rt:g} s"))
+                out.append(AbortRequest(rid, AbortReason.RUNNING_TIMEOUT))
             else:
                 continue
             del self._arrived[rid]
@@ -243,7 +242,7 @@ class SlotLoop:
             self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
             self.mark_queued(msg.rid)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
-            self.emit(ErrorEvent(msg.rid, str(e), e.field))
+            self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
         return True
 
     def observe(self, name: str, seconds: float) -> None:
@@ -255,8 +254,13 @@ class SlotLoop:
         if self.is_first:
             self._t_queued[rid] = time.monotonic()
 
+    # sent (empty) with every push: the front's histograms exist from the first scrape
+    sample_names: tuple[str, ...] = ("queue:waiting", "queue:running")
+
     def drain_samples(self) -> dict[str, list[float]]:
-        out, self.samples = self.samples, {}
+        out = {n: [] for n in self.sample_names}
+        out.update(self.samples)
+        self.samples = {}
         return out
 
     def kv_stats(self) -> dict | None:
@@ -361,15 +365,12 @@ class SlotLoop:
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
                 f = req.finish
+                code = as_reason(f.message) if f.kind == "abort" else None  # aborts carry a code
+                msg = describe(code) if code else f.message
+                n_out, cached = len(req.output_ids), req.cached_len
                 self._events.append(
                     FinishEvent(
-                        req.rid,
-                        f.kind,
-                        f.message,
-                        f.matched,
-                        req.prompt_len,
-                        len(req.output_ids),
-                        req.cached_len,
+                        req.rid, f.kind, msg, f.matched, req.prompt_len, n_out, cached, code
                     )
                 )
         if self.is_first and self._events and self.front:
