@@ -109,6 +109,10 @@ class PDLoop(SlotLoop):
             "ctrl_port": getattr(self.kv_mgr, "ctrl_port", None),
         }
 
+    def describe(self) -> str:
+        engine = self.kv_mgr.engine
+        return f"KV transfer over {engine.protocol}, session {engine.session_id}"
+
     def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> float | None:
         """Observes the time `rid` spent in `queue` (metrics only); returns it, if it was timed."""
         t0 = self._t_stage.pop(rid, None)

@@ -67,7 +67,8 @@ class Failure(Exception):
 
 
 def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
-    """A node's non-200 answer before any byte: 4xx pass through (408/429 are retried), 5xx → 502."""
+    """A node's non-200 answer before any byte: 4xx pass through (408/429 are retried), 5xx ->
+    502."""
     try:
         parsed = json.loads(body)
         message = parsed["error"]["message"]
@@ -307,7 +308,10 @@ async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: 
     done, _ = await asyncio.wait({task}, timeout=PREFILL_GRACE_S)
     if not done:
         logger.warning(
-            "rid=%s prefill node %s still busy after decode finished; aborting", rid, worker.url
+            "rid=%s prefill node %s still busy after decode finished; aborting",
+            rid,
+            worker.url,
+            extra={"rid": rid},
         )
         task.cancel()
         await d.abort(worker, rid)

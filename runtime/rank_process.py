@@ -30,7 +30,8 @@ from engine.model_config import split_layers
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
-from infra.procs import die_with_parent, setup_logging
+from infra.logs import setup_logging
+from infra.procs import die_with_parent
 from runtime.front import (
     EVT_CHANNEL,
     EVT_MAX_BYTES,
@@ -209,6 +210,7 @@ class RankParts:
     sched: Scheduler
     loop_cfg: LoopConfig
     front: ZmqFrontIO | None = None
+    about: str = ""  # for the ready line: layers, threads, cores, dtype
 
 
 def join_pp_group(spec: RankSpec) -> PPComm:
@@ -260,18 +262,13 @@ def build_rank(
     asked = cfg.dtype
     cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
     start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
-    log.info(
-        "pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads on cores %s, dtype %s (%s)",
-        spec.pp_rank,
-        spec.pp_size,
-        start,
-        end,
-        mcfg.num_layers,
-        threads,
-        ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-        cfg.dtype,
-        f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    why = f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}"
+    about = (
+        f"layers [{start}, {end}) of {mcfg.num_layers}, {threads} torch threads on cores {cores}, "
+        f"dtype {cfg.dtype} ({why})"
     )
+    log.debug("pp_rank %d/%d: %s", spec.pp_rank, spec.pp_size, about)
     comm = join_pp_group(spec) if spec.pp_size > 1 else None
     if comm is not None:
         cfg = agree_capacities(comm, cfg)
@@ -296,7 +293,7 @@ def build_rank(
         detokenize=StopDetokenizer(path),
         hold_kv_on_finish=hold_kv_on_finish,
     )
-    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
 
 
 def colocated_loop(parts: RankParts) -> SlotLoop:
@@ -330,11 +327,15 @@ def run_rank(
         loop = make_loop(parts)
         stats = StatsReporter(ctx, spec.stats_addr, spec, loop, dtype=parts.cfg.dtype)
         start_watchdog(loop, spec.watchdog_s)
+        more = loop.describe()
         log.info(
-            "pp_rank %d ready: %d KV pages of %d tokens",
+            "pp_rank %d/%d ready: %s, %d KV pages of %d tokens%s",
             spec.pp_rank,
+            spec.pp_size,
+            parts.about,
             parts.cfg.num_pages,
             parts.cfg.page_size,
+            f", {more}" if more else "",
         )
         stats.maybe_send(force=True)
         t = 0

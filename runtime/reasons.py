@@ -50,6 +50,15 @@ def as_reason(text: str | None, default: AbortReason = AbortReason.CLIENT_ABORT)
     return AbortReason(text) if text in ABORT_REASONS else default
 
 
+def finish_message(finish) -> tuple[str, AbortReason | None]:
+    """(the client's message, the reason code) of an engine FinishReason: an abort's message is
+    its code (the slot loop hands AbortRequest.reason to Scheduler.abort)."""
+    if finish.kind != "abort":
+        return finish.message, None
+    code = as_reason(finish.message)
+    return describe(code), code
+
+
 def check_reason(reason: str | None, where: str, optional: bool = False) -> None:
     """Raises ValueError unless `reason` is a code (or None, when `optional`)."""
     if reason is None and optional:

@@ -42,7 +42,7 @@ from runtime.messages import (
     out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
-from runtime.reasons import AbortReason, as_reason, describe
+from runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,8 @@ class LoopConfig:
     pp_size: int = 1
     async_depth: int = 0
     skip_pure_chunk_comm: bool = True
-    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work ...
-    idle_max_wait_ms: int = (
-        100  # ... doubling while it stays idle (a request still wakes it at once)
-    )
+    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work, doubling
+    idle_max_wait_ms: int = 100  # up to this while it stays idle (a request still wakes it)
     check_every: int = 8  # consensus-checker digest comparison period (iterations)
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer than this (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer than this (0 = off)
@@ -267,6 +265,10 @@ class SlotLoop:
         """The PD loops' transfer counters (bytes, failures, per-room latencies)."""
         return None
 
+    def describe(self) -> str:
+        """What the rank's ready line adds (a PD loop: its KV transfer engine)."""
+        return ""
+
     def queue_sizes(self) -> dict[str, int]:
         """Requests per queue, for stats and metrics; a PD loop adds its own queues."""
         s = self.sched
@@ -364,14 +366,11 @@ class SlotLoop:
                 self.observe("queue:running", time.monotonic() - t0)
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
-                f = req.finish
-                code = as_reason(f.message) if f.kind == "abort" else None  # aborts carry a code
-                msg = describe(code) if code else f.message
-                n_out, cached = len(req.output_ids), req.cached_len
+                f, (msg, code) = req.finish, finish_message(req.finish)
+                n, cached = req.prompt_len, req.cached_len
+                out = len(req.output_ids)
                 self._events.append(
-                    FinishEvent(
-                        req.rid, f.kind, msg, f.matched, req.prompt_len, n_out, cached, code
-                    )
+                    FinishEvent(req.rid, f.kind, msg, f.matched, n, out, cached, code)
                 )
         if self.is_first and self._events and self.front:
             self.front.report(self._events)
