@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,3 +99,32 @@ def start(
         yield url, p
     finally:
         kill_group(p)
+
+
+@contextlib.contextmanager
+def up(model: Path, log_path: Path, args: list[str], timeout: float = 240.0):
+    """`pdserve up --model MODEL --port P ARGS` in its own process group, logging to `log_path`;
+    waits for its ready line, yields (url, Popen, the cluster secret's headers), stops the group."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model), "--port", str(port)]
+    with open(log_path, "wb") as f:
+        proc = subprocess.Popen(
+            cmd + args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while "[up] ready" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", proc, secret_headers(log_path)
+    finally:
+        kill_group(proc, grace=20)
+
+
+def secret_headers(log_path: Path) -> dict[str, str]:
+    """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
+    path = re.search(r"cluster secret .* in (\S+)", log_path.read_text()).group(1)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path) as f:
+        return {"Authorization": f"Bearer {f.read().strip()}"}

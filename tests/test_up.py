@@ -8,61 +8,30 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, kill_group
+from cluster import ROOT, free_port, group_alive, secret_headers, up
 from reference import hf_greedy, load_hf
 
 NODE_ARGS = (
     "--page-size 4 --chunk-size 16 --max-batch-tokens 64 --max-total-tokens 8192 --threads 1"
 )
 MAX_NEW = 12
+ROUTER_ARGS = "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny30, tmp_path_factory):
     """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
-    port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
-        "--model",
-        str(tiny30),
-        "--port",
-        str(port),
-        "--prefill-pp",
-        "2",
-        "--decode-pp",
-        "2",
-        "--decode-nodes",
-        "2",
-        "--node-args",
-        NODE_ARGS,
-        "--router-args",
-        "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2",
-    ]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while "[up] ready" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        AUTH.update(secret_headers(log))
+    args = ["--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2"]
+    args += ["--node-args", NODE_ARGS, "--router-args", ROUTER_ARGS]
+    with up(tiny30, log, args) as (url, proc, auth):
+        AUTH.update(auth)
         yield url, proc, log
-    finally:
-        kill_group(proc, grace=20)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +107,7 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
                 for q in qs
             )
         )
-        for q, r in zip(qs, rs):
+        for q, r in zip(qs, rs, strict=True):
             assert r.choices[0].message.content == chat_reference[q][2]
         s = await ac.chat.completions.create(
             model=name,
@@ -152,14 +121,6 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
         await ac.close()
 
     asyncio.run(run_async())
-
-
-def secret_headers(log) -> dict[str, str]:
-    """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
-    path = re.search(r"cluster secret .* in (\S+)", log.read_text()).group(1)
-    assert os.stat(path).st_mode & 0o777 == 0o600
-    with open(path) as f:
-        return {"Authorization": f"Bearer {f.read().strip()}"}
 
 
 def test_readme_curl_works_through_the_router(cluster):
@@ -385,8 +346,8 @@ def _healthy(node: str) -> bool:
 
 
 def test_metrics_of_router_and_nodes(cluster):
-    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the traffic
-    above, and the pool is empty when idle."""
+    """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the
+    traffic above, and the pool is empty when idle."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url, _, _ = cluster
