@@ -193,7 +193,8 @@ class KVSender:
                 self._deferred, peers = (reason, abort), []
         mgr = self._mgr
         mgr.stats.add_failure(reason)
-        mgr.warn("room %d failed: %s", self.room, reason)
+        say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine
+        say("room %d failed: %s", self.room, reason)
         self._notify(peers, reason, abort)
 
     def _notify(self, peers: list[KVRegister], reason: str, abort: bool) -> None:
