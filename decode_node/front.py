@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.core import SamplingParams
+from kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES
 from pd_common.messages import PDAddRequest, check_room
 from runtime.front import NodeFront
 from runtime.http_app import read_json
@@ -24,6 +25,8 @@ BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 
 class DecodeFront(NodeFront):
+    kv_failure_reasons, kv_drop_reasons = RECEIVER_FAILURES, DROP_REASONS
+
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.bootstrap_servers: frozenset[str] = frozenset()

@@ -37,11 +37,20 @@ from pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
 from pd_common.messages import PDAddRequest
 from runtime.messages import TokenEvent
 from runtime.rank_process import RankParts
+from runtime.reasons import AbortReason, as_reason
 
 log = logging.getLogger("pdserve.decode")
 
 
 class DecodeLoop(PDLoop):
+    sample_names = (
+        "queue:running",
+        "queue:prealloc",
+        "queue:transfer",
+        "kv_alloc_wait",
+        "consensus:decode_votes",
+    )
+
     def __init__(self, parts: RankParts, kv_mgr: BaseDecodeKVManager, aux_slots: int):
         super().__init__(parts, kv_mgr)
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
@@ -78,11 +87,10 @@ class DecodeLoop(PDLoop):
         pd = self.by_rid.get(rid)
         if pd is None:
             return False
-        pd.aborted, pd.reason = True, why
-        pd.transfer.abort(why)
+        self._abort(pd, as_reason(why))
         if not pd.pages:  # never registered: nothing can be written to it
             self.prealloc.remove(pd)
-            self._end(pd, why)
+            self._end(pd, pd.reason)
         return True
 
     # --- prealloc and the votes -------------------------------------------------------------------
@@ -131,6 +139,8 @@ class DecodeLoop(PDLoop):
                 break  # first come first served
             pd.pages = alloc.alloc(need)
             pd.aux_slot = heapq.heappop(self.aux_free)
+            if pd.rid in self._t_stage:  # metrics only: how long it waited for KV memory
+                self.observe("kv_alloc_wait", time.monotonic() - self._t_stage[pd.rid])
             pd.transfer.register(pd.pages, pd.aux_slot)
             placed.append((pd.room, pd.pages, pd.aux_slot))
         return placed
@@ -175,7 +185,7 @@ class DecodeLoop(PDLoop):
                 self._stage_done(pd.rid, "prealloc", "transfer")
             else:
                 self._stage_done(pd.rid, "prealloc")
-                self._fail(pd, "KV preallocation failed")
+                self._fail(pd, AbortReason.BOOTSTRAP_FAILED, "KV preallocation failed")
 
     @rank_consensus(
         "pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb]
@@ -187,7 +197,7 @@ class DecodeLoop(PDLoop):
             if room in good:
                 self._start_decoding(pd, hb)
             else:
-                self._fail(pd, "KV transfer failed")
+                self._fail(pd, AbortReason.KV_TRANSFER_FAILED, "KV transfer failed")
 
     def _start_decoding(self, pd: PDReq, mb: int) -> None:
         tok, lp, top = unpack_aux(pd.transfer.read_aux())
@@ -210,11 +220,11 @@ class DecodeLoop(PDLoop):
         if self.is_first and req.rid in self.sched.reqs:
             self._t_running[req.rid] = time.monotonic()
 
-    def _fail(self, pd: PDReq, what: str) -> None:
+    def _fail(self, pd: PDReq, reason: AbortReason, what: str) -> None:
         """The client hears at once; the pages (and aux slot) wait in quarantine until every rank
         agrees, by the release vote, that no prefill write can land in them any more."""
         self.quarantine[pd.room] = pd
-        self._end(
-            pd,
-            pd.reason if pd.aborted else f"{what}: {pd.transfer.reason or 'a decode rank failed'}",
-        )
+        if pd.aborted:
+            self._end(pd, pd.reason)
+        else:
+            self._end(pd, reason, f"{what}: {pd.transfer.reason or 'a decode rank failed'}")

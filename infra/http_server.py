@@ -105,7 +105,9 @@ class _Bounded(_base_protocol()):
 
 
 def server_config(app, **kw) -> uvicorn.Config:
-    """uvicorn.Config with pdserve's connection limits; `kw` as for uvicorn.Config."""
+    """uvicorn.Config with pdserve's connection limits; `kw` as for uvicorn.Config. uvicorn
+    installs no log handlers of its own: its records go through the process's (infra/logs.py)."""
+    kw.setdefault("log_config", None)
     return uvicorn.Config(
         app,
         http=_Bounded,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import random
 import signal
 import socket
@@ -73,13 +72,3 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             log.warning("pid %d ignored SIGTERM for %.0f s; killing it", p.pid, grace_s)
             p.kill()
             p.wait(timeout=5)
-
-
-def setup_logging(prefix: str, level: str | None = None) -> None:
-    level = level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s {prefix} pid={os.getpid()} %(levelname)s %(name)s: %(message)s",
-    )
-    # One line per heartbeat and bootstrap poll is noise at INFO; failures still show as warnings.
-    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -260,7 +260,7 @@ class BootstrapServer:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError(f"bootstrap server on {self.addr} did not start")
             time.sleep(0.01)
-        logger.info("KV bootstrap server on %s", self.addr)
+        logger.debug("KV bootstrap server on %s", self.addr)
         return self
 
     def stop(self) -> None:

@@ -54,7 +54,8 @@ class BootstrapClient:
                 raise BootstrapTimeout(
                     f"could not register with bootstrap server {self.addr}: {why}"
                 )
-            logger.info(
+            # a starting node's server may be slow to answer for a few seconds: INFO only after
+            (logger.info if delay >= 2.0 else logger.debug)(
                 "bootstrap server %s not reachable (%s), retrying in %.2fs", self.addr, why, delay
             )
             time.sleep(delay)

@@ -161,6 +161,9 @@ class KVManagerBase:
     def info(self, msg, *args):
         logger.info(f"{self._prefix} {msg}", *args)
 
+    def debug(self, msg, *args):
+        logger.debug(f"{self._prefix} {msg}", *args)
+
     def warn(self, msg, *args):
         logger.warning(f"{self._prefix} {msg}", *args)
 

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from infra.logs import native_log
 from kv_transfer.layout import Desc
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,15 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # sleep between status polls: doubles whil
 DRAIN_TIMEOUT_S = 30.0  # after a failure or stop: how long outstanding writes may take to end
 WRITE_TIMEOUT_S = 30.0  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
 RDMA_SYSFS = "/sys/class/infiniband"
+# What Mooncake's initialize() prints on every healthy start, logged at DEBUG (infra/logs.py
+# native_log): the P2P-handshake metadata looks the local segment up while installing the
+# transport, before the engine has published it (an ERROR line, harmless: the segment is published
+# right after); the TCP transport's allocator and the topology probe's note are not problems either.
+BENIGN_START_LINES = (
+    "Local segment descriptor not found",
+    "Using default malloc/free for protocol: tcp",
+    "No RDMA devices found",
+)
 
 
 def rdma_devices(sysfs: str = RDMA_SYSFS) -> list[str]:
@@ -85,7 +95,9 @@ class MooncakeEngine:
             ) from e
         self.protocol, self.device = resolve_protocol(protocol, device)
         self._te = TransferEngine()
-        rc = self._te.initialize(host, "P2PHANDSHAKE", self.protocol, self.device)
+        quiet = BENIGN_START_LINES if self.protocol == "tcp" else BENIGN_START_LINES[:1]
+        with native_log(logging.getLogger("mooncake"), quiet):
+            rc = self._te.initialize(host, "P2PHANDSHAKE", self.protocol, self.device)
         if rc != 0:
             raise TransferError(
                 f"Mooncake initialize({host}, {self.protocol}, {self.device!r}) returned {rc}"
@@ -96,7 +108,7 @@ class MooncakeEngine:
         )  # the first write to a peer opens its segment: one at a time
         self._opened: set[str] = set()
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
-        logger.info(
+        logger.debug(
             "KV transfer engine: protocol %s%s, session %s",
             self.protocol,
             f" on {self.device}" if self.device else "",

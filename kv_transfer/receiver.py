@@ -217,7 +217,7 @@ class KVReceiver(BaseKVReceiver):
             self._status = KVPoll.Success
             self.finished_at = time.monotonic()
         mgr.stats.add_received(received)
-        mgr.stats.add_success(self.room, self.finished_at - self.registered_at)
+        mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config
@@ -250,6 +250,7 @@ class KVReceiver(BaseKVReceiver):
             tell = [r for r in self._route if r.pp_rank not in self._quiet] if self._sent else []
         mgr = self._mgr
         mgr.stats.add_failure(reason.split(":")[0])
-        mgr.warn("room %d failed: %s %s", self.room, reason, detail)
+        say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine
+        say("room %d failed: %s %s", self.room, reason, detail)
         for r in tell:
             mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200]))

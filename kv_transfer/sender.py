@@ -65,6 +65,7 @@ class KVSender(BaseKVSender):
         self.created_at, self._progress_at, self._inflight_since = now, now, None
         self._first_chunk_at: float | None = None
         self.finished_at: float | None = None
+        self.bytes_sent = 0  # KV bytes written for this room (transfer threads, one at a time)
 
     def poll(self) -> KVPoll:
         return self._status
@@ -189,7 +190,8 @@ class KVSender(BaseKVSender):
                 self._deferred, peers = (reason, abort), []
         mgr = self._mgr
         mgr.stats.add_failure(reason)
-        mgr.warn("room %d failed: %s", self.room, reason)
+        say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine
+        say("room %d failed: %s", self.room, reason)
         self._notify(peers, reason, abort)
 
     def _notify(self, peers: list[KVRegister], reason: str, abort: bool) -> None:
@@ -282,6 +284,7 @@ class KVSender(BaseKVSender):
             )
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
+            self.bytes_sent += moved
         if not chunk.last:
             return
         aux_bytes = {}
@@ -317,7 +320,7 @@ class KVSender(BaseKVSender):
                     sums.get(p.dst_rank),
                 ),
             )
-        mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at)
+        mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
 
 
 def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:

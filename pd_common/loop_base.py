@@ -17,6 +17,7 @@ from pd_common.messages import PDAddRequest
 from runtime.messages import ErrorEvent
 from runtime.pp_comm import Msg, PPComm
 from runtime.rank_process import RankParts
+from runtime.reasons import AbortReason, describe
 from runtime.slot_loop import SlotLoop
 
 
@@ -59,7 +60,7 @@ class PDReq:
     pages: list[int] = field(default_factory=list)  # decode: preallocated pages
     aux_slot: int | None = None  # decode: where the first token lands
     aborted: bool = False
-    reason: str = ""
+    reason: AbortReason | None = None  # set with `aborted`: why
 
 
 class PDLoop(SlotLoop):
@@ -95,7 +96,7 @@ class PDLoop(SlotLoop):
                 raise ParamError("rid", f"duplicate request id {msg.rid!r}")
             return sp
         except ParamError as e:
-            self.emit(ErrorEvent(msg.rid, str(e), e.field))
+            self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             return None
 
     def has_outstanding(self) -> bool:
@@ -106,6 +107,10 @@ class PDLoop(SlotLoop):
             **self.kv_mgr.stats.snapshot(),
             "ctrl_port": getattr(self.kv_mgr, "ctrl_port", None),
         }
+
+    def describe(self) -> str:
+        engine = self.kv_mgr.engine
+        return f"KV transfer over {engine.protocol}, session {engine.session_id}"
 
     def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> float | None:
         """Observes the time `rid` spent in `queue` (metrics only); returns it, if it was timed."""
@@ -118,9 +123,15 @@ class PDLoop(SlotLoop):
             self._t_stage[rid] = now
         return now - t0
 
-    def _end(self, pd: PDReq, why: str) -> None:
-        """The request failed or was aborted here: PP0 tells the front, every rank forgets it."""
-        self.emit(ErrorEvent(pd.rid, why, None))
+    def _abort(self, pd: PDReq, why: AbortReason) -> None:
+        """Marks `pd` aborted and fails its transfer end (the peers hear of it)."""
+        pd.aborted, pd.reason = True, why
+        pd.transfer.abort(f"aborted:{why}")
+
+    def _end(self, pd: PDReq, reason: AbortReason, message: str | None = None) -> None:
+        """The request failed or was aborted here: PP0 tells the front (`message`, else the
+        reason's sentence), every rank forgets it."""
+        self.emit(ErrorEvent(pd.rid, message or describe(reason), None, reason))
         self._forget(pd)
 
     def _forget(self, pd: PDReq) -> None:

@@ -11,7 +11,7 @@ def _generate(args) -> int:
     from engine.config import EngineConfig
     from engine.core import SamplingParams
     from engine.engine import Engine
-    from infra.procs import setup_logging
+    from infra.logs import setup_logging
 
     setup_logging("[generate]", args.log_level)
     eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
@@ -25,10 +25,8 @@ def _generate(args) -> int:
     ids = [eng.tokenizer(m, add_special_tokens=False)["input_ids"] for m in msgs]
     outs = eng.generate(ids, SamplingParams(max_tokens=args.max_tokens))
     for p, o in zip(prompts, outs, strict=True):
-        print(
-            f"### {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, "
-            f"finish={o.finish_reason.kind}]\n"
-        )
+        n, finish = len(o.token_ids), o.finish_reason.kind
+        print(f"### {p}\n{o.text.strip()}\n[{n} tokens, finish={finish}]\n")
     return 0
 
 

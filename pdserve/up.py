@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import secrets
 import shlex
@@ -29,8 +30,20 @@ from infra.cluster_secret import ENV as SECRET_ENV
 from infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from infra.cluster_secret import cluster_secret
 from infra.internal_auth import bearer, is_loopback
+from infra.logs import FORMAT_ENV, add_log_args, setup_logging
 from infra.procs import die_with_parent, free_port, stop_processes
 from runtime.placement import bind_cores, plan_placement
+
+log = logging.getLogger("pdserve.up")
+STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
+
+
+def say(msg: str, error: bool = False) -> None:
+    """One line of the launcher's own: `[up] ...` as text, a JSON record with --log-format json."""
+    if os.environ.get(FORMAT_ENV) == "json":
+        (log.error if error else log.info)("%s", msg)
+    else:
+        print(f"[up] {msg}", file=sys.stderr if error else sys.stdout, flush=True)
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
@@ -80,6 +93,7 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
         help="let the router listen on a non-loopback --host without --api-key: anyone who can "
         "reach it can then use the model",
     )
+    add_log_args(ap)  # passed on to the router and every node
 
 
 class Cluster:
@@ -108,15 +122,10 @@ class Cluster:
         env = dict(os.environ, **{SECRET_ENV: self.secret})
         env.pop(SECRET_FILE_ENV, None)
         cpus = self._plan_cores()
-        router_cmd = ["router", "--host", a.host, "--port", str(a.port)]
-        router_cmd += self._start_prefill_nodes(env, cpus)
-        router_cmd += self._start_decode_nodes(env, cpus)
-        print(
-            f"[up] {a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, "
-            f"{a.decode_nodes} decode node(s) x PP {a.decode_pp}: {self._num_ranks()} rank "
-            f"processes on {len(os.sched_getaffinity(0))} cores",
-            flush=True,
-        )
+        logs = ["--log-level", a.log_level, "--log-format", a.log_format]
+        router_cmd = ["router", "--host", a.host, "--port", str(a.port), *logs]
+        router_cmd += self._start_prefill_nodes(env, cpus, logs)
+        router_cmd += self._start_decode_nodes(env, cpus, logs)
         self._wait_nodes()
         return self._start_router(router_cmd, env)
 
@@ -141,7 +150,11 @@ class Cluster:
         names += [
             f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
         ]
-        print(f"[up] placement: {plan.describe(names)}", flush=True)
+        say(
+            f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
+            f"node(s) x PP {a.decode_pp} per model, {m} model(s): {self._num_ranks()} rank "
+            f"processes on {len(os.sched_getaffinity(0))} cores; placement: {plan.describe(names)}"
+        )
         bind_cores(plan.io_cores)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
         at = 0
@@ -154,11 +167,11 @@ class Cluster:
         return cpus
 
     def _start_prefill_nodes(
-        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+        self, env: dict[str, str], cpus: Callable[[int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the prefill nodes; returns their flags for the router's command line."""
         a = self.args
-        extra = shlex.split(a.node_args)
+        extra = logs + shlex.split(a.node_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.prefill_nodes)):
             model = ["--model", path] if path else []
@@ -184,11 +197,11 @@ class Cluster:
         return router_flags
 
     def _start_decode_nodes(
-        self, env: dict[str, str], cpus: Callable[[int], list[str]]
+        self, env: dict[str, str], cpus: Callable[[int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the decode nodes; returns their flags for the router's command line."""
         a = self.args
-        extra = shlex.split(a.node_args)
+        extra = logs + shlex.split(a.node_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
             model = ["--model", path] if path else []
@@ -228,8 +241,9 @@ class Cluster:
                 raise RuntimeError(f"{name} exited with code {p.returncode} during start-up")
 
     def _wait_nodes(self) -> None:
-        deadline = time.monotonic() + self.args.startup_timeout
-        last = ""
+        start = time.monotonic()
+        deadline = start + self.args.startup_timeout
+        next_note = start + STILL_LOADING_S
         while True:
             self._check_alive()
             states, ready = [], 0
@@ -244,10 +258,9 @@ class Cluster:
                     ready += ok
                 except (httpx.HTTPError, ValueError, KeyError):
                     states.append(f"{name} starting")
-            line = "[up] loading: " + ", ".join(states)
-            if line != last:
-                print(line, flush=True)
-                last = line
+            if time.monotonic() > next_note:  # each node and rank says when it is ready
+                say(f"still loading after {time.monotonic() - start:.0f} s: " + ", ".join(states))
+                next_note += STILL_LOADING_S
             if ready == len(self.nodes):
                 return
             if time.monotonic() > deadline:
@@ -274,16 +287,10 @@ class Cluster:
                 if p.poll() is None or name in reported:
                     continue
                 if name == "router":
-                    print(
-                        f"[up] the router exited with code {p.returncode}; stopping the cluster",
-                        flush=True,
-                    )
+                    say(f"the router exited with code {p.returncode}; stopping the cluster", True)
                     return 1
                 reported.add(name)
-                print(
-                    f"[up] {name} exited with code {p.returncode}; the router routes around it",
-                    flush=True,
-                )
+                say(f"{name} exited with code {p.returncode}; the router routes around it", True)
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -296,12 +303,12 @@ class Cluster:
 
 
 def up_main(args) -> int:
+    setup_logging("[up]", args.log_level, args.log_format)
     if not (args.api_key or args.insecure or is_loopback(args.host)):
-        print(
-            f"[up] error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
+        say(
+            f"error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
             f"(or --api-key), or pass --insecure",
-            file=sys.stderr,
-            flush=True,
+            True,
         )
         return 2
     cluster = Cluster(args)
@@ -317,24 +324,22 @@ def up_main(args) -> int:
         models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [
             {"id": "default"}
         ]
-        print(
-            "[up] cluster secret (for /workers and the nodes' internal endpoints) in "
-            f"{cluster.secret_file}",
-            flush=True,
+        say(
+            "cluster secret (for /workers and the nodes' internal endpoints) in "
+            f"{cluster.secret_file}"
         )
-        print(
-            f"[up] ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
+        say(
+            f"ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
             f'    -d \'{{"model": "{models[0]["id"]}", "messages": [{{"role": "user", "content": '
-            f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\'',
-            flush=True,
+            f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\''
         )
         return cluster.watch()
     except KeyboardInterrupt:
-        print("[up] stopping", flush=True)
+        say("stopping")
         return 0
     except (RuntimeError, TimeoutError) as e:
-        print(f"[up] error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}", True)
         return 1
     finally:
         cluster.stop()

@@ -11,14 +11,18 @@ import time
 from typing import Any
 
 from engine.core import SamplingParams
+from kv_transfer.stats import DROP_REASONS, SENDER_FAILURES
 from pd_common.messages import PDAddRequest, PrefillDoneEvent, check_room
 from runtime.answer import Pending
 from runtime.front import NodeFront
-from runtime.messages import AbortRequest, ErrorEvent
+from runtime.messages import ErrorEvent
 from runtime.prompt import RequestError
 
 
 class PrefillFront(NodeFront):
+    finish_reasons = ("prefill_done", "abort")
+    kv_failure_reasons, kv_drop_reasons = SENDER_FAILURES, DROP_REASONS
+
     def __init__(self, *a, bootstrap_port: int, **kw):
         super().__init__(*a, **kw)
         self.bootstrap_port = bootstrap_port
@@ -49,13 +53,16 @@ class PrefillFront(NodeFront):
                     }
                 if isinstance(ev, ErrorEvent):
                     p.done = True
-                    self._observe(p, "abort")
+                    self._observe(p, "abort", ev.reason)
                     code = None if ev.field else "prefill_failed"
                     raise RequestError(400 if ev.field else 502, ev.message, ev.field, code)
         except asyncio.CancelledError:
             if not p.done and p.rid in self.pending:
-                self.send(AbortRequest(p.rid, "client disconnected"))
+                self.disconnected(p)
             raise
+
+    def describe(self) -> str:
+        return f"KV bootstrap server on port {self.bootstrap_port}"
 
     def server_info(self) -> dict[str, Any]:
         info = super().server_info()

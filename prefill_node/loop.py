@@ -36,11 +36,22 @@ from kv_transfer.base import BasePrefillKVManager
 from pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
 from pd_common.messages import PDAddRequest, PrefillDoneEvent
 from runtime.rank_process import RankParts
+from runtime.reasons import AbortReason, as_reason
 
 log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillLoop(PDLoop):
+    sample_names = (
+        "queue:bootstrap",
+        "queue:waiting",
+        "queue:running",
+        "queue:inflight",
+        "bootstrap",
+        "consensus:bootstrap_sync",
+        "consensus:prefill_release",
+    )
+
     def __init__(
         self, parts: RankParts, kv_mgr: BasePrefillKVManager, store: PPConsensusStore | None
     ):
@@ -83,8 +94,7 @@ class PrefillLoop(PDLoop):
         pd = self.by_rid.get(rid)
         if pd is None:
             return False
-        pd.aborted, pd.reason = True, why
-        pd.transfer.abort(why)
+        self._abort(pd, as_reason(why))
         return True
 
     # --- bootstrap (PPConsensusStore + leader sync) -----------------------------------------------
@@ -121,8 +131,11 @@ class PrefillLoop(PDLoop):
         for pd, st in zip(self.bootstrap, polls, strict=True):
             if st == KVPoll.Failed:
                 self._bootstrap_done(pd.rid)
-                why = pd.reason or pd.transfer.reason or "decode side never registered"
-                self._end(pd, f"bootstrap failed: {why}")
+                if pd.aborted:
+                    self._end(pd, pd.reason)
+                else:
+                    why = pd.transfer.reason or "decode side never registered"
+                    self._end(pd, AbortReason.BOOTSTRAP_FAILED, f"bootstrap failed: {why}")
             elif st >= KVPoll.WaitingForInput:
                 self._bootstrap_done(pd.rid)
                 self.sched.add(pd.req)
@@ -145,8 +158,7 @@ class PrefillLoop(PDLoop):
         if pd is None:
             return
         if req.finish.kind == "abort":
-            pd.aborted, pd.reason = True, req.finish.message or "aborted"
-            pd.transfer.abort(pd.reason)
+            self._abort(pd, as_reason(req.finish.message))
             if pd.sent_upto == 0 and req.rid in self.sched.kept_kv:
                 self.sched.release(req.rid)  # no transfer thread ever saw its pages
             if req.rid in self.sched.kept_kv:
@@ -190,12 +202,11 @@ class PrefillLoop(PDLoop):
             if room in good and not pd.aborted:
                 self.emit(PrefillDoneEvent(pd.rid, pd.req.prompt_len, pd.req.cached_len))
                 self._forget(pd)
+            elif pd.aborted:
+                self._end(pd, pd.reason)
             else:
-                self._end(
-                    pd,
-                    pd.reason
-                    or f"KV transfer failed: {pd.transfer.reason or 'a prefill rank failed'}",
-                )
+                why = pd.transfer.reason or "a prefill rank failed"
+                self._end(pd, AbortReason.KV_TRANSFER_FAILED, f"KV transfer failed: {why}")
 
     def _forget(self, pd: PDReq) -> None:
         super()._forget(pd)

@@ -325,7 +325,10 @@ async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: 
     done, _ = await asyncio.wait({task}, timeout=PREFILL_GRACE_S)
     if not done:
         logger.warning(
-            "rid=%s prefill node %s still busy after decode finished; aborting", rid, worker.url
+            "rid=%s prefill node %s still busy after decode finished; aborting",
+            rid,
+            worker.url,
+            extra={"rid": rid},
         )
         task.cancel()
         await d.abort(worker, rid)

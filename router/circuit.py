@@ -10,7 +10,7 @@ from router.config import BreakerConfig
 
 
 class CircuitState(enum.IntEnum):
-    """Values are the `pdserve_router_circuit_state` gauge values."""
+    """The `state` label of `pdserve_router_circuit_state` is the name in lower case."""
 
     CLOSED = 0
     OPEN = 1

@@ -99,6 +99,7 @@ class RouterConfig:
     sse_keepalive_s: float = 5.0  # streaming: ': ping' this often until the first event
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    log_format: str = "text"  # or json (infra/logs.py)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)

@@ -17,6 +17,7 @@ import random
 
 import httpx
 
+from infra.logs import bind_request
 from router.attempt import Attempt, Failure, Route
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -112,6 +113,7 @@ class Dispatcher:
                     raise
                 raise last.to_api_error() from None  # the cause says more than "none left"
             attempt = Attempt(self, route, body, stream)
+            bind_request(attempt.rid)  # this request's log lines carry its rid (JSON format)
             try:
                 await attempt.start()
                 return attempt
@@ -145,9 +147,13 @@ class Dispatcher:
             resp = await client.post(
                 f"{worker.url}/abort", json={"rid": rid}, headers=self.node_headers, timeout=5.0
             )
-            logger.debug("abort rid=%s on %s: %s", rid, worker.url, resp.status_code)
+            logger.debug(
+                "abort rid=%s on %s: %s", rid, worker.url, resp.status_code, extra={"rid": rid}
+            )
         except httpx.HTTPError as exc:
-            logger.warning("abort rid=%s on %s failed: %r", rid, worker.url, exc)
+            logger.warning(
+                "abort rid=%s on %s failed: %r", rid, worker.url, exc, extra={"rid": rid}
+            )
 
     async def drain(self, timeout: float = 3.0) -> None:
         if self._background:

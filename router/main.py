@@ -145,7 +145,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("--cache-threshold", C.cache_threshold, float, help="cache_aware: prefix match ratio")
     opt("--balance-abs-threshold", C.balance_abs, int, help="cache_aware: load gap (requests)")
     opt("--balance-rel-threshold", C.balance_rel, float, help="cache_aware: load ratio")
-    opt("--log-level", R.log_level, help="log level")
+    opt("--log-level", R.log_level, help="info, or debug: adds access and health-probe lines")
+    opt(
+        "--log-format",
+        R.log_format,
+        help="text, or json: one JSON object per line, with rid and trace_id",
+        choices=("text", "json"),
+    )
     return parser
 
 
@@ -193,6 +199,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         sse_keepalive_s=args.sse_keepalive,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        log_format=args.log_format,
         health=HealthConfig(
             args.health_interval,
             args.health_timeout,
@@ -217,17 +224,16 @@ def serve(config: RouterConfig) -> None:
     import uvicorn
 
     from infra.http_server import server_config
+    from infra.logs import setup_logging, uvicorn_level
     from router.app import build_app
 
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging("[router]", config.log_level, config.log_format)
     uvicorn.Server(
         server_config(
             build_app(config),
             host=config.host,
             port=config.port,
-            log_level=config.log_level.lower(),
+            log_level=uvicorn_level(),
             timeout_graceful_shutdown=5,
         )
     ).run()

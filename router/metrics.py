@@ -1,4 +1,9 @@
-"""Router metrics, in a CollectorRegistry owned by one app (several apps may share a process)."""
+"""Router metrics, in a CollectorRegistry owned by one app (several apps may share a process).
+
+The series a dashboard reads exist from the first scrape: the generation routes' request counters
+(status 200) and durations, the router's TTFT, and every circuit state of each worker (1 for the
+state it is in, 0 for the others).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from infra.build import build_info
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -37,6 +44,8 @@ ROUTE_DECISIONS = (
     ("decode_only", "no_prefill"),
     ("decode_only", "prefill_failed"),
 )
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+CIRCUIT_STATES = ("closed", "open", "half_open")  # router/circuit.py CircuitState, lower case
 
 
 class RouterMetrics:
@@ -76,8 +85,8 @@ class RouterMetrics:
         )
         self.circuit_state = Gauge(
             "pdserve_router_circuit_state",
-            "Circuit breaker state: 0 closed, 1 open, 2 half-open",
-            ["worker"],
+            "1 for the circuit breaker state the worker is in (closed, open, half_open), else 0",
+            ["worker", "state"],
             registry=r,
         )
         self.retries = Counter(
@@ -97,6 +106,14 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        info = build_info()
+        Gauge("pdserve_build_info", "1; the pdserve build", list(info), registry=r).labels(
+            **info
+        ).set(1)
+        for route in GENERATION_ROUTES:
+            self.requests.labels(route=route, status="200")
+            self.duration.labels(route=route)
+        self.ttft.labels(role="router")
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -108,12 +125,16 @@ class RouterMetrics:
     def route_decision(self, path: str, reason: str) -> None:
         self.route_decisions.labels(path=path, reason=reason).inc()
 
-    def set_worker(self, url: str, role: str, healthy: bool, circuit: int) -> None:
+    def set_worker(self, url: str, role: str, healthy: bool, circuit: str) -> None:
+        """`circuit`: the breaker's state, one of CIRCUIT_STATES."""
         self.worker_healthy.labels(worker=url, role=role).set(1 if healthy else 0)
-        self.circuit_state.labels(worker=url).set(circuit)
+        for state in CIRCUIT_STATES:
+            self.circuit_state.labels(worker=url, state=state).set(1 if state == circuit else 0)
 
     def forget_worker(self, url: str, role: str) -> None:
-        for gauge, labels in ((self.worker_healthy, (url, role)), (self.circuit_state, (url,))):
+        series = [(self.worker_healthy, (url, role))]
+        series += [(self.circuit_state, (url, state)) for state in CIRCUIT_STATES]
+        for gauge, labels in series:
             try:
                 gauge.remove(*labels)
             except KeyError:

@@ -88,7 +88,7 @@ class WorkerRegistry:
         )
         self._workers[spec.url] = worker
         self._report(worker)
-        logger.info("worker added: %s role=%s", spec.url, spec.role)
+        logger.debug("worker added: %s role=%s", spec.url, spec.role)
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -185,7 +185,8 @@ class WorkerRegistry:
             self._report(worker)
 
     def _report(self, worker: Worker) -> None:
-        self._metrics.set_worker(worker.url, worker.role, worker.healthy, int(worker.breaker.state))
+        state = worker.breaker.state.name.lower()
+        self._metrics.set_worker(worker.url, worker.role, worker.healthy, state)
 
     # --- health -----------------------------------------------------------------------------
     async def probe(self, worker: Worker) -> bool:
@@ -198,8 +199,10 @@ class WorkerRegistry:
             if not worker.healthy and (
                 not worker.ever_healthy or worker.good_probes >= self._cfg.health.success_threshold
             ):
+                # the first time is the start-up (the router's ready line counts the workers)
+                log = logger.info if worker.ever_healthy else logger.debug
                 worker.healthy = worker.ever_healthy = True
-                logger.info("worker healthy: %s", worker.url)
+                log("worker healthy: %s", worker.url)
         else:
             worker.bad_probes += 1
             worker.good_probes = 0

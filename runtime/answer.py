@@ -25,6 +25,7 @@ class Pending:
     logprobs: list[list[Any]] = field(default_factory=list)
     t_start: float = field(default_factory=time.monotonic)
     t_first: float | None = None
+    t_last: float | None = None  # when the last token chunk was made
     done: bool = False
     token_text: Any = None  # logprobs: each token's text and bytes (runtime/token_text.py)
 
@@ -45,8 +46,9 @@ def token_chunk(p: Pending, ev: TokenEvent) -> tuple[dict[str, Any], Event | Non
             end = nxt
             break
         ev = nxt
+    p.t_last = time.monotonic()
     if p.t_first is None:
-        p.t_first = time.monotonic()
+        p.t_first = p.t_last
     p.token_ids.extend(toks)
     p.logprobs.extend(lps)
     chunk = {

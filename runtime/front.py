@@ -47,6 +47,7 @@ from runtime.messages import (
     unpack,
 )
 from runtime.prompt import RequestError, prompt_ids
+from runtime.reasons import AbortReason
 from runtime.token_text import TokenBytes, TokenText
 
 log = logging.getLogger("pdserve.front")
@@ -67,6 +68,12 @@ REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
 
 
 class NodeFront:
+    # the label sets this front's metrics show from the first scrape (runtime/metrics.py); a PD
+    # front names its own (prefill_done; the KV transfer's failure and drop reasons)
+    finish_reasons: tuple[str, ...] = ("stop", "length", "abort")
+    kv_failure_reasons: tuple[str, ...] = ()
+    kv_drop_reasons: tuple[str, ...] = ()
+
     def __init__(
         self,
         tokenizer,
@@ -148,7 +155,9 @@ class NodeFront:
             log.error("node unhealthy: %s", why)
             self.dead = why
         for p in list(self.pending.values()):
-            p.events.put_nowait(ErrorEvent(p.rid, f"node failure: {why}", None))
+            p.events.put_nowait(
+                ErrorEvent(p.rid, f"node failure: {why}", None, AbortReason.NODE_FAILURE)
+            )
 
     def healthy(self, stale_s: float = 15.0) -> tuple[bool, str]:
         if self.dead:
@@ -245,13 +254,17 @@ class NodeFront:
         the KV hand-off); None: the app streams or collects the request's tokens."""
         return None
 
+    def describe(self) -> str:
+        """What the start-up line adds about this front (prefill: its bootstrap server)."""
+        return ""
+
     def add_routes(self, app: Any, check_internal: Any) -> None:
         """A front's own HTTP endpoints (decode: the bootstrap allowlist)."""
 
     def send(self, msg: Any) -> None:
         self.req_sock.send(self._sealer.seal(msgpack.packb(encode(msg), use_bin_type=True)))
 
-    def abort(self, rid: str, why: str = "aborted by client") -> bool:
+    def abort(self, rid: str, why: AbortReason = AbortReason.CLIENT_ABORT) -> bool:
         if rid not in self.pending:
             self.early_aborts[rid] = time.monotonic()
             self.early_aborts.move_to_end(rid)
@@ -267,18 +280,21 @@ class NodeFront:
             while True:
                 ev = await p.events.get()
                 if isinstance(ev, TokenEvent):
+                    prev = p.t_last
                     chunk, ev = token_chunk(p, ev)
+                    if self.metrics is not None:
+                        self.metrics.observe_chunk(p, prev, len(chunk["token_ids"]))
                     yield chunk
                     if ev is None:
                         continue
                 if isinstance(ev, FinishEvent):
                     chunk = finish_chunk(p, ev)
-                    self._observe(p, ev.kind)
+                    self._observe(p, ev.kind, ev.reason)
                     yield chunk
                     return
                 if isinstance(ev, ErrorEvent):
                     p.done = True
-                    self._observe(p, "abort")
+                    self._observe(p, "abort", ev.reason)
                     yield {
                         "rid": p.rid,
                         "text": "",
@@ -294,11 +310,18 @@ class NodeFront:
                     return
         finally:
             if not p.done and self.dead is None and p.rid in self.pending:
-                self.send(AbortRequest(p.rid, "client disconnected"))
+                self.disconnected(p)
 
-    def _observe(self, p: Pending, finish: str) -> None:
+    def disconnected(self, p: Pending) -> None:
+        """The caller stopped reading before the end: the ranks drop the request, and it counts
+        as aborted now (nobody reads its last event)."""
+        p.done = True
+        self.send(AbortRequest(p.rid, AbortReason.CLIENT_DISCONNECT))
+        self._observe(p, "abort", AbortReason.CLIENT_DISCONNECT)
+
+    def _observe(self, p: Pending, finish: str, reason: str | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(p, finish)
+            self.metrics.observe_request(p, finish, reason)
 
     # --- background readers -----------------------------------------------------------------------
     def _drop(self, reason: str, err: Exception) -> None:
@@ -331,7 +354,7 @@ class NodeFront:
             if isinstance(ev, AbortUnknownEvent):
                 if p.done:
                     continue
-                ev = ErrorEvent(ev.rid, "aborted", None)
+                ev = ErrorEvent(ev.rid, "aborted", None, AbortReason.CLIENT_ABORT)
             p.events.put_nowait(ev)
             if ev.terminal:
                 del self.pending[ev.rid]  # over on the ranks; `p` still streams its queue

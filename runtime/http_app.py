@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from infra.internal_auth import bearer_ok
+from infra.logs import bind_request
 from runtime import node_tokenize
 from runtime.front import OVERLOADED, RID_MAX, NodeFront
 from runtime.prompt import RequestError, sse
@@ -80,6 +81,7 @@ def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
                 TOKENIZER_POOL, front.tokenize, body
             )
         p = front.admit(body, ids)
+        bind_request(p.rid)  # log lines of this request carry its rid (JSON format)
         answer = await front.answer(p)
         if answer is not None:
             return answer

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from runtime.reasons import check_reason
+
 MAX_STR = 4096  # characters of any string field (messages, reasons, rids)
 MAX_LIST = 1 << 22  # items of any list field (a prompt's token ids at most)
 MAX_MAP = 4096  # entries of any map field
@@ -255,7 +257,17 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     rid: str
-    reason: str
+    reason: str  # an AbortReason code (runtime/reasons.py)
+
+    def validate(self) -> None:
+        _check_reason(self.reason, "AbortRequest.reason")
+
+
+def _check_reason(reason: str | None, where: str, optional: bool = False) -> None:
+    try:
+        check_reason(reason, where, optional)
+    except ValueError as e:
+        raise MessageError(str(e)) from None
 
 
 # --- PP0 -> front ---------------------------------------------------------------------------------
@@ -286,6 +298,10 @@ class FinishEvent(Event):
     prompt_len: int
     output_len: int
     cached_len: int  # prompt tokens the prefix cache served
+    reason: str | None = None  # kind "abort": its AbortReason code
+
+    def validate(self) -> None:
+        _check_reason(self.reason, "FinishEvent.reason", optional=True)
 
 
 @message("error")
@@ -295,6 +311,10 @@ class ErrorEvent(Event):
     rid: str
     message: str
     field: str | None  # the request field at fault (a client error); None: a server-side failure
+    reason: str  # its AbortReason code (runtime/reasons.py): the metrics' label, never free text
+
+    def validate(self) -> None:
+        _check_reason(self.reason, "ErrorEvent.reason")
 
 
 @message("abort_unknown")
@@ -315,6 +335,7 @@ class KVRankStats:
     latencies: list[float]
     dropped: dict[str, int]  # control messages dropped, by reason
     ctrl_port: int | None  # where the rank's KV control socket listens
+    room_bytes: list[int] = field(default_factory=list)  # KV bytes of each room in `latencies`
 
 
 @message("stats")
@@ -339,6 +360,7 @@ class RankStats:
     samples: dict[str, list[float]]  # latency samples since the last push, by name
     front_dropped: dict[str, int] = field(default_factory=dict)  # PP0: bad front messages
     kv: KVRankStats | None = None
+    dtype: str = ""  # the dtype the rank computes in (--dtype auto resolved)
 
     def to_json(self) -> dict[str, Any]:
         """The stats as /server_info shows them: the queues inline, as before they were typed."""

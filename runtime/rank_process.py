@@ -33,7 +33,8 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
-from infra.procs import die_with_parent, setup_logging
+from infra.logs import setup_logging
+from infra.procs import die_with_parent
 from runtime.front import (
     EVT_CHANNEL,
     EVT_MAX_BYTES,
@@ -98,7 +99,9 @@ class ZmqFrontIO:
         self.push.send(self._sealer.seal(pack(events)))
 
 
-def rank_stats(loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None) -> RankStats:
+def rank_stats(
+    loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None, dtype: str = ""
+) -> RankStats:
     """What one rank reports to the front (and the in-process tests read directly)."""
     s, alloc = loop.sched, loop.sched.allocator
     cache = s.cache
@@ -120,12 +123,19 @@ def rank_stats(loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None) -> R
         samples=loop.drain_samples(),
         front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
         kv=kv,
+        dtype=dtype,
     )
 
 
 class StatsReporter:
     def __init__(
-        self, ctx: zmq.Context, addr: str, spec: RankSpec, loop: SlotLoop, period_s: float = 0.5
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        spec: RankSpec,
+        loop: SlotLoop,
+        period_s: float = 0.5,
+        dtype: str = "",
     ):
         self.sock = ctx.socket(zmq.PUSH) if addr else None
         if self.sock is not None:
@@ -134,7 +144,7 @@ class StatsReporter:
             limit_size(self.sock, STATS_MAX_BYTES)
             self.sock.connect(addr)
             self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
-        self.spec, self.loop, self.period = spec, loop, period_s
+        self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
         self._next = 0.0
         self._kv_latencies_seen = 0
 
@@ -143,7 +153,7 @@ class StatsReporter:
         if self.sock is None or (now < self._next and not force):
             return
         self._next = now + self.period
-        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats())
+        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats(), self.dtype)
         self._send(stats)
 
     def _kv_rank_stats(self) -> KVRankStats | None:
@@ -158,6 +168,7 @@ class StatsReporter:
             latencies=[lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
             dropped=dict(kv["dropped"]),
             ctrl_port=kv.get("ctrl_port"),
+            room_bytes=kv["recent_room_bytes"][-new:] if new > 0 else [],
         )
 
     def _send(self, stats: RankStats) -> None:
@@ -202,6 +213,7 @@ class RankParts:
     sched: Scheduler
     loop_cfg: LoopConfig
     front: ZmqFrontIO | None = None
+    about: str = ""  # for the ready line: layers, threads, cores, dtype
 
 
 def join_pp_group(spec: RankSpec) -> PPComm:
@@ -260,18 +272,13 @@ def build_rank(
     asked = cfg.dtype
     cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
     start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
-    log.info(
-        "pp_rank %d/%d: layers [%d, %d) of %d, %d torch threads on cores %s, dtype %s (%s)",
-        spec.pp_rank,
-        spec.pp_size,
-        start,
-        end,
-        mcfg.num_layers,
-        threads,
-        ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-        cfg.dtype,
-        f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}",
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    why = f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}"
+    about = (
+        f"layers [{start}, {end}) of {mcfg.num_layers}, {threads} torch threads on cores {cores}, "
+        f"dtype {cfg.dtype} ({why})"
     )
+    log.debug("pp_rank %d/%d: %s", spec.pp_rank, spec.pp_size, about)
     if spec.pp_size > 1 and comm is None:
         comm = join_pp_group(spec)
     if comm is not None:
@@ -302,7 +309,7 @@ def build_rank(
         detokenize=StopDetokenizer(path),
         hold_kv_on_finish=hold_kv_on_finish,
     )
-    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
 
 
 def colocated_loop(parts: RankParts) -> SlotLoop:
@@ -334,13 +341,17 @@ def run_rank(
         if spec.pp_rank == 0:
             parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr)
         loop = make_loop(parts)
-        stats = StatsReporter(ctx, spec.stats_addr, spec, loop)
+        stats = StatsReporter(ctx, spec.stats_addr, spec, loop, dtype=parts.cfg.dtype)
         start_watchdog(loop, spec.watchdog_s)
+        more = loop.describe()
         log.info(
-            "pp_rank %d ready: %d KV pages of %d tokens",
+            "pp_rank %d/%d ready: %s, %d KV pages of %d tokens%s",
             spec.pp_rank,
+            spec.pp_size,
+            parts.about,
             parts.cfg.num_pages,
             parts.cfg.page_size,
+            f", {more}" if more else "",
         )
         stats.maybe_send(force=True)
         t = 0

@@ -23,7 +23,8 @@ import uvicorn
 from engine.config import EngineConfig
 from infra.http_server import server_config
 from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
-from infra.procs import free_port, setup_logging, stop_processes
+from infra.logs import add_log_args, setup_logging, uvicorn_level
+from infra.procs import free_port, stop_processes
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
 
@@ -106,7 +107,7 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         action="store_true",
         help="CUDA: PP sends/receives on their own stream, overlapping forwards",
     )
-    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    add_log_args(ap)
     ap.add_argument(
         "--cpus",
         default="",
@@ -229,7 +230,7 @@ def make_specs(
         f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
     )
     plan = node_placement(args, len(ranks))
-    log.info("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
+    log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
     bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
     return [
         RankSpec(
@@ -275,7 +276,11 @@ def run_node(
     )
     server = uvicorn.Server(
         server_config(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=uvicorn_level(),
+            timeout_graceful_shutdown=3,
         )
     )
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
@@ -293,7 +298,15 @@ def run_node(
     @app.on_event("startup")
     async def _grab_loop():
         loop_holder["loop"] = asyncio.get_running_loop()
-        log.info("%s node front on http://%s:%d (pp=%d)", role, args.host, args.port, args.pp)
+        more = front.describe()
+        log.info(
+            "%s node front on http://%s:%d (pp=%d)%s",
+            role,
+            args.host,
+            args.port,
+            args.pp,
+            f", {more}" if more else "",
+        )
 
     try:
         if ready is not None:
@@ -333,7 +346,7 @@ def make_front(args, role: str, cls=None, **kw):
     from runtime.http_app import build_app
     from runtime.metrics import NodeMetrics
 
-    setup_logging(f"[{role} front]", args.log_level)
+    setup_logging(f"[{role} front]", args.log_level, args.log_format)
     secret = refuse_unprotected(
         args, role
     )  # the ranks read it too: children inherit the environment
@@ -355,7 +368,7 @@ def make_front(args, role: str, cls=None, **kw):
         stats_port=stats_port(args),
         **kw,
     )
-    front.metrics = NodeMetrics(node=f"{args.host}:{args.port}", role=role)
+    front.metrics = NodeMetrics(f"{args.host}:{args.port}", role, front.finish_reasons)
     front.max_pending = args.max_pending
     front.sampling_defaults = load_sampling_defaults(path)
     if front.sampling_defaults.get("unapplied"):
@@ -368,7 +381,7 @@ def make_front(args, role: str, cls=None, **kw):
 
 def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
     """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
-    setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level)
+    setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level, args.log_format)
     refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]

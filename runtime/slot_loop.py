@@ -42,6 +42,7 @@ from runtime.messages import (
     out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
+from runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,8 @@ class LoopConfig:
     pp_size: int = 1
     async_depth: int = 0
     skip_pure_chunk_comm: bool = True
-    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work ...
-    idle_max_wait_ms: int = (
-        100  # ... doubling while it stays idle (a request still wakes it at once)
-    )
+    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work, doubling
+    idle_max_wait_ms: int = 100  # up to this while it stays idle (a request still wakes it)
     check_every: int = 8  # consensus-checker digest comparison period (iterations)
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer than this (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer than this (0 = off)
@@ -98,9 +97,7 @@ class SlotLoop:
         self.runner = runner
         self.sched = scheduler
         self.front = front  # PP0 only
-        self.batches: list[ScheduledBatch | None] = [
-            None
-        ] * cfg.num_slots  # scheduled, not harvested
+        self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots  # not harvested yet
         self.last_outputs: dict[int, SampleOut | None] = {}  # last rank: slot -> outputs
         self.send_queue: deque[tuple[int, SampleOut | None]] = deque()  # last rank, async_depth
         self.stats = LoopStats()
@@ -217,9 +214,9 @@ class SlotLoop:
                 continue
             waited = now - t0
             if wt and phase == "waiting" and waited > wt:
-                out.append(AbortRequest(rid, f"waiting timeout: queued for more than {wt:g} s"))
+                out.append(AbortRequest(rid, AbortReason.WAITING_TIMEOUT))
             elif rt and waited > rt:
-                out.append(AbortRequest(rid, f"running timeout: alive for more than {rt:g} s"))
+                out.append(AbortRequest(rid, AbortReason.RUNNING_TIMEOUT))
             else:
                 continue
             del self._arrived[rid]
@@ -243,7 +240,7 @@ class SlotLoop:
             self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
             self.mark_queued(msg.rid)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
-            self.emit(ErrorEvent(msg.rid, str(e), e.field))
+            self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
         return True
 
     def observe(self, name: str, seconds: float) -> None:
@@ -255,13 +252,22 @@ class SlotLoop:
         if self.is_first:
             self._t_queued[rid] = time.monotonic()
 
+    # sent (empty) with every push: the front's histograms exist from the first scrape
+    sample_names: tuple[str, ...] = ("queue:waiting", "queue:running")
+
     def drain_samples(self) -> dict[str, list[float]]:
-        out, self.samples = self.samples, {}
+        out = {n: [] for n in self.sample_names}
+        out.update(self.samples)
+        self.samples = {}
         return out
 
     def kv_stats(self) -> dict | None:
         """The PD loops' transfer counters (bytes, failures, per-room latencies)."""
         return None
+
+    def describe(self) -> str:
+        """What the rank's ready line adds (a PD loop: its KV transfer engine)."""
+        return ""
 
     def queue_sizes(self) -> dict[str, int]:
         """Requests per queue, for stats and metrics; a PD loop adds its own queues."""
@@ -360,17 +366,11 @@ class SlotLoop:
                 self.observe("queue:running", time.monotonic() - t0)
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
-                f = req.finish
+                f, (msg, code) = req.finish, finish_message(req.finish)
+                n, cached = req.prompt_len, req.cached_len
+                out = len(req.output_ids)
                 self._events.append(
-                    FinishEvent(
-                        req.rid,
-                        f.kind,
-                        f.message,
-                        f.matched,
-                        req.prompt_len,
-                        len(req.output_ids),
-                        req.cached_len,
-                    )
+                    FinishEvent(req.rid, f.kind, msg, f.matched, n, out, cached, code)
                 )
         if self.is_first and self._events and self.front:
             self.front.report(self._events)

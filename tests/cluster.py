@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,3 +155,20 @@ def pdserve_up(
         yield p
     finally:
         kill_group(p, grace=20)
+
+
+@contextlib.contextmanager
+def up(model: Path, log_path: Path, args: list[str], timeout: float = 240.0):
+    """`pdserve up --model MODEL --port P ARGS` (pdserve_up): yields (url, Popen, the cluster
+    secret's headers)."""
+    port = free_port()
+    with pdserve_up(["--model", str(model), "--port", str(port), *args], log_path, timeout) as p:
+        yield f"http://127.0.0.1:{port}", p, secret_headers(log_path)
+
+
+def secret_headers(log_path: Path) -> dict[str, str]:
+    """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
+    path = re.search(r"cluster secret .* in (\S+)", log_path.read_text()).group(1)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path) as f:
+        return {"Authorization": f"Bearer {f.read().strip()}"}

@@ -44,18 +44,20 @@ STATS = RankStats(
     queues={"waiting": 1, "running": 2, "prealloc": 0},
     samples={"queue:waiting": [0.001, 0.5]},
     front_dropped={"malformed": 1},
-    kv=KVRankStats(1024, {"waiting_timeout": 1}, [0.02], {"bad_mac": 2}, 5555),
+    kv=KVRankStats(1024, {"waiting_timeout": 1}, [0.02], {"bad_mac": 2}, 5555, [4096]),
+    dtype="bfloat16",
 )
 EVERY_KIND = [
     AddRequest("r1", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}),
-    AbortRequest("r1", "aborted by client"),
+    AbortRequest("r1", "client_abort"),
     PDAddRequest("r2", [5], {}, (1 << 63) - 1, "10.0.0.1:8998"),
     TokenEvent("r1", 17, -0.25, [(17, -0.25), (3, -2.0)]),
     TokenEvent("r1", 17, None, None),
     FinishEvent("r1", "stop", None, "\n\n", 3, 5, 0),
     FinishEvent("r1", "stop", None, 2, 3, 5, 0),
-    ErrorEvent("r1", "bad temperature", "temperature"),
-    ErrorEvent("r1", "node failure", None),
+    FinishEvent("r1", "abort", "waiting timeout", None, 3, 1, 0, "waiting_timeout"),
+    ErrorEvent("r1", "bad temperature", "temperature", "invalid_request"),
+    ErrorEvent("r1", "node failure: rank exited", None, "node_failure"),
     AbortUnknownEvent("r9"),
     PrefillDoneEvent("r2", 100, 64),
     STATS,
@@ -104,9 +106,13 @@ MALFORMED = [
     ["pd_add", "r1", [1], {}, "7", ""],
     ["token", "r1", 1, "0.5", None],
     ["token", "r1", 1, 0.5, [[1]]],  # a top entry that is not a pair... of the right types
-    ["finish", "r1", "stop", None, 1.5, 3, 5, 0],  # matched: token id or string
-    ["error", "r1", "m", 7],
-    ["stats", *encode(STATS)[1:-1], ["kv"]],  # nested stats of the wrong shape
+    ["finish", "r1", "stop", None, 1.5, 3, 5, 0, None],  # matched: token id or string
+    ["error", "r1", "m", 7, "client_abort"],
+    # a reason is a code of runtime/reasons.py, never free text
+    ["abort", "r1", "waiting timeout: queued for more than 30 s"],
+    ["error", "r1", "m", None, "KV transfer failed"],
+    ["finish", "r1", "abort", "m", None, 3, 1, 0, "aborted"],
+    [*encode(STATS)[:-2], ["kv"], ""],  # nested stats of the wrong shape
 ]
 
 

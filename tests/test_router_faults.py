@@ -64,7 +64,7 @@ def test_node_dies_and_comes_back_health_and_breaker():
         assert r.status_code == 502 and r.json()["error"]["code"] == "decode_failed", r.text
         assert worker_view(cluster, decode.url)["circuit"] == "open"
         text = httpx.get(cluster.url + "/metrics", timeout=5).text
-        assert f'pdserve_router_circuit_state{{worker="{decode.url}"}} 1.0' in text
+        assert f'pdserve_router_circuit_state{{state="open",worker="{decode.url}"}} 1.0' in text
         assert chat(cluster).json()["error"]["code"] == "no_available_workers"
         decode.behavior.fail = None
         wait_until(

@@ -272,7 +272,9 @@ def test_metrics_exposed_per_app(pd):
     assert 'pdserve_router_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert "pdserve_router_request_duration_seconds_bucket" in text
     assert f'pdserve_router_worker_healthy{{role="decode",worker="{pd.decode[0].url}"}} 1.0' in text
-    assert f'pdserve_router_circuit_state{{worker="{pd.prefill[0].url}"}} 0.0' in text
+    assert (
+        f'pdserve_router_circuit_state{{state="closed",worker="{pd.prefill[0].url}"}} 1.0' in text
+    )
     assert "pdserve_router_retries_total" in text and "pdserve_router_rejected_total" in text
     assert 'pdserve_time_to_first_token_seconds_count{role="router"}' in text
 

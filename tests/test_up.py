@@ -13,38 +13,24 @@ import time
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, node_args, pdserve_up
+from cluster import ROOT, free_port, group_alive, node_args, pdserve_up, secret_headers, up
 from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
 
 NODE_ARGS = " ".join(node_args(max_running=None))
 MAX_NEW = 12
+ROUTER_ARGS = "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny30, tmp_path_factory):
     """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
-    port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
-    args = [
-        "--model",
-        str(tiny30),
-        "--port",
-        str(port),
-        "--prefill-pp",
-        "2",
-        "--decode-pp",
-        "2",
-        "--decode-nodes",
-        "2",
-        "--node-args",
-        NODE_ARGS,
-        "--router-args",
-        "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2",
-    ]
-    with pdserve_up(args, log, timeout=240) as proc:
-        AUTH.update(secret_headers(log))
-        yield f"http://127.0.0.1:{port}", proc, log
+    args = ["--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2"]
+    args += ["--node-args", NODE_ARGS, "--router-args", ROUTER_ARGS]
+    with up(tiny30, log, args) as (url, proc, auth):
+        AUTH.update(auth)
+        yield url, proc, log
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +120,6 @@ def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
         await ac.close()
 
     asyncio.run(run_async())
-
-
-def secret_headers(log) -> dict[str, str]:
-    """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
-    path = re.search(r"cluster secret .* in (\S+)", log.read_text()).group(1)
-    assert os.stat(path).st_mode & 0o777 == 0o600
-    with open(path) as f:
-        return {"Authorization": f"Bearer {f.read().strip()}"}
 
 
 def test_readme_curl_works_through_the_router(cluster):
@@ -369,6 +347,7 @@ def _healthy(node: str) -> bool:
 def test_metrics_of_router_and_nodes(cluster):
     """Every metric in deploy/metrics.txt is exported by the live cluster, they moved with the
     traffic above, and the pool is empty when idle."""
+
     url, _, _ = cluster
     expected = [
         ln.strip()
