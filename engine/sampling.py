@@ -86,11 +86,16 @@ def sample(
             apply_penalties(logits[i], p, *histories[i])
     if mask is not None:
         mask(logits)
+    if mask is not None or any(p.penalized for p in params):
+        # An extreme repetition penalty can overflow a logit; NaN must never reach a choice.
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     tokens = torch.argmax(logits, dim=-1)
     for i, p in enumerate(params):
         if p.greedy:
             continue
         probs = _filtered_probs(logits[i], p)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            continue  # a degenerate distribution (overflow, every token masked): the argmax
         g = _seeded_generator(p.seed, steps[i]) if p.seed is not None else generator
         tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
     token_ids = tokens.tolist()

@@ -83,3 +83,17 @@ def test_params_round_trip_through_the_wire_form():
     p = SamplingParams.from_dict({"logit_bias": {"12": 1.5, "3": -2}, "presence_penalty": 0.5})
     assert p.logit_bias == ((3, -2), (12, 1.5))
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_an_overflowing_penalty_never_kills_the_sampling_rank():
+    """Found by the router fuzz test: repetition_penalty 1e-300 divides positive logits into inf,
+    softmax gives NaN, and torch.multinomial raised in the rank's loop (the rank died). The row
+    now falls back to its argmax."""
+    from engine.sampling import sample
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 5
+    p = SamplingParams.from_dict({"temperature": 1.0, "repetition_penalty": 1e-300})
+    out = sample(
+        logits, [p, p], [0, 0], torch.Generator().manual_seed(0), [([1, 2], [3]), ([4], [])]
+    )
+    assert all(0 <= t < 50 for t in out.token_ids)
