@@ -22,6 +22,7 @@ SENDER_FAILURES = (
 RECEIVER_FAILURES = (
     "aborted",
     "aborted_by_prefill",  # a prefill rank of the room gave it up (KVAbort)
+    "aux_corrupt",  # the aux slot's frame (room, length, crc32) did not check out
     "aux_unexpected",  # aux data came for a room without an aux slot
     "bootstrap_error",  # the bootstrap server's answer was unusable
     "bootstrap_lost",  # the prefill node's bootstrap server stopped answering heartbeats

@@ -498,7 +498,7 @@ class PDCluster(Cluster):
             self.decode.front.submit(PDAddRequest(rid, list(ids), p, room, self.fabric.address))
         return room
 
-    def abort(self, rid: str, side: str, reason: str = "aborted by the test") -> None:
+    def abort(self, rid: str, side: str, reason: str = "client_abort") -> None:
         node = self.prefill if side == "prefill" else self.decode
         node.front.submit(AbortRequest(rid, reason))
 

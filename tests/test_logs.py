@@ -54,12 +54,17 @@ def test_json_lines_carry_the_request_in_scope():
 
 
 @pytest.fixture
-def restore_logging(monkeypatch):
+def restore_logging():
+    # setup_logging exports the level and format for its children: put the environment back, or
+    # every process a later test starts would log at this test's level (DEBUG: probe lines).
+    env = dict(os.environ)
     for var in ("PDSERVE_LOG_LEVEL", "PDSERVE_LOG_FORMAT", "MC_LOG_LEVEL", "GLOG_minloglevel"):
-        monkeypatch.delenv(var, raising=False)
+        os.environ.pop(var, None)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     yield
+    os.environ.clear()
+    os.environ.update(env)
     root.handlers[:] = handlers
     root.setLevel(level)
     for name in ("httpx", "httpcore", "uvicorn.access", "uvicorn.error"):

@@ -417,9 +417,8 @@ def test_prefill_node_killed_every_request_is_answered_by_decode(cluster, chat_r
 def test_ctrl_c_stops_every_process(cluster):
     """Runs last: SIGINT to `pdserve up` stops the router, the nodes and every rank."""
     url, proc, log = cluster
-    assert (
-        len(group_alive(proc.pid, wait_s=0)) >= 7
-    )  # up, router, fronts, ranks (one decode node died)
+    # up, router, one decode front and its 2 ranks (a decode node and the prefill node were killed)
+    assert len(group_alive(proc.pid, wait_s=0)) >= 5
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
