@@ -18,10 +18,12 @@ and structural tags (tool calls) in one API. Its per-token cost on this CPU is i
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
 
@@ -130,16 +132,34 @@ class GrammarSampler:
         if not rows:
             return
         bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
-        for i in rows:
-            req = reqs[i]
-            state = req.guide_state
-            if state is None:
-                state = req.guide_state = GuideState(
-                    xgr.GrammarMatcher(self._compile(req.params.guide))
-                )
+        masked = [i for i in rows if self._fill(reqs[i], bitmask, i)]
+        if masked:
+            xgr.apply_token_bitmask_inplace(logits, bitmask[: logits.shape[0]], indices=masked)
+
+    def _fill(self, req, bitmask, row: int) -> bool:
+        """Feeds the request's new tokens and fills its row; False when its grammar is done (it
+        accepted a stop token and `ignore_eos` goes on) or gave up: the row stays unconstrained.
+        A request's grammar never stops the rank."""
+        import xgrammar as xgr
+
+        state = req.guide_state
+        if state is None:
+            state = req.guide_state = GuideState(
+                xgr.GrammarMatcher(self._compile(req.params.guide))
+            )
+        if state.matcher is None:
+            return False
+        try:
             for tok in req.output_ids[state.fed :]:  # what was harvested since the last step
-                if not state.matcher.accept_token(tok):
-                    raise RuntimeError(f"{req.rid}: token {tok} breaks its grammar")
+                if state.matcher.is_terminated() or not state.matcher.accept_token(tok):
+                    break
             state.fed = len(req.output_ids)
-            state.matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask[: logits.shape[0]], indices=rows)
+            if state.matcher.is_terminated():
+                state.matcher = None
+                return False
+            state.matcher.fill_next_token_bitmask(bitmask, row)
+            return True
+        except RuntimeError as e:  # xgrammar's checks; the same tokens fail the same way anywhere
+            log.warning("%s: grammar stopped constraining the output: %s", req.rid, e)
+            state.matcher = None
+            return False

@@ -95,17 +95,22 @@ class JsonSchemaFormat(_Model):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(_Model):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+class TextFormat(_Model):
+    type: Literal["text"]
 
-    @model_validator(mode="after")
-    def _schema_when_asked(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError(
-                "invalid_value", "json_schema is required with type json_schema, and only then", {}
-            )
-        return self
+
+class JsonObjectFormat(_Model):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Model):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
 
 
 class StreamOptions(_Model):
@@ -151,7 +156,9 @@ class _Common(_Model):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = Field(None, max_length=4096)
-    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=256)
+    guided_choice: list[Annotated[str, Field(strict=True, min_length=1)]] | None = Field(
+        None, min_length=1, max_length=256
+    )
 
     @field_validator("logit_bias")
     @classmethod

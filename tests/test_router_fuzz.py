@@ -265,6 +265,11 @@ def _refusal_the_schema_cannot_state(path: str, body: dict, r) -> str | None:
         return "token ids beyond the vocabulary"
     if path == "/detokenize" and err["param"] == "tokens":
         return "token ids beyond the vocabulary"
+    guided = ("response_format", "guided_json", "guided_regex", "guided_choice")
+    if err["param"] == "guide" and any(body.get(k) is not None for k in guided):
+        return "a schema or regex that does not compile (only the grammar engine can tell)"
+    if err["code"] == "invalid_value" and err["message"].startswith("at most one of guided"):
+        return "two guides at once (JSON Schema cannot say 'at most one of these fields')"
     return None
 
 
@@ -552,6 +557,14 @@ WRONG = {
     "ignore_eos": ["no", 0],
     "return_tokens_as_token_ids": ["yes", 1],
     "logprobs": [{"n": 1}],
+    "presence_penalty": ["0.5", 3.0],
+    "frequency_penalty": [[0], -2.5],
+    "repetition_penalty": [0, "1.1"],
+    "logit_bias": [[1], {"x": 1}, {"5": 101}],
+    "response_format": ["json", {"type": "xml"}, {"type": "json_schema"}],
+    "guided_json": [5],
+    "guided_regex": [5, ["a"]],
+    "guided_choice": ["yes", [], [5]],
 }
 
 
@@ -618,7 +631,7 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
     text = plain.json()["choices"][0]["message"]["content"]
     assert neutral.json()["choices"][0]["message"]["content"] == text
     for field, value in (
-        ("logit_bias", {"5": 1}),
+        ("best_of", 3),
         ("tools", [{"type": "function"}]),
         ("frobnicate", {"deep": [1, {"x": None}]}),
     ):
@@ -695,7 +708,7 @@ def test_streaming_requests_with_bad_params_get_a_json_4xx_not_a_stream(cluster)
         (CHAT, chat_body(cluster, max_tokens=0), 400, "max_tokens"),
         (CHAT, chat_body(cluster, max_tokens=10**6), 400, "max_tokens"),
         (CHAT, chat_body(cluster, n=2), 400, "n"),
-        (CHAT, chat_body(cluster, guided_regex="a+"), 400, "guided_regex"),
+        (CHAT, chat_body(cluster, guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
         (
             CHAT,
             chat_body(cluster, stream_options={"include_usage": "yes"}),
