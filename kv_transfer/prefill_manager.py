@@ -74,6 +74,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
             bootstrap_addr, config.auth_token, config.heartbeat_interval_s
         )
         self.registered = threading.Event()
+        self._misses = 0  # heartbeats in a row the bootstrap server did not answer
         self._threads.append(
             threading.Thread(
                 target=self._register, name=f"kv-prefill{pp_rank}-register", daemon=True
@@ -85,7 +86,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         try:
             self._bootstrap.register(self.info_record, stop=self._stop)
             self.registered.set()
-            self.info(
+            self.debug(
                 "registered with bootstrap server %s (layers [%d, %d))",
                 self._bootstrap.addr,
                 self.pool.layer_start,
@@ -235,8 +236,21 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         try:
             dead = set(self._bootstrap.heartbeat(self.session_id, peers)[0])
         except Exception as e:  # our own node's server; nothing to fail, say so
-            self.warn("heartbeat to bootstrap server %s failed: %s", self._bootstrap.addr, e)
+            # One miss is no news: the server lives in the node's front process, which can be
+            # too busy to answer within the beat (a start-up importing the tokenizer's libraries
+            # next to it); its peers count a session dead only after heartbeat_timeout_s.
+            self._misses += 1
+            say = self.warn if self._misses == self.config.heartbeat_misses else self.debug
+            say(
+                "heartbeat to bootstrap server %s failed %d times in a row: %s",
+                self._bootstrap.addr,
+                self._misses,
+                e,
+            )
             return
+        if self._misses >= self.config.heartbeat_misses:
+            self.info("heartbeat to bootstrap server %s answered again", self._bootstrap.addr)
+        self._misses = 0
         if dead:
             self.failed_sessions.update(dead)
             for s in active:

@@ -32,6 +32,7 @@ Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
 StopText = Annotated[str, Field(strict=True, min_length=1)]
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: token ids as text
 
 # `json_schema_extra` below states in the OpenAPI document (router/openapi.py) what a validator
 # enforces, so that a client (or a fuzzer) reading the document knows which values are accepted.
@@ -149,8 +150,8 @@ class _Common(_Model):
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Float | None = Field(None, gt=0.0, le=10.0, description="vLLM's")
-    logit_bias: dict[str, Annotated[float, Field(strict=False, ge=-100, le=100)]] | None = Field(
-        None, json_schema_extra={"maxProperties": 300}
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(strict=False, ge=-100, le=100)]] | None = (
+        Field(None, json_schema_extra={"maxProperties": 300})
     )
     # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (one at most).
     response_format: ResponseFormat | None = None
