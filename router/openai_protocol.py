@@ -151,8 +151,16 @@ class _Common(_Model):
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Float | None = Field(None, gt=0.0, le=10.0, description="vLLM's")
     logit_bias: dict[TokenIdKey, Annotated[float, Field(strict=False, ge=-100, le=100)]] | None = (
-        Field(None, json_schema_extra={"maxProperties": 300})
+        Field(
+            None,
+            json_schema_extra={
+                "maxProperties": 300,
+                "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            },
+        )
     )
+
     # Structured output: OpenAI's response_format, and vLLM's guided_* extensions (one at most).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | StrictStr | None = None

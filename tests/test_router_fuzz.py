@@ -268,7 +268,7 @@ def _refusal_the_schema_cannot_state(path: str, body: dict, r) -> str | None:
     guided = ("response_format", "guided_json", "guided_regex", "guided_choice")
     if err["param"] == "guide" and any(body.get(k) is not None for k in guided):
         return "a schema or regex that does not compile (only the grammar engine can tell)"
-    if err["code"] == "invalid_value" and err["message"].startswith("at most one of guided"):
+    if err["code"] == "invalid_value" and err["message"].startswith("at most one of"):
         return "two guides at once (JSON Schema cannot say 'at most one of these fields')"
     return None
 
