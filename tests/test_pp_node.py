@@ -291,4 +291,4 @@ def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp
         assert generate_all(url, mixed_prompts[:6]) == reference[:6]
         ranks = httpx.get(f"{url}/server_info").json()["ranks"]
         assert [r["pp_rank"] for r in ranks] == [0, 1]
-    assert "node-rank 1" in (tmp_path / "host1.log").read_text()
+    assert "pp_rank 1/2 ready" in (tmp_path / "host1.log").read_text()  # host 1 ran PP1
