@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.front import NodeFront, RequestError
+from runtime.front import NodeFront
+from runtime.prompt import RequestError, check_messages
 
 MAX_DETOKENIZE = 1 << 18  # token ids in one /detokenize (the body limit bounds the rest)
 
@@ -33,20 +34,7 @@ def tokenize(front: NodeFront, body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError(400, "'prompt' must be a string", "prompt")
         text, special = body["prompt"], _flag(body, "add_special_tokens", True)
     else:
-        msgs = body["messages"]
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
-            raise RequestError(
-                400, "'messages' must be a non-empty list of {role, content} strings", "messages"
-            )
+        msgs = check_messages(body)
         from jinja2 import TemplateError
 
         try:
