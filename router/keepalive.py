@@ -20,7 +20,7 @@ from router.openai_protocol import ApiError
 from router.responses import StreamShaper, sse
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.core import Router
 
 PING = ": ping\n\n"
 

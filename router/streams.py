@@ -18,7 +18,7 @@ from router.attempt import Attempt
 from router.responses import NodeAborted, StreamShaper, sse
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.core import Router
 
 CLIENT_CLOSED = 499
 

@@ -23,7 +23,7 @@ from router import openai_fields
 from router.openai_protocol import ApiError, ChatMessage, TokenId, _Model, parse_request
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.core import Router
 
 MAX_TOKENS = 1 << 18  # ids in one /detokenize (the node's limit too)
 
