@@ -38,8 +38,10 @@ PREFILL_GRACE_S = 5.0  # after decode finished, how long a still-open prefill ca
 
 @dataclass
 class Route:
-    prefill: Worker | None  # None: colocated worker, no PD split
+    prefill: Worker | None  # None: colocated worker or decode-only, no PD split
     decode: Worker
+    prompt_tokens: int = 0  # estimated tokens to prefill, charged to the worker that prefills
+    key_chars: int = 0  # the prompt key's length, to learn characters per token (0: ids prompt)
 
 
 class Failure(Exception):
@@ -154,9 +156,19 @@ class Attempt:
         self.prefill_meta: dict | None = None  # the prefill node's meta_info, once it answered
         self.last_meta: dict = {}  # streaming: the decode node's final meta_info
         self.closed = False
+        # the worker whose prefill queue this attempt's prompt is charged to, until it is prefilled
+        self._charged: Worker | None = route.prefill or route.decode
+
+    def _prefilled(self) -> None:
+        """The prompt left its prefill queue (or the attempt ended): uncharge it, once."""
+        if self._charged is not None:
+            self._charged.queued_prompt_tokens -= self.route.prompt_tokens
+            self._charged = None
 
     async def start(self) -> None:
         route, cfg = self.route, self.d.cfg
+        if self._charged is not None:
+            self._charged.queued_prompt_tokens += route.prompt_tokens
         for w in (route.prefill, route.decode):
             if w is not None:
                 w.in_flight += 1
@@ -225,6 +237,7 @@ class Attempt:
             verdict = False
             raise unreachable(worker, exc) from None
         finally:
+            self._prefilled()
             worker.in_flight -= 1
             worker.breaker.record(verdict)
             self.d.registry.report(worker)
@@ -259,6 +272,9 @@ class Attempt:
             if self.response is not None:  # cancelled: close() may have run already
                 self.d.spawn(self.response.aclose())
             raise
+        finally:
+            if self.route.prefill is None:  # decode-only: its first event ends its prefill
+                self._prefilled()
 
     async def _next_event(self) -> dict | None:
         """The next data event of the decode stream; None at `[DONE]` or end of stream."""
@@ -303,6 +319,9 @@ class Attempt:
         if self.closed:
             return
         self.closed = True
+        self._prefilled()
+        meta = self.prefill_meta or (self.result or {}).get("meta_info") or self.last_meta
+        self.d.disagg.tokens.learn(self.route.key_chars, meta.get("prompt_tokens"))
         decode = self.route.decode
         decode.in_flight -= 1
         decode.breaker.record(ok)

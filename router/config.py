@@ -80,6 +80,30 @@ class CacheAwareConfig:
 
 
 @dataclass(frozen=True)
+class DisaggConfig:
+    """Conditional disaggregation (router/disagg.py): when a request that could use a PD pair goes
+    to the decode node alone. The defaults are measured on a 2-core CPU (docs/ROUTER.md)."""
+
+    min_prompt_tokens: int = 32  # shorter prompts: decode-only (0: never for this reason)
+    decode_prefix_fraction: float = 0.8  # held share of the prompt: decode-only (> 1: never)
+    local_prefill_cost: float = 4.0  # decode-side prefill token vs prefill-side (0: no queue rule)
+    transfer_overhead_tokens: int = 64  # bootstrap + KV transfer, in prefill-token equivalents
+    max_tree_chars: int = 4_000_000  # the estimate of what decode nodes hold, bounded
+
+    def __post_init__(self) -> None:
+        if self.min_prompt_tokens < 0 or self.transfer_overhead_tokens < 0:
+            raise ValueError("disagg token thresholds must be >= 0")
+        if self.decode_prefix_fraction <= 0 or self.local_prefill_cost < 0:
+            raise ValueError("disagg decode prefix fraction must be > 0, local cost >= 0")
+
+
+# Every request that can use a PD pair uses it (the tests of the transfer path pin this).
+ALWAYS_DISAGGREGATE = DisaggConfig(
+    min_prompt_tokens=0, decode_prefix_fraction=2.0, local_prefill_cost=0.0
+)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     host: str = "127.0.0.1"
@@ -104,6 +128,7 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:

@@ -1,10 +1,11 @@
 """PD dispatch: pick a (prefill, decode) pair with the policies and open an attempt on it,
 retrying failed attempts on new pairs with backoff, until one opens or retries run out.
 
-Decode-only fallback (a decode node prefills a request that names no prefill node): when no
-prefill node serving the model is eligible, or after an attempt whose prefill leg failed before
-the client got a byte, the request goes to a decode node alone. A healthy decode node is never
-idle while a client gets an error only a prefill node caused. Every route is counted in
+Decode-only routes (a decode node prefills a request that names no prefill node): when no
+prefill node serving the model is eligible, after an attempt whose prefill leg failed before the
+client got a byte, or when conditional disaggregation (router/disagg.py) finds the request better
+prefilled on the decode node, the request goes to a decode node alone. A healthy decode node is
+never idle while a client gets an error only a prefill node caused. Every route is counted in
 `pdserve_router_route_decisions_total{path, reason}`.
 """
 
@@ -20,6 +21,7 @@ import httpx
 from infra.logs import bind_request
 from router.attempt import Attempt, Failure, Route
 from router.config import RouterConfig
+from router.disagg import Disaggregation
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
 from router.openai_protocol import ApiError
@@ -47,6 +49,7 @@ class Dispatcher:
         self.node_headers = (
             {"Authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
         )
+        self.disagg = Disaggregation(cfg.disagg)
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task] = set()
 
@@ -57,21 +60,32 @@ class Dispatcher:
         return self.policies[role].select(fresh, key) if fresh else None
 
     def pick(
-        self, key: str, exclude: set[str], model: str | None = None, prefill_failed: bool = False
+        self,
+        key: str,
+        exclude: set[str],
+        model: str | None = None,
+        prefill_failed: bool = False,
+        body: dict | None = None,
     ) -> Route:
-        """A PD pair serving `model` (both halves); a decode node alone when no prefill node can
-        serve it or a prefill leg of this request failed; else a colocated worker serving it."""
+        """A PD pair serving `model` (both halves), or its decode node alone when the request is
+        better prefilled there (router/disagg.py), no prefill node can serve it or a prefill leg of
+        this request failed; else a colocated worker serving it."""
         if self.registry.has_role("prefill") or self.registry.has_role("decode"):
             decode = self._choose("decode", key, exclude, model)
             prefill = None if prefill_failed else self._choose("prefill", key, exclude, model)
-            if prefill and decode:
-                self.metrics.route_decision("disaggregated", "default")
-                return Route(prefill, decode)
             if decode:
-                self.metrics.route_decision(
-                    "decode_only", "prefill_failed" if prefill_failed else "no_prefill"
-                )
-                return Route(None, decode)
+                body = body or {}
+                chars = 0 if isinstance(body.get("input_ids"), list) else len(key)
+                if prefill:
+                    d = self.disagg.decide(body, key, prefill, decode)
+                    path, reason, tokens = d.path, d.reason, d.prompt_tokens
+                else:
+                    path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
+                    reason = "prefill_failed" if prefill_failed else "no_prefill"
+                self.disagg.routed(key, decode.url)
+                self.metrics.route_decision(path, reason)
+                keep = prefill if path == "disaggregated" else None
+                return Route(keep, decode, tokens, chars)
         colocated = self._choose("colocated", key, exclude, model)
         if colocated:
             return Route(None, colocated)
@@ -107,7 +121,7 @@ class Dispatcher:
         n, last, prefill_failed = 0, None, False
         while True:
             try:
-                route = self.pick(key, exclude, model, prefill_failed)
+                route = self.pick(key, exclude, model, prefill_failed, body)
             except ApiError:
                 if last is None:
                     raise

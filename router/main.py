@@ -23,6 +23,7 @@ from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from router.config import (
     BreakerConfig,
     CacheAwareConfig,
+    DisaggConfig,
     HealthConfig,
     RetryConfig,
     RouterConfig,
@@ -46,8 +47,8 @@ def _env(dest: str, default, kind=str):
         ) from None
 
 
-def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    R, H, B, T, C = RouterConfig, HealthConfig, BreakerConfig, RetryConfig, CacheAwareConfig
+def _opt_adder(parser: argparse.ArgumentParser):
+    """`opt(flag, default, kind, help)`: a flag whose default reads PDSERVE_ROUTER_<FLAG> first."""
 
     def opt(flag: str, default, kind=str, help: str = "", **kw):
         dest = flag.lstrip("-").replace("-", "_")
@@ -60,6 +61,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             **kw,
         )
 
+    return opt
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_worker_args(parser)
+    opt = _opt_adder(parser)
+    _add_serving_args(parser, opt)
+    _add_fault_args(opt)
+    _add_routing_args(opt)
+    _add_log_args(opt)
+    return parser
+
+
+def _add_worker_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workers")
     g.add_argument(
         "--prefill",
@@ -79,16 +94,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="URL",
         help="colocated node URL (no PD split); repeatable",
     )
+
+
+def _add_serving_args(parser: argparse.ArgumentParser, opt) -> None:
+    R = RouterConfig
     opt("--host", R.host, help="address to bind")
     opt("--port", R.port, int, help="port to bind")
-    opt("--policy", None, help="policy for both prefill and decode", choices=list(POLICIES))
-    opt("--prefill-policy", R.prefill_policy, choices=list(POLICIES), help="prefill policy")
-    opt(
-        "--decode-policy",
-        R.decode_policy,
-        choices=list(POLICIES),
-        help="decode (and colocated) policy",
-    )
     opt(
         "--api-key",
         None,
@@ -127,6 +138,21 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(0: none)",
     )
     opt("--max-body-bytes", R.max_body_bytes, int, help="largest request body; beyond: 413")
+
+
+def _add_log_args(opt) -> None:
+    R = RouterConfig
+    opt("--log-level", R.log_level, help="info, or debug: adds access and health-probe lines")
+    opt(
+        "--log-format",
+        R.log_format,
+        help="text, or json: one JSON object per line, with rid and trace_id",
+        choices=("text", "json"),
+    )
+
+
+def _add_fault_args(opt) -> None:
+    H, B, T = HealthConfig, BreakerConfig, RetryConfig
     opt("--health-interval", H.interval_s, float, help="seconds between health probes")
     opt("--health-timeout", H.timeout_s, float, help="health probe timeout, seconds")
     opt("--health-failure-threshold", H.failure_threshold, int, help="failed probes => unhealthy")
@@ -142,17 +168,46 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt("--max-retries", T.max_retries, int, help="retries before the first byte")
     opt("--retry-initial-backoff", T.initial_backoff_s, float, help="first backoff, seconds")
     opt("--retry-max-backoff", T.max_backoff_s, float, help="largest backoff, seconds")
+
+
+def _add_routing_args(opt) -> None:
+    R, C, D = RouterConfig, CacheAwareConfig, DisaggConfig
+    opt("--policy", None, help="policy for both prefill and decode", choices=list(POLICIES))
+    opt("--prefill-policy", R.prefill_policy, choices=list(POLICIES), help="prefill policy")
+    opt(
+        "--decode-policy",
+        R.decode_policy,
+        choices=list(POLICIES),
+        help="decode (and colocated) policy",
+    )
     opt("--cache-threshold", C.cache_threshold, float, help="cache_aware: prefix match ratio")
     opt("--balance-abs-threshold", C.balance_abs, int, help="cache_aware: load gap (requests)")
     opt("--balance-rel-threshold", C.balance_rel, float, help="cache_aware: load ratio")
-    opt("--log-level", R.log_level, help="info, or debug: adds access and health-probe lines")
     opt(
-        "--log-format",
-        R.log_format,
-        help="text, or json: one JSON object per line, with rid and trace_id",
-        choices=("text", "json"),
+        "--disagg-min-prompt-tokens",
+        D.min_prompt_tokens,
+        int,
+        help="PD: shorter prompts (estimated tokens) are prefilled on the decode node",
     )
-    return parser
+    opt(
+        "--disagg-decode-prefix-fraction",
+        D.decode_prefix_fraction,
+        float,
+        help="PD: decode-only when the decode node holds this share of the prompt (> 1: never)",
+    )
+    opt(
+        "--disagg-local-prefill-cost",
+        D.local_prefill_cost,
+        float,
+        help="PD: cost of a decode-side prefill token vs a prefill-side one, for the queue rule "
+        "(0: no queue rule)",
+    )
+    opt(
+        "--disagg-transfer-overhead-tokens",
+        D.transfer_overhead_tokens,
+        int,
+        help="PD: bootstrap + KV transfer cost in prefill-token equivalents, for the queue rule",
+    )
 
 
 def _prefill_spec(values: list[str]) -> WorkerSpec:
@@ -216,6 +271,12 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         ),
         cache_aware=CacheAwareConfig(
             args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
+        ),
+        disagg=DisaggConfig(
+            min_prompt_tokens=args.disagg_min_prompt_tokens,
+            decode_prefix_fraction=args.disagg_decode_prefix_fraction,
+            local_prefill_cost=args.disagg_local_prefill_cost,
+            transfer_overhead_tokens=args.disagg_transfer_overhead_tokens,
         ),
     )
 

@@ -17,6 +17,7 @@ from prometheus_client import (
 )
 
 from infra.build import build_info
+from router.disagg import DECODE_ONLY_REASONS, DISAGGREGATED_REASONS
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -39,10 +40,8 @@ _LATENCY_BUCKETS = (
 )
 
 
-ROUTE_DECISIONS = (
-    ("disaggregated", "default"),
-    ("decode_only", "no_prefill"),
-    ("decode_only", "prefill_failed"),
+ROUTE_DECISIONS = tuple(("disaggregated", r) for r in DISAGGREGATED_REASONS) + tuple(
+    ("decode_only", r) for r in DECODE_ONLY_REASONS
 )
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 CIRCUIT_STATES = ("closed", "open", "half_open")  # router/circuit.py CircuitState, lower case
@@ -70,8 +69,9 @@ class RouterMetrics:
         self.route_decisions = Counter(
             "pdserve_router_route_decisions_total",
             "Routes chosen per attempt: disaggregated (a prefill and a decode node) or decode_only "
-            "(the decode node prefills: no prefill node could serve, or this request's prefill leg "
-            "failed)",
+            "(the decode node prefills: no prefill node could serve, this request's prefill leg "
+            "failed, or conditional disaggregation chose it: short_prompt, decode_prefix_hit, "
+            "prefill_queue)",
             ["path", "reason"],
             registry=r,
         )

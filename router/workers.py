@@ -41,6 +41,7 @@ class Worker:
     good_probes: int = 0  # consecutive
     bad_probes: int = 0  # consecutive
     in_flight: int = 0  # requests the router has open on this worker
+    queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
     bootstrap_host: str = field(init=False)
     pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -61,6 +62,7 @@ class Worker:
             "healthy": self.healthy,
             "circuit": self.breaker.state.name.lower(),
             "in_flight": self.in_flight,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
             "bootstrap_port": self.bootstrap_port,
             "max_context": self.max_context,
         }

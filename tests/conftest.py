@@ -12,6 +12,13 @@ from consensus import rank_checker
 # their own environment (PDSERVE_RANK_CONSENSUS_CHECK, tests/pd_cluster.py).
 rank_checker.enable()
 
+# Routers the tests start as processes (`pdserve up`, `pdserve router`) send every request that can
+# use a PD pair through it, so the PD tests exercise the KV transfer whatever their prompt length;
+# a test of conditional disaggregation passes its own --disagg-* flags, which win over these.
+os.environ.setdefault("PDSERVE_ROUTER_DISAGG_MIN_PROMPT_TOKENS", "0")
+os.environ.setdefault("PDSERVE_ROUTER_DISAGG_DECODE_PREFIX_FRACTION", "2")
+os.environ.setdefault("PDSERVE_ROUTER_DISAGG_LOCAL_PREFILL_COST", "0")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):

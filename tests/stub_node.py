@@ -366,11 +366,15 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         from router.app import build_app
-        from router.config import HealthConfig, RouterConfig, WorkerSpec
+        from router.config import ALWAYS_DISAGGREGATE, HealthConfig, RouterConfig, WorkerSpec
 
         try:
             workers = tuple(WorkerSpec(n.url, n.behavior.role) for n in self.nodes)
-            kw = {"health": HealthConfig(interval_s=0.1, timeout_s=1.0), **self.router_kw}
+            kw = {
+                "health": HealthConfig(interval_s=0.1, timeout_s=1.0),
+                "disagg": ALWAYS_DISAGGREGATE,  # a test of conditional routing passes its own
+                **self.router_kw,
+            }
             self.config = RouterConfig(workers=workers, **kw)
             self.app = build_app(self.config)
             self.router = ThreadServer(self.app).start()

@@ -383,7 +383,7 @@ def test_metrics_of_router_and_nodes(cluster):
 
 
 def test_prefill_node_killed_every_request_is_answered_by_decode(cluster, chat_reference):
-    """Issue #18: the only prefill node is SIGKILLed while 8 requests are in flight, and 8 more
+    """Issue #18: the only prefill node is SIGKILLed while 16 requests are in flight, and 16 more
     come after. Every one is answered (by the decode nodes alone once the prefill leg fails or the
     node is gone), token-identical to transformers, and the decode-only routes are counted."""
     url, _, _ = cluster
@@ -402,16 +402,16 @@ def test_prefill_node_killed_every_request_is_answered_by_decode(cluster, chat_r
 
     async def run():
         ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        first = [asyncio.create_task(ask(ac, i)) for i in range(8)]
+        first = [asyncio.create_task(ask(ac, i)) for i in range(16)]
         await asyncio.sleep(0.3)
         os.kill(victim, signal.SIGKILL)
         done = await asyncio.gather(*first)
-        return done + list(await asyncio.gather(*(ask(ac, i) for i in range(8, 16))))
+        return done + list(await asyncio.gather(*(ask(ac, i) for i in range(16, 32))))
 
     for q, text in asyncio.run(run()):
         assert text == chat_reference[q][2], q
     after = total(scrape(url), "pdserve_router_route_decisions_total", path="decode_only")
-    assert after >= before + 8, (before, after)
+    assert after >= before + 16, (before, after)
 
 
 def test_ctrl_c_stops_every_process(cluster):

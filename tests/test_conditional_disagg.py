@@ -1,0 +1,116 @@
+"""Issue #18: conditional disaggregation on a real `pdserve up` cluster (prefill PP 1, decode PP 2).
+
+The router sends prompts shorter than --disagg-min-prompt-tokens to the decode node alone, which
+prefills them itself, mixed with the streams it is decoding; longer prompts use the PD pair. Every
+answer is token-identical to transformers and every route is counted by reason. The rank
+consensus checker is on in every rank (PDSERVE_RANK_CONSENSUS_CHECK, tests/cluster.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+from cluster import node_args, up
+from metrics_scrape import scrape, total
+from reference import hf_greedy, load_hf
+
+MIN_PROMPT = 40
+MAX_NEW = 10
+ROUTER_ARGS = (
+    f"--disagg-min-prompt-tokens {MIN_PROMPT} --disagg-local-prefill-cost 0 "
+    "--disagg-decode-prefix-fraction 2 --health-interval 1"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny30, tmp_path_factory):
+    log = tmp_path_factory.mktemp("cond") / "up.log"
+    args = ["--prefill-pp", "1", "--decode-pp", "2"]
+    args += ["--node-args", " ".join(node_args(max_running=None)), "--router-args", ROUTER_ARGS]
+    with up(tiny30, log, args) as (url, _, auth):
+        yield url, auth
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny30):
+    """8 long prompts (disaggregated) and 4 short ones (decode-only), with their HF answers."""
+    rng = random.Random(18)
+    long = [[rng.randrange(3, 380) for _ in range(rng.randrange(60, 90))] for _ in range(8)]
+    short = [[rng.randrange(3, 380) for _ in range(rng.randrange(4, MIN_PROMPT))] for _ in range(4)]
+    model = load_hf(tiny30)
+    return long, short, hf_greedy(model, long, MAX_NEW), hf_greedy(model, short, MAX_NEW)
+
+
+def body(ids: list[int], max_new: int, stream: bool = False) -> dict:
+    return {
+        "input_ids": ids,
+        "stream": stream,
+        "sampling_params": {"max_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
+
+
+async def generate(ac: httpx.AsyncClient, url: str, ids: list[int], max_new: int) -> list[int]:
+    r = await ac.post(f"{url}/generate", json=body(ids, max_new))
+    assert r.status_code == 200, r.text
+    return r.json()["token_ids"]
+
+
+def decisions(url: str) -> dict[str, float]:
+    fam = scrape(url)
+    return {
+        reason: total(fam, "pdserve_router_route_decisions_total", path=path, reason=reason)
+        for path, reason in (("decode_only", "short_prompt"), ("disaggregated", "default"))
+    }
+
+
+def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cluster, prompts):
+    """8 long prompts stream through the PD pair with 3x the tokens; 4 short prompts sent while
+    they decode are prefilled by the decode node between their steps. All 12 are HF-exact."""
+    url, _ = cluster
+    long, short, want_long, want_short = prompts
+    before = decisions(url)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            running = [asyncio.create_task(generate(ac, url, p, 3 * MAX_NEW)) for p in long]
+            await asyncio.sleep(0.5)  # the long ones are prefilled and decoding by now, mostly
+            local = await asyncio.gather(*(generate(ac, url, p, MAX_NEW) for p in short))
+            return await asyncio.gather(*running), local
+
+    got_long, got_short = asyncio.run(run())
+    assert [g[:MAX_NEW] for g in got_long] == want_long
+    assert got_short == want_short
+    after = decisions(url)
+    assert after["short_prompt"] - before["short_prompt"] == len(short)
+    assert after["default"] - before["default"] == len(long)
+
+
+def test_the_decode_only_route_leaves_nothing_held(cluster, prompts):
+    """After decode-only requests, aborted ones included, the decode node holds no pages."""
+    url, auth = cluster
+    _, short, _, want_short = prompts
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as ac:
+            # long answers, cut by the client while they decode
+            aborted = [asyncio.create_task(generate(ac, url, p, 400)) for p in short]
+            await asyncio.sleep(0.3)
+            for t in aborted:
+                t.cancel()
+            await asyncio.gather(*aborted, return_exceptions=True)
+            return await asyncio.gather(*(generate(ac, url, p, MAX_NEW) for p in short))
+
+    assert asyncio.run(run()) == want_short
+    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+    decode = next(w["url"] for w in workers if w["role"] == "decode")
+    deadline = time.monotonic() + 30
+    while True:
+        info = httpx.get(f"{decode}/server_info", headers=auth, timeout=5).json()
+        held = [r["held_pages"] for r in info["ranks"]]
+        if not any(held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(held) == 2 and not any(held), held
