@@ -186,3 +186,42 @@ def test_abort_after_partial_prefix_bootstrap(tiny6, hf6):
             assert a["skipped_tokens"] - b["skipped_tokens"] == held
         stats = c.wait_settled()
         assert all(settled(s) for ranks in stats.values() for s in ranks), stats
+
+
+def _retracted(rid: str):
+    return lambda loop: any(
+        r.rid == rid and r.status.value == "retracted" for r in loop.sched.waiting
+    )
+
+
+def test_retraction_of_a_request_with_a_cached_prefix(tiny6, hf6):
+    """A conversation's turn 2 holds a cached prefix, then is retracted under decode KV pressure
+    (decode PP 1: one slot, and turn 2 is its youngest request): it gives its pages to the cache,
+    unlocks the prefix, re-prefills on the decode node from the cache, and its answer is still
+    transformers'."""
+    (p1, a1), (p2, _) = _conversation(hf6, seed=9, turns=2)
+    long_new = 40
+    a2 = hf_greedy(hf6, [p2], long_new)[0]
+    rng = random.Random(4)
+    others = [[rng.randrange(3, 380) for _ in range(30)] for _ in range(2)]
+    want = hf_greedy(hf6, others, long_new)
+    small = {"max_total_tokens": 160}  # 40 pages of 4 tokens
+    with running(lambda: PDCluster(tiny6, 2, 1, decode_engine=small)) as c:
+        assert c.generate_all([p1], MAX_NEW) == [a1]
+        with c.stepping():
+            for i, ids in enumerate(others):
+                c.submit(f"other{i}", ids, long_new)
+            c.step_until(lambda: _loops_all(c.decode, lambda lp: len(lp.sched.reqs) == 2))
+            c.submit("turn2", p2, long_new)
+            c.step_until(lambda: _loops_all(c.decode, _held("turn2", "transfer")))
+            c.step_until(lambda: _loops_all(c.decode, _retracted("turn2")))
+        r = c.result("turn2")
+        assert r.ok and r.tokens == a2, r
+        for i, w in enumerate(want):
+            r = c.result(f"other{i}")
+            assert r.ok and r.tokens == w, (i, r)
+        stats = c.wait_settled()
+        for node, ranks in stats.items():
+            for s in ranks:
+                assert settled(s), f"{node} pp{s.pp_rank}: {s}"
+        assert all(s.retractions > 0 for s in stats["decode"])
