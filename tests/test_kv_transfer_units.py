@@ -296,3 +296,30 @@ def test_kvpoll_order():
     assert update_status(KVPoll.Transferring, KVPoll.WaitingForInput) == KVPoll.Transferring
     assert update_status(KVPoll.Failed, KVPoll.Success) == KVPoll.Failed
     assert min(KVPoll.Success, KVPoll.Failed) == KVPoll.Failed
+
+
+def test_decode_ranks_naming_different_prefixes_fail_the_room():
+    """Every decode rank of a room must hold the same cached prefix: a prefill rank that gets two
+    registrations naming different ones fails the room (`prefix_mismatch`), and both decode ranks
+    hear it (in-memory transfer: the same checks as the Mooncake sender)."""
+    import ctypes
+
+    from kv_transfer.in_memory import InMemoryFabric
+
+    bufs = [ctypes.create_string_buffer(8 * 64 * TB) for _ in range(3)]
+    fabric = InMemoryFabric(1)
+    fabric.prefill_manager(pool(ctypes.addressof(bufs[0]), 8, 4, 0, 4), 0)
+    slices = [(0, 2), (2, 4)]
+    decode = [
+        fabric.decode_manager(pool(ctypes.addressof(bufs[1 + r]), 8, 4, *slices[r]), r, slices)
+        for r in range(2)
+    ]
+    ends = [m.create_receiver(7, fabric.address) for m in decode]
+    with pytest.raises(ValueError):
+        ends[0].register([1, 2], 0, prefix_tokens=6)  # not page-aligned
+    ends[0].register([1, 2], 0, prefix_tokens=8)
+    ends[1].register([3, 4, 5], 0, prefix_tokens=4)
+    sender = fabric.prefill[0].create_sender(7)
+    assert sender.poll() == KVPoll.Failed and sender.reason == "prefix_mismatch"
+    assert [e.poll() for e in ends] == [KVPoll.Failed, KVPoll.Failed]
+    assert fabric.prefill[0].stats.snapshot()["failures"] == {"prefix_mismatch": 1}
