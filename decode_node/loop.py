@@ -4,9 +4,10 @@ Added around the engine's slot loop (runtime/slot_loop.py), on every rank:
 
   PDAddRequest    a receiver for the room is created; the request joins the `prealloc` queue
   prealloc        first come first served, the same decision on every rank (same pool, same
-                  history): pages for the prompt and an aux slot, after the pages retracted
-                  requests need to resume; each rank registers them with the prefill ranks that
-                  hold its layers
+                  history): the cached prefix of the prompt (decode_node/prefix.py), pages for the
+                  rest and an aux slot, after the pages retracted requests need to resume; each
+                  rank registers them with the prefill ranks that hold its layers, which send only
+                  the pages after the prefix
   prealloc vote   good = registered (WaitingForInput or later), bad = Failed, aborted => bad;
                   admitted requests move to `transfer` on every rank in the same iteration
   transfer vote   good = Success (every prefill rank's KV and the aux data landed), bad = Failed;
@@ -30,6 +31,7 @@ import time
 from consensus.kvpoll import done_for
 from consensus.rank_checker import rank_consensus
 from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
+from decode_node.prefix import HeldPrefix, hold_prefix, release_prefix
 from engine.core import Req, SamplingParams
 from engine.kv_cache import pages_needed
 from kv_transfer.base import BaseDecodeKVManager
@@ -123,7 +125,7 @@ class DecodeLoop(PDLoop):
         )
 
     @rank_consensus("pd_prealloc", result=lambda placed: placed)
-    def _preallocate(self) -> list[tuple[int, list[int], int]]:
+    def _preallocate(self) -> list[tuple[int, int, list[int], int]]:
         alloc, ps = self.sched.allocator, self.sched.cfg.page_size
         reserve = self.sched.num_running  # one page of decode headroom per running request
         # Retracted requests (the scheduler's waiting queue) come back before new rooms take pages:
@@ -134,16 +136,27 @@ class DecodeLoop(PDLoop):
         for pd in self.prealloc:
             if pd.pages:
                 continue
-            need = pages_needed(pd.req.prompt_len, ps)
-            if not self.aux_free or not alloc.can_alloc(need + reserve):
+            if not self.aux_free:
                 break  # first come first served
-            pd.pages = alloc.alloc(need)
+            held = self._hold_prefix(pd)  # locked first: the eviction below cannot take it
+            need = pages_needed(pd.req.prompt_len, ps) - len(held.pages)
+            if not self.sched.free_pages_for(need + reserve):
+                release_prefix(self.sched, held)
+                break
+            pd.held, pd.pages = held, alloc.alloc(need)
             pd.aux_slot = heapq.heappop(self.aux_free)
+            if self.sched.cache is not None:
+                self.sched.cache.hit_tokens_total += held.tokens
             if pd.rid in self._t_stage:  # metrics only: how long it waited for KV memory
                 self.observe("kv_alloc_wait", time.monotonic() - self._t_stage[pd.rid])
-            pd.transfer.register(pd.pages, pd.aux_slot)
-            placed.append((pd.room, pd.pages, pd.aux_slot))
+            pd.transfer.register(pd.pages, pd.aux_slot, held.tokens)
+            placed.append((pd.room, held.tokens, pd.pages, pd.aux_slot))
         return placed
+
+    @rank_consensus("pd_decode_prefix", args=lambda self, pd: pd.room, result=lambda h: h.tokens)
+    def _hold_prefix(self, pd: PDReq) -> HeldPrefix:
+        """The room's cached prompt prefix, locked: the same length on every rank."""
+        return hold_prefix(self.sched, pd.req.input_ids)
 
     def after_harvest(self, t: int, hb: int) -> None:
         verdicts = self.vote.pass2(hb)
@@ -216,13 +229,17 @@ class DecodeLoop(PDLoop):
                 top if req.params.top_logprobs else None,
             )
         )
-        self.sched.add_prefilled(req, pd.pages, mb)
+        held, pd.held = pd.held or HeldPrefix(), None  # the scheduler's request owns the lock now
+        self.sched.add_prefilled(req, held.pages + pd.pages, mb, held.tokens, held.handle)
         if self.is_first and req.rid in self.sched.reqs:
             self._t_running[req.rid] = time.monotonic()
 
     def _fail(self, pd: PDReq, reason: AbortReason, what: str) -> None:
         """The client hears at once; the pages (and aux slot) wait in quarantine until every rank
-        agrees, by the release vote, that no prefill write can land in them any more."""
+        agrees, by the release vote, that no prefill write can land in them any more. A cached
+        prefix it held is unlocked at once: it was never registered, so nothing writes it."""
+        release_prefix(self.sched, pd.held)
+        pd.held = None
         self.quarantine[pd.room] = pd
         if pd.aborted:
             self._end(pd, pd.reason)

@@ -14,8 +14,9 @@ from runtime.rank_process import RankParts, run_rank
 AUX_SLOTS = 256
 
 
-# Decode keeps no prefix cache: its prompt KV arrives from the prefill node.
-BUILD_KWARGS = {"prefix_cache": False}
+# Decode keeps a prefix cache like any node (on unless --no-prefix-cache): finished requests' pages
+# stay, and a room registers only the prompt pages after its cached prefix (decode_node/prefix.py).
+BUILD_KWARGS: dict = {}
 
 
 def make_loop(parts: RankParts, kv: BaseDecodeKVManager | None = None) -> DecodeLoop:

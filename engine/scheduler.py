@@ -177,7 +177,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or self.num_running > 0
 
-    def _free_pages_for(self, n: int) -> bool:
+    def free_pages_for(self, n: int) -> bool:
         """Makes `n` pages free if it can, evicting unreferenced prefix-cache pages."""
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
@@ -204,7 +204,7 @@ class Scheduler:
                 if r.kv_len % self.cfg.page_size == 0
                 and pages_needed(r.kv_len + 1, self.cfg.page_size) > len(r.pages)
             )
-            if self._free_pages_for(need):
+            if self.free_pages_for(need):
                 break
             self._retract(max(decodes, key=lambda r: r.arrival))  # youngest first
             decodes = [r for r in slot if r.seq_len - r.kv_len == 1]
@@ -241,7 +241,7 @@ class Scheduler:
             pages, handle = self.cache.match(req.all_ids, req.seq_len - 1)
             self.cache.lock(handle)
         need = pages_needed(req.seq_len, self.cfg.page_size) - len(pages)
-        if not self._free_pages_for(need + reserve):
+        if not self.free_pages_for(need + reserve):
             if handle is not None:
                 self.cache.unlock(handle)
             return False
@@ -352,13 +352,26 @@ class Scheduler:
         """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
         self._release_kv(self.kept_kv.pop(rid))
 
-    @rank_consensus("add_prefilled", args=lambda self, req, pages, mb: [req.rid, list(pages), mb])
-    def add_prefilled(self, req: Req, pages: list[int], mb: int) -> None:
-        """Decode side of PD: the prompt's KV arrived in `pages` and `req.output_ids` holds the
-        first token; the request joins slot `mb` as a running decode (it may finish at once)."""
+    @rank_consensus(
+        "add_prefilled",
+        args=lambda self, req, pages, mb, cached_len=0, prefix_node=None: [
+            req.rid,
+            list(pages),
+            mb,
+            cached_len,
+        ],
+    )
+    def add_prefilled(
+        self, req: Req, pages: list[int], mb: int, cached_len: int = 0, prefix_node=None
+    ) -> None:
+        """Decode side of PD: the prompt's KV is in `pages` (the first `cached_len` tokens' pages
+        from the prefix cache, locked by `prefix_node`, the rest transferred) and `req.output_ids`
+        holds the first token; the request joins slot `mb` as a running decode (it may finish at
+        once). The request owns the lock from here: it is unlocked at finish or retraction."""
         self._arrivals += 1
         req.arrival = self._arrivals
-        req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, 0
+        req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, cached_len
+        req.prefix_node = prefix_node
         req.status = ReqStatus.RUNNING
         self.reqs[req.rid] = req
         self.slots[mb].append(req)

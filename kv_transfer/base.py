@@ -76,9 +76,15 @@ class BaseKVReceiver(abc.ABC):
         """This rank's local status; never blocks."""
 
     @abc.abstractmethod
-    def register(self, page_ids: Sequence[int], aux_slot: int | None = None) -> None:
-        """This rank's page table for the prompt (page i holds tokens [i*ps, (i+1)*ps)) and the aux
-        slot the first token lands in; sent to the overlapping prefill ranks. Once per room."""
+    def register(
+        self, page_ids: Sequence[int], aux_slot: int | None = None, prefix_tokens: int = 0
+    ) -> None:
+        """This rank's page table for the prompt and the aux slot the first token lands in; sent to
+        the overlapping prefill ranks. Once per room. `prefix_tokens` (a multiple of the page size)
+        are held here already (the decode prefix cache): the table starts at their end (page i
+        holds tokens [prefix + i*ps, prefix + (i+1)*ps)), and no prefill rank sends or can address
+        anything before it. Every decode rank of a room must name the same prefix, else the
+        prefill ranks fail the room (`prefix_mismatch`)."""
 
     @abc.abstractmethod
     def read_aux(self) -> bytes | None:

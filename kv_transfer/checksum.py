@@ -10,19 +10,28 @@ import ctypes
 import zlib
 from collections.abc import Sequence
 
-from kv_transfer.layout import PoolDesc, pages_for
+from kv_transfer.layout import PoolDesc
 
 
 def kv_checksum(
-    pool: PoolDesc, page_ids: Sequence[int], layers: tuple[int, int], num_tokens: int
+    pool: PoolDesc,
+    page_ids: Sequence[int],
+    layers: tuple[int, int],
+    num_tokens: int,
+    token_start: int = 0,
+    first_page: int = 0,
 ) -> int:
+    """crc32 of tokens [token_start, num_tokens); `page_ids[0]` is the request's page `first_page`
+    (a decode table after a cached prefix)."""
     ps, tb = pool.page_size, pool.token_bytes
     crc = 0
     for layer in range(*layers):
         for kv in (0, 1):
-            for i in range(pages_for(num_tokens, ps)):
-                n = min(ps, num_tokens - i * ps)
-                crc = zlib.crc32(
-                    ctypes.string_at(pool.addr(page_ids[i], layer, kv, 0), n * tb), crc
-                )
+            t = token_start
+            while t < num_tokens:
+                page, off = divmod(t, ps)
+                n = min(ps - off, num_tokens - t)
+                addr = pool.addr(page_ids[page - first_page], layer, kv, off)
+                crc = zlib.crc32(ctypes.string_at(addr, n * tb), crc)
+                t += n
     return crc

@@ -54,7 +54,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.manager import AUX_HEADER, TransferConfig, read_aux, write_aux
 from kv_transfer.mooncake import TransferError
-from kv_transfer.stats import TransferStats
+from kv_transfer.stats import TransferStats, room_tokens
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class _Registration:
     page_ids: tuple[int, ...]
     aux_slot: int | None
     receiver: InMemoryKVReceiver
+    prefix_tokens: int = 0  # held by the decode rank: `page_ids` start at its end
 
 
 @dataclass
@@ -234,6 +235,8 @@ class InMemoryKVSender(BaseKVSender):
             )
             if own != reg.pool.layers or reg.dst_rank not in expected:
                 raise ValueError(f"decode rank {reg.dst_rank} does not overlap {mgr.pool.layers}")
+            if reg.prefix_tokens % reg.pool.page_size:
+                raise ValueError(f"prefix of {reg.prefix_tokens} tokens is not page-aligned")
             if self._expected is not None and expected != self._expected:
                 raise ValueError("decode ranks disagree on the decode node's layer slices")
         except ValueError as e:
@@ -248,6 +251,11 @@ class InMemoryKVSender(BaseKVSender):
             return
         if reg.dst_rank in self._peers:
             mgr.stats.add_dropped("duplicate_register")
+            return
+        if any(p.prefix_tokens != reg.prefix_tokens for p in self._peers.values()):
+            log.warning("room %d: decode ranks registered different cached prefixes", self.room)
+            reg.receiver.on_failed(mgr.pp_rank, "prefix_mismatch")
+            self._fail("prefix_mismatch")
             return
         self._expected = expected
         self._peers[reg.dst_rank] = reg
@@ -283,7 +291,13 @@ class InMemoryKVSender(BaseKVSender):
         peers = sorted(self._peers.items())
         for rank, p in peers:
             descs = build_descriptors(
-                mgr.pool, p.pool, chunk.page_ids, p.page_ids, chunk.token_start, chunk.token_end
+                mgr.pool,
+                p.pool,
+                chunk.page_ids,
+                p.page_ids,
+                max(chunk.token_start, p.prefix_tokens),  # the decode rank holds the prefix
+                chunk.token_end,
+                p.prefix_tokens // p.pool.page_size,
             )
             moved = fabric._copy(mgr.pool, p.pool, descs, chunk.page_ids, p.page_ids)
             self._moved[rank] = self._moved.get(rank, 0) + moved
@@ -295,8 +309,11 @@ class InMemoryKVSender(BaseKVSender):
             aux_bytes[rank] = p.receiver.mgr.land_aux(self.room, p.aux_slot, chunk.aux)
         self._status = KVPoll.Success
         for rank, p in peers:
-            p.receiver.on_success(mgr.pp_rank, aux_bytes[rank], self._moved.get(rank, 0))
+            p.receiver.on_success(
+                mgr.pp_rank, aux_bytes[rank], self._moved.get(rank, 0), chunk.token_end
+            )
         mgr.stats.add_success(self.room, 0.0)
+        mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
 
     def _fail(self, reason: str, abort: bool = False) -> None:
         if self._status in (KVPoll.Failed, KVPoll.Success):
@@ -376,6 +393,8 @@ class InMemoryKVReceiver(BaseKVReceiver):
         self._route: list[int] = []
         self._page_ids: tuple[int, ...] | None = None
         self._aux_slot: int | None = None
+        self._prefix = 0  # prompt tokens this rank holds already: not sent
+        self._num_tokens = 0  # the prompt's tokens, as the prefill ranks reported them
         self._sent = False
         self._done: dict[int, int] = {}  # prefill rank -> aux bytes it wrote
         self._quiet: set[int] = set()  # prefill ranks that sent their final word
@@ -390,8 +409,10 @@ class InMemoryKVReceiver(BaseKVReceiver):
     def poll(self) -> KVPoll:
         return self._status
 
-    def register(self, page_ids, aux_slot: int | None = None) -> None:
+    def register(self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0) -> None:
         mgr = self.mgr
+        if prefix_tokens < 0 or prefix_tokens % mgr.pool.page_size:
+            raise ValueError(f"room {self.room}: prefix of {prefix_tokens} tokens not page-aligned")
         with mgr.fabric.lock:
             if aux_slot is not None:
                 ctypes.memset(mgr.aux_ptr(aux_slot), 0, AUX_HEADER.size)  # validates the slot
@@ -399,6 +420,7 @@ class InMemoryKVReceiver(BaseKVReceiver):
                 raise ValueError(f"room {self.room}: registered twice")
             self._page_ids = tuple(int(p) for p in page_ids)
             self._aux_slot = aux_slot
+            self._prefix = prefix_tokens
             if self._status != KVPoll.Bootstrapping:
                 return
             self._sent, self._status = True, KVPoll.WaitingForInput
@@ -410,6 +432,7 @@ class InMemoryKVReceiver(BaseKVReceiver):
                 self._page_ids,
                 aux_slot,
                 self,
+                prefix_tokens,
             )
             for k in self._route:
                 mgr.fabric.prefill[k].on_register(reg)
@@ -437,10 +460,11 @@ class InMemoryKVReceiver(BaseKVReceiver):
         self._quiet.add(prefill_rank)  # first: _fail tells only the ranks not quiet
         self._fail(f"prefill_failed:{reason}" if reason else "prefill_failed")
 
-    def on_success(self, prefill_rank: int, aux_bytes: int, kv_bytes: int) -> None:
+    def on_success(self, prefill_rank: int, aux_bytes: int, kv_bytes: int, num_tokens: int) -> None:
         self._quiet.add(prefill_rank)
         self._done[prefill_rank] = aux_bytes
         self._received += kv_bytes
+        self._num_tokens = max(self._num_tokens, num_tokens)
         self._try_finish()
 
     def on_prefill_abort(self, prefill_rank: int, reason: str) -> None:
@@ -461,6 +485,10 @@ class InMemoryKVReceiver(BaseKVReceiver):
         self._aux, self._status = aux, KVPoll.Success
         mgr.stats.add_received(self._received)
         mgr.stats.add_success(self.room, 0.0)
+        per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
+        mgr.stats.add_room_tokens(
+            max(0, self._num_tokens - self._prefix), self._prefix, self._prefix * per_token
+        )
 
     def _fail(self, reason: str, detail: str = "") -> None:
         if self._status in (KVPoll.Failed, KVPoll.Success):

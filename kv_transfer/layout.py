@@ -11,7 +11,9 @@ so inside one page any contiguous run of layers is one contiguous byte range, an
 with the same layer slice on both sides are one range too.
 
 Page tables: `page_ids[i]` is the page holding tokens [i * page_size, (i + 1) * page_size) of the
-request, on either side.
+request, on either side. A decode table may start later (`dst_first_page`): a decode rank that holds
+the first pages of the prompt in its prefix cache registers only the pages after them, so no
+descriptor can name a cached page.
 """
 
 from __future__ import annotations
@@ -108,8 +110,10 @@ def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
         )
 
 
-def _check_table(pool: PoolDesc, page_ids: Sequence[int], num_tokens: int, side: str) -> None:
-    need = pages_for(num_tokens, pool.page_size)
+def _check_table(
+    pool: PoolDesc, page_ids: Sequence[int], num_tokens: int, side: str, first_page: int = 0
+) -> None:
+    need = pages_for(num_tokens, pool.page_size) - first_page
     if len(page_ids) < need:
         raise ValueError(
             f"{side} page table has {len(page_ids)} pages, {need} needed for {num_tokens} tokens"
@@ -126,8 +130,12 @@ def build_descriptors(
     dst_pages: Sequence[int],
     token_start: int,
     token_end: int,
+    dst_first_page: int = 0,
 ) -> list[Desc]:
     """Descriptors moving tokens [token_start, token_end) of the layers both pools hold.
+
+    `dst_pages[0]` is the decode page `dst_first_page` of the request (the pages before it are the
+    decode rank's cached prefix); a range starting before that page is refused.
 
     Equal page sizes: whole pages move (the chunk's range rounded out to page boundaries; the bytes
     before `token_start` in the first page were already valid, those after `token_end` in the last
@@ -139,10 +147,14 @@ def build_descriptors(
     layers = intersect(src.layers, dst.layers)
     if layers is None or token_end <= token_start:
         return []
-    if token_start < 0:
-        raise ValueError(f"bad token range [{token_start}, {token_end})")
+    if token_start < dst_first_page * dst.page_size or dst_first_page < 0:
+        raise ValueError(
+            f"bad token range [{token_start}, {token_end}) for a decode table from page "
+            f"{dst_first_page}"
+        )
     _check_table(src, src_pages, token_end, "prefill")
-    _check_table(dst, dst_pages, token_end, "decode")
+    _check_table(dst, dst_pages, token_end, "decode", dst_first_page)
+    dst_pages = [-1] * dst_first_page + list(dst_pages)  # never read below dst_first_page
     lo, hi = layers
     out: list[Desc] = []
     if src.page_size == dst.page_size:

@@ -40,6 +40,9 @@ class KVRegister:
     aux_len: int  # (0, 0): no aux data for this room
     aux_base: int  # the decode rank's whole aux buffer: the slot must lie inside it
     aux_size: int
+    # Prompt tokens the decode rank already holds (its prefix cache), a multiple of its page size:
+    # `page_ids[0]` is then the page of token `prefix_tokens`, and nothing before it is sent.
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ _CHECK = {
     "aux_len": _int,
     "aux_base": _int,
     "aux_size": _int,
+    "prefix_tokens": lambda v: _int(v, 0, 1 << 32),
     "status": _status,
     "reason": _str,
     "num_tokens": _int,

@@ -43,6 +43,7 @@ class KVReceiver(BaseKVReceiver):
         self._route: list[PrefillRankInfo] | None = None
         self._page_ids: tuple | None = None
         self._aux_slot: int | None = None
+        self._prefix = 0  # prompt tokens this rank holds already (its prefix cache): not sent
         self._sent = False
         self._done: dict[int, KVStatus] = {}
         self.created_at = time.monotonic()
@@ -54,9 +55,12 @@ class KVReceiver(BaseKVReceiver):
     def poll(self) -> KVPoll:
         return self._status
 
-    def register(self, page_ids, aux_slot: int | None = None) -> None:
-        """This rank's page table for the prompt (page i = tokens [i*ps, (i+1)*ps)) and the aux slot
-        the first token lands in; sent to the prefill ranks as soon as the route is known."""
+    def register(self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0) -> None:
+        """This rank's page table for the prompt after the `prefix_tokens` it holds (page i = tokens
+        [prefix + i*ps, prefix + (i+1)*ps)) and the aux slot the first token lands in; sent to the
+        prefill ranks as soon as the route is known."""
+        if prefix_tokens < 0 or prefix_tokens % self._mgr.pool.page_size:
+            raise ValueError(f"room {self.room}: prefix of {prefix_tokens} tokens not page-aligned")
         if aux_slot is not None:
             self._mgr.clear_aux(self._mgr.aux_ptr(aux_slot))  # aux_ptr validates the slot
         with self._lock:
@@ -64,6 +68,7 @@ class KVReceiver(BaseKVReceiver):
                 raise ValueError(f"room {self.room}: registered twice")
             self._page_ids = tuple(int(p) for p in page_ids)
             self._aux_slot = aux_slot
+            self._prefix = prefix_tokens
         self._maybe_send_registration()
 
     def read_aux(self) -> bytes | None:
@@ -132,6 +137,7 @@ class KVReceiver(BaseKVReceiver):
                     aux_len,
                     mgr.aux_base,
                     mgr.aux_slots * mgr.config.aux_slot_bytes,
+                    self._prefix,
                 ),
             )
 
@@ -196,17 +202,25 @@ class KVReceiver(BaseKVReceiver):
             if aux is None:
                 # Not landed yet (cannot happen over a completed write); the reaper retries.
                 return
+        held = self._prefix
         if mgr.config.checksum:
             for r in route:
                 want = done[r.pp_rank].checksum
                 layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
-                if (
-                    want is None
-                    or kv_checksum(mgr.pool, pages, layers, done[r.pp_rank].num_tokens) != want
-                ):
+                got = kv_checksum(
+                    mgr.pool,
+                    pages,
+                    layers,
+                    done[r.pp_rank].num_tokens,
+                    token_start=held,
+                    first_page=held // mgr.pool.page_size,
+                )
+                if want is None or got != want:
                     return self._fail("checksum_mismatch", detail=f"prefill rank {r.pp_rank}")
+        num_tokens = max(s.num_tokens for s in done.values())
+        per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
         received = sum(
-            (hi - lo) * 2 * done[r.pp_rank].num_tokens * mgr.pool.token_bytes
+            (hi - lo) * 2 * max(0, done[r.pp_rank].num_tokens - held) * mgr.pool.token_bytes
             for r in route
             for lo, hi in [intersect((r.layer_start, r.layer_end), mgr.pool.layers)]
         )
@@ -218,6 +232,7 @@ class KVReceiver(BaseKVReceiver):
             self.finished_at = time.monotonic()
         mgr.stats.add_received(received)
         mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
+        mgr.stats.add_room_tokens(max(0, num_tokens - held), held, held * per_token)
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config

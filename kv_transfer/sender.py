@@ -32,6 +32,7 @@ from kv_transfer.layout import (
 from kv_transfer.manager import sender_id
 from kv_transfer.messages import KVAbort, KVRegister, KVStatus
 from kv_transfer.mooncake import TransferError
+from kv_transfer.stats import room_tokens
 
 if TYPE_CHECKING:
     from kv_transfer.prefill_manager import PrefillKVManager
@@ -106,6 +107,8 @@ class KVSender(BaseKVSender):
             check_compatible(mgr.pool, msg.pool)
             if msg.session_id in mgr.failed_sessions:
                 raise ValueError(f"session {msg.session_id} failed before and is not reused")
+            if msg.prefix_tokens % msg.pool.page_size:
+                raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
             own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
             if own_slice != msg.pool.layers or intersect(mine, own_slice) is None:
                 raise ValueError(
@@ -131,7 +134,8 @@ class KVSender(BaseKVSender):
             dup = (
                 not late and msg.dst_rank in self._peers
             )  # a later registration never redirects writes
-            if not late and not dup:
+            mismatch = not late and not dup and _prefix_differs(self._peers, msg)
+            if not late and not dup and not mismatch:
                 if self._expected is not None and expected != self._expected:
                     self._expected = frozenset()  # inconsistent decode layouts: fail below
                 self._expected = self._expected if self._expected is not None else expected
@@ -152,6 +156,14 @@ class KVSender(BaseKVSender):
                 msg.ctrl_port,
                 _status(self.room, mgr.pp_rank, KVPoll.Failed, self.reason or "failed"),
             )
+        elif mismatch:
+            mgr.warn("room %d: decode ranks registered different cached prefixes", self.room)
+            mgr.send(
+                msg.ctrl_host,
+                msg.ctrl_port,
+                _status(self.room, mgr.pp_rank, KVPoll.Failed, "prefix_mismatch"),
+            )
+            self._fail("prefix_mismatch")
         elif self._expected == frozenset():
             self._fail("bad_registration")
         else:
@@ -280,7 +292,13 @@ class KVSender(BaseKVSender):
                 # another write.
                 raise TransferError(f"session {p.session_id} failed before", p.session_id)
             descs = build_descriptors(
-                mgr.pool, p.pool, chunk.page_ids, p.page_ids, chunk.token_start, chunk.token_end
+                mgr.pool,
+                p.pool,
+                chunk.page_ids,
+                p.page_ids,
+                max(chunk.token_start, p.prefix_tokens),  # the decode rank holds the prefix
+                chunk.token_end,
+                p.prefix_tokens // p.pool.page_size,
             )
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
@@ -300,6 +318,7 @@ class KVSender(BaseKVSender):
                     chunk.page_ids,
                     intersect(mgr.pool.layers, p.pool.layers),
                     chunk.token_end,
+                    token_start=p.prefix_tokens,
                 )
         with self._lock:
             if self._status == KVPoll.Failed:
@@ -321,6 +340,13 @@ class KVSender(BaseKVSender):
                 ),
             )
         mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
+        mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
+
+
+def _prefix_differs(peers: dict, msg) -> bool:
+    """Whether `msg` names another cached prefix than the decode ranks registered before it (every
+    decode rank of a room matches the same prefix; a difference is a bug, and fails the room)."""
+    return any(p.prefix_tokens != msg.prefix_tokens for p in peers.values())
 
 
 def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:

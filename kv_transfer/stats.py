@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 
+from kv_transfer.layout import PoolDesc, intersect
+
 # Why a room ended Failed on one rank: the fixed, snake_case set `add_failure` counts (a detail
 # after ":" is dropped) and the `reason` label of pdserve_kv_transfer_failures_total. A prefill
 # rank's senders and a decode rank's receivers each fail for their own subset.
@@ -15,6 +17,7 @@ SENDER_FAILURES = (
     "bad_registration",  # a decode rank's registration did not fit this rank's pool or slices
     "bootstrap_timeout",  # not every decode rank registered in time
     "peer_dead",  # a decode rank's session went silent (bootstrap heartbeats)
+    "prefix_mismatch",  # the decode ranks of the room registered different cached prefixes
     "transfer_error",  # Mooncake failed a write
     "transfer_timeout",  # a write took longer than the transfer timeout
     "waiting_timeout",  # registered, but no chunk came in time
@@ -70,6 +73,11 @@ class TransferStats:
         self.latency_count = 0
         self.latencies: deque[tuple[int, float]] = deque(maxlen=keep_latencies)
         self.room_bytes: deque[int] = deque(maxlen=keep_latencies)  # one per `latencies` entry
+        # Rooms that succeeded on this rank, in prompt tokens: whose KV moved, and whose KV the
+        # decode rank already held (its prefix cache) and so did not move; with the bytes of those.
+        self.tokens = 0
+        self.skipped_tokens = 0
+        self.skipped_bytes = 0
 
     def add_write(self, num_descriptors: int, num_bytes: int) -> None:
         with self._lock:
@@ -89,6 +97,14 @@ class TransferStats:
             self.latencies.append((room, latency_s))
             self.room_bytes.append(num_bytes)
 
+    def add_room_tokens(self, moved: int, skipped: int, skipped_bytes: int) -> None:
+        """A room that succeeded: prompt tokens whose KV moved, tokens (and the KV bytes of them)
+        skipped because the decode rank held them already."""
+        with self._lock:
+            self.tokens += moved
+            self.skipped_tokens += skipped
+            self.skipped_bytes += skipped_bytes
+
     def add_failure(self, reason: str) -> None:
         """`reason`: one of FAILURE_REASONS, optionally followed by ":" and a detail."""
         with self._lock:
@@ -104,6 +120,9 @@ class TransferStats:
                 "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received,
                 "descriptors": self.descriptors,
+                "tokens": self.tokens,
+                "skipped_tokens": self.skipped_tokens,
+                "skipped_bytes": self.skipped_bytes,
                 "rooms_succeeded": self.rooms_succeeded,
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
@@ -112,3 +131,15 @@ class TransferStats:
                 "recent_latencies": list(self.latencies),
                 "recent_room_bytes": list(self.room_bytes),
             }
+
+
+def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int, int]:
+    """(tokens moved, tokens skipped, bytes skipped) of a room of `num_tokens` prompt tokens on the
+    prefill rank of `pool`, its decode `peers` (every one with the same `prefix_tokens`)."""
+    skipped = min(peers[0].prefix_tokens, num_tokens) if peers else 0
+    per_token = sum(
+        (hi - lo) * 2 * pool.token_bytes
+        for p in peers
+        for lo, hi in [intersect(pool.layers, p.pool.layers)]
+    )
+    return num_tokens - skipped, skipped, skipped * per_token

@@ -59,6 +59,7 @@ class PDReq:
     sent_upto: int = 0  # prefill: tokens whose KV was handed to the sender
     pages: list[int] = field(default_factory=list)  # decode: preallocated pages
     aux_slot: int | None = None  # decode: where the first token lands
+    held: Any = None  # decode: the cached prompt prefix it holds (decode_node/prefix.py)
     aborted: bool = False
     reason: AbortReason | None = None  # set with `aborted`: why
 

@@ -336,6 +336,9 @@ class KVRankStats:
     dropped: dict[str, int]  # control messages dropped, by reason
     ctrl_port: int | None  # where the rank's KV control socket listens
     room_bytes: list[int] = field(default_factory=list)  # KV bytes of each room in `latencies`
+    tokens: int = 0  # prompt tokens whose KV moved (rooms that succeeded)
+    skipped_tokens: int = 0  # prompt tokens the decode rank held already, so not moved
+    skipped_bytes: int = 0  # the KV bytes of those
 
 
 @message("stats")

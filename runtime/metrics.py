@@ -80,6 +80,17 @@ def _families() -> dict[str, Any]:
         "kv_bytes": counter(
             "pdserve_kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)"
         ),
+        "kv_tokens": counter(
+            "pdserve_kv_transfer_tokens",
+            "prompt tokens whose KV was sent (prefill) or received (decode)",
+        ),
+        "kv_skip_tokens": counter(
+            "pdserve_kv_transfer_skipped_tokens",
+            "prompt tokens not transferred: the decode rank held them in its prefix cache",
+        ),
+        "kv_skip_bytes": counter(
+            "pdserve_kv_transfer_skipped_bytes", "KV bytes of the skipped tokens (not transferred)"
+        ),
         "kv_fail": counter(
             "pdserve_kv_transfer_failures", "rooms whose KV transfer failed", ("reason",)
         ),
@@ -107,6 +118,9 @@ def _add_rank(fam: dict[str, Any], lv: list[str], st: RankStats, front: Any) -> 
     kv = st.kv
     if kv is not None:
         fam["kv_bytes"].add_metric(lv, kv.bytes)
+        fam["kv_tokens"].add_metric(lv, kv.tokens)
+        fam["kv_skip_tokens"].add_metric(lv, kv.skipped_tokens)
+        fam["kv_skip_bytes"].add_metric(lv, kv.skipped_bytes)
         failures = dict.fromkeys(getattr(front, "kv_failure_reasons", ()), 0) | kv.failures
         for reason, n in sorted(failures.items()):
             fam["kv_fail"].add_metric(lv + [reason], n)

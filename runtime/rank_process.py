@@ -169,6 +169,9 @@ class StatsReporter:
             dropped=dict(kv["dropped"]),
             ctrl_port=kv.get("ctrl_port"),
             room_bytes=kv["recent_room_bytes"][-new:] if new > 0 else [],
+            tokens=kv["tokens"],
+            skipped_tokens=kv["skipped_tokens"],
+            skipped_bytes=kv["skipped_bytes"],
         )
 
     def _send(self, stats: RankStats) -> None:

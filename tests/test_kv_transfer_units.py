@@ -109,6 +109,33 @@ def test_descriptor_grouping():
     assert coalesce([(0, 100, 4), (4, 104, 4), (9, 108, 1)]) == [(0, 100, 8), (9, 108, 1)]
 
 
+@pytest.mark.parametrize("p_ps,d_ps", [(4, 4), (4, 8), (8, 4)])
+def test_descriptors_after_a_held_prefix(p_ps, d_ps):
+    """A decode table that starts after a cached prefix of 2 decode pages: exactly the tokens from
+    there on move, into the table's pages, and nothing lands in the pages the prefix holds."""
+    rng = random.Random(p_ps * 10 + d_ps)
+    src, dst = pool(4096, 16, p_ps, 0, 6), pool(1 << 20, 16, d_ps, 2, 9)
+    n, first = 29, 2
+    sp = rng.sample(range(16), pages_for(n, p_ps))
+    dp = rng.sample(range(16), pages_for(n, d_ps) - first)
+    held = first * d_ps
+    descs = build_descriptors(src, dst, sp, dp, held, n, first)
+    ms, md = _replay(src, dst, descs)
+    for layer in range(2, 6):
+        for kv in (0, 1):
+            for t in range(held, n):
+                s = src.addr(sp[t // p_ps], layer, kv, t % p_ps) - src.base_ptr
+                d = dst.addr(dp[t // d_ps - first], layer, kv, t % d_ps) - dst.base_ptr
+                assert md[d : d + TB] == ms[s : s + TB], (layer, kv, t)
+    at = [(d - dst.base_ptr, d - dst.base_ptr + n - 1) for _, d, n in descs]
+    written = {p for lo, hi in at for p in range(lo // dst.page_bytes, hi // dst.page_bytes + 1)}
+    assert written <= set(dp), written - set(dp)
+    with pytest.raises(ValueError):  # a range reaching into the held prefix
+        build_descriptors(src, dst, sp, dp, held - 1, n, first)
+    with pytest.raises(ValueError):  # a table too short for the tokens after the prefix
+        build_descriptors(src, dst, sp, dp[:-1], held, n, first)
+
+
 def test_descriptors_reject_bad_tables():
     src, dst = pool(0, 8, 4, 0, 2), pool(1 << 20, 8, 4, 0, 2)
     with pytest.raises(ValueError):
@@ -161,6 +188,10 @@ def test_codec_round_trip_and_strictness():
         msgpack.packb({**good, "dst_slices": [[5, 3]]}),
         msgpack.packb({**good, "pool": {"base_ptr": 1}}),
         msgpack.packb({**good, "ctrl_port": 0}),
+        msgpack.packb({**good, "prefix_tokens": -4}),
+        msgpack.packb({**good, "prefix_tokens": "8"}),
+        msgpack.packb({**good, "prefix_tokens": 1 << 32}),
+        msgpack.packb({k: v for k, v in good.items() if k != "prefix_tokens"}),
         msgpack.packb(
             {
                 "t": "status",
@@ -265,3 +296,30 @@ def test_kvpoll_order():
     assert update_status(KVPoll.Transferring, KVPoll.WaitingForInput) == KVPoll.Transferring
     assert update_status(KVPoll.Failed, KVPoll.Success) == KVPoll.Failed
     assert min(KVPoll.Success, KVPoll.Failed) == KVPoll.Failed
+
+
+def test_decode_ranks_naming_different_prefixes_fail_the_room():
+    """Every decode rank of a room must hold the same cached prefix: a prefill rank that gets two
+    registrations naming different ones fails the room (`prefix_mismatch`), and both decode ranks
+    hear it (in-memory transfer: the same checks as the Mooncake sender)."""
+    import ctypes
+
+    from kv_transfer.in_memory import InMemoryFabric
+
+    bufs = [ctypes.create_string_buffer(8 * 64 * TB) for _ in range(3)]
+    fabric = InMemoryFabric(1)
+    fabric.prefill_manager(pool(ctypes.addressof(bufs[0]), 8, 4, 0, 4), 0)
+    slices = [(0, 2), (2, 4)]
+    decode = [
+        fabric.decode_manager(pool(ctypes.addressof(bufs[1 + r]), 8, 4, *slices[r]), r, slices)
+        for r in range(2)
+    ]
+    ends = [m.create_receiver(7, fabric.address) for m in decode]
+    with pytest.raises(ValueError):
+        ends[0].register([1, 2], 0, prefix_tokens=6)  # not page-aligned
+    ends[0].register([1, 2], 0, prefix_tokens=8)
+    ends[1].register([3, 4, 5], 0, prefix_tokens=4)
+    sender = fabric.prefill[0].create_sender(7)
+    assert sender.poll() == KVPoll.Failed and sender.reason == "prefix_mismatch"
+    assert [e.poll() for e in ends] == [KVPoll.Failed, KVPoll.Failed]
+    assert fabric.prefill[0].stats.snapshot()["failures"] == {"prefix_mismatch": 1}
