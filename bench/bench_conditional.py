@@ -7,7 +7,7 @@ to the decode node alone, without bootstrap fields. Both paths alternate request
 the machine's other load falls on both alike.
 
   1. Idle TTFT by prompt length: the crossover where the transfer stops costing more than it saves.
-  2. Running streams: `--streams` requests decode 160 tokens each while prompts of one length
+  2. Running streams: `--streams` requests decode 96 tokens each while prompts of one length
      arrive every 0.4 s by one path; the streams' inter-token latency (p50/p99) shows what a
      decode-side prefill costs the requests already decoding.
 
@@ -84,7 +84,7 @@ async def under_streams(paths: Paths, n: int, path: str, streams: int) -> dict[s
     rng = random.Random(2)
     async with httpx.AsyncClient(timeout=300) as c:
         bg = [loadgen.ReqResult() for _ in range(streams)]
-        tasks = [asyncio.create_task(paths.send(c, "pd", prompt(64, rng), 160, r)) for r in bg]
+        tasks = [asyncio.create_task(paths.send(c, "pd", prompt(64, rng), 96, r)) for r in bg]
         await asyncio.sleep(1.0)
         fg = []
         while not all(t.done() for t in tasks) and len(fg) < 40:
@@ -92,6 +92,8 @@ async def under_streams(paths: Paths, n: int, path: str, streams: int) -> dict[s
             fg.append((r, asyncio.create_task(paths.send(c, path, prompt(n, rng), 4, r))))
             await asyncio.sleep(0.4)
         await asyncio.gather(*tasks, *(t for _, t in fg))
+    errors = [r.error for r in bg + [r for r, _ in fg] if r.error]
+    assert not errors, errors[:3]
     # gaps between token deliveries (the tokens of one chunk arrive together)
     gaps = sorted(b - a for r in bg for a, b in zip(r.times, r.times[1:], strict=False) if b > a)
     ttfts = sorted(r.ttft for r, _ in fg if r.error is None)
@@ -137,6 +139,7 @@ def main() -> int:
         paths = Paths(purl, durl, bport)
         asyncio.run(idle_ttft(paths, [16], 1))  # warm-up, both paths
         ttft = asyncio.run(idle_ttft(paths, lengths, args.reps))
+        print({k: round(statistics.median(v) * 1e3, 1) for k, v in ttft.items()}, flush=True)
         mixed = {
             (n, path): asyncio.run(under_streams(paths, n, path, args.streams))
             for n in (int(x) for x in args.stream_lengths.split(","))
@@ -174,7 +177,7 @@ def main() -> int:
             "",
             *rows,
             "",
-            f"## {args.streams} decoding streams (160 tokens each), prompts arriving every 0.4 s",
+            f"## {args.streams} decoding streams (96 tokens each), prompts arriving every 0.4 s",
             "",
             *mrows,
             "",

@@ -32,6 +32,11 @@ if [ "${1:-}" = "--test" ] && ! { command -v spin >/dev/null && command -v cc >/
     say "installing spin gcc (the protocol model checker; tests only)"
     apt_install spin gcc
 fi
+# Tests only: a headless browser for the status page test (tests/test_up.py, selenium).
+if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+    say "installing chromium chromium-driver (the status page test; tests only)"
+    apt_install chromium chromium-driver
+fi
 # Debian's python3 has no venv/ensurepip without python3-venv.
 if ! "$PY" -c 'import ensurepip, venv' 2>/dev/null; then
     say "installing python3-venv (to create $VENV)"
