@@ -13,9 +13,14 @@ Page ownership, for one request (P = page_size):
 
     pages[0 : cached_pages]        shared, owned by the tree, locked by the request's handle
     pages[cached_pages : ]         the request's own pages, allocated from the pool
+    at prefill completion (`cache_prefix`): the prompt's own full pages whose chunk is new to the
+    tree become tree nodes at once, still locked by the request, so a sibling admitted later (an
+    OpenAI `n` > 1 choice) shares them instead of computing the prompt again; the request keeps
+    its page table unchanged (a PD prefill node may still be sending those pages).
     at finish: own full pages whose token chunk is new to the tree move into the tree; a chunk the
     tree already has (a twin request inserted it first) and the partial last page go back to the
-    pool.
+    pool. A page `cache_prefix` already put in the tree is found there with the same page id and
+    stays.
 """
 
 from __future__ import annotations
@@ -115,6 +120,29 @@ class PrefixCache:
             node = child
         to_free.extend(pages[max(full, cached_pages) :])
         return to_free
+
+    def cache_prefix(
+        self, tokens: list[int], pages: list[int], num_pages: int, handle: _Node
+    ) -> _Node:
+        """Puts the first `num_pages` full pages of a running request into the tree (SGLang's
+        "cache unfinished request"); returns its new lock handle, locked (`handle` is unlocked).
+
+        A chunk the tree already holds under another page (a twin inserted it first) is walked
+        through, not replaced: the request's own copy goes back to the pool at `insert`.
+        """
+        now = self._tick()
+        node = self.root
+        for i, key in enumerate(self._chunks(tokens, num_pages)):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key=key, page=pages[i], parent=node)
+                node.children[key] = child
+                self.num_cached_pages += 1
+            child.last_use = now
+            node = child
+        self.lock(node)
+        self.unlock(handle)
+        return node
 
     # --- eviction ---------------------------------------------------------------------------------
     @property

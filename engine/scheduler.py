@@ -292,6 +292,8 @@ class Scheduler:
             req.in_flight = False
             if e.need_logits:
                 assert out is not None, "a sampling batch was harvested without outputs"
+                if req.to_finish is None and e.start < req.prompt_len:
+                    self._cache_prompt(req)
                 if req.to_finish is None:
                     req.output_ids.append(out.token_ids[k])
                     if out.logprobs is not None:
@@ -304,6 +306,20 @@ class Scheduler:
             if req.to_finish is not None and not req.finished:
                 self._finish(req, req.to_finish)
         return got
+
+    @rank_consensus("cache_prompt", args=lambda self, req: [req.rid, req.prompt_len])
+    def _cache_prompt(self, req: Req) -> None:
+        """The prompt's KV is complete: its whole pages go into the prefix cache now, not at
+        finish, so a request with the same prompt admitted from now on (an `n` > 1 sibling) finds
+        them (engine/prefix_cache.py `cache_prefix`)."""
+        full = req.prompt_len // self.cfg.page_size
+        if (
+            self.cache is None
+            or req.prefix_node is None
+            or full <= req.cached_len // self.cfg.page_size
+        ):
+            return
+        req.prefix_node = self.cache.cache_prefix(req.input_ids, req.pages, full, req.prefix_node)
 
     def _check_stop(self, req: Req) -> None:
         p, tok = req.params, req.output_ids[-1]

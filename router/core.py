@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infra.internal_auth import bearer, bearer_ok
 from router.admission import Admission, Rejected
-from router.attempt import Attempt
+from router.attempt import Attempt, Route
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.json_body import read_json_body
@@ -104,14 +104,23 @@ class Router:
             ) from None
 
     async def open_watched(
-        self, request: Request, body: dict, key: str, stream: bool, model: str | None
+        self,
+        request: Request,
+        body: dict,
+        key: str,
+        stream: bool,
+        model: str | None,
+        follow: Route | None = None,
+        keepalive: bool = True,
     ) -> Attempt | asyncio.Task:
         """Dispatch; if the client disconnects before the answer opens, cancel (which aborts).
-        A stream not open after `sse_keepalive_s`: the dispatch task, still running (the caller
-        then sends keep-alives until it ends, router/keepalive.py)."""
-        task = asyncio.create_task(self.dispatcher.open(body, key, stream, model))
-        watcher = asyncio.create_task(_wait_disconnect(request))
-        wait_s = self.cfg.sse_keepalive_s if stream and self.cfg.sse_keepalive_s > 0 else None
+        A stream not open after `sse_keepalive_s` (when `keepalive`): the dispatch task, still
+        running (the caller then sends keep-alives until it ends, router/keepalive.py).
+        `follow`: the pair to try first (Dispatcher.open)."""
+        task = asyncio.create_task(self.dispatcher.open(body, key, stream, model, follow))
+        watcher = asyncio.create_task(wait_disconnect(request))
+        ping = stream and keepalive and self.cfg.sse_keepalive_s > 0
+        wait_s = self.cfg.sse_keepalive_s if ping else None
         timed_out = False
         try:
             done, _ = await asyncio.wait(
@@ -168,6 +177,6 @@ class Router:
         return JSONResponse({"status": status, "workers": roles}, status_code=code)
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -102,6 +102,12 @@ class Dispatcher:
             code="no_available_workers",
         )
 
+    def _eligible(self, route: Route, model: str | None) -> bool:
+        return all(
+            w is None or w in self.registry.serving(model, w.role)
+            for w in (route.prefill, route.decode)
+        )
+
     def can_route(self) -> bool:
         """Whether `pick` would find a pair, a decode node alone or a colocated worker now (no
         policy is consulted)."""
@@ -114,14 +120,26 @@ class Dispatcher:
         return base * (1 + self._rng.uniform(-r.jitter, r.jitter))
 
     # --- running --------------------------------------------------------------------------
-    async def open(self, body: dict, key: str, stream: bool, model: str | None = None) -> Attempt:
+    async def open(
+        self,
+        body: dict,
+        key: str,
+        stream: bool,
+        model: str | None = None,
+        follow: Route | None = None,
+    ) -> Attempt:
         """Open an attempt on workers serving `model`, retrying on new pairs; raises ApiError when
-        every try failed."""
+        every try failed. `follow`: the first try's pair (an `n` > 1 choice goes where choice 0
+        went, whose prompt is in that node's prefix cache), if both its workers are eligible."""
         exclude: set[str] = set()
         n, last, prefill_failed = 0, None, False
         while True:
             try:
-                route = self.pick(key, exclude, model, prefill_failed, body)
+                route = (
+                    follow
+                    if n == 0 and follow is not None and self._eligible(follow, model)
+                    else self.pick(key, exclude, model, prefill_failed, body)
+                )
             except ApiError:
                 if last is None:
                     raise

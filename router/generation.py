@@ -13,6 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from router import choices
 from router import tokenize as tokenize_api
 from router.attempt import Attempt
 from router.core import Router
@@ -31,6 +32,30 @@ from router.streams import native_stream, openai_stream
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
+def _shape(kind: str, req: ChatRequest | CompletionRequest, rid: str) -> Shape:
+    return Shape(
+        kind,
+        f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}",
+        req.model,
+        int(time.time()),
+        req.wants_logprobs(),
+        req.include_usage(),
+        frozenset(req.stop_token_ids or ()),
+        bool(req.return_tokens_as_token_ids),
+    )
+
+
+def _client_field(exc: ApiError, native: str, client: str | None) -> ApiError:
+    """A node's 400 naming a native field (`guide`) names the client's field that gave it."""
+    err = exc.body.get("error") if isinstance(exc.body, dict) else None
+    if client is None or not isinstance(err, dict) or err.get("param") != native:
+        return exc
+    message = str(err.get("message") or "")
+    err["param"] = client
+    err["message"] = client + message[len(native) :] if message.startswith(native) else message
+    return exc
+
+
 async def openai(router: Router, request: Request, t0: float, kind: str) -> Response:
     router.check_bearer(request, router.cfg.api_key, "API key")
     model_cls = ChatRequest if kind == "chat" else CompletionRequest
@@ -42,25 +67,42 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
     )
     router.check_context(req.model, max_new, field)
     native, key = req.to_native(), req.prompt_key()
+    try:
+        if (req.n or 1) > 1:
+            return await choices.serve(
+                router,
+                request,
+                t0,
+                native,
+                key,
+                req.model,
+                req.n,
+                req.stream,
+                lambda rid: _shape(kind, req, rid),
+                ROUTES[kind],
+            )
+        return await _one_choice(router, request, t0, kind, req, native, key)
+    except ApiError as exc:
+        raise _client_field(exc, "guide", req.guide_field()) from None
+
+
+async def _one_choice(
+    router: Router,
+    request: Request,
+    t0: float,
+    kind: str,
+    req: ChatRequest | CompletionRequest,
+    native: dict,
+    key: str,
+) -> Response:
     await router.admit()
     handed_over = False
     try:
         attempt = await router.open_watched(request, native, key, req.stream, req.model)
 
-        def shape(attempt: Attempt) -> Shape:
-            return Shape(
-                kind,
-                f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{attempt.rid}",
-                req.model,
-                int(time.time()),
-                req.wants_logprobs(),
-                req.include_usage(),
-                frozenset(req.stop_token_ids or ()),
-                bool(req.return_tokens_as_token_ids),
-            )
-
         def stream(attempt: Attempt):
-            return openai_stream(router, attempt, StreamShaper(shape(attempt)), ROUTES[kind], t0)
+            shaper = StreamShaper(_shape(kind, req, attempt.rid))
+            return openai_stream(router, attempt, shaper, ROUTES[kind], t0)
 
         if req.stream:
             handed_over = True
@@ -74,7 +116,7 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
             )
         try:
             cached = await attempt.cached_tokens()
-            answer = completion(shape(attempt), attempt.result, cached)
+            answer = completion(_shape(kind, req, attempt.rid), attempt.result, cached)
         finally:
             attempt.close(True)
         return JSONResponse(answer)

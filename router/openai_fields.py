@@ -2,7 +2,7 @@
 
 Every field of a request is either implemented (a field of the request models in
 router/openai_protocol.py) or listed here. A listed field is accepted only at a *neutral* value,
-one that asks for what pdserve does anyway (`presence_penalty: 0`, `n: 1`, `tools: []`, always
+one that asks for what pdserve does anyway (`use_beam_search: false`, `tools: []`, always
 `null`); any other value is a 400 with code `unsupported_parameter` and `param` naming the field.
 A field in neither place (not in OpenAI's or vLLM's schema) is a 400 with the same code. Nothing is
 dropped silently. vLLM, for comparison, implements most of these and ignores unknown fields with a
@@ -19,13 +19,11 @@ UNSUPPORTED_CODE = "unsupported_parameter"
 # field -> neutral values besides null. Shared by chat and completions.
 COMMON: dict[str, tuple] = {
     # OpenAI
-    "n": (1,),
     "metadata": ({},),  # only for stored completions
     "store": (False,),
     "service_tier": ("auto", "default"),  # one tier here
     "prompt_cache_key": (),
     # vLLM's extensions
-    "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
     "min_tokens": (0,),

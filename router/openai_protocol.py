@@ -28,6 +28,7 @@ from pydantic_core import PydanticCustomError
 from router import openai_fields
 from router.openai_fields import UNSUPPORTED_CODE
 
+MAX_N = 16  # choices per request (`n`)
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
 StopText = Annotated[str, Field(strict=True, min_length=1)]
@@ -129,7 +130,11 @@ class _Common(_Model):
     max_tokens: StrictInt | None = Field(None, ge=1, description="absent: the rest of the context")
     temperature: Float | None = Field(None, ge=0.0, le=2.0, description=_MODEL_DEFAULT.format(1))
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description=_MODEL_DEFAULT.format(1))
-    seed: Int64 | None = Field(None, ge=0)
+    seed: Int64 | None = Field(None, ge=0, description="choice i of n samples with seed + i")
+    n: StrictInt | None = Field(None, ge=1, le=MAX_N, description="choices (router/choices.py)")
+    best_of: StrictInt | None = Field(
+        None, ge=1, le=MAX_N, description="vLLM's; only equal to n (no ranking)"
+    )
     stop: StopText | list[StopText] | None = Field(None, json_schema_extra={"maxItems": 16})
     # Accepted and not used, as by vLLM: end-user ids for a provider's abuse monitoring.
     user: StrictStr | None = Field(None, description="accepted, not used")
@@ -193,6 +198,22 @@ class _Common(_Model):
                 "invalid_value", "at most one of {fields}", {"fields": ", ".join(given)}
             )
         return self
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if v is not None and v != n:
+            raise ValueError(f"must equal n ({n}): choices are not ranked by logprob here")
+        return v
+
+    def guide_field(self) -> str | None:
+        """The client's field that gave the node's `guide` (a bad guide's 400 names it)."""
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            return "response_format"
+        names = ("guided_json", "guided_regex", "guided_choice")
+        return next((n for n in names if getattr(self, n) is not None), None)
 
     def _guide(self) -> list[str] | None:
         """The node's `guide` (engine/grammar.py): [kind, spec]."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from router.openai_protocol import TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
+from router.openai_protocol import MAX_N, TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
 from router.tokenize import Detokenize, TokenizeChat, TokenizePrompt
 
 _REF = "#/components/schemas/{model}"
@@ -152,6 +152,14 @@ _STOP_REASON = {
 }
 
 
+_INDEX = {
+    "type": "integer",
+    "minimum": 0,
+    "maximum": MAX_N - 1,
+    "description": "the choice, 0..n-1",
+}
+
+
 def _completion(obj: str, choice: dict) -> dict:
     return {
         "type": "object",
@@ -161,7 +169,7 @@ def _completion(obj: str, choice: dict) -> dict:
             "object": {"const": obj},
             "created": {"type": "integer"},
             "model": {"type": "string"},
-            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+            "choices": {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": choice},
             "usage": _USAGE,
         },
     }
@@ -173,7 +181,7 @@ _CHAT_COMPLETION = _completion(
         "type": "object",
         "required": ["index", "message", "logprobs", "finish_reason"],
         "properties": {
-            "index": {"const": 0},
+            "index": _INDEX,
             "finish_reason": _FINISH,
             "stop_reason": _STOP_REASON,
             "logprobs": {"type": ["object", "null"]},
@@ -191,7 +199,7 @@ _TEXT_COMPLETION = _completion(
         "type": "object",
         "required": ["index", "text", "logprobs", "finish_reason"],
         "properties": {
-            "index": {"const": 0},
+            "index": _INDEX,
             "text": {"type": "string"},
             "finish_reason": _FINISH,
             "stop_reason": _STOP_REASON,

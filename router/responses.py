@@ -131,10 +131,10 @@ class Shape:
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
 
 
-def completion(shape: Shape, native: dict, cached: int | None) -> dict:
-    """The whole OpenAI answer (chat.completion or text_completion) of a native answer."""
+def answer_choice(shape: Shape, native: dict, index: int = 0) -> dict[str, Any]:
+    """One choice of a whole answer, from a native answer."""
     meta = native.get("meta_info") or {}
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
         choice["message"] = {"role": "assistant", "content": native.get("text", "")}
         choice["logprobs"] = (
@@ -149,13 +149,22 @@ def completion(shape: Shape, native: dict, cached: int | None) -> dict:
         )
     choice["finish_reason"] = finish_reason(meta) or "stop"
     choice["stop_reason"] = stop_reason(meta, shape.stop_token_ids)
+    return choice
+
+
+def completion(
+    shape: Shape, native: dict, cached: int | None, choices: list[dict] | None = None
+) -> dict:
+    """The whole OpenAI answer (chat.completion or text_completion) of a native answer; `choices`
+    (n > 1, router/choices.py): every choice, and `native` carries the summed usage."""
+    meta = native.get("meta_info") or {}
     obj = "chat.completion" if shape.kind == "chat" else "text_completion"
     return {
         "id": shape.rid,
         "object": obj,
         "created": shape.created,
         "model": shape.model,
-        "choices": [choice],
+        "choices": choices if choices is not None else [answer_choice(shape, native)],
         "usage": usage(meta, cached),
     }
 
@@ -168,9 +177,10 @@ class StreamShaper:
     event.
     """
 
-    def __init__(self, shape: Shape):
+    def __init__(self, shape: Shape, index: int = 0):
         assert shape.kind in ("chat", "completion"), shape.kind
         self.shape = shape
+        self.index = index  # the choice (n > 1, router/choices.py)
         self.started = False
         self.meta: dict = {}
         self.text_len = 0  # characters of the logprob tokens so far (text_offset)
@@ -205,7 +215,7 @@ class StreamShaper:
                 out.append(
                     self._frame(
                         {
-                            "index": 0,
+                            "index": self.index,
                             "delta": {"role": "assistant", "content": ""},
                             "logprobs": None,
                             "finish_reason": None,
@@ -218,7 +228,7 @@ class StreamShaper:
                 out.append(
                     self._frame(
                         {
-                            "index": 0,
+                            "index": self.index,
                             "delta": delta,
                             "logprobs": chat_logprobs(entries, self.shape.tokens_as_ids),
                             "finish_reason": reason,
@@ -230,7 +240,7 @@ class StreamShaper:
             out.append(
                 self._frame(
                     {
-                        "index": 0,
+                        "index": self.index,
                         "text": text,
                         "logprobs": completion_logprobs(
                             entries, self.text_len, self.shape.tokens_as_ids

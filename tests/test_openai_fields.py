@@ -40,8 +40,7 @@ def refused(call, param: str) -> openai.BadRequestError:
 
 
 # Real uses of the fields clients send most, through the SDK's own arguments.
-CHAT_USES = {
-    "n": 2,
+CHAT_USES = {  # (`n` and `best_of` are served since issue #19: tests/test_openai_choices.py)
     "tools": [TOOL],
     "tool_choice": "required",
     "store": True,
@@ -54,7 +53,7 @@ CHAT_USES = {
     "function_call": {"name": "get_weather"},
 }
 VLLM_USES = {  # vLLM's extensions travel in extra_body
-    "best_of": 3,
+    "use_beam_search": True,
     "min_tokens": 4,
     "chat_template_kwargs": {"enable_thinking": False},
     "include_stop_str_in_output": True,

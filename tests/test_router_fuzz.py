@@ -266,8 +266,10 @@ def _refusal_the_schema_cannot_state(path: str, body: dict, r) -> str | None:
     if path == "/detokenize" and err["param"] == "tokens":
         return "token ids beyond the vocabulary"
     guided = ("response_format", "guided_json", "guided_regex", "guided_choice")
-    if err["param"] == "guide" and any(body.get(k) is not None for k in guided):
+    if err["param"] in guided and body.get(err["param"]) is not None:
         return "a schema or regex that does not compile (only the grammar engine can tell)"
+    if err["param"] == "best_of" and body.get("best_of") != (body.get("n") or 1):
+        return "best_of other than n (JSON Schema cannot relate two fields)"
     if err["code"] == "invalid_value" and err["message"].startswith("at most one of"):
         return "two guides at once (JSON Schema cannot say 'at most one of these fields')"
     return None
@@ -496,12 +498,23 @@ NUMBER_FIELDS = {
         "temperature",
         "top_p",
         "n",
+        "best_of",
         "seed",
         "top_logprobs",
         "top_k",
         "min_p",
     ],
-    COMPLETIONS: ["max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "top_k", "min_p"],
+    COMPLETIONS: [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "best_of",
+        "seed",
+        "logprobs",
+        "top_k",
+        "min_p",
+    ],
 }
 FLOAT_FIELDS = {"temperature", "top_p", "min_p"}  # 0.5 is fine there
 
@@ -546,7 +559,8 @@ WRONG = {
     "temperature": ["0"],
     "top_p": [[]],
     "seed": [{}],
-    "n": ["1"],
+    "n": ["1", 0, 17],
+    "best_of": [1.5, 0, 17],
     "top_k": [1.5],
     "min_p": ["x"],
     "top_logprobs": [True],
@@ -631,7 +645,7 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
     text = plain.json()["choices"][0]["message"]["content"]
     assert neutral.json()["choices"][0]["message"]["content"] == text
     for field, value in (
-        ("best_of", 3),
+        ("use_beam_search", True),
         ("tools", [{"type": "function"}]),
         ("frobnicate", {"deep": [1, {"x": None}]}),
     ):
@@ -707,7 +721,8 @@ def test_streaming_requests_with_bad_params_get_a_json_4xx_not_a_stream(cluster)
         (CHAT, chat_body(cluster, temperature=-1), 400, "temperature"),
         (CHAT, chat_body(cluster, max_tokens=0), 400, "max_tokens"),
         (CHAT, chat_body(cluster, max_tokens=10**6), 400, "max_tokens"),
-        (CHAT, chat_body(cluster, n=2), 400, "n"),
+        (CHAT, chat_body(cluster, n=17), 400, "n"),
+        (CHAT, chat_body(cluster, n=2, best_of=3), 400, "best_of"),
         (CHAT, chat_body(cluster, guided_grammar="root ::= 'a'"), 400, "guided_grammar"),
         (
             CHAT,

@@ -138,7 +138,7 @@ BAD = [
         "messages.0.role",
     ),
     (b'{"model": "other-model", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
-    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    (b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "n": 17}', 400, "n"),
     (
         b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
         400,
