@@ -42,6 +42,7 @@ from runtime.messages import (
     out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
+from runtime.rank_spans import RankSpans
 from runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SlotLoop:
         self.stream_tokens = True  # the prefill loop answers with its own events
         # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
         self.samples: dict[str, list[float]] = {}
+        self.spans = RankSpans()  # traced requests' stages (side data, docs/TRACING.md)
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
         self._idle_ms = 0  # PP0: current idle wait (timing only, never a decision)
