@@ -18,6 +18,7 @@ import asyncio
 import contextvars
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -165,8 +166,16 @@ class Timeline:
 # --- GET /debug/requests[/{id}]: handler(router, request, t0), run by Router.serve ------------
 async def list_requests(router, request: Request, t0: float) -> Response:
     router.check_bearer(request, router.cfg.internal_token, "internal token")
-    items = [t.summary() for t in reversed(router.timeline.traces.values())]
-    return JSONResponse({"requests": items, "keep": router.timeline.keep})
+    tl = router.timeline
+    items = [t.summary() for t in reversed(tl.traces.values())]
+    return JSONResponse(
+        {
+            "requests": items,
+            "keep": tl.keep,
+            "exporter": tl.exporter.endpoint if tl.exporter is not None else None,
+            "threads": sorted({t.name for t in threading.enumerate()}),  # an exporter shows here
+        }
+    )
 
 
 async def show_request(router, request: Request, t0: float) -> Response:

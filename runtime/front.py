@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -131,7 +132,7 @@ class NodeFront:
         ] = {}  # the model's (engine.loader.load_sampling_defaults)
         self.token_bytes: TokenBytes | None = None  # made at the first logprobs request
         self.metrics = None  # set by the app (runtime.metrics)
-        self.tracing = NodeTracing(role)  # inert unless a request brings a traceparent
+        self.tracing = NodeTracing(role, pp_size)  # inert unless a request brings a traceparent
         self._tasks: list[asyncio.Task] = []
 
     @staticmethod
@@ -395,6 +396,8 @@ class NodeFront:
         self.rank_seen[r] = time.monotonic()
         if st.spans:
             self.tracing.ingest(r, st.spans)
+        if self.tracing.ending:
+            self.tracing.sweep()
         if self.metrics is not None:
             try:
                 self.metrics.ingest(st)
@@ -424,4 +427,5 @@ class NodeFront:
                 for r in range(self.pp_size)
             ],
             "dropped_messages": dict(self.dropped),
+            "threads": sorted({t.name for t in threading.enumerate()}),  # an exporter shows here
         }

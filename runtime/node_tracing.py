@@ -29,10 +29,15 @@ KEEP_REQUESTS = 1000  # traced requests whose spans the front keeps for /debug/s
 SPANS_PER_REQUEST = 1024  # spans kept per request (the rest are still exported)
 
 
+ENDS_WITHIN_S = 10.0  # after the last event, how long the request span waits for ranks' `finish`
+
+
 @dataclass
 class _Traced:
-    span: Span  # the front's request span (open until the ranks' last event)
+    span: Span  # the front's request span (open until every rank recorded its finish)
     spans: list[Span] = field(default_factory=list)  # finished: the front's and its ranks'
+    finished_ranks: set[int] = field(default_factory=set)
+    last_event_ns: int = 0  # when the ranks' last event reached the front (0: not yet)
 
 
 def rank_span_id(request_span: str, pp_rank: int, name: str, seq: int) -> str:
@@ -41,9 +46,16 @@ def rank_span_id(request_span: str, pp_rank: int, name: str, seq: int) -> str:
 
 
 class NodeTracing:
-    def __init__(self, role: str, exporter: Exporter | None = None, keep: int = KEEP_REQUESTS):
-        self.role, self.exporter, self.keep = role, exporter, keep
+    def __init__(
+        self,
+        role: str,
+        pp_size: int = 1,
+        exporter: Exporter | None = None,
+        keep: int = KEEP_REQUESTS,
+    ):
+        self.role, self.pp_size, self.exporter, self.keep = role, pp_size, exporter, keep
         self.requests: OrderedDict[str, _Traced] = OrderedDict()
+        self.ending: dict[str, _Traced] = {}  # last event seen, some rank's finish not yet
         self.orphans = 0  # rank records of requests no longer kept
 
     def begin(self, rid: str, traceparent: str | None) -> str | None:
@@ -71,13 +83,32 @@ class NodeTracing:
         return t.span.trace_id if t is not None else None
 
     def end(self, rid: str, outcome: str) -> None:
-        """The ranks' last event for `rid` reached the front."""
+        """The ranks' last event for `rid` reached the front; the request span ends once every
+        rank recorded its `finish` too (ranks further down the chain get there a little later),
+        or ENDS_WITHIN_S after this."""
         t = self.requests.get(rid)
-        if t is None or t.span.end_ns:
+        if t is None or t.last_event_ns:
             return
-        t.span.end_ns = now_ns()
+        t.last_event_ns = now_ns()
         t.span.attrs["outcome"] = outcome
-        self._emit(t, [t.span])
+        self.ending[rid] = t
+        self._maybe_close(rid, t)
+
+    def _maybe_close(self, rid: str, t: _Traced, force: bool = False) -> None:
+        if not t.last_event_ns or t.span.end_ns:
+            return
+        if force or len(t.finished_ranks) >= self.pp_size:
+            ends = [s.end_ns for s in t.spans if s.parent_id == t.span.span_id]
+            t.span.end_ns = max([t.last_event_ns, *ends])
+            self.ending.pop(rid, None)
+            self._emit(t, [t.span])
+
+    def sweep(self) -> None:
+        """Ends the request spans whose ranks' `finish` records never came."""
+        limit = now_ns() - int(ENDS_WITHIN_S * 1e9)
+        for rid, t in list(self.ending.items()):
+            if t.last_event_ns < limit:
+                self._maybe_close(rid, t, force=True)
 
     def ingest(self, pp_rank: int, records: list[SpanRecord]) -> None:
         """One rank's records, from its stats push."""
@@ -102,6 +133,9 @@ class NodeTracing:
                 events=list(rec.events),
             )
             self._emit(t, [span])
+            if rec.name.endswith(".finish"):
+                t.finished_ranks.add(pp_rank)
+                self._maybe_close(rec.rid, t)
 
     def spans(self, rid: str) -> list[dict[str, Any]] | None:
         """The request's spans so far (the request span, open or not, first); None: not kept."""
