@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from infra.logs import bind_request
 from infra.tracing import Exporter, Span, TraceContext, new_span_id, new_trace_id
 from infra.tracing import parse_traceparent as parse
 from router.openai_protocol import ApiError
@@ -137,6 +138,7 @@ class Timeline:
             return None
         trace = RequestTrace(route, request.headers.get("traceparent"))
         CURRENT.set(trace)
+        bind_request(None, trace.trace_id)  # JSON log lines of this request carry its trace id
         return trace
 
     def end(self, trace: RequestTrace, status: int) -> None:

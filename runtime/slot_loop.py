@@ -155,6 +155,7 @@ class SlotLoop:
 
     def on_finished(self, req: Req) -> None:
         """Runs on every rank for each request the scheduler finished this iteration."""
+        self.spans.finish(req.rid, req.finish.kind if req.finish else "unknown")
 
     def has_outstanding(self) -> bool:
         """Requests that wait on something outside the scheduler (PD loops: bootstrap, transfers,
@@ -238,11 +239,13 @@ class SlotLoop:
         A PD loop takes its own kinds here and leaves the rest to this one."""
         if type(msg) is not AddRequest:
             return False
+        self.spans.trace(msg.rid, msg.traceparent)
         try:
             self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
             self.mark_queued(msg.rid)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
+            self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
 
     def observe(self, name: str, seconds: float) -> None:
