@@ -60,6 +60,7 @@ def traced(tiny6, tmp_path_factory):
                 lines = [x for x in r.iter_lines() if x.startswith("data: {")]
             rid = json.loads(lines[0][6:])["id"]
             spans = rx.wait_for(TRACE, _complete)
+            print(f"\none PD request at (2, 3): {len(spans)} spans exported")
             yield url, auth, rid, spans, proc, rx
 
 
