@@ -45,6 +45,7 @@ log = logging.getLogger("pdserve.decode")
 
 
 class DecodeLoop(PDLoop):
+    first_queue = "prealloc"
     sample_names = (
         "queue:running",
         "queue:prealloc",
@@ -55,6 +56,8 @@ class DecodeLoop(PDLoop):
 
     def __init__(self, parts: RankParts, kv_mgr: BaseDecodeKVManager, aux_slots: int):
         super().__init__(parts, kv_mgr)
+        self.spans.role = "decode"
+        self._traced_status: dict[str, str] = {}  # decoding traced rid -> last status (traces)
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
         self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))
         self.prealloc: list[PDReq] = []  # arrival order, the same on every rank
@@ -83,6 +86,7 @@ class DecodeLoop(PDLoop):
         receiver = self.kv_mgr.create_receiver(msg.room, msg.bootstrap_addr)
         pd = PDReq(msg.rid, msg.room, Req(msg.rid, list(msg.input_ids), params), receiver)
         self.prealloc.append(pd)
+        self.spans.start(msg.rid, "first_token")
         return pd
 
     def abort_elsewhere(self, rid: str, why: str) -> bool:
@@ -150,6 +154,7 @@ class DecodeLoop(PDLoop):
             if pd.rid in self._t_stage:  # metrics only: how long it waited for KV memory
                 self.observe("kv_alloc_wait", time.monotonic() - self._t_stage[pd.rid])
             pd.transfer.register(pd.pages, pd.aux_slot, held.tokens)
+            self.spans.event(pd.rid, "prealloc", "allocated")
             placed.append((pd.room, held.tokens, pd.pages, pd.aux_slot))
         return placed
 
@@ -177,6 +182,22 @@ class DecodeLoop(PDLoop):
         self._apply_transferred(good, bad, hb)
         good, _, _ = verdicts[RELEASE].partition(lambda room: room in self.quarantine, RELEASE)
         self._release_quarantine(good)
+        if self._traced_status:
+            self._trace_retractions()
+
+    def _trace_retractions(self) -> None:
+        """Events on a traced request's decode span when the scheduler retracts or resumes it."""
+        for rid, last in list(self._traced_status.items()):
+            req = self.sched.reqs.get(rid)
+            if req is None:
+                continue
+            now = req.status.value
+            if now != last:
+                self._traced_status[rid] = now
+                if now == "retracted":
+                    self.spans.event(rid, "decode", "retracted")
+                elif last == "retracted":
+                    self.spans.event(rid, "decode", "resumed")
 
     @rank_consensus("pd_quarantine_release", args=lambda self, good: sorted(good))
     def _release_quarantine(self, good: frozenset) -> None:
@@ -231,8 +252,20 @@ class DecodeLoop(PDLoop):
         )
         held, pd.held = pd.held or HeldPrefix(), None  # the scheduler's request owns the lock now
         self.sched.add_prefilled(req, held.pages + pd.pages, mb, held.tokens, held.handle)
+        if self.spans.on(pd.rid):
+            self.spans.end(pd.rid, "first_token", token=tok)
+            self.spans.start(pd.rid, "decode")
+            self._traced_status[pd.rid] = "running"
         if self.is_first and req.rid in self.sched.reqs:
             self._t_running[req.rid] = time.monotonic()
+
+    def on_finished(self, req: Req) -> None:
+        if self.spans.on(req.rid):
+            self._traced_status.pop(req.rid, None)
+            self.spans.end(req.rid, "decode", output_tokens=len(req.output_ids))
+            f = req.finish
+            detail = {"message": f.message} if f is not None and f.message else {}
+            self.spans.finish(req.rid, f.kind if f is not None else "unknown", **detail)
 
     def _fail(self, pd: PDReq, reason: AbortReason, what: str) -> None:
         """The client hears at once; the pages (and aux slot) wait in quarantine until every rank

@@ -11,8 +11,8 @@ to warnings and above: MC_LOG_LEVEL, read when Mooncake loads, so it is set here
 import of it; `native_log` re-logs what it prints while starting). At DEBUG all of them show.
 
 JSON lines carry `ts`, `level`, `logger`, `proc` (which process: "router", "prefill pp0", ...),
-`pid`, `msg`, `rid` and `trace_id` (null when no request is in scope, and `trace_id` until tracing
-exists), and `exc` with a traceback. A request is in scope when the log call passes
+`pid`, `msg`, `rid` and `trace_id` (null when no request is in scope, or it is not traced:
+docs/TRACING.md), and `exc` with a traceback. A request is in scope when the log call passes
 `extra={"rid": ...}` or the code runs under `bind_request(rid)` (a context variable: it follows
 asyncio tasks).
 """

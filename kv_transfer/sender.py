@@ -67,9 +67,16 @@ class KVSender(BaseKVSender):
         self._first_chunk_at: float | None = None
         self.finished_at: float | None = None
         self.bytes_sent = 0  # KV bytes written for this room (transfer threads, one at a time)
+        self.descriptors = 0  # Mooncake write descriptors of this room (traces only)
 
     def poll(self) -> KVPoll:
         return self._status
+
+    @property
+    def first_chunk_at(self) -> float | None:
+        """When the first chunk went on the wire (monotonic s); with `finished_at`, the span of
+        this rank's transfer (traces only)."""
+        return self._first_chunk_at
 
     def send_chunk(
         self,
@@ -302,6 +309,7 @@ class KVSender(BaseKVSender):
             )
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
+            self.descriptors += len(descs)
             self.bytes_sent += moved
         if not chunk.last:
             return

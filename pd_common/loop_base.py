@@ -64,9 +64,20 @@ class PDReq:
     reason: AbortReason | None = None  # set with `aborted`: why
 
 
+# the span each timed queue is traced as (docs/TRACING.md); a queue not named here is not a span
+QUEUE_SPANS = {
+    "bootstrap": "bootstrap",
+    "inflight": "release_vote",
+    "prealloc": "prealloc",
+    "transfer": "transferred_vote",
+}
+
+
 class PDLoop(SlotLoop):
     """The slot loop of a PD rank: a PD request (`PDAddRequest`) opens a room with this rank's end
     of the transfer, and waits in the subclass's own queues around the engine's scheduler."""
+
+    first_queue = ""  # the queue a new request enters (its timer and span start with it)
 
     def __init__(self, parts: RankParts, kv_mgr: BaseKVManager):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
@@ -82,10 +93,13 @@ class PDLoop(SlotLoop):
     def apply_message(self, msg: Any) -> bool:
         if not isinstance(msg, PDAddRequest):
             return super().apply_message(msg)
+        self.spans.trace(msg.rid, msg.traceparent)
         params = self._admissible(msg)
         if params is not None:
+            self._stage_start(msg.rid, self.first_queue)  # before open_room's child spans
             self.by_rid[msg.rid] = self.open_room(msg, params)
-            self._t_stage[msg.rid] = time.monotonic()
+        else:
+            self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
 
     def _admissible(self, msg: PDAddRequest) -> SamplingParams | None:
@@ -113,15 +127,24 @@ class PDLoop(SlotLoop):
         engine = self.kv_mgr.engine
         return f"KV transfer over {engine.protocol}, session {engine.session_id}"
 
+    def _stage_start(self, rid: str, queue: str, now: float | None = None) -> None:
+        """`rid` entered `queue`: its timer (metrics) and, when traced, its span start."""
+        self._t_stage[rid] = time.monotonic() if now is None else now
+        if queue in QUEUE_SPANS and self.spans.on(rid):
+            self.spans.start(rid, QUEUE_SPANS[queue])
+
     def _stage_done(self, rid: str, queue: str, next_queue: str | None = None) -> float | None:
-        """Observes the time `rid` spent in `queue` (metrics only); returns it, if it was timed."""
+        """Observes the time `rid` spent in `queue` (metrics only; traced: its span ends);
+        returns it, if it was timed."""
+        if self.spans.on(rid):
+            self.spans.end(rid, QUEUE_SPANS.get(queue, queue))
         t0 = self._t_stage.pop(rid, None)
         if t0 is None:
             return None
         now = time.monotonic()
         self.observe(f"queue:{queue}", now - t0)
         if next_queue:
-            self._t_stage[rid] = now
+            self._stage_start(rid, next_queue, now)
         return now - t0
 
     def _abort(self, pd: PDReq, why: AbortReason) -> None:
@@ -133,6 +156,7 @@ class PDLoop(SlotLoop):
         """The request failed or was aborted here: PP0 tells the front (`message`, else the
         reason's sentence), every rank forgets it."""
         self.emit(ErrorEvent(pd.rid, message or describe(reason), None, reason))
+        self.spans.finish(pd.rid, str(reason))
         self._forget(pd)
 
     def _forget(self, pd: PDReq) -> None:

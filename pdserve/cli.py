@@ -60,8 +60,14 @@ def _light_router():
     return add_router_args, _router, "the OpenAI-compatible PD router"
 
 
+def _light_trace():
+    from pdserve.trace_cmd import add_trace_args, trace_main
+
+    return add_trace_args, trace_main, "one request's stage timeline from the router"
+
+
 # Commands parsed and run without building every subcommand's parser (which imports torch).
-LIGHT = {"bench": _light_bench, "up": _light_up, "router": _light_router}
+LIGHT = {"bench": _light_bench, "up": _light_up, "router": _light_router, "trace": _light_trace}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_args(sub.add_parser("bench", help="a load client for any OpenAI-compatible endpoint"))
 
     sub.add_parser("version", help="print the version")
+    sub.add_parser("trace", help="one request's stage timeline from the router (pdserve trace ID)")
     args = parser.parse_args(argv)
     from engine.loader import ModelLoadError
 

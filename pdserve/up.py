@@ -32,6 +32,7 @@ from infra.cluster_secret import cluster_secret
 from infra.internal_auth import bearer, is_loopback
 from infra.logs import FORMAT_ENV, add_log_args, setup_logging
 from infra.procs import die_with_parent, free_port, stop_processes
+from infra.tracing import add_tracing_arg
 from runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")
@@ -94,6 +95,7 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
         "reach it can then use the model",
     )
     add_log_args(ap)  # passed on to the router and every node
+    add_tracing_arg(ap)  # likewise
 
 
 class Cluster:
@@ -123,6 +125,8 @@ class Cluster:
         env.pop(SECRET_FILE_ENV, None)
         cpus = self._plan_cores()
         logs = ["--log-level", a.log_level, "--log-format", a.log_format]
+        if a.otlp_traces_endpoint:  # the router and every node export their spans
+            logs += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         router_cmd = ["router", "--host", a.host, "--port", str(a.port), *logs]
         router_cmd += self._start_prefill_nodes(env, cpus, logs)
         router_cmd += self._start_decode_nodes(env, cpus, logs)

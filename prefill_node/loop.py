@@ -36,12 +36,14 @@ from kv_transfer.base import BasePrefillKVManager
 from pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
 from pd_common.messages import PDAddRequest, PrefillDoneEvent
 from runtime.rank_process import RankParts
+from runtime.rank_spans import now_ns
 from runtime.reasons import AbortReason, as_reason
 
 log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillLoop(PDLoop):
+    first_queue = "bootstrap"
     sample_names = (
         "queue:bootstrap",
         "queue:waiting",
@@ -56,6 +58,7 @@ class PrefillLoop(PDLoop):
         self, parts: RankParts, kv_mgr: BasePrefillKVManager, store: PPConsensusStore | None
     ):
         super().__init__(parts, kv_mgr)
+        self.spans.role = "prefill"
         self.stream_tokens = False  # the front hears PrefillDoneEvent or ErrorEvent only
         self.store = store
         ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
@@ -83,9 +86,13 @@ class PrefillLoop(PDLoop):
         req = Req(msg.rid, list(msg.input_ids), replace(params, max_tokens=1, stop=()))
         pd = PDReq(msg.rid, msg.room, req, self.kv_mgr.create_sender(msg.room))
         self.bootstrap.append(pd)
+        self.spans.start(msg.rid, "bootstrap.wait_decode_alloc", parent="bootstrap")
         return pd
 
     def _bootstrap_done(self, rid: str) -> None:
+        if self.spans.on(rid):  # the children end with their parent
+            self.spans.end(rid, "bootstrap.wait_decode_alloc")
+            self.spans.end(rid, "bootstrap.handshake")
         waited = self._stage_done(rid, "bootstrap")
         if waited is not None:
             self.observe("bootstrap", waited)
@@ -110,6 +117,8 @@ class PrefillLoop(PDLoop):
     def _bootstrap_step(self) -> None:
         t0 = time.monotonic()
         local = [pd.transfer.poll() for pd in self.bootstrap]
+        if self.spans.active:
+            self._trace_registered(local)
         if self.store is not None:
             for pd, st in zip(self.bootstrap, local, strict=True):
                 self.store.update_status(pd.room, st)
@@ -140,11 +149,34 @@ class PrefillLoop(PDLoop):
                 self._bootstrap_done(pd.rid)
                 self.sched.add(pd.req)
                 self.mark_queued(pd.rid)
+                self.spans.start(pd.rid, "waiting")
             else:
                 keep.append(pd)
         self.bootstrap = keep
 
+    def _trace_registered(self, local: list[KVPoll]) -> None:
+        """Traced requests whose sender has every decode registration: the wait for the decode
+        side's allocation is over, the handshake (the ranks agreeing on it) goes on."""
+        for pd, st in zip(self.bootstrap, local, strict=True):
+            if st >= KVPoll.WaitingForInput and self.spans.is_open(
+                pd.rid, "bootstrap.wait_decode_alloc"
+            ):
+                self.spans.end(pd.rid, "bootstrap.wait_decode_alloc")
+                self.spans.start(pd.rid, "bootstrap.handshake", parent="bootstrap")
+
     # --- chunks and first token -------------------------------------------------------------------
+    def forward(self, batch: ScheduledBatch):
+        if not (self.spans.active and batch.entries):
+            return super().forward(batch)
+        t0 = now_ns()
+        y = super().forward(batch)
+        t1 = now_ns()
+        for e in batch.entries:
+            if self.spans.on(e.req.rid):
+                self.spans.end(e.req.rid, "waiting", t_ns=t0)
+                self.spans.span(e.req.rid, "chunk", t0, t1, start=e.start, tokens=e.num_new)
+        return y
+
     def after_forward(self, batch: ScheduledBatch) -> None:
         for e in batch.entries:
             pd = self.by_rid.get(e.req.rid)
@@ -176,7 +208,7 @@ class PrefillLoop(PDLoop):
             aux=pack_aux(req.output_ids[-1], lp, top),
         )
         self.inflight[pd.room] = pd
-        self._t_stage[pd.rid] = time.monotonic()
+        self._stage_start(pd.rid, "inflight")
 
     # --- release vote -----------------------------------------------------------------------------
     def after_harvest(self, t: int, hb: int) -> None:
@@ -197,16 +229,35 @@ class PrefillLoop(PDLoop):
         for room in sorted(good | bad):
             pd = self.inflight.pop(room)
             self._stage_done(pd.rid, "inflight")
+            if self.spans.on(pd.rid):
+                self._trace_transfer(pd)
             if pd.rid in self.sched.kept_kv:
                 self.sched.release(pd.rid)
             if room in good and not pd.aborted:
                 self.emit(PrefillDoneEvent(pd.rid, pd.req.prompt_len, pd.req.cached_len))
+                self.spans.finish(pd.rid, "prefill_done")
                 self._forget(pd)
             elif pd.aborted:
                 self._end(pd, pd.reason)
             else:
                 why = pd.transfer.reason or "a prefill rank failed"
                 self._end(pd, AbortReason.KV_TRANSFER_FAILED, f"KV transfer failed: {why}")
+
+    def _trace_transfer(self, pd: PDReq) -> None:
+        """This rank's KV transfer of the room, from its sender's own times and counters."""
+        s = pd.transfer
+        t0, t1 = getattr(s, "first_chunk_at", None), getattr(s, "finished_at", None)
+        if t0 is None or t1 is None:
+            return
+        self.spans.span(
+            pd.rid,
+            "kv_transfer",
+            self.spans.wall_ns(t0),
+            self.spans.wall_ns(t1),
+            bytes=int(getattr(s, "bytes_sent", 0)),
+            descriptors=int(getattr(s, "descriptors", 0)),
+            status=s.poll().name,
+        )
 
     def _forget(self, pd: PDReq) -> None:
         super()._forget(pd)

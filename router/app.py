@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import admin, dashboard, generation
+from router import admin, dashboard, generation, timeline
 from router.config import RouterConfig
 from router.core import Router
 
@@ -32,6 +32,8 @@ ENDPOINTS = (
     ("GET", "/workers", admin.list_workers),
     ("POST", "/workers", admin.add_worker),
     ("DELETE", "/workers", admin.remove_worker),
+    ("GET", "/debug/requests", timeline.list_requests),
+    ("GET", "/debug/requests/{id}", timeline.show_request),
     ("GET", "/dashboard", dashboard.page),
     ("GET", "/dashboard/state", dashboard.state),
 )

@@ -26,6 +26,7 @@ import httpx
 
 from router.openai_protocol import ApiError
 from router.responses import NodeAborted, check_event, parse_sse_line
+from router.timeline import CURRENT
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -156,6 +157,8 @@ class Attempt:
         self.prefill_meta: dict | None = None  # the prefill node's meta_info, once it answered
         self.last_meta: dict = {}  # streaming: the decode node's final meta_info
         self.closed = False
+        self.trace = CURRENT.get()  # the request's trace (router/timeline.py); None: tracing off
+        self.headers = dispatcher.node_headers
         # the worker whose prefill queue this attempt's prompt is charged to, until it is prefilled
         self._charged: Worker | None = route.prefill or route.decode
 
@@ -169,6 +172,10 @@ class Attempt:
         route, cfg = self.route, self.d.cfg
         if self._charged is not None:
             self._charged.queued_prompt_tokens += route.prompt_tokens
+        if self.trace is not None:
+            nodes = [(w.role, w.url) for w in (route.prefill, route.decode) if w is not None]
+            traceparent = self.trace.attempt_start(self.rid, nodes)
+            self.headers = {**self.d.node_headers, "traceparent": traceparent}
         for w in (route.prefill, route.decode):
             if w is not None:
                 w.in_flight += 1
@@ -218,7 +225,7 @@ class Attempt:
         try:
             client = self.d.clients.get(worker.url)
             resp = await client.post(
-                f"{worker.url}/generate", json=self.payload, headers=self.d.node_headers
+                f"{worker.url}/generate", json=self.payload, headers=self.headers
             )
             if resp.status_code != 200:
                 failure = node_failure(worker, resp, resp.content)
@@ -247,7 +254,7 @@ class Attempt:
         try:
             client = self.d.clients.get(worker.url)
             request = client.build_request(
-                "POST", f"{worker.url}/generate", json=self.payload, headers=self.d.node_headers
+                "POST", f"{worker.url}/generate", json=self.payload, headers=self.headers
             )
             self.response = await client.send(request, stream=True)
             if self.response.status_code != 200:
@@ -259,6 +266,8 @@ class Attempt:
                     raise NodeAborted("the stream ended before any data")
                 check_event(first)
                 self.first = first
+                if self.trace is not None:
+                    self.trace.first_token(self.rid)
             else:
                 self.result = json.loads(await self.response.aread())
                 if not isinstance(self.result, dict):
@@ -322,6 +331,8 @@ class Attempt:
         self._prefilled()
         meta = self.prefill_meta or (self.result or {}).get("meta_info") or self.last_meta
         self.d.disagg.tokens.learn(self.route.key_chars, meta.get("prompt_tokens"))
+        if self.trace is not None:
+            self.trace.attempt_end(self.rid, ok, self._finish_type())
         decode = self.route.decode
         decode.in_flight -= 1
         decode.breaker.record(ok)
@@ -337,6 +348,11 @@ class Attempt:
             self.d.spawn(_reap_prefill(self.d, prefill, task, self.rid))
         if abort and task is not None and not task.done():
             task.cancel()
+
+    def _finish_type(self) -> str | None:
+        meta = self.last_meta or (self.result or {}).get("meta_info") or {}
+        reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+        return reason.get("type") if isinstance(reason, dict) else None
 
 
 async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: str) -> None:

@@ -124,6 +124,8 @@ class RouterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     log_format: str = "text"  # or json (infra/logs.py)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for traces (docs/TRACING.md)
+    debug_requests: int = 1000  # requests the /debug/requests timeline keeps (0: off)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -135,6 +137,8 @@ class RouterConfig:
             raise ValueError("max_concurrent must be >= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.debug_requests < 0:
+            raise ValueError("debug_requests must be >= 0")
         urls = [w.url for w in self.workers]
         if len(urls) != len(set(urls)):
             raise ValueError("the same worker URL is listed twice")

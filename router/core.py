@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infra.internal_auth import bearer, bearer_ok
+from infra.tracing import make_exporter
 from router.admission import Admission, Rejected
 from router.attempt import Attempt, Route
 from router.config import RouterConfig
@@ -21,6 +22,7 @@ from router.json_body import read_json_body
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
 from router.openai_protocol import ApiError
+from router.timeline import CURRENT, RequestTrace, Timeline, now_ns
 from router.workers import WorkerRegistry
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
@@ -40,6 +42,9 @@ class Router:
             self.registry.add(spec)
         self.dispatcher = Dispatcher(cfg, self.registry, self.clients, self.metrics)
         self.admission = Admission(cfg.max_concurrent, cfg.max_queue, cfg.queue_timeout_s)
+        self.timeline = Timeline(
+            cfg.debug_requests, make_exporter(cfg.otlp_traces_endpoint, "router")
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -54,6 +59,7 @@ class Router:
             await self.registry.stop()
             await self.dispatcher.drain()
             await self.clients.aclose()
+            self.timeline.close()
 
     # --- request checks -----------------------------------------------------------------
     def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
@@ -91,9 +97,14 @@ class Router:
             )
 
     async def admit(self) -> None:
+        trace, t0 = CURRENT.get(), now_ns()
         try:
             await self.admission.acquire()
+            if trace is not None:
+                trace.add("router.admission_queue", t0, now_ns())
         except Rejected as exc:
+            if trace is not None:
+                trace.add("router.admission_queue", t0, now_ns(), rejected=str(exc))
             self.metrics.rejected.inc()
             raise ApiError(
                 429,
@@ -145,13 +156,36 @@ class Router:
     async def serve(self, route: str, request: Request, handler) -> Response:
         """Run one handler; ApiError becomes an OpenAI error body; non-stream metrics here."""
         t0 = time.perf_counter()
+        trace = self.timeline.start(route, request)
         try:
             response = await handler(request, t0)
         except ApiError as exc:
             response = JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+        except BaseException:
+            if trace is not None:
+                self.timeline.end(trace, 500)
+            raise
+        if trace is not None:
+            self._end_trace(trace, response)
         if not isinstance(response, StreamingResponse):
             self.metrics.observe_request(route, response.status_code, time.perf_counter() - t0)
         return response
+
+    def _end_trace(self, trace: RequestTrace, response: Response) -> None:
+        """The trace ends with the answer: now, or when a stream's last byte went out."""
+        if not isinstance(response, StreamingResponse):
+            self.timeline.end(trace, response.status_code)
+            return
+        inner = response.body_iterator
+
+        async def traced():
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                self.timeline.end(trace, response.status_code)
+
+        response.body_iterator = traced()
 
     def default_model(self, model: str | None) -> str | None:
         """`model` as given (checked), or the one served when it is left out (None: unknown yet)."""

@@ -142,6 +142,18 @@ def _add_serving_args(parser: argparse.ArgumentParser, opt) -> None:
 
 def _add_log_args(opt) -> None:
     R = RouterConfig
+    opt(
+        "--otlp-traces-endpoint",
+        R.otlp_traces_endpoint,
+        help="export OpenTelemetry traces over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318 (docs/TRACING.md)",
+    )
+    opt(
+        "--debug-requests",
+        R.debug_requests,
+        int,
+        help="finished requests whose stage times GET /debug/requests keeps (0: off)",
+    )
     opt("--log-level", R.log_level, help="info, or debug: adds access and health-probe lines")
     opt(
         "--log-format",
@@ -255,6 +267,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         log_format=args.log_format,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        debug_requests=args.debug_requests,
         health=HealthConfig(
             args.health_interval,
             args.health_timeout,

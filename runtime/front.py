@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -46,6 +47,7 @@ from runtime.messages import (
     encode,
     unpack,
 )
+from runtime.node_tracing import NodeTracing
 from runtime.prompt import RequestError, prompt_ids
 from runtime.reasons import AbortReason
 from runtime.token_text import TokenBytes, TokenText
@@ -130,6 +132,7 @@ class NodeFront:
         ] = {}  # the model's (engine.loader.load_sampling_defaults)
         self.token_bytes: TokenBytes | None = None  # made at the first logprobs request
         self.metrics = None  # set by the app (runtime.metrics)
+        self.tracing = NodeTracing(role, pp_size)  # inert unless a request brings a traceparent
         self._tasks: list[asyncio.Task] = []
 
     @staticmethod
@@ -148,6 +151,7 @@ class NodeFront:
         for t in self._tasks:
             t.cancel()
         self.ctx.destroy(linger=0)
+        self.tracing.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def mark_dead(self, why: str) -> None:
@@ -174,8 +178,11 @@ class NodeFront:
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         return prompt_ids(self.tok, body, self.vocab_size)
 
-    def admit(self, body: dict[str, Any], ids: list[int] | None = None) -> Pending:
-        """Checks and queues a request; `ids`: its prompt, if the caller tokenised it already."""
+    def admit(
+        self, body: dict[str, Any], ids: list[int] | None = None, traceparent: str | None = None
+    ) -> Pending:
+        """Checks and queues a request; `ids`: its prompt, if the caller tokenised it already;
+        `traceparent`: the caller's trace context (the request's stages are traced under it)."""
         if self.dead:
             raise RequestError(503, f"node is unhealthy: {self.dead}")
         if len(self.pending) >= self.max_pending:
@@ -221,6 +228,9 @@ class NodeFront:
                 409, f"request {rid!r} was aborted before it arrived", "rid", "aborted"
             )
         msg = self.add_request(rid, ids, params, body)
+        tp = self.tracing.begin(rid, traceparent) if traceparent else None
+        if tp is not None:
+            msg = replace(msg, traceparent=tp)
         p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
         if params.logprobs:
             self.token_bytes = self.token_bytes or TokenBytes(self.tok)
@@ -358,6 +368,10 @@ class NodeFront:
             p.events.put_nowait(ev)
             if ev.terminal:
                 del self.pending[ev.rid]  # over on the ranks; `p` still streams its queue
+                if self.tracing.requests:
+                    self.tracing.end(
+                        ev.rid, getattr(ev, "kind", None) or getattr(ev, "reason", ev.TAG)
+                    )
 
     async def _read_stats(self) -> None:
         while True:
@@ -380,6 +394,10 @@ class NodeFront:
             raise ValueError(f"stats of pp_rank {r!r} from {sender}")
         self.rank_stats[r] = st
         self.rank_seen[r] = time.monotonic()
+        if st.spans:
+            self.tracing.ingest(r, st.spans)
+        if self.tracing.ending:
+            self.tracing.sweep()
         if self.metrics is not None:
             try:
                 self.metrics.ingest(st)
@@ -409,4 +427,5 @@ class NodeFront:
                 for r in range(self.pp_size)
             ],
             "dropped_messages": dict(self.dropped),
+            "threads": sorted({t.name for t in threading.enumerate()}),  # an exporter shows here
         }

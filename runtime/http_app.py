@@ -80,8 +80,9 @@ def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
             ids = await asyncio.get_running_loop().run_in_executor(
                 TOKENIZER_POOL, front.tokenize, body
             )
-        p = front.admit(body, ids)
-        bind_request(p.rid)  # log lines of this request carry its rid (JSON format)
+        p = front.admit(body, ids, request.headers.get("traceparent"))
+        # log lines of this request carry its rid and trace id (JSON format)
+        bind_request(p.rid, front.tracing.trace_id(p.rid))
         answer = await front.answer(p)
         if answer is not None:
             return answer
@@ -168,6 +169,15 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         return front.server_info()
 
     front.add_routes(app, check_internal)
+
+    @app.get("/debug/spans/{rid}")
+    async def debug_spans(rid: str, request: Request):
+        """A traced request's spans on this node (the router's timeline, docs/TRACING.md)."""
+        check_internal(request)
+        spans = front.tracing.spans(rid)
+        if spans is None:
+            raise RequestError(404, f"no traced request {rid[:RID_MAX]!r} is kept here", "rid")
+        return {"rid": rid, "role": front.role, "spans": spans}
 
     @app.get("/metrics")
     async def metrics():

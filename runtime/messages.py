@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from infra.tracing import valid_traceparent
 from runtime.reasons import check_reason
 
 MAX_STR = 4096  # characters of any string field (messages, reasons, rids)
@@ -33,7 +34,7 @@ class MessageError(ValueError):
 
 
 _BY_TAG: dict[str, type] = {}
-_SPECS: dict[type, tuple[tuple[Callable[[Any], Any], ...], Callable | None]] = {}
+_SPECS: dict[type, tuple[tuple[str, ...], tuple[Callable[[Any], Any], ...], Callable | None]] = {}
 
 
 def message(tag: str):
@@ -126,11 +127,13 @@ def _build(cls: type, values: list) -> Any:
         checks = tuple(
             _checker(hints[f.name], f"{cls.__name__}.{f.name}") for f in dataclasses.fields(cls)
         )
-        spec = _SPECS[cls] = (checks, getattr(cls, "validate", None))
-    checks, validate = spec
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        spec = _SPECS[cls] = (names, checks, getattr(cls, "validate", None))
+    names, checks, validate = spec
     if len(values) != len(checks):
         raise MessageError(f"{cls.__name__} has {len(checks)} fields, got {len(values)}")
-    msg = cls(*[check(v) for check, v in zip(checks, values, strict=True)])
+    # by keyword: a keyword-only field (AddRequest.traceparent) keeps its wire place
+    msg = cls(**{n: check(v) for n, check, v in zip(names, checks, values, strict=True)})
     if validate is not None:  # bounds beyond the types (a room's range, ...)
         validate(msg)
     return msg
@@ -247,10 +250,14 @@ class AddRequest:
     rid: str
     input_ids: list[int]
     params: dict[str, Any]
+    # W3C trace context of the node's request span: the ranks record its stages (docs/TRACING.md)
+    traceparent: str | None = field(default=None, kw_only=True)
 
     def validate(self) -> None:
         if not self.input_ids or min(self.input_ids) < 0:
             raise MessageError("AddRequest.input_ids: a non-empty list of token ids")
+        if self.traceparent is not None and not valid_traceparent(self.traceparent):
+            raise MessageError("AddRequest.traceparent: not a W3C traceparent")
 
 
 @message("abort")
@@ -326,6 +333,25 @@ class AbortUnknownEvent(Event):
 
 
 # --- rank -> front --------------------------------------------------------------------------------
+SPANS_PER_PUSH = 2048  # span records one stats push carries at most (runtime/rank_spans.py)
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """A finished stage of a traced request on one rank, timed by the rank's own clock (Unix ns).
+    `parent`: the name of a span of the same request and rank, "" for the node's request span;
+    `seq` tells repeated names (prefill chunks) apart. The front gives it its ids."""
+
+    rid: str
+    name: str
+    parent: str
+    seq: int
+    start_ns: int
+    end_ns: int
+    attrs: dict[str, int | float | str]
+    events: list[tuple[str, int]]
+
+
 @dataclass(frozen=True)
 class KVRankStats:
     """A PD rank's transfer counters since start (latencies: those new since the last push)."""
@@ -364,10 +390,16 @@ class RankStats:
     front_dropped: dict[str, int] = field(default_factory=dict)  # PP0: bad front messages
     kv: KVRankStats | None = None
     dtype: str = ""  # the dtype the rank computes in (--dtype auto resolved)
+    spans: list[SpanRecord] = field(default_factory=list)  # traced requests' stages, since last
+
+    def validate(self) -> None:
+        if len(self.spans) > SPANS_PER_PUSH:
+            raise MessageError(f"RankStats.spans: more than {SPANS_PER_PUSH} records")
 
     def to_json(self) -> dict[str, Any]:
         """The stats as /server_info shows them: the queues inline, as before they were typed."""
         d = dataclasses.asdict(self)
+        d.pop("spans")  # the front's tracing takes them
         d.update(d.pop("queues"))
         return d
 

@@ -124,6 +124,7 @@ def rank_stats(
         front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
         kv=kv,
         dtype=dtype,
+        spans=loop.spans.drain(),
     )
 
 

@@ -25,6 +25,7 @@ from infra.http_server import server_config
 from infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
 from infra.logs import add_log_args, setup_logging, uvicorn_level
 from infra.procs import free_port, stop_processes
+from infra.tracing import add_tracing_arg, make_exporter
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
 
@@ -108,6 +109,7 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         help="CUDA: PP sends/receives on their own stream, overlapping forwards",
     )
     add_log_args(ap)
+    add_tracing_arg(ap)
     ap.add_argument(
         "--cpus",
         default="",
@@ -369,6 +371,7 @@ def make_front(args, role: str, cls=None, **kw):
         **kw,
     )
     front.metrics = NodeMetrics(f"{args.host}:{args.port}", role, front.finish_reasons)
+    front.tracing.exporter = make_exporter(args.otlp_traces_endpoint, role)
     front.max_pending = args.max_pending
     front.sampling_defaults = load_sampling_defaults(path)
     if front.sampling_defaults.get("unapplied"):

@@ -42,6 +42,7 @@ from runtime.messages import (
     out_to_wire,
 )
 from runtime.pp_comm import Msg, PPComm
+from runtime.rank_spans import RankSpans
 from runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SlotLoop:
         self.stream_tokens = True  # the prefill loop answers with its own events
         # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
         self.samples: dict[str, list[float]] = {}
+        self.spans = RankSpans()  # traced requests' stages (side data, docs/TRACING.md)
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
         self._idle_ms = 0  # PP0: current idle wait (timing only, never a decision)
@@ -153,6 +155,7 @@ class SlotLoop:
 
     def on_finished(self, req: Req) -> None:
         """Runs on every rank for each request the scheduler finished this iteration."""
+        self.spans.finish(req.rid, req.finish.kind if req.finish else "unknown")
 
     def has_outstanding(self) -> bool:
         """Requests that wait on something outside the scheduler (PD loops: bootstrap, transfers,
@@ -236,11 +239,13 @@ class SlotLoop:
         A PD loop takes its own kinds here and leaves the rest to this one."""
         if type(msg) is not AddRequest:
             return False
+        self.spans.trace(msg.rid, msg.traceparent)
         try:
             self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
             self.mark_queued(msg.rid)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
+            self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
 
     def observe(self, name: str, seconds: float) -> None:

