@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import tokenize as tokenize_api
+from router import tools
 from router.attempt import Attempt
 from router.core import Router
 from router.keepalive import native_error, openai_error, pinged_stream
@@ -42,6 +43,9 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
     )
     router.check_context(req.model, max_new, field)
     native, key = req.to_native(), req.prompt_key()
+    plan = (
+        tools.apply(req, native, router.registry.tool_format(req.model)) if kind == "chat" else None
+    )
     await router.admit()
     handed_over = False
     try:
@@ -57,6 +61,7 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
                 req.include_usage(),
                 frozenset(req.stop_token_ids or ()),
                 bool(req.return_tokens_as_token_ids),
+                plan,
             )
 
         def stream(attempt: Attempt):
