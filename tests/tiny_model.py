@@ -22,12 +22,12 @@ QWEN25_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are Qwen.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
-    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
-    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
+    '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and '
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
+    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
     "{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
@@ -39,7 +39,7 @@ QWEN25_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
