@@ -266,6 +266,14 @@ class ChatMessage(_Model):
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: StrictStr | None = None  # tool
 
+    @field_validator("tool_calls", "tool_call_id")
+    @classmethod
+    def _fits_the_role(cls, v, info: ValidationInfo):
+        role = "assistant" if info.field_name == "tool_calls" else "tool"
+        if v is not None and info.data.get("role") != role:
+            raise ValueError(f"only on {role} messages")
+        return v
+
     def native(self) -> dict[str, Any]:
         """The node's message (runtime/chat_template.py): content as one string."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}

@@ -270,6 +270,12 @@ def _refusal_the_schema_cannot_state(path: str, body: dict, r) -> str | None:
         return "a schema or regex that does not compile (only the grammar engine can tell)"
     if err["code"] == "invalid_value" and err["message"].startswith("at most one of"):
         return "two guides at once (JSON Schema cannot say 'at most one of these fields')"
+    if err["param"] == "tools" and "no tool support" in err["message"]:
+        return "tools for a model whose chat template takes none (the node knows)"
+    if err["param"] == "tool_choice":
+        return "a tool_choice that needs tools, names none of them, or meets a guide"
+    if str(err["param"]).endswith((".tool_calls", ".tool_call_id")) and "only on" in err["message"]:
+        return "tool_calls or tool_call_id on a message of another role"
     return None
 
 
@@ -632,7 +638,7 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
     assert neutral.json()["choices"][0]["message"]["content"] == text
     for field, value in (
         ("best_of", 3),
-        ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]),
         ("frobnicate", {"deep": [1, {"x": None}]}),
     ):
         expect(
@@ -641,6 +647,12 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
             param=field,
             code="unsupported_parameter",
         )
+    expect(  # implemented now: a bad tool is a bad value
+        post(cluster, CHAT, json={**greedy, "tools": [{"type": "function"}]}),
+        400,
+        param="tools.0.function",
+        code="invalid_value",
+    )
     r = post(
         cluster,
         GENERATE,
