@@ -27,7 +27,14 @@ from pydantic_core import PydanticCustomError
 
 from router import openai_fields
 from router.openai_fields import UNSUPPORTED_CODE
-from router.tool_models import MAX_TOOLS, NamedToolChoice, Tool, ToolCall, ToolChoice
+from router.tool_models import (
+    MAX_TOOLS,
+    MESSAGE_ROLES_SCHEMA,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
@@ -259,7 +266,13 @@ class ContentPart(_Model):
     text: StrictStr
 
 
+def _document_message(schema: dict[str, Any], cls: type[_Model]) -> None:
+    _document_unsupported(schema, cls)
+    schema["anyOf"] = MESSAGE_ROLES_SCHEMA
+
+
 class ChatMessage(_Model):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_message)
     UNSUPPORTED = openai_fields.MESSAGE
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None

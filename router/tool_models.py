@@ -55,3 +55,19 @@ class ToolCall(_Strict):
     id: StrictStr
     type: Literal["function"]
     function: CallFunction
+
+
+_NONE = {"type": "null"}
+# What a message's validators enforce, for the OpenAPI document: tool_calls only on an assistant
+# message, tool_call_id only on a tool message.
+MESSAGE_ROLES_SCHEMA = [
+    {"properties": {"role": {"const": "assistant"}, "tool_call_id": _NONE}},
+    {"properties": {"role": {"const": "tool"}, "tool_calls": _NONE}},
+    {
+        "properties": {
+            "role": {"enum": ["system", "developer", "user"]},
+            "tool_calls": _NONE,
+            "tool_call_id": _NONE,
+        }
+    },
+]

@@ -543,6 +543,7 @@ WRONG = {
         [{"role": "user", "content": 5}],
         [{"role": "user", "content": [{"type": "text"}]}],
         [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}],
+        [{"role": "user", "content": "x", "tool_calls": []}],
     ],
     "prompt": [5, None, {"text": "x"}, [1.5], [True], [[1], [2]], [["a"]]],
     "stream": ["true", 1, None],
@@ -571,6 +572,9 @@ WRONG = {
     "guided_json": [5],
     "guided_regex": [5, ["a"]],
     "guided_choice": ["yes", [], [5]],
+    "tools": [{"type": "function"}, [{"type": "function", "function": {"name": "a b"}}], "x"],
+    "tool_choice": ["always", {"type": "function"}, 5],
+    "parallel_tool_calls": ["no", 0],
 }
 
 
