@@ -232,3 +232,19 @@ def test_tool_errors_name_the_field(served):
         body = err.value.body
         assert body["param"] == param, (kw, body)
         assert words in body["message"], body
+
+
+def test_tokenize_renders_the_tools(served):
+    """/tokenize takes the same tools: the prompt holds them (Qwen's template lists each tool's
+    JSON); a model without tool support refuses them, naming `tools`."""
+    url = str(served["client"].base_url).removesuffix("/v1/")
+    bare = httpx.post(f"{url}/tokenize", json={"model": "qwen", "messages": ASK}, timeout=30)
+    with_tools = httpx.post(
+        f"{url}/tokenize", json={"model": "qwen", "messages": ASK, "tools": [WEATHER]}, timeout=30
+    )
+    assert bare.status_code == with_tools.status_code == 200, with_tools.text
+    assert with_tools.json()["count"] > bare.json()["count"] + 20
+    refused = httpx.post(
+        f"{url}/tokenize", json={"model": "plain", "messages": ASK, "tools": [WEATHER]}, timeout=30
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools", refused.text
