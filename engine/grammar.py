@@ -1,7 +1,9 @@
 """Structured output: a grammar constrains which tokens a request may sample (xgrammar).
 
 A request's `guide` is (kind, spec): `json_schema` (a JSON Schema, as JSON text), `json_object`
-(any JSON object; spec ""), `regex`, or `choice` (a JSON list of strings; the output is one).
+(any JSON object; spec ""), `regex`, `choice` (a JSON list of strings; the output is one), or
+`structural_tag` (xgrammar's structural tag, as JSON text: the router forces tool calls in a model
+family's format with one, router/tools.py).
 
 Only the rank that samples (the last PP rank) holds grammar state, and that state is a function of
 the request's own generated tokens: before each sampling step the matcher is fed the tokens the
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
 
 
@@ -41,6 +43,8 @@ def _grammar(kind: str, spec: str):
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
+    if kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(spec)
     choices = json.loads(spec)
     return xgr.Grammar.from_regex("|".join(_regex_literal(c) for c in choices))
 

@@ -71,6 +71,9 @@ async def openapi(router: Router, request: Request, t0: float) -> Response:
     router.check_bearer(request, router.cfg.api_key, "API key")
     return JSONResponse(
         openapi_document(
-            router.registry.models(), router.registry.max_context(), auth=bool(router.cfg.api_key)
+            router.registry.models(),
+            router.registry.max_context(),
+            auth=bool(router.cfg.api_key),
+            tools=any(w.tool_format for w in router.registry.all()),
         )
     )

@@ -13,7 +13,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from router import choices
+from router import choices, tools
 from router import tokenize as tokenize_api
 from router.attempt import Attempt
 from router.core import Router
@@ -32,7 +32,9 @@ from router.streams import native_stream, openai_stream
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-def _shape(kind: str, req: ChatRequest | CompletionRequest, rid: str) -> Shape:
+def _shape(
+    kind: str, req: ChatRequest | CompletionRequest, rid: str, plan: tools.ToolPlan | None
+) -> Shape:
     return Shape(
         kind,
         f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}",
@@ -42,6 +44,7 @@ def _shape(kind: str, req: ChatRequest | CompletionRequest, rid: str) -> Shape:
         req.include_usage(),
         frozenset(req.stop_token_ids or ()),
         bool(req.return_tokens_as_token_ids),
+        plan,
     )
 
 
@@ -67,6 +70,9 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
     )
     router.check_context(req.model, max_new, field)
     native, key = req.to_native(), req.prompt_key()
+    plan = (
+        tools.apply(req, native, router.registry.tool_format(req.model)) if kind == "chat" else None
+    )
     try:
         if (req.n or 1) > 1:
             return await choices.serve(
@@ -78,10 +84,10 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
                 req.model,
                 req.n,
                 req.stream,
-                lambda rid: _shape(kind, req, rid),
+                lambda rid: _shape(kind, req, rid, plan),
                 ROUTES[kind],
             )
-        return await _one_choice(router, request, t0, kind, req, native, key)
+        return await _one_choice(router, request, t0, kind, req, native, key, plan)
     except ApiError as exc:
         raise _client_field(exc, "guide", req.guide_field()) from None
 
@@ -94,6 +100,7 @@ async def _one_choice(
     req: ChatRequest | CompletionRequest,
     native: dict,
     key: str,
+    plan: tools.ToolPlan | None,
 ) -> Response:
     await router.admit()
     handed_over = False
@@ -101,7 +108,7 @@ async def _one_choice(
         attempt = await router.open_watched(request, native, key, req.stream, req.model)
 
         def stream(attempt: Attempt):
-            shaper = StreamShaper(_shape(kind, req, attempt.rid))
+            shaper = StreamShaper(_shape(kind, req, attempt.rid, plan))
             return openai_stream(router, attempt, shaper, ROUTES[kind], t0)
 
         if req.stream:
@@ -116,7 +123,7 @@ async def _one_choice(
             )
         try:
             cached = await attempt.cached_tokens()
-            answer = completion(_shape(kind, req, attempt.rid), attempt.result, cached)
+            answer = completion(_shape(kind, req, attempt.rid, plan), attempt.result, cached)
         finally:
             attempt.close(True)
         return JSONResponse(answer)

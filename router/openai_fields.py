@@ -2,7 +2,7 @@
 
 Every field of a request is either implemented (a field of the request models in
 router/openai_protocol.py) or listed here. A listed field is accepted only at a *neutral* value,
-one that asks for what pdserve does anyway (`use_beam_search: false`, `tools: []`, always
+one that asks for what pdserve does anyway (`use_beam_search: false`, `functions: []`, always
 `null`); any other value is a 400 with code `unsupported_parameter` and `param` naming the field.
 A field in neither place (not in OpenAI's or vLLM's schema) is a 400 with the same code. Nothing is
 dropped silently. vLLM, for comparison, implements most of these and ignores unknown fields with a
@@ -49,11 +49,8 @@ COMMON: dict[str, tuple] = {
 CHAT: dict[str, tuple] = {
     **COMMON,
     # OpenAI
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # "auto" with no tools is "none"
-    "parallel_tool_calls": (True, False),  # says how tools are called; there are none
-    "functions": ([],),
-    "function_call": ("none", "auto"),
+    "functions": ([],),  # deprecated by OpenAI for tools
+    "function_call": ("none", "auto"),  # deprecated by OpenAI for tool_choice
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -82,8 +79,6 @@ COMPLETION: dict[str, tuple] = {
 
 MESSAGE: dict[str, tuple] = {  # fields of one chat message
     "name": (),
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "refusal": (),
     "audio": (),

@@ -27,6 +27,14 @@ from pydantic_core import PydanticCustomError
 
 from router import openai_fields
 from router.openai_fields import UNSUPPORTED_CODE
+from router.tool_models import (
+    MAX_TOOLS,
+    MESSAGE_ROLES_SCHEMA,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 MAX_N = 16  # choices per request (`n`)
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -279,10 +287,36 @@ class ContentPart(_Model):
     text: StrictStr
 
 
+def _document_message(schema: dict[str, Any], cls: type[_Model]) -> None:
+    _document_unsupported(schema, cls)
+    schema["anyOf"] = MESSAGE_ROLES_SCHEMA
+
+
 class ChatMessage(_Model):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_message)
     UNSUPPORTED = openai_fields.MESSAGE
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: StrictStr | None = None  # tool
+
+    @field_validator("tool_calls", "tool_call_id")
+    @classmethod
+    def _fits_the_role(cls, v, info: ValidationInfo):
+        role = "assistant" if info.field_name == "tool_calls" else "tool"
+        if v is not None and info.data.get("role") != role:
+            raise ValueError(f"only on {role} messages")
+        return v
+
+    def native(self) -> dict[str, Any]:
+        """The node's message (runtime/chat_template.py): content as one string."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["content"] = self.text() if self.content is not None else None
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -303,6 +337,20 @@ class ChatRequest(_Common):
     )
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # Tools (router/tools.py): parsed per the model's format, forced by `required` or a name.
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="absent: auto")
+    parallel_tool_calls: StrictBool | None = Field(None, description="absent: true")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if v == "required" and not names:
+            raise ValueError("'required' needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"function {v.function.name!r} is not one of the tools")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -326,7 +374,7 @@ class ChatRequest(_Common):
         if self.logprobs:
             params["logprobs"] = True
             params["top_logprobs"] = self.top_logprobs or 0
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        messages = [m.native() for m in self.messages]
         return {"messages": messages, "sampling_params": params}
 
     def prompt_key(self) -> str:

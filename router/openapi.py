@@ -3,8 +3,9 @@
 The OpenAI request bodies are the pydantic models of router/openai_protocol.py (their validators'
 rules are stated there with `json_schema_extra`). The native `/generate` body follows the node's
 rules (engine/core.py `SamplingParams`, docs/PROTOCOL.md). Responses are written out here.
-Two facts are only known at run time and go in per call: the served model names (`model` enum)
-and the smallest node context (largest `max_tokens`).
+Three facts are only known at run time and go in per call: the served model names (`model` enum),
+the smallest node context (largest `max_tokens`), and whether any served model takes tools (if
+none does, `tools` is only `[]` and `tool_choice` only `none` or `auto`).
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ _INDEX = {
     "maximum": MAX_N - 1,
     "description": "the choice, 0..n-1",
 }
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+_NO_TOOLS = {
+    "tools": {
+        "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+        "description": "no served model's chat template takes tools",
+    },
+    "tool_choice": {"enum": ["none", "auto", None], "description": "no tools to call"},
+}
 
 
 def _completion(obj: str, choice: dict) -> dict:
@@ -182,13 +203,17 @@ _CHAT_COMPLETION = _completion(
         "required": ["index", "message", "logprobs", "finish_reason"],
         "properties": {
             "index": _INDEX,
-            "finish_reason": _FINISH,
+            "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
             "stop_reason": _STOP_REASON,
             "logprobs": {"type": ["object", "null"]},
             "message": {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"], "description": "null: only calls"},
+                    "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                },
             },
         },
     },
@@ -359,10 +384,16 @@ def _components() -> dict[str, Any]:
 _STATIC_COMPONENTS = _components()
 
 
-def openapi_document(models: list[str], max_context: int | None, auth: bool) -> dict[str, Any]:
+def openapi_document(
+    models: list[str], max_context: int | None, auth: bool, tools: bool = True
+) -> dict[str, Any]:
     """The document for the router as it is now: `models` served, smallest node context
-    `max_context` (None: unknown), `auth`: whether /v1/* and /generate need the API key."""
+    `max_context` (None: unknown), `auth`: whether /v1/* and /generate need the API key, `tools`:
+    whether a served model takes tools."""
     schemas = copy.deepcopy(_STATIC_COMPONENTS)
+    if not tools:
+        schemas["ChatRequest"]["properties"].update(copy.deepcopy(_NO_TOOLS))
+        schemas["TokenizeChat"]["properties"]["tools"] = copy.deepcopy(_NO_TOOLS["tools"])
     for name in ("ChatRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
         if models:

@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from router.tools import ToolPlan
+
 _FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -129,6 +131,7 @@ class Shape:
     include_usage: bool = False  # streaming: a usage chunk before [DONE]
     stop_token_ids: frozenset[int] = frozenset()
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
+    tools: ToolPlan | None = None  # chat with tools: answers read for tool calls
 
 
 def answer_choice(shape: Shape, native: dict, index: int = 0) -> dict[str, Any]:
@@ -136,7 +139,10 @@ def answer_choice(shape: Shape, native: dict, index: int = 0) -> dict[str, Any]:
     meta = native.get("meta_info") or {}
     choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": native.get("text", "")}
+        text = native.get("text", "")
+        choice["message"] = (
+            shape.tools.message(text) if shape.tools else {"role": "assistant", "content": text}
+        )
         choice["logprobs"] = (
             chat_logprobs(meta.get("logprobs"), shape.tokens_as_ids) if shape.logprobs else None
         )
@@ -148,6 +154,8 @@ def answer_choice(shape: Shape, native: dict, index: int = 0) -> dict[str, Any]:
             else None
         )
     choice["finish_reason"] = finish_reason(meta) or "stop"
+    if choice["finish_reason"] == "stop" and choice.get("message", {}).get("tool_calls"):
+        choice["finish_reason"] = "tool_calls"
     choice["stop_reason"] = stop_reason(meta, shape.stop_token_ids)
     return choice
 
@@ -184,6 +192,14 @@ class StreamShaper:
         self.started = False
         self.meta: dict = {}
         self.text_len = 0  # characters of the logprob tokens so far (text_offset)
+        self.tools = shape.tools.stream() if shape.tools else None  # router/tool_stream.py
+
+    def _deltas(self, text: str, final: bool) -> list[dict]:
+        """The chat deltas of a piece of text (at least one, maybe empty): content, or, with
+        tools, content and tool-call deltas."""
+        if self.tools is None:
+            return [{"content": text} if text else {}]
+        return self.tools.feed(text, final) or [{}]
 
     def _frame(self, choice: dict) -> str:
         s = self.shape
@@ -224,7 +240,10 @@ class StreamShaper:
                     )
                 )
             if text or reason or entries:
-                delta = {"content": text} if text else {}
+                *before, delta = self._deltas(text, reason is not None)
+                out += [self._frame(_chat_choice(d)) for d in before]
+                if reason == "stop" and self.tools and self.tools.called:
+                    reason = "tool_calls"
                 out.append(
                     self._frame(
                         {
@@ -281,6 +300,16 @@ class StreamShaper:
             ),
             sse("[DONE]"),
         ]
+
+
+def _chat_choice(delta: dict) -> dict:
+    return {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
 
 
 def parse_sse_line(line: str) -> dict | None | str:

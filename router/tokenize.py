@@ -3,8 +3,8 @@ that serves the model answers (its /tokenize and /detokenize, with the cluster s
 runtime/node_tokenize.py).
 
     /tokenize    {model?, prompt, add_special_tokens=true, return_token_strs=false}
-                 {model?, messages, add_generation_prompt=true, add_special_tokens=false,
-                  return_token_strs=false}
+                 {model?, messages, tools?, add_generation_prompt=true,
+                  add_special_tokens=false, return_token_strs=false}
                  -> {"count", "max_model_len", "tokens", "token_strs"}
     /detokenize  {model?, tokens} -> {"prompt"}
 
@@ -21,6 +21,7 @@ from pydantic import Field, StrictBool, StrictStr
 
 from router import openai_fields
 from router.openai_protocol import ApiError, ChatMessage, TokenId, _Model, parse_request
+from router.tool_models import MAX_TOOLS, Tool
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -42,12 +43,12 @@ class TokenizeChat(_Model):
             "continue_final_message",
             "chat_template",
             "chat_template_kwargs",
-            "tools",
             "mm_processor_kwargs",
         )
     }
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the template
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool | None = False
@@ -71,10 +72,10 @@ def parse_tokenize(body: Any) -> TokenizePrompt | TokenizeChat:
 
 
 def native(req: TokenizePrompt | TokenizeChat | Detokenize) -> dict[str, Any]:
-    """The node's body: the request without `model`; messages as {role, content} strings."""
+    """The node's body: the request without `model`; messages as the node takes them."""
     body = req.model_dump(exclude={"model"}, exclude_none=True)
     if isinstance(req, TokenizeChat):
-        body["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
+        body["messages"] = [m.native() for m in req.messages]
     return body
 
 

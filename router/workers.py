@@ -24,6 +24,7 @@ from router.circuit import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
+from router.tool_parsers import FORMATS
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
@@ -36,6 +37,7 @@ class Worker:
     bootstrap_port: int | None = None
     model: str | None = None  # learnt from /server_info
     max_context: int | None = None  # learnt from /server_info
+    tool_format: str | None = None  # learnt from /server_info: its model's tool-call format
     healthy: bool = False
     ever_healthy: bool = False
     good_probes: int = 0  # consecutive
@@ -138,6 +140,15 @@ class WorkerRegistry:
             and (model is None or w.model in (model, None) or model == self._cfg.served_model_name)
         ]
         return min(limits) if limits else None
+
+    def tool_format(self, model: str | None) -> str | None:
+        """The tool-call format of the workers that serve `model` (router/tool_parsers.py); None
+        when they report none, or differ."""
+        alias = model is None or model == self._cfg.served_model_name
+        formats = {
+            w.tool_format for w in self._workers.values() if w.model and (alias or w.model == model)
+        }
+        return formats.pop() if len(formats) == 1 else None
 
     def bootstrap_servers(self) -> list[str]:
         """'host:port' of every registered prefill worker whose bootstrap port is known."""
@@ -242,6 +253,8 @@ class WorkerRegistry:
             worker.model = info["model"]
         if isinstance(info.get("max_context"), int):
             worker.max_context = info["max_context"]
+        fmt = info.get("tool_call_format")
+        worker.tool_format = fmt if isinstance(fmt, str) and fmt in FORMATS else None
         port = info.get("bootstrap_port")
         if worker.role == "prefill" and worker.bootstrap_port is None and isinstance(port, int):
             worker.bootstrap_port = port

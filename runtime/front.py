@@ -35,6 +35,7 @@ from engine.core import ParamError, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from runtime.answer import Pending, finish_chunk, meta_info, token_chunk
+from runtime.chat_template import tool_call_format
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
@@ -89,6 +90,7 @@ class NodeFront:
         stats_port: int = 0,
     ):
         self.tok = tokenizer
+        self.tool_call_format = tool_call_format(tokenizer)  # runtime/chat_template.py
         self.model_name, self.role, self.pp_size = model_name, role, pp_size
         self.max_context, self.vocab_size = max_context, vocab_size
         self.ctx = zmq.asyncio.Context()
@@ -411,6 +413,7 @@ class NodeFront:
             "model": self.model_name,
             "role": self.role,
             "max_context": self.max_context,
+            "tool_call_format": self.tool_call_format,
             "pid": os.getpid(),
             "sampling_defaults": self.sampling_defaults,
             "pp_size": self.pp_size,

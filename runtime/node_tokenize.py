@@ -1,7 +1,8 @@
 """A node's /tokenize and /detokenize (docs/PROTOCOL.md): the model's tokenizer as a service, in
 vLLM's shapes, for the router, which has no tokenizer. Both run in the front's tokenizer thread.
 
-    /tokenize    {"prompt": str} or {"messages": [{role, content}]}, optional add_special_tokens
+    /tokenize    {"prompt": str} or {"messages": [...], "tools"?: [...]} (runtime/chat_template.py),
+                 optional add_special_tokens
                  (default: true for a prompt, false for messages, whose template adds them),
                  add_generation_prompt (messages, default true), return_token_strs (default false)
                  -> {"count", "max_model_len", "tokens", "token_strs"}
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.chat_template import render
 from runtime.front import NodeFront
-from runtime.prompt import RequestError, check_messages
+from runtime.prompt import RequestError
 
 MAX_DETOKENIZE = 1 << 18  # token ids in one /detokenize (the body limit bounds the rest)
 
@@ -34,19 +36,7 @@ def tokenize(front: NodeFront, body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError(400, "'prompt' must be a string", "prompt")
         text, special = body["prompt"], _flag(body, "add_special_tokens", True)
     else:
-        msgs = check_messages(body)
-        from jinja2 import TemplateError
-
-        try:
-            text = tok.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in msgs],
-                tokenize=False,
-                add_generation_prompt=_flag(body, "add_generation_prompt", True),
-            )
-        except TemplateError as e:  # the template's own checks (roles must alternate, ...)
-            raise RequestError(
-                400, f"the model's chat template refused the messages: {e}", "messages"
-            ) from None
+        text = render(tok, body, _flag(body, "add_generation_prompt", True))
         special = _flag(body, "add_special_tokens", False)
     ids = list(tok(text, add_special_tokens=special)["input_ids"])
     strs = tok.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None

@@ -24,25 +24,6 @@ class RequestError(Exception):
         }
 
 
-def check_messages(body: dict[str, Any]) -> list[dict]:
-    """A body's `messages`: a non-empty list of {role, content} strings, or a 400 naming it."""
-    msgs = body["messages"]
-    if (
-        not isinstance(msgs, list)
-        or not msgs
-        or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in msgs
-        )
-    ):
-        raise RequestError(
-            400, "'messages' must be a non-empty list of {role, content} strings", "messages"
-        )
-    return msgs
-
-
 def prompt_ids(tok: Any, body: dict[str, Any], vocab_size: int) -> list[int]:
     """The prompt of a /generate body: exactly one of `text`, `messages`, `input_ids`."""
     given = [k for k in ("text", "messages", "input_ids") if body.get(k) is not None]
@@ -56,8 +37,9 @@ def prompt_ids(tok: Any, body: dict[str, Any], vocab_size: int) -> list[int]:
             raise RequestError(400, "'text' must be a string", "text")
         ids = tok(body["text"])["input_ids"]
     elif kind == "messages":
-        msgs = check_messages(body)
-        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        from runtime.chat_template import render  # it raises this module's RequestError
+
+        text = render(tok, body)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = body["input_ids"]

@@ -40,9 +40,8 @@ def refused(call, param: str) -> openai.BadRequestError:
 
 
 # Real uses of the fields clients send most, through the SDK's own arguments.
-CHAT_USES = {  # (`n` and `best_of` are served since issue #19: tests/test_openai_choices.py)
-    "tools": [TOOL],
-    "tool_choice": "required",
+# (`n`, `best_of`: tests/test_openai_choices.py; `tools`, `tool_choice`: tests/test_tool_calls.py)
+CHAT_USES = {
     "store": True,
     "metadata": {"k": "v"},
     "service_tier": "flex",
@@ -133,6 +132,21 @@ def test_unknown_fields_are_refused_and_named(client):
         ),
         "messages.0.colour",
     )
+
+
+def test_tools_on_a_model_without_tool_support_are_refused_and_named(client):
+    """tools, tool_choice and parallel_tool_calls are implemented (test_tool_calls.py); the stub
+    node reports no tool-call format, as a model whose chat template takes no tools."""
+    for kwargs, param, words in (
+        ({"tools": [TOOL]}, "tools", "the model's chat template has no tool support"),
+        ({"tool_choice": "required"}, "tool_choice", "'required' needs tools"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "required"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, **kwargs)
+        err = info.value.body
+        assert err["param"] == param and words in err["message"], err
+        assert err["code"] == "invalid_value", err
 
 
 def test_neutral_values_are_accepted_and_never_reach_the_node(client, cluster):

@@ -272,6 +272,12 @@ def _refusal_the_schema_cannot_state(path: str, body: dict, r) -> str | None:
         return "best_of other than n (JSON Schema cannot relate two fields)"
     if err["code"] == "invalid_value" and err["message"].startswith("at most one of"):
         return "two guides at once (JSON Schema cannot say 'at most one of these fields')"
+    if err["param"] == "tools" and "no tool support" in err["message"]:
+        return "tools for a model whose chat template takes none (the node knows)"
+    if err["param"] == "tool_choice":
+        return "a tool_choice that needs tools, names none of them, or meets a guide"
+    if str(err["param"]).endswith((".tool_calls", ".tool_call_id")) and "only on" in err["message"]:
+        return "tool_calls or tool_call_id on a message of another role"
     return None
 
 
@@ -550,6 +556,7 @@ WRONG = {
         [{"role": "user", "content": 5}],
         [{"role": "user", "content": [{"type": "text"}]}],
         [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}],
+        [{"role": "user", "content": "x", "tool_calls": []}],
     ],
     "prompt": [5, None, {"text": "x"}, [1.5], [True], [[1], [2]], [["a"]]],
     "stream": ["true", 1, None],
@@ -579,6 +586,9 @@ WRONG = {
     "guided_json": [5],
     "guided_regex": [5, ["a"]],
     "guided_choice": ["yes", [], [5]],
+    "tools": [{"type": "function"}, [{"type": "function", "function": {"name": "a b"}}], "x"],
+    "tool_choice": ["always", {"type": "function"}, 5],
+    "parallel_tool_calls": ["no", 0],
 }
 
 
@@ -646,7 +656,7 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
     assert neutral.json()["choices"][0]["message"]["content"] == text
     for field, value in (
         ("use_beam_search", True),
-        ("tools", [{"type": "function"}]),
+        ("functions", [{"name": "f"}]),
         ("frobnicate", {"deep": [1, {"x": None}]}),
     ):
         expect(
@@ -655,6 +665,12 @@ def test_unknown_and_unsupported_fields_are_refused_neutral_ones_change_nothing(
             param=field,
             code="unsupported_parameter",
         )
+    expect(  # implemented now: a bad tool is a bad value
+        post(cluster, CHAT, json={**greedy, "tools": [{"type": "function"}]}),
+        400,
+        param="tools.0.function",
+        code="invalid_value",
+    )
     r = post(
         cluster,
         GENERATE,
