@@ -93,7 +93,8 @@ async def under_streams(paths: Paths, n: int, path: str, streams: int) -> dict[s
             await asyncio.sleep(0.4)
         await asyncio.gather(*tasks, *(t for _, t in fg))
     errors = [r.error for r in bg + [r for r, _ in fg] if r.error]
-    assert not errors, errors[:3]
+    for e in sorted(set(errors)):
+        print("    error:", e, flush=True)
     # gaps between token deliveries (the tokens of one chunk arrive together)
     gaps = sorted(b - a for r in bg for a, b in zip(r.times, r.times[1:], strict=False) if b > a)
     ttfts = sorted(r.ttft for r, _ in fg if r.error is None)
@@ -102,6 +103,7 @@ async def under_streams(paths: Paths, n: int, path: str, streams: int) -> dict[s
         "itl_p99": gaps[int(0.99 * len(gaps))],
         "ttft_p50": ttfts[len(ttfts) // 2],
         "arrivals": len(fg),
+        "errors": len(errors),
     }
 
 
@@ -155,13 +157,14 @@ def main() -> int:
         rows.append(f"| {n} | {pd * 1e3:.1f} | {lo * 1e3:.1f} | {lo / pd:.2f} |")
     mrows = [
         "| arriving prompt tokens | arrivals by | arrivals | their TTFT p50 ms "
-        "| streams' ITL p50 ms | streams' ITL p99 ms |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| streams' ITL p50 ms | streams' ITL p99 ms | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for (n, path), m in mixed.items():
         mrows.append(
             f"| {n} | {'PD pair' if path == 'pd' else 'decode only'} | {m['arrivals']} | "
-            f"{m['ttft_p50'] * 1e3:.1f} | {m['itl_p50'] * 1e3:.1f} | {m['itl_p99'] * 1e3:.1f} |"
+            f"{m['ttft_p50'] * 1e3:.1f} | {m['itl_p50'] * 1e3:.1f} | {m['itl_p99'] * 1e3:.1f} | "
+            f"{m['errors']} |"
         )
     text = "\n".join(
         [

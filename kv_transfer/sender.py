@@ -113,7 +113,11 @@ class KVSender(BaseKVSender):
         try:
             check_compatible(mgr.pool, msg.pool)
             if msg.session_id in mgr.failed_sessions:
-                raise ValueError(f"session {msg.session_id} failed before and is not reused")
+                # A registration is proof of life: a session declared dead (a stalled process, a
+                # starved CPU) or that failed a write is used again, or PD would stay down for good.
+                # Its earlier rooms failed already; a new one fails again if it really is dead.
+                mgr.failed_sessions.discard(msg.session_id)
+                mgr.info("session %s registers again: writing to it again", msg.session_id)
             if msg.prefix_tokens % msg.pool.page_size:
                 raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
             own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from cluster import NODE_ARGS, free_port, start
+from cluster import NODE_ARGS, free_port, start, wait_healthy
 
 FAST_TIMEOUTS = {
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8",
@@ -19,6 +19,33 @@ FAST_TIMEOUTS = {
     "PDSERVE_KV_QUARANTINE_S": "10",
     "PDSERVE_RANK_CONSENSUS_CHECK": "1",
 }
+
+
+@contextlib.contextmanager
+def pd_and_colocated(tmp: Path, pd_args: list[str], colocated_args: list[str]):
+    """A PD pair (`pd_args`: model and engine flags of both), a colocated node and a router in
+    front of the three, all processes; yields (router URL, {role: node URL})."""
+    pport, bport, dport, cport, rport = (free_port() for _ in range(5))
+    nodes = {
+        "prefill": (["prefill", "--port", str(pport), "--bootstrap-port", str(bport)], pd_args),
+        "decode": (["decode", "--port", str(dport)], pd_args),
+        "colocated": (["serve", "--port", str(cport)], colocated_args),
+    }
+    ports = {"prefill": pport, "decode": dport, "colocated": cport}
+    with contextlib.ExitStack() as stack:
+        procs = {
+            name: stack.enter_context(
+                start(cmd + args, ports[name], tmp / f"{name}.log", env=FAST_TIMEOUTS, wait=False)
+            )
+            for name, (cmd, args) in nodes.items()
+        }
+        for name, (url, proc) in procs.items():
+            wait_healthy(url, proc, 240, tmp / f"{name}.log")
+        urls = {name: url for name, (url, _) in procs.items()}
+        cmd = ["router", "--port", str(rport), "--prefill", urls["prefill"], str(bport)]
+        cmd += ["--decode", urls["decode"], "--worker", urls["colocated"], "--health-interval", "1"]
+        url, _ = stack.enter_context(start(cmd, rport, tmp / "router.log"))
+        yield url, urls
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import itertools
 import multiprocessing as mp
 import os
 import random
+import signal
 import socket
 import time
 from dataclasses import replace
@@ -381,6 +382,30 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
         "duplicate_register": 1,
     }, grew
     assert grew["DA"] == {"unauthenticated": 5, "foreign_peer": 3}, grew
+
+
+def test_a_decode_rank_back_from_a_stall_is_used_again(cluster):
+    """A decode rank that stops for longer than the heartbeat timeout (SIGSTOP here; a starved CPU
+    in production) is declared dead and its room fails with peer_dead. Once it runs again, its
+    next registration is proof of life: the room completes. Before, the prefill rank refused every
+    later registration from that session (`bad_registration`), and PD was down for good."""
+    c = cluster
+    room, _, _ = c.room("PA", "DA")
+    _assert(c.wait("PA", [room], [WAITING, FAILED]), WAITING)
+    pid = c.procs["DA"].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(HB_TIMEOUT + 4 * CFG["heartbeat_interval_s"])
+        got = c.wait("PA", [room], timeout=10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _assert(got, FAILED)
+    assert got[room][1] == "peer_dead", got
+    _assert(c.wait("DA", [room], timeout=15), FAILED)
+    again, ptab, _ = c.room("PA", "DA")
+    c.send_all("PA", again, ptab)
+    _assert(c.wait("DA", [again], timeout=15), SUCCESS)
+    _assert(c.wait("PA", [again]), SUCCESS)
 
 
 def test_decode_killed_mid_transfer(cluster):

@@ -10,7 +10,6 @@ by the seed and its step, engine/sampling.py), so no assertion depends on chance
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -18,8 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster import free_port, start, wait_healthy
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS
+from pd_cluster import NODE_ARGS, pd_and_colocated
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_model import build_tiny_model
 from transformers import AutoTokenizer
@@ -42,82 +40,17 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai-serving")
     model_a = tiny(tmp, "tiny-a", A_DEFAULTS)
     model_b = tiny(tmp, "tiny-b", {})
-    pport, bport, dport, cport, rport = (free_port() for _ in range(5))
-    a_args = [
-        "--model",
-        str(model_a),
-        "--pp",
-        "1",
-        *NODE_ARGS,
-        "--max-context",
-        str(CONTEXT["tiny-a"]),
-    ]
-    b_args = [
-        "--model",
-        str(model_b),
-        "--pp",
-        "1",
-        *NODE_ARGS,
-        "--max-context",
-        str(CONTEXT["tiny-b"]),
-    ]
-    with contextlib.ExitStack() as stack:
-        procs = {
-            "prefill": stack.enter_context(
-                start(
-                    ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), *a_args],
-                    pport,
-                    tmp / "prefill.log",
-                    env=FAST_TIMEOUTS,
-                    wait=False,
-                )
-            ),
-            "decode": stack.enter_context(
-                start(
-                    ["decode", "--port", str(dport), *a_args],
-                    dport,
-                    tmp / "decode.log",
-                    env=FAST_TIMEOUTS,
-                    wait=False,
-                )
-            ),
-            "colocated": stack.enter_context(
-                start(
-                    ["serve", "--port", str(cport), *b_args],
-                    cport,
-                    tmp / "colocated.log",
-                    wait=False,
-                )
-            ),
-        }
-        for name, (url, proc) in procs.items():
-            wait_healthy(url, proc, 240, tmp / f"{name}.log")
-        url, _ = stack.enter_context(
-            start(
-                [
-                    "router",
-                    "--port",
-                    str(rport),
-                    "--prefill",
-                    procs["prefill"][0],
-                    str(bport),
-                    "--decode",
-                    procs["decode"][0],
-                    "--worker",
-                    procs["colocated"][0],
-                    "--health-interval",
-                    "1",
-                ],
-                rport,
-                tmp / "router.log",
-            )
-        )
+    a_args = ["--model", str(model_a), "--pp", "1", *NODE_ARGS]
+    b_args = ["--model", str(model_b), "--pp", "1", *NODE_ARGS]
+    a_args += ["--max-context", str(CONTEXT["tiny-a"])]
+    b_args += ["--max-context", str(CONTEXT["tiny-b"])]
+    with pd_and_colocated(tmp, a_args, b_args) as (url, nodes):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         yield {
             "a": client,
             "b": client,
             "url": url,  # one router; "a"/"b" name the model
-            "nodes": {name: url for name, (url, _) in procs.items()},
+            "nodes": nodes,
             "paths": {"tiny-a": model_a, "tiny-b": model_b},
         }
 

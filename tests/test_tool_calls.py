@@ -8,14 +8,12 @@ with a grammar (router/tools.py), and the router's parser reads it back, whole a
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
 import openai
 import pytest
-from cluster import free_port, start, wait_healthy
-from pd_cluster import FAST_TIMEOUTS, NODE_ARGS
+from pd_cluster import NODE_ARGS, pd_and_colocated
 from tiny_model import QWEN25_TEMPLATE, build_tiny_model
 
 WEATHER = {
@@ -52,48 +50,11 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tool-calls")
     qwen = build_tiny_model(tmp / "qwen", num_layers=2, seed=3, chat_template=QWEN25_TEMPLATE)
     plain = build_tiny_model(tmp / "plain", num_layers=2, seed=3)
-    pport, bport, dport, cport, rport = (free_port() for _ in range(5))
     q_args = ["--model", str(qwen), "--pp", "1", *NODE_ARGS, "--max-context", "1024"]
     p_args = ["--model", str(plain), "--pp", "1", *NODE_ARGS, "--max-context", "256"]
-    with contextlib.ExitStack() as stack:
-        procs = {
-            name: stack.enter_context(
-                start(cmd, port, tmp / f"{name}.log", env=FAST_TIMEOUTS, wait=False)
-            )
-            for name, cmd, port in (
-                (
-                    "prefill",
-                    ["prefill", "--port", str(pport), "--bootstrap-port", str(bport)] + q_args,
-                    pport,
-                ),
-                ("decode", ["decode", "--port", str(dport), *q_args], dport),
-                ("colocated", ["serve", "--port", str(cport), *p_args], cport),
-            )
-        }
-        for name, (url, proc) in procs.items():
-            wait_healthy(url, proc, 240, tmp / f"{name}.log")
-        url, _ = stack.enter_context(
-            start(
-                [
-                    "router",
-                    "--port",
-                    str(rport),
-                    "--prefill",
-                    procs["prefill"][0],
-                    str(bport),
-                    "--decode",
-                    procs["decode"][0],
-                    "--worker",
-                    procs["colocated"][0],
-                    "--health-interval",
-                    "1",
-                ],
-                rport,
-                tmp / "router.log",
-            )
-        )
+    with pd_and_colocated(tmp, q_args, p_args) as (url, nodes):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        yield {"client": client, "nodes": {n: u for n, (u, _) in procs.items()}}
+        yield {"client": client, "nodes": nodes}
 
 
 def check_call(call, name: str) -> dict:
