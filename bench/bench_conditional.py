@@ -122,7 +122,8 @@ def main() -> int:
     with contextlib.ExitStack() as st:
         purl, pp = st.enter_context(
             loadgen.start(
-                ["prefill", "--port", str(pport), "--bootstrap-port", str(bport)],
+                # one core each, as `pdserve up` plans PP 1 + PP 1 on two cores
+                ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), "--cpus", "0"],
                 pport,
                 logdir / "prefill.log",
                 wait=False,
@@ -173,7 +174,8 @@ def main() -> int:
             f"Machine: {os.cpu_count()} CPUs ({platform.machine()}); load average at start "
             f"{load0}, at the end {loadgen.loadavg()}; whole script "
             f"{time.perf_counter() - t_all:.0f} s. `pdserve prefill` + `pdserve decode` (PP 1 "
-            "each, default dtype and threads), driven like the router; the two paths alternate "
+            "each, default dtype, one core each: `--cpus 0` and `--cpus 1`), driven like the "
+            "router; the two paths alternate "
             "request by request. Node logs: " + str(logdir) + ".",
             "",
             f"## Idle TTFT ({args.reps} requests per path and length, 4 output tokens)",

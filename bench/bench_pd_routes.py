@@ -77,7 +77,16 @@ class Cluster:
         tag = "cache" if decode_cache else "nocache"
         self.purl, self.pproc = st.enter_context(
             loadgen.start(
-                ["prefill", "--port", str(pport), "--bootstrap-port", str(self.bport)],
+                # one core each, as `pdserve up` plans PP 1 + PP 1 on two cores
+                [
+                    "prefill",
+                    "--port",
+                    str(pport),
+                    "--bootstrap-port",
+                    str(self.bport),
+                    "--cpus",
+                    "0",
+                ],
                 pport,
                 logdir / f"prefill-{tag}.log",
                 wait=False,
@@ -86,7 +95,7 @@ class Cluster:
         extra = [] if decode_cache else ["--no-prefix-cache"]
         self.durl, dproc = st.enter_context(
             loadgen.start(
-                ["decode", "--port", str(dport), *extra],
+                ["decode", "--port", str(dport), "--cpus", "1", *extra],
                 dport,
                 logdir / f"decode-{tag}.log",
                 wait=False,
@@ -307,9 +316,8 @@ def main() -> int:
             f"{load0}, "
             f"at the end {loadgen.loadavg()}; whole script {time.perf_counter() - t_all:.0f} s. "
             "SmolLM2-135M-Instruct in its own dtype, `pdserve prefill` + `pdserve decode` (PP 1 "
-            "each) behind `pdserve router`; chat completions streamed, temperature 0. Logs: "
-            + str(logdir)
-            + ".",
+            "each, one core each) behind `pdserve router`; chat completions streamed, "
+            "temperature 0. Logs: " + str(logdir) + ".",
             "",
             f"## Multi-turn chat ({args.conversations} conversations x 3 turns, 8 at a time, "
             "32 output tokens)",

@@ -84,10 +84,10 @@ class DisaggConfig:
     """Conditional disaggregation (router/disagg.py): when a request that could use a PD pair goes
     to the decode node alone. The defaults are measured on a 2-core CPU (docs/ROUTER.md)."""
 
-    min_prompt_tokens: int = 32  # shorter prompts: decode-only (0: never for this reason)
+    min_prompt_tokens: int = 64  # shorter prompts: decode-only (0: never for this reason)
     decode_prefix_fraction: float = 0.8  # held share of the prompt: decode-only (> 1: never)
     local_prefill_cost: float = 4.0  # decode-side prefill token vs prefill-side (0: no queue rule)
-    transfer_overhead_tokens: int = 64  # bootstrap + KV transfer, in prefill-token equivalents
+    transfer_overhead_tokens: int = 16  # bootstrap + KV transfer, in prefill-token equivalents
     max_tree_chars: int = 4_000_000  # the estimate of what decode nodes hold, bounded
 
     def __post_init__(self) -> None:
