@@ -64,6 +64,9 @@ class DecodeFront(NodeFront):
         if all(body.get(k) is None for k in BOOTSTRAP_FIELDS):
             # No prefill node named: this node prefills the prompt itself (the same engine and
             # scheduler, chunked and mixed with the running decode batch).
+            if self.metrics is not None:
+                m = self.metrics
+                m.local_prompt_tokens.labels(m.node, m.role).inc(len(ids))
             return super().add_request(rid, ids, params, body)
         room = check_room(body)
         host, port = body.get("bootstrap_host"), body.get("bootstrap_port")

@@ -165,6 +165,12 @@ class NodeMetrics:
         self.requests = counter("pdserve_requests", "finished requests", lab + ["finish_reason"])
         self.prompt_tokens = counter("pdserve_prompt_tokens", "prompt tokens", lab)
         self.gen_tokens = counter("pdserve_generation_tokens", "generated tokens", lab)
+        # decode nodes: prompts they prefill themselves (conditional disaggregation, fallback)
+        self.local_prompt_tokens = counter(
+            "pdserve_decode_local_prompt_tokens",
+            "decode node: prompt tokens of requests it prefills itself (no prefill node)",
+            lab,
+        )
         self.aborted = counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"])
         self.queue_time = hist(
             "pdserve_queue_time_seconds", "time a request spent in a queue", lab + ["queue"]
@@ -190,6 +196,8 @@ class NodeMetrics:
         lv = (node, role)
         for m in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.gen_tokens):
             m.labels(*lv)
+        if role == "decode":
+            self.local_prompt_tokens.labels(*lv)
         for finish in finish_reasons:
             self.requests.labels(*lv, finish)
         for reason in sorted(ABORT_REASONS):

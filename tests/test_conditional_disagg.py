@@ -58,6 +58,12 @@ async def generate(ac: httpx.AsyncClient, url: str, ids: list[int], max_new: int
     return r.json()["token_ids"]
 
 
+def local_prompt_tokens(url: str, auth: dict) -> float:
+    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+    decode = next(w["url"] for w in workers if w["role"] == "decode")
+    return total(scrape(decode), "pdserve_decode_local_prompt_tokens_total")
+
+
 def decisions(url: str) -> dict[str, float]:
     fam = scrape(url)
     return {
@@ -69,9 +75,9 @@ def decisions(url: str) -> dict[str, float]:
 def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cluster, prompts):
     """8 long prompts stream through the PD pair with 3x the tokens; 4 short prompts sent while
     they decode are prefilled by the decode node between their steps. All 12 are HF-exact."""
-    url, _ = cluster
+    url, auth = cluster
     long, short, want_long, want_short = prompts
-    before = decisions(url)
+    before, local_before = decisions(url), local_prompt_tokens(url, auth)
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as ac:
@@ -86,6 +92,7 @@ def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cl
     after = decisions(url)
     assert after["short_prompt"] - before["short_prompt"] == len(short)
     assert after["default"] - before["default"] == len(long)
+    assert local_prompt_tokens(url, auth) - local_before == sum(map(len, short))
 
 
 def test_the_decode_only_route_leaves_nothing_held(cluster, prompts):
