@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from router.config import WorkerSpec
 from router.core import Router
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 from router.openapi import openapi_document
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 from router.responses import NodeAborted, check_event, parse_sse_line
 from router.timeline import CURRENT
 from router.workers import Worker

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.attempt import PREFILL_GRACE_S, Attempt
 from router.core import wait_disconnect
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 from router.responses import (
     NodeAborted,
     Shape,

@@ -18,10 +18,10 @@ from router.admission import Admission, Rejected
 from router.attempt import Attempt, Route
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.errors import ApiError
 from router.json_body import read_json_body
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
-from router.openai_protocol import ApiError
 from router.timeline import CURRENT, RequestTrace, Timeline, now_ns
 from router.workers import WorkerRegistry
 

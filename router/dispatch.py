@@ -22,9 +22,9 @@ from infra.logs import bind_request
 from router.attempt import Attempt, Failure, Route
 from router.config import RouterConfig
 from router.disagg import Disaggregation
+from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
-from router.openai_protocol import ApiError
 from router.policies import make_policy
 from router.workers import Worker, WorkerRegistry
 

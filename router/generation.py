@@ -17,15 +17,10 @@ from router import choices, tools
 from router import tokenize as tokenize_api
 from router.attempt import Attempt
 from router.core import Router
+from router.errors import ApiError
 from router.keepalive import native_error, openai_error, pinged_stream
-from router.openai_protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    native_prompt_key,
-    parse_native,
-    parse_request,
-)
+from router.openai_protocol import ChatRequest, CompletionRequest
+from router.request_parsing import native_prompt_key, parse_native, parse_request
 from router.responses import Shape, StreamShaper, completion
 from router.streams import native_stream, openai_stream
 

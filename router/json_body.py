@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 
 MAX_DEPTH = 64
 BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in (as on the nodes)

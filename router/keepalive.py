@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from router.attempt import Attempt
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 from router.responses import StreamShaper, sse
 
 if TYPE_CHECKING:

@@ -1,24 +1,21 @@
-"""OpenAI request models, their validation errors, and the translation to the native node request.
+"""OpenAI request models and their translation to the native node request.
 
-Types are strict (a string is not a number, a bool is not an int). Every field is either
-implemented here or listed in router/openai_fields.py, where it is accepted only at a neutral
-value; anything else, unknown fields included, is a 400 naming the field. Anything a client can get
-wrong becomes an `ApiError` with an OpenAI-style body.
+Types are strict (router/openai_types.py). Every field is either implemented here or listed in
+router/openai_fields.py, where it is accepted only at a neutral value; anything else, unknown
+fields included, is a 400 naming the field (router/request_parsing.py).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     StrictBool,
     StrictInt,
     StrictStr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -26,7 +23,18 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from router import openai_fields
-from router.openai_fields import UNSUPPORTED_CODE
+from router.openai_types import (
+    MAX_N,
+    Float,
+    Int64,
+    ResponseFormat,
+    StopText,
+    StreamOptions,
+    StrictModel,
+    TokenId,
+    TokenIdKey,
+    document_unsupported,
+)
 from router.tool_models import (
     MAX_TOOLS,
     MESSAGE_ROLES_SCHEMA,
@@ -36,102 +44,10 @@ from router.tool_models import (
     ToolChoice,
 )
 
-MAX_N = 16  # choices per request (`n`)
-Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-Int64 = Annotated[int, Field(strict=True, lt=2**63)]  # nodes pass ints on as msgpack int64
-StopText = Annotated[str, Field(strict=True, min_length=1)]
-TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
-TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias keys: token ids as text
-
-# `json_schema_extra` below states in the OpenAPI document (router/openapi.py) what a validator
-# enforces, so that a client (or a fuzzer) reading the document knows which values are accepted.
-
-
-class ApiError(Exception):
-    """An answer other than 200, with an OpenAI-style body `{"error": {...}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-        body: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or {}
-        self.body = body or {
-            "error": {"message": message, "type": type, "param": param, "code": code}
-        }
-
-
-def _document_unsupported(schema: dict[str, Any], cls: type[_Model]) -> None:
-    for name, neutral in cls.UNSUPPORTED.items():
-        schema.setdefault("properties", {})[name] = openai_fields.schema(neutral)
-
-
-class _Model(BaseModel):
-    """Unknown fields are refused; `UNSUPPORTED` fields are dropped at a neutral value and refused
-    at any other (router/openai_fields.py)."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_unsupported)
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not cls.UNSUPPORTED:
-            return data
-        for key, value in data.items():
-            neutral = cls.UNSUPPORTED.get(key)
-            if neutral is not None and not openai_fields.is_neutral(value, neutral):
-                raise PydanticCustomError(
-                    UNSUPPORTED_CODE,
-                    "not supported by this server (send {values}, or leave it out)",
-                    {"field": key, "values": openai_fields.describe(neutral)},
-                )
-        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
-
-
-class JsonSchemaFormat(_Model):
-    name: StrictStr = Field(max_length=64)
-    description: StrictStr | None = None
-    # `schema` shadows a BaseModel attribute: stored as schema_, sent and documented as "schema"
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: StrictBool | None = None
-
-
-class TextFormat(_Model):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Model):
-    type: Literal["json_object"]
-
-
-class JsonSchemaResponseFormat(_Model):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaFormat
-
-
-ResponseFormat = Annotated[
-    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
-]
-
-
-class StreamOptions(_Model):
-    UNSUPPORTED = openai_fields.STREAM_OPTIONS
-    include_usage: StrictBool = False
-
-
 _MODEL_DEFAULT = "absent: the model's generation_config value, else {}"
 
 
-class _Common(_Model):
+class _Common(StrictModel):
     model: StrictStr
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -282,17 +198,17 @@ class _Common(_Model):
         return {**params, **{k: v for k, v in given.items() if v is not None}}
 
 
-class ContentPart(_Model):
+class ContentPart(StrictModel):
     type: Literal["text"]
     text: StrictStr
 
 
-def _document_message(schema: dict[str, Any], cls: type[_Model]) -> None:
-    _document_unsupported(schema, cls)
+def _document_message(schema: dict[str, Any], cls: type[StrictModel]) -> None:
+    document_unsupported(schema, cls)
     schema["anyOf"] = MESSAGE_ROLES_SCHEMA
 
 
-class ChatMessage(_Model):
+class ChatMessage(StrictModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_document_message)
     UNSUPPORTED = openai_fields.MESSAGE
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -438,70 +354,3 @@ class CompletionRequest(_Common):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after"}
-
-
-def _is_tag(part: Any) -> bool:
-    """A union branch or validator name pydantic puts in a location (`str`, `list[int]`,
-    `constrained-str`); field names never hold '[' or '-'."""
-    return isinstance(part, str) and ("[" in part or "-" in part or part.lower() in _TYPE_TAGS)
-
-
-def _most_telling(errors: list[dict]) -> dict:
-    """Of the errors about the first bad field, the one that says most: for a union, a value
-    error in the branch of the right type (`prompt.0: >= 0`) beats "should be a valid string"."""
-    field = errors[0]["loc"][:1]
-    same = [e for e in errors if e["loc"][:1] == field]
-    return min(same, key=lambda e: (e["type"].endswith("_type"), -len(e["loc"])))
-
-
-def parse_request(cls: type[_Common], body: Any) -> _Common:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return cls.model_validate(body)
-    except ValidationError as exc:
-        err = _most_telling(exc.errors(include_url=False))
-        loc = [str(p) for p in err["loc"] if not _is_tag(p)]
-        msg, code = err["msg"].removeprefix("Value error, "), "invalid_value"
-        if err["type"] == UNSUPPORTED_CODE:
-            loc.append(err["ctx"]["field"])
-            code = UNSUPPORTED_CODE
-        elif err["type"] == "extra_forbidden":
-            msg = "unknown parameter (in neither OpenAI's nor vLLM's schema)"
-            code = UNSUPPORTED_CODE
-        param = ".".join(loc) or None
-        raise ApiError(400, f"{param}: {msg}" if param else msg, param=param, code=code) from None
-
-
-def parse_native(body: Any) -> dict[str, Any]:
-    """Checks on a native `/generate` body: an object with exactly one prompt field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    prompts = [k for k in ("text", "messages", "input_ids") if k in body]
-    if len(prompts) != 1:
-        raise ApiError(400, "give exactly one of text, messages, input_ids", param="text")
-    if "sampling_params" in body and not isinstance(body["sampling_params"], dict):
-        raise ApiError(400, "sampling_params must be an object", param="sampling_params")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ApiError(400, "stream must be a boolean", param="stream")
-    return {
-        k: v
-        for k, v in body.items()
-        if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-    }
-
-
-def native_prompt_key(body: dict[str, Any]) -> str:
-    if isinstance(body.get("text"), str):
-        return body["text"]
-    if isinstance(body.get("messages"), list):
-        return "".join(
-            f"{m.get('role')}\n{m.get('content')}\n"
-            for m in body["messages"]
-            if isinstance(m, dict)
-        )
-    ids = body.get("input_ids")
-    return " ".join(map(str, ids)) if isinstance(ids, list) else ""

@@ -15,7 +15,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from router.openai_protocol import MAX_N, TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
+from router.openai_protocol import TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
+from router.openai_types import MAX_N
 from router.tokenize import Detokenize, TokenizeChat, TokenizePrompt
 
 _REF = "#/components/schemas/{model}"

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from infra.logs import bind_request
 from infra.tracing import Exporter, Span, TraceContext, new_span_id, new_trace_id
 from infra.tracing import parse_traceparent as parse
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 

@@ -20,7 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictStr
 
 from router import openai_fields
-from router.openai_protocol import ApiError, ChatMessage, TokenId, _Model, parse_request
+from router.errors import ApiError
+from router.openai_protocol import ChatMessage
+from router.openai_types import StrictModel, TokenId
+from router.request_parsing import parse_request
 from router.tool_models import MAX_TOOLS, Tool
 
 if TYPE_CHECKING:
@@ -29,14 +32,14 @@ if TYPE_CHECKING:
 MAX_TOKENS = 1 << 18  # ids in one /detokenize (the node's limit too)
 
 
-class TokenizePrompt(_Model):
+class TokenizePrompt(StrictModel):
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChat(_Model):
+class TokenizeChat(StrictModel):
     UNSUPPORTED = {
         k: openai_fields.CHAT[k]
         for k in (
@@ -54,7 +57,7 @@ class TokenizeChat(_Model):
     return_token_strs: StrictBool | None = False
 
 
-class Detokenize(_Model):
+class Detokenize(StrictModel):
     model: StrictStr | None = None
     tokens: list[TokenId] = Field(max_length=MAX_TOKENS)
 

@@ -23,7 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai_protocol import ApiError, ChatRequest
+from router.errors import ApiError
+from router.openai_protocol import ChatRequest
 from router.tool_models import NamedToolChoice
 from router.tool_parsers import parse
 from router.tool_stream import ToolStream, call_id, call_json

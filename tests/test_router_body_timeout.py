@@ -9,7 +9,7 @@ import pytest
 from starlette.requests import Request
 
 from router import json_body
-from router.openai_protocol import ApiError
+from router.errors import ApiError
 
 
 def test_a_stalled_body_times_out(monkeypatch):
