@@ -187,7 +187,7 @@ def main() -> int:
             *mrows,
             "",
             f"Command: `.venv/bin/python bench/bench_conditional.py --lengths {args.lengths} "
-            f"--reps {args.reps} --streams {args.streams}`",
+            f"--reps {args.reps} --streams {args.streams} --stream-lengths {args.stream_lengths}`",
             "",
         ]
     )
