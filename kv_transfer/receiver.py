@@ -115,8 +115,9 @@ class KVReceiver(BaseKVReceiver):
             ):
                 return
             self._sent = True
-            self._status = KVPoll.WaitingForInput
+            # registered_at before the status: the reaper reads the status without the lock
             self.registered_at = time.monotonic()
+            self._status = KVPoll.WaitingForInput
             route, pages, slot = self._route, self._page_ids, self._aux_slot
         aux_ptr = mgr.aux_ptr(slot) if slot is not None else 0
         aux_len = mgr.config.aux_slot_bytes if slot is not None else 0
@@ -242,7 +243,7 @@ class KVReceiver(BaseKVReceiver):
             and now - self.created_at > cfg.bootstrap_timeout_s
         ):
             self._fail("bootstrap_timeout")
-        elif self._status == KVPoll.WaitingForInput:
+        elif self._status == KVPoll.WaitingForInput and self.registered_at is not None:
             if now - self.registered_at > cfg.waiting_timeout_s:
                 self._fail("waiting_timeout")
             elif self._done:

@@ -109,6 +109,8 @@ def test_router_writes_only_json_lines_with_the_rid_of_each_request(tmp_path):
     cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port)]
     cmd += ["--prefill", prefill.url, "8998", "--decode", decode.url, "--health-interval", "0.5"]
     cmd += ["--log-format", "json", "--log-level", "debug"]
+    # the short prompt below takes the PD pair
+    cmd += ["--disagg-min-prompt-tokens", "0", "--disagg-local-prefill-cost", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)

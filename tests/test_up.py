@@ -317,7 +317,7 @@ def test_bad_inputs_get_4xx_and_the_router_stays_up(cluster):
         ),
         (
             json.dumps(
-                {"model": name, "messages": [{"role": "user", "content": "x"}], "n": 2}
+                {"model": name, "messages": [{"role": "user", "content": "x"}], "n": 17}
             ).encode(),
             400,
         ),
