@@ -21,8 +21,8 @@ from starlette.requests import ClientDisconnect
 from infra.internal_auth import bearer_ok
 from infra.logs import bind_request
 from runtime import node_tokenize
-from runtime.front import OVERLOADED, RID_MAX, NodeFront
-from runtime.prompt import RequestError, sse
+from runtime.front import OVERLOADED, NodeFront
+from runtime.prompt import RID_MAX, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in
