@@ -285,7 +285,7 @@ def out_to_wire(out: Any) -> list | None:  # a SampleOut
 
 def out_from_wire(w: list | None) -> Any:
     """The SampleOut of a ring message (imported here: the front reads this module, no torch)."""
-    from engine.scheduler import SampleOut
+    from engine.batch import SampleOut
 
     if w is None:
         return None

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from consensus import rank_checker
+from engine.batch import SampleOut, ScheduledBatch
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
-from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
+from engine.scheduler import Scheduler
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
