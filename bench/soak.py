@@ -14,6 +14,8 @@ so keep-alive sockets have closed and aborted rooms are released. Verdict per pr
   fds    end <= baseline + fd_slack
   alive  the process exists from start to end
 
+(the processes and their samples: bench/soak_procs.py; the verdict and the table: soak_report.py)
+
 Writes a JSON report and a markdown table (`--out`, default bench/results/soak.{json,md}) and exits
 1 if anything failed. Everything it started is stopped, also on Ctrl-C or SIGTERM.
 
@@ -41,6 +43,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_procs import Sampler, process_tree, read_proc  # noqa: E402
+from soak_report import judge, markdown  # noqa: E402
+
 IDLE_S = 10.0  # no load before the baseline and end samples (uvicorn's keep-alive is 5 s)
 # fmt: off
 WORDS = [
@@ -49,96 +56,6 @@ WORDS = [
     "grows", "when", "requests", "are", "cancelled", "early",
 ]
 # fmt: on
-
-
-# --- the process tree, from /proc -----------------------------------------------------------------
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None  # exited while we looked
-
-
-def process_tree(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (ppid := parent_of(int(entry))) is not None:
-            kids.setdefault(ppid, []).append(int(entry))
-    seen, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        seen.append(pid)
-        todo.extend(kids.get(pid, []))
-    return seen  # parents before their children
-
-
-def label(pid: int, names: dict[int, str]) -> str | None:
-    """A name for a cluster process: "up", "router", "prefill:PORT front", "prefill:PORT pp1" (a
-    rank is named after its node's front, its parent)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return None
-    if "pdserve.cli" in argv[:3]:
-        cmd = argv[argv.index("pdserve.cli") + 1]
-        if cmd in ("prefill", "decode"):
-            return f"{cmd}:{argv[argv.index('--port') + 1] if '--port' in argv else '?'} front"
-        return cmd
-    if "--spec" in argv:
-        spec = json.loads(argv[argv.index("--spec") + 1])
-        front = names.get(parent_of(pid) or -1, f"{spec.get('role')} ?")
-        return f"{front.removesuffix(' front')} pp{spec['pp_rank']}"
-    return os.path.basename(argv[0]) if argv else None
-
-
-def read_proc(pid: int) -> tuple[int, int] | None:
-    """(RSS in KiB, open fds) of one process, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration):
-        return None
-
-
-@dataclass
-class ProcSeries:
-    pid: int
-    name: str
-    t: list[float] = field(default_factory=list)
-    rss_kib: list[int] = field(default_factory=list)
-    fds: list[int] = field(default_factory=list)
-    gone_at: float | None = None
-
-
-class Sampler:
-    def __init__(self, root_pid: int):
-        self.root = root_pid
-        self.t0 = time.monotonic()
-        self.procs: dict[int, ProcSeries] = {}
-
-    def sample(self) -> None:
-        now = round(time.monotonic() - self.t0, 1)
-        pids = process_tree(self.root)
-        names = {pid: s.name for pid, s in self.procs.items()}
-        for pid in pids:
-            got = read_proc(pid)
-            if got is None:
-                continue
-            series = self.procs.get(pid)
-            if series is None:
-                name = names[pid] = label(pid, names) or f"pid {pid}"
-                series = self.procs[pid] = ProcSeries(pid, name)
-            series.t.append(now)
-            series.rss_kib.append(got[0])
-            series.fds.append(got[1])
-        for pid, series in self.procs.items():
-            if pid not in pids and series.gone_at is None:
-                series.gone_at = now
 
 
 # --- the load -------------------------------------------------------------------------------------
@@ -272,80 +189,6 @@ def stop_cluster(proc: subprocess.Popen) -> list[int]:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
     return left
-
-
-# --- the verdict ----------------------------------------------------------------------------------
-
-
-def judge(
-    procs: dict[int, ProcSeries], base_t: float, end_t: float, rss_pct: float, fd_slack: int
-) -> list[dict]:
-    rows = []
-    for s in sorted(procs.values(), key=lambda s: s.name):
-        base = next((i for i, t in enumerate(s.t) if t >= base_t), None)
-        alive = s.gone_at is None and s.t and s.t[-1] >= end_t
-        row = {
-            "name": s.name,
-            "pid": s.pid,
-            "rss_start_mib": s.rss_kib[0] / 1024,
-            "rss_end_mib": s.rss_kib[-1] / 1024,
-            "rss_max_mib": max(s.rss_kib) / 1024,
-            "fds_start": s.fds[0],
-            "fds_end": s.fds[-1],
-            "fds_max": max(s.fds),
-            "alive": bool(alive),
-        }
-        problems = [] if alive else ["exited during the soak"]
-        if base is None or base == len(s.t) - 1:
-            problems.append("no sample after the warm-up")
-        else:
-            row["rss_base_mib"], row["fds_base"] = s.rss_kib[base] / 1024, s.fds[base]
-            growth = 100.0 * (s.rss_kib[-1] - s.rss_kib[base]) / s.rss_kib[base]
-            row["rss_growth_pct"] = round(growth, 1)
-            if growth > rss_pct:
-                problems.append(f"RSS grew {growth:.1f} % after the warm-up (limit {rss_pct:g} %)")
-            if s.fds[-1] > s.fds[base] + fd_slack:
-                problems.append(
-                    f"fds {s.fds[base]} -> {s.fds[-1]} after the warm-up (slack {fd_slack})"
-                )
-        row["ok"], row["problems"] = not problems, problems
-        rows.append(row)
-    return rows
-
-
-def markdown(report: dict) -> str:
-    a, load = report["args"], report["load"]
-    lines = [
-        f"# Soak: {a['duration']:.0f} s on {report['model']}",
-        "",
-        f"{report['date']}, {report['host']}, prefill PP {a['prefill_pp']} / decode PP "
-        f"{a['decode_pp']}, concurrency {a['concurrency']}, max_tokens <= {a['max_tokens']}, "
-        f"{a['cancel_fraction'] * 100:.0f} % cancelled by the client; load average at the end "
-        f"{report['loadavg_end']}.",
-        "",
-        f"Requests: {load['sent']} sent, {load['completed']} completed, "
-        f"{load['cancelled']} cancelled, {load['errors']} errors; {load['tokens']} streamed "
-        f"chunks. Baseline: idle after {a['warmup']:.0f} s of load; end: idle after the rest. "
-        f"Limits: RSS growth <= {a['rss_growth_pct']:g} %, fds <= baseline + {a['fd_slack']}.",
-        "",
-        "| process | RSS start MiB | RSS baseline | RSS end | RSS max | growth % | fds start | fds "
-        "baseline | fds end | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in report["processes"]:
-        verdict = "ok" if r["ok"] else "FAIL: " + "; ".join(r["problems"])
-        lines.append(
-            f"| {r['name']} | {r['rss_start_mib']:.0f} | {r.get('rss_base_mib', float('nan')):.0f} "
-            f"| {r['rss_end_mib']:.0f} | {r['rss_max_mib']:.0f} | {r.get('rss_growth_pct', 'n/a')} "
-            f"| {r['fds_start']} | {r.get('fds_base', 'n/a')} | {r['fds_end']} | {verdict} |"
-        )
-    lines += [
-        "",
-        f"**{'PASS' if report['passed'] else 'FAIL'}**"
-        + ("" if not report["problems"] else ": " + "; ".join(report["problems"])),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 # --- main -----------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch import SampleOut, ScheduledBatch
 from engine.core import SamplingParams
 from engine.forward_batch import BatchItem, build_forward_batch
 from engine.grammar import GrammarSampler
 from engine.kv_cache import KVLayout, KVPool
 from engine.model import ModelSlice
 from engine.sampling import sample
-from engine.scheduler import SampleOut, ScheduledBatch
 
 
 class ModelRunner:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch import SampleOut
 from engine.core import SamplingParams
-from engine.scheduler import SampleOut
 
 _MIX = 0x9E3779B97F4A7C15
 

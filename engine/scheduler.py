@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from consensus.rank_checker import rank_consensus
+from engine.batch import BatchEntry, SampleOut, ScheduledBatch
 from engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams
 from engine.kv_cache import PageAllocator, pages_needed
 from engine.prefix_cache import PrefixCache
@@ -54,43 +55,6 @@ class SchedulerConfig:
                 f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens "
                 f"({self.max_batch_tokens})"
             )
-
-
-@dataclass
-class BatchEntry:
-    req: Req
-    start: int
-    num_new: int
-    need_logits: bool
-    pages: list[int]
-
-
-@dataclass
-class ScheduledBatch:
-    mb: int
-    entries: list[BatchEntry] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_new for e in self.entries)
-
-    @property
-    def sampling_entries(self) -> list[BatchEntry]:
-        return [e for e in self.entries if e.need_logits]
-
-    @property
-    def is_pure_chunk(self) -> bool:
-        """A batch whose outputs carry no token (only intermediate prefill chunks)."""
-        return bool(self.entries) and not any(e.need_logits for e in self.entries)
-
-
-@dataclass
-class SampleOut:
-    """What the last rank sampled for a batch's sampling entries, in entry order."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def _batch_digest(b: ScheduledBatch) -> list:

@@ -109,7 +109,6 @@ class KVSender(BaseKVSender):
 
     def on_register(self, msg: KVRegister) -> None:
         mgr = self._mgr
-        mine = mgr.pool.layers
         try:
             check_compatible(mgr.pool, msg.pool)
             if msg.session_id in mgr.failed_sessions:
@@ -118,26 +117,12 @@ class KVSender(BaseKVSender):
                 # Its earlier rooms failed already; a new one fails again if it really is dead.
                 mgr.failed_sessions.discard(msg.session_id)
                 mgr.info("session %s registers again: writing to it again", msg.session_id)
-            if msg.prefix_tokens % msg.pool.page_size:
-                raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
-            own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
-            if own_slice != msg.pool.layers or intersect(mine, own_slice) is None:
-                raise ValueError(
-                    f"decode rank {msg.dst_rank} with layers {msg.pool.layers} does not "
-                    f"overlap {mine} or its slice list"
-                )
-            expected = frozenset(
-                r for r, _, _ in overlapping(mine, dict(enumerate(msg.dst_slices)))
-            )
+            expected = _expected_ranks(mgr.pool.layers, msg)
         except ValueError as e:
             mgr.warn(
                 "room %d: bad registration from decode rank %d: %s", self.room, msg.dst_rank, e
             )
-            mgr.send(
-                msg.ctrl_host,
-                msg.ctrl_port,
-                _status(self.room, mgr.pp_rank, KVPoll.Failed, "bad_registration"),
-            )
+            self._reply_failed(msg, "bad_registration")
             self._fail("bad_registration")
             return
         with self._lock:
@@ -162,23 +147,22 @@ class KVSender(BaseKVSender):
             mgr.stats.add_dropped("duplicate_register")
             mgr.warn("room %d: decode rank %d registered again; ignored", self.room, msg.dst_rank)
         elif late:
-            mgr.send(
-                msg.ctrl_host,
-                msg.ctrl_port,
-                _status(self.room, mgr.pp_rank, KVPoll.Failed, self.reason or "failed"),
-            )
+            self._reply_failed(msg, self.reason or "failed")
         elif mismatch:
             mgr.warn("room %d: decode ranks registered different cached prefixes", self.room)
-            mgr.send(
-                msg.ctrl_host,
-                msg.ctrl_port,
-                _status(self.room, mgr.pp_rank, KVPoll.Failed, "prefix_mismatch"),
-            )
+            self._reply_failed(msg, "prefix_mismatch")
             self._fail("prefix_mismatch")
         elif self._expected == frozenset():
             self._fail("bad_registration")
         else:
             self._kick()
+
+    def _reply_failed(self, msg: KVRegister, reason: str) -> None:
+        """Tells the decode rank that sent `msg` this room failed here, for `reason`."""
+        mgr = self._mgr
+        mgr.send(
+            msg.ctrl_host, msg.ctrl_port, _status(self.room, mgr.pp_rank, KVPoll.Failed, reason)
+        )
 
     def peer_sessions(self) -> list[str]:
         with self._lock:
@@ -353,6 +337,21 @@ class KVSender(BaseKVSender):
             )
         mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
         mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
+
+
+def _expected_ranks(mine: tuple[int, int], msg: KVRegister) -> frozenset[int]:
+    """The decode ranks whose layer slices (as `msg` lists them) overlap this rank's layers `mine`.
+    ValueError when `msg` is not a valid registration: its cached prefix is not page-aligned, or its
+    own slice is not its pool's layers or does not overlap `mine`."""
+    if msg.prefix_tokens % msg.pool.page_size:
+        raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
+    own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
+    if own_slice != msg.pool.layers or intersect(mine, own_slice) is None:
+        raise ValueError(
+            f"decode rank {msg.dst_rank} with layers {msg.pool.layers} does not "
+            f"overlap {mine} or its slice list"
+        )
+    return frozenset(r for r, _, _ in overlapping(mine, dict(enumerate(msg.dst_slices))))
 
 
 def _prefix_differs(peers: dict, msg) -> bool:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--log-level", default="WARNING")
 
-    from runtime.serve import add_node_args
+    from runtime.node_args import add_node_args
 
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
     add_node_args(s, default_port=30000)

@@ -30,8 +30,8 @@ from consensus.leader_sync import LeaderSync
 from consensus.rank_checker import rank_consensus
 from consensus.store import PPConsensusStore
 from consensus.vote import RELEASE, Ballot, RingVote
+from engine.batch import ScheduledBatch
 from engine.core import Req, SamplingParams
-from engine.scheduler import ScheduledBatch
 from kv_transfer.base import BasePrefillKVManager
 from pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
 from pd_common.messages import PDAddRequest, PrefillDoneEvent

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.serve import add_node_args, advertise_host, make_front, run_node, run_remote_ranks
+from runtime.node_args import add_node_args
+from runtime.serve import advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_prefill_args(ap: argparse.ArgumentParser) -> None:

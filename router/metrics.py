@@ -52,6 +52,27 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._request_metrics()
+        self._worker_gauges()
+        self._refusal_counters()
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Time to the first streamed token",
+            ["role"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        info = build_info()
+        Gauge(
+            "pdserve_build_info", "1; the pdserve build", list(info), registry=self.registry
+        ).labels(**info).set(1)
+        for route in GENERATION_ROUTES:
+            self.requests.labels(route=route, status="200")
+            self.duration.labels(route=route)
+        self.ttft.labels(role="router")
+
+    def _request_metrics(self) -> None:
+        """Requests answered, their duration, and the route each attempt took."""
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests_total",
@@ -77,43 +98,34 @@ class RouterMetrics:
         )
         for path, reason in ROUTE_DECISIONS:  # every label set exists at 0 from the start
             self.route_decisions.labels(path=path, reason=reason)
+
+    def _worker_gauges(self) -> None:
+        """Each worker's health and circuit breaker state."""
         self.worker_healthy = Gauge(
             "pdserve_router_worker_healthy",
             "1 when the worker passes its health checks",
             ["worker", "role"],
-            registry=r,
+            registry=self.registry,
         )
         self.circuit_state = Gauge(
             "pdserve_router_circuit_state",
             "1 for the circuit breaker state the worker is in (closed, open, half_open), else 0",
             ["worker", "state"],
-            registry=r,
+            registry=self.registry,
         )
+
+    def _refusal_counters(self) -> None:
+        """Attempts retried on a new pair, requests refused by admission control."""
         self.retries = Counter(
             "pdserve_router_retries_total",
             "Attempts retried on a new prefill/decode pair",
-            registry=r,
+            registry=self.registry,
         )
         self.rejected = Counter(
             "pdserve_router_rejected_total",
             "Requests refused with 429 by admission control",
-            registry=r,
+            registry=self.registry,
         )
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "Time to the first streamed token",
-            ["role"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        info = build_info()
-        Gauge("pdserve_build_info", "1; the pdserve build", list(info), registry=r).labels(
-            **info
-        ).set(1)
-        for route in GENERATION_ROUTES:
-            self.requests.labels(route=route, status="200")
-            self.duration.labels(route=route)
-        self.ttft.labels(role="router")
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

@@ -2,7 +2,8 @@
 
 The OpenAI request bodies are the pydantic models of router/openai_protocol.py (their validators'
 rules are stated there with `json_schema_extra`). The native `/generate` body follows the node's
-rules (engine/core.py `SamplingParams`, docs/PROTOCOL.md). Responses are written out here.
+rules (engine/core.py `SamplingParams`, docs/PROTOCOL.md); it and the responses are written out in
+router/openapi_schemas.py. This module assembles paths and components.
 Three facts are only known at run time and go in per call: the served model names (`model` enum),
 the smallest node context (largest `max_tokens`), and whether any served model takes tools (if
 none does, `tools` is only `[]` and `tool_choice` only `none` or `auto`).
@@ -15,260 +16,9 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from router.openai_protocol import TOKEN_IDS_SCHEMA, ChatRequest, CompletionRequest
-from router.openai_types import MAX_N
+from router.openai_protocol import ChatRequest, CompletionRequest
+from router.openapi_schemas import FIXED_SCHEMAS, NO_TOOLS, REF_TEMPLATE, ref
 from router.tokenize import Detokenize, TokenizeChat, TokenizePrompt
-
-_REF = "#/components/schemas/{model}"
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": _REF.format(model=name)}
-
-
-def _nullable(schema: dict) -> dict:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_INT64 = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
-_STOP_TEXT = {"type": "string", "minLength": 1}
-
-_MODEL_DEFAULT = (
-    "absent: the native default (greedy, no filter); null: the model's "
-    "generation_config value, else temperature 1 and no filter"
-)
-# Node-side rules for the native sampling parameters (engine/core.py SamplingParams.validate).
-_NATIVE_SAMPLING = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "max_tokens": {
-            "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
-            "description": "absent: 128; null: the rest of the context",
-        },
-        "temperature": {
-            "anyOf": [{"type": "number", "minimum": 0, "maximum": 100}, {"type": "null"}],
-            "description": _MODEL_DEFAULT,
-        },
-        "top_p": {
-            "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}],
-            "description": _MODEL_DEFAULT,
-        },
-        "top_k": {
-            "anyOf": [
-                {"const": -1},
-                {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
-                {"type": "null"},
-            ],
-            "description": _MODEL_DEFAULT,
-        },
-        "min_p": {
-            "anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}],
-            "description": _MODEL_DEFAULT,
-        },
-        "seed": _nullable(_INT64),
-        "stop": {
-            "anyOf": [
-                _STOP_TEXT,
-                {"type": "array", "items": _STOP_TEXT, "maxItems": 16},
-                {"type": "null"},
-            ]
-        },
-        "stop_token_ids": _nullable({"type": "array", "items": _INT64}),
-        "ignore_eos": {"type": "boolean"},
-        "logprobs": {"type": "boolean"},
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-    },
-    # top_logprobs > 0 needs logprobs: true
-    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"minimum": 1}}},
-    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-}
-_NATIVE_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-}
-_GENERATE_REQUEST = {
-    "type": "object",
-    "description": "Exactly one of text, messages, input_ids. Other fields are passed to the "
-    "nodes, which ignore what they do not know (rid and bootstrap_* are the "
-    "router's own and are replaced).",
-    "properties": {
-        "text": {"type": "string", "minLength": 1},
-        "messages": {"type": "array", "items": _NATIVE_MESSAGE, "minItems": 1},
-        "input_ids": TOKEN_IDS_SCHEMA,
-        "sampling_params": _ref("SamplingParams"),
-        "stream": {"type": "boolean"},
-        "model": {
-            "type": "string",
-            "description": "routes the request to the nodes of this "
-            "model; required when several are served",
-        },
-    },
-    "oneOf": [{"required": ["text"]}, {"required": ["messages"]}, {"required": ["input_ids"]}],
-}
-
-_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-_USAGE = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        **{
-            k: {"type": "integer", "minimum": 0}
-            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
-        },
-        "prompt_tokens_details": {
-            "description": "cached_tokens: prompt tokens the prefix cache held "
-            "(on a PD pair, the prefill node's); null if unknown",
-            "anyOf": [
-                {
-                    "type": "object",
-                    "required": ["cached_tokens"],
-                    "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
-                },
-                {"type": "null"},
-            ],
-        },
-    },
-}
-_FINISH = {"enum": ["stop", "length"]}
-_STOP_REASON = {
-    "type": ["string", "integer", "null"],
-    "description": "the stop string or stop token id that ended the answer (vLLM's "
-    "field); null at length or at the model's EOS",
-}
-
-
-_INDEX = {
-    "type": "integer",
-    "minimum": 0,
-    "maximum": MAX_N - 1,
-    "description": "the choice, 0..n-1",
-}
-_TOOL_CALL = {
-    "type": "object",
-    "required": ["id", "type", "function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name", "arguments"],
-            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
-        },
-    },
-}
-_NO_TOOLS = {
-    "tools": {
-        "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-        "description": "no served model's chat template takes tools",
-    },
-    "tool_choice": {"enum": ["none", "auto", None], "description": "no tools to call"},
-}
-
-
-def _completion(obj: str, choice: dict) -> dict:
-    return {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": obj},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": choice},
-            "usage": _USAGE,
-        },
-    }
-
-
-_CHAT_COMPLETION = _completion(
-    "chat.completion",
-    {
-        "type": "object",
-        "required": ["index", "message", "logprobs", "finish_reason"],
-        "properties": {
-            "index": _INDEX,
-            "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
-            "stop_reason": _STOP_REASON,
-            "logprobs": {"type": ["object", "null"]},
-            "message": {
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {
-                    "role": {"const": "assistant"},
-                    "content": {"type": ["string", "null"], "description": "null: only calls"},
-                    "tool_calls": {"type": "array", "items": _TOOL_CALL},
-                },
-            },
-        },
-    },
-)
-_TEXT_COMPLETION = _completion(
-    "text_completion",
-    {
-        "type": "object",
-        "required": ["index", "text", "logprobs", "finish_reason"],
-        "properties": {
-            "index": _INDEX,
-            "text": {"type": "string"},
-            "finish_reason": _FINISH,
-            "stop_reason": _STOP_REASON,
-            "logprobs": {"type": ["object", "null"]},
-        },
-    },
-)
-_NATIVE_ANSWER = {
-    "type": "object",
-    "required": ["text", "token_ids", "meta_info"],
-    "properties": {
-        "rid": {"type": "string"},
-        "text": {"type": "string"},
-        "token_ids": {"type": "array", "items": {"type": "integer"}},
-        "meta_info": {"type": "object"},
-    },
-}
-_MODEL_LIST = {
-    "type": "object",
-    "required": ["object", "data"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "object", "created", "owned_by"],
-                "properties": {
-                    "id": {"type": "string"},
-                    "object": {"const": "model"},
-                    "created": {"type": "integer"},
-                    "owned_by": {"type": "string"},
-                    "max_model_len": {"type": ["integer", "null"]},
-                },
-            },
-        },
-    },
-}
-_HEALTH = {
-    "type": "object",
-    "required": ["status", "workers"],
-    "properties": {"status": {"enum": ["ok", "unavailable"]}, "workers": {"type": "object"}},
-}
 
 _ERRORS = {
     "400": "invalid request: `param` names the field",
@@ -284,7 +34,7 @@ _ERRORS = {
 
 
 def _error(description: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
+    return {"description": description, "content": {"application/json": {"schema": ref("Error")}}}
 
 
 def _generation(summary: str, request: str, answer: str) -> dict:
@@ -302,13 +52,13 @@ def _generation(summary: str, request: str, answer: str) -> dict:
             "summary": summary,
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
+                "content": {"application/json": {"schema": ref(request)}},
             },
             "responses": {
                 "200": {
                     "description": "the answer, or an SSE stream when `stream` is true",
                     "content": {
-                        "application/json": {"schema": _ref(answer)},
+                        "application/json": {"schema": ref(answer)},
                         "text/event-stream": sse,
                     },
                 },
@@ -316,23 +66,6 @@ def _generation(summary: str, request: str, answer: str) -> dict:
             },
         }
     }
-
-
-_TOKENIZE_ANSWER = {
-    "type": "object",
-    "required": ["count", "max_model_len", "tokens", "token_strs"],
-    "properties": {
-        "count": {"type": "integer", "minimum": 0},
-        "max_model_len": {"type": "integer", "minimum": 1},
-        "tokens": {"type": "array", "items": {"type": "integer"}},
-        "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
-    },
-}
-_DETOKENIZE_ANSWER = {
-    "type": "object",
-    "required": ["prompt"],
-    "properties": {"prompt": {"type": "string"}},
-}
 
 
 def _tokenizer_op(summary: str, request: dict, answer: str) -> dict:
@@ -343,7 +76,7 @@ def _tokenizer_op(summary: str, request: dict, answer: str) -> dict:
             "responses": {
                 "200": {
                     "description": "the node's answer",
-                    "content": {"application/json": {"schema": _ref(answer)}},
+                    "content": {"application/json": {"schema": ref(answer)}},
                 },
                 **{
                     code: _error(why) for code, why in _ERRORS.items() if code not in ("429", "504")
@@ -365,36 +98,20 @@ def _components() -> dict[str, Any]:
             (TokenizeChat, "validation"),
             (Detokenize, "validation"),
         ],
-        ref_template=_REF,
+        ref_template=REF_TEMPLATE,
     )
-    return {
-        **defs["$defs"],
-        "TokenizeAnswer": _TOKENIZE_ANSWER,
-        "DetokenizeAnswer": _DETOKENIZE_ANSWER,
-        "GenerateRequest": _GENERATE_REQUEST,
-        "SamplingParams": _NATIVE_SAMPLING,
-        "Error": _ERROR,
-        "ChatCompletion": _CHAT_COMPLETION,
-        "TextCompletion": _TEXT_COMPLETION,
-        "GenerateAnswer": _NATIVE_ANSWER,
-        "ModelList": _MODEL_LIST,
-        "Health": _HEALTH,
-    }
+    return {**defs["$defs"], **FIXED_SCHEMAS}
 
 
 _STATIC_COMPONENTS = _components()
 
 
-def openapi_document(
-    models: list[str], max_context: int | None, auth: bool, tools: bool = True
-) -> dict[str, Any]:
-    """The document for the router as it is now: `models` served, smallest node context
-    `max_context` (None: unknown), `auth`: whether /v1/* and /generate need the API key, `tools`:
-    whether a served model takes tools."""
+def _schemas(models: list[str], max_context: int | None, tools: bool) -> dict[str, Any]:
+    """The component schemas with the run-time facts filled in."""
     schemas = copy.deepcopy(_STATIC_COMPONENTS)
     if not tools:
-        schemas["ChatRequest"]["properties"].update(copy.deepcopy(_NO_TOOLS))
-        schemas["TokenizeChat"]["properties"]["tools"] = copy.deepcopy(_NO_TOOLS["tools"])
+        schemas["ChatRequest"]["properties"].update(copy.deepcopy(NO_TOOLS))
+        schemas["TokenizeChat"]["properties"]["tools"] = copy.deepcopy(NO_TOOLS["tools"])
     for name in ("ChatRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
         if models:
@@ -414,14 +131,18 @@ def openapi_document(
         schemas["SamplingParams"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = (
             max_context - 1
         )
+    return schemas
 
+
+def _paths(auth: bool) -> dict[str, Any]:
+    """Every path; with `auth`, all but /health need the bearer key, else none answers 401."""
     models_op = {
         "get": {
             "summary": "served model names",
             "responses": {
                 "200": {
                     "description": "the models",
-                    "content": {"application/json": {"schema": _ref("ModelList")}},
+                    "content": {"application/json": {"schema": ref("ModelList")}},
                 },
                 "401": _error(_ERRORS["401"]),
             },
@@ -440,11 +161,11 @@ def openapi_document(
         "/v1/models": models_op,
         "/tokenize": _tokenizer_op(
             "the model's tokens of a prompt or chat (vLLM's shape)",
-            {"anyOf": [_ref("TokenizePrompt"), _ref("TokenizeChat")]},
+            {"anyOf": [ref("TokenizePrompt"), ref("TokenizeChat")]},
             "TokenizeAnswer",
         ),
         "/detokenize": _tokenizer_op(
-            "the text of token ids (vLLM's shape)", _ref("Detokenize"), "DetokenizeAnswer"
+            "the text of token ids (vLLM's shape)", ref("Detokenize"), "DetokenizeAnswer"
         ),
     }
     if auth:
@@ -461,18 +182,27 @@ def openapi_document(
             "responses": {
                 code: {
                     "description": why,
-                    "content": {"application/json": {"schema": _ref("Health")}},
+                    "content": {"application/json": {"schema": ref("Health")}},
                 }
                 for code, why in (("200", "a request can be routed"), ("503", "no eligible worker"))
             },
         }
     }
+    return paths
+
+
+def openapi_document(
+    models: list[str], max_context: int | None, auth: bool, tools: bool = True
+) -> dict[str, Any]:
+    """The document for the router as it is now: `models` served, smallest node context
+    `max_context` (None: unknown), `auth`: whether /v1/* and /generate need the API key, `tools`:
+    whether a served model takes tools."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdserve router", "version": "1"},
-        "paths": paths,
+        "paths": _paths(auth),
         "components": {
-            "schemas": schemas,
+            "schemas": _schemas(models, max_context, tools),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -1,6 +1,6 @@
 """One request's answer at its node front: what it has received so far (`Pending`), and how PP0's
 events become answer chunks: token runs coalesced into one chunk, the finish chunk with the
-detokenizer's tail, and the meta_info every chunk carries."""
+detokenizer's tail, the error chunk, and the meta_info every chunk carries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.core import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from runtime.messages import Event, FinishEvent, TokenEvent
+from runtime.messages import ErrorEvent, Event, FinishEvent, TokenEvent
 
 
 @dataclass
@@ -71,6 +71,23 @@ def finish_chunk(p: Pending, ev: FinishEvent) -> dict[str, Any]:
     meta = meta_info(p, reason, [])
     meta["cached_tokens"] = ev.cached_len  # the prefix-cache hit at admission
     return {"rid": p.rid, "text": tail, "token_ids": [], "meta_info": meta}
+
+
+def error_chunk(p: Pending, ev: ErrorEvent) -> dict[str, Any]:
+    """The last chunk of a request that failed or was aborted: an OpenAI-style error (a client's
+    when it names a field) and meta_info with an abort finish reason."""
+    return {
+        "rid": p.rid,
+        "text": "",
+        "token_ids": [],
+        "error": {
+            "message": ev.message,
+            "type": "invalid_request_error" if ev.field else "server_error",
+            "param": ev.field,
+            "code": None,
+        },
+        "meta_info": meta_info(p, {"type": "abort", "message": ev.message}, []),
+    }
 
 
 def meta_info(p: Pending, reason: dict[str, Any] | None, lps: list) -> dict[str, Any]:

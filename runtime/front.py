@@ -21,7 +21,6 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -31,10 +30,10 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from engine.core import ParamError, SamplingParams
+from engine.core import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
-from runtime.answer import Pending, finish_chunk, meta_info, token_chunk
+from runtime.answer import Pending, error_chunk, finish_chunk, token_chunk
 from runtime.chat_template import tool_call_format
 from runtime.messages import (
     AbortRequest,
@@ -49,18 +48,15 @@ from runtime.messages import (
     unpack,
 )
 from runtime.node_tracing import NodeTracing
-from runtime.prompt import RequestError, prompt_ids
+from runtime.prompt import RequestError, check_context, prompt_ids, request_rid, sampling_params
 from runtime.reasons import AbortReason
 from runtime.token_text import TokenBytes, TokenText
 
 log = logging.getLogger("pdserve.front")
 
 
-RID_MAX = 256  # characters of a request id
-EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = (
-    4096,
-    120.0,
-)  # abort-before-request tombstones: how many, how long
+# abort-before-request tombstones: how many, how long
+EARLY_ABORTS_KEPT, EARLY_ABORT_TTL_S = 4096, 120.0
 MAX_PENDING = 4096  # requests a node holds at once; beyond: 503
 OVERLOADED = "node_overloaded"  # the error code of that 503 (with Retry-After)
 # The front link's channels and the largest message each takes: a request carries at most a
@@ -193,35 +189,13 @@ class NodeFront:
                 f"node has {len(self.pending)} requests pending (its limit); retry later",
                 code=OVERLOADED,
             )
-        sp = body.get("sampling_params")
-        to_end = (
-            isinstance(sp, dict) and "max_tokens" in sp and sp["max_tokens"] is None
-        )  # rest of context
-        try:
-            params = SamplingParams.from_dict(
-                {**sp, "max_tokens": 1} if to_end else sp, self.sampling_defaults
-            )
-        except ParamError as e:
-            raise RequestError(400, str(e), e.field) from None
-        except TypeError as e:
-            raise RequestError(400, f"sampling_params: {e}", "sampling_params") from None
+        params, to_end = sampling_params(body, self.sampling_defaults)
         if ids is None:
             ids = self.tokenize(body)
         if to_end:
             params = replace(params, max_tokens=self.tokens_left(len(ids)))
-        if len(ids) + params.max_tokens > self.max_context:
-            raise RequestError(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context limit of {self.max_context} tokens",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str) or len(rid) > RID_MAX:
-            raise RequestError(
-                400, f"'rid' must be a string of at most {RID_MAX} characters", "rid"
-            )
+        check_context(len(ids), params.max_tokens, self.max_context)
+        rid = request_rid(body)
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
         aborted_at = self.early_aborts.pop(rid, None)
@@ -307,18 +281,7 @@ class NodeFront:
                 if isinstance(ev, ErrorEvent):
                     p.done = True
                     self._observe(p, "abort", ev.reason)
-                    yield {
-                        "rid": p.rid,
-                        "text": "",
-                        "token_ids": [],
-                        "error": {
-                            "message": ev.message,
-                            "type": "invalid_request_error" if ev.field else "server_error",
-                            "param": ev.field,
-                            "code": None,
-                        },
-                        "meta_info": meta_info(p, {"type": "abort", "message": ev.message}, []),
-                    }
+                    yield error_chunk(p, ev)
                     return
         finally:
             if not p.done and self.dead is None and p.rid in self.pending:

@@ -21,8 +21,8 @@ from starlette.requests import ClientDisconnect
 from infra.internal_auth import bearer_ok
 from infra.logs import bind_request
 from runtime import node_tokenize
-from runtime.front import OVERLOADED, RID_MAX, NodeFront
-from runtime.prompt import RequestError, sse
+from runtime.front import OVERLOADED, NodeFront
+from runtime.prompt import RID_MAX, RequestError, sse
 
 MAX_BODY = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in
@@ -127,21 +127,8 @@ def add_tokenize(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
         )
 
 
-def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
-    app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(RequestError)
-    async def _req_error(_: Request, e: RequestError):
-        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-    def check_internal(request: Request) -> None:
-        if not bearer_ok(request.headers.get("authorization"), internal_token):
-            raise RequestError(
-                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
-            )
-
-    add_generate(app, front, check_internal)
+def add_abort(app: FastAPI, front: NodeFront, check_internal: Callable) -> None:
+    """POST /abort: ends the request `rid` if this node holds it."""
 
     @app.post("/abort")
     async def abort(request: Request):
@@ -154,7 +141,9 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
             )
         return {"aborted": front.abort(rid)}
 
-    add_tokenize(app, front, check_internal)
+
+def add_status(app: FastAPI, front: NodeFront, check_internal: Callable) -> None:
+    """GET /health (open) and /server_info."""
 
     @app.get("/health")
     async def health():
@@ -168,7 +157,9 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         check_internal(request)
         return front.server_info()
 
-    front.add_routes(app, check_internal)
+
+def add_observability(app: FastAPI, front: NodeFront, check_internal: Callable) -> None:
+    """GET /debug/spans/{rid} and /metrics (open)."""
 
     @app.get("/debug/spans/{rid}")
     async def debug_spans(rid: str, request: Request):
@@ -185,6 +176,28 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
             return Response("", media_type="text/plain")
         body, ctype = front.metrics.render(front)
         return Response(body, media_type=ctype)
+
+
+def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
+    app = FastAPI(title=f"pdserve {front.role} node", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _req_error(_: Request, e: RequestError):
+        headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def check_internal(request: Request) -> None:
+        if not bearer_ok(request.headers.get("authorization"), internal_token):
+            raise RequestError(
+                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
+            )
+
+    add_generate(app, front, check_internal)
+    add_abort(app, front, check_internal)
+    add_tokenize(app, front, check_internal)
+    add_status(app, front, check_internal)
+    front.add_routes(app, check_internal)
+    add_observability(app, front, check_internal)
 
     @app.on_event("startup")
     async def _start():

@@ -137,73 +137,92 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         self.node, self.role = node, role
         lab = ["node", "role"]
-
-        def hist(name: str, doc: str, labels: list[str], buckets=LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
-
-        def counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry)
-
         info = build_info()
         Gauge(
             "pdserve_build_info", "1; the pdserve build", list(info), registry=self.registry
         ).labels(**info).set(1)
-        self.ttft = hist("pdserve_time_to_first_token_seconds", "time to first token", lab)
-        self.itl = hist(
+        self._request_latencies(lab)
+        self._request_counters(lab)
+        self._stage_latencies(lab)
+        self._create_series(finish_reasons)
+        self._ranks = _RankCollector(node, role)
+        self.registry.register(self._ranks)
+
+    def _hist(self, name: str, doc: str, labels: list[str], buckets=LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _request_latencies(self, lab: list[str]) -> None:
+        """Per request, seen by the front: TTFT, ITL, TPOT, end to end."""
+        self.ttft = self._hist("pdserve_time_to_first_token_seconds", "time to first token", lab)
+        self.itl = self._hist(
             "pdserve_inter_token_latency_seconds",
             "time between two consecutive output tokens (one sample per token after the first)",
             lab,
             ITL_BUCKETS,
         )
-        self.tpot = hist(
+        self.tpot = self._hist(
             "pdserve_request_time_per_output_token_seconds",
             "per request: (last token - first token) / (output tokens - 1)",
             lab,
             ITL_BUCKETS,
         )
-        self.e2e = hist("pdserve_e2e_request_latency_seconds", "request latency", lab)
-        self.requests = counter("pdserve_requests", "finished requests", lab + ["finish_reason"])
-        self.prompt_tokens = counter("pdserve_prompt_tokens", "prompt tokens", lab)
-        self.gen_tokens = counter("pdserve_generation_tokens", "generated tokens", lab)
+        self.e2e = self._hist("pdserve_e2e_request_latency_seconds", "request latency", lab)
+
+    def _request_counters(self, lab: list[str]) -> None:
+        """Finished and aborted requests, prompt and generated tokens."""
+        self.requests = self._counter(
+            "pdserve_requests", "finished requests", lab + ["finish_reason"]
+        )
+        self.prompt_tokens = self._counter("pdserve_prompt_tokens", "prompt tokens", lab)
+        self.gen_tokens = self._counter("pdserve_generation_tokens", "generated tokens", lab)
         # decode nodes: prompts they prefill themselves (conditional disaggregation, fallback)
-        self.local_prompt_tokens = counter(
+        self.local_prompt_tokens = self._counter(
             "pdserve_decode_local_prompt_tokens",
             "decode node: prompt tokens of requests it prefills itself (no prefill node)",
             lab,
         )
-        self.aborted = counter("pdserve_requests_aborted", "aborted requests", lab + ["reason"])
-        self.queue_time = hist(
+        self.aborted = self._counter(
+            "pdserve_requests_aborted", "aborted requests", lab + ["reason"]
+        )
+
+    def _stage_latencies(self, lab: list[str]) -> None:
+        """Samples the ranks forward (`ingest`): queues, bootstrap, KV pages and transfer, votes."""
+        self.queue_time = self._hist(
             "pdserve_queue_time_seconds", "time a request spent in a queue", lab + ["queue"]
         )
-        self.bootstrap = hist(
+        self.bootstrap = self._hist(
             "pdserve_bootstrap_seconds", "prefill: request arrival to bootstrap decision", lab
         )
-        self.alloc_wait = hist(
+        self.alloc_wait = self._hist(
             "pdserve_kv_alloc_wait_seconds", "decode: request arrival to its KV pages", lab
         )
-        self.kv_seconds = hist(
+        self.kv_seconds = self._hist(
             "pdserve_kv_transfer_seconds", "per-room KV transfer latency", lab + ["pp_rank"]
         )
-        self.kv_room_bytes = hist(
+        self.kv_room_bytes = self._hist(
             "pdserve_kv_transfer_request_bytes",
             "KV bytes one request moved on one rank",
             lab + ["pp_rank"],
             BYTES_BUCKETS,
         )
-        self.consensus = hist(
+        self.consensus = self._hist(
             "pdserve_consensus_round_seconds", "vote cast to verdict applied (PP0)", lab + ["kind"]
         )
-        lv = (node, role)
+
+    def _create_series(self, finish_reasons: tuple[str, ...]) -> None:
+        """The series known in advance, at 0 from the first scrape."""
+        lv = (self.node, self.role)
         for m in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.gen_tokens):
             m.labels(*lv)
-        if role == "decode":
+        if self.role == "decode":
             self.local_prompt_tokens.labels(*lv)
         for finish in finish_reasons:
             self.requests.labels(*lv, finish)
         for reason in sorted(ABORT_REASONS):
             self.aborted.labels(*lv, reason)
-        self._ranks = _RankCollector(node, role)
-        self.registry.register(self._ranks)
 
     def ingest(self, st: RankStats) -> None:
         """Latency samples a rank forwarded with its stats; a name with no sample still makes

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from consensus import rank_checker
+from engine.batch import SampleOut, ScheduledBatch
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
-from engine.scheduler import SampleOut, ScheduledBatch, Scheduler
+from engine.scheduler import Scheduler
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
@@ -44,6 +45,7 @@ from runtime.messages import (
 from runtime.pp_comm import Msg, PPComm
 from runtime.rank_spans import RankSpans
 from runtime.reasons import AbortReason, finish_message
+from runtime.request_timeouts import RequestTimeouts
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +106,7 @@ class SlotLoop:
         self.stats = LoopStats()
         self.stop = threading.Event()
         self._events: list[Event] = []  # PP0: what to tell the front this iteration
-        self._arrived: dict[str, float] = {}  # PP0: rid -> monotonic arrival, for timeouts only
+        self._timeouts = RequestTimeouts(cfg.waiting_timeout_s, cfg.running_timeout_s)  # PP0
         self.stream_tokens = True  # the prefill loop answers with its own events
         # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
         self.samples: dict[str, list[float]] = {}
@@ -200,30 +202,8 @@ class SlotLoop:
 
     def timeout_aborts(self, incoming: list[Any]) -> list[AbortRequest]:
         """PP0 only: wall-clock timeouts become abort messages in the meta stream
-        (docs/ARCHITECTURE.md section 7)."""
-        wt, rt = self.cfg.waiting_timeout_s, self.cfg.running_timeout_s
-        if not (wt or rt):
-            return []
-        now = time.monotonic()
-        for m in incoming:
-            if isinstance(m, AddRequest):
-                self._arrived[m.rid] = now
-        out = []
-        for rid, t0 in list(self._arrived.items()):
-            phase = self.request_phase(rid)
-            if phase is None:
-                if all(m.rid != rid for m in incoming):
-                    del self._arrived[rid]
-                continue
-            waited = now - t0
-            if wt and phase == "waiting" and waited > wt:
-                out.append(AbortRequest(rid, AbortReason.WAITING_TIMEOUT))
-            elif rt and waited > rt:
-                out.append(AbortRequest(rid, AbortReason.RUNNING_TIMEOUT))
-            else:
-                continue
-            del self._arrived[rid]
-        return out
+        (docs/ARCHITECTURE.md section 7; runtime/request_timeouts.py)."""
+        return self._timeouts.aborts(incoming, self.request_phase)
 
     def apply_meta(self, meta: list[Any]) -> None:
         for msg in meta:
