@@ -285,3 +285,16 @@ def test_colocated_mode_sends_no_bootstrap_fields():
         assert out.choices[0].message.content == "one two"
         body = cluster.colocated[0].stats.bodies[-1]
         assert "bootstrap_room" not in body and "bootstrap_host" not in body
+
+
+def test_status_page_is_open_and_its_data_needs_the_internal_token(pd):
+    page = httpx.get(pd.url + "/dashboard", timeout=5)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/dashboard/state" in page.text and "Bearer tok" not in page.text
+    for headers in ({}, {"Authorization": "Bearer sk-test"}):
+        assert httpx.get(pd.url + "/dashboard/state", headers=headers, timeout=5).status_code == 401
+    r = httpx.get(pd.url + "/dashboard/state", headers={"Authorization": "Bearer tok"}, timeout=10)
+    assert r.status_code == 200, r.text
+    state = r.json()
+    assert sorted(w["role"] for w in state["workers"]) == ["decode", "prefill"]
+    assert state["router"]["running"] == 0 and state["router"]["max_concurrent"] > 0
