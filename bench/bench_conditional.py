@@ -131,7 +131,10 @@ def main() -> int:
         )
         durl, dp = st.enter_context(
             loadgen.start(
-                ["decode", "--port", str(dport)], dport, logdir / "decode.log", wait=False
+                ["decode", "--port", str(dport), "--cpus", "1"],
+                dport,
+                logdir / "decode.log",
+                wait=False,
             )
         )
         wait_healthy(purl, pp, 300, logdir / "prefill.log")
