@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import loadgen  # noqa: E402
-from cluster import wait_healthy  # noqa: E402
 
 
 class Paths:
@@ -118,27 +117,9 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     logdir = Path(tempfile.mkdtemp(prefix="bench_cond_"))
     load0, t_all = loadgen.loadavg(), time.perf_counter()
-    pport, bport, dport = loadgen.free_port(), loadgen.free_port(), loadgen.free_port()
     with contextlib.ExitStack() as st:
-        purl, pp = st.enter_context(
-            loadgen.start(
-                # one core each, as `pdserve up` plans PP 1 + PP 1 on two cores
-                ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), "--cpus", "0"],
-                pport,
-                logdir / "prefill.log",
-                wait=False,
-            )
-        )
-        durl, dp = st.enter_context(
-            loadgen.start(
-                ["decode", "--port", str(dport), "--cpus", "1"],
-                dport,
-                logdir / "decode.log",
-                wait=False,
-            )
-        )
-        wait_healthy(purl, pp, 300, logdir / "prefill.log")
-        wait_healthy(durl, dp, 300, logdir / "decode.log")
+        pair = loadgen.start_pd_pair(st, logdir)
+        purl, durl, bport = pair.purl, pair.durl, pair.bport
         httpx.put(
             f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]}, timeout=10
         ).raise_for_status()

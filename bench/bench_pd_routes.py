@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import loadgen  # noqa: E402
-from cluster import wait_healthy  # noqa: E402
 
 SYSTEM = (
     "You are the support assistant of a company that runs large language model inference "
@@ -73,36 +72,10 @@ WORDS = [
 class Cluster:
     def __init__(self, logdir: Path, decode_cache: bool, st: contextlib.ExitStack):
         self.logdir, self.st = logdir, st
-        pport, self.bport, dport = loadgen.free_port(), loadgen.free_port(), loadgen.free_port()
-        tag = "cache" if decode_cache else "nocache"
-        self.purl, self.pproc = st.enter_context(
-            loadgen.start(
-                # one core each, as `pdserve up` plans PP 1 + PP 1 on two cores
-                [
-                    "prefill",
-                    "--port",
-                    str(pport),
-                    "--bootstrap-port",
-                    str(self.bport),
-                    "--cpus",
-                    "0",
-                ],
-                pport,
-                logdir / f"prefill-{tag}.log",
-                wait=False,
-            )
-        )
-        extra = [] if decode_cache else ["--no-prefix-cache"]
-        self.durl, dproc = st.enter_context(
-            loadgen.start(
-                ["decode", "--port", str(dport), "--cpus", "1", *extra],
-                dport,
-                logdir / f"decode-{tag}.log",
-                wait=False,
-            )
-        )
-        wait_healthy(self.purl, self.pproc, 400, logdir / f"prefill-{tag}.log")
-        wait_healthy(self.durl, dproc, 400, logdir / f"decode-{tag}.log")
+        tag = "-cache" if decode_cache else "-nocache"
+        flags = () if decode_cache else ("--no-prefix-cache",)
+        pair = loadgen.start_pd_pair(st, logdir, tag, flags)
+        self.purl, self.pproc, self.durl, self.bport = pair.purl, pair.pproc, pair.durl, pair.bport
 
     @contextlib.contextmanager
     def router(self, flags: list[str], name: str):

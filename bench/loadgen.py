@@ -213,3 +213,27 @@ def queue_time_delta(before: dict, after: dict) -> dict[str, float]:
 
 def fmt(x: float, scale: float = 1.0, nd: int = 0) -> str:
     return "n/a" if x != x else f"{x * scale:.{nd}f}"
+
+
+@dataclass
+class PDPair:
+    purl: str
+    pproc: object  # the prefill node's Popen
+    durl: str
+    bport: int  # the prefill node's bootstrap port
+
+
+def start_pd_pair(st, logdir: Path, tag: str = "", decode_flags: tuple[str, ...] = ()) -> PDPair:
+    """A prefill and a decode node (PP 1 each) on one core each (`--cpus 0`, `--cpus 1`, as
+    `pdserve up` plans PP 1 + PP 1 on two cores), entered on the ExitStack `st`, both healthy."""
+    from cluster import wait_healthy
+
+    pport, bport, dport = free_port(), free_port(), free_port()
+    plog, dlog = logdir / f"prefill{tag}.log", logdir / f"decode{tag}.log"
+    prefill = ["prefill", "--port", str(pport), "--bootstrap-port", str(bport), "--cpus", "0"]
+    purl, pproc = st.enter_context(start(prefill, pport, plog, wait=False))
+    decode = ["decode", "--port", str(dport), "--cpus", "1", *decode_flags]
+    durl, dproc = st.enter_context(start(decode, dport, dlog, wait=False))
+    wait_healthy(purl, pproc, 400, plog)
+    wait_healthy(durl, dproc, 400, dlog)
+    return PDPair(purl, pproc, durl, bport)
