@@ -61,6 +61,19 @@ def hit_tokens(served, model: str) -> float:
     )
 
 
+def settled_hit_tokens(served, model: str) -> float:
+    """The counter once the previous test's hits have arrived: the ranks report it every 0.5 s, so
+    a read right after a request can miss that request's hits (CI read such a stale count)."""
+    last = hit_tokens(served, model)
+    for _ in range(20):
+        time.sleep(0.6)
+        now = hit_tokens(served, model)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the hit counter of {model}'s node kept moving: {last}")
+
+
 @pytest.mark.parametrize("model", ["tiny-a", "tiny-b"])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_greedy_n3_gives_three_copies_of_the_n1_answer_streamed_or_not(served, kind, model):
@@ -103,7 +116,7 @@ def test_the_prompt_is_computed_once_the_other_choices_hit_all_its_whole_pages(
     end of the context, so choice 0 is still decoding when the others are admitted."""
     client = served["a"]
     prompt = f"{stream} {model} once: prefill decode cache page token"
-    before = hit_tokens(served, model)
+    before = settled_hit_tokens(served, model)
     if stream:
         _, usage, _ = streamed(client, "chat", model, prompt, max_tokens=None, temperature=0, n=3)
     else:
@@ -111,12 +124,7 @@ def test_the_prompt_is_computed_once_the_other_choices_hit_all_its_whole_pages(
     p, cached = usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
     assert p > 24 and cached < p - PAGE
     want = before + cached + 2 * ((p - 1) // PAGE * PAGE)
-    got = before
-    for _ in range(100):  # the node's counter comes with its ranks' stats (every 0.5 s)
-        got = hit_tokens(served, model)
-        if got >= want:
-            break
-        time.sleep(0.1)
+    got = settled_hit_tokens(served, model)
     assert got == want, (p, cached, got - before)
 
 
