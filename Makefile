@@ -20,9 +20,14 @@ lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The test suite (what CI runs): lint first, then pytest.
+# The test suite (what CI runs): lint first, then pytest, its files spread over 2 workers
+# (pytest-xdist; a file's tests stay on one worker, since they share its module fixtures). Much of
+# the suite's time is spent waiting on its own processes and timeouts, so 2 workers on 2 cores
+# shorten it. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup-test lint
-	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Opt-in, not part of `test`: `pdserve up` under streaming load with cancellations for 10 minutes,
 # RSS and open fds of every process sampled; fails on growth. E.g. SOAK_ARGS="--model DIR --duration 180".

@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -379,10 +380,27 @@ class Cluster:
             self.app = build_app(self.config)
             self.router = ThreadServer(self.app).start()
             self.url = self.router.url
+            self._wait_ready()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until the router has probed every node healthy and learnt its model: a request sent
+        before routes on part of the cluster (seen on a loaded machine: `n` > 1 choices that
+        could not follow choice 0's pair because its prefill node's model was not known yet)."""
+        token = self.config.internal_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = httpx.get(self.url + "/workers", headers=headers, timeout=5)
+            workers = r.json()["workers"]
+            if all(w["healthy"] and w["model"] for w in workers):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stub cluster not ready after {timeout_s} s: {workers}")
+            time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
         if self.router is not None:

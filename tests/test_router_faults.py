@@ -54,7 +54,9 @@ def test_one_of_two_decode_nodes_killed_requests_keep_succeeding():
 
 def test_node_dies_and_comes_back_health_and_breaker():
     health = HealthConfig(interval_s=0.1, timeout_s=0.5, failure_threshold=2, success_threshold=2)
-    breaker = BreakerConfig(failure_threshold=1, success_threshold=1, open_s=0.5)
+    # open_s: long enough that the checks of the open state finish before it half-opens on a
+    # loaded machine (at 0.5 s, a run next to another test process read it half-open already)
+    breaker = BreakerConfig(failure_threshold=1, success_threshold=1, open_s=3.0)
     with Cluster(prefill=1, decode=1, health=health, breaker=breaker, retry=FAST_RETRY) as cluster:
         decode = cluster.decode[0]
         assert chat(cluster).status_code == 200
