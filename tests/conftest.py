@@ -82,3 +82,27 @@ def tiny6_greedy(tiny6, mixed_prompts):
         return prompts, hf_greedy(load_hf(tiny6), prompts, INPROC_MAX_NEW)
     finally:
         torch.set_num_threads(threads)
+
+
+# The slowest files first (serial seconds, measured 2026-12-01): `make test` spreads files over
+# pytest-xdist workers in collection order, so the long ones start together and the short ones fill
+# in at the end, instead of one long file running alone after the rest are done. Order within a
+# file is kept.
+SLOWEST_FILES = (
+    "test_pd_nodes.py",  # 106 s
+    "test_chaos_abort_storm.py",  # 100 s
+    "test_chaos_faults.py",  # 90 s
+    "test_pp_node.py",  # 63 s
+    "test_up.py",  # 50 s
+    "test_bench_tool.py",  # 46 s
+    "test_openai_choices.py",  # 28 s
+    "test_tracing.py",  # 26 s
+    "test_model.py",  # 22 s
+    "test_control_plane_auth.py",  # 21 s
+    "test_router_fuzz.py",  # 20 s
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

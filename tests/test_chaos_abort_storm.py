@@ -330,7 +330,13 @@ async def watch_queues(
     async with httpx.AsyncClient(timeout=10, headers=AUTH) as c:
         while not stop.is_set():
             for role, node in nodes.items():
-                rank0 = (await c.get(f"{node}/server_info")).json()["ranks"][0] or {}
+                try:
+                    rank0 = (await c.get(f"{node}/server_info")).json()["ranks"][0] or {}
+                except httpx.TransportError:
+                    # Only this side watch fails: a keep-alive connection that the node closed
+                    # as it was reused (seen on a loaded machine). The storm's own requests and the
+                    # checks after it say whether the node is well.
+                    continue
                 for q in QUEUE_NAMES:
                     peak[role][q] = max(peak[role].get(q, 0), rank0.get(q, 0))
             with contextlib.suppress(TimeoutError):

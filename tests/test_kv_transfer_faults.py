@@ -475,5 +475,7 @@ def test_prefill_restarted_on_the_same_address(cluster):
     c.procs["PC"] = RankProcess(ctx, "PC2")
     c.pages["PC"] = list(range(NUM_PAGES))
     start_pc()
-    time.sleep(3 * CFG["heartbeat_interval_s"])  # a few of DC's heartbeats to PC's server
+    # a few of DC's heartbeats to PC's server: 8 beats, since on a loaded machine (tests in 3
+    # processes) 3 were not always enough for one to land and the room timed out its bootstrap
+    time.sleep(8 * CFG["heartbeat_interval_s"])
     one_room()
