@@ -8,7 +8,7 @@ Pass 1 (PP0 -> last, in the slot being scheduled): each rank merges its ballot i
 tally and forwards it. Pass 2 (last -> PP0 -> ... -> PP(n-2), when the slot is harvested): the
 verdict travels round the ring and every rank returns it to its caller, which applies it.
 
-The verdict of slot `mb` is, per kind, with G_k / B_k the good / bad ids of rank k after its local
+The verdict of `slot` is, per kind, with G_k / B_k the good / bad ids of rank k after its local
 aborts were moved from good to bad, and T_k = G_k | B_k (ids final on rank k):
 
     good = G_0 & G_1 & ... & G_n-1                     progress needs every rank
@@ -28,13 +28,13 @@ Call order, identical on every rank (L = num_slots = pp_size + async_depth), eve
 when all ballots are empty (the empty messages are the metronome):
 
     for i in itertools.count():
-        mb = i % L
+        slot = i % L
         # PP0: send | middle: recv, merge, send | last: recv, merge, keep
-        vote.pass1(mb, ballots)
+        vote.pass1(slot, ballots)
         ...                                # schedule, launch, exchange hidden states
         # last: return the verdict it sent to PP0 in pass 1 |
         # PP0: recv, forward | middle: recv, forward unless next is last
-        verdicts = vote.pass2((mb + 1) % L)
+        verdicts = vote.pass2((slot + 1) % L)
         apply(verdicts)                    # same verdicts, same iteration, every rank
 
 pass2(h) returns the verdict of the latest pass1(h) (empty verdicts while slot h never voted), so a
@@ -177,11 +177,11 @@ class RingVote:
         ] * num_slots  # last rank: verdict per slot, not yet sent
 
     # ---- pass 1 -------------------------------------------------------------------------------
-    def pass1(self, mb: int, ballots: Mapping[str, Ballot]) -> None:
-        """Cast this rank's ballots for slot `mb` (kinds missing from `ballots` vote empty)."""
-        self._check_slot(mb)
-        if self._voted[mb]:
-            raise ConsensusError(f"pass1 for slot {mb} again before pass2 harvested it")
+    def pass1(self, slot: int, ballots: Mapping[str, Ballot]) -> None:
+        """Cast this rank's ballots for `slot` (kinds missing from `ballots` vote empty)."""
+        self._check_slot(slot)
+        if self._voted[slot]:
+            raise ConsensusError(f"pass1 for slot {slot} again before pass2 harvested it")
         unknown = set(ballots) - set(self.kinds)
         if unknown:
             raise ValueError(f"unknown vote kind(s) {sorted(unknown)}; this vote has {self.kinds}")
@@ -190,67 +190,67 @@ class RingVote:
             tally = mine
         else:
             tally = [
-                merge(tk, g, b) for tk, (g, b) in zip(self._recv("v1", mb)[1], mine, strict=True)
+                merge(tk, g, b) for tk, (g, b) in zip(self._recv("v1", slot)[1], mine, strict=True)
             ]
-        self._voted[mb] = True
+        self._voted[slot] = True
         if self.t.is_last:
-            # The verdict leaves at once; PP0 takes it when it harvests slot `mb` (L - 1 turns
+            # The verdict leaves at once; PP0 takes it when it harvests `slot` (L - 1 turns
             # later), so PP0 never waits for the last rank's current iteration and the pipeline
             # stays full.
-            self._kept[mb] = self._without_pending(mb, tally)
+            self._kept[slot] = self._without_pending(slot, tally)
             if self.t.size > 1:
-                self.t.send_next(["v2", mb, _pack(self._kept[mb])])
+                self.t.send_next(["v2", slot, _pack(self._kept[slot])])
         else:
-            self.t.send_next(["v1", mb, _pack(tally)])
+            self.t.send_next(["v1", slot, _pack(tally)])
 
-    def _without_pending(self, mb: int, tally: list) -> list:
+    def _without_pending(self, slot: int, tally: list) -> list:
         out = []
         for j, (good, bad) in enumerate(tally):
             pending: set = set()
             for s, kept in enumerate(self._kept):
-                if kept is not None and s != mb:
+                if kept is not None and s != slot:
                     pending |= kept[j][0] | kept[j][1]
             out.append((good - pending, bad - pending))
         return out
 
     # ---- pass 2 -------------------------------------------------------------------------------
-    def pass2(self, mb: int) -> dict[str, Verdict]:
-        """The verdicts of slot `mb`'s latest pass1, on every rank in the same iteration."""
-        self._check_slot(mb)
-        if not self._voted[mb]:
-            # Slot `mb` has not voted yet (the first turns): every rank knows it, nothing travels.
+    def pass2(self, slot: int) -> dict[str, Verdict]:
+        """The verdicts of `slot`'s latest pass1, on every rank in the same iteration."""
+        self._check_slot(slot)
+        if not self._voted[slot]:
+            # The slot has not voted yet (the first turns): every rank knows it, nothing travels.
             return {k: Verdict() for k in self.kinds}
         if self.t.is_last:
-            kept = self._kept[mb]
-            self._kept[mb] = None
+            kept = self._kept[slot]
+            self._kept[slot] = None
         else:
-            raw, kept = self._recv("v2", mb)
+            raw, kept = self._recv("v2", slot)
             if self.t.rank + 1 < self.t.size - 1:
                 self.t.send_next(raw)  # forwarded unchanged (already sorted)
-        self._voted[mb] = False
+        self._voted[slot] = False
         return {k: Verdict(g, b) for k, (g, b) in zip(self.kinds, kept, strict=True)}
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _check_slot(self, mb: int) -> None:
-        if not (isinstance(mb, int) and 0 <= mb < self.num_slots):
-            raise ValueError(f"slot must be in [0, {self.num_slots}), got {mb!r}")
+    def _check_slot(self, slot: int) -> None:
+        if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot!r}")
 
-    def _recv(self, tag: str, mb: int) -> tuple[list, list[tuple[frozenset, frozenset]]]:
-        """(raw message, parsed (good, bad) per kind) of the vote `tag` for slot `mb` from the
+    def _recv(self, tag: str, slot: int) -> tuple[list, list[tuple[frozenset, frozenset]]]:
+        """(raw message, parsed (good, bad) per kind) of the vote `tag` for `slot` from the
         previous rank."""
         try:
             msg = self.t.recv_prev()
         except ConsensusTimeout as e:
             raise ConsensusTimeout(
-                f"{e} (waiting for vote {tag} of slot {mb}, kinds {self.kinds})"
+                f"{e} (waiting for vote {tag} of slot {slot}, kinds {self.kinds})"
             ) from None
         try:
-            if msg[0] != tag or msg[1] != mb or len(msg) != 3 or len(msg[2]) != len(self.kinds):
+            if msg[0] != tag or msg[1] != slot or len(msg) != 3 or len(msg[2]) != len(self.kinds):
                 raise ValueError("tag, slot or kind count differs")
             parsed = [(frozenset(g), frozenset(b)) for g, b in msg[2]]
         except (TypeError, ValueError, IndexError, KeyError) as e:
             raise ConsensusError(
-                f"rank {self.t.rank}: expected vote {tag} of slot {mb} with "
+                f"rank {self.t.rank}: expected vote {tag} of slot {slot} with "
                 f"{len(self.kinds)} kind(s), got {str(msg)[:200]} ({e}); "
                 "ranks are out of step"
             ) from None

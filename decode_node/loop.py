@@ -100,13 +100,13 @@ class DecodeLoop(PDLoop):
         return True
 
     # --- prealloc and the votes -------------------------------------------------------------------
-    def before_schedule(self, t: int, mb: int) -> None:
+    def before_schedule(self, t: int, slot: int) -> None:
         self._preallocate()
         registered = [pd for pd in self.prealloc if pd.pages]
         if self.is_first and (registered or self.transfer or self.quarantine):
-            self._t_cast[mb] = time.monotonic()
+            self._t_cast[slot] = time.monotonic()
         self.vote.pass1(
-            mb,
+            slot,
             {
                 PREALLOC: Ballot.from_statuses(
                     PREALLOC,
@@ -163,9 +163,9 @@ class DecodeLoop(PDLoop):
         """The room's cached prompt prefix, locked: the same length on every rank."""
         return hold_prefix(self.sched, pd.req.input_ids)
 
-    def after_harvest(self, t: int, hb: int) -> None:
-        verdicts = self.vote.pass2(hb)
-        t_cast = self._t_cast.pop(hb, None)
+    def after_harvest(self, t: int, harvest_slot: int) -> None:
+        verdicts = self.vote.pass2(harvest_slot)
+        t_cast = self._t_cast.pop(harvest_slot, None)
         if t_cast is not None:
             self.observe("consensus:decode_votes", time.monotonic() - t_cast)
         pre = {pd.room: pd for pd in self.prealloc if pd.pages}
@@ -179,7 +179,7 @@ class DecodeLoop(PDLoop):
             ),
             TRANSFERRED,
         )
-        self._apply_transferred(good, bad, hb)
+        self._apply_transferred(good, bad, harvest_slot)
         good, _, _ = verdicts[RELEASE].partition(lambda room: room in self.quarantine, RELEASE)
         self._release_quarantine(good)
         if self._traced_status:
@@ -222,18 +222,19 @@ class DecodeLoop(PDLoop):
                 self._fail(pd, AbortReason.BOOTSTRAP_FAILED, "KV preallocation failed")
 
     @rank_consensus(
-        "pd_transferred_verdict", args=lambda self, good, bad, mb: [sorted(good), sorted(bad), mb]
+        "pd_transferred_verdict",
+        args=lambda self, good, bad, slot: [sorted(good), sorted(bad), slot],
     )
-    def _apply_transferred(self, good: frozenset, bad: frozenset, hb: int) -> None:
+    def _apply_transferred(self, good: frozenset, bad: frozenset, harvest_slot: int) -> None:
         for room in sorted(good | bad):
             pd = self.transfer.pop(room)
             self._stage_done(pd.rid, "transfer")
             if room in good:
-                self._start_decoding(pd, hb)
+                self._start_decoding(pd, harvest_slot)
             else:
                 self._fail(pd, AbortReason.KV_TRANSFER_FAILED, "KV transfer failed")
 
-    def _start_decoding(self, pd: PDReq, mb: int) -> None:
+    def _start_decoding(self, pd: PDReq, slot: int) -> None:
         tok, lp, top = unpack_aux(pd.transfer.read_aux())
         req = pd.req
         req.output_ids.append(tok)
@@ -251,7 +252,7 @@ class DecodeLoop(PDLoop):
             )
         )
         held, pd.held = pd.held or HeldPrefix(), None  # the scheduler's request owns the lock now
-        self.sched.add_prefilled(req, held.pages + pd.pages, mb, held.tokens, held.handle)
+        self.sched.add_prefilled(req, held.pages + pd.pages, slot, held.tokens, held.handle)
         if self.spans.on(pd.rid):
             self.spans.end(pd.rid, "first_token", token=tok)
             self.spans.start(pd.rid, "decode")

@@ -20,7 +20,7 @@ class BatchEntry:
 
 @dataclass
 class ScheduledBatch:
-    mb: int
+    slot: int
     entries: list[BatchEntry] = field(default_factory=list)
 
     @property

@@ -8,7 +8,7 @@ config, which the ranks agree on at start-up.
 One request computes tokens `[kv_len, kv_len + num_new)` of `all_ids` per batch and samples when
 that reaches `seq_len`. A fresh prompt is prefilled in chunks; a decode step is the case
 `seq_len - kv_len == 1`; a retracted request re-prefills prompt + outputs, usually from the prefix
-cache. Requests are bound to the microbatch slot that admitted them: slot `mb` schedules only its
+cache. Requests are bound to the microbatch slot that admitted them: `slot` schedules only its
 own running requests (plus admissions), and only after its previous outputs were harvested.
 
 Abort: a waiting request is removed at once; an admitted request that is not in flight is torn down
@@ -58,7 +58,10 @@ class SchedulerConfig:
 
 
 def _batch_digest(b: ScheduledBatch) -> list:
-    return [b.mb, [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries]]
+    return [
+        b.slot,
+        [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries],
+    ]
 
 
 class Scheduler:
@@ -153,14 +156,14 @@ class Scheduler:
         if need > 0:
             req.pages.extend(self.allocator.alloc(need))
 
-    @rank_consensus("schedule", args=lambda self, mb: mb, result=_batch_digest)
-    def schedule(self, mb: int) -> ScheduledBatch:
-        batch = ScheduledBatch(mb)
-        slot = self.slots[mb]
-        assert not any(r.in_flight for r in slot), f"slot {mb} scheduled before its harvest"
+    @rank_consensus("schedule", args=lambda self, slot: slot, result=_batch_digest)
+    def schedule(self, slot: int) -> ScheduledBatch:
+        batch = ScheduledBatch(slot)
+        members = self.slots[slot]
+        assert not any(r.in_flight for r in members), f"slot {slot} scheduled before its harvest"
         budget = self.cfg.max_batch_tokens
         # 1. Running requests of this slot; decodes (1 token) need at most one new page each.
-        decodes = [r for r in slot if r.seq_len - r.kv_len == 1]
+        decodes = [r for r in members if r.seq_len - r.kv_len == 1]
         while decodes:
             need = sum(
                 1
@@ -171,13 +174,13 @@ class Scheduler:
             if self.free_pages_for(need):
                 break
             self._retract(max(decodes, key=lambda r: r.arrival))  # youngest first
-            decodes = [r for r in slot if r.seq_len - r.kv_len == 1]
+            decodes = [r for r in members if r.seq_len - r.kv_len == 1]
         for r in decodes[:budget]:
             self._grow(r, r.kv_len + 1)
             self._place(batch, r, 1)
         budget -= len(batch.entries)
         # 2. Prefill chunks of requests already admitted to this slot (their pages are allocated).
-        for r in slot:
+        for r in members:
             if budget <= 0:
                 break
             left = r.seq_len - r.kv_len
@@ -192,7 +195,7 @@ class Scheduler:
             if not self._admit(req, reserve=self.num_running):
                 break
             self.waiting.pop(0)
-            slot.append(req)
+            members.append(req)
             n = min(req.seq_len - req.kv_len, self.cfg.chunk_size, budget)
             self._place(batch, req, n)
             budget -= n
@@ -244,7 +247,7 @@ class Scheduler:
     # --- outputs ----------------------------------------------------------------------------------
     @rank_consensus(
         "harvest",
-        args=lambda self, batch, out: [batch.mb, out.token_ids if out else None],
+        args=lambda self, batch, out: [batch.slot, out.token_ids if out else None],
         result=lambda r: [q.rid for q in r],
     )
     def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> list[Req]:
@@ -334,19 +337,19 @@ class Scheduler:
 
     @rank_consensus(
         "add_prefilled",
-        args=lambda self, req, pages, mb, cached_len=0, prefix_node=None: [
+        args=lambda self, req, pages, slot, cached_len=0, prefix_node=None: [
             req.rid,
             list(pages),
-            mb,
+            slot,
             cached_len,
         ],
     )
     def add_prefilled(
-        self, req: Req, pages: list[int], mb: int, cached_len: int = 0, prefix_node=None
+        self, req: Req, pages: list[int], slot: int, cached_len: int = 0, prefix_node=None
     ) -> None:
         """Decode side of PD: the prompt's KV is in `pages` (the first `cached_len` tokens' pages
         from the prefix cache, locked by `prefix_node`, the rest transferred) and `req.output_ids`
-        holds the first token; the request joins slot `mb` as a running decode (it may finish at
+        holds the first token; the request joins `slot` as a running decode (it may finish at
         once). The request owns the lock from here: it is unlocked at finish or retraction."""
         self._arrivals += 1
         req.arrival = self._arrivals
@@ -354,7 +357,7 @@ class Scheduler:
         req.prefix_node = prefix_node
         req.status = ReqStatus.RUNNING
         self.reqs[req.rid] = req
-        self.slots[mb].append(req)
+        self.slots[slot].append(req)
         self._check_stop(req)
 
     def drain_finished(self) -> list[Req]:

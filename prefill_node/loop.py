@@ -105,14 +105,14 @@ class PrefillLoop(PDLoop):
         return True
 
     # --- bootstrap (PPConsensusStore + leader sync) -----------------------------------------------
-    def before_schedule(self, t: int, mb: int) -> None:
+    def before_schedule(self, t: int, slot: int) -> None:
         if self.bootstrap:
             self._bootstrap_step()
         statuses = {room: pd.transfer.poll() for room, pd in self.inflight.items()}
         aborted = [room for room, pd in self.inflight.items() if pd.aborted]
         if self.inflight and self.is_first:
-            self._t_cast[mb] = time.monotonic()
-        self.vote.pass1(mb, {RELEASE: Ballot.from_statuses(RELEASE, statuses, aborted)})
+            self._t_cast[slot] = time.monotonic()
+        self.vote.pass1(slot, {RELEASE: Ballot.from_statuses(RELEASE, statuses, aborted)})
 
     def _bootstrap_step(self) -> None:
         t0 = time.monotonic()
@@ -211,9 +211,9 @@ class PrefillLoop(PDLoop):
         self._stage_start(pd.rid, "inflight")
 
     # --- release vote -----------------------------------------------------------------------------
-    def after_harvest(self, t: int, hb: int) -> None:
-        verdict = self.vote.pass2(hb)[RELEASE]
-        t_cast = self._t_cast.pop(hb, None)
+    def after_harvest(self, t: int, harvest_slot: int) -> None:
+        verdict = self.vote.pass2(harvest_slot)[RELEASE]
+        t_cast = self._t_cast.pop(harvest_slot, None)
         if t_cast is not None:
             self.observe("consensus:prefill_release", time.monotonic() - t_cast)
         good, bad, _retry = verdict.partition(

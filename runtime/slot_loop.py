@@ -1,11 +1,11 @@
 """The slot loop: one iteration of docs/ARCHITECTURE.md section 3 on one PP rank.
 
-    L = pp_size + async_depth slots; iteration t works on slot mb = t % L, harvests (t+1) % L
+    L = pp_size + async_depth slots; iteration t works on `slot` = t % L, harvests (t+1) % L
 
     ingest meta    PP0 pulls the front's messages (non-blocking), every other rank receives
                    PP0's list from its predecessor; forwarded unchanged down the chain, even empty
     apply meta     new requests and aborts, in list order, before scheduling (all ranks, same slot)
-    schedule       the same deterministic scheduler on every rank => the same batch for slot mb
+    schedule       the same deterministic scheduler on every rank => the same batch for `slot`
     forward        hidden states in from rank k-1, out to rank k+1, only for a non-empty batch;
                    the last rank samples and queues the outputs, sent `async_depth` turns later
     ring+harvest   the sampled outputs of slot (t+1) % L go last -> PP0 -> PP1 -> ...; every rank
@@ -125,19 +125,19 @@ class SlotLoop:
 
     # --- one iteration ----------------------------------------------------------------------------
     def iteration(self, t: int) -> None:
-        mb = t % self.cfg.num_slots
+        slot = t % self.cfg.num_slots
         if self.comm:
             self.comm.commit()
         meta = self.ingest_meta()
         self.apply_meta(meta)
-        self.before_schedule(t, mb)
-        batch = self.sched.schedule(mb)
-        self.batches[mb] = batch
+        self.before_schedule(t, slot)
+        batch = self.sched.schedule(slot)
+        self.batches[slot] = batch
         if self._t_queued:
             self._time_admissions(batch)
         hidden_or_logits = self.forward(batch)
         self.after_forward(batch)
-        self.exchange_and_harvest(t, mb, batch, hidden_or_logits)
+        self.exchange_and_harvest(t, slot, batch, hidden_or_logits)
         self.after_harvest(t, (t + 1) % self.cfg.num_slots)
         self.report()
         self.stats.iterations += 1
@@ -146,14 +146,14 @@ class SlotLoop:
             self.check_consensus(t)
 
     # --- hooks for the PD loops (prefill_node/, decode_node/): queue steps around the iteration
-    def before_schedule(self, t: int, mb: int) -> None:
-        """Runs on every rank after the meta was applied and before slot `mb` is scheduled."""
+    def before_schedule(self, t: int, slot: int) -> None:
+        """Runs on every rank after the meta was applied and before `slot` is scheduled."""
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         """Runs on every rank after this rank's forward of `batch` (its KV pages are written)."""
 
-    def after_harvest(self, t: int, hb: int) -> None:
-        """Runs on every rank once slot `hb` was harvested (or had nothing to harvest)."""
+    def after_harvest(self, t: int, harvest_slot: int) -> None:
+        """Runs on every rank once `harvest_slot` was harvested (or had nothing to harvest)."""
 
     def on_finished(self, req: Req) -> None:
         """Runs on every rank for each request the scheduler finished this iteration."""
@@ -272,16 +272,16 @@ class SlotLoop:
     def forward(self, batch: ScheduledBatch) -> Any:
         if not batch.entries:
             if self.is_last:
-                self.last_outputs[batch.mb] = None
-                self.send_queue.append((batch.mb, None))
+                self.last_outputs[batch.slot] = None
+                self.send_queue.append((batch.slot, None))
             return None
         hidden_in = self.comm.recv(self.comm.prev, Msg.HIDDEN) if not self.is_first else None
         y = self.runner.forward(batch, hidden_in)
         self.stats.forwards += 1
         if self.is_last:
             out = self.runner.sample(batch, y) if batch.sampling_entries else None
-            self.last_outputs[batch.mb] = out
-            self.send_queue.append((batch.mb, out))
+            self.last_outputs[batch.slot] = out
+            self.send_queue.append((batch.slot, out))
         return y
 
     def _needs_ring(self, batch: ScheduledBatch | None) -> bool:
@@ -289,16 +289,16 @@ class SlotLoop:
             return False
         return not (batch.is_pure_chunk and self.cfg.skip_pure_chunk_comm)
 
-    def exchange_and_harvest(self, t: int, mb: int, batch: ScheduledBatch, y: Any) -> None:
-        hb = (t + 1) % self.cfg.num_slots
-        hbatch = self.batches[hb] if t + 1 >= self.cfg.num_slots else None
+    def exchange_and_harvest(self, t: int, slot: int, batch: ScheduledBatch, y: Any) -> None:
+        harvest_slot = (t + 1) % self.cfg.num_slots
+        harvest_batch = self.batches[harvest_slot] if t + 1 >= self.cfg.num_slots else None
         send_hidden = (
             (lambda: self.comm.send_tensor(self.comm.next, y, Msg.HIDDEN))
             if (self.comm and not self.is_last and batch.entries)
             else None
         )
         recv_ring = None
-        if self.size > 1 and not self.is_last and self._needs_ring(hbatch):
+        if self.size > 1 and not self.is_last and self._needs_ring(harvest_batch):
             src = self.size - 1 if self.is_first else self.comm.prev
             recv_ring = lambda: self.comm.recv(src, Msg.OUTPUT)  # noqa: E731
         wire = None
@@ -315,17 +315,17 @@ class SlotLoop:
                 send_hidden()
         if self.is_last and self.size > 1:
             while len(self.send_queue) > self.cfg.async_depth:
-                slot, out = self.send_queue.popleft()
-                if self._needs_ring(self.batches[slot]):
+                sent, out = self.send_queue.popleft()
+                if self._needs_ring(self.batches[sent]):
                     self.comm.send_obj(0, out_to_wire(out), Msg.OUTPUT, commit_after=self.size)
         elif self.is_last:
             self.send_queue.clear()
         if recv_ring and self.rank + 1 < self.size - 1:
             self.comm.send_obj(self.comm.next, wire, Msg.OUTPUT)
-        if hbatch is not None:
-            out = self.last_outputs.pop(hb, None) if self.is_last else out_from_wire(wire)
-            self.harvest(hbatch, out)
-            self.batches[hb] = None
+        if harvest_batch is not None:
+            out = self.last_outputs.pop(harvest_slot, None) if self.is_last else out_from_wire(wire)
+            self.harvest(harvest_batch, out)
+            self.batches[harvest_slot] = None
 
     def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> None:
         got = self.sched.harvest(batch, out)

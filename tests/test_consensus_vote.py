@@ -187,9 +187,9 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
         applied = {k: set() for k in KINDS}
         log = []
         for i in range(iters):
-            mb = i % slots
-            vote.pass1(mb, {k: ballot_at(obs[k][rank], applied[k], i) for k in KINDS})
-            verdicts = vote.pass2((mb + 1) % slots)
+            slot = i % slots
+            vote.pass1(slot, {k: ballot_at(obs[k][rank], applied[k], i) for k in KINDS})
+            verdicts = vote.pass2((slot + 1) % slots)
             row = []
             for k in KINDS:
                 mine = obs[k][rank]

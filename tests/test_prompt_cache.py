@@ -19,8 +19,8 @@ from engine.scheduler import Scheduler
 def step(s: Scheduler, pool: dict[int, list], done: dict[str, Req]) -> None:
     """One schedule + harvest of every slot, writing and checking the modelled KV pool."""
     P = s.cfg.page_size
-    for mb in range(s.cfg.num_slots):
-        b = s.schedule(mb)
+    for slot in range(s.cfg.num_slots):
+        b = s.schedule(slot)
         toks = []
         for e in b.entries:
             ids = e.req.all_ids

@@ -36,8 +36,8 @@ def run_to_end(s: Scheduler, max_steps: int = 10_000) -> dict[str, Req]:
     for _ in range(max_steps):
         if not s.has_work:
             break
-        for mb in range(s.cfg.num_slots):
-            b = s.schedule(mb)
+        for slot in range(s.cfg.num_slots):
+            b = s.schedule(slot)
             toks = []
             for e in b.entries:
                 # The KV a batch "writes" must be exactly the request's real tokens at those
@@ -142,8 +142,8 @@ def test_two_schedulers_with_the_same_inputs_decide_the_same():
         for _ in range(400):
             if not s.has_work:
                 break
-            for mb in range(2):
-                b = s.schedule(mb)
+            for slot in range(2):
+                b = s.schedule(slot)
                 log.append([(e.req.rid, e.start, e.num_new, tuple(e.pages)) for e in b.entries])
                 toks = [
                     oracle(e.req.all_ids[: e.start + e.num_new]) for e in b.entries if e.need_logits
