@@ -92,8 +92,8 @@ def test_required_forces_a_call_that_the_parser_reads(served):
 
 
 def test_named_function_streams_tool_call_deltas(served):
-    """The stream sends the call's id, type and name first, then its arguments in fragments; they
-    add up to the same call as the whole answer (greedy: the same text)."""
+    """The stream sends the call's id, type and name first, then its arguments; they add up to the
+    same call as the whole answer (greedy: the same text)."""
     kw = dict(
         model="qwen",
         messages=ASK,
@@ -110,8 +110,11 @@ def test_named_function_streams_tool_call_deltas(served):
     assert calls[0].index == 0 and calls[0].id.startswith("call_")
     assert calls[0].type == "function" and calls[0].function.name == "get_time"
     assert all(tc.index == 0 and tc.id is None for tc in calls[1:])
+    # How many fragments depends on how many tokens the node's front coalesced into one event (on
+    # a loaded machine: all of them, once); that each token's text goes out as it comes is
+    # test_tool_parsers.py test_a_stream_adds_up_to_the_whole_answer[step=1].
     fragments = [tc.function.arguments for tc in calls[1:]]
-    assert len(fragments) > 1, "arguments come in fragments as they are generated"
+    assert fragments
     assert json.loads("".join(fragments)) == want
     assert "".join(fragments) == whole.message.tool_calls[0].function.arguments
     assert not any(d.content for d in deltas)
