@@ -26,6 +26,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 class DecodeFront(NodeFront):
     kv_failure_reasons, kv_drop_reasons = RECEIVER_FAILURES, DROP_REASONS
+    kv_control_sockets = True
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

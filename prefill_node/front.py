@@ -22,6 +22,7 @@ from runtime.prompt import RequestError
 class PrefillFront(NodeFront):
     finish_reasons = ("prefill_done", "abort")
     kv_failure_reasons, kv_drop_reasons = SENDER_FAILURES, DROP_REASONS
+    kv_control_sockets = True
 
     def __init__(self, *a, bootstrap_port: int, **kw):
         super().__init__(*a, **kw)

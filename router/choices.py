@@ -181,7 +181,7 @@ def _failed(attempt: Attempt, message: str, code: str) -> ApiError:
 
 async def stream_choices(
     router: Router, attempts: list[Attempt], shape: Shape, route: str, t0: float
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """The choices' SSE chunks as they come, each with its `index`; then usage and [DONE]. Owns
     the attempts and the admission slot (as router/streams.py's generators do)."""
     shapers = [StreamShaper(shape, i) for i in range(len(attempts))]

@@ -15,14 +15,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from infra.sse import sse
 from router.attempt import Attempt
 from router.errors import ApiError
-from router.responses import StreamShaper, sse
+from router.responses import StreamShaper
 
 if TYPE_CHECKING:
     from router.core import Router
 
-PING = ": ping\n\n"
+PING = b": ping\n\n"
 
 
 async def pinged_stream(
@@ -30,9 +31,9 @@ async def pinged_stream(
     opening: asyncio.Task,
     route: str,
     t0: float,
-    stream: Callable[[Attempt], AsyncIterator[str]],
-    error: Callable[[ApiError], list[str]],
-) -> AsyncIterator[str]:
+    stream: Callable[[Attempt], AsyncIterator[bytes]],
+    error: Callable[[ApiError], list[bytes]],
+) -> AsyncIterator[bytes]:
     """Pings until `opening` (the dispatch) ends, then the attempt's `stream` (which owns the
     admission slot from its first step) or `error`'s events. If the client leaves first, the
     dispatch is cancelled, which aborts whatever it opened."""
@@ -79,7 +80,7 @@ def _abort_opened(opening: asyncio.Task) -> None:
         opening.result().close(None, abort=True)
 
 
-def native_error(exc: ApiError) -> list[str]:
+def native_error(exc: ApiError) -> list[bytes]:
     err = exc.body.get("error") if isinstance(exc.body, dict) else None
     return [
         sse(
@@ -92,7 +93,7 @@ def native_error(exc: ApiError) -> list[str]:
     ]
 
 
-def openai_error(exc: ApiError) -> list[str]:
+def openai_error(exc: ApiError) -> list[bytes]:
     err = exc.body.get("error") if isinstance(exc.body, dict) else None
     err = err if isinstance(err, dict) else {}
     return StreamShaper.error(

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from infra.sse import sse
 from router.tools import ToolPlan
 
 _FINISH = {"stop": "stop", "length": "length"}
@@ -23,11 +24,6 @@ class NodeAborted(Exception):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
-
-
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
-    return f"data: {data}\n\n"
 
 
 def finish_reason(meta: dict) -> str | None:
@@ -201,7 +197,7 @@ class StreamShaper:
             return [{"content": text} if text else {}]
         return self.tools.feed(text, final) or [{}]
 
-    def _frame(self, choice: dict) -> str:
+    def _frame(self, choice: dict) -> bytes:
         s = self.shape
         obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
         out = {
@@ -215,7 +211,7 @@ class StreamShaper:
             out["usage"] = None
         return sse(out)
 
-    def chunks(self, event: dict) -> list[str]:
+    def chunks(self, event: dict) -> list[bytes]:
         check_event(event)
         meta = event.get("meta_info") or {}
         self.meta.update(
@@ -273,7 +269,7 @@ class StreamShaper:
         self.started = True
         return out
 
-    def tail(self, cached: int | None) -> list[str]:
+    def tail(self, cached: int | None) -> list[bytes]:
         out, s = [], self.shape
         if s.include_usage:
             obj = "chat.completion.chunk" if s.kind == "chat" else "text_completion"
@@ -293,7 +289,7 @@ class StreamShaper:
         return out
 
     @staticmethod
-    def error(message: str, code: str = "node_aborted") -> list[str]:
+    def error(message: str, code: str = "node_aborted") -> list[bytes]:
         return [
             sse(
                 {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

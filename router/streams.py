@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from infra.sse import sse
 from router.attempt import Attempt
-from router.responses import NodeAborted, StreamShaper, sse
+from router.responses import NodeAborted, StreamShaper
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -25,7 +26,7 @@ CLIENT_CLOSED = 499
 
 async def openai_stream(
     router: Router, attempt: Attempt, shaper: StreamShaper, route: str, t0: float
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     status = 200
     try:
         first = True
@@ -65,7 +66,7 @@ async def openai_stream(
 
 async def native_stream(
     router: Router, attempt: Attempt, route: str, t0: float
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     status = 200
     try:
         first = True

@@ -72,6 +72,7 @@ class NodeFront:
     finish_reasons: tuple[str, ...] = ("stop", "length", "abort")
     kv_failure_reasons: tuple[str, ...] = ()
     kv_drop_reasons: tuple[str, ...] = ()
+    kv_control_sockets = False  # its ranks bind KV control sockets (the PD fronts), see serve.py
 
     def __init__(
         self,

@@ -20,9 +20,10 @@ from starlette.requests import ClientDisconnect
 
 from infra.internal_auth import bearer_ok
 from infra.logs import bind_request
+from infra.sse import sse
 from runtime import node_tokenize
 from runtime.front import OVERLOADED, NodeFront
-from runtime.prompt import RID_MAX, RequestError, sse
+from runtime.prompt import RID_MAX, RequestError
 
 MAX_BODY = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0  # to receive a whole body once its headers are in

@@ -7,8 +7,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import orjson
-
 from engine.core import ParamError, SamplingParams
 
 RID_MAX = 256  # characters of a request id
@@ -96,9 +94,3 @@ def request_rid(body: dict[str, Any]) -> str:
     if not isinstance(rid, str) or len(rid) > RID_MAX:
         raise RequestError(400, f"'rid' must be a string of at most {RID_MAX} characters", "rid")
     return rid
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    if isinstance(obj, str):
-        return f"data: {obj}\n\n".encode()
-    return b"data: " + orjson.dumps(obj) + b"\n\n"

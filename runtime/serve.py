@@ -102,14 +102,15 @@ def advertise_host(args) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
-def refuse_unprotected(args, role: str) -> str | None:
+def refuse_unprotected(args, role: str, kv_sockets: bool) -> str | None:
     """The cluster secret; stops the process when this host's part of the node would listen beyond
-    loopback without one (and no --insecure): its HTTP front (--host) and, on PD nodes, the KV
-    control sockets of its ranks (the advertised host, PDSERVE_ADVERTISE_HOST)."""
+    loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks have
+    `kv_sockets` (the PD nodes), their KV control sockets (the advertised host,
+    PDSERVE_ADVERTISE_HOST)."""
     from infra.cluster_secret import cluster_secret
 
     secret = cluster_secret()
-    hosts = [args.host] + ([advertise_host(args)] if role in ("prefill", "decode") else [])
+    hosts = [args.host] + ([advertise_host(args)] if kv_sockets else [])
     for host in dict.fromkeys(hosts):
         refuse_unprotected_bind(host, secret, args.insecure, f"pdserve {role}")
     return secret
@@ -256,9 +257,9 @@ def make_front(args, role: str, cls=None, **kw):
     from runtime.metrics import NodeMetrics
 
     setup_logging(f"[{role} front]", args.log_level, args.log_format)
-    secret = refuse_unprotected(
-        args, role
-    )  # the ranks read it too: children inherit the environment
+    cls = cls or NodeFront
+    # the ranks read the secret too: children inherit the environment
+    secret = refuse_unprotected(args, role, cls.kv_control_sockets)
     if not secret:
         log.warning(
             "no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users"
@@ -266,7 +267,7 @@ def make_front(args, role: str, cls=None, **kw):
     path = resolve_model(args.model)
     mcfg = load_model_config(path)
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name  # SmolLM2-135M-Instruct
-    front = (cls or NodeFront)(
+    front = cls(
         TokenizerLoading(path),
         model_name=name,
         role=role,
@@ -292,7 +293,8 @@ def make_front(args, role: str, cls=None, **kw):
 def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
     """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level, args.log_format)
-    refuse_unprotected(args, role)  # these ranks' sockets are as reachable as node-rank 0's
+    # these ranks' sockets are as reachable as node-rank 0's; a PD node's ranks take `transfer`
+    refuse_unprotected(args, role, kv_sockets=transfer is not None)
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
     specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, transfer)

@@ -25,14 +25,14 @@ def test_advertised_host_beyond_loopback_needs_the_secret(monkeypatch):
     monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.1.2.3")  # KV control binds there
     for role in ("prefill", "decode"):
         with pytest.raises(SystemExit, match="without a cluster secret"):
-            refuse_unprotected(args("127.0.0.1"), role)
-        assert refuse_unprotected(args("127.0.0.1", insecure=True), role) is None
-    assert refuse_unprotected(args("127.0.0.1"), "colocated") is None  # no KV sockets there
+            refuse_unprotected(args("127.0.0.1"), role, kv_sockets=True)
+        assert refuse_unprotected(args("127.0.0.1", insecure=True), role, kv_sockets=True) is None
+    assert refuse_unprotected(args("127.0.0.1"), "colocated", kv_sockets=False) is None
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "s")
-    assert refuse_unprotected(args("127.0.0.1"), "decode") == "s"
+    assert refuse_unprotected(args("127.0.0.1"), "decode", kv_sockets=True) == "s"
 
 
 def test_network_host_needs_the_secret():
     with pytest.raises(SystemExit, match="without a cluster secret"):
-        refuse_unprotected(args("0.0.0.0"), "colocated")
-    assert refuse_unprotected(args("127.0.0.1"), "decode") is None
+        refuse_unprotected(args("0.0.0.0"), "colocated", kv_sockets=False)
+    assert refuse_unprotected(args("127.0.0.1"), "decode", kv_sockets=True) is None
