@@ -68,7 +68,7 @@ def test_an_attempt_that_opens_as_the_client_leaves_is_aborted():
         )
         opening = asyncio.get_running_loop().create_future()
         gen = pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error)
-        assert await gen.__anext__() == ": ping\n\n"
+        assert await gen.__anext__() == b": ping\n\n"
         nxt = asyncio.ensure_future(gen.__anext__())  # waiting in the ping loop
         await asyncio.sleep(0.01)
         opening.set_result(FakeAttempt())
