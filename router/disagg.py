@@ -75,11 +75,12 @@ class Disaggregation:
 
     def decide(self, body: dict[str, Any], key: str, prefill: Any, decode: Any) -> Decision:
         """`prefill`, `decode`: the workers the policies chose (each with `url` and
-        `queued_prompt_tokens`)."""
+        `queued_prompt_tokens`; the decode one also with `prefix_cache`)."""
         cfg, n = self.cfg, self.tokens.estimate(body, key)
         if n < cfg.min_prompt_tokens:
             return Decision("decode_only", "short_prompt", n)
-        held = self.held_tokens(key, decode.url, n)
+        # a decode node started with --no-prefix-cache keeps no prompt, whatever it was sent
+        held = self.held_tokens(key, decode.url, n) if decode.prefix_cache else 0
         if cfg.decode_prefix_fraction <= 1 and held >= cfg.decode_prefix_fraction * n:
             return Decision("decode_only", "decode_prefix_hit", n - held)
         if cfg.local_prefill_cost > 0:

@@ -38,6 +38,7 @@ class Worker:
     model: str | None = None  # learnt from /server_info
     max_context: int | None = None  # learnt from /server_info
     tool_format: str | None = None  # learnt from /server_info: its model's tool-call format
+    prefix_cache: bool = True  # learnt from /server_info: it keeps finished prompts' KV
     healthy: bool = False
     ever_healthy: bool = False
     good_probes: int = 0  # consecutive
@@ -67,6 +68,7 @@ class Worker:
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "bootstrap_port": self.bootstrap_port,
             "max_context": self.max_context,
+            "prefix_cache": self.prefix_cache,
         }
 
 
@@ -253,6 +255,8 @@ class WorkerRegistry:
             worker.model = info["model"]
         if isinstance(info.get("max_context"), int):
             worker.max_context = info["max_context"]
+        if isinstance(info.get("prefix_cache"), bool):
+            worker.prefix_cache = info["prefix_cache"]
         fmt = info.get("tool_call_format")
         worker.tool_format = fmt if isinstance(fmt, str) and fmt in FORMATS else None
         port = info.get("bootstrap_port")

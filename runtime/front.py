@@ -126,6 +126,7 @@ class NodeFront:
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None  # why the node is unhealthy, once it is
         self.max_pending = MAX_PENDING
+        self.prefix_cache = True  # its ranks keep finished prompts' KV (not --no-prefix-cache)
         self.sampling_defaults: dict[
             str, Any
         ] = {}  # the model's (engine.loader.load_sampling_defaults)
@@ -378,6 +379,7 @@ class NodeFront:
             "role": self.role,
             "max_context": self.max_context,
             "tool_call_format": self.tool_call_format,
+            "prefix_cache": self.prefix_cache,
             "pid": os.getpid(),
             "sampling_defaults": self.sampling_defaults,
             "pp_size": self.pp_size,

@@ -39,6 +39,7 @@ class Behavior:
     fail: str | None = None  # one of FAIL_MODES, for /generate
     healthy: bool = True
     internal_token: str | None = None
+    prefix_cache: bool = True  # what /server_info says (a node's --no-prefix-cache)
 
 
 @dataclass
@@ -238,6 +239,7 @@ def make_app(behavior: Behavior) -> FastAPI:
             "max_context": behavior.max_context,
             "pp_size": 1,
             "bootstrap_port": behavior.bootstrap_port,
+            "prefix_cache": behavior.prefix_cache,
             "load": {"running": 0, "waiting": 0},
         }
 

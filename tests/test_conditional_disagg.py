@@ -121,3 +121,14 @@ def test_the_decode_only_route_leaves_nothing_held(cluster, prompts):
             break
         time.sleep(0.5)
     assert len(held) == 2 and not any(held), held
+
+
+def test_the_router_learns_from_each_node_whether_it_keeps_prompts(cluster):
+    """The decode_prefix_hit rule uses the decode node's prefix tree only if that node keeps
+    finished prompts' KV: its /server_info says so (`--no-prefix-cache`: false), and the router's
+    worker list shows what it learnt (the rule itself: tests/test_disagg_rules.py)."""
+    url, auth = cluster
+    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+    for w in workers:
+        info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=5).json()
+        assert info["prefix_cache"] is True and w["prefix_cache"] is True, (w, info)

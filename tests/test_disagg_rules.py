@@ -19,6 +19,7 @@ from router.disagg import Disaggregation, TokenEstimator
 class W:
     url: str
     queued_prompt_tokens: int = 0
+    prefix_cache: bool = True
 
 
 P, D = W("http://p"), W("http://d")
@@ -61,6 +62,8 @@ def test_a_decode_node_holding_most_of_the_prompt_prefills_it():
     assert d.decide({}, turn2, P, W("http://d2")).path == "disaggregated"
     # a new conversation shares too little
     assert d.decide({}, "user: something else entirely " * 5, P, D).path == "disaggregated"
+    # a decode node started with --no-prefix-cache keeps nothing, whatever it was sent
+    assert d.decide({}, turn2, P, W(D.url, prefix_cache=False)).path == "disaggregated"
 
 
 def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_node():
@@ -128,6 +131,20 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
         end = decisions(cluster)
         assert end[("decode_only", "short_prompt")] == 1
         assert end[("disaggregated", "default")] == 1
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_decode_node_without_a_prefix_cache_never_counts_as_holding_the_prompt(cache):
+    """The router learns from /server_info whether the decode node keeps finished prompts' KV; a
+    resent prompt is a decode_prefix_hit only when it does."""
+    cfg = DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=0.8, local_prefill_cost=0)
+    with Cluster(prefill=1, decode=1, disagg=cfg, node_kw={"prefix_cache": cache}) as cluster:
+        workers = httpx.get(cluster.url + "/workers", timeout=5).json()["workers"]
+        assert [w["prefix_cache"] for w in workers] == [cache, cache]
+        for _ in range(2):
+            assert generate(cluster, list(range(64))).status_code == 200
+        hits = decisions(cluster)[("decode_only", "decode_prefix_hit")]
+        assert hits == (1 if cache else 0)
 
 
 def test_queued_prompt_tokens_return_to_zero():
