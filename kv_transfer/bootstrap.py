@@ -27,6 +27,13 @@ from starlette.routing import Route
 from infra.internal_auth import bearer_ok
 from kv_transfer.layout import LAYOUT_NAME, intersect
 
+# How long a rank may be silent before its peers hear it is dead. A rank beats every
+# TransferConfig.heartbeat_interval_s (1 s), and one beat may take up to the client's request
+# timeout (2 s), so one beat that timed out leaves a 4 s gap. The ranks give their bootstrap server
+# heartbeat_misses (3) failed beats; the server gives a rank as many intervals plus one request:
+# 3 x 1 s + 2 s. (At 3 s, one slow beat on a loaded host failed the rank's rooms as peer_dead.)
+HEARTBEAT_TIMEOUT_S = 5.0
+
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024  # a registration or a heartbeat is well under 1 KiB (plus the peer list)
@@ -78,7 +85,7 @@ class PrefillRankInfo:
 class BootstrapState:
     """Registrations and liveness of one prefill node (thread-safe, no I/O)."""
 
-    def __init__(self, heartbeat_timeout_s: float = 3.0, clock=time.monotonic):
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, clock=time.monotonic):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -229,7 +236,7 @@ class BootstrapServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
-        heartbeat_timeout_s: float = 3.0,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ):
         import uvicorn
 

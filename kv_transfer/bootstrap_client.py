@@ -10,6 +10,10 @@ import httpx
 
 from kv_transfer.bootstrap import PrefillRankInfo
 
+REQUEST_TIMEOUT_S = (
+    2.0  # one call to a bootstrap server (kv_transfer/bootstrap.py HEARTBEAT_TIMEOUT_S)
+)
+
 logger = logging.getLogger(__name__)
 
 
@@ -20,7 +24,9 @@ class BootstrapTimeout(RuntimeError):
 class BootstrapClient:
     """One bootstrap server address ("host:port"); every call has a per-request timeout."""
 
-    def __init__(self, addr: str, token: str | None = None, request_timeout_s: float = 2.0):
+    def __init__(
+        self, addr: str, token: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ):
         self.addr = addr
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(

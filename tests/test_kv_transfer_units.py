@@ -11,7 +11,8 @@ from starlette.testclient import TestClient
 
 from consensus.kvpoll import KVPoll, update_status
 from engine.model_config import split_layers
-from kv_transfer.bootstrap import BootstrapState, PrefillRankInfo, build_app
+from kv_transfer.bootstrap import HEARTBEAT_TIMEOUT_S, BootstrapState, PrefillRankInfo, build_app
+from kv_transfer.bootstrap_client import REQUEST_TIMEOUT_S
 from kv_transfer.layout import (
     PoolDesc,
     build_descriptors,
@@ -20,6 +21,7 @@ from kv_transfer.layout import (
     overlapping,
     pages_for,
 )
+from kv_transfer.manager import TransferConfig
 from kv_transfer.messages import (
     KVAbort,
     KVRegister,
@@ -323,3 +325,23 @@ def test_decode_ranks_naming_different_prefixes_fail_the_room():
     assert sender.poll() == KVPoll.Failed and sender.reason == "prefix_mismatch"
     assert [e.poll() for e in ends] == [KVPoll.Failed, KVPoll.Failed]
     assert fabric.prefill[0].stats.snapshot()["failures"] == {"prefix_mismatch": 1}
+
+
+def test_one_timed_out_heartbeat_does_not_make_a_rank_dead():
+    """A rank beats every heartbeat_interval_s, and a beat can take up to the client's request
+    timeout: one beat that timed out leaves a gap of interval + timeout + interval (4 s by default).
+    The server must not call the rank dead for that (it did at 3 s, and the decode ranks then failed
+    the rank's rooms as peer_dead). It allows heartbeat_misses beats, as the ranks allow their
+    server: 3 x 1 s + 2 s; two timed-out beats in a row (7 s) are a dead rank."""
+    cfg = TransferConfig()
+    gap = cfg.heartbeat_interval_s + REQUEST_TIMEOUT_S + cfg.heartbeat_interval_s
+    now = [0.0]
+    st = BootstrapState(clock=lambda: now[0])  # the server's default, what prefill nodes run
+    st.heartbeat("rank", [])
+    now[0] = gap
+    assert st.heartbeat("peer", ["rank"]) == []
+    now[0] = 2 * gap - cfg.heartbeat_interval_s
+    assert st.heartbeat("peer", ["rank"]) == ["rank"]
+    assert (
+        cfg.heartbeat_misses * cfg.heartbeat_interval_s + REQUEST_TIMEOUT_S
+    ) == HEARTBEAT_TIMEOUT_S
