@@ -84,7 +84,10 @@ async def openai(router: Router, request: Request, t0: float, kind: str) -> Resp
             )
         return await _one_choice(router, request, t0, kind, req, native, key, plan)
     except ApiError as exc:
-        raise _client_field(exc, "guide", req.guide_field()) from None
+        # a guide the request's own fields did not give came from its tools (a forced call)
+        guided = "guide" in native.get("sampling_params", {})
+        client = req.guide_field() or ("tools" if guided else None)
+        raise _client_field(exc, "guide", client) from None
 
 
 async def _one_choice(

@@ -159,6 +159,15 @@ def test_a_tool_conversation_renders(served):
     check_call(out.choices[0].message.tool_calls[0], "get_weather")
 
 
+BAD_SCHEMA_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+    },
+}
+
+
 def test_tool_errors_name_the_field(served):
     client = served["client"]
     cases = [
@@ -189,6 +198,11 @@ def test_tool_errors_name_the_field(served):
             "",
         ),
         (dict(model="qwen", extra_body={"functions": [WEATHER["function"]]}), "functions", ""),
+        (  # the node cannot compile the forced call's guide from this schema: the client's field
+            dict(model="qwen", tools=[BAD_SCHEMA_TOOL], tool_choice="required"),
+            "tools",
+            "tools",
+        ),
     ]
     for kw, param, words in cases:
         with pytest.raises(openai.BadRequestError) as err:
