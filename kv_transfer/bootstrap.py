@@ -31,7 +31,7 @@ from kv_transfer.layout import LAYOUT_NAME, intersect
 # TransferConfig.heartbeat_interval_s (1 s), and one beat may take up to the client's request
 # timeout (2 s), so one beat that timed out leaves a 4 s gap. The ranks give their bootstrap server
 # heartbeat_misses (3) failed beats; the server gives a rank as many intervals plus one request:
-# 3 x 1 s + 2 s. (At 3 s, one slow beat on a loaded host failed the rank's rooms as peer_dead.)
+# 3 x 1 s + 2 s. (At 3 s, a single timed-out beat was enough to fail the rank's rooms.)
 HEARTBEAT_TIMEOUT_S = 5.0
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,8 @@ import httpx
 
 from kv_transfer.bootstrap import PrefillRankInfo
 
-REQUEST_TIMEOUT_S = (
-    2.0  # one call to a bootstrap server (kv_transfer/bootstrap.py HEARTBEAT_TIMEOUT_S)
-)
+# One call to a bootstrap server; kv_transfer/bootstrap.py HEARTBEAT_TIMEOUT_S allows for it.
+REQUEST_TIMEOUT_S = 2.0
 
 logger = logging.getLogger(__name__)
 

@@ -84,22 +84,22 @@ def tiny6_greedy(tiny6, mixed_prompts):
         torch.set_num_threads(threads)
 
 
-# The slowest files first (serial seconds, measured 2026-12-01): `make test` spreads files over
-# pytest-xdist workers in collection order, so the long ones start together and the short ones fill
-# in at the end, instead of one long file running alone after the rest are done. Order within a
-# file is kept.
+# The slowest files first, slowest at the top (`pytest --durations`, one process): `make test`
+# spreads files over pytest-xdist workers in collection order, so the long ones start together and
+# the short ones fill in at the end, instead of one long file running alone after the rest are
+# done. Order within a file is kept. Only the order matters here; no time is asserted.
 SLOWEST_FILES = (
-    "test_pd_nodes.py",  # 106 s
-    "test_chaos_abort_storm.py",  # 100 s
-    "test_chaos_faults.py",  # 90 s
-    "test_pp_node.py",  # 63 s
-    "test_up.py",  # 50 s
-    "test_bench_tool.py",  # 46 s
-    "test_openai_choices.py",  # 28 s
-    "test_tracing.py",  # 26 s
-    "test_model.py",  # 22 s
-    "test_control_plane_auth.py",  # 21 s
-    "test_router_fuzz.py",  # 20 s
+    "test_pd_nodes.py",
+    "test_chaos_abort_storm.py",
+    "test_chaos_faults.py",
+    "test_pp_node.py",
+    "test_up.py",
+    "test_bench_tool.py",
+    "test_openai_choices.py",
+    "test_tracing.py",
+    "test_model.py",
+    "test_control_plane_auth.py",
+    "test_router_fuzz.py",
 )
 
 
