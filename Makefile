@@ -2,7 +2,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup setup-test serve lint test bench soak clean verify-protocol chaos-campaign
+.PHONY: setup setup-test serve lint test coverage bench soak clean verify-protocol chaos-campaign
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -28,6 +28,15 @@ TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The suite under coverage.py (pyproject.toml [tool.coverage]): the test processes and every node,
+# rank and router process they start; prints the per-file table and the total line coverage.
+coverage: setup-test
+	rm -f .coverage .coverage.*
+	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/coverage run -m pytest -q \
+		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/coverage combine -q
+	$(VENV)/bin/coverage report --sort=cover
 
 # Opt-in, not part of `test`: `pdserve up` under streaming load with cancellations for 10 minutes,
 # RSS and open fds of every process sampled; fails on growth. E.g. SOAK_ARGS="--model DIR --duration 180".
