@@ -7,6 +7,8 @@ compute is compared to HF's full-sequence logits at the same position. Page tabl
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 
 import pytest
@@ -93,10 +95,28 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
     return got
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers' GGUF load parses the file twice (config, then weights) and rebuilds gguf's
+    tensor-name map once per module (about 400 times for SmolLM2). Both are pure functions of
+    their arguments, so while the reference loads, each is computed once per argument; the
+    conversion and dequantisation stay transformers' own."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=4)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=16)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def hf_logits(path, seqs, **kw):
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+    with gguf_parsed_once():
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
     with torch.no_grad():
         return [ref(torch.tensor([s])).logits[0] for s in seqs]
 
