@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 
 from engine.core import SamplingParams
-from kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES
 from pd_common.messages import PDAddRequest, check_room
+from pd_common.metrics import DecodeMetrics
 from runtime.front import NodeFront
 from runtime.http_app import read_json
 from runtime.messages import AddRequest
@@ -25,7 +25,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 
 class DecodeFront(NodeFront):
-    kv_failure_reasons, kv_drop_reasons = RECEIVER_FAILURES, DROP_REASONS
+    metrics_extension = DecodeMetrics
     kv_control_sockets = True
 
     def __init__(self, *a, **kw):
@@ -66,8 +66,7 @@ class DecodeFront(NodeFront):
             # No prefill node named: this node prefills the prompt itself (the same engine and
             # scheduler, chunked and mixed with the running decode batch).
             if self.metrics is not None:
-                m = self.metrics
-                m.local_prompt_tokens.labels(m.node, m.role).inc(len(ids))
+                self.metrics.ext.local_prompt_tokens.inc(len(ids))
             return super().add_request(rid, ids, params, body)
         room = check_room(body)
         host, port = body.get("bootstrap_host"), body.get("bootstrap_port")

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from engine.core import SamplingParams
-from kv_transfer.stats import DROP_REASONS, SENDER_FAILURES
 from pd_common.messages import PDAddRequest, PrefillDoneEvent, check_room
+from pd_common.metrics import PrefillMetrics
 from runtime.answer import Pending
 from runtime.front import NodeFront
 from runtime.messages import ErrorEvent
@@ -21,7 +21,7 @@ from runtime.prompt import RequestError
 
 class PrefillFront(NodeFront):
     finish_reasons = ("prefill_done", "abort")
-    kv_failure_reasons, kv_drop_reasons = SENDER_FAILURES, DROP_REASONS
+    metrics_extension = PrefillMetrics
     kv_control_sockets = True
 
     def __init__(self, *a, bootstrap_port: int, **kw):

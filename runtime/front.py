@@ -47,6 +47,7 @@ from runtime.messages import (
     encode,
     unpack,
 )
+from runtime.metrics import MetricsExtension
 from runtime.node_tracing import NodeTracing
 from runtime.prompt import RequestError, check_context, prompt_ids, request_rid, sampling_params
 from runtime.reasons import AbortReason
@@ -67,11 +68,10 @@ REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
 
 
 class NodeFront:
-    # the label sets this front's metrics show from the first scrape (runtime/metrics.py); a PD
-    # front names its own (prefill_done; the KV transfer's failure and drop reasons)
+    # the finish reasons this front's metrics show from the first scrape (runtime/metrics.py), and
+    # what a kind of node adds to them: a PD front names its own (prefill_done; the KV transfer's)
     finish_reasons: tuple[str, ...] = ("stop", "length", "abort")
-    kv_failure_reasons: tuple[str, ...] = ()
-    kv_drop_reasons: tuple[str, ...] = ()
+    metrics_extension: type[MetricsExtension] = MetricsExtension
     kv_control_sockets = False  # its ranks bind KV control sockets (the PD fronts), see serve.py
 
     def __init__(

@@ -278,7 +278,9 @@ def make_front(args, role: str, cls=None, **kw):
         stats_port=stats_port(args),
         **kw,
     )
-    front.metrics = NodeMetrics(f"{args.host}:{args.port}", role, front.finish_reasons)
+    front.metrics = NodeMetrics(
+        f"{args.host}:{args.port}", role, front.finish_reasons, cls.metrics_extension
+    )
     front.tracing.exporter = make_exporter(args.otlp_traces_endpoint, role)
     front.max_pending = args.max_pending
     front.prefix_cache = not args.no_prefix_cache

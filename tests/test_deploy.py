@@ -505,13 +505,18 @@ def _exported_families(text: str) -> set[str]:
 def test_metrics_exported_today_are_listed():
     """What the code exports now is a subset of metrics.txt
     (the lead's live test checks the rest)."""
+    from pd_common.metrics import DecodeMetrics, PrefillMetrics
     from router.metrics import RouterMetrics
-    from runtime.metrics import NodeMetrics
+    from runtime.metrics import MetricsExtension, NodeMetrics
 
     exported = _exported_families(RouterMetrics().render().decode())
-    exported |= _exported_families(
-        NodeMetrics(node="n", role="decode").render(front=None)[0].decode()
-    )
+    for role, ext in (
+        ("colocated", MetricsExtension),
+        ("prefill", PrefillMetrics),
+        ("decode", DecodeMetrics),
+    ):
+        metrics = NodeMetrics(node="n", role=role, extension=ext)
+        exported |= _exported_families(metrics.render(front=None)[0].decode())
     unlisted = exported - set(metrics_list())
     assert not unlisted, f"exported but not in deploy/metrics.txt: {sorted(unlisted)}"
 

@@ -18,7 +18,7 @@ from router.metrics import CIRCUIT_STATES, GENERATION_ROUTES, RouterMetrics
 from runtime.answer import Pending
 from runtime.front import NodeFront
 from runtime.messages import ErrorEvent, FinishEvent, KVRankStats, RankStats, TokenEvent
-from runtime.metrics import NodeMetrics
+from runtime.metrics import MetricsExtension, NodeMetrics
 from runtime.reasons import ABORT_REASONS, AbortReason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,15 +52,8 @@ def kv_stats(**kw) -> KVRankStats:
 
 
 def test_a_fresh_decode_node_shows_every_known_label_at_zero():
-    m = NodeMetrics("n:1", "decode", DecodeFront.finish_reasons)
-    front = types.SimpleNamespace(
-        pp_size=2,
-        dropped={},
-        model_name="tiny",
-        rank_stats={},
-        kv_failure_reasons=RECEIVER_FAILURES,
-        kv_drop_reasons=DROP_REASONS,
-    )
+    m = NodeMetrics("n:1", "decode", DecodeFront.finish_reasons, DecodeFront.metrics_extension)
+    front = types.SimpleNamespace(pp_size=2, dropped={}, model_name="tiny", rank_stats={})
     names = {"queue:prealloc": [], "kv_alloc_wait": [], "consensus:decode_votes": []}
     for r in (0, 1):
         front.rank_stats[r] = rank_stats(r, names, kv_stats(failures={"peer_dead": 2}))
@@ -111,9 +104,9 @@ def test_a_fresh_decode_node_shows_every_known_label_at_zero():
 def test_pd_fronts_name_their_own_label_sets():
     assert PrefillFront.finish_reasons == ("prefill_done", "abort")
     assert DecodeFront.finish_reasons == NodeFront.finish_reasons == ("stop", "length", "abort")
-    assert PrefillFront.kv_failure_reasons == SENDER_FAILURES
-    assert DecodeFront.kv_failure_reasons == RECEIVER_FAILURES
-    assert NodeFront.kv_failure_reasons == NodeFront.kv_drop_reasons == ()
+    assert PrefillFront.metrics_extension.failure_reasons == SENDER_FAILURES
+    assert DecodeFront.metrics_extension.failure_reasons == RECEIVER_FAILURES
+    assert NodeFront.metrics_extension is MetricsExtension  # a colocated node adds nothing
 
 
 def test_inter_token_latency_is_one_sample_per_token_gap():
