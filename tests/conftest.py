@@ -20,6 +20,29 @@ os.environ.setdefault("PDSERVE_ROUTER_DISAGG_DECODE_PREFIX_FRACTION", "2")
 os.environ.setdefault("PDSERVE_ROUTER_DISAGG_LOCAL_PREFILL_COST", "0")
 
 
+def _one_default_tls_context() -> None:
+    """The tests talk plain HTTP to loopback, yet every `httpx.get` (and every client built without
+    `verify=`) builds a TLS context and loads certifi's CA bundle into it: about 75 ms of CPU each,
+    and the tests poll health, stats and metrics thousands of times. In the test processes only,
+    the default context (verify=True, no client certificate) is built once and shared."""
+    import functools
+
+    from httpx._transports import default
+
+    make = default.create_ssl_context
+    shared = functools.cache(lambda trust_env: make(verify=True, cert=None, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env)
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
     """GGUF metadata and tokenizer caches (engine/gguf_file.py) go to a fresh folder per session:
