@@ -104,6 +104,9 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nodes: list[tuple[str, str]] = []  # (name, url)
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
+        # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
+        # bundle, ~75 ms of CPU) per call, taken from the ranks that are starting
+        self.http = httpx.Client(timeout=2)
         self._secret_dir = tempfile.mkdtemp(prefix="pdserve-")  # 0700
         self.secret_file = os.path.join(self._secret_dir, "internal_token")
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -253,9 +256,7 @@ class Cluster:
             states, ready = [], 0
             for name, url in self.nodes:
                 try:
-                    info = httpx.get(
-                        f"{url}/server_info", headers=bearer(self.secret), timeout=2
-                    ).json()
+                    info = self.http.get(f"{url}/server_info", headers=bearer(self.secret)).json()
                     n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])
                     ok = info["healthy"]
                     states.append(f"{name} " + ("ready" if ok else f"{n}/{total} ranks"))
@@ -276,7 +277,7 @@ class Cluster:
         while time.monotonic() < deadline:
             self._check_alive()
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if self.http.get(f"{url}/health").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -298,6 +299,7 @@ class Cluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        self.http.close()
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)
         stop_processes([p for n, p in self.procs if n != "router"], grace_s=15)
