@@ -221,11 +221,17 @@ def _kill_group(proc):
     proc.wait(timeout=10)
 
 
-def test_decode_node_killed_then_prefill_recovers(tiny6, mixed_prompts, reference, tmp_path):
-    names = ("prefill", "decode-a")
-    with pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, _), (durl, dproc)):
-
-        async def start_then_kill():
+def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
+    tiny6, mixed_prompts, reference, tmp_path
+):
+    """SIGKILL of a whole node, the decode node first, then the prefill node. The prefill node that
+    survived the first kill (with the replacement decode node) is the one killed second, so four
+    nodes start instead of six; the prompts of the second kill are not in the decode node's prefix
+    cache, so its rooms wait for every page from the prefill node as on a fresh node."""
+    names = ("prefill-a", "decode-a")
+    with pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, dproc)):
+        # 1. The decode node dies; the prefill node recovers.
+        async def decode_killed():
             async with httpx.AsyncClient(timeout=60) as c:
                 tasks = [
                     asyncio.create_task(pd_generate(c, purl, durl, bport, mixed_prompts[i], 400))
@@ -242,52 +248,55 @@ def test_decode_node_killed_then_prefill_recovers(tiny6, mixed_prompts, referenc
                 res = await asyncio.gather(*tasks, return_exceptions=True)
                 return res, time.monotonic() - t0
 
-        res, took = asyncio.run(start_then_kill())
+        res, took = asyncio.run(decode_killed())
         assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
         assert any(isinstance(r, Exception) for r in res), "no request was cut by the kill"
         assert group_alive(dproc.pid) == []
         # The replacement starts while the prefill node lets go of the dead node's rooms (the
         # prefill node never hears of it before pd_generate_all below).
-        with decode_node(tiny6, 2, tmp_path, name="decode-b", wait=False) as (durl2, dproc2):
+        with decode_node(tiny6, 2, tmp_path, name="decode-b", wait=False) as (durl, dproc):
             left = wait_pages_free(purl, timeout=40)
             assert not any(left[purl]), (
                 f"prefill still holds pages after the decode node died: {left}"
             )
-            wait_healthy(durl2, dproc2, 240, tmp_path / "decode-b.log")
-            assert pd_generate_all(purl, durl2, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
+            wait_healthy(durl, dproc, 240, tmp_path / "decode-b.log")
+            assert pd_generate_all(purl, durl, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
 
+            # 2. The prefill node dies under rooms the decode node registered with it; the decode
+            # node recovers.
+            allow_bootstrap(durl, bport)
 
-def test_prefill_node_killed_then_decode_recovers(tiny6, mixed_prompts, reference, tmp_path):
-    names = ("prefill-a", "decode")
-    with pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, _)):
-        allow_bootstrap(durl, bport)
+            async def prefill_killed():
+                async with httpx.AsyncClient(timeout=60) as c:
+                    tasks = [
+                        asyncio.create_task(
+                            c.post(
+                                f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
+                            )
+                        )
+                        for i in range(4, 10)
+                    ]
+                    await asyncio.sleep(0.2)
+                    _kill_group(pproc)
+                    t0 = time.monotonic()
+                    res = await asyncio.gather(*tasks)
+                    return res, time.monotonic() - t0
 
-        async def start_then_kill():
-            async with httpx.AsyncClient(timeout=60) as c:
-                tasks = [
-                    asyncio.create_task(
-                        c.post(f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40))
+            res, took = asyncio.run(prefill_killed())
+            assert took < 40
+            for r in res:
+                if r.status_code == 200:
+                    # Never a 200 with wrong text: an unfinished transfer must end in an error.
+                    assert (
+                        "error" in r.json()
+                        or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
                     )
-                    for i in range(6)
-                ]
-                await asyncio.sleep(0.2)
-                _kill_group(pproc)
-                t0 = time.monotonic()
-                res = await asyncio.gather(*tasks)
-                return res, time.monotonic() - t0
-
-        res, took = asyncio.run(start_then_kill())
-        assert took < 40
-        for r in res:
-            if r.status_code == 200:
-                # Never a 200 with wrong text: an unfinished transfer must end in an error.
-                assert (
-                    "error" in r.json() or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+            # The replacement starts while the decode node's quarantine runs out (they do not
+            # interact).
+            with prefill_node(tiny6, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
+                left = wait_pages_free(durl, timeout=40)
+                assert not any(left[durl]), (
+                    f"decode still holds pages after the prefill node died: {left}"
                 )
-        # The replacement starts while the decode node's quarantine runs out (they do not interact).
-        with prefill_node(tiny6, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
-            left = wait_pages_free(durl, timeout=40)
-            assert not any(left[durl]), (
-                f"decode still holds pages after the prefill node died: {left}"
-            )
-            assert pd_generate_all(purl2, durl, bport2, mixed_prompts[:4], MAX_NEW) == reference[:4]
+                got = pd_generate_all(purl2, durl, bport2, mixed_prompts[10:14], MAX_NEW)
+                assert got == reference[10:14]
