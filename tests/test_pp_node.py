@@ -6,6 +6,7 @@ PP 4, is split_layers' unit test in tests/test_kv_transfer_units.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import NODE_ARGS, free_port, group_alive, start
+from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
 from one_thread import hf_greedy_one_thread
 
 MAX_NEW = 12
@@ -202,34 +203,6 @@ def test_abort_storm_pp3(tiny6, mixed_prompts, reference, tmp_path):
         assert time.monotonic() - t0 < 300
 
 
-def test_planted_divergence_is_caught(tiny6, mixed_prompts, tmp_path):
-    port = free_port()
-    cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
-    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
-    with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
-        with pytest.raises(httpx.HTTPError):
-            generate_all(url, mixed_prompts[:2])
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert httpx.get(f"{url}/health").status_code == 503
-    log = (tmp_path / "node.log").read_text()
-    assert "rank consensus check FAILED" in log
-    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
-
-
-def test_planted_divergence_needs_the_checker(tiny6, mixed_prompts, reference, tmp_path):
-    """The test-only hook does nothing unless the consensus checker is on too (which stops the node
-    at once): a node started with the hook's variable alone serves the right tokens."""
-    port = free_port()
-    cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
-    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
-    with start(cmd, port, tmp_path / "node.log", env=env) as (url, _):
-        assert generate_all(url, mixed_prompts[:3]) == reference[:3]
-        assert [r["held_pages"] for r in rank_stats(url)] == [0, 0], "a rank holds a planted page"
-    assert "planting a divergence" not in (tmp_path / "node.log").read_text()
-
-
 def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny6, tmp_path):
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--pp", "3", "--port", str(port), *NODE_ARGS]
@@ -261,8 +234,6 @@ def _alive(pid: int) -> bool:
 
 def test_ranks_on_two_hosts_with_node_rank(tiny6, mixed_prompts, reference, tmp_path):
     """`--nnodes 2`: the same command on two "hosts" (here two process trees on loopback)."""
-    from cluster import wait_healthy
-
     port, dist = free_port(), free_port()
     common = [
         "serve",
@@ -295,3 +266,51 @@ def test_ranks_on_two_hosts_with_node_rank(tiny6, mixed_prompts, reference, tmp_
         ranks = httpx.get(f"{url}/server_info").json()["ranks"]
         assert [r["pp_rank"] for r in ranks] == [0, 1]
     assert "pp_rank 1/2 ready" in (tmp_path / "host1.log").read_text()  # host 1 ran PP1
+
+
+# The test-only hook (PDSERVE_TEST_PLANT_DIVERGENCE: a rank-local allocation on PP1) with the rank
+# consensus checker on, and with it off.
+PLANTED = {
+    "checked": {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"},
+    "unchecked": {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"},
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tiny6, tmp_path_factory):
+    """The PP 2 nodes of the two planted-divergence tests (PLANTED), started at once; yields
+    {name: (url, log path)}. Each test uses its own node only."""
+    tmp = tmp_path_factory.mktemp("planted")
+    with contextlib.ExitStack() as stack:
+        nodes = {}
+        for name, env in PLANTED.items():
+            port = free_port()
+            cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
+            log = tmp / f"{name}.log"
+            url, proc = stack.enter_context(start(cmd, port, log, env=env, wait=False))
+            nodes[name] = (url, proc, log)
+        for url, proc, log in nodes.values():
+            wait_healthy(url, proc, 240, log)
+        yield {name: (url, log) for name, (url, _, log) in nodes.items()}
+
+
+def test_planted_divergence_is_caught(planted, mixed_prompts):
+    url, log_path = planted["checked"]
+    with pytest.raises(httpx.HTTPError):
+        generate_all(url, mixed_prompts[:2])
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert httpx.get(f"{url}/health").status_code == 503
+    log = log_path.read_text()  # the rank logs the failure before it stops
+    assert "rank consensus check FAILED" in log
+    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
+
+
+def test_planted_divergence_needs_the_checker(planted, mixed_prompts, reference):
+    """The test-only hook does nothing unless the consensus checker is on too (which stops the node
+    at once): a node started with the hook's variable alone serves the right tokens."""
+    url, log_path = planted["unchecked"]
+    assert generate_all(url, mixed_prompts[:3]) == reference[:3]
+    assert [r["held_pages"] for r in rank_stats(url)] == [0, 0], "a rank holds a planted page"
+    assert "planting a divergence" not in log_path.read_text()  # logged when a rank is built
