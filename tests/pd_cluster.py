@@ -48,10 +48,8 @@ def pd_and_colocated(tmp: Path, pd_args: list[str], colocated_args: list[str]):
         yield url, urls
 
 
-@contextlib.contextmanager
-def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill"):
-    port, bport = free_port(), free_port()
-    cmd = [
+def _prefill_cmd(model, pp: int, port: int, bport: int, extra=()) -> list[str]:
+    return [
         "prefill",
         "--model",
         str(model),
@@ -64,14 +62,10 @@ def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill"):
         *NODE_ARGS,
         *extra,
     ]
-    with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
-        yield url, bport, proc
 
 
-@contextlib.contextmanager
-def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode"):
-    port = free_port()
-    cmd = [
+def _decode_cmd(model, pp: int, port: int, extra=()) -> list[str]:
+    return [
         "decode",
         "--model",
         str(model),
@@ -82,8 +76,41 @@ def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode"):
         *NODE_ARGS,
         *extra,
     ]
-    with start(cmd, port, tmp / f"{name}.log", env={**FAST_TIMEOUTS, **(env or {})}) as (url, proc):
+
+
+@contextlib.contextmanager
+def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill", wait=True):
+    """A prefill node; yields (url, bootstrap port, Popen). `wait=False`: yields as soon as the
+    process is started (then `wait_healthy(url, proc, ...)` before using it)."""
+    port, bport = free_port(), free_port()
+    cmd = _prefill_cmd(model, pp, port, bport, extra)
+    env = {**FAST_TIMEOUTS, **(env or {})}
+    with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
+        yield url, bport, proc
+
+
+@contextlib.contextmanager
+def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode", wait=True):
+    """A decode node; yields (url, Popen). `wait`: as in `prefill_node`."""
+    port = free_port()
+    cmd = _decode_cmd(model, pp, port, extra)
+    env = {**FAST_TIMEOUTS, **(env or {})}
+    with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
         yield url, proc
+
+
+@contextlib.contextmanager
+def pd_pair(model, ppp: int, dpp: int, tmp: Path, extra=(), env=None, names=("prefill", "decode")):
+    """A prefill node (PP `ppp`) and a decode node (PP `dpp`) started at once rather than one after
+    the other (what `prefill_node` and `decode_node` nested would do), both with `extra` flags and
+    `env`; yields ((url, bootstrap port, Popen) of the prefill node, (url, Popen) of the decode
+    node). Logs: tmp/<name>.log."""
+    with contextlib.ExitStack() as stack:
+        p = stack.enter_context(prefill_node(model, ppp, tmp, extra, env, names[0], wait=False))
+        d = stack.enter_context(decode_node(model, dpp, tmp, extra, env, names[1], wait=False))
+        wait_healthy(p[0], p[2], 240, tmp / f"{names[0]}.log")
+        wait_healthy(d[0], d[1], 240, tmp / f"{names[1]}.log")
+        yield p, d
 
 
 def body(ids, room, bport, max_new, stream=False):

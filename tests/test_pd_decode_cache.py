@@ -1,7 +1,8 @@
-"""The decode prefix cache with real processes: a prefill node (PP 2) and a decode node (PP 3), real
-Mooncake writes over TCP on loopback, the rank consensus checker on. A conversation's later turns
-move only the pages after what the decode ranks cached, as the nodes' /metrics count it.
-(Every layout, aborts and the bytes of each rank: tests/test_inproc_decode_cache.py.)"""
+"""The decode prefix cache with real processes: a prefill node (PP 2) and a decode node (PP 3) of
+tiny6 (layers 3/3 against 2/2/2), real Mooncake writes over TCP on loopback, the rank consensus
+checker on. A conversation's later turns move only the pages after what the decode ranks cached, as
+the nodes' /metrics count it. (Every layout, aborts and the bytes of each rank:
+tests/test_inproc_decode_cache.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import random
 import time
 
 from metrics_scrape import scrape, total
-from pd_cluster import decode_node, pd_generate_all, prefill_node, wait_pages_free
+from one_thread import one_torch_thread
+from pd_cluster import pd_generate_all, pd_pair, wait_pages_free
 from reference import hf_greedy, load_hf
 
 MAX_NEW = 8
@@ -39,20 +41,18 @@ def _counters(url: str, ranks: int, tokens: int, timeout: float = 30.0) -> list[
         time.sleep(0.2)
 
 
-def test_conversation_moves_only_new_pages(tiny30, tmp_path):
+def test_conversation_moves_only_new_pages(tiny6, tmp_path):
     """Three turns over PP 2 -> PP 3: the answers are transformers', turn 1 moves the whole prompt,
     turns 2 and 3 skip what the decode ranks cached from the turn before (tokens and bytes, on both
     nodes' /metrics), and no page is held afterwards."""
-    hf = load_hf(tiny30)
+    hf = load_hf(tiny6)
     rng = random.Random(23)
     prompt = [rng.randrange(3, 380) for _ in range(37)]
-    with (
-        prefill_node(tiny30, 2, tmp_path) as (purl, bport, _),
-        decode_node(tiny30, 3, tmp_path) as (durl, _),
-    ):
+    with pd_pair(tiny6, 2, 3, tmp_path) as ((purl, bport, _), (durl, _)):
         seen, kept, before = 0, 0, [dict.fromkeys(COUNTERS, 0.0)] * 3
         for turn in range(3):
-            want = hf_greedy(hf, [prompt], MAX_NEW)[0]
+            with one_torch_thread():
+                want = hf_greedy(hf, [prompt], MAX_NEW)[0]
             assert pd_generate_all(purl, durl, bport, [prompt], MAX_NEW) == [want], turn
             held = (kept // PS) * PS
             seen += len(prompt)

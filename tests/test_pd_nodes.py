@@ -1,4 +1,8 @@
-"""Prefill and decode nodes as real processes with real Mooncake transfers over TCP on loopback."""
+"""Prefill and decode nodes as real processes with real Mooncake transfers over TCP on loopback.
+
+The model is tiny6 (6 layers): the PP splits cut across each other as the real ones do (prefill
+PP 2: 3/3 layers, decode PP 3: 2/2/2), and a forward pass costs a fifth of tiny30's. The two nodes
+of a test start at once (pd_cluster.pd_pair)."""
 
 from __future__ import annotations
 
@@ -10,18 +14,19 @@ import time
 
 import httpx
 import pytest
-from cluster import group_alive
+from cluster import group_alive, wait_healthy
+from one_thread import hf_greedy_one_thread
 from pd_cluster import (
     allow_bootstrap,
     body,
     decode_node,
     pd_generate,
     pd_generate_all,
+    pd_pair,
     prefill_node,
     sse_tokens,
     wait_pages_free,
 )
-from reference import hf_greedy, load_hf
 
 MAX_NEW = 10
 
@@ -49,8 +54,8 @@ def decode_local_all(durl: str, prompts: list[list[int]], max_new: int) -> list[
 
 
 @pytest.fixture(scope="module")
-def reference(tiny30, mixed_prompts):
-    return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
+def reference(tiny6, mixed_prompts):
+    return hf_greedy_one_thread(tiny6, mixed_prompts, MAX_NEW)
 
 
 # All prompts are sent at once and queue behind each other on a loaded machine: the fast 8 s KV
@@ -60,13 +65,11 @@ QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TI
 
 # Every layout from (1,1) to (3,3) runs in seconds in-process (tests/test_inproc_pd.py, ranks as
 # threads, the in-memory transfer); here, one layout with real processes, gloo and Mooncake: the
-# decode ranks' layers cut across the prefill ranks' (2 against 3).
+# decode ranks' layers cut across the prefill ranks' (2 against 3: decode PP1's layers [2, 4) come
+# from both prefill ranks).
 @pytest.mark.parametrize("ppp,dpp", [(2, 3)])
-def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, reference, tmp_path):
-    with (
-        prefill_node(tiny30, ppp, tmp_path, env=QUEUE_TIMEOUTS) as (purl, bport, _),
-        decode_node(tiny30, dpp, tmp_path, env=QUEUE_TIMEOUTS) as (durl, _),
-    ):
+def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, reference, tmp_path):
+    with pd_pair(tiny6, ppp, dpp, tmp_path, env=QUEUE_TIMEOUTS) as ((purl, bport, _), (durl, _)):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
@@ -83,13 +86,10 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny30, mixed_prompts, referen
         assert "diverged" not in (tmp_path / f"{name}.log").read_text()
 
 
-def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
+def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches,
     then random aborts on both sides."""
-    with (
-        prefill_node(tiny30, 2, tmp_path) as (purl, bport, _),
-        decode_node(tiny30, 2, tmp_path) as (durl, _),
-    ):
+    with pd_pair(tiny6, 2, 2, tmp_path) as ((purl, bport, _), (durl, _)):
         allow_bootstrap(durl, bport)
 
         async def run():
@@ -189,22 +189,27 @@ def test_aborts_at_every_stage(tiny30, mixed_prompts, reference, tmp_path):
         assert pd_generate_all(purl, durl, bport, mixed_prompts[:3], MAX_NEW) == reference[:3]
 
 
-def test_waiting_timeout_covers_the_pd_queues(tiny30, mixed_prompts, reference, tmp_path):
+def test_waiting_timeout_covers_the_pd_queues(tiny6, mixed_prompts, reference, tmp_path):
     """`--waiting-timeout` also ends requests stuck in the PD queues (prefill bootstrap, decode
     prealloc/transfer) with a clear error, before the 8 s KV bootstrap/waiting timeouts would."""
     extra = ["--waiting-timeout", "3"]
-    with (
-        prefill_node(tiny30, 2, tmp_path, extra=extra) as (purl, bport, _),
-        decode_node(tiny30, 2, tmp_path, extra=extra) as (durl, _),
-    ):
+    with pd_pair(tiny6, 2, 2, tmp_path, extra=extra) as ((purl, bport, _), (durl, _)):
         allow_bootstrap(durl, bport)
-        with httpx.Client(timeout=30) as c:
-            for url, room in ((durl, 22), (purl, 21)):  # the other side never comes
-                # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
-                # message names that failure, not the waiting timeout.
-                r = c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
-                assert r.status_code >= 400, r.text
-                assert "waiting timeout" in r.json()["error"]["message"], (url, r.text)
+
+        async def stuck():  # one request on each node at once, each alone in its room
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(
+                    *(
+                        c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
+                        for url, room in ((durl, 22), (purl, 21))  # the other side never comes
+                    )
+                )
+
+        for url, r in zip((durl, purl), asyncio.run(stuck()), strict=True):
+            # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
+            # message names that failure, not the waiting timeout.
+            assert r.status_code >= 400, r.text
+            assert "waiting timeout" in r.json()["error"]["message"], (url, r.text)
         # A request that is not stuck is not touched.
         assert pd_generate_all(purl, durl, bport, mixed_prompts[:2], MAX_NEW) == reference[:2]
         left = wait_pages_free(purl, durl, timeout=40)
@@ -216,39 +221,52 @@ def _kill_group(proc):
     proc.wait(timeout=10)
 
 
-def test_decode_node_killed_then_prefill_recovers(tiny30, mixed_prompts, reference, tmp_path):
-    with prefill_node(tiny30, 2, tmp_path) as (purl, bport, _):
-        with decode_node(tiny30, 2, tmp_path, name="decode-a") as (durl, dproc):
+def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
+    tiny6, mixed_prompts, reference, tmp_path
+):
+    """SIGKILL of a whole node, the decode node first, then the prefill node. The prefill node that
+    survived the first kill (with the replacement decode node) is the one killed second, so four
+    nodes start instead of six; the prompts of the second kill are not in the decode node's prefix
+    cache, so its rooms wait for every page from the prefill node as on a fresh node."""
+    names = ("prefill-a", "decode-a")
+    with pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, dproc)):
+        # 1. The decode node dies; the prefill node recovers.
+        async def decode_killed():
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [
+                    asyncio.create_task(pd_generate(c, purl, durl, bport, mixed_prompts[i], 400))
+                    for i in range(8)
+                ]
+                # Killed while it decodes (its ranks report their queues twice a second; 400
+                # tokens take longer than that even on tiny6).
+                deadline = time.monotonic() + 60
+                while (await c.get(f"{durl}/server_info")).json()["load"]["running"] == 0:
+                    assert time.monotonic() < deadline, "the decode node never started decoding"
+                    await asyncio.sleep(0.1)
+                _kill_group(dproc)
+                t0 = time.monotonic()
+                res = await asyncio.gather(*tasks, return_exceptions=True)
+                return res, time.monotonic() - t0
 
-            async def start_then_kill():
-                async with httpx.AsyncClient(timeout=60) as c:
-                    tasks = [
-                        asyncio.create_task(
-                            pd_generate(c, purl, durl, bport, mixed_prompts[i], 200)
-                        )
-                        for i in range(8)
-                    ]
-                    await asyncio.sleep(1.5)
-                    _kill_group(dproc)
-                    t0 = time.monotonic()
-                    res = await asyncio.gather(*tasks, return_exceptions=True)
-                    return res, time.monotonic() - t0
-
-            res, took = asyncio.run(start_then_kill())
-            assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
+        res, took = asyncio.run(decode_killed())
+        assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
+        assert any(isinstance(r, Exception) for r in res), "no request was cut by the kill"
         assert group_alive(dproc.pid) == []
-        left = wait_pages_free(purl, timeout=40)
-        assert not any(left[purl]), f"prefill still holds pages after the decode node died: {left}"
-        with decode_node(tiny30, 2, tmp_path, name="decode-b") as (durl2, _):
-            assert pd_generate_all(purl, durl2, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
+        # The replacement starts while the prefill node lets go of the dead node's rooms (the
+        # prefill node never hears of it before pd_generate_all below).
+        with decode_node(tiny6, 2, tmp_path, name="decode-b", wait=False) as (durl, dproc):
+            left = wait_pages_free(purl, timeout=40)
+            assert not any(left[purl]), (
+                f"prefill still holds pages after the decode node died: {left}"
+            )
+            wait_healthy(durl, dproc, 240, tmp_path / "decode-b.log")
+            assert pd_generate_all(purl, durl, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
 
-
-def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, reference, tmp_path):
-    with decode_node(tiny30, 2, tmp_path) as (durl, _):
-        with prefill_node(tiny30, 2, tmp_path, name="prefill-a") as (purl, bport, pproc):
+            # 2. The prefill node dies under rooms the decode node registered with it; the decode
+            # node recovers.
             allow_bootstrap(durl, bport)
 
-            async def start_then_kill():
+            async def prefill_killed():
                 async with httpx.AsyncClient(timeout=60) as c:
                     tasks = [
                         asyncio.create_task(
@@ -256,7 +274,7 @@ def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, referen
                                 f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
                             )
                         )
-                        for i in range(6)
+                        for i in range(4, 10)
                     ]
                     await asyncio.sleep(0.2)
                     _kill_group(pproc)
@@ -264,7 +282,7 @@ def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, referen
                     res = await asyncio.gather(*tasks)
                     return res, time.monotonic() - t0
 
-            res, took = asyncio.run(start_then_kill())
+            res, took = asyncio.run(prefill_killed())
             assert took < 40
             for r in res:
                 if r.status_code == 200:
@@ -273,10 +291,12 @@ def test_prefill_node_killed_then_decode_recovers(tiny30, mixed_prompts, referen
                         "error" in r.json()
                         or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
                     )
-        # The replacement starts while the decode node's quarantine runs out (they do not interact).
-        with prefill_node(tiny30, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
-            left = wait_pages_free(durl, timeout=40)
-            assert not any(left[durl]), (
-                f"decode still holds pages after the prefill node died: {left}"
-            )
-            assert pd_generate_all(purl2, durl, bport2, mixed_prompts[:4], MAX_NEW) == reference[:4]
+            # The replacement starts while the decode node's quarantine runs out (they do not
+            # interact).
+            with prefill_node(tiny6, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
+                left = wait_pages_free(durl, timeout=40)
+                assert not any(left[durl]), (
+                    f"decode still holds pages after the prefill node died: {left}"
+                )
+                got = pd_generate_all(purl2, durl, bport2, mixed_prompts[10:14], MAX_NEW)
+                assert got == reference[10:14]

@@ -1,9 +1,12 @@
 """A colocated PP node made of real processes: correctness per layout, aborts, divergence,
-rank death."""
+rank death. The model is tiny6 (6 layers): it splits unevenly over PP 4 (2/2/1/1) and evenly over
+PP 2 and 3, and a forward pass costs a fifth of tiny30's (SmolLM2's 30-layer split, 8/8/7/7 over
+PP 4, is split_layers' unit test in tests/test_kv_transfer_units.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -13,15 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import NODE_ARGS, free_port, group_alive, start
-from reference import hf_greedy, load_hf
+from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
+from one_thread import hf_greedy_one_thread
 
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def reference(tiny30, mixed_prompts):
-    return hf_greedy(load_hf(tiny30), mixed_prompts, MAX_NEW)
+def reference(tiny6, mixed_prompts):
+    return hf_greedy_one_thread(tiny6, mixed_prompts, MAX_NEW)
 
 
 def generate_all(url: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
@@ -47,13 +50,13 @@ def rank_stats(url: str, settle_s: float = 3.0) -> list[dict]:
 # PP 1, 2, 3 and async depth 1 run in seconds in-process (tests/test_inproc_loop.py, ranks as
 # threads over the in-memory PP group); here, real processes over gloo: an uneven split over 4
 # ranks, and async depth 1, whose sends complete turns later.
-@pytest.mark.parametrize("pp,depth", [(4, 0), (2, 1)], ids=["pp4-uneven-8/8/7/7", "pp2-async1"])
-def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference, tmp_path):
+@pytest.mark.parametrize("pp,depth", [(4, 0), (2, 1)], ids=["pp4-uneven-2/2/1/1", "pp2-async1"])
+def test_greedy_matches_transformers(pp, depth, tiny6, mixed_prompts, reference, tmp_path):
     port = free_port()
     cmd = [
         "serve",
         "--model",
-        str(tiny30),
+        str(tiny6),
         "--pp",
         str(pp),
         "--port",
@@ -69,8 +72,8 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
         got = generate_all(url, mixed_prompts)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
-        if (pp, depth) == (2, 0):
-            _check_stop_string(url, tiny30, mixed_prompts, reference)
+        if pp == 2:  # a stop string through the PP 2 node (its async depth 1 included)
+            _check_stop_string(url, tiny6, mixed_prompts, reference)
         stats = rank_stats(url)
         if depth == 0:
             _check_rank_cores(stats, pp)
@@ -81,7 +84,8 @@ def test_greedy_matches_transformers(pp, depth, tiny30, mixed_prompts, reference
     log = (tmp_path / "node.log").read_text()
     assert "diverged" not in log
     if pp == 4:
-        assert "layers [0, 8)" in log and "layers [23, 30)" in log
+        for layers in ("[0, 2)", "[2, 4)", "[4, 5)", "[5, 6)"):
+            assert f"layers {layers} of 6" in log, layers
 
 
 def _check_rank_cores(stats, pp):
@@ -178,9 +182,9 @@ async def _storm(url: str, prompts, n: int, seed: int) -> tuple[list, int]:
     return done, cancelled
 
 
-def test_abort_storm_pp3(tiny30, mixed_prompts, reference, tmp_path):
+def test_abort_storm_pp3(tiny6, mixed_prompts, reference, tmp_path):
     port = free_port()
-    cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]
+    cmd = ["serve", "--model", str(tiny6), "--pp", "3", "--port", str(port), *NODE_ARGS]
     with start(cmd, port, tmp_path / "node.log") as (url, _):
         t0 = time.monotonic()
         done, cancelled = asyncio.run(
@@ -199,37 +203,9 @@ def test_abort_storm_pp3(tiny30, mixed_prompts, reference, tmp_path):
         assert time.monotonic() - t0 < 300
 
 
-def test_planted_divergence_is_caught(tiny30, mixed_prompts, tmp_path):
+def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny6, tmp_path):
     port = free_port()
-    cmd = ["serve", "--model", str(tiny30), "--pp", "2", "--port", str(port), *NODE_ARGS]
-    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
-    with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
-        with pytest.raises(httpx.HTTPError):
-            generate_all(url, mixed_prompts[:2])
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert httpx.get(f"{url}/health").status_code == 503
-    log = (tmp_path / "node.log").read_text()
-    assert "rank consensus check FAILED" in log
-    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
-
-
-def test_planted_divergence_needs_the_checker(tiny30, mixed_prompts, reference, tmp_path):
-    """The test-only hook does nothing unless the consensus checker is on too (which stops the node
-    at once): a node started with the hook's variable alone serves the right tokens."""
-    port = free_port()
-    cmd = ["serve", "--model", str(tiny30), "--pp", "2", "--port", str(port), *NODE_ARGS]
-    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"}
-    with start(cmd, port, tmp_path / "node.log", env=env) as (url, _):
-        assert generate_all(url, mixed_prompts[:3]) == reference[:3]
-        assert [r["held_pages"] for r in rank_stats(url)] == [0, 0], "a rank holds a planted page"
-    assert "planting a divergence" not in (tmp_path / "node.log").read_text()
-
-
-def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny30, tmp_path):
-    port = free_port()
-    cmd = ["serve", "--model", str(tiny30), "--pp", "3", "--port", str(port), *NODE_ARGS]
+    cmd = ["serve", "--model", str(tiny6), "--pp", "3", "--port", str(port), *NODE_ARGS]
     with start(cmd, port, tmp_path / "node.log") as (url, proc):
         pids = [s["pid"] for s in httpx.get(f"{url}/server_info").json()["ranks"]]
         os.kill(pids[1], signal.SIGKILL)
@@ -256,15 +232,13 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp_path):
+def test_ranks_on_two_hosts_with_node_rank(tiny6, mixed_prompts, reference, tmp_path):
     """`--nnodes 2`: the same command on two "hosts" (here two process trees on loopback)."""
-    from cluster import wait_healthy
-
     port, dist = free_port(), free_port()
     common = [
         "serve",
         "--model",
-        str(tiny30),
+        str(tiny6),
         "--pp",
         "2",
         "--nnodes",
@@ -292,3 +266,51 @@ def test_ranks_on_two_hosts_with_node_rank(tiny30, mixed_prompts, reference, tmp
         ranks = httpx.get(f"{url}/server_info").json()["ranks"]
         assert [r["pp_rank"] for r in ranks] == [0, 1]
     assert "pp_rank 1/2 ready" in (tmp_path / "host1.log").read_text()  # host 1 ran PP1
+
+
+# The test-only hook (PDSERVE_TEST_PLANT_DIVERGENCE: a rank-local allocation on PP1) with the rank
+# consensus checker on, and with it off.
+PLANTED = {
+    "checked": {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"},
+    "unchecked": {"PDSERVE_RANK_CONSENSUS_CHECK": "0", "PDSERVE_TEST_PLANT_DIVERGENCE": "1"},
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tiny6, tmp_path_factory):
+    """The PP 2 nodes of the two planted-divergence tests (PLANTED), started at once; yields
+    {name: (url, log path)}. Each test uses its own node only."""
+    tmp = tmp_path_factory.mktemp("planted")
+    with contextlib.ExitStack() as stack:
+        nodes = {}
+        for name, env in PLANTED.items():
+            port = free_port()
+            cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
+            log = tmp / f"{name}.log"
+            url, proc = stack.enter_context(start(cmd, port, log, env=env, wait=False))
+            nodes[name] = (url, proc, log)
+        for url, proc, log in nodes.values():
+            wait_healthy(url, proc, 240, log)
+        yield {name: (url, log) for name, (url, _, log) in nodes.items()}
+
+
+def test_planted_divergence_is_caught(planted, mixed_prompts):
+    url, log_path = planted["checked"]
+    with pytest.raises(httpx.HTTPError):
+        generate_all(url, mixed_prompts[:2])
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert httpx.get(f"{url}/health").status_code == 503
+    log = log_path.read_text()  # the rank logs the failure before it stops
+    assert "rank consensus check FAILED" in log
+    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
+
+
+def test_planted_divergence_needs_the_checker(planted, mixed_prompts, reference):
+    """The test-only hook does nothing unless the consensus checker is on too (which stops the node
+    at once): a node started with the hook's variable alone serves the right tokens."""
+    url, log_path = planted["unchecked"]
+    assert generate_all(url, mixed_prompts[:3]) == reference[:3]
+    assert [r["held_pages"] for r in rank_stats(url)] == [0, 0], "a rank holds a planted page"
+    assert "planting a divergence" not in log_path.read_text()  # logged when a rank is built
