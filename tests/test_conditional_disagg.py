@@ -17,10 +17,11 @@ import time
 
 import httpx
 import pytest
-from cluster import node_args, up
+from cluster import free_port, node_args, secret_headers
 from metrics_scrape import scrape, total
 from reference import hf_greedy, load_hf
 from tracing_checks import CLIENT_SPAN, PROMPT, TRACE, cluster_procs, outside_connections
+from up_launch import launched
 
 MIN_PROMPT = 40
 MAX_NEW = 10
@@ -31,12 +32,14 @@ ROUTER_ARGS = (
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny30, tmp_path_factory):
-    log = tmp_path_factory.mktemp("cond") / "up.log"
-    args = ["--prefill-pp", "1", "--decode-pp", "2"]
+def cluster(tiny30, tmp_path_factory, request):
+    log, port = tmp_path_factory.mktemp("cond") / "up.log", free_port()
+    args = ["--model", str(tiny30), "--port", str(port), "--prefill-pp", "1", "--decode-pp", "2"]
     args += ["--node-args", " ".join(node_args(max_running=None)), "--router-args", ROUTER_ARGS]
-    with up(tiny30, log, args) as (url, proc, auth):
-        yield url, auth, proc
+    with launched(args, log) as up:
+        request.getfixturevalue("prompts")  # transformers' answers, computed while it loads
+        proc = up.ready(timeout=240)
+        yield f"http://127.0.0.1:{port}", secret_headers(log), proc
 
 
 @pytest.fixture(scope="module")
