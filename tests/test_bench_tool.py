@@ -1,7 +1,8 @@
 """`pdserve bench` against a real `pdserve up` cluster on the tiny model, cross-checked with aiperf.
 
 The cluster is started once (1 prefill + 1 decode node, PP 1 each, an API key so every run also
-checks the Bearer token). Each test runs the real command as a subprocess and reads its JSON.
+checks the Bearer token); the two tests that need none run first, while it loads. Each test runs
+the real command as a subprocess and reads its JSON.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, kill_group, node_args, pdserve_up
+from cluster import ROOT, free_port, kill_group, node_args
+from up_launch import launched
 
 KEY = "bench-test-key"
 NODE_ARGS = " ".join(node_args(chunk_size=32, max_batch_tokens=128, max_running=None))
 AIPERF_VERSION = "0.13.0"
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny30, tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def launch(tiny6, tmp_path_factory):
+    """The cluster, started with the module's first test: the tests that need none run first,
+    while it loads."""
     port = free_port()
     log = tmp_path_factory.mktemp("bench_up") / "up.log"
     args = [
         "--model",
-        str(tiny30),
+        str(tiny6),
         "--port",
         str(port),
         "--prefill-pp",
@@ -46,9 +50,15 @@ def cluster(tiny30, tmp_path_factory):
         "--node-args",
         NODE_ARGS,
     ]
-    # 420 s: a bound, not a speed check (shared cores can be busy)
-    with pdserve_up(args, log, timeout=420, poll_s=0.3):
-        yield f"http://127.0.0.1:{port}"
+    with launched(args, log) as up:
+        yield f"http://127.0.0.1:{port}", up
+
+
+@pytest.fixture(scope="module")
+def cluster(launch):
+    url, up = launch
+    up.ready(timeout=420)  # a bound, not a speed check (shared cores can be busy)
+    return url
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -75,13 +85,51 @@ def ordered(d: dict) -> bool:
     )
 
 
-def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny30, tmp_path):
+def test_bad_url_fails_fast_with_a_clear_error():
+    port = free_port()  # nothing listens there; the run must end by itself within the timeout
+    r = bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "2", timeout=180)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (
+        f"cannot reach the server at http://127.0.0.1:{port}" in r.stderr
+        and "Traceback" not in r.stderr
+    )
+
+
+def test_workload_is_seeded_and_lengths_are_exact(tiny6):
+    from pdserve.bench.workload import LengthDist, TokenCounter, Workload
+
+    tok = TokenCounter(str(tiny6))
+    isl, osl = LengthDist.parse("--isl", "normal:30,10"), LengthDist.parse("--osl", "uniform:2,9")
+
+    def prompts(seed: int, key: str = "load0", tokenizer=tok) -> list:
+        return Workload(isl=isl, osl=osl, seed=seed, tokenizer=tokenizer).requests(12, key)
+
+    a = prompts(0)
+    assert a == prompts(0)
+    assert [r.prompt for r in a] != [r.prompt for r in prompts(1)]
+    assert [r.prompt for r in a] != [r.prompt for r in prompts(0, "load1")]
+    assert [r.prompt for r in prompts(5, tokenizer=None)] == [
+        r.prompt for r in prompts(5, tokenizer=None)
+    ]
+    for r in a:
+        assert tok.count(r.prompt) == r.prompt_tokens and isl.lo <= r.prompt_tokens <= isl.hi
+        assert 2 <= r.max_tokens <= 9
+    assert len({r.prompt_tokens for r in a}) > 3 and len({r.max_tokens for r in a}) > 2
+    words = prompts(0, tokenizer=None)
+    assert all(len(r.prompt.split()) == r.prompt_words and r.prompt_tokens is None for r in words)
+    rng = random.Random(0)
+    assert {LengthDist.parse("x", "uniform:3,5").sample(rng) for _ in range(200)} == {3, 4, 5}
+    clipped = LengthDist.parse("x", "normal:10,50,4,12")
+    assert {clipped.sample(rng) for _ in range(300)} <= set(range(4, 13))
+
+
+def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny6, tmp_path):
     png = tmp_path / "sweep.png"
     res = run_json(
         cluster,
         tmp_path / "sweep.json",
         "--tokenizer",
-        str(tiny30),
+        str(tiny6),
         "--isl",
         "24",
         "--osl",
@@ -141,14 +189,14 @@ def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny30, tm
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny30, tmp_path):
+def test_poisson_rate_on_completions_with_an_impossible_slo(cluster, tiny6, tmp_path):
     res = run_json(
         cluster,
         tmp_path / "rate.json",
         "--endpoint",
         "completions",
         "--tokenizer",
-        str(tiny30),
+        str(tiny6),
         "--isl",
         "uniform:8,40",
         "--osl",
@@ -230,16 +278,6 @@ def test_jsonl_workload_and_chat_messages(cluster, tmp_path):
     assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in recs)
 
 
-def test_bad_url_fails_fast_with_a_clear_error():
-    port = free_port()  # nothing listens there; the run must end by itself within the timeout
-    r = bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "2", timeout=180)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert (
-        f"cannot reach the server at http://127.0.0.1:{port}" in r.stderr
-        and "Traceback" not in r.stderr
-    )
-
-
 def test_user_errors_name_the_flag(cluster, tmp_path, capsys, monkeypatch):
     from pdserve.cli import main
 
@@ -265,34 +303,6 @@ def test_user_errors_name_the_flag(cluster, tmp_path, capsys, monkeypatch):
     assert "pip install 'pdserve[bench]'" in error_of("--plot", str(tmp_path / "x.png"))
 
 
-def test_workload_is_seeded_and_lengths_are_exact(tiny30):
-    from pdserve.bench.workload import LengthDist, TokenCounter, Workload
-
-    tok = TokenCounter(str(tiny30))
-    isl, osl = LengthDist.parse("--isl", "normal:30,10"), LengthDist.parse("--osl", "uniform:2,9")
-
-    def prompts(seed: int, key: str = "load0", tokenizer=tok) -> list:
-        return Workload(isl=isl, osl=osl, seed=seed, tokenizer=tokenizer).requests(12, key)
-
-    a = prompts(0)
-    assert a == prompts(0)
-    assert [r.prompt for r in a] != [r.prompt for r in prompts(1)]
-    assert [r.prompt for r in a] != [r.prompt for r in prompts(0, "load1")]
-    assert [r.prompt for r in prompts(5, tokenizer=None)] == [
-        r.prompt for r in prompts(5, tokenizer=None)
-    ]
-    for r in a:
-        assert tok.count(r.prompt) == r.prompt_tokens and isl.lo <= r.prompt_tokens <= isl.hi
-        assert 2 <= r.max_tokens <= 9
-    assert len({r.prompt_tokens for r in a}) > 3 and len({r.max_tokens for r in a}) > 2
-    words = prompts(0, tokenizer=None)
-    assert all(len(r.prompt.split()) == r.prompt_words and r.prompt_tokens is None for r in words)
-    rng = random.Random(0)
-    assert {LengthDist.parse("x", "uniform:3,5").sample(rng) for _ in range(200)} == {3, 4, 5}
-    clipped = LengthDist.parse("x", "normal:10,50,4,12")
-    assert {clipped.sample(rng) for _ in range(300)} <= set(range(4, 13))
-
-
 def _aiperf() -> str:
     """aiperf lives in its own venv (.venv/aiperf, made by scripts/setup.sh): its exact pins
     (pyzmq, prometheus-client, huggingface-hub, rich, psutil) would otherwise downgrade ours."""
@@ -301,7 +311,7 @@ def _aiperf() -> str:
     return exe
 
 
-def _start_bench_until_stopped(url: str, tiny30: Path, out: Path, err: Path) -> subprocess.Popen:
+def _start_bench_until_stopped(url: str, tiny6: Path, out: Path, err: Path) -> subprocess.Popen:
     """`pdserve bench` at concurrency 2 for longer than aiperf needs (it is stopped with Ctrl-C);
     returns once its measured phase runs (its progress bar, not the warm-up's, is on)."""
     with open(err, "w") as ef:
@@ -316,7 +326,7 @@ def _start_bench_until_stopped(url: str, tiny30: Path, out: Path, err: Path) -> 
                 "--api-key",
                 KEY,
                 "--tokenizer",
-                str(tiny30),
+                str(tiny6),
                 "--isl",
                 "24",
                 "--osl",
@@ -348,18 +358,18 @@ def _start_bench_until_stopped(url: str, tiny30: Path, out: Path, err: Path) -> 
     return p
 
 
-def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
+def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
     """Two meters on one server at the same time; then Ctrl-C ends ours with partial results.
 
     Both send streamed chat requests, 2 at a time, of 24 prompt tokens (exact, built with the
-    model's tokenizer) and 6 output tokens with ignore_eos. aiperf sends 12 (after 1 warm-up);
-    `pdserve bench` runs all the while (started first, stopped with Ctrl-C after aiperf), and its
-    requests inside aiperf's window [first send, last answer] are compared with aiperf's. Run
-    together, both meters see the same server under the same load (4 in flight) at the same
-    moments, which run one after the other they do not on a shared 2-core machine (a first version
-    did that and saw 1.7x-2.3x apart either way). Counts are facts of the workload and must be
-    equal; rates and latencies must agree within 2x: a check that the two meters measure the same
-    thing, not a performance assertion.
+    model's tokenizer; aiperf's of random vocabulary tokens) and 6 output tokens with ignore_eos.
+    aiperf sends 12 (after 1 warm-up); `pdserve bench` runs all the while (started first, stopped
+    with Ctrl-C after aiperf), and its requests inside aiperf's window [first send, last answer]
+    are compared with aiperf's. Run together, both meters see the same server under the same load
+    (4 in flight) at the same moments, which run one after the other they do not on a shared
+    2-core machine (a first version did that and saw 1.7x-2.3x apart either way). Counts are facts
+    of the workload and must be equal; rates and latencies must agree within 2x: a check that the
+    two meters measure the same thing, not a performance assertion.
     """
     model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
         "data"
@@ -381,13 +391,18 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
         "chat",
         "--streaming",
         "--tokenizer",
-        str(tiny30),
+        str(tiny6),
         "--isl",
         "24",
         "--osl",
         "6",
         "--random-seed",
         "0",
+        # Prompts of random vocabulary tokens (vllm bench's random dataset), still built and
+        # counted by aiperf with the model's tokenizer: the default corpus (Shakespeare) costs
+        # aiperf a tokenization of 5 MB of text at every start, most of its run time here.
+        "--prompt-corpus",
+        "random",
         "--num-dataset-entries",
         "12",
         "--extra-inputs",
@@ -410,7 +425,7 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny30, tmp_path):
         "--artifact-dir",
         str(art),
     ]
-    ours_proc = _start_bench_until_stopped(cluster, tiny30, out, err)
+    ours_proc = _start_bench_until_stopped(cluster, tiny6, out, err)
     try:
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -3,7 +3,11 @@
 The router sends prompts shorter than --disagg-min-prompt-tokens to the decode node alone, which
 prefills them itself, mixed with the streams it is decoding; longer prompts use the PD pair. Every
 answer is token-identical to transformers and every route is counted by reason. The rank
-consensus checker is on in every rank (PDSERVE_RANK_CONSENSUS_CHECK, tests/cluster.py)."""
+consensus checker is on in every rank (PDSERVE_RANK_CONSENSUS_CHECK, tests/cluster.py).
+
+The cluster runs with tracing off (no --otlp-traces-endpoint, the router's --debug-requests 0), so
+it is also where tracing off is checked: no exporter thread, socket or span anywhere
+(tests/test_tracing.py checks the same things are there with tracing on)."""
 
 from __future__ import annotations
 
@@ -13,25 +17,29 @@ import time
 
 import httpx
 import pytest
-from cluster import node_args, up
+from cluster import free_port, node_args, secret_headers
 from metrics_scrape import scrape, total
 from reference import hf_greedy, load_hf
+from tracing_checks import CLIENT_SPAN, PROMPT, TRACE, cluster_procs, outside_connections
+from up_launch import launched
 
 MIN_PROMPT = 40
 MAX_NEW = 10
 ROUTER_ARGS = (
     f"--disagg-min-prompt-tokens {MIN_PROMPT} --disagg-local-prefill-cost 0 "
-    "--disagg-decode-prefix-fraction 2 --health-interval 1"
+    "--disagg-decode-prefix-fraction 2 --health-interval 1 --debug-requests 0"
 )
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny30, tmp_path_factory):
-    log = tmp_path_factory.mktemp("cond") / "up.log"
-    args = ["--prefill-pp", "1", "--decode-pp", "2"]
+def cluster(tiny30, tmp_path_factory, request):
+    log, port = tmp_path_factory.mktemp("cond") / "up.log", free_port()
+    args = ["--model", str(tiny30), "--port", str(port), "--prefill-pp", "1", "--decode-pp", "2"]
     args += ["--node-args", " ".join(node_args(max_running=None)), "--router-args", ROUTER_ARGS]
-    with up(tiny30, log, args) as (url, _, auth):
-        yield url, auth
+    with launched(args, log) as up:
+        request.getfixturevalue("prompts")  # transformers' answers, computed while it loads
+        proc = up.ready(timeout=240)
+        yield f"http://127.0.0.1:{port}", secret_headers(log), proc
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ def decisions(url: str) -> dict[str, float]:
 def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cluster, prompts):
     """8 long prompts stream through the PD pair with 3x the tokens; 4 short prompts sent while
     they decode are prefilled by the decode node between their steps. All 12 are HF-exact."""
-    url, auth = cluster
+    url, auth, _ = cluster
     long, short, want_long, want_short = prompts
     before, local_before = decisions(url), local_prompt_tokens(url, auth)
 
@@ -97,7 +105,7 @@ def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cl
 
 def test_the_decode_only_route_leaves_nothing_held(cluster, prompts):
     """After decode-only requests, aborted ones included, the decode node holds no pages."""
-    url, auth = cluster
+    url, auth, _ = cluster
     _, short, _, want_short = prompts
 
     async def run():
@@ -127,8 +135,35 @@ def test_the_router_learns_from_each_node_whether_it_keeps_prompts(cluster):
     """The decode_prefix_hit rule uses the decode node's prefix tree only if that node keeps
     finished prompts' KV: its /server_info says so (`--no-prefix-cache`: false), and the router's
     worker list shows what it learnt (the rule itself: tests/test_disagg_rules.py)."""
-    url, auth = cluster
+    url, auth, _ = cluster
     workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
     for w in workers:
         info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=5).json()
         assert info["prefix_cache"] is True and w["prefix_cache"] is True, (w, info)
+
+
+def test_tracing_off_has_no_exporter_thread_socket_or_spans(cluster):
+    """A request under a client's traceparent, through both nodes of a cluster with tracing off:
+    nothing is recorded, no node gets a trace context, no process runs an exporter thread or holds
+    a socket to anything outside the cluster."""
+    url, auth, proc = cluster
+    before = decisions(url)
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4}
+    headers = {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    # the PD pair served it (the prompt is longer than --disagg-min-prompt-tokens): both nodes
+    # would have had the request's trace context, were tracing on
+    assert decisions(url)["default"] - before["default"] == 1
+    rid = r.json()["id"].split("-", 1)[1]
+    listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
+    assert listed["requests"] == [] and listed["exporter"] is None
+    assert not [t for t in listed["threads"] if t.startswith("Otel")]
+    workers = httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]
+    for w in workers:
+        info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=10).json()
+        assert not [t for t in info["threads"] if t.startswith("Otel")], w["role"]
+        spans = httpx.get(f"{w['url']}/debug/spans/{rid}", headers=auth, timeout=10)
+        assert spans.status_code == 404, spans.text  # no trace context reached the node
+    assert outside_connections(cluster_procs(proc)) == []

@@ -1,7 +1,8 @@
 """Traces across a real cluster (docs/TRACING.md): `pdserve up` at PD layout (2, 3) exporting to an
 in-process OTLP/HTTP receiver (tests/otlp_receiver.py). One request under a client's traceparent is
 one trace with every stage, one tree, nested times; the router's /debug/requests shows it (internal
-token) and `pdserve trace ID` prints it; with tracing off there is no exporter thread or socket."""
+token) and `pdserve trace ID` prints it. With tracing off there is no exporter thread or socket:
+tests/test_conditional_disagg.py checks that on its cluster, which runs with tracing off."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import subprocess
 import sys
 
 import httpx
-import psutil
 import pytest
 from cluster import ROOT, node_args, up
 from otlp_receiver import OtlpReceiver
+from tracing_checks import CLIENT_SPAN, PROMPT, TRACE, cluster_procs, outside_connections
 
 NODE_ARGS = " ".join(node_args())
-TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 ROUTER = {"router.request", "router.admission_queue", "router.attempt"}
 NODES = {"prefill.request", "decode.request"}
 PREFILL_RANK = {"bootstrap", "bootstrap.handshake", "bootstrap.wait_decode_alloc", "waiting"}
@@ -26,7 +26,6 @@ PREFILL_RANK |= {"prefill.finish"}
 DECODE_RANK = {"decode.prealloc", "decode.transferred_vote", "decode.first_token"}
 DECODE_RANK |= {"decode.decode", "decode.finish"}
 EXPORTER_THREAD = "OtelBatchSpanRecordProcessor"
-PROMPT = " ".join(f"word{i}" for i in range(40))  # several prefill chunks of 16 tokens
 
 
 def _complete(spans: list[dict]) -> bool:
@@ -138,28 +137,9 @@ def test_debug_requests_and_pdserve_trace(traced):
     assert out.returncode == 1 and "401" in out.stderr
 
 
-def _cluster_procs(up_proc: subprocess.Popen) -> list[psutil.Process]:
-    return [psutil.Process(up_proc.pid), *psutil.Process(up_proc.pid).children(recursive=True)]
-
-
-def _outside_connections(procs: list[psutil.Process]) -> list[tuple[str, tuple]]:
-    """Established TCP connections of the cluster's processes with neither end on a port that one
-    of them listens on: what an exporter's socket to a collector would be."""
-    conns = {p.pid: p.net_connections(kind="tcp") for p in procs}
-    listening = {c.laddr.port for cs in conns.values() for c in cs if c.status == "LISTEN"}
-    return [
-        (psutil.Process(pid).cmdline()[-1][:60], c.raddr)
-        for pid, cs in conns.items()
-        for c in cs
-        if c.status == "ESTABLISHED"
-        and c.laddr.port not in listening
-        and c.raddr
-        and c.raddr.port not in listening
-    ]
-
-
 def test_exporter_thread_and_socket_exist_when_on(traced):
-    """The positive control of the next test: what it looks for is there when tracing is on."""
+    """The positive control of tests/test_conditional_disagg.py's tracing-off test (its cluster
+    runs with tracing off): what that test looks for is there when tracing is on."""
     url, auth, _, _, proc, rx = traced
     listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
     assert EXPORTER_THREAD in listed["threads"] and listed["exporter"]
@@ -167,26 +147,5 @@ def test_exporter_thread_and_socket_exist_when_on(traced):
     for w in workers:
         info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=10).json()
         assert EXPORTER_THREAD in info["threads"], w["role"]
-    outside = _outside_connections(_cluster_procs(proc))
+    outside = outside_connections(cluster_procs(proc))
     assert any(raddr.port == rx.port for _, raddr in outside), outside
-
-
-def test_tracing_off_has_no_exporter_thread_socket_or_spans(tiny6, tmp_path):
-    args = ["--node-args", NODE_ARGS, "--router-args", "--health-interval 1 --debug-requests 0"]
-    with up(tiny6, tmp_path / "up.log", args) as (url, proc, auth):
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        body = {"model": model, "prompt": PROMPT, "max_tokens": 4}
-        headers = {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}
-        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
-        assert r.status_code == 200, r.text
-        rid = r.json()["id"].split("-", 1)[1]
-        listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
-        assert listed["requests"] == [] and listed["exporter"] is None
-        assert not [t for t in listed["threads"] if t.startswith("Otel")]
-        workers = httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]
-        for w in workers:
-            info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=10).json()
-            assert not [t for t in info["threads"] if t.startswith("Otel")], w["role"]
-            spans = httpx.get(f"{w['url']}/debug/spans/{rid}", headers=auth, timeout=10)
-            assert spans.status_code == 404, spans.text  # no trace context reached the node
-        assert _outside_connections(_cluster_procs(proc)) == []

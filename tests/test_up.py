@@ -14,28 +14,65 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, node_args, pdserve_up, secret_headers, up
+from cluster import ROOT, free_port, group_alive, node_args, secret_headers
 from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
+from up_launch import launched
 
 NODE_ARGS = " ".join(node_args(max_running=None))
 MAX_NEW = 12
 ROUTER_ARGS = "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"
+# One client for the many short calls: a module-level httpx call builds a client (and its TLS
+# context) of its own each time. No keep-alive: every call still opens its own connection.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_http():
+    yield
+    HTTP.close()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny30, tmp_path_factory):
-    """`pdserve up` with 1 prefill node (PP 2) and 2 decode nodes (PP 2), small admission limits."""
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    args = ["--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2"]
+def launches(tiny30, tmp_path_factory):
+    """Both clusters of this file, started at once: the main one (`pdserve up` with 1 prefill node
+    (PP 2) and 2 decode nodes (PP 2), small admission limits) and the two-model one of
+    test_up_serves_several_models_each_on_its_own_nodes; the transformers reference of the chat
+    tests is computed while they load."""
+    tmp = tmp_path_factory.mktemp("up")
+    from tiny_model import build_tiny_model
+
+    paths = [build_tiny_model(tmp / name, num_layers=2, seed=5) for name in ("tiny-x", "tiny-y")]
+    port, multi_port = free_port(), free_port()
+    args = ["--model", str(tiny30), "--port", str(port)]
+    args += ["--prefill-pp", "2", "--decode-pp", "2", "--decode-nodes", "2"]
     args += ["--node-args", NODE_ARGS, "--router-args", ROUTER_ARGS]
-    with up(tiny30, log, args) as (url, proc, auth):
-        AUTH.update(auth)
-        yield url, proc, log
+    multi = ["--model", str(paths[0]), "--model", str(paths[1]), "--port", str(multi_port)]
+    with (
+        launched(args, tmp / "up.log") as main,
+        launched([*multi, "--node-args", NODE_ARGS], tmp / "multi.log") as several,
+    ):
+        yield {
+            "main": (f"http://127.0.0.1:{port}", main),
+            "several": (f"http://127.0.0.1:{multi_port}", several),
+            "reference": _chat_reference(tiny30),
+        }
 
 
 @pytest.fixture(scope="module")
-def chat_reference(tiny30):
+def cluster(launches):
+    url, launch = launches["main"]
+    proc = launch.ready(timeout=420)  # a bound, not a speed check: two clusters load at once
+    AUTH.update(secret_headers(launch.log))
+    return url, proc, launch.log
+
+
+@pytest.fixture(scope="module")
+def chat_reference(launches):
+    return launches["reference"]
+
+
+def _chat_reference(tiny30) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny30))
@@ -55,7 +92,47 @@ def chat_reference(tiny30):
 
 
 def model_name(url: str) -> str:
-    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    return HTTP.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
+def test_up_serves_several_models_each_on_its_own_nodes(launches):
+    """`pdserve up --model A --model B`: a prefill and a decode node per model behind one router,
+    which routes each request to the nodes of its model. Runs first: its cluster (started with the
+    main one, see `launches`) is stopped before the main cluster's tests."""
+    url, launch = launches["several"]
+    try:
+        proc, log = launch.ready(timeout=420), launch.log
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny-x", "tiny-y"]
+        workers = HTTP.get(f"{url}/workers", headers=secret_headers(log)).json()["workers"]
+        assert sorted((w["role"], w["model"]) for w in workers) == [
+            ("decode", "tiny-x"),
+            ("decode", "tiny-y"),
+            ("prefill", "tiny-x"),
+            ("prefill", "tiny-y"),
+        ]
+        for name, n in (("tiny-x", 2), ("tiny-y", 3)):
+            for i in range(n):
+                out = client.chat.completions.create(
+                    model=name,
+                    messages=[{"role": "user", "content": f"hi {i}"}],
+                    max_tokens=3,
+                    temperature=0,
+                )
+                assert out.model == name and out.usage.completion_tokens >= 1
+        want = {(w["role"], w["model"]): 2 if w["model"] == "tiny-x" else 3 for w in workers}
+        deadline = time.monotonic() + 30  # a prefill node may count its part just after the answer
+        while True:
+            got = {(w["role"], w["model"]): _finished(w["url"]) for w in workers}
+            if got == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == want, "each model's requests reached only its own nodes"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
+    finally:
+        launch.stop()
 
 
 def test_ready_line_and_models(cluster):
@@ -137,29 +214,29 @@ def test_readme_curl_works_through_the_router(cluster):
 def test_every_node_requires_the_generated_secret(cluster):
     url, proc, log = cluster
     auth = secret_headers(log)
-    assert httpx.get(f"{url}/workers").status_code == 401
-    workers = httpx.get(f"{url}/workers", headers=auth).json()["workers"]
+    assert HTTP.get(f"{url}/workers").status_code == 401
+    workers = HTTP.get(f"{url}/workers", headers=auth).json()["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"}
     for w in workers:
         node = w["url"]
         assert (
-            httpx.post(
+            HTTP.post(
                 f"{node}/generate", json={"input_ids": [1, 2], "bootstrap_room": 1}
             ).status_code
             == 401
         )
-        assert httpx.post(f"{node}/abort", json={"rid": "x"}).status_code == 401
-        assert httpx.get(f"{node}/server_info").status_code == 401
-        assert httpx.get(f"{node}/server_info", headers=auth).status_code == 200
+        assert HTTP.post(f"{node}/abort", json={"rid": "x"}).status_code == 401
+        assert HTTP.get(f"{node}/server_info").status_code == 401
+        assert HTTP.get(f"{node}/server_info", headers=auth).status_code == 200
         if w["role"] == "prefill":
             boot = f"http://127.0.0.1:{w['bootstrap_port']}"
-            assert httpx.put(f"{boot}/route", json={}).status_code == 401
+            assert HTTP.put(f"{boot}/route", json={}).status_code == 401
             assert (
-                httpx.post(f"{boot}/heartbeat", json={"session": "s", "peers": []}).status_code
+                HTTP.post(f"{boot}/heartbeat", json={"session": "s", "peers": []}).status_code
                 == 401
             )
         else:
-            assert httpx.put(f"{node}/bootstrap_servers", json={"servers": []}).status_code == 401
+            assert HTTP.put(f"{node}/bootstrap_servers", json={"servers": []}).status_code == 401
 
 
 def test_the_secret_is_on_no_command_line(cluster):
@@ -185,7 +262,7 @@ def test_sse_ends_with_done_and_completions_work(cluster):
     ) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    r = httpx.post(
+    r = HTTP.post(
         f"{url}/v1/completions",
         timeout=60,
         json={"model": name, "prompt": "the cache", "max_tokens": 5},
@@ -198,13 +275,13 @@ AUTH: dict[str, str] = {}  # the cluster secret's header, read by the fixture
 
 def node_urls(url: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]:
+    for w in HTTP.get(f"{url}/workers", headers=AUTH).json()["workers"]:
         out.setdefault(w["role"], []).append(w["url"])
     return out
 
 
 def pages(node: str) -> list[int]:
-    return [s["held_pages"] for s in httpx.get(f"{node}/server_info", headers=AUTH).json()["ranks"]]
+    return [s["held_pages"] for s in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]]
 
 
 def test_status_page_in_a_real_browser(cluster, tmp_path):
@@ -218,7 +295,7 @@ def test_status_page_in_a_real_browser(cluster, tmp_path):
 
     url, _, _ = cluster
     name = model_name(url)
-    r = httpx.post(
+    r = HTTP.post(
         f"{url}/v1/chat/completions",
         json={
             "model": name,
@@ -345,12 +422,12 @@ def test_bad_inputs_get_4xx_and_the_router_stays_up(cluster):
         ),
     ]
     for raw, want in cases:
-        r = httpx.post(
+        r = HTTP.post(
             f"{url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
         )
         assert r.status_code == want, (raw[:80], r.status_code, r.text)
         assert "error" in r.json() and r.json()["error"]["message"]
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200
 
 
 def test_429_under_saturation(cluster):
@@ -384,7 +461,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     url, _, _ = cluster
     name = model_name(url)
     decodes = node_urls(url)["decode"]
-    victim = httpx.get(f"{decodes[0]}/server_info", headers=AUTH).json()["pid"]
+    victim = HTTP.get(f"{decodes[0]}/server_info", headers=AUTH).json()["pid"]
     os.kill(victim, signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     ok = 0
@@ -399,7 +476,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     assert ok == 8
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        ws = {w["url"]: w for w in httpx.get(f"{url}/workers", headers=AUTH).json()["workers"]}
+        ws = {w["url"]: w for w in HTTP.get(f"{url}/workers", headers=AUTH).json()["workers"]}
         if not ws[decodes[0]]["healthy"]:
             break
         time.sleep(0.5)
@@ -408,7 +485,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
 
 def _healthy(node: str) -> bool:
     try:
-        return httpx.get(f"{node}/health", timeout=5).status_code == 200
+        return HTTP.get(f"{node}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False  # the decode node the test above killed
 
@@ -428,7 +505,7 @@ def test_metrics_of_router_and_nodes(cluster):
     families: set[str] = set()
     samples = {}
     for target in [url, *live]:
-        text = httpx.get(f"{target}/metrics").text
+        text = HTTP.get(f"{target}/metrics").text
         families |= family_names(text)
         samples[target] = parse(text)
     names = families | {f + "_total" for f in families}
@@ -459,7 +536,7 @@ def test_prefill_node_killed_every_request_is_answered_by_decode(cluster, chat_r
     name = model_name(url)
     before = total(scrape(url), "pdserve_router_route_decisions_total", path="decode_only")
     prefill = node_urls(url)["prefill"][0]
-    victim = httpx.get(f"{prefill}/server_info", headers=AUTH).json()["pid"]
+    victim = HTTP.get(f"{prefill}/server_info", headers=AUTH).json()["pid"]
     qs = list(chat_reference)
 
     async def ask(ac, i):
@@ -509,55 +586,12 @@ def test_free_port_stays_out_of_the_ephemeral_range():
             s.bind(("127.0.0.1", port))
 
 
-def test_up_serves_several_models_each_on_its_own_nodes(tmp_path):
-    """`pdserve up --model A --model B`: a prefill and a decode node per model behind one router,
-    which routes each request to the nodes of its model."""
-    from tiny_model import build_tiny_model
-
-    paths = [
-        build_tiny_model(tmp_path / name, num_layers=2, seed=5) for name in ("tiny-x", "tiny-y")
-    ]
-    port, log = free_port(), tmp_path / "up.log"
-    args = ["--model", str(paths[0]), "--model", str(paths[1]), "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with pdserve_up([*args, "--node-args", NODE_ARGS], log, timeout=240) as proc:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tiny-x", "tiny-y"]
-        workers = httpx.get(f"{url}/workers", headers=secret_headers(log)).json()["workers"]
-        assert sorted((w["role"], w["model"]) for w in workers) == [
-            ("decode", "tiny-x"),
-            ("decode", "tiny-y"),
-            ("prefill", "tiny-x"),
-            ("prefill", "tiny-y"),
-        ]
-        for name, n in (("tiny-x", 2), ("tiny-y", 3)):
-            for i in range(n):
-                out = client.chat.completions.create(
-                    model=name,
-                    messages=[{"role": "user", "content": f"hi {i}"}],
-                    max_tokens=3,
-                    temperature=0,
-                )
-                assert out.model == name and out.usage.completion_tokens >= 1
-        want = {(w["role"], w["model"]): 2 if w["model"] == "tiny-x" else 3 for w in workers}
-        deadline = time.monotonic() + 30  # a prefill node may count its part just after the answer
-        while True:
-            got = {(w["role"], w["model"]): _finished(w["url"]) for w in workers}
-            if got == want or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert got == want, "each model's requests reached only its own nodes"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
-        assert group_alive(proc.pid) == [], "processes left behind after Ctrl-C"
-
-
 def _finished(node: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     return sum(
         smp.value
-        for fam in text_string_to_metric_families(httpx.get(f"{node}/metrics").text)
+        for fam in text_string_to_metric_families(HTTP.get(f"{node}/metrics").text)
         if fam.name == "pdserve_requests"
         for smp in fam.samples
         if smp.name == "pdserve_requests_total"
