@@ -22,8 +22,10 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +57,10 @@ ROUTER_ARGS = [
     "30",
     "--cb-open-seconds",
     "5",
+    # One connection-pool shard per node (the default 256 builds 8 httpx clients per node, each
+    # with its own SSL context, on the router's start); never more than 8 requests are in flight.
+    "--max-concurrent",
+    "32",
     "--log-level",
     "warning",
 ]
@@ -63,25 +69,53 @@ CLIENTS = 4
 
 _rng = random.Random(21)
 SHORT = [[_rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 17, 24, 33, 40, 12, 28)]
-SHORT_NEW = 40  # long enough to be decoding when a decode rank dies
-LONG = [[_rng.randrange(3, 380) for _ in range(n)] for n in (160, 190, 220, 250, 280, 200)]
-LONG_NEW = 4  # 10 to 18 chunks of 16 tokens: transfers are in flight for a while
+SHORT_NEW = (
+    120  # long enough that what D1 decodes (its stats come twice a second) outlasts the kill
+)
+# Long prompts, 24 of their own per prefill-fault test: the test waits for P1's rank 1 to be seen
+# (its stats come twice a second) in a chunked prefill, which only a prompt no node has cached takes
+# (a cached one prefills its last chunk only), and cache_aware gives new prompts to the prefill node
+# holding the least text until the other catches up, so the first few may all go to P2.
+LONG_LENGTHS = [240 + 10 * (i * 7 % 19) for i in range(24)]  # 240 to 420 tokens
+LONG = [[_rng.randrange(3, 380) for _ in range(n)] for n in LONG_LENGTHS]  # the stall
+LONG_KILL = [[_rng.randrange(3, 380) for _ in range(n)] for n in LONG_LENGTHS]  # the SIGKILL
+LONG_NEW = 4  # 15 to 27 chunks of 16 tokens: transfers are in flight for a while
 FRESH = [[_rng.randrange(3, 380) for _ in range(n)] for n in (21, 26, 31, 36, 22, 27, 32, 37)]
 FRESH_NEW = 8  # prompts no node has seen, so cache_aware spreads them over both prefill nodes
 
 
-def references(model_path: Path) -> dict[str, list[list[int]]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only spin against the nodes' ranks
-    try:
-        model = load_hf(model_path)
-        return {
-            "short": hf_greedy(model, SHORT, SHORT_NEW),
-            "long": hf_greedy(model, LONG, LONG_NEW),
-            "fresh": hf_greedy(model, FRESH, FRESH_NEW),
-        }
-    finally:
-        torch.set_num_threads(threads)
+class References:
+    """transformers' greedy answers, `refs[kind][i]` for prompt i of PROMPTS[kind]. Computed in a
+    thread, kind by kind in the order the tests need them, from when the nodes start loading: the
+    first test needs only its own kind (`refs[kind]` waits for that one)."""
+
+    ORDER = ("fresh", "short", "long", "long_kill")
+
+    def __init__(self, model_path: Path):
+        self._refs = {kind: Future() for kind in self.ORDER}
+        self._thread = threading.Thread(target=self._compute, args=(model_path,), daemon=True)
+        self._thread.start()
+
+    def _compute(self, model_path: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a tiny model: more threads only spin against the nodes' ranks
+        try:
+            model = load_hf(model_path)
+            for kind in self.ORDER:
+                prompts, max_new = PROMPTS[kind]
+                self._refs[kind].set_result(hf_greedy(model, prompts, max_new))
+        except BaseException as e:
+            for ref in self._refs.values():
+                if not ref.done():
+                    ref.set_exception(e)
+        finally:
+            torch.set_num_threads(threads)
+
+    def __getitem__(self, kind: str) -> list[list[int]]:
+        return self._refs[kind].result(timeout=600)
+
+    def join(self) -> None:
+        self._thread.join(timeout=600)
 
 
 # --- the cluster ----------------------------------------------------------------------------------
@@ -118,7 +152,7 @@ class Chaos:
         self.router_port = free_port()
         self.router = f"http://127.0.0.1:{self.router_port}"
         self.stack = contextlib.ExitStack()
-        self.refs: dict[str, list[list[int]]] = {}
+        self.refs: References | None = None
 
     def log(self, node: Node) -> Path:
         return self.tmp / f"{node.name}-{node.starts}.log"
@@ -170,7 +204,7 @@ class Chaos:
             _, router = self.stack.enter_context(
                 start(cmd, self.router_port, self.tmp / "router.log", wait=False)
             )
-            self.refs = references(self.model)  # while the nodes load
+            self.refs = References(self.model)  # while the nodes load
             for node in self.nodes.values():
                 self.wait_node(node)
             wait_healthy(self.router, router, 120, self.tmp / "router.log")
@@ -188,6 +222,8 @@ class Chaos:
         self.stack.close()  # the router first: no traffic while the nodes stop
         for node in self.nodes.values():
             node.stack.close()
+        if self.refs is not None:
+            self.refs.join()
 
     def restart(self, node: Node) -> None:
         """Stops the whole node (front and whatever ranks are left),
@@ -257,8 +293,8 @@ class Chaos:
 
 
 @pytest.fixture(scope="module")
-def chaos(tiny30, tmp_path_factory):
-    with Chaos(tiny30, tmp_path_factory.mktemp("chaos")) as c:
+def chaos(tiny6, tmp_path_factory):
+    with Chaos(tiny6, tmp_path_factory.mktemp("chaos")) as c:
         yield c
 
 
@@ -291,7 +327,12 @@ class Outcome:
     )
 
 
-PROMPTS = {"short": (SHORT, SHORT_NEW), "long": (LONG, LONG_NEW), "fresh": (FRESH, FRESH_NEW)}
+PROMPTS = {
+    "short": (SHORT, SHORT_NEW),
+    "long": (LONG, LONG_NEW),
+    "long_kill": (LONG_KILL, LONG_NEW),
+    "fresh": (FRESH, FRESH_NEW),
+}
 
 
 async def stream_one(c: httpx.AsyncClient, router: str, kind: str, i: int) -> Outcome:
@@ -355,7 +396,7 @@ def send_all(router: str, kind: str, indices: list[int]) -> list[Outcome]:
     return asyncio.run(main())
 
 
-def judge(outs: list[Outcome], refs: dict) -> tuple[list[Outcome], list[Outcome]]:
+def judge(outs: list[Outcome], refs: References) -> tuple[list[Outcome], list[Outcome]]:
     """(succeeded, failed). Every success is exactly the reference; every failure a clear error with
     whatever tokens it streamed a prefix of the reference;
     every request ended within its timeout."""
@@ -379,14 +420,14 @@ def judge(outs: list[Outcome], refs: dict) -> tuple[list[Outcome], list[Outcome]
     return ok, failed
 
 
-def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
+def serve_until_used(chaos: Chaos, node: Node, refs: References, reason: str) -> None:
     """The router takes `node` back: with the other nodes of its role taken out of the router for a
     moment (cache_aware would keep sending the fresh prompts to whichever node already holds them,
     and how many are in flight at once decides ties), every fresh prompt goes through the router to
     `node`; each answer must be the reference and `node` must count them (`length` on a decode node,
-    `prefill_done` on a prefill node). One at a time, once the node's circuit breaker is past its
-    open period: after the fault it is half-open, which lets one request through at a time. The
-    others are registered again after."""
+    `prefill_done` on a prefill node). Once the node's circuit breaker is past its open period: one
+    at a time while it is half-open (after the fault), which lets one request through at a time,
+    the rest together once it is closed. The others are registered again after."""
     others = [n for n in chaos.nodes.values() if n.role == node.role and n is not node]
     wait_for(
         lambda: chaos.workers()[node.url]["circuit"] != "open",
@@ -398,14 +439,17 @@ def serve_until_used(chaos: Chaos, node: Node, refs: dict, reason: str) -> None:
         for n in others:
             r = httpx.delete(f"{chaos.router}/workers", params={"url": n.url}, timeout=10)
             assert r.status_code == 200, r.text
-        for i in range(len(FRESH)):
-            _, failed = judge(send_all(chaos.router, "fresh", [i]), refs)
+        pending = list(range(len(FRESH)))
+        while pending:
+            batch = pending if chaos.workers()[node.url]["circuit"] == "closed" else pending[:1]
+            _, failed = judge(send_all(chaos.router, "fresh", batch), refs)
             assert not failed, [o.error for o in failed]
             wait_for(
                 lambda: chaos.workers()[node.url]["in_flight"] == 0,
                 10,
-                f"the router to settle {node.name}'s request",
+                f"the router to settle {node.name}'s requests",
             )
+            pending = pending[len(batch) :]
     finally:
         for n in others:
             body = {
@@ -554,12 +598,12 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
 
 
 def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
-    """SIGSTOP of P1's pp_rank 1 (it sends layers 15-30) while it prefills and transfers, for longer
-    than the transfer timeout, then SIGCONT. Its rooms fail on both sides (the decode nodes first,
-    `peer_dead`: its heartbeats stopped) and are retried elsewhere. When it resumes it may finish
-    the write it was in and work off the registrations queued meanwhile: the decode pages of its
-    failed rooms must still be quarantined then, never handed to a request that decodes from them.
-    The node itself comes back without a restart."""
+    """SIGSTOP of P1's pp_rank 1 (it sends the second half of the layers) while it prefills and
+    transfers, for longer than the transfer timeout, then SIGCONT. Its rooms fail on both sides
+    (the decode nodes first, `peer_dead`: its heartbeats stopped) and are retried elsewhere. When it
+    resumes it may finish the write it was in and work off the registrations queued meanwhile: the
+    decode pages of its failed rooms must still be quarantined then, never handed to a request that
+    decodes from them. The node itself comes back without a restart."""
     p1 = chaos.nodes["p1"]
     decodes = [chaos.nodes["d1"], chaos.nodes["d2"]]
     ranks = chaos.ranks(p1)
@@ -649,7 +693,7 @@ def test_prefill_rank_sigkill_mid_transfer(chaos, refs):
         return chaos.kill_rank1(p1, seen, "P1")
 
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
-    outs, seen = under_load(chaos.router, ["long"] * CLIENTS, fault)
+    outs, seen = under_load(chaos.router, ["long_kill"] * CLIENTS, fault)
     retries = counter(chaos.router, "pdserve_router_retries_total") - retries0
     ok, failed = judge(outs, refs)
     report(
