@@ -12,20 +12,10 @@ import pytest
 from stub_node import Cluster
 
 from router.config import BreakerConfig, HealthConfig, RetryConfig
-from router.node_clients import CONNECTIONS_PER_SHARD
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]
 FAST_RETRY = RetryConfig(max_retries=2, initial_backoff_s=0.01, max_backoff_s=0.05)
-
-
-def stub_cluster(**kw) -> Cluster:
-    """The stub cluster with the router's admission at one connection-pool shard per node: the
-    router builds `max_concurrent / CONNECTIONS_PER_SHARD` httpx clients per node, each with its own
-    SSL context, and at the default 256 building those is most of the cluster's start-up here.
-    These tests never have more than a handful of requests in flight; the saturation test sets
-    its own limit."""
-    return Cluster(**{"max_concurrent": CONNECTIONS_PER_SHARD, **kw})
 
 
 def chat(cluster, timeout=10.0, **kw) -> httpx.Response:
@@ -48,9 +38,7 @@ def worker_view(cluster, url) -> dict:
 
 
 def test_one_of_two_decode_nodes_killed_requests_keep_succeeding():
-    with stub_cluster(
-        prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY
-    ) as cluster:
+    with Cluster(prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY) as cluster:
         dead, alive = cluster.decode
         dead.kill()
         for _ in range(8):
@@ -69,9 +57,7 @@ def test_node_dies_and_comes_back_health_and_breaker():
     # open_s: long enough that the checks of the open state finish before it half-opens on a
     # loaded machine (at 0.5 s, a run next to another test process read it half-open already)
     breaker = BreakerConfig(failure_threshold=1, success_threshold=1, open_s=3.0)
-    with stub_cluster(
-        prefill=1, decode=1, health=health, breaker=breaker, retry=FAST_RETRY
-    ) as cluster:
+    with Cluster(prefill=1, decode=1, health=health, breaker=breaker, retry=FAST_RETRY) as cluster:
         decode = cluster.decode[0]
         assert chat(cluster).status_code == 200
         # Breaker: the node answers 500 (its /health still passes) -> open -> half-open -> closed.
@@ -106,7 +92,7 @@ def test_node_dies_and_comes_back_health_and_breaker():
 def test_a_failed_prefill_leg_is_retried_decode_only_and_counted():
     """The prefill node answers 500: the decode node's half of that try is aborted, and the retry
     goes to the decode node alone (no bootstrap fields: it prefills itself). The client gets 200."""
-    with stub_cluster(
+    with Cluster(
         prefill=1, decode=1, retry=FAST_RETRY, node_kw={"first_token_delay_s": 0.5}
     ) as cluster:
         cluster.prefill[0].behavior.fail = "500"
@@ -133,7 +119,7 @@ def test_a_failed_prefill_leg_is_retried_decode_only_and_counted():
 
 
 def test_without_a_prefill_node_the_decode_node_serves_alone():
-    with stub_cluster(prefill=1, decode=1, retry=FAST_RETRY) as cluster:
+    with Cluster(prefill=1, decode=1, retry=FAST_RETRY) as cluster:
         cluster.prefill[0].kill()
         wait_until(
             lambda: not worker_view(cluster, cluster.prefill[0].url)["healthy"], what="unhealthy"
@@ -151,7 +137,7 @@ def test_without_a_prefill_node_the_decode_node_serves_alone():
 
 
 def test_prefill_hang_times_out_with_body():
-    with stub_cluster(
+    with Cluster(
         prefill=1,
         decode=1,
         request_timeout_s=0.5,
@@ -167,7 +153,7 @@ def test_prefill_hang_times_out_with_body():
 
 
 def test_saturation_gives_429_with_retry_after():
-    with stub_cluster(
+    with Cluster(
         prefill=1,
         decode=1,
         max_concurrent=1,
@@ -188,7 +174,7 @@ def test_saturation_gives_429_with_retry_after():
 
 
 def test_client_disconnect_mid_stream_aborts_both_nodes():
-    with stub_cluster(
+    with Cluster(
         prefill=1, decode=1, node_kw={"token_delay_s": 0.1, "natural_tokens": 200}
     ) as cluster:
         body = {"model": MODEL, "messages": CHAT, "stream": True}
@@ -209,7 +195,7 @@ def test_client_disconnect_mid_stream_aborts_both_nodes():
 
 
 def test_client_timeout_before_answer_aborts_both_nodes():
-    with stub_cluster(prefill=1, decode=1, node_kw={"first_token_delay_s": 5.0}) as cluster:
+    with Cluster(prefill=1, decode=1, node_kw={"first_token_delay_s": 5.0}) as cluster:
         with pytest.raises(httpx.ReadTimeout):
             chat(cluster, timeout=0.5)
         rid = cluster.decode[0].stats.rids[-1]
@@ -218,7 +204,7 @@ def test_client_timeout_before_answer_aborts_both_nodes():
 
 
 def test_node_error_mid_stream_reaches_sdk_as_error():
-    with stub_cluster(prefill=1, decode=1) as cluster:
+    with Cluster(prefill=1, decode=1) as cluster:
         cluster.decode[0].behavior.fail = "midstream"
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", timeout=10, max_retries=0)
         stream = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
@@ -230,9 +216,7 @@ def test_node_error_mid_stream_reaches_sdk_as_error():
 
 
 def test_decode_abort_before_first_byte_is_retried_on_other_node():
-    with stub_cluster(
-        prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY
-    ) as cluster:
+    with Cluster(prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY) as cluster:
         cluster.decode[0].behavior.fail = "abort"
         for stream in (False, True, False, True):
             r = chat(cluster, stream=stream)
