@@ -229,7 +229,12 @@ def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
     nodes start instead of six; the prompts of the second kill are not in the decode node's prefix
     cache, so its rooms wait for every page from the prefill node as on a fresh node."""
     names = ("prefill-a", "decode-a")
-    with pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, dproc)):
+    with (
+        # The replacement decode node starts with the pair; the prefill node never hears of it
+        # before the first kill is over (pd_generate_all below).
+        decode_node(tiny6, 2, tmp_path, name="decode-b", wait=False) as (durl2, dproc2),
+        pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, dproc)),
+    ):
         # 1. The decode node dies; the prefill node recovers.
         async def decode_killed():
             async with httpx.AsyncClient(timeout=60) as c:
@@ -252,51 +257,45 @@ def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
         assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
         assert any(isinstance(r, Exception) for r in res), "no request was cut by the kill"
         assert group_alive(dproc.pid) == []
-        # The replacement starts while the prefill node lets go of the dead node's rooms (the
-        # prefill node never hears of it before pd_generate_all below).
-        with decode_node(tiny6, 2, tmp_path, name="decode-b", wait=False) as (durl, dproc):
-            left = wait_pages_free(purl, timeout=40)
-            assert not any(left[purl]), (
-                f"prefill still holds pages after the decode node died: {left}"
-            )
-            wait_healthy(durl, dproc, 240, tmp_path / "decode-b.log")
-            assert pd_generate_all(purl, durl, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
+        left = wait_pages_free(purl, timeout=40)
+        assert not any(left[purl]), f"prefill still holds pages after the decode node died: {left}"
+        wait_healthy(durl2, dproc2, 240, tmp_path / "decode-b.log")
+        assert pd_generate_all(purl, durl2, bport, mixed_prompts[:4], MAX_NEW) == reference[:4]
 
-            # 2. The prefill node dies under rooms the decode node registered with it; the decode
-            # node recovers.
-            allow_bootstrap(durl, bport)
+        # 2. The prefill node dies under rooms the decode node registered with it; the decode
+        # node recovers.
+        allow_bootstrap(durl2, bport)
 
-            async def prefill_killed():
-                async with httpx.AsyncClient(timeout=60) as c:
-                    tasks = [
-                        asyncio.create_task(
-                            c.post(
-                                f"{durl}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
-                            )
+        async def prefill_killed():
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [
+                    asyncio.create_task(
+                        c.post(
+                            f"{durl2}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
                         )
-                        for i in range(4, 10)
-                    ]
-                    await asyncio.sleep(0.2)
-                    _kill_group(pproc)
-                    t0 = time.monotonic()
-                    res = await asyncio.gather(*tasks)
-                    return res, time.monotonic() - t0
-
-            res, took = asyncio.run(prefill_killed())
-            assert took < 40
-            for r in res:
-                if r.status_code == 200:
-                    # Never a 200 with wrong text: an unfinished transfer must end in an error.
-                    assert (
-                        "error" in r.json()
-                        or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
                     )
-            # The replacement starts while the decode node's quarantine runs out (they do not
-            # interact).
-            with prefill_node(tiny6, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
-                left = wait_pages_free(durl, timeout=40)
-                assert not any(left[durl]), (
-                    f"decode still holds pages after the prefill node died: {left}"
+                    for i in range(4, 10)
+                ]
+                await asyncio.sleep(0.2)
+                _kill_group(pproc)
+                t0 = time.monotonic()
+                res = await asyncio.gather(*tasks)
+                return res, time.monotonic() - t0
+
+        res, took = asyncio.run(prefill_killed())
+        assert took < 40
+        for r in res:
+            if r.status_code == 200:
+                # Never a 200 with wrong text: an unfinished transfer must end in an error.
+                assert (
+                    "error" in r.json() or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
                 )
-                got = pd_generate_all(purl2, durl, bport2, mixed_prompts[10:14], MAX_NEW)
-                assert got == reference[10:14]
+        # The replacement starts while the decode node's quarantine runs out (they do not
+        # interact).
+        with prefill_node(tiny6, 2, tmp_path, name="prefill-b") as (purl2, bport2, _):
+            left = wait_pages_free(durl2, timeout=40)
+            assert not any(left[durl2]), (
+                f"decode still holds pages after the prefill node died: {left}"
+            )
+            got = pd_generate_all(purl2, durl2, bport2, mixed_prompts[10:14], MAX_NEW)
+            assert got == reference[10:14]
