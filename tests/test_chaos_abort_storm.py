@@ -26,11 +26,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from cluster import free_port, group_alive, node_args, pdserve_up
 from metrics_scrape import scrape, total
+from one_thread import hf_greedy_one_thread
 from pd_cluster import FAST_TIMEOUTS
-from reference import hf_greedy, load_hf
 
 # (prefill PP, decode PP). One layout: prefill slices 2/2/2 against decode slices 3/3, so every
 # decode rank reads from two prefill ranks and the middle prefill rank writes to both. The aligned
@@ -162,12 +161,7 @@ def prompts(tiny6) -> list[Prompt]:
         )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out.append(Prompt("chat", {"messages": [{"role": "user", "content": q}]}, ids, [], []))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only spin, many times slower when busy
-    try:
-        refs = hf_greedy(load_hf(tiny6), [p.ids for p in out], MAX_NEW)
-    finally:
-        torch.set_num_threads(threads)
+    refs = hf_greedy_one_thread(tiny6, [p.ids for p in out], MAX_NEW)
     for p, ref in zip(out, refs, strict=True):
         p.ref = ref
         p.ref_text = [tok.decode(ref[:n], skip_special_tokens=True) for n in range(MAX_NEW + 1)]

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
 from metrics_scrape import counter
+from one_thread import one_torch_thread
 from pd_cluster import FAST_TIMEOUTS, wait_pages_free
 from reference import hf_greedy, load_hf
 
@@ -57,10 +57,6 @@ ROUTER_ARGS = [
     "30",
     "--cb-open-seconds",
     "5",
-    # One connection-pool shard per node (the default 256 builds 8 httpx clients per node, each
-    # with its own SSL context, on the router's start); never more than 8 requests are in flight.
-    "--max-concurrent",
-    "32",
     "--log-level",
     "warning",
 ]
@@ -97,19 +93,17 @@ class References:
         self._thread.start()
 
     def _compute(self, model_path: Path) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a tiny model: more threads only spin against the nodes' ranks
         try:
-            model = load_hf(model_path)
-            for kind in self.ORDER:
-                prompts, max_new = PROMPTS[kind]
-                self._refs[kind].set_result(hf_greedy(model, prompts, max_new))
+            # a tiny model: more threads only spin against the nodes' ranks
+            with one_torch_thread():
+                model = load_hf(model_path)
+                for kind in self.ORDER:
+                    prompts, max_new = PROMPTS[kind]
+                    self._refs[kind].set_result(hf_greedy(model, prompts, max_new))
         except BaseException as e:
             for ref in self._refs.values():
                 if not ref.done():
                     ref.set_exception(e)
-        finally:
-            torch.set_num_threads(threads)
 
     def __getitem__(self, kind: str) -> list[list[int]]:
         return self._refs[kind].result(timeout=600)

@@ -38,7 +38,12 @@ def worker_view(cluster, url) -> dict:
 
 
 def test_one_of_two_decode_nodes_killed_requests_keep_succeeding():
-    with Cluster(prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY) as cluster:
+    # Probes every 0.5 s (3 failed ones mark a node): the first requests reach the dead node before
+    # the router marks it, so they must be retried (at 0.1 s the router could mark it first).
+    health = HealthConfig(interval_s=0.5, timeout_s=1.0)
+    with Cluster(
+        prefill=1, decode=2, decode_policy="round_robin", retry=FAST_RETRY, health=health
+    ) as cluster:
         dead, alive = cluster.decode
         dead.kill()
         for _ in range(8):
