@@ -93,7 +93,10 @@ def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
         allow_bootstrap(durl, bport)
 
         async def run():
-            async with httpx.AsyncClient(timeout=60) as c:
+            # keep-alive below uvicorn's 5 s: on a loaded machine a connection idle while the
+            # results are checked was reused as the node closed it (httpx.ReadError)
+            limits = httpx.Limits(keepalive_expiry=4.0)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as c:
                 # bootstrap: the decode side never comes; abort at the prefill node.
                 t = asyncio.create_task(
                     c.post(
