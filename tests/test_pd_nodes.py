@@ -88,8 +88,11 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, referenc
 
 def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches,
-    then random aborts on both sides."""
-    with pd_pair(tiny6, 2, 2, tmp_path) as ((purl, bport, _), (durl, _)):
+    then random aborts on both sides. Aborts end their rooms through KVAbort, not timeouts, so the
+    transfer wait is long: 48 requests queue on a loaded machine, and at 8 s an unaborted room's
+    transfer timed out in a loaded full run."""
+    env = {"PDSERVE_KV_WAITING_TIMEOUT_S": "30"}
+    with pd_pair(tiny6, 2, 2, tmp_path, env=env) as ((purl, bport, _), (durl, _)):
         allow_bootstrap(durl, bport)
 
         async def run():
