@@ -1,7 +1,7 @@
 """Prefill and decode nodes as real processes with real Mooncake transfers over TCP on loopback.
 
 The model is tiny6 (6 layers): the PP splits cut across each other as the real ones do (prefill
-PP 2: 3/3 layers, decode PP 3: 2/2/2), and a forward pass costs a fifth of tiny30's. The two nodes
+PP 2: 3/3 layers, decode PP 3: 2/2/2) with a fifth of tiny30's layers to run. The two nodes
 of a test start at once (pd_cluster.pd_pair)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A colocated PP node made of real processes: correctness per layout, aborts, divergence,
 rank death. The model is tiny6 (6 layers): it splits unevenly over PP 4 (2/2/1/1) and evenly over
-PP 2 and 3, and a forward pass costs a fifth of tiny30's (SmolLM2's 30-layer split, 8/8/7/7 over
+PP 2 and 3, with a fifth of tiny30's layers to run (SmolLM2's 30-layer split, 8/8/7/7 over
 PP 4, is split_layers' unit test in tests/test_kv_transfer_units.py)."""
 
 from __future__ import annotations
