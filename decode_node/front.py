@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.core import SamplingParams
-from pd_common.messages import PDAddRequest, check_room
+from pd_common.messages import PDAddRequest, PDRankSpec, check_room
 from pd_common.metrics import DecodeMetrics
 from runtime.front import NodeFront
 from runtime.http_app import read_json
@@ -26,7 +26,7 @@ BOOTSTRAP_FIELDS = ("bootstrap_room", "bootstrap_host", "bootstrap_port")
 
 class DecodeFront(NodeFront):
     metrics_extension = DecodeMetrics
-    kv_control_sockets = True
+    rank_spec = PDRankSpec
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

@@ -8,6 +8,7 @@ from decode_node.loop import DecodeLoop
 from engine.model_config import split_layers
 from kv_transfer.base import BaseDecodeKVManager
 from kv_transfer.decode_manager import DecodeKVManager
+from pd_common.messages import PDRankSpec
 from pd_common.rank_setup import pool_desc, transfer_config
 from runtime.rank_process import RankParts, run_rank
 
@@ -39,7 +40,7 @@ def dst_slices(parts: RankParts) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS)
+    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS, spec_cls=PDRankSpec)
 
 
 if __name__ == "__main__":

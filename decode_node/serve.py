@@ -14,9 +14,10 @@ def add_decode_args(ap: argparse.ArgumentParser) -> None:
 
 def decode_main(args) -> int:
     from decode_node.front import DecodeFront
+    from pd_common.messages import PDRankSpec
 
     transfer = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
-        return run_remote_ranks(args, "decode", "decode_node.rank", transfer)
+        return run_remote_ranks(args, "decode", "decode_node.rank", PDRankSpec, transfer)
     front, app = make_front(args, "decode", DecodeFront)
-    return run_node(args, front, app, "decode", module="decode_node.rank", transfer=transfer)
+    return run_node(args, front, app, "decode", transfer, module="decode_node.rank")

@@ -13,7 +13,7 @@ import msgpack
 from consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
 from engine.core import ParamError, Req, SamplingParams
 from kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
-from pd_common.messages import PDAddRequest
+from pd_common.messages import KVRankStats, PDAddRequest
 from runtime.messages import ErrorEvent
 from runtime.pp_comm import Msg, PPComm
 from runtime.rank_process import RankParts
@@ -85,6 +85,7 @@ class PDLoop(SlotLoop):
         self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues
         self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
         self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its votes were cast
+        self._kv_latencies_seen = 0  # transfers whose latency a stats push carried already
 
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         """The subclass's record of a new PD request, its transfer end created, queued."""
@@ -117,11 +118,22 @@ class PDLoop(SlotLoop):
     def has_outstanding(self) -> bool:
         return bool(self.by_rid)
 
-    def kv_stats(self) -> dict:
-        return {
-            **self.kv_mgr.stats.snapshot(),
-            "ctrl_port": getattr(self.kv_mgr, "ctrl_port", None),
-        }
+    def stats_extension(self) -> KVRankStats:
+        """The transfer counters since start, and the rooms' latencies since the last push."""
+        kv = self.kv_mgr.stats.snapshot()
+        new = kv["latency_count"] - self._kv_latencies_seen
+        self._kv_latencies_seen = kv["latency_count"]
+        return KVRankStats(
+            bytes=kv["bytes_sent"] + kv["bytes_received"],
+            failures=dict(kv["failures"]),
+            latencies=[lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
+            dropped=dict(kv["dropped"]),
+            ctrl_port=getattr(self.kv_mgr, "ctrl_port", None),
+            room_bytes=kv["recent_room_bytes"][-new:] if new > 0 else [],
+            tokens=kv["tokens"],
+            skipped_tokens=kv["skipped_tokens"],
+            skipped_bytes=kv["skipped_bytes"],
+        )
 
     def describe(self) -> str:
         engine = self.kv_mgr.engine

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from runtime.messages import AddRequest, Event, MessageError, message
+from runtime.messages import AddRequest, Event, MessageError, StatsExtension, message
 from runtime.prompt import RequestError
+from runtime.rank_spec import RankSpec
 
 ROOM_MAX = (1 << 63) - 1  # the router draws rooms in [0, 2^63): the same bound on every channel
 
@@ -48,3 +49,30 @@ class PrefillDoneEvent(Event):
     rid: str
     prompt_len: int
     cached_len: int
+
+
+@message("kv_stats")
+@dataclass(frozen=True)
+class KVRankStats(StatsExtension):
+    """A PD rank's transfer counters since start (latencies: those new since the last push)."""
+
+    key = "kv"
+    bytes: int
+    failures: dict[str, int]
+    latencies: list[float]
+    dropped: dict[str, int]  # control messages dropped, by reason
+    ctrl_port: int | None  # where the rank's KV control socket listens
+    room_bytes: list[int] = field(default_factory=list)  # KV bytes of each room in `latencies`
+    tokens: int = 0  # prompt tokens whose KV moved (rooms that succeeded)
+    skipped_tokens: int = 0  # prompt tokens the decode rank held already, so not moved
+    skipped_bytes: int = 0  # the KV bytes of those
+
+
+@dataclass(frozen=True)
+class PDRankSpec(RankSpec):
+    """A PD rank's spec: where its KV transfer endpoint listens, and (prefill) the node's bootstrap
+    server that decode ranks look rooms up in."""
+
+    ranks_listen = True
+    transfer_host: str = "127.0.0.1"
+    bootstrap_addr: str = ""

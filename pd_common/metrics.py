@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
+from pd_common.messages import KVRankStats
 from runtime.messages import RankStats
 from runtime.metrics import MetricsExtension, NodeMetrics, rank_counter
 
@@ -61,8 +62,8 @@ class KVMetrics(MetricsExtension):
         }
 
     def add_rank(self, fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
-        kv = st.kv
-        if kv is None:
+        kv = st.ext
+        if not isinstance(kv, KVRankStats):
             return
         fam["kv_bytes"].add_metric(lv, kv.bytes)
         fam["kv_tokens"].add_metric(lv, kv.tokens)
@@ -85,12 +86,12 @@ class KVMetrics(MetricsExtension):
                 continue
             for v in values:
                 h.observe(v)
-        if st.kv is not None:
+        if isinstance(st.ext, KVRankStats):
             seconds = self.seconds.labels(*lv, str(st.pp_rank))
             nbytes = self.room_bytes.labels(*lv, str(st.pp_rank))
-            for v in st.kv.latencies:
+            for v in st.ext.latencies:
                 seconds.observe(v)
-            for b in st.kv.room_bytes:
+            for b in st.ext.room_bytes:
                 nbytes.observe(b)
 
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from engine.core import SamplingParams
-from pd_common.messages import PDAddRequest, PrefillDoneEvent, check_room
+from pd_common.messages import PDAddRequest, PDRankSpec, PrefillDoneEvent, check_room
 from pd_common.metrics import PrefillMetrics
 from runtime.answer import Pending
 from runtime.front import NodeFront
@@ -22,7 +22,7 @@ from runtime.prompt import RequestError
 class PrefillFront(NodeFront):
     finish_reasons = ("prefill_done", "abort")
     metrics_extension = PrefillMetrics
-    kv_control_sockets = True
+    rank_spec = PDRankSpec
 
     def __init__(self, *a, bootstrap_port: int, **kw):
         super().__init__(*a, **kw)

@@ -7,6 +7,7 @@ import sys
 from consensus.store import PPConsensusStore
 from kv_transfer.base import BasePrefillKVManager
 from kv_transfer.prefill_manager import PrefillKVManager
+from pd_common.messages import PDRankSpec
 from pd_common.rank_setup import pool_desc, transfer_config
 from prefill_node.loop import PrefillLoop
 from runtime.pp_comm import Msg
@@ -47,7 +48,7 @@ def make_loop(parts: RankParts, kv: BasePrefillKVManager | None = None) -> Prefi
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS)
+    return run_rank(argv, make_loop, build_kwargs=BUILD_KWARGS, spec_cls=PDRankSpec)
 
 
 if __name__ == "__main__":

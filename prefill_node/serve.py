@@ -17,6 +17,7 @@ def add_prefill_args(ap: argparse.ArgumentParser) -> None:
 
 def prefill_main(args) -> int:
     from kv_transfer.bootstrap import BootstrapServer
+    from pd_common.messages import PDRankSpec
     from prefill_node.front import PrefillFront
 
     transfer = {"transfer_host": advertise_host(args)}
@@ -26,6 +27,7 @@ def prefill_main(args) -> int:
             args,
             "prefill",
             "prefill_node.rank",
+            PDRankSpec,
             {**transfer, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"},
         )
     from infra.cluster_secret import cluster_secret
@@ -40,11 +42,8 @@ def prefill_main(args) -> int:
             front,
             app,
             "prefill",
+            {**transfer, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"},
             module="prefill_node.rank",
-            transfer={
-                **transfer,
-                "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}",
-            },
         )
     finally:
         server.stop()

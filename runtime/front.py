@@ -50,6 +50,7 @@ from runtime.messages import (
 from runtime.metrics import MetricsExtension
 from runtime.node_tracing import NodeTracing
 from runtime.prompt import RequestError, check_context, prompt_ids, request_rid, sampling_params
+from runtime.rank_spec import RankSpec
 from runtime.reasons import AbortReason
 from runtime.token_text import TokenBytes, TokenText
 
@@ -72,7 +73,7 @@ class NodeFront:
     # what a kind of node adds to them: a PD front names its own (prefill_done; the KV transfer's)
     finish_reasons: tuple[str, ...] = ("stop", "length", "abort")
     metrics_extension: type[MetricsExtension] = MetricsExtension
-    kv_control_sockets = False  # its ranks bind KV control sockets (the PD fronts), see serve.py
+    rank_spec: type[RankSpec] = RankSpec  # what its ranks start with (a PD front: PDRankSpec)
 
     def __init__(
         self,
@@ -383,7 +384,6 @@ class NodeFront:
             "pid": os.getpid(),
             "sampling_defaults": self.sampling_defaults,
             "pp_size": self.pp_size,
-            "bootstrap_port": None,
             "healthy": ok,
             "status": why,
             "load": {

@@ -52,6 +52,8 @@ def _checker(ann: Any, where: str) -> Callable[[Any], Any]:
         return _scalar_checker(ann, where)
     if origin in (list, tuple, dict) or ann in (list, tuple, dict):
         return _container_checker(origin or ann, args, where)
+    if getattr(ann, "tagged", False):  # any registered subclass, by its tag (StatsExtension)
+        return lambda v: ann.from_wire(v, where)
     if dataclasses.is_dataclass(ann):
 
         def nested(v):

@@ -3,7 +3,7 @@
     front -> PP0      AddRequest, AbortRequest (a PD node adds its own kinds: pd_common/messages.py)
     PP0 -> ranks      the same requests, forwarded down the PP chain as the meta stream
     PP0 -> front      TokenEvent, FinishEvent, ErrorEvent, AbortUnknownEvent (+ the PD kinds)
-    rank -> front     RankStats (with KVRankStats on a PD rank), twice a second
+    rank -> front     RankStats (+ a PD rank's KVRankStats, its StatsExtension), twice a second
 
 A message travels as a msgpack list `[tag, field, ...]` in field order. `decode` checks the tag, the
 number of fields and every field's type (from its annotation) and bound (runtime/message_checks.py),
@@ -220,18 +220,20 @@ class SpanRecord:
 
 
 @dataclass(frozen=True)
-class KVRankStats:
-    """A PD rank's transfer counters since start (latencies: those new since the last push)."""
+class StatsExtension:
+    """What a kind of loop adds to its rank's stats (SlotLoop.stats_extension; a PD loop: its KV
+    transfer counters). A subclass is a registered message: it travels with its tag, so the front
+    decodes its own node's kind and drops any other."""
 
-    bytes: int
-    failures: dict[str, int]
-    latencies: list[float]
-    dropped: dict[str, int]  # control messages dropped, by reason
-    ctrl_port: int | None  # where the rank's KV control socket listens
-    room_bytes: list[int] = field(default_factory=list)  # KV bytes of each room in `latencies`
-    tokens: int = 0  # prompt tokens whose KV moved (rooms that succeeded)
-    skipped_tokens: int = 0  # prompt tokens the decode rank held already, so not moved
-    skipped_bytes: int = 0  # the KV bytes of those
+    key: ClassVar[str] = "ext"  # its key in /server_info's rank entry
+    tagged: ClassVar[bool] = True  # runtime/message_checks.py: the field takes any tagged subclass
+
+    @classmethod
+    def from_wire(cls, v: Any, where: str) -> StatsExtension:
+        msg = decode(v)
+        if not isinstance(msg, cls):
+            raise MessageError(f"{where}: {type(msg).__name__} is no {cls.__name__}")
+        return msg
 
 
 @message("stats")
@@ -255,7 +257,7 @@ class RankStats:
     queues: dict[str, int]  # requests per queue: waiting, running, retracted + a PD loop's own
     samples: dict[str, list[float]]  # latency samples since the last push, by name
     front_dropped: dict[str, int] = field(default_factory=dict)  # PP0: bad front messages
-    kv: KVRankStats | None = None
+    ext: StatsExtension | None = None  # the node kind's own counters
     dtype: str = ""  # the dtype the rank computes in (--dtype auto resolved)
     spans: list[SpanRecord] = field(default_factory=list)  # traced requests' stages, since last
 
@@ -268,6 +270,9 @@ class RankStats:
         d = dataclasses.asdict(self)
         d.pop("spans")  # the front's tracing takes them
         d.update(d.pop("queues"))
+        d.pop("ext")
+        if self.ext is not None:
+            d[self.ext.key] = dataclasses.asdict(self.ext)
         return d
 
 

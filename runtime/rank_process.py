@@ -43,7 +43,7 @@ from runtime.front import (
     STATS_CHANNEL,
     STATS_MAX_BYTES,
 )
-from runtime.messages import KVRankStats, RankStats, decode, pack
+from runtime.messages import RankStats, StatsExtension, decode, pack
 from runtime.placement import bind_cores
 from runtime.pp_comm import PPComm
 from runtime.rank_spec import RankSpec
@@ -100,7 +100,7 @@ class ZmqFrontIO:
 
 
 def rank_stats(
-    loop: SlotLoop, pp_rank: int, kv: KVRankStats | None = None, dtype: str = ""
+    loop: SlotLoop, pp_rank: int, ext: StatsExtension | None = None, dtype: str = ""
 ) -> RankStats:
     """What one rank reports to the front (and the in-process tests read directly)."""
     s, alloc = loop.sched, loop.sched.allocator
@@ -122,7 +122,7 @@ def rank_stats(
         queues=loop.queue_sizes(),
         samples=loop.drain_samples(),
         front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
-        kv=kv,
+        ext=ext,
         dtype=dtype,
         spans=loop.spans.drain(),
     )
@@ -147,33 +147,14 @@ class StatsReporter:
             self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
         self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
         self._next = 0.0
-        self._kv_latencies_seen = 0
 
     def maybe_send(self, force: bool = False) -> None:
         now = time.monotonic()
         if self.sock is None or (now < self._next and not force):
             return
         self._next = now + self.period
-        stats = rank_stats(self.loop, self.spec.pp_rank, self._kv_rank_stats(), self.dtype)
+        stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
         self._send(stats)
-
-    def _kv_rank_stats(self) -> KVRankStats | None:
-        kv = self.loop.kv_stats()
-        if kv is None:
-            return None
-        new = kv["latency_count"] - self._kv_latencies_seen
-        self._kv_latencies_seen = kv["latency_count"]
-        return KVRankStats(
-            bytes=kv["bytes_sent"] + kv["bytes_received"],
-            failures=dict(kv["failures"]),
-            latencies=[lat for _, lat in kv["recent_latencies"][-new:]] if new > 0 else [],
-            dropped=dict(kv["dropped"]),
-            ctrl_port=kv.get("ctrl_port"),
-            room_bytes=kv["recent_room_bytes"][-new:] if new > 0 else [],
-            tokens=kv["tokens"],
-            skipped_tokens=kv["skipped_tokens"],
-            skipped_bytes=kv["skipped_bytes"],
-        )
 
     def _send(self, stats: RankStats) -> None:
         try:
@@ -324,18 +305,18 @@ def run_rank(
     argv: list[str] | None,
     make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
     build_kwargs: dict[str, Any] | None = None,
+    spec_cls: type[RankSpec] = RankSpec,
 ) -> int:
-    """Parses the spec, builds the rank and runs its loop until SIGTERM or a fatal error."""
+    """Parses the spec (a `spec_cls`), builds the rank and runs its loop until SIGTERM or a fatal
+    error."""
     ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
     try:
-        spec = RankSpec.from_json(ap.parse_args(argv).spec)
+        spec = spec_cls.from_json(ap.parse_args(argv).spec)
     except ValueError as e:  # a MessageError, or JSONDecodeError
         ap.error(f"--spec: {e}")
     setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
-    bind_cores(
-        spec.cpus
-    )  # before any thread starts: OpenMP's pool and the transfer threads inherit it
+    bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
     ctx = zmq.Context()

@@ -1,13 +1,14 @@
 """What the node front starts a rank process with (JSON on its command line, checked strictly on
 arrival). Kept apart from runtime/rank_process.py so the front can build it without importing
-torch."""
+torch. A kind of node with more to say subclasses it (pd_common/messages.PDRankSpec), and names
+that class in its front (NodeFront.rank_spec) and its rank entry point (run_rank's spec_cls)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from runtime.messages import from_mapping
 
@@ -33,10 +34,9 @@ class RankSpec:
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer (0 = off)
     comm_stream: bool = False  # PP sends on their own CUDA stream
-    # Set by the PD nodes: where this rank's KV transfer endpoint listens, and (prefill) the
-    # node's bootstrap server that decode ranks look rooms up in.
-    transfer_host: str = "127.0.0.1"
-    bootstrap_addr: str = ""
+    # whether the ranks bind sockets beyond the front link that other hosts reach (a PD node's KV
+    # control): runtime/serve.refuse_unprotected checks the host they advertise
+    ranks_listen: ClassVar[bool] = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

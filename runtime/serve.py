@@ -102,15 +102,15 @@ def advertise_host(args) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
-def refuse_unprotected(args, role: str, kv_sockets: bool) -> str | None:
+def refuse_unprotected(args, role: str, ranks_listen: bool) -> str | None:
     """The cluster secret; stops the process when this host's part of the node would listen beyond
-    loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks have
-    `kv_sockets` (the PD nodes), their KV control sockets (the advertised host,
-    PDSERVE_ADVERTISE_HOST)."""
+    loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks listen
+    (RankSpec.ranks_listen: the PD nodes' KV control sockets), the host they advertise
+    (PDSERVE_ADVERTISE_HOST)."""
     from infra.cluster_secret import cluster_secret
 
     secret = cluster_secret()
-    hosts = [args.host] + ([advertise_host(args)] if kv_sockets else [])
+    hosts = [args.host] + ([advertise_host(args)] if ranks_listen else [])
     for host in dict.fromkeys(hosts):
         refuse_unprotected_bind(host, secret, args.insecure, f"pdserve {role}")
     return secret
@@ -132,9 +132,14 @@ def stats_port(args) -> int:
 
 
 def make_specs(
-    args, role: str, front_addrs: dict[str, str], transfer: dict[str, str] | None = None
+    args,
+    role: str,
+    front_addrs: dict[str, str],
+    spec_cls: type[RankSpec] = RankSpec,
+    spec_fields: dict[str, Any] | None = None,
 ) -> list[RankSpec]:
-    """`transfer`: a PD node's RankSpec.transfer_host and bootstrap_addr."""
+    """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
+    (PDRankSpec: where its transfer listens)."""
     ranks = local_ranks(args)
     dist = (
         f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
@@ -143,7 +148,7 @@ def make_specs(
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
     bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
     return [
-        RankSpec(
+        spec_cls(
             model=args.model,
             engine=engine_dict(args, args.threads or len(cores)),
             pp_size=args.pp,
@@ -163,7 +168,7 @@ def make_specs(
             waiting_timeout_s=args.waiting_timeout,
             running_timeout_s=args.running_timeout,
             comm_stream=args.pp_comm_stream,
-            **(transfer or {}),
+            **(spec_fields or {}),
         )
         for r, cores in zip(ranks, plan.rank_cores, strict=True)
     ]
@@ -174,15 +179,17 @@ def run_node(
     front,
     app,
     role: str,
-    transfer: dict[str, str] | None = None,
+    spec_fields: dict[str, Any] | None = None,
     module: str = "runtime.rank_process",
 ) -> int:
-    """Starts the ranks, serves HTTP until stopped, then stops every rank."""
+    """Starts the ranks (each with its front's kind of spec, NodeFront.rank_spec), serves HTTP
+    until stopped, then stops every rank."""
     specs = make_specs(
         args,
         role,
         {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
-        transfer,
+        front.rank_spec,
+        spec_fields,
     )
     server = uvicorn.Server(
         server_config(
@@ -259,7 +266,7 @@ def make_front(args, role: str, cls=None, **kw):
     setup_logging(f"[{role} front]", args.log_level, args.log_format)
     cls = cls or NodeFront
     # the ranks read the secret too: children inherit the environment
-    secret = refuse_unprotected(args, role, cls.kv_control_sockets)
+    secret = refuse_unprotected(args, role, cls.rank_spec.ranks_listen)
     if not secret:
         log.warning(
             "no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users"
@@ -293,14 +300,20 @@ def make_front(args, role: str, cls=None, **kw):
     return front, build_app(front, secret)
 
 
-def run_remote_ranks(args, role: str, module: str, transfer: dict[str, str] | None = None) -> int:
+def run_remote_ranks(
+    args,
+    role: str,
+    module: str,
+    spec_cls: type[RankSpec] = RankSpec,
+    spec_fields: dict[str, Any] | None = None,
+) -> int:
     """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
     setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level, args.log_format)
-    # these ranks' sockets are as reachable as node-rank 0's; a PD node's ranks take `transfer`
-    refuse_unprotected(args, role, kv_sockets=transfer is not None)
+    # these ranks' sockets are as reachable as node-rank 0's
+    refuse_unprotected(args, role, spec_cls.ranks_listen)
     port = stats_port(args)
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
-    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, transfer)
+    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, spec_cls, spec_fields)
     stopped = threading.Event()
     ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
     try:

@@ -36,6 +36,7 @@ from runtime.messages import (
     ErrorEvent,
     Event,
     FinishEvent,
+    StatsExtension,
     TokenEvent,
     decode,
     encode,
@@ -246,8 +247,9 @@ class SlotLoop:
         self.samples = {}
         return out
 
-    def kv_stats(self) -> dict | None:
-        """The PD loops' transfer counters (bytes, failures, per-room latencies)."""
+    def stats_extension(self) -> StatsExtension | None:
+        """What this kind of loop adds to its rank's stats push (a PD loop: its KV transfer
+        counters); called once per push."""
         return None
 
     def describe(self) -> str:

@@ -31,7 +31,7 @@ from consensus import rank_checker
 from decode_node import rank as decode_rank
 from kv_transfer.in_memory import InMemoryFabric
 from kv_transfer.manager import TransferConfig
-from pd_common.messages import PDAddRequest, PrefillDoneEvent
+from pd_common.messages import PDAddRequest, PDRankSpec, PrefillDoneEvent
 from pd_common.rank_setup import pool_desc
 from prefill_node import rank as prefill_rank
 from runtime.messages import (
@@ -351,7 +351,8 @@ def settled(s: RankStats) -> bool:
 
 
 def _spec(model: Path, role: str, pp: int, rank: int, engine: dict, **kw) -> RankSpec:
-    return RankSpec(
+    spec_cls = RankSpec if role == "colocated" else PDRankSpec
+    return spec_cls(
         model=str(model),
         engine={**ENGINE, **engine},
         pp_size=pp,

@@ -9,14 +9,13 @@ import json
 import msgpack
 import pytest
 
-from pd_common.messages import PDAddRequest, PrefillDoneEvent
+from pd_common.messages import KVRankStats, PDAddRequest, PrefillDoneEvent
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
     AddRequest,
     ErrorEvent,
     FinishEvent,
-    KVRankStats,
     MessageError,
     RankStats,
     TokenEvent,
@@ -44,7 +43,7 @@ STATS = RankStats(
     queues={"waiting": 1, "running": 2, "prealloc": 0},
     samples={"queue:waiting": [0.001, 0.5]},
     front_dropped={"malformed": 1},
-    kv=KVRankStats(1024, {"waiting_timeout": 1}, [0.02], {"bad_mac": 2}, 5555, [4096]),
+    ext=KVRankStats(1024, {"waiting_timeout": 1}, [0.02], {"bad_mac": 2}, 5555, [4096]),
     dtype="bfloat16",
 )
 EVERY_KIND = [
@@ -113,6 +112,8 @@ MALFORMED = [
     ["error", "r1", "m", None, "KV transfer failed"],
     ["finish", "r1", "abort", "m", None, 3, 1, 0, "aborted"],
     [*encode(STATS)[:-2], ["kv"], ""],  # nested stats of the wrong shape
+    [*encode(STATS)[:-3], ["abort", "r1", "client_abort"], "", []],  # a message, no extension
+    [*encode(STATS)[:-3], ["no_such_tag", 1], "", []],  # an extension of no known kind
 ]
 
 

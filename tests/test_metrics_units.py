@@ -13,11 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from decode_node.front import DecodeFront
 from kv_transfer.stats import DROP_REASONS, FAILURE_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
+from pd_common.messages import KVRankStats
 from prefill_node.front import PrefillFront
 from router.metrics import CIRCUIT_STATES, GENERATION_ROUTES, RouterMetrics
 from runtime.answer import Pending
 from runtime.front import NodeFront
-from runtime.messages import ErrorEvent, FinishEvent, KVRankStats, RankStats, TokenEvent
+from runtime.messages import ErrorEvent, FinishEvent, RankStats, TokenEvent
 from runtime.metrics import MetricsExtension, NodeMetrics
 from runtime.reasons import ABORT_REASONS, AbortReason
 

@@ -3,7 +3,11 @@
 # driven by the same aiperf workload (run_aiperf_sweep.sh) with the client pinned to core 1.
 # Prefix caching is off on both sides: every level resends the same seeded prompts.
 # Usage (from the project checkout, which must have .venv): side_by_side.sh OUT_DIR [SYSTEMS]
-#   SYSTEMS: space-separated subset of "vllm pd pd11 pd22 pd_fp32 colo colo1 colo2" (default: vllm pd colo)
+#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 colo colo1 colo2" and
+#   of the prefix-cache runs "vllm_cache vllm_fp32_cache pd_cache colo_cache" (default: vllm pd colo)
+#   vllm_fp32: vLLM in fp32 (on a CPU without bf16 units, the dtype pdserve's auto resolves to).
+#   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
+#   (run_aiperf_sweep.sh SYSPROMPT; each level draws its own user prompts).
 #   LEVELS (env): concurrency:requests pairs, default "1:16 8:48 32:64"
 set -u
 HERE="$(cd "$(dirname "$0")" && pwd)"   # bench/peers: adapted from the shared peer scripts; same workload
@@ -26,16 +30,22 @@ stop_group() { kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null; f
 for S in $SYSTEMS; do
   echo "== $S $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
   t0=$(date +%s.%N)
-  case $S in
-    vllm)
-      setsid "$HERE/start_vllm.sh" 8011 --no-enable-prefix-caching || continue
+  cache="--no-prefix-cache"; SYSPROMPT=0
+  case $S in *_cache) cache=""; SYSPROMPT=512;; esac
+  export SYSPROMPT
+  base=${S%_cache}
+  case $base in
+    vllm|vllm_fp32)
+      va=(); [ -n "$cache" ] && va=(--no-enable-prefix-caching); [ "$base" = vllm_fp32 ] && va+=(--dtype float32)
+      setsid "$HERE/start_vllm.sh" 8011 "${va[@]}" || continue
       PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="$PEER_DIR/smollm2-135m-hf" ;;
     pd|pd11|pd22|pd_fp32)
       # pd: `pdserve up` with its defaults; pd11 / pd22: PP 1+1 / PP 2+2 named explicitly.
-      # No prefix cache: the levels resend the same prompts, and vLLM runs with its cache off too.
+      # No prefix cache (but in pd_cache): the levels resend the same prompts, and vLLM runs with
+      # its cache off too.
       extra=(); case $S in pd11) extra=(--prefill-pp 1 --decode-pp 1);; pd22) extra=(--prefill-pp 2 --decode-pp 2);; esac
-      na="--no-prefix-cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
-      extra+=("--node-args=$na")
+      na="$cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
+      [ -n "${na// }" ] && extra+=("--node-args=$na")
       setsid "$PDS" up --port 8100 "${extra[@]}" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8100
       wait_health http://127.0.0.1:8100 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
@@ -44,7 +54,7 @@ for S in $SYSTEMS; do
       # colo: `pdserve serve --pp 1` with its defaults (its plan: one compute core, one for I/O);
       # colo1 / colo2: --threads 1 / 2 named explicitly (colo2: both cores compute, nothing left for I/O)
       th=(); [ "$S" = colo1 ] && th=(--threads 1); [ "$S" = colo2 ] && th=(--threads 2)
-      setsid bash -c "'$PDS' serve --pp 1 ${th[*]} --no-prefix-cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
+      setsid bash -c "'$PDS' serve --pp 1 ${th[*]} $cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8200
       wait_health http://127.0.0.1:8200 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
       MODEL=$(served_model http://127.0.0.1:8200) ;;
