@@ -25,14 +25,14 @@ def test_advertised_host_beyond_loopback_needs_the_secret(monkeypatch):
     monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.1.2.3")  # KV control binds there
     for role in ("prefill", "decode"):
         with pytest.raises(SystemExit, match="without a cluster secret"):
-            refuse_unprotected(args("127.0.0.1"), role, kv_sockets=True)
-        assert refuse_unprotected(args("127.0.0.1", insecure=True), role, kv_sockets=True) is None
-    assert refuse_unprotected(args("127.0.0.1"), "colocated", kv_sockets=False) is None
+            refuse_unprotected(args("127.0.0.1"), role, ranks_listen=True)
+        assert refuse_unprotected(args("127.0.0.1", insecure=True), role, ranks_listen=True) is None
+    assert refuse_unprotected(args("127.0.0.1"), "colocated", ranks_listen=False) is None
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "s")
-    assert refuse_unprotected(args("127.0.0.1"), "decode", kv_sockets=True) == "s"
+    assert refuse_unprotected(args("127.0.0.1"), "decode", ranks_listen=True) == "s"
 
 
 def test_network_host_needs_the_secret():
     with pytest.raises(SystemExit, match="without a cluster secret"):
-        refuse_unprotected(args("0.0.0.0"), "colocated", kv_sockets=False)
-    assert refuse_unprotected(args("127.0.0.1"), "decode", kv_sockets=True) is None
+        refuse_unprotected(args("0.0.0.0"), "colocated", ranks_listen=False)
+    assert refuse_unprotected(args("127.0.0.1"), "decode", ranks_listen=True) is None
