@@ -78,16 +78,42 @@ def _words(body: dict) -> list[str]:
 
 
 def make_app(behavior: Behavior) -> FastAPI:
+    node = _StubRoutes(behavior)
     app = FastAPI()
-    stats = Stats()
-    aborted: set[str] = set()
-    app.state.behavior, app.state.stats = behavior, stats
+    app.state.behavior, app.state.stats = behavior, node.stats
+    app.add_api_route("/generate", node.generate, methods=["POST"])
+    app.add_api_route("/abort", node.abort, methods=["POST"])
+    app.add_api_route("/health", node.health, methods=["GET"])
+    app.add_api_route("/server_info", node.server_info, methods=["GET"])
+    app.add_api_route("/bootstrap_servers", node.bootstrap_servers, methods=["PUT"])
+    app.add_api_route("/_control", node.control, methods=["POST"])
+    app.add_api_route("/_stats", node.get_stats, methods=["GET"])
+    return app
 
-    def plan(body: dict):
+
+def _abort_chunk(rid: str, message: str, code: str) -> str:
+    return _sse(
+        {
+            "rid": rid,
+            "error": {"message": message, "type": "server_error", "code": code},
+            "meta_info": {"finish_reason": {"type": "abort"}},
+        }
+    )
+
+
+class _StubRoutes:
+    """The stub node's endpoints, over its behavior (changed at run time by /_control)."""
+
+    def __init__(self, behavior: Behavior):
+        self.behavior = behavior
+        self.stats = Stats()
+        self.aborted: set[str] = set()
+
+    def plan(self, body: dict):
         words = _words(body)
         params = body.get("sampling_params") or {}
         max_tokens = params.get("max_tokens")
-        n = behavior.natural_tokens
+        n = self.behavior.natural_tokens
         reason = "stop"
         if max_tokens is not None and max_tokens <= n:
             n, reason = max_tokens, "length"
@@ -100,6 +126,7 @@ def make_app(behavior: Behavior) -> FastAPI:
             out.append(word)
         return len(words), out, reason, params
 
+    @staticmethod
     def chunk(rid, prompt_tokens, done, text, i, reason, params):
         meta = {
             "prompt_tokens": prompt_tokens,
@@ -116,153 +143,123 @@ def make_app(behavior: Behavior) -> FastAPI:
             "meta_info": meta,
         }
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    async def generate(self, request: Request):
+        b, stats = self.behavior, self.stats
         body = await request.json()
         rid = body.get("rid") or uuid.uuid4().hex
         stats.generate += 1
         stats.rids.append(rid)
         stats.rooms.append(body.get("bootstrap_room"))
         stats.bodies.append(body)
-        prompt_tokens, words, reason, params = plan(body)
-        if prompt_tokens + (params.get("max_tokens") or 0) > behavior.max_context:
+        prompt_tokens, words, reason, params = self.plan(body)
+        if prompt_tokens + (params.get("max_tokens") or 0) > b.max_context:
             return _error(
                 400,
                 "prompt plus max_tokens exceed the context",
                 "context_length_exceeded",
                 "max_tokens",
             )
-        if behavior.fail in ("500", "503", "429"):
-            return _error(int(behavior.fail), f"injected failure {behavior.fail}", "injected")
-        if behavior.fail == "hang":
-            while rid not in aborted:
+        if b.fail in ("500", "503", "429"):
+            return _error(int(b.fail), f"injected failure {b.fail}", "injected")
+        if b.fail == "hang":
+            while rid not in self.aborted:
                 await asyncio.sleep(0.02)
             return JSONResponse({"rid": rid, "meta_info": {"finish_reason": {"type": "abort"}}})
-        if behavior.role == "prefill":
-            await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
-            kind = "abort" if behavior.fail == "abort" or rid in aborted else "length"
+        if b.role == "prefill":
+            await _sleep_unless(b.first_token_delay_s, rid, self.aborted)
+            kind = "abort" if b.fail == "abort" or rid in self.aborted else "length"
             return {
                 "rid": rid,
                 "meta_info": {"prompt_tokens": prompt_tokens, "finish_reason": {"type": kind}},
             }
         if not body.get("stream"):
-            await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
-            if behavior.fail == "abort" or rid in aborted:
-                reason = "abort"
-            text = " ".join(words)
-            out = chunk(rid, prompt_tokens, len(words), text, 0, reason, params)
-            out["token_ids"] = [1000 + i for i in range(len(words))]
-            if params.get("logprobs"):
-                out["meta_info"]["logprobs"] = [
-                    chunk(rid, 0, 0, w, i, None, params)["meta_info"]["logprobs"][0]
-                    for i, w in enumerate(words)
-                ]
-            return out
+            return await self.whole_answer(rid, prompt_tokens, words, reason, params)
+        events = self.events(rid, prompt_tokens, words, reason, params)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-        async def events():
-            try:
-                await _sleep_unless(behavior.first_token_delay_s, rid, aborted)
-                if behavior.fail == "abort":
-                    yield _sse(
-                        {
-                            "rid": rid,
-                            "error": {
-                                "message": "injected abort",
-                                "type": "server_error",
-                                "code": "injected",
-                            },
-                            "meta_info": {"finish_reason": {"type": "abort"}},
-                        }
-                    )
-                    yield "data: [DONE]\n\n"
-                    return
-                for i, word in enumerate(words):
-                    if i and behavior.token_delay_s:
-                        await _sleep_unless(behavior.token_delay_s, rid, aborted)
-                    if rid in aborted or (behavior.fail == "midstream" and i == 2):
-                        yield _sse(
-                            {
-                                "rid": rid,
-                                "error": {
-                                    "message": "aborted",
-                                    "type": "server_error",
-                                    "code": "aborted",
-                                },
-                                "meta_info": {"finish_reason": {"type": "abort"}},
-                            }
-                        )
-                        break
-                    last = i == len(words) - 1
-                    yield _sse(
-                        chunk(
-                            rid,
-                            prompt_tokens,
-                            i + 1,
-                            (" " if i else "") + word,
-                            i,
-                            reason if last else None,
-                            params,
-                        )
-                    )
-                else:
-                    if not words:
-                        yield _sse(chunk(rid, prompt_tokens, 0, "", 0, reason, params))
+    async def whole_answer(self, rid, prompt_tokens, words, reason, params):
+        await _sleep_unless(self.behavior.first_token_delay_s, rid, self.aborted)
+        if self.behavior.fail == "abort" or rid in self.aborted:
+            reason = "abort"
+        text = " ".join(words)
+        out = self.chunk(rid, prompt_tokens, len(words), text, 0, reason, params)
+        out["token_ids"] = [1000 + i for i in range(len(words))]
+        if params.get("logprobs"):
+            out["meta_info"]["logprobs"] = [
+                self.chunk(rid, 0, 0, w, i, None, params)["meta_info"]["logprobs"][0]
+                for i, w in enumerate(words)
+            ]
+        return out
+
+    async def events(self, rid, prompt_tokens, words, reason, params):
+        b = self.behavior
+        try:
+            await _sleep_unless(b.first_token_delay_s, rid, self.aborted)
+            if b.fail == "abort":
+                yield _abort_chunk(rid, "injected abort", "injected")
                 yield "data: [DONE]\n\n"
-            except BaseException:
-                stats.disconnects += 1
-                raise
+                return
+            for i, word in enumerate(words):
+                if i and b.token_delay_s:
+                    await _sleep_unless(b.token_delay_s, rid, self.aborted)
+                if rid in self.aborted or (b.fail == "midstream" and i == 2):
+                    yield _abort_chunk(rid, "aborted", "aborted")
+                    break
+                last = i == len(words) - 1
+                text = (" " if i else "") + word
+                yield _sse(
+                    self.chunk(rid, prompt_tokens, i + 1, text, i, reason if last else None, params)
+                )
+            else:
+                if not words:
+                    yield _sse(self.chunk(rid, prompt_tokens, 0, "", 0, reason, params))
+            yield "data: [DONE]\n\n"
+        except BaseException:
+            self.stats.disconnects += 1
+            raise
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    def _authorized(self, request: Request) -> bool:
+        token = self.behavior.internal_token
+        return not token or request.headers.get("authorization") == f"Bearer {token}"
 
-    @app.post("/abort")
-    async def abort(request: Request):
-        if behavior.internal_token and (
-            request.headers.get("authorization") != f"Bearer {behavior.internal_token}"
-        ):
+    async def abort(self, request: Request):
+        if not self._authorized(request):
             return _error(401, "bad internal token")
         body = await request.json()
-        stats.aborts.append(body.get("rid"))
-        aborted.add(body.get("rid"))
+        self.stats.aborts.append(body.get("rid"))
+        self.aborted.add(body.get("rid"))
         return {"aborted": True}
 
-    @app.get("/health")
-    async def health():
-        if not behavior.healthy:
+    async def health(self):
+        if not self.behavior.healthy:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/server_info")
-    async def server_info():
+    async def server_info(self):
+        b = self.behavior
         return {
-            "model": behavior.model,
-            "role": behavior.role,
-            "max_context": behavior.max_context,
+            "model": b.model,
+            "role": b.role,
+            "max_context": b.max_context,
             "pp_size": 1,
-            "bootstrap_port": behavior.bootstrap_port,
-            "prefix_cache": behavior.prefix_cache,
+            "bootstrap_port": b.bootstrap_port,
+            "prefix_cache": b.prefix_cache,
             "load": {"running": 0, "waiting": 0},
         }
 
-    @app.put("/bootstrap_servers")
-    async def bootstrap_servers(request: Request):
-        if behavior.internal_token and (
-            request.headers.get("authorization") != f"Bearer {behavior.internal_token}"
-        ):
+    async def bootstrap_servers(self, request: Request):
+        if not self._authorized(request):
             return _error(401, "bad internal token")
-        stats.bootstrap_servers = (await request.json())["servers"]
-        return {"servers": stats.bootstrap_servers}
+        self.stats.bootstrap_servers = (await request.json())["servers"]
+        return {"servers": self.stats.bootstrap_servers}
 
-    @app.post("/_control")
-    async def control(request: Request):
+    async def control(self, request: Request):
         for key, value in (await request.json()).items():
-            setattr(behavior, key, value)
-        return dataclasses.asdict(behavior)
+            setattr(self.behavior, key, value)
+        return dataclasses.asdict(self.behavior)
 
-    @app.get("/_stats")
-    async def get_stats():
-        return dataclasses.asdict(stats)
-
-    return app
+    async def get_stats(self):
+        return dataclasses.asdict(self.stats)
 
 
 def _sse(obj: dict) -> str:

@@ -123,6 +123,38 @@ def test_workload_is_seeded_and_lengths_are_exact(tiny6):
     assert {clipped.sample(rng) for _ in range(300)} <= set(range(4, 13))
 
 
+def _assert_sweep_load(s: dict) -> None:
+    """One load of the concurrency sweep: 6 measured requests of exactly 6 tokens, all good."""
+    assert (s["completed"], s["failed"], s["cancelled"], s["warmup_requests"]) == (
+        6,
+        0,
+        0,
+        1,
+    ), s
+    # ignore_eos: every answer is exactly max_tokens long, counted by the server's usage.
+    assert s["output_tokens_as_requested"] == 6 and s["total_output_tokens"] == 36
+    assert s["output_tokens_source"] == {"usage": 6} and s["input_tokens_source"] == {"server": 6}
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert ordered(s[key]), (key, s[key])
+    assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"]
+    # A huge SLO: every request is good, so goodput is the request throughput itself.
+    assert s["good_requests"] == 6 and s["goodput"] == s["request_throughput"] > 0
+    assert s["output_token_throughput"] == pytest.approx(36 / s["duration_s"], rel=1e-3)
+    recs = s["records"]
+    assert [r["warmup"] for r in recs] == [True] + [False] * 6
+    prompt_overhead = {r["prompt_tokens"] - r["client_prompt_tokens"] for r in recs}
+    assert {r["client_prompt_tokens"] for r in recs} == {24} and len(prompt_overhead) == 1, recs
+    for r in recs:
+        assert (
+            r["ok"] and r["output_tokens"] == r["max_tokens"] == 6 and len(r["chunk_times_ms"]) >= 1
+        )
+        assert (
+            r["chunk_times_ms"] == sorted(r["chunk_times_ms"])
+            and r["chunk_times_ms"][0] == r["ttft_ms"]
+        )
+        assert r["chunk_times_ms"][-1] <= r["e2e_ms"]
+
+
 def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny6, tmp_path):
     png = tmp_path / "sweep.png"
     res = run_json(
@@ -154,38 +186,7 @@ def test_concurrency_sweep_counts_latencies_goodput_and_plot(cluster, tiny6, tmp
     assert res["config"]["api_key_sent"] is True and KEY not in json.dumps(res)
     assert [s["load"] for s in res["loads"]] == [{"concurrency": 1}, {"concurrency": 3}]
     for s in res["loads"]:
-        assert (s["completed"], s["failed"], s["cancelled"], s["warmup_requests"]) == (
-            6,
-            0,
-            0,
-            1,
-        ), s
-        # ignore_eos: every answer is exactly max_tokens long, counted by the server's usage.
-        assert s["output_tokens_as_requested"] == 6 and s["total_output_tokens"] == 36
-        assert s["output_tokens_source"] == {"usage": 6} and s["input_tokens_source"] == {
-            "server": 6
-        }
-        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
-            assert ordered(s[key]), (key, s[key])
-        assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"]
-        # A huge SLO: every request is good, so goodput is the request throughput itself.
-        assert s["good_requests"] == 6 and s["goodput"] == s["request_throughput"] > 0
-        assert s["output_token_throughput"] == pytest.approx(36 / s["duration_s"], rel=1e-3)
-        recs = s["records"]
-        assert [r["warmup"] for r in recs] == [True] + [False] * 6
-        prompt_overhead = {r["prompt_tokens"] - r["client_prompt_tokens"] for r in recs}
-        assert {r["client_prompt_tokens"] for r in recs} == {24} and len(prompt_overhead) == 1, recs
-        for r in recs:
-            assert (
-                r["ok"]
-                and r["output_tokens"] == r["max_tokens"] == 6
-                and len(r["chunk_times_ms"]) >= 1
-            )
-            assert (
-                r["chunk_times_ms"] == sorted(r["chunk_times_ms"])
-                and r["chunk_times_ms"][0] == r["ttft_ms"]
-            )
-            assert r["chunk_times_ms"][-1] <= r["e2e_ms"]
+        _assert_sweep_load(s)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -358,33 +359,16 @@ def _start_bench_until_stopped(url: str, tiny6: Path, out: Path, err: Path) -> s
     return p
 
 
-def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
-    """Two meters on one server at the same time; then Ctrl-C ends ours with partial results.
-
-    Both send streamed chat requests, 2 at a time, of 24 prompt tokens (exact, built with the
-    model's tokenizer; aiperf's of random vocabulary tokens) and 6 output tokens with ignore_eos.
-    aiperf sends 12 (after 1 warm-up); `pdserve bench` runs all the while (started first, stopped
-    with Ctrl-C after aiperf), and its requests inside aiperf's window [first send, last answer]
-    are compared with aiperf's. Run together, both meters see the same server under the same load
-    (4 in flight) at the same moments, which run one after the other they do not on a shared
-    2-core machine (a first version did that and saw 1.7x-2.3x apart either way). Counts are facts
-    of the workload and must be equal; rates and latencies must agree within 2x: a check that the
-    two meters measure the same thing, not a performance assertion.
-    """
-    model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
-        "data"
-    ][0]["id"]
-    art, out, err = tmp_path / "aiperf", tmp_path / "ours.json", tmp_path / "ours.stderr"
-    env = {
-        k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"
-    }  # aiperf rejects a local folder with it
-    cmd = [
+def _aiperf_profile_cmd(model: str, url: str, tiny6: Path, art: Path) -> list[str]:
+    """aiperf's command line: 12 streamed chat requests (after 1 warm-up), 2 at a time, of 24
+    prompt and 6 output tokens, its records exported into `art`."""
+    return [
         _aiperf(),
         "profile",
         "-m",
         model,
         "--url",
-        cluster,
+        url,
         "--api-key",
         KEY,
         "--endpoint-type",
@@ -425,18 +409,14 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
         "--artifact-dir",
         str(art),
     ]
-    ours_proc = _start_bench_until_stopped(cluster, tiny6, out, err)
-    try:
-        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        assert ours_proc.poll() is None, err.read_text()[-2000:]
-        ours_proc.send_signal(signal.SIGINT)
-        stdout, _ = ours_proc.communicate(timeout=60)
-    finally:
-        kill_group(ours_proc)
 
-    # Ctrl-C: exit code 130, no traceback, the partial results written and consistent.
-    assert ours_proc.returncode == 130, err.read_text()[-2000:]
+
+def _assert_interrupted_results(
+    proc: subprocess.Popen, stdout: str, out: Path, err: Path
+) -> tuple[dict, list[dict]]:
+    """Ctrl-C: exit code 130, no traceback, the partial results written and consistent.
+    Returns (our load's results, its measured records)."""
+    assert proc.returncode == 130, err.read_text()[-2000:]
     assert "Traceback" not in err.read_text() and "(interrupted)" in stdout
     res = json.loads(out.read_text())
     (ours,) = res["loads"]
@@ -445,12 +425,21 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
     assert ours["cancelled"] >= 1 and ours["failed"] == 0
     assert ours["completed"] + ours["cancelled"] == len(measured)
     assert sum(x["error"] == "cancelled" for x in measured) == ours["cancelled"]
+    return ours, measured
 
+
+def _read_aiperf_results(art: Path) -> tuple[dict, list[dict]]:
+    """(aiperf's summary, its records of the profiling phase) from its artifact folder."""
     peer = json.loads((art / "profile_export_aiperf.json").read_text())
     peer_recs = [
         json.loads(line) for line in (art / "profile_export.jsonl").read_text().splitlines() if line
     ]
     peer_recs = [x for x in peer_recs if x["metadata"]["benchmark_phase"] == "profiling"]
+    return peer, peer_recs
+
+
+def _assert_counts_agree(peer: dict, peer_recs: list[dict], ours: dict) -> None:
+    """Counts are facts of the workload: both meters must report them equal."""
     assert peer["aiperf_version"] == AIPERF_VERSION
     # Counts: 12 requests of exactly 6 output tokens (server usage) for aiperf, 6 each for ours too.
     assert peer["request_count"]["avg"] == len(peer_recs) == 12
@@ -465,6 +454,14 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
         ours_prompt,
     )
 
+
+def _within(a: float, b: float, factor: float = 2.0) -> bool:
+    return b / factor <= a <= b * factor
+
+
+def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list[dict]) -> None:
+    """Our requests inside aiperf's window [first send, last answer] against aiperf's: rates and
+    latencies within 2x (TTFT 3x)."""
     w0 = min(x["metadata"]["request_start_ns"] for x in peer_recs) / 1e9
     w1 = max(x["metadata"]["request_end_ns"] for x in peer_recs) / 1e9
     ok = [x for x in measured if x["ok"]]
@@ -473,9 +470,6 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
     ended_inside = [x for x in ok if w0 <= x["start_unix"] + x["e2e_ms"] / 1000 <= w1]
     assert len(inside) >= 4, (len(inside), w1 - w0)
 
-    def within(a: float, b: float, factor: float = 2.0) -> bool:
-        return b / factor <= a <= b * factor
-
     rates = (len(ended_inside) / (w1 - w0), peer["request_throughput"]["avg"])
     ttfts = (statistics.median(x["ttft_ms"] for x in inside), peer["time_to_first_token"]["p50"])
     itls = (statistics.mean(x["itl_ms"] for x in inside), peer["inter_token_latency"]["avg"])
@@ -483,9 +477,46 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
         f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
         f"TTFT p50 ms {ttfts}, ITL mean ms {itls}"
     )
-    assert within(*rates), rates
+    assert _within(*rates), rates
     # TTFT here is ~100-250 ms of queueing behind the other client's decode steps, medians of a
     # handful of requests: observed 10-30 % apart in most runs and once 2.0x (228 vs 113 ms) in a
     # full-suite run; 3x still catches a TTFT taken from the wrong moment (that is seconds here).
-    assert within(*ttfts, factor=3.0), ttfts
-    assert within(*itls), itls
+    assert _within(*ttfts, factor=3.0), ttfts
+    assert _within(*itls), itls
+
+
+def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
+    """Two meters on one server at the same time; then Ctrl-C ends ours with partial results.
+
+    Both send streamed chat requests, 2 at a time, of 24 prompt tokens (exact, built with the
+    model's tokenizer; aiperf's of random vocabulary tokens) and 6 output tokens with ignore_eos.
+    aiperf sends 12 (after 1 warm-up); `pdserve bench` runs all the while (started first, stopped
+    with Ctrl-C after aiperf), and its requests inside aiperf's window [first send, last answer]
+    are compared with aiperf's. Run together, both meters see the same server under the same load
+    (4 in flight) at the same moments, which run one after the other they do not on a shared
+    2-core machine (a first version did that and saw 1.7x-2.3x apart either way). Counts are facts
+    of the workload and must be equal; rates and latencies must agree within 2x: a check that the
+    two meters measure the same thing, not a performance assertion.
+    """
+    model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
+        "data"
+    ][0]["id"]
+    art, out, err = tmp_path / "aiperf", tmp_path / "ours.json", tmp_path / "ours.stderr"
+    env = {
+        k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"
+    }  # aiperf rejects a local folder with it
+    cmd = _aiperf_profile_cmd(model, cluster, tiny6, art)
+    ours_proc = _start_bench_until_stopped(cluster, tiny6, out, err)
+    try:
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        assert ours_proc.poll() is None, err.read_text()[-2000:]
+        ours_proc.send_signal(signal.SIGINT)
+        stdout, _ = ours_proc.communicate(timeout=60)
+    finally:
+        kill_group(ours_proc)
+
+    ours, measured = _assert_interrupted_results(ours_proc, stdout, out, err)
+    peer, peer_recs = _read_aiperf_results(art)
+    _assert_counts_agree(peer, peer_recs, ours)
+    _assert_window_rates_agree(peer, peer_recs, measured)

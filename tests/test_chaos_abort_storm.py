@@ -233,10 +233,8 @@ def chunk_tokens(chunk: dict) -> tuple[list[int] | None, str, str | None]:
     return ids, text, choice.get("finish_reason")
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, plan: Plan
-) -> Outcome:
-    out = Outcome(plan)
+def _request_body(model: str, prompt: Prompt, plan: Plan) -> dict:
+    """The streamed greedy OpenAI body of one planned request (token ids in logprobs if asked)."""
     body = {
         "model": model,
         **prompt.payload,
@@ -248,12 +246,60 @@ async def one_request(
     if plan.logprobs:
         body["logprobs"] = True if prompt.route == "chat" else 0
         body["return_tokens_as_token_ids"] = True  # tokens as "token_id:<id>"
+    return body
+
+
+async def _record_error_body(r: httpx.Response, out: Outcome) -> None:
+    """A non-200 answer: its status as the end, and its OpenAI error message."""
+    raw = await r.aread()
+    out.end = f"http_{r.status_code}"
+    try:
+        out.error = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        out.error = f"not an OpenAI error body: {raw[:200]!r}"
+
+
+async def _read_sse(r: httpx.Response, out: Outcome, cancel_at: int | None) -> None:
+    """Reads a 200 answer's SSE stream into `out`; returns early (the caller then closes the
+    socket mid-stream) once `cancel_at` chunks carried tokens."""
+    pieces = 0  # chunks that carried tokens
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            if out.end != "stream_error":
+                out.end = "completed" if out.finish_reason else "stream_error"
+                out.error = "" if out.finish_reason else "[DONE] without a finish_reason"
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            out.end, out.error = "stream_error", str(chunk["error"].get("message"))
+            continue
+        if not chunk.get("choices"):
+            continue
+        ids, text, reason = chunk_tokens(chunk)
+        out.text += text
+        if ids:
+            out.tokens.extend(ids)
+        out.finish_reason = reason or out.finish_reason
+        pieces += bool(ids or text)
+        if cancel_at and pieces >= cancel_at:
+            out.end = "cancelled"
+            return  # the caller then leaves its block, which closes the socket mid-stream
+    out.end = out.end or "stream_error"
+    out.error = out.error or "the stream ended without [DONE]"
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: Prompt, plan: Plan
+) -> Outcome:
+    out = Outcome(plan)
+    body = _request_body(model, prompt, plan)
     timeout = (
         httpx.Timeout(60.0, read=plan.read_timeout_s)
         if plan.read_timeout_s
         else httpx.Timeout(60.0)
     )
-    pieces = 0  # chunks that carried tokens
     cancel_at = {"after_first_token": 1, "after_tokens": plan.after_tokens}.get(plan.fate)
     t0 = time.monotonic()
 
@@ -262,7 +308,6 @@ async def one_request(
             out.sent = True
 
     async def read() -> None:
-        nonlocal pieces
         async with client.stream(
             "POST",
             f"{url}{ROUTES[prompt.route]}",
@@ -272,38 +317,9 @@ async def one_request(
         ) as r:
             out.status = r.status_code
             if r.status_code != 200:
-                raw = await r.aread()
-                out.end = f"http_{r.status_code}"
-                try:
-                    out.error = json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    out.error = f"not an OpenAI error body: {raw[:200]!r}"
+                await _record_error_body(r, out)
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    if out.end != "stream_error":
-                        out.end = "completed" if out.finish_reason else "stream_error"
-                        out.error = "" if out.finish_reason else "[DONE] without a finish_reason"
-                    return
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.end, out.error = "stream_error", str(chunk["error"].get("message"))
-                    continue
-                if not chunk.get("choices"):
-                    continue
-                ids, text, reason = chunk_tokens(chunk)
-                out.text += text
-                if ids:
-                    out.tokens.extend(ids)
-                out.finish_reason = reason or out.finish_reason
-                pieces += bool(ids or text)
-                if cancel_at and pieces >= cancel_at:
-                    out.end = "cancelled"
-                    return  # leaving the block closes the socket mid-stream
-            out.end = out.end or "stream_error"
-            out.error = out.error or "the stream ended without [DONE]"
+            await _read_sse(r, out, cancel_at)
 
     try:
         async with asyncio.timeout(REQUEST_BOUND_S):

@@ -526,6 +526,29 @@ def test_bootstrap_server_unreachable(chaos, refs):
     chaos.assert_whole()
 
 
+def _assert_dead_decode_node(
+    chaos: Chaos, d1: Node, front: subprocess.Popen, why: list[str]
+) -> None:
+    """D1 after the SIGKILL of its rank 1 (`why`: the rank exits it may name as the reason)."""
+    # The node: unhealthy with the reason, its other rank stopped, its front still answering.
+    health = httpx.get(f"{d1.url}/health", timeout=10)
+    assert health.status_code == 503 and any(w in health.json()["detail"] for w in why), health.text
+    wait_for(lambda: chaos.ranks(d1) == {}, 15, "D1 to stop its other rank")
+    assert front.poll() is None, "D1's front exited"
+    pd_body = {
+        "input_ids": SHORT[0],
+        "bootstrap_room": 1,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": chaos.nodes["p1"].bport,
+    }
+    r = httpx.post(f"{d1.url}/generate", json=pd_body, timeout=10)
+    assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"], r.text
+    assert (
+        f'pdserve_router_worker_healthy{{role="decode",worker="{d1.url}"}} 0.0'
+        in httpx.get(f"{chaos.router}/metrics", timeout=10).text
+    )
+
+
 def test_decode_rank_sigkill_mid_decode(chaos, refs):
     """SIGKILL of D1's pp_rank 1 while D1 decodes: D1's streams end in an SSE error naming the rank,
     D1 reports unhealthy and stops its other rank, the router stops sending there; a fresh
@@ -567,28 +590,48 @@ def test_decode_rank_sigkill_mid_decode(chaos, refs):
     assert all(o.error is None for o in outs if o.t0 > seen["marked"]), (
         "requests after D1 was marked failed"
     )
-    # The node: unhealthy with the reason, its other rank stopped, its front still answering.
-    health = httpx.get(f"{d1.url}/health", timeout=10)
-    assert health.status_code == 503 and any(w in health.json()["detail"] for w in why), health.text
-    wait_for(lambda: chaos.ranks(d1) == {}, 15, "D1 to stop its other rank")
-    assert front.poll() is None, "D1's front exited"
-    pd_body = {
-        "input_ids": SHORT[0],
-        "bootstrap_room": 1,
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": chaos.nodes["p1"].bport,
-    }
-    r = httpx.post(f"{d1.url}/generate", json=pd_body, timeout=10)
-    assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"], r.text
-    assert (
-        f'pdserve_router_worker_healthy{{role="decode",worker="{d1.url}"}} 0.0'
-        in httpx.get(f"{chaos.router}/metrics", timeout=10).text
-    )
+    _assert_dead_decode_node(chaos, d1, front, why)
     # A fresh node on the same port comes back into service.
     chaos.restart(d1)
     wait_for(lambda: chaos.router_healthy(d1), 30, "the router to mark the new D1 healthy")
     serve_until_used(chaos, d1, refs, "length")
     chaos.assert_whole()
+
+
+def _peer_dead(d: Node) -> float:
+    """Rooms the decode node `d` failed because their prefill peer went silent."""
+    return counter(d.url, "pdserve_kv_transfer_failures_total", reason="peer_dead")
+
+
+def _stall_prefill_rank1(
+    chaos: Chaos, p1: Node, ranks: dict[int, int], decodes: list[Node]
+) -> dict[str, tuple]:
+    """SIGSTOPs P1's pp_rank 1 once it prefills, for STALL_S, then SIGCONTs it. Returns, per decode
+    node just before the resume: (rooms failed as peer_dead, quarantined, waiting for KV)."""
+    dead0 = {d.name: _peer_dead(d) for d in decodes}
+    wait_for(lambda: (chaos.rank_stats(p1)[1] or {}).get("running", 0) > 0, 60, "P1 prefilling")
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        time.sleep(STALL_S)
+        # D2 (PP 1) frees a failed room's pages as soon as its one rank allows: it must have
+        # seen the fault for the check below to say anything.
+        wait_for(
+            lambda: _peer_dead(decodes[1]) > dead0["d2"],
+            3,
+            "D2 to fail a room of the silent rank",
+        )
+        # Just before it resumes: per decode node, the rooms failed for the silent rank, then
+        # (a vote later) its rooms in quarantine and those still waiting for KV.
+        dead = {d.name: _peer_dead(d) - dead0[d.name] for d in decodes}
+        time.sleep(1)
+        queues = {d.name: chaos.rank_stats(d)[0] for d in decodes}
+        at_resume = {
+            n: (dead[n], q["quarantine"], q["prealloc"] + q["transfer"]) for n, q in queues.items()
+        }
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+    time.sleep(4)  # requests sent around the resume
+    return at_resume
 
 
 def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
@@ -603,35 +646,8 @@ def test_prefill_rank_stalled_past_transfer_timeout(chaos, refs):
     ranks = chaos.ranks(p1)
     assert sorted(ranks) == [0, 1], ranks
 
-    def peer_dead(d: Node) -> float:
-        return counter(d.url, "pdserve_kv_transfer_failures_total", reason="peer_dead")
-
     def fault():
-        dead0 = {d.name: peer_dead(d) for d in decodes}
-        wait_for(lambda: (chaos.rank_stats(p1)[1] or {}).get("running", 0) > 0, 60, "P1 prefilling")
-        os.kill(ranks[1], signal.SIGSTOP)
-        try:
-            time.sleep(STALL_S)
-            # D2 (PP 1) frees a failed room's pages as soon as its one rank allows: it must have
-            # seen the fault for the check below to say anything.
-            wait_for(
-                lambda: peer_dead(decodes[1]) > dead0["d2"],
-                3,
-                "D2 to fail a room of the silent rank",
-            )
-            # Just before it resumes: per decode node, the rooms failed for the silent rank, then
-            # (a vote later) its rooms in quarantine and those still waiting for KV.
-            dead = {d.name: peer_dead(d) - dead0[d.name] for d in decodes}
-            time.sleep(1)
-            queues = {d.name: chaos.rank_stats(d)[0] for d in decodes}
-            at_resume = {
-                n: (dead[n], q["quarantine"], q["prealloc"] + q["transfer"])
-                for n, q in queues.items()
-            }
-        finally:
-            os.kill(ranks[1], signal.SIGCONT)
-        time.sleep(4)  # requests sent around the resume
-        return at_resume
+        return _stall_prefill_rank1(chaos, p1, ranks, decodes)
 
     retries0 = counter(chaos.router, "pdserve_router_retries_total")
     # Short requests decode while the stalled rank's rooms fail: theirs are the pages a resumed

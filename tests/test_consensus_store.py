@@ -214,18 +214,10 @@ def test_status_missing_is_bootstrapping_any_failed_is_failed_else_min(cluster):
 
 
 # ---- bad input -----------------------------------------------------------------------------------
-def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
-    pp0 = PPConsensusStore(0, 3)
-    rank1 = PPConsensusStore(1, 3, pp0.address)
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.PUSH)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(pp0.address)
-    pk = msgpack.packb
-    seal = Sealer(
-        CHANNEL, "pp1"
-    ).seal  # a rank of this cluster (it holds the secret) sending garbage
-    sealed = {
+def _sealed_bad_payloads(pk) -> dict[str, list[bytes]]:
+    """Payloads a rank of the cluster (it holds the secret) could seal, keyed by the drop reason
+    each one must be counted under."""
+    return {
         "malformed": [
             b"\xff\x00garbage",
             pickle.dumps([1, 1, 5, 4]),
@@ -250,29 +242,58 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
             pk([1, 1, 5, None]),
         ],
     }
-    unsealed = [
+
+
+def _unauthenticated_frames(seal, pk) -> list[bytes]:
+    """Frames that fail authentication: unsealed, empty, another cluster's secret, another
+    channel, a tampered tag."""
+    return [
         pk([1, 1, 5, 4]),
         b"",
         Sealer(CHANNEL, "pp1", secret="another-cluster").seal(pk([1, 1, 5, 4])),
         Sealer("kv-control", "pp1").seal(pk([1, 1, 5, 4])),
         seal(pk([1, 1, 5, 4]))[:-1] + b"\x05",
     ]
+
+
+def _send_bad_frames(raw, seal, pk, sealed: dict, unsealed: list) -> None:
+    """Sends every bad frame in order: sealed garbage, a multi-frame message, the unauthenticated
+    frames, a foreign-rank write and a replayed delete."""
+    for frames in sealed.values():
+        for f in frames:
+            raw.send(seal(f))
+    raw.send_multipart([seal(pk([1, 1, 5, 4])), b"extra"])  # a multi-frame message is malformed too
+    for f in unsealed:
+        raw.send(f)
+    raw.send(Sealer(CHANNEL, "pp2").seal(pk([1, 1, 5, 4])))  # rank 2 writing rank 1's replica
+    once = seal(pk([2, 1, 99, None]))  # a valid delete of a room nobody wrote, then its replay
+    raw.send(once)
+    raw.send(once)
+
+
+def _expected_drops(sealed: dict, unsealed: list) -> dict[str, int]:
+    """The drop counters _send_bad_frames must leave behind."""
+    expect = {k: len(v) for k, v in sealed.items()}
+    expect["malformed"] += 1
+    expect.update(unauthenticated=len(unsealed), foreign_rank=1, replayed=1)
+    return expect
+
+
+def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
+    pp0 = PPConsensusStore(0, 3)
+    rank1 = PPConsensusStore(1, 3, pp0.address)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(pp0.address)
+    pk = msgpack.packb
+    # A rank of this cluster (it holds the secret) sending garbage.
+    seal = Sealer(CHANNEL, "pp1").seal
+    sealed = _sealed_bad_payloads(pk)
+    unsealed = _unauthenticated_frames(seal, pk)
     try:
-        for frames in sealed.values():
-            for f in frames:
-                raw.send(seal(f))
-        raw.send_multipart(
-            [seal(pk([1, 1, 5, 4])), b"extra"]
-        )  # a multi-frame message is malformed too
-        for f in unsealed:
-            raw.send(f)
-        raw.send(Sealer(CHANNEL, "pp2").seal(pk([1, 1, 5, 4])))  # rank 2 writing rank 1's replica
-        once = seal(pk([2, 1, 99, None]))  # a valid delete of a room nobody wrote, then its replay
-        raw.send(once)
-        raw.send(once)
-        expect = {k: len(v) for k, v in sealed.items()}
-        expect["malformed"] += 1
-        expect.update(unauthenticated=len(unsealed), foreign_rank=1, replayed=1)
+        _send_bad_frames(raw, seal, pk, sealed, unsealed)
+        expect = _expected_drops(sealed, unsealed)
         wait_until(lambda: sum(pp0.dropped.values()) == sum(expect.values()), "all drops", pp0)
         assert dict(pp0.dropped) == expect
         assert pp0.collect(5) == [None, None, None]  # nothing bad was applied

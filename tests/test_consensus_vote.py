@@ -172,6 +172,73 @@ def ballot_at(obs: dict, applied: set, i: int) -> Ballot:
     return Ballot(frozenset(good), frozenset(bad), frozenset(aborted))
 
 
+def vote_and_apply(rank, transport, obs: dict, slots: int, iters: int) -> list:
+    """One rank's loop: vote its ballots each iteration, apply the verdict harvested from the
+    next slot, and return what it applied (per iteration, per kind: (kind, good, bad))."""
+    vote = RingVote(transport, slots, kinds=KINDS)
+    applied = {k: set() for k in KINDS}
+    log = []
+    for i in range(iters):
+        slot = i % slots
+        vote.pass1(slot, {k: ballot_at(obs[k][rank], applied[k], i) for k in KINDS})
+        verdicts = vote.pass2((slot + 1) % slots)
+        row = []
+        for k in KINDS:
+            mine = obs[k][rank]
+            good, bad, retry = verdicts[k].partition(
+                lambda x, mine=mine, i=i: mine[x].final_at is not None and mine[x].final_at <= i,
+                kind=k,
+            )
+            assert not retry, f"rank {rank} iteration {i}: {k} applied before final: {retry}"
+            assert not (good | bad) & applied[k], "an id was applied twice"
+            applied[k] |= good | bad
+            row.append((k, good, bad))
+        log.append(row)
+    return log
+
+
+def check_against_reference(log, obs: dict, kn: int, k: str, size: int, slots: int, iters: int):
+    """Replay with the reference formula: the verdict applied in iteration i was cast in
+    j = i - L + 1, from ballots that exclude ids applied before j, minus ids cast earlier and not
+    yet applied."""
+    for i in range(iters):
+        _, good, bad = log[i][kn]
+        j = i - slots + 1
+        if j < 0:
+            assert not good and not bad, "a verdict was applied before any vote in its slot"
+            continue
+        exp = [ballot_at(obs[k][r], applied_before(log, kn, j), j).resolved() for r in range(size)]
+        pending = pending_at(log, kn, j, slots)
+        final = frozenset.intersection(*[g | b for g, b in exp])
+        assert good == frozenset.intersection(*[g for g, _ in exp]) - pending, (
+            f"{k} good, iteration {i}"
+        )
+        assert bad == (frozenset.union(*[b for _, b in exp]) & final) - pending, (
+            f"{k} bad, iteration {i}"
+        )
+        for x in good | bad:  # nothing before every rank was final; aborted => bad
+            assert all(
+                obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= j
+                for r in range(size)
+            )
+            if any(
+                obs[k][r][x].aborted_at is not None and obs[k][r][x].aborted_at <= j
+                for r in range(size)
+            ):
+                assert x in bad
+
+
+def check_liveness(log, obs: dict, kn: int, k: str, size: int, slots: int, iters: int):
+    """Liveness: an id final on every rank by iteration iters - L is applied by the end."""
+    applied = applied_before(log, kn, iters)
+    for x in IDS[k]:
+        if all(
+            obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= iters - slots
+            for r in range(size)
+        ):
+            assert x in applied, f"{k} id {x} final everywhere but never applied"
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
@@ -183,71 +250,14 @@ def test_every_rank_applies_the_same_verdict_in_the_same_slot(data):
     }
 
     def rank_loop(rank, transport):
-        vote = RingVote(transport, slots, kinds=KINDS)
-        applied = {k: set() for k in KINDS}
-        log = []
-        for i in range(iters):
-            slot = i % slots
-            vote.pass1(slot, {k: ballot_at(obs[k][rank], applied[k], i) for k in KINDS})
-            verdicts = vote.pass2((slot + 1) % slots)
-            row = []
-            for k in KINDS:
-                mine = obs[k][rank]
-                good, bad, retry = verdicts[k].partition(
-                    lambda x, mine=mine, i=i: (
-                        mine[x].final_at is not None and mine[x].final_at <= i
-                    ),
-                    kind=k,
-                )
-                assert not retry, f"rank {rank} iteration {i}: {k} applied before final: {retry}"
-                assert not (good | bad) & applied[k], "an id was applied twice"
-                applied[k] |= good | bad
-                row.append((k, good, bad))
-            log.append(row)
-        return log
+        return vote_and_apply(rank, transport, obs, slots, iters)
 
     logs = run_ranks(size, rank_loop)
     assert all(log == logs[0] for log in logs), "ranks applied different verdicts"
-    # Replay with the reference formula: the verdict applied in iteration i was cast in
-    # j = i - L + 1, from ballots that exclude ids applied before j, minus ids cast earlier and not
-    # yet applied.
     log = logs[0]
     for kn, k in enumerate(KINDS):
-        for i in range(iters):
-            _, good, bad = log[i][kn]
-            j = i - slots + 1
-            if j < 0:
-                assert not good and not bad, "a verdict was applied before any vote in its slot"
-                continue
-            exp = [
-                ballot_at(obs[k][r], applied_before(log, kn, j), j).resolved() for r in range(size)
-            ]
-            pending = pending_at(log, kn, j, slots)
-            final = frozenset.intersection(*[g | b for g, b in exp])
-            assert good == frozenset.intersection(*[g for g, _ in exp]) - pending, (
-                f"{k} good, iteration {i}"
-            )
-            assert bad == (frozenset.union(*[b for _, b in exp]) & final) - pending, (
-                f"{k} bad, iteration {i}"
-            )
-            for x in good | bad:  # nothing before every rank was final; aborted => bad
-                assert all(
-                    obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= j
-                    for r in range(size)
-                )
-                if any(
-                    obs[k][r][x].aborted_at is not None and obs[k][r][x].aborted_at <= j
-                    for r in range(size)
-                ):
-                    assert x in bad
-        # Liveness: an id final on every rank by iteration iters - L is applied by the end.
-        applied = applied_before(log, kn, iters)
-        for x in IDS[k]:
-            if all(
-                obs[k][r][x].final_at is not None and obs[k][r][x].final_at <= iters - slots
-                for r in range(size)
-            ):
-                assert x in applied, f"{k} id {x} final everywhere but never applied"
+        check_against_reference(log, obs, kn, k, size, slots, iters)
+        check_liveness(log, obs, kn, k, size, slots, iters)
 
 
 def applied_before(log, kn: int, j: int) -> set:

@@ -66,6 +66,132 @@ def _pd(loop, rid: str):
     return loop.by_rid.get(rid)
 
 
+def _abort_in_prefill_bootstrap(c, prompt) -> None:
+    """prefill bootstrap: the decode side never comes."""
+    p = c.prefill
+    with c.stepping():
+        c.submit("boot", prompt, MAX_NEW, sides=("prefill",))
+        c.step_until(lambda: _loops_all(p, lambda lp: _pd(lp, "boot") in lp.bootstrap))
+        c.abort("boot", "prefill")
+    r = c.result("boot", sides=("prefill",))
+    assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+
+
+def _abort_in_prefill_waiting(c, first, first_ref, prompt) -> None:
+    """prefill waiting: behind a request (`first`) that holds the one running place."""
+    p = c.prefill
+    with c.stepping():
+        c.submit("first", first, MAX_NEW)
+        c.submit("wait", prompt, MAX_NEW)
+        c.step_until(
+            lambda: _loops_all(p, lambda lp: any(q.rid == "wait" for q in lp.sched.waiting))
+        )
+        c.abort("wait", "prefill")
+    r = c.result("wait")
+    assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+    assert r.error is not None and "aborted_by_prefill" in r.error.message, r
+    assert c.result("first").tokens == first_ref[:MAX_NEW]
+
+
+def _abort_between_prefill_chunks(c, fresh_prompt) -> None:
+    """prefill running, between chunks: some of the KV is on the decode side already."""
+    p = c.prefill
+
+    def mid_prefill(lp):
+        pd = _pd(lp, "chunked")
+        return pd is not None and 0 < pd.sent_upto < len(fresh_prompt)
+
+    with c.stepping():
+        c.submit("chunked", fresh_prompt, MAX_NEW)
+        c.step_until(lambda: _loops_all(p, mid_prefill))
+        c.abort("chunked", "prefill")
+    r = c.result("chunked")
+    assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+    assert r.error is not None and "aborted_by_prefill" in r.error.message, r
+
+
+def _abort_in_prefill_inflight(c, prompt, ref) -> None:
+    """prefill inflight: the KV landed, the release vote has not run yet. The decode side has
+    its KV and decodes (the router aborts both sides when it gives up)."""
+    p = c.prefill
+    with c.stepping():
+        room = c.submit("inflight", prompt, MAX_NEW)
+        c.step_until(lambda: _loops_all(p, lambda lp: room in lp.inflight))
+        c.abort("inflight", "prefill")
+    r = c.result("inflight")
+    assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
+    assert r.ok and r.tokens == ref[:MAX_NEW], r
+
+
+def _abort_in_decode_prealloc(c, prompt) -> None:
+    """decode prealloc: registered, before the PREALLOC verdict. The prefill side comes later
+    and finds the room given up."""
+    d = c.decode
+
+    def registered(lp):
+        pd = _pd(lp, "prealloc")
+        return pd is not None and pd in lp.prealloc and bool(pd.pages)
+
+    with c.stepping():
+        room = c.submit("prealloc", prompt, MAX_NEW, sides=("decode",))
+        c.step_until(lambda: _loops_all(d, registered))
+        c.abort("prealloc", "decode")
+    r = c.result("prealloc", sides=("decode",))
+    assert r.error is not None and "abort" in r.error.message, r
+    c.submit("prealloc", prompt, MAX_NEW, sides=("prefill",), room=room)
+    r = c.result("prealloc", sides=("prefill",))
+    assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+
+
+def _abort_in_decode_transfer(c, prompt) -> None:
+    """decode transfer, the prefill side not there yet."""
+    d = c.decode
+    with c.stepping():
+        c.submit("transfer", prompt, MAX_NEW, sides=("decode",))
+        c.step_until(lambda: _loops_all(d, lambda lp: _pd(lp, "transfer") in lp.transfer.values()))
+        c.abort("transfer", "decode")
+    r = c.result("transfer", sides=("decode",))
+    assert r.error is not None and "abort" in r.error.message, r
+
+
+def _abort_in_decode_transfer_mid_prefill(c, fresh_prompt) -> None:
+    """decode transfer while the prefill node is between chunks: its senders stop."""
+    p, d = c.prefill, c.decode
+
+    def sending(lp):
+        pd = _pd(lp, "transfer2")
+        return pd is not None and 0 < pd.sent_upto < len(fresh_prompt)
+
+    def waiting_for_kv(lp):
+        return _pd(lp, "transfer2") in lp.transfer.values()
+
+    with c.stepping():
+        c.submit("transfer2", fresh_prompt, MAX_NEW)
+        c.step_until(lambda: _loops_all(p, sending) and _loops_all(d, waiting_for_kv))
+        c.abort("transfer2", "decode")
+    r = c.result("transfer2")
+    assert r.error is not None and "abort" in r.error.message, r
+    assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+
+
+def _abort_while_decoding(c, prompt, ref) -> None:
+    """decode running: a few tokens out."""
+    d = c.decode
+
+    def decoding(lp):
+        req = lp.sched.reqs.get("running")
+        return req is not None and len(req.output_ids) >= 3
+
+    with c.stepping():
+        c.submit("running", prompt, 40)
+        c.step_until(lambda: _loops_all(d, decoding))
+        c.abort("running", "decode")
+    r = c.result("running")
+    assert isinstance(r.prefill, PrefillDoneEvent)
+    assert r.finish is not None and r.finish.kind == "abort", r
+    assert 3 <= len(r.tokens) < 40 and r.tokens == ref[: len(r.tokens)]
+
+
 def test_aborts_at_every_stage(tiny6, tiny6_greedy):
     """An abort in each queue a request passes through, caught there by running the nodes turn by
     turn: every one ends with an answer on both sides, and nothing stays held."""
@@ -76,107 +202,14 @@ def test_aborts_at_every_stage(tiny6, tiny6_greedy):
     fresh = [list(reversed(long)), list(reversed(prompts[3]))]
     # One prefill request at a time, so a second one waits in the scheduler's waiting queue.
     with running(lambda: PDCluster(tiny6, 2, 2, prefill_engine={"max_running": 1})) as c:
-        p, d = c.prefill, c.decode
-
-        # prefill bootstrap: the decode side never comes.
-        with c.stepping():
-            c.submit("boot", long, MAX_NEW, sides=("prefill",))
-            c.step_until(lambda: _loops_all(p, lambda lp: _pd(lp, "boot") in lp.bootstrap))
-            c.abort("boot", "prefill")
-        r = c.result("boot", sides=("prefill",))
-        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
-
-        # prefill waiting: behind a request that holds the one running place.
-        with c.stepping():
-            c.submit("first", long, MAX_NEW)
-            c.submit("wait", prompts[3], MAX_NEW)
-            c.step_until(
-                lambda: _loops_all(p, lambda lp: any(q.rid == "wait" for q in lp.sched.waiting))
-            )
-            c.abort("wait", "prefill")
-        r = c.result("wait")
-        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
-        assert r.error is not None and "aborted_by_prefill" in r.error.message, r
-        assert c.result("first").tokens == long_ref[:MAX_NEW]
-
-        # prefill running, between chunks: some of the KV is on the decode side already.
-        def mid_prefill(lp):
-            pd = _pd(lp, "chunked")
-            return pd is not None and 0 < pd.sent_upto < len(fresh[0])
-
-        with c.stepping():
-            c.submit("chunked", fresh[0], MAX_NEW)
-            c.step_until(lambda: _loops_all(p, mid_prefill))
-            c.abort("chunked", "prefill")
-        r = c.result("chunked")
-        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
-        assert r.error is not None and "aborted_by_prefill" in r.error.message, r
-
-        # prefill inflight: the KV landed, the release vote has not run yet. The decode side has
-        # its KV and decodes (the router aborts both sides when it gives up).
-        with c.stepping():
-            room = c.submit("inflight", prompts[2], MAX_NEW)
-            c.step_until(lambda: _loops_all(p, lambda lp: room in lp.inflight))
-            c.abort("inflight", "prefill")
-        r = c.result("inflight")
-        assert isinstance(r.prefill, ErrorEvent) and "abort" in r.prefill.message
-        assert r.ok and r.tokens == reference[2][:MAX_NEW], r
-
-        # decode prealloc: registered, before the PREALLOC verdict. The prefill side comes later
-        # and finds the room given up.
-        def registered(lp):
-            pd = _pd(lp, "prealloc")
-            return pd is not None and pd in lp.prealloc and bool(pd.pages)
-
-        with c.stepping():
-            room = c.submit("prealloc", prompts[1], MAX_NEW, sides=("decode",))
-            c.step_until(lambda: _loops_all(d, registered))
-            c.abort("prealloc", "decode")
-        r = c.result("prealloc", sides=("decode",))
-        assert r.error is not None and "abort" in r.error.message, r
-        c.submit("prealloc", prompts[1], MAX_NEW, sides=("prefill",), room=room)
-        r = c.result("prealloc", sides=("prefill",))
-        assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
-
-        # decode transfer, the prefill side not there yet.
-        with c.stepping():
-            c.submit("transfer", prompts[1], MAX_NEW, sides=("decode",))
-            c.step_until(
-                lambda: _loops_all(d, lambda lp: _pd(lp, "transfer") in lp.transfer.values())
-            )
-            c.abort("transfer", "decode")
-        r = c.result("transfer", sides=("decode",))
-        assert r.error is not None and "abort" in r.error.message, r
-
-        # decode transfer while the prefill node is between chunks: its senders stop.
-        def sending(lp):
-            pd = _pd(lp, "transfer2")
-            return pd is not None and 0 < pd.sent_upto < len(fresh[1])
-
-        def waiting_for_kv(lp):
-            return _pd(lp, "transfer2") in lp.transfer.values()
-
-        with c.stepping():
-            c.submit("transfer2", fresh[1], MAX_NEW)
-            c.step_until(lambda: _loops_all(p, sending) and _loops_all(d, waiting_for_kv))
-            c.abort("transfer2", "decode")
-        r = c.result("transfer2")
-        assert r.error is not None and "abort" in r.error.message, r
-        assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
-
-        # decode running: a few tokens out.
-        def decoding(lp):
-            req = lp.sched.reqs.get("running")
-            return req is not None and len(req.output_ids) >= 3
-
-        with c.stepping():
-            c.submit("running", long, 40)
-            c.step_until(lambda: _loops_all(d, decoding))
-            c.abort("running", "decode")
-        r = c.result("running")
-        assert isinstance(r.prefill, PrefillDoneEvent)
-        assert r.finish is not None and r.finish.kind == "abort", r
-        assert 3 <= len(r.tokens) < 40 and r.tokens == long_ref[: len(r.tokens)]
+        _abort_in_prefill_bootstrap(c, long)
+        _abort_in_prefill_waiting(c, long, long_ref, prompts[3])
+        _abort_between_prefill_chunks(c, fresh[0])
+        _abort_in_prefill_inflight(c, prompts[2], reference[2])
+        _abort_in_decode_prealloc(c, prompts[1])
+        _abort_in_decode_transfer(c, prompts[1])
+        _abort_in_decode_transfer_mid_prefill(c, fresh[1])
+        _abort_while_decoding(c, long, long_ref)
 
         _all_settled(c.wait_settled())
         assert c.generate_all(prompts[:3], MAX_NEW) == [x[:MAX_NEW] for x in reference[:3]]

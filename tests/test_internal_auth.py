@@ -257,6 +257,69 @@ def _wait(pred, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def _register_bootstrap_server(durl: str, bport: int) -> None:
+    """Tells the decode node the prefill node's bootstrap server, as the router does."""
+    r = HTTP.put(
+        f"{durl}/bootstrap_servers",
+        json={"servers": [f"127.0.0.1:{bport}"]},
+        timeout=10,
+        headers={"Authorization": f"Bearer {SECRET}"},
+    )
+    assert r.status_code == 200, r.text
+
+
+def _forged_kv_register(room: int) -> bytes:
+    """An encoded, made-up KVRegister for `room`: a forgery the prefill rank must drop."""
+    pool = PoolDesc(4096, 64, 4, 0, 6, 128, "float32")
+    return encode_message(
+        KVRegister(
+            room,
+            0,
+            ((0, 6),),
+            "127.0.0.1",
+            9,
+            "127.0.0.1:9",
+            pool,
+            (0, 1, 2),
+            4096,
+            512,
+            4096,
+            512,
+        )
+    )
+
+
+def _send_forged_kv_messages(durl: str, purl: str, room: int, n_ids: int) -> None:
+    """Sends the decode rank forged statuses for `room` (unsigned and signed by a member that is
+    not the room's peer) and a signed abort, and the prefill rank a forged registration (unsigned
+    and signed)."""
+    stranger = Sealer(KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET)  # a member, not the room's peer
+    fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
+    ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", n_ids, 0, None))
+    abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
+    reg = _forged_kv_register(room)
+    ctx = zmq.Context()
+    try:
+        _send(
+            ctx,
+            _kv(durl)["ctrl_port"],
+            [fail, ok, stranger.seal(fail), stranger.seal(ok), stranger.seal(abort)],
+        )
+        _send(ctx, _kv(purl)["ctrl_port"], [reg, stranger.seal(reg)])
+    finally:
+        ctx.term()
+
+
+def _wait_kv_dropped(want: dict) -> None:
+    """Waits until each node's rank 0 reports exactly the drop counters in `want`."""
+    for url, w in want.items():  # stats arrive twice a second: wait for a fresh reading
+        _wait(
+            lambda url=url, w=w: _kv(url)["dropped"] == w,
+            f"{url} to report {w} (has {_kv(url)['dropped']})",
+            15,
+        )
+
+
 def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exactly(
     nodes, prompts, reference
 ):
@@ -270,13 +333,7 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
         "both ranks' KV stats",
     )
     room, ids = 1234567, prompts[2]
-    r = HTTP.put(
-        f"{durl}/bootstrap_servers",
-        json={"servers": [f"127.0.0.1:{bport}"]},
-        timeout=10,
-        headers={"Authorization": f"Bearer {SECRET}"},
-    )  # what the router does
-    assert r.status_code == 200, r.text
+    _register_bootstrap_server(durl, bport)
     with ThreadPoolExecutor(1) as ex:
         decode = ex.submit(
             httpx.post,
@@ -289,39 +346,7 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
             lambda: (_info(durl)["ranks"][0] or {}).get("held_pages", 0) > 0,
             "the decode rank to register the room",
         )
-        stranger = Sealer(
-            KV_CHANNEL, "127.0.0.1:8/8", secret=SECRET
-        )  # a member, not the room's peer
-        fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
-        ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", len(ids), 0, None))
-        abort = encode_message(KVAbort(room, "prefill", 0, "forged"))
-        pool = PoolDesc(4096, 64, 4, 0, 6, 128, "float32")
-        reg = encode_message(
-            KVRegister(
-                room,
-                0,
-                ((0, 6),),
-                "127.0.0.1",
-                9,
-                "127.0.0.1:9",
-                pool,
-                (0, 1, 2),
-                4096,
-                512,
-                4096,
-                512,
-            )
-        )
-        ctx = zmq.Context()
-        try:
-            _send(
-                ctx,
-                _kv(durl)["ctrl_port"],
-                [fail, ok, stranger.seal(fail), stranger.seal(ok), stranger.seal(abort)],
-            )
-            _send(ctx, _kv(purl)["ctrl_port"], [reg, stranger.seal(reg)])
-        finally:
-            ctx.term()
+        _send_forged_kv_messages(durl, purl, room, len(ids))
         # Until the decode rank has read them all (or, were one taken for real, the room ended).
         _wait(
             lambda: sum(_kv(durl)["dropped"].values()) >= 5 or decode.done(),
@@ -336,16 +361,12 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
         d = decode.result(timeout=120)
     assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
     assert d.json()["token_ids"] == reference[2]
-    want = {
-        durl: {"unauthenticated": 2, "foreign_peer": 3},
-        purl: {"unauthenticated": 1, "foreign_peer": 1},
-    }
-    for url, w in want.items():  # stats arrive twice a second: wait for a fresh reading
-        _wait(
-            lambda url=url, w=w: _kv(url)["dropped"] == w,
-            f"{url} to report {w} (has {_kv(url)['dropped']})",
-            15,
-        )
+    _wait_kv_dropped(
+        {
+            durl: {"unauthenticated": 2, "foreign_peer": 3},
+            purl: {"unauthenticated": 1, "foreign_peer": 1},
+        }
+    )
 
 
 @pytest.mark.parametrize("kind", ["colocated", "prefill", "decode"])

@@ -313,18 +313,9 @@ def test_malformed_control_messages_dropped(cluster):
     assert grew["PA"].get("unexpected") == 1 and grew["DA"].get("unknown_room") == 1, grew
 
 
-def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(cluster):
-    """While a real room is registered, a foreign socket sends KVRegisters that would redirect its
-    writes (other pages, another pool) and KVStatus messages that would end it (Success, Failed):
-    unsigned, signed with another secret, signed by a cluster member that is not the room's peer,
-    and as the room's own decode rank re-registering. All are dropped and counted; the room's KV
-    lands byte-exact in its own pages."""
-    c = cluster
-    room, ptab, dtab = c.room("PA", "DA")
-    _assert(c.wait("PA", [room], [WAITING, FAILED]), WAITING)
-    da_id, da_pool, aux_base, aux_size = c.procs["DA"].call("identity", "m")
-    pa_id = c.procs["PA"].call("identity", "m")[0]
-    before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
+def _forged_registers(c, room: int, da_id: str, da_pool: dict, aux_base: int, aux_size: int):
+    """A KVRegister for `room` with DA's identity that would redirect its writes to another
+    request's pages, and the same with DA's pool moved by one page."""
     pool = PoolDesc.from_wire(da_pool)
     session, port = da_id.rsplit("/", 1)
     other_pages = c.take("DA", 7)  # another request's pages in the same pool
@@ -344,6 +335,12 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
         aux_size,
     )
     moved = replace(reg, pool=PoolDesc(**{**da_pool, "base_ptr": pool.base_ptr + pool.page_bytes}))
+    return reg, moved
+
+
+def _push_forgeries(c, room: int, reg, moved, da_id: str, pa_id: str, aux_base: int, aux_size: int):
+    """Pushes PA the forged registers and DA the forged statuses and abort: unsigned, signed with
+    another secret, signed by a member that is not the room's peer, and (registers) as DA."""
     as_da = Sealer(CHANNEL, da_id)  # a cluster member claiming to be DA
     ok = encode_message(KVStatus(room, 0, int(KVPoll.Success), "", N, 0, None))
     fail = encode_message(KVStatus(room, 0, int(KVPoll.Failed), "forged", 0, 0, None))
@@ -359,9 +356,9 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
             as_da.seal(encode_message(moved)),  # pool changed
             as_da.seal(encode_message(replace(reg, page_ids=(NUM_PAGES,)))),  # outside
             as_da.seal(encode_message(replace(reg, aux_ptr=aux_base + aux_size))),  # outside
-            as_da.seal(encode_message(reg)),
+            as_da.seal(encode_message(reg)),  # re-register
         ],
-    )  # re-register
+    )
     _push_all(
         c.ports["DA"],
         [
@@ -375,6 +372,22 @@ def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(c
             stranger.seal(abort),
         ],
     )
+
+
+def test_forged_register_and_status_are_dropped_and_the_room_completes_exactly(cluster):
+    """While a real room is registered, a foreign socket sends KVRegisters that would redirect its
+    writes (other pages, another pool) and KVStatus messages that would end it (Success, Failed):
+    unsigned, signed with another secret, signed by a cluster member that is not the room's peer,
+    and as the room's own decode rank re-registering. All are dropped and counted; the room's KV
+    lands byte-exact in its own pages."""
+    c = cluster
+    room, ptab, dtab = c.room("PA", "DA")
+    _assert(c.wait("PA", [room], [WAITING, FAILED]), WAITING)
+    da_id, da_pool, aux_base, aux_size = c.procs["DA"].call("identity", "m")
+    pa_id = c.procs["PA"].call("identity", "m")[0]
+    before = {n: c.procs[n].call("stats", "m")["dropped"] for n in ("PA", "DA")}
+    reg, moved = _forged_registers(c, room, da_id, da_pool, aux_base, aux_size)
+    _push_forgeries(c, room, reg, moved, da_id, pa_id, aux_base, aux_size)
     c.send_all("PA", room, ptab)
     _assert(c.wait("DA", [room]), SUCCESS)
     _assert(c.wait("PA", [room]), SUCCESS)

@@ -53,6 +53,90 @@ def _tables(rng: random.Random, page_size: int) -> list[list[int]]:
     return out
 
 
+def _start_managers(prefill, decode, name, cfg, p_slices, d_slices, p_ps, d_ps, server) -> None:
+    """Starts transfer manager `name` on every prefill and decode rank; waits until every prefill
+    rank registered with the bootstrap server."""
+    for i, p in enumerate(prefill):
+        p.call(
+            "prefill",
+            name,
+            cfg,
+            i,
+            len(prefill),
+            p_slices[i],
+            NUM_PAGES,
+            p_ps,
+            TOKEN_BYTES,
+            server.addr,
+        )
+    for j, d in enumerate(decode):
+        d.call("decode", name, cfg, j, d_slices, NUM_PAGES, d_ps, TOKEN_BYTES)
+    assert all(p.call("wait_registered", name, 10) for p in prefill)
+
+
+def _open_rooms(prefill, decode, name, rng: random.Random, p_ps, d_ps, server) -> dict:
+    """Opens a room per ROOMS entry on every rank (prefill filled, decode registered); returns
+    {room: (tokens, chunk ends, prefill table, decode table, aux slot)}."""
+    rooms = {}
+    ptabs, dtabs = _tables(rng, p_ps), _tables(rng, d_ps)
+    for k, (n, ends) in enumerate(ROOMS):
+        rooms[rng.getrandbits(63)] = (n, ends, ptabs[k], dtabs[k], k)
+    for room, (n, _, ptab, dtab, slot) in rooms.items():
+        for p in prefill:
+            p.call("fill", name, room, ptab, n)
+            p.call("create_sender", name, room)
+        for d in decode:
+            d.call("create_receiver", name, room, server.addr)
+            d.call("register", name, room, dtab, slot)
+    return rooms
+
+
+def _send_chunks(prefill, name, rooms: dict) -> None:
+    """Every prefill rank sends each room in its chunks, the aux data with the last one."""
+    for room, (n, ends, ptab, _, _) in rooms.items():
+        start = 0
+        for end in ends:
+            last = end == n
+            for p in prefill:
+                p.call(
+                    "send_chunk",
+                    name,
+                    room,
+                    ptab,
+                    start,
+                    end,
+                    last,
+                    f"aux-{room}".encode() if last else None,
+                )
+            start = end
+
+
+def _check_rooms_arrived_exactly(prefill, decode, name, rooms: dict) -> None:
+    """Every room succeeded on every rank; its KV and aux data arrived byte-exact; nothing failed
+    or was dropped; at least the whole KV was sent."""
+    for who in prefill + decode:
+        got = who.call("wait", name, list(rooms), DONE, 20)
+        assert all(s == KVPoll.Success for s, _, _ in got.values()), (who.name, got)
+    for room, (n, _, _, dtab, _) in rooms.items():
+        for d in decode:
+            assert d.call("check", name, room, dtab, n) == 0, (d.name, room, "KV differs")
+            assert d.call("read_aux", name, room) == f"aux-{room}".encode()
+    for d in decode:
+        st = d.call("stats", name)
+        assert st["rooms_succeeded"] == len(rooms) and not st["failures"] and not st["dropped"], st
+    sent = sum(p.call("stats", name)["bytes_sent"] for p in prefill)
+    assert sent >= sum(n for n, *_ in rooms.values()) * NUM_LAYERS * 2 * TOKEN_BYTES
+
+
+def _close_managers(workers, name) -> None:
+    """Closes manager `name` on every rank, ignoring errors (a rank may not have opened it)."""
+    for w in workers:
+        try:
+            w.call("close", name)
+        except Exception:
+            pass
+
+
 @pytest.mark.parametrize("p_pp,d_pp", LAYOUTS)
 def test_byte_exact_transfer(ranks, p_pp, d_pp):
     p_slices, d_slices = split_layers(NUM_LAYERS, p_pp), split_layers(NUM_LAYERS, d_pp)
@@ -71,70 +155,13 @@ def test_byte_exact_transfer(ranks, p_pp, d_pp):
         )
         server = BootstrapServer(heartbeat_timeout_s=10).start()
         try:
-            for i, p in enumerate(prefill):
-                p.call(
-                    "prefill",
-                    name,
-                    cfg,
-                    i,
-                    p_pp,
-                    p_slices[i],
-                    NUM_PAGES,
-                    p_ps,
-                    TOKEN_BYTES,
-                    server.addr,
-                )
-            for j, d in enumerate(decode):
-                d.call("decode", name, cfg, j, d_slices, NUM_PAGES, d_ps, TOKEN_BYTES)
-            assert all(p.call("wait_registered", name, 10) for p in prefill)
-            rooms = {}
-            ptabs, dtabs = _tables(rng, p_ps), _tables(rng, d_ps)
-            for k, (n, ends) in enumerate(ROOMS):
-                rooms[rng.getrandbits(63)] = (n, ends, ptabs[k], dtabs[k], k)
-            for room, (n, _, ptab, dtab, slot) in rooms.items():
-                for p in prefill:
-                    p.call("fill", name, room, ptab, n)
-                    p.call("create_sender", name, room)
-                for d in decode:
-                    d.call("create_receiver", name, room, server.addr)
-                    d.call("register", name, room, dtab, slot)
+            _start_managers(prefill, decode, name, cfg, p_slices, d_slices, p_ps, d_ps, server)
+            rooms = _open_rooms(prefill, decode, name, rng, p_ps, d_ps, server)
             for p in prefill:
                 got = p.call("wait", name, list(rooms), [int(KVPoll.WaitingForInput), 0], 10)
                 assert all(s == KVPoll.WaitingForInput for s, _, _ in got.values()), got
-            for room, (n, ends, ptab, _, _) in rooms.items():
-                start = 0
-                for end in ends:
-                    last = end == n
-                    for p in prefill:
-                        p.call(
-                            "send_chunk",
-                            name,
-                            room,
-                            ptab,
-                            start,
-                            end,
-                            last,
-                            f"aux-{room}".encode() if last else None,
-                        )
-                    start = end
-            for who in prefill + decode:
-                got = who.call("wait", name, list(rooms), DONE, 20)
-                assert all(s == KVPoll.Success for s, _, _ in got.values()), (who.name, got)
-            for room, (n, _, _, dtab, _) in rooms.items():
-                for d in decode:
-                    assert d.call("check", name, room, dtab, n) == 0, (d.name, room, "KV differs")
-                    assert d.call("read_aux", name, room) == f"aux-{room}".encode()
-            for d in decode:
-                st = d.call("stats", name)
-                assert (
-                    st["rooms_succeeded"] == len(rooms) and not st["failures"] and not st["dropped"]
-                ), st
-            sent = sum(p.call("stats", name)["bytes_sent"] for p in prefill)
-            assert sent >= sum(n for n, *_ in rooms.values()) * NUM_LAYERS * 2 * TOKEN_BYTES
+            _send_chunks(prefill, name, rooms)
+            _check_rooms_arrived_exactly(prefill, decode, name, rooms)
         finally:
-            for w in prefill + decode:
-                try:
-                    w.call("close", name)
-                except Exception:
-                    pass
+            _close_managers(prefill + decode, name)
             server.stop()

@@ -361,19 +361,8 @@ def _no_specials(content, special: set[str]):
     return [c for c in content if c.token not in special]
 
 
-@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
-def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, router, model):
-    client = served[router]
-    special = set(AutoTokenizer.from_pretrained(served["paths"][model]).all_special_tokens)
-    known = vocab_bytes(served["paths"][model])
-    kw = dict(
-        model=model,
-        temperature=0,
-        max_tokens=12,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={"ignore_eos": True},
-    )
+def _check_chat_logprobs(client, kw: dict, special: set[str], known: set[bytes]):
+    """A greedy chat answer's logprobs: real tokens whose texts and bytes make the answer."""
     out = client.chat.completions.create(messages=QUESTION, **kw)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens == 12
@@ -387,6 +376,11 @@ def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, rout
         assert bytes(c.bytes) in known
         best = c.top_logprobs[0]  # greedy: the sampled token is the most likely one
         assert (bytes(best.bytes), best.logprob) == (bytes(c.bytes), c.logprob)
+    return out, content
+
+
+def _check_streamed_chat_logprobs(client, kw: dict, out, content) -> None:
+    """The same chat request streamed: the same logprob tokens and the same text."""
     streamed = list(client.chat.completions.create(messages=QUESTION, stream=True, **kw))
     parts = [
         lp
@@ -399,7 +393,11 @@ def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, rout
         "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
         == out.choices[0].message.content
     )
-    # completions: tokens, offsets into the text, top alternatives keyed by their text
+
+
+def _check_completion_logprobs(client, kw: dict, special: set[str]) -> None:
+    """Completions: tokens, offsets into the text, top alternatives keyed by their text; the
+    streamed request gives the same tokens and offsets."""
     text = client.completions.create(
         prompt="the cache",
         logprobs=2,
@@ -431,3 +429,22 @@ def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, rout
         for o in c.choices[0].logprobs.text_offset
     ]
     assert got == lp.tokens and offsets == lp.text_offset
+
+
+@pytest.mark.parametrize("router, model", [("a", "tiny-a"), ("b", "tiny-b")])
+def test_logprob_tokens_are_real_tokens_whose_texts_make_the_answer(served, router, model):
+    client = served[router]
+    special = set(AutoTokenizer.from_pretrained(served["paths"][model]).all_special_tokens)
+    known = vocab_bytes(served["paths"][model])
+    kw = dict(
+        model=model,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    out, content = _check_chat_logprobs(client, kw, special, known)
+    _check_streamed_chat_logprobs(client, kw, out, content)
+    # completions: tokens, offsets into the text, top alternatives keyed by their text
+    _check_completion_logprobs(client, kw, special)

@@ -86,6 +86,99 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, referenc
         assert "diverged" not in (tmp_path / f"{name}.log").read_text()
 
 
+async def _abort_prefill_in_bootstrap(c, purl, bport, prompts) -> None:
+    """bootstrap: the decode side never comes; abort at the prefill node."""
+    t = asyncio.create_task(
+        c.post(
+            f"{purl}/generate",
+            json={**body(prompts[3], 11, bport, 5), "rid": "b1"},
+        )
+    )
+    await asyncio.sleep(0.5)
+    assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
+    r = await t
+    assert r.status_code >= 400 and "abort" in r.json()["error"]["message"]
+
+
+async def _abort_that_overtakes_its_request(c, purl, durl, bport, prompts) -> None:
+    """An abort that overtakes its request (it came first, on another connection): the request is
+    refused when it arrives, on either node, instead of waiting for a partner that already gave
+    up until its bootstrap timeout. Malformed rids are refused by name."""
+    for url, rid in ((purl, "e1"), (durl, "e2")):
+        assert (await c.post(f"{url}/abort", json={"rid": rid})).json()["aborted"] is False
+        r = await c.post(f"{url}/generate", json={**body(prompts[3], 13, bport, 5), "rid": rid})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "aborted", r.text
+        for bad in (
+            {"rid": 5},
+            {"rid": ""},
+            {"rid": "x" * 257},
+            {},
+        ):  # named, not remembered
+            r = await c.post(f"{url}/abort", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+
+
+async def _abort_decode_in_prealloc_or_transfer(c, durl, bport, prompts) -> None:
+    """prealloc/transfer: the prefill side never comes; abort at the decode node."""
+    t = asyncio.create_task(
+        c.post(
+            f"{durl}/generate",
+            json={**body(prompts[3], 12, bport, 5), "rid": "d1"},
+        )
+    )
+    await asyncio.sleep(0.5)
+    assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
+    r = await t
+    assert r.status_code >= 400
+
+
+async def _random_aborts(c, purl, durl, bport, prompts, reference) -> None:
+    """Random aborts: waiting, mid-chunk, inflight on prefill; transfer, running on decode. The
+    requests that finish are right, and enough of them finish."""
+    rng = random.Random(5)
+
+    async def one(i):
+        k = i % len(prompts)
+        room, rid = rng.getrandbits(63), f"r{i}"
+        b = {**body(prompts[k], room, bport, MAX_NEW), "rid": rid}
+        mode = rng.choice(["none", "prefill", "decode", "both"])
+        delay = rng.uniform(0.0, 1.5)
+        tp = asyncio.create_task(c.post(f"{purl}/generate", json=b))
+        td = asyncio.create_task(c.post(f"{durl}/generate", json=b))
+        if mode != "none":
+            await asyncio.sleep(delay)
+            if mode in ("prefill", "both"):
+                await c.post(f"{purl}/abort", json={"rid": rid})
+            if mode in ("decode", "both"):
+                await c.post(f"{durl}/abort", json={"rid": rid})
+        rp, rd = await tp, await td
+        return k, mode, rp, rd
+
+    results = await asyncio.gather(*(one(i) for i in range(48)))
+    ok = 0
+    for k, mode, rp, rd in results:
+        if rd.status_code == 200 and rd.json()["meta_info"]["finish_reason"]["type"] == "length":
+            assert rd.json()["token_ids"] == reference[k], (k, mode)
+            ok += 1
+        else:
+            assert mode != "none", (k, rp.text, rd.text)
+    assert ok >= 10
+
+
+async def _streaming_client_goes_away(c, purl, durl, bport, prompts) -> None:
+    """Streaming client that goes away while decoding."""
+    async with c.stream(
+        "POST", f"{durl}/generate", json=body(prompts[5], 77, bport, 40, True)
+    ) as s:
+        pre = asyncio.create_task(c.post(f"{purl}/generate", json=body(prompts[5], 77, bport, 40)))
+        lines = []
+        async for line in s.aiter_lines():
+            lines.append(line)
+            if len(sse_tokens(lines)) >= 3:
+                break
+    await pre
+
+
 def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches,
     then random aborts on both sides. Aborts end their rooms through KVAbort, not timeouts, so the
@@ -100,93 +193,11 @@ def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
             # results are checked was reused as the node closed it (httpx.ReadError)
             limits = httpx.Limits(keepalive_expiry=4.0)
             async with httpx.AsyncClient(timeout=60, limits=limits) as c:
-                # bootstrap: the decode side never comes; abort at the prefill node.
-                t = asyncio.create_task(
-                    c.post(
-                        f"{purl}/generate",
-                        json={**body(mixed_prompts[3], 11, bport, 5), "rid": "b1"},
-                    )
-                )
-                await asyncio.sleep(0.5)
-                assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
-                r = await t
-                assert r.status_code >= 400 and "abort" in r.json()["error"]["message"]
-                # An abort that overtakes its request (it came first, on another connection): the
-                # request is refused when it arrives, on either node, instead of waiting for a
-                # partner that already gave up until its bootstrap timeout.
-                for url, rid in ((purl, "e1"), (durl, "e2")):
-                    assert (await c.post(f"{url}/abort", json={"rid": rid})).json()[
-                        "aborted"
-                    ] is False
-                    r = await c.post(
-                        f"{url}/generate", json={**body(mixed_prompts[3], 13, bport, 5), "rid": rid}
-                    )
-                    assert r.status_code == 409 and r.json()["error"]["code"] == "aborted", r.text
-                    for bad in (
-                        {"rid": 5},
-                        {"rid": ""},
-                        {"rid": "x" * 257},
-                        {},
-                    ):  # named, not remembered
-                        r = await c.post(f"{url}/abort", json=bad)
-                        assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
-                # prealloc/transfer: the prefill side never comes; abort at the decode node.
-                t = asyncio.create_task(
-                    c.post(
-                        f"{durl}/generate",
-                        json={**body(mixed_prompts[3], 12, bport, 5), "rid": "d1"},
-                    )
-                )
-                await asyncio.sleep(0.5)
-                assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
-                r = await t
-                assert r.status_code >= 400
-                # Random aborts: waiting, mid-chunk, inflight on prefill;
-                # transfer, running on decode.
-                rng = random.Random(5)
-
-                async def one(i):
-                    k = i % len(mixed_prompts)
-                    room, rid = rng.getrandbits(63), f"r{i}"
-                    b = {**body(mixed_prompts[k], room, bport, MAX_NEW), "rid": rid}
-                    mode = rng.choice(["none", "prefill", "decode", "both"])
-                    delay = rng.uniform(0.0, 1.5)
-                    tp = asyncio.create_task(c.post(f"{purl}/generate", json=b))
-                    td = asyncio.create_task(c.post(f"{durl}/generate", json=b))
-                    if mode != "none":
-                        await asyncio.sleep(delay)
-                        if mode in ("prefill", "both"):
-                            await c.post(f"{purl}/abort", json={"rid": rid})
-                        if mode in ("decode", "both"):
-                            await c.post(f"{durl}/abort", json={"rid": rid})
-                    rp, rd = await tp, await td
-                    return k, mode, rp, rd
-
-                results = await asyncio.gather(*(one(i) for i in range(48)))
-                ok = 0
-                for k, mode, rp, rd in results:
-                    if (
-                        rd.status_code == 200
-                        and rd.json()["meta_info"]["finish_reason"]["type"] == "length"
-                    ):
-                        assert rd.json()["token_ids"] == reference[k], (k, mode)
-                        ok += 1
-                    else:
-                        assert mode != "none", (k, rp.text, rd.text)
-                assert ok >= 10
-                # Streaming client that goes away while decoding.
-                async with c.stream(
-                    "POST", f"{durl}/generate", json=body(mixed_prompts[5], 77, bport, 40, True)
-                ) as s:
-                    pre = asyncio.create_task(
-                        c.post(f"{purl}/generate", json=body(mixed_prompts[5], 77, bport, 40))
-                    )
-                    lines = []
-                    async for line in s.aiter_lines():
-                        lines.append(line)
-                        if len(sse_tokens(lines)) >= 3:
-                            break
-                await pre
+                await _abort_prefill_in_bootstrap(c, purl, bport, mixed_prompts)
+                await _abort_that_overtakes_its_request(c, purl, durl, bport, mixed_prompts)
+                await _abort_decode_in_prealloc_or_transfer(c, durl, bport, mixed_prompts)
+                await _random_aborts(c, purl, durl, bport, mixed_prompts, reference)
+                await _streaming_client_goes_away(c, purl, durl, bport, mixed_prompts)
 
         asyncio.run(asyncio.wait_for(run(), 180))
         left = wait_pages_free(purl, durl, timeout=40)
@@ -227,6 +238,43 @@ def _kill_group(proc):
     proc.wait(timeout=10)
 
 
+async def _kill_decode_node_while_decoding(purl, durl, bport, dproc, prompts):
+    """Eight PD requests of 400 tokens; the decode node is SIGKILLed while it decodes. Returns the
+    requests' results (exceptions included) and how long they took after the kill."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        tasks = [
+            asyncio.create_task(pd_generate(c, purl, durl, bport, prompts[i], 400))
+            for i in range(8)
+        ]
+        # Killed while it decodes (its ranks report their queues twice a second; 400
+        # tokens take longer than that even on tiny6).
+        deadline = time.monotonic() + 60
+        while (await c.get(f"{durl}/server_info")).json()["load"]["running"] == 0:
+            assert time.monotonic() < deadline, "the decode node never started decoding"
+            await asyncio.sleep(0.1)
+        _kill_group(dproc)
+        t0 = time.monotonic()
+        res = await asyncio.gather(*tasks, return_exceptions=True)
+        return res, time.monotonic() - t0
+
+
+async def _kill_prefill_node_under_rooms(durl, bport, pproc, prompts):
+    """Six rooms registered by the decode node; the prefill node is SIGKILLed under them. Returns
+    the decode node's answers and how long they took after the kill."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        tasks = [
+            asyncio.create_task(
+                c.post(f"{durl}/generate", json=body(prompts[i], 1000 + i, bport, 40))
+            )
+            for i in range(4, 10)
+        ]
+        await asyncio.sleep(0.2)
+        _kill_group(pproc)
+        t0 = time.monotonic()
+        res = await asyncio.gather(*tasks)
+        return res, time.monotonic() - t0
+
+
 def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
     tiny6, mixed_prompts, reference, tmp_path
 ):
@@ -242,24 +290,9 @@ def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
         pd_pair(tiny6, 2, 2, tmp_path, names=names) as ((purl, bport, pproc), (durl, dproc)),
     ):
         # 1. The decode node dies; the prefill node recovers.
-        async def decode_killed():
-            async with httpx.AsyncClient(timeout=60) as c:
-                tasks = [
-                    asyncio.create_task(pd_generate(c, purl, durl, bport, mixed_prompts[i], 400))
-                    for i in range(8)
-                ]
-                # Killed while it decodes (its ranks report their queues twice a second; 400
-                # tokens take longer than that even on tiny6).
-                deadline = time.monotonic() + 60
-                while (await c.get(f"{durl}/server_info")).json()["load"]["running"] == 0:
-                    assert time.monotonic() < deadline, "the decode node never started decoding"
-                    await asyncio.sleep(0.1)
-                _kill_group(dproc)
-                t0 = time.monotonic()
-                res = await asyncio.gather(*tasks, return_exceptions=True)
-                return res, time.monotonic() - t0
-
-        res, took = asyncio.run(decode_killed())
+        res, took = asyncio.run(
+            _kill_decode_node_while_decoding(purl, durl, bport, dproc, mixed_prompts)
+        )
         assert took < 40, f"prefill answers took {took:.0f} s after the decode node died"
         assert any(isinstance(r, Exception) for r in res), "no request was cut by the kill"
         assert group_alive(dproc.pid) == []
@@ -271,24 +304,7 @@ def test_decode_then_prefill_node_killed_and_the_survivor_recovers(
         # 2. The prefill node dies under rooms the decode node registered with it; the decode
         # node recovers.
         allow_bootstrap(durl2, bport)
-
-        async def prefill_killed():
-            async with httpx.AsyncClient(timeout=60) as c:
-                tasks = [
-                    asyncio.create_task(
-                        c.post(
-                            f"{durl2}/generate", json=body(mixed_prompts[i], 1000 + i, bport, 40)
-                        )
-                    )
-                    for i in range(4, 10)
-                ]
-                await asyncio.sleep(0.2)
-                _kill_group(pproc)
-                t0 = time.monotonic()
-                res = await asyncio.gather(*tasks)
-                return res, time.monotonic() - t0
-
-        res, took = asyncio.run(prefill_killed())
+        res, took = asyncio.run(_kill_prefill_node_under_rooms(durl2, bport, pproc, mixed_prompts))
         assert took < 40
         for r in res:
             if r.status_code == 200:

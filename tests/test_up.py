@@ -284,17 +284,8 @@ def pages(node: str) -> list[int]:
     return [s["held_pages"] for s in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]]
 
 
-def test_status_page_in_a_real_browser(cluster, tmp_path):
-    """Issue #20: /dashboard in headless chromium (selenium) shows every worker with its ranks' KV
-    pools, and a request just served with its stage waterfall across the router and both nodes.
-    The screenshot is kept in PDSERVE_ARTIFACTS (default: the test's tmp folder)."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    url, _, _ = cluster
-    name = model_name(url)
+def _serve_one_chat(url: str, name: str) -> str:
+    """Sends one short chat request through the router; returns its id."""
     r = HTTP.post(
         f"{url}/v1/chat/completions",
         json={
@@ -305,7 +296,57 @@ def test_status_page_in_a_real_browser(cluster, tmp_path):
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    rid = r.json()["id"]
+    return r.json()["id"]
+
+
+def _check_dashboard(driver, url: str, secret: str, rid: str, tmp_path: Path) -> None:
+    """In the browser: every worker with its ranks, then request `rid`'s stage waterfall; saves a
+    screenshot into PDSERVE_ARTIFACTS (default: `tmp_path`)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.set_page_load_timeout(30)
+    driver.get(f"{url}/dashboard#token={secret}")
+    wait = WebDriverWait(driver, 30)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.worker")) == 3)
+    roles = sorted(
+        e.get_attribute("data-role") for e in driver.find_elements(By.CSS_SELECTOR, "tr.worker")
+    )
+    assert roles == ["decode", "decode", "prefill"]
+    assert "pp1:" in driver.find_element(By.ID, "workers").text  # every node has 2 ranks
+    assert secret not in driver.current_url  # the token left the address bar
+    summary = "details.request[data-id] summary"
+    wait.until(
+        lambda d: any(
+            rid.split("-", 1)[1] in e.text for e in d.find_elements(By.CSS_SELECTOR, summary)
+        )
+    )
+    req = next(
+        e
+        for e in driver.find_elements(By.CSS_SELECTOR, "details.request")
+        if rid.split("-", 1)[1] in e.find_element(By.TAG_NAME, "summary").text
+    )
+    if req.get_attribute("open") is None:
+        req.find_element(By.TAG_NAME, "summary").click()
+    wait.until(lambda d: len(req.find_elements(By.CSS_SELECTOR, "tr.stage")) >= 5)
+    stages = req.text
+    for service in ("router", "prefill", "decode"):
+        assert service in stages, stages
+    out = Path(os.environ.get("PDSERVE_ARTIFACTS") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(out / "dashboard.png"))
+
+
+def test_status_page_in_a_real_browser(cluster, tmp_path):
+    """Issue #20: /dashboard in headless chromium (selenium) shows every worker with its ranks' KV
+    pools, and a request just served with its stage waterfall across the router and both nodes.
+    The screenshot is kept in PDSERVE_ARTIFACTS (default: the test's tmp folder)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    url, _, _ = cluster
+    name = model_name(url)
+    rid = _serve_one_chat(url, name)
     secret = AUTH["Authorization"].split(" ", 1)[1]
     opts = webdriver.ChromeOptions()
     for arg in (
@@ -318,36 +359,7 @@ def test_status_page_in_a_real_browser(cluster, tmp_path):
     opts.binary_location = "/usr/bin/chromium"
     driver = webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
     try:
-        driver.set_page_load_timeout(30)
-        driver.get(f"{url}/dashboard#token={secret}")
-        wait = WebDriverWait(driver, 30)
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.worker")) == 3)
-        roles = sorted(
-            e.get_attribute("data-role") for e in driver.find_elements(By.CSS_SELECTOR, "tr.worker")
-        )
-        assert roles == ["decode", "decode", "prefill"]
-        assert "pp1:" in driver.find_element(By.ID, "workers").text  # every node has 2 ranks
-        assert secret not in driver.current_url  # the token left the address bar
-        summary = "details.request[data-id] summary"
-        wait.until(
-            lambda d: any(
-                rid.split("-", 1)[1] in e.text for e in d.find_elements(By.CSS_SELECTOR, summary)
-            )
-        )
-        req = next(
-            e
-            for e in driver.find_elements(By.CSS_SELECTOR, "details.request")
-            if rid.split("-", 1)[1] in e.find_element(By.TAG_NAME, "summary").text
-        )
-        if req.get_attribute("open") is None:
-            req.find_element(By.TAG_NAME, "summary").click()
-        wait.until(lambda d: len(req.find_elements(By.CSS_SELECTOR, "tr.stage")) >= 5)
-        stages = req.text
-        for service in ("router", "prefill", "decode"):
-            assert service in stages, stages
-        out = Path(os.environ.get("PDSERVE_ARTIFACTS") or tmp_path)
-        out.mkdir(parents=True, exist_ok=True)
-        assert driver.save_screenshot(str(out / "dashboard.png"))
+        _check_dashboard(driver, url, secret, rid, tmp_path)
     finally:
         driver.quit()
 

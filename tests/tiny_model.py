@@ -106,6 +106,36 @@ def build_tokenizer(out: Path, vocab_size: int = 384, chat_template: str = CHAT_
     return fast
 
 
+def _arch_config(arch: str, common: dict, *, rope_scaling: dict | None, head_dim: int | None):
+    """The transformers config of `arch` ("llama", "qwen2" or "qwen3") with the `common` fields."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
+    elif arch == "qwen2":
+        return Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
+    elif arch == "qwen3":  # q/k norms, and a head_dim that need not be hidden / heads
+        return Qwen3Config(
+            rope_theta=10000.0, use_sliding_window=False, head_dim=head_dim or 32, **common
+        )
+    else:
+        raise ValueError(f"unknown arch {arch}")
+
+
+def _randomize_weights(model) -> None:
+    """Larger-than-default init so that greedy decoding does not collapse to one token."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.02)
+
+
 def build_tiny_model(
     out: Path,
     *,
@@ -123,7 +153,7 @@ def build_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors and the tokenizer into `out` and returns it."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,27 +173,10 @@ def build_tiny_model(
         eos_token_id=tok.eos_token_id,
         dtype="float32",
     )
-    if arch == "llama":
-        cfg = LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
-    elif arch == "qwen2":
-        cfg = Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
-    elif arch == "qwen3":  # q/k norms, and a head_dim that need not be hidden / heads
-        cfg = Qwen3Config(
-            rope_theta=10000.0, use_sliding_window=False, head_dim=head_dim or 32, **common
-        )
-    else:
-        raise ValueError(f"unknown arch {arch}")
+    cfg = _arch_config(arch, common, rope_scaling=rope_scaling, head_dim=head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # Larger-than-default init so that greedy decoding does not collapse to one token.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            else:
-                p.normal_(0.0, 0.02)
+    _randomize_weights(model)
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id}))
     return out
