@@ -145,18 +145,30 @@ class Cluster:
         per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
         return per_model * len(self._models())
 
-    def _plan_cores(self) -> Callable[[int], list[str]]:
+    def _plan_cores(self) -> Callable[[str, int], list[str]]:
         """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
-        cores, and returns `cpus(pp)`: the core flags of the next node (with `pp` ranks) started."""
+        cores, and returns `cpus(role, pp)`: the core flags of the next node of `role` started.
+
+        The prefill ranks come first in the plan (an uneven split gives them the extra core),
+        unless no core is left over for I/O. Then the decode ranks take the first cores: the
+        fronts, the router and a co-located client share the last core (the one the plan keeps for
+        I/O whenever it can, and the one vLLM-CPU reserves), and a prefill rank there loses only
+        throughput, while a decode rank would add their scheduling delay to each token."""
         a = self.args
         plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
         m = len(self._models())
-        names = [
-            f"prefill-{i} pp{r}" for i in range(a.prefill_nodes * m) for r in range(a.prefill_pp)
-        ]
-        names += [
-            f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
-        ]
+        ranks = {
+            "prefill": [
+                f"prefill-{i} pp{r}"
+                for i in range(a.prefill_nodes * m)
+                for r in range(a.prefill_pp)
+            ],
+            "decode": [
+                f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
+            ],
+        }
+        order = ("prefill", "decode") if plan.io_cores else ("decode", "prefill")
+        names = ranks[order[0]] + ranks[order[1]]
         say(
             f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
             f"node(s) x PP {a.decode_pp} per model, {m} model(s): {self._num_ranks()} rank "
@@ -164,17 +176,16 @@ class Cluster:
         )
         bind_cores(plan.io_cores)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
-        at = 0
+        at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
 
-        def cpus(pp: int) -> list[str]:
-            nonlocal at
-            at += pp
-            return ["--cpus", plan.flag(at - pp, pp), *io]
+        def cpus(role: str, pp: int) -> list[str]:
+            at[role] += pp
+            return ["--cpus", plan.flag(at[role] - pp, pp), *io]
 
         return cpus
 
     def _start_prefill_nodes(
-        self, env: dict[str, str], cpus: Callable[[int], list[str]], logs: list[str]
+        self, env: dict[str, str], cpus: Callable[[str, int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the prefill nodes; returns their flags for the router's command line."""
         a = self.args
@@ -194,7 +205,7 @@ class Cluster:
                     str(port),
                     "--bootstrap-port",
                     str(bport),
-                    *cpus(a.prefill_pp),
+                    *cpus("prefill", a.prefill_pp),
                     *extra,
                 ],
                 env,
@@ -204,7 +215,7 @@ class Cluster:
         return router_flags
 
     def _start_decode_nodes(
-        self, env: dict[str, str], cpus: Callable[[int], list[str]], logs: list[str]
+        self, env: dict[str, str], cpus: Callable[[str, int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the decode nodes; returns their flags for the router's command line."""
         a = self.args
@@ -222,7 +233,7 @@ class Cluster:
                     str(a.decode_pp),
                     "--port",
                     str(port),
-                    *cpus(a.decode_pp),
+                    *cpus("decode", a.decode_pp),
                     *extra,
                 ],
                 env,

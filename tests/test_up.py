@@ -142,6 +142,34 @@ def test_ready_line_and_models(cluster):
     assert model_name(url)
 
 
+def test_ranks_run_on_the_cores_the_plan_printed(cluster):
+    """Every rank process runs on the cores `up` printed for it (read back from /proc). With no
+    core left over for I/O (here: 6 ranks on the host's cores, or fewer cores), the decode ranks
+    come first in the plan: the last core, which the fronts, the router and clients share, gets a
+    prefill rank before any decode rank does."""
+    url, _, log = cluster
+    line = next(x for x in log.read_text().splitlines() if "placement:" in x)
+    plan = re.findall(r"((prefill|decode)-\d+ pp(\d+)) -> cores? ([\d,]+)", line)
+    assert len(plan) == 6, line
+    if "none left over" in line:
+        assert [role for _, role, _, _ in plan[:4]] == ["decode"] * 4, line
+    want: dict[tuple[str, int], list[set[int]]] = {}
+    for _, role, pp, cores in plan:
+        want.setdefault((role, int(pp)), []).append({int(c) for c in cores.split(",")})
+    got: dict[tuple[str, int], list[set[int]]] = {}
+    for role, nodes in node_urls(url).items():
+        for node in nodes:
+            for st in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]:
+                cores = os.sched_getaffinity(st["pid"])
+                got.setdefault((role, st["pp_rank"]), []).append(cores)
+    assert _core_sets(got) == _core_sets(want), line
+
+
+def _core_sets(by_rank: dict[tuple[str, int], list[set[int]]]) -> dict:
+    """(role, pp rank) -> the core sets of those ranks, in a comparable order."""
+    return {k: sorted(sorted(c) for c in v) for k, v in by_rank.items()}
+
+
 def test_openai_sdk_sync_and_async_match_transformers(cluster, chat_reference):
     url, _, _ = cluster
     name = model_name(url)
