@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import random
 import signal
 import socket
@@ -46,13 +47,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment for a child that calls `die_with_parent` late (a rank, after
+    its imports): it names this process as the parent the child must still have."""
+    return {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+
+
 def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans."""
+    """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans.
+    A parent that died before this call is caught too (the signal would never come): a child
+    started with `child_env` whose parent is no longer the one named there exits at once."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if parent.isdigit() and int(parent) != os.getppid():
+        os._exit(1)
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:

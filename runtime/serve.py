@@ -22,7 +22,7 @@ import uvicorn
 from infra.http_server import server_config
 from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
-from infra.procs import free_port, stop_processes
+from infra.procs import child_env, free_port, stop_processes
 from infra.tracing import make_exporter
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
@@ -76,9 +76,10 @@ class RankSet:
         self.on_exit = on_exit
         self._stopping = False
         for spec in specs:
-            self.procs.append(
-                subprocess.Popen([sys.executable, "-m", module, "--spec", spec.to_json()])
-            )
+            cmd = [sys.executable, "-m", module, "--spec", spec.to_json()]
+            # the rank sets its parent-death signal only after its imports: child_env lets it
+            # notice a front that died before then
+            self.procs.append(subprocess.Popen(cmd, env=child_env()))
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
