@@ -86,18 +86,17 @@ def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, referenc
         assert "diverged" not in (tmp_path / f"{name}.log").read_text()
 
 
-async def _abort_prefill_in_bootstrap(c, purl, bport, prompts) -> None:
-    """bootstrap: the decode side never comes; abort at the prefill node."""
+async def _abort_one_sided(c, url, rid, room, bport, prompts):
+    """A request sent to one node only, whose partner never comes, aborted there after 0.5 s
+    (prefill: in bootstrap; decode: in prealloc or transfer); returns its answer."""
     t = asyncio.create_task(
-        c.post(
-            f"{purl}/generate",
-            json={**body(prompts[3], 11, bport, 5), "rid": "b1"},
-        )
+        c.post(f"{url}/generate", json={**body(prompts[3], room, bport, 5), "rid": rid})
     )
     await asyncio.sleep(0.5)
-    assert (await c.post(f"{purl}/abort", json={"rid": "b1"})).json()["aborted"]
+    assert (await c.post(f"{url}/abort", json={"rid": rid})).json()["aborted"]
     r = await t
-    assert r.status_code >= 400 and "abort" in r.json()["error"]["message"]
+    assert r.status_code >= 400
+    return r
 
 
 async def _abort_that_overtakes_its_request(c, purl, durl, bport, prompts) -> None:
@@ -116,20 +115,6 @@ async def _abort_that_overtakes_its_request(c, purl, durl, bport, prompts) -> No
         ):  # named, not remembered
             r = await c.post(f"{url}/abort", json=bad)
             assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
-
-
-async def _abort_decode_in_prealloc_or_transfer(c, durl, bport, prompts) -> None:
-    """prealloc/transfer: the prefill side never comes; abort at the decode node."""
-    t = asyncio.create_task(
-        c.post(
-            f"{durl}/generate",
-            json={**body(prompts[3], 12, bport, 5), "rid": "d1"},
-        )
-    )
-    await asyncio.sleep(0.5)
-    assert (await c.post(f"{durl}/abort", json={"rid": "d1"})).json()["aborted"]
-    r = await t
-    assert r.status_code >= 400
 
 
 async def _random_aborts(c, purl, durl, bport, prompts, reference) -> None:
@@ -193,9 +178,10 @@ def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
             # results are checked was reused as the node closed it (httpx.ReadError)
             limits = httpx.Limits(keepalive_expiry=4.0)
             async with httpx.AsyncClient(timeout=60, limits=limits) as c:
-                await _abort_prefill_in_bootstrap(c, purl, bport, mixed_prompts)
+                r = await _abort_one_sided(c, purl, "b1", 11, bport, mixed_prompts)
+                assert "abort" in r.json()["error"]["message"]
                 await _abort_that_overtakes_its_request(c, purl, durl, bport, mixed_prompts)
-                await _abort_decode_in_prealloc_or_transfer(c, durl, bport, mixed_prompts)
+                await _abort_one_sided(c, durl, "d1", 12, bport, mixed_prompts)
                 await _random_aborts(c, purl, durl, bport, mixed_prompts, reference)
                 await _streaming_client_goes_away(c, purl, durl, bport, mixed_prompts)
 

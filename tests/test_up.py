@@ -149,7 +149,7 @@ def test_ranks_run_on_the_cores_the_plan_printed(cluster):
     prefill rank before any decode rank does."""
     url, _, log = cluster
     line = next(x for x in log.read_text().splitlines() if "placement:" in x)
-    plan = re.findall(r"((prefill|decode)-\d+ pp(\d+)) -> cores? ([\d,]+)", line)
+    plan = re.findall(r"((prefill|decode)-\d+ pp(\d+)) -> cores? (\d+(?:,\d+)*)", line)
     assert len(plan) == 6, line
     if "none left over" in line:
         assert [role for _, role, _, _ in plan[:4]] == ["decode"] * 4, line
