@@ -270,9 +270,9 @@ class RankStats:
         d = dataclasses.asdict(self)
         d.pop("spans")  # the front's tracing takes them
         d.update(d.pop("queues"))
-        d.pop("ext")
-        if self.ext is not None:
-            d[self.ext.key] = dataclasses.asdict(self.ext)
+        ext = d.pop("ext")  # shown under its own key (a PD rank's: "kv")
+        if ext is not None:
+            d[self.ext.key] = ext
         return d
 
 
