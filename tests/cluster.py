@@ -124,37 +124,55 @@ def start(
         kill_group(p)
 
 
+class Launch:
+    """One `pdserve up <args>` process in its own process group (its output in `log`), started
+    without waiting for it, so that a test file can start two clusters (or a cluster and its
+    transformers reference) at once and wait for each when a test needs it."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, preexec_fn=None):
+        self.log = log
+        with open(log, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", "up", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=preexec_fn,
+            )
+
+    def ready(self, timeout: float = 240.0) -> subprocess.Popen:
+        """Waits until the log says `[up] ready` (within `timeout` seconds); returns the Popen."""
+        deadline = time.monotonic() + timeout
+        while "[up] ready" not in self.log.read_text():
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+        return self.proc
+
+    def stop(self) -> None:
+        kill_group(self.proc, grace=20)
+
+
+@contextlib.contextmanager
+def launched(args: list[str], log: Path, env: dict | None = None, preexec_fn=None):
+    """A `Launch`, stopped (its whole process group) on the way out."""
+    launch = Launch(args, log, env, preexec_fn)
+    try:
+        yield launch
+    finally:
+        launch.stop()
+
+
 @contextlib.contextmanager
 def pdserve_up(
-    args: list[str],
-    log_path: Path,
-    timeout: float,
-    env: dict | None = None,
-    poll_s: float = 0.5,
-    preexec_fn=None,
+    args: list[str], log_path: Path, timeout: float, env: dict | None = None, preexec_fn=None
 ):
-    """Runs `pdserve up <args>` in its own process group (`env`: its whole environment, default
-    this one's); yields the Popen once the log says `[up] ready`, within `timeout` seconds, and
-    always stops the whole group."""
-    with open(log_path, "wb") as logf:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec_fn,
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        while "[up] ready" not in log_path.read_text():
-            assert p.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(poll_s)
-        yield p
-    finally:
-        kill_group(p, grace=20)
+    """Runs `pdserve up <args>` (`env`: its whole environment, default this one's); yields the
+    Popen once it is ready, within `timeout` seconds, and always stops the whole group."""
+    with launched(args, log_path, env, preexec_fn) as launch:
+        yield launch.ready(timeout)
 
 
 @contextlib.contextmanager

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import ROOT, free_port, kill_group, node_args
-from up_launch import launched
+from cluster import ROOT, free_port, kill_group, launched, node_args
 
 KEY = "bench-test-key"
 NODE_ARGS = " ".join(node_args(chunk_size=32, max_batch_tokens=128, max_running=None))

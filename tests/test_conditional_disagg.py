@@ -17,11 +17,10 @@ import time
 
 import httpx
 import pytest
-from cluster import free_port, node_args, secret_headers
+from cluster import free_port, launched, node_args, secret_headers
 from metrics_scrape import scrape, total
 from reference import hf_greedy, load_hf
 from tracing_checks import CLIENT_SPAN, PROMPT, TRACE, cluster_procs, outside_connections
-from up_launch import launched
 
 MIN_PROMPT = 40
 MAX_NEW = 10

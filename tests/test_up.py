@@ -14,10 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, node_args, secret_headers
+from cluster import ROOT, free_port, group_alive, launched, node_args, secret_headers
 from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
-from up_launch import launched
 
 NODE_ARGS = " ".join(node_args(max_running=None))
 MAX_NEW = 12
