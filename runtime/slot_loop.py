@@ -29,6 +29,7 @@ from engine.batch import SampleOut, ScheduledBatch
 from engine.core import ParamError, Req, SamplingParams
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from runtime.idle_wait import IdleWait
 from runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
@@ -63,8 +64,12 @@ class LoopConfig:
     pp_size: int = 1
     async_depth: int = 0
     skip_pure_chunk_comm: bool = True
-    idle_wait_ms: int = 5  # PP0 waits this long for requests when it has no work, doubling
-    idle_max_wait_ms: int = 100  # up to this while it stays idle (a request still wakes it)
+    # PP0's wait for the front when it has nothing to schedule (runtime/idle_wait.py): from
+    # idle_wait_ms, doubling up to idle_max_wait_ms with nothing at all to do, or up to
+    # outstanding_max_wait_ms while only outstanding work (PD rooms) waits and does not move.
+    idle_wait_ms: int = 5
+    idle_max_wait_ms: int = 100
+    outstanding_max_wait_ms: int = 20
     check_every: int = 8  # consensus-checker digest comparison period (iterations)
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer than this (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer than this (0 = off)
@@ -114,7 +119,7 @@ class SlotLoop:
         self.spans = RankSpans()  # traced requests' stages (side data, docs/TRACING.md)
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
-        self._idle_ms = 0  # PP0: current idle wait (timing only, never a decision)
+        self._idle = IdleWait(cfg.idle_wait_ms, cfg.idle_max_wait_ms, cfg.outstanding_max_wait_ms)
 
     @property
     def is_first(self) -> bool:
@@ -162,7 +167,7 @@ class SlotLoop:
 
     def has_outstanding(self) -> bool:
         """Requests that wait on something outside the scheduler (PD loops: bootstrap, transfers,
-        release votes, quarantined pages): PP0 keeps polling at `idle_wait_ms` for them."""
+        release votes, quarantined pages): PP0 keeps polling for them (runtime/idle_wait.py)."""
         return False
 
     def request_phase(self, rid: str) -> str | None:
@@ -175,24 +180,17 @@ class SlotLoop:
         return "waiting" if req.status.value == "waiting" else "running"
 
     def _idle_wait_ms(self) -> int:
-        if self.sched.has_work or any(b is not None and b.entries for b in self.batches):
-            self._idle_ms = 0
-        elif self.has_outstanding():
-            self._idle_ms = self.cfg.idle_wait_ms
-        else:
-            # Each idle iteration wakes every rank; backing off keeps an idle node from costing a
-            # sizeable share of a core per rank, which a node sharing its host (PD on one machine)
-            # would pay for. A request still wakes PP0 at once.
-            self._idle_ms = min(
-                max(2 * self._idle_ms, self.cfg.idle_wait_ms), self.cfg.idle_max_wait_ms
-            )
-        return self._idle_ms
+        busy = self.sched.has_work or any(b is not None and b.entries for b in self.batches)
+        outstanding = None
+        if not busy and self.has_outstanding():
+            outstanding = tuple(sorted(self.queue_sizes().items()))  # changes when work moves
+        return self._idle.next(busy, outstanding)
 
     def ingest_meta(self) -> list[Any]:
         if self.is_first:
             meta = self.front.poll(self._idle_wait_ms()) if self.front else []
             if meta:
-                self._idle_ms = 0
+                self._idle.woken()
             meta.extend(self.timeout_aborts(meta))
         else:
             # PP0 decoded and checked every message; a failure here is a bug, and it stops the rank.

@@ -11,6 +11,7 @@ import torch
 from inproc import ClusterError, ColocatedCluster, running, settled
 
 from consensus import rank_checker
+from runtime.idle_wait import IdleWait
 from runtime.pp_comm import Msg
 from runtime.pp_comm_memory import CommClosed, MemoryPPGroup
 from runtime.slot_loop import RankDivergence
@@ -18,12 +19,21 @@ from runtime.slot_loop import RankDivergence
 MAX_NEW = 12
 
 
+# PP 4 over 6 layers is the uneven split 2/2/1/1 (earlier ranks take the extra layers).
+SLICES = {1: [(0, 6)], 2: [(0, 3), (3, 6)], 3: [(0, 2), (2, 4), (4, 6)]}
+SLICES[4] = [(0, 2), (2, 4), (4, 5), (5, 6)]
+
+
 @pytest.mark.parametrize(
-    "pp,depth", [(1, 0), (2, 0), (3, 0), (2, 1)], ids=["pp1", "pp2", "pp3", "pp2-async1"]
+    "pp,depth",
+    [(1, 0), (2, 0), (3, 0), (4, 0), (2, 1)],
+    ids=["pp1", "pp2", "pp3", "pp4-uneven-2/2/1/1", "pp2-async1"],
 )
 def test_colocated_matches_transformers(pp, depth, tiny6, tiny6_greedy):
     prompts, reference = tiny6_greedy
     with running(lambda: ColocatedCluster(tiny6, pp, async_depth=depth)) as c:
+        slices = [(lp.runner.model.layer_start, lp.runner.model.layer_end) for lp in c.node_.loops]
+        assert slices == SLICES[pp]
         got = c.generate_all(prompts, MAX_NEW)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want[:MAX_NEW], f"prompt {i} (len {len(prompts[i])}) differs"
@@ -137,3 +147,19 @@ def test_collectives_meet_in_call_order():
         assert out[r] == (([0, -2], [2, 0]), [[0], [10], [20]])
     with pytest.raises(TimeoutError, match="waited"):
         MemoryPPGroup(2, timeout_s=0.2).comm(0).all_gather([1])
+
+
+def test_idle_wait_backs_off_and_resets():
+    """PP0's wait for the front (runtime/idle_wait.py): none with work; with only outstanding work
+    it doubles to its 20 ms cap while that work does not move and restarts when it moves; idle, it
+    doubles to 100 ms; a message restarts it."""
+    w = IdleWait(first_ms=5, idle_max_ms=100, outstanding_max_ms=20)
+    room = (("transfer", 1),)
+    assert [w.next(False, room) for _ in range(4)] == [5, 10, 20, 20]
+    assert w.next(False, (("running", 1),)) == 5  # the room moved on
+    assert w.next(True, None) == 0
+    assert [w.next(False, None) for _ in range(6)] == [5, 10, 20, 40, 80, 100]
+    w.woken()
+    assert w.next(False, None) == 5
+    with pytest.raises(ValueError, match="first_ms"):
+        IdleWait(first_ms=0)
