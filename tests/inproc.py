@@ -450,23 +450,26 @@ class PDCluster(Cluster):
         prefill_engine: dict | None = None,
         decode_engine: dict | None = None,
         transfer: TransferConfig | None = None,
+        spec: dict | None = None,
     ):
+        """`spec`: RankSpec fields for every rank of both nodes (`waiting_timeout_s=...`)."""
         super().__init__()
+        spec = spec or {}
         self.fabric = InMemoryFabric(ppp)
         self.transfer = transfer or TransferConfig(quarantine_s=5.0)
         self.prefill = self.node("prefill", ppp)
         self.decode = self.node("decode", dpp)
 
         def build_prefill(rank: int, comm, front) -> SlotLoop:
-            spec = _spec(model, "prefill", ppp, rank, prefill_engine or {})
-            parts = build_rank(spec, comm=comm, **prefill_rank.BUILD_KWARGS)
+            rank_spec = _spec(model, "prefill", ppp, rank, prefill_engine or {}, **spec)
+            parts = build_rank(rank_spec, comm=comm, **prefill_rank.BUILD_KWARGS)
             parts.front = front
             kv = self.fabric.prefill_manager(pool_desc(parts), rank, self.transfer)
             return prefill_rank.make_loop(parts, kv)
 
         def build_decode(rank: int, comm, front) -> SlotLoop:
-            spec = _spec(model, "decode", dpp, rank, decode_engine or {})
-            parts: RankParts = build_rank(spec, comm=comm, **decode_rank.BUILD_KWARGS)
+            rank_spec = _spec(model, "decode", dpp, rank, decode_engine or {}, **spec)
+            parts: RankParts = build_rank(rank_spec, comm=comm, **decode_rank.BUILD_KWARGS)
             parts.front = front
             kv = self.fabric.decode_manager(
                 pool_desc(parts),
@@ -498,6 +501,11 @@ class PDCluster(Cluster):
         if "decode" in sides:
             self.decode.front.submit(PDAddRequest(rid, list(ids), p, room, self.fabric.address))
         return room
+
+    def submit_local(self, rid: str, ids: list[int], max_new: int) -> None:
+        """A decode-local request (no bootstrap fields: the decode node prefills it itself)."""
+        p = {"max_tokens": max_new, "ignore_eos": True}
+        self.decode.front.submit(AddRequest(rid, list(ids), p))
 
     def abort(self, rid: str, side: str, reason: str = "client_abort") -> None:
         node = self.prefill if side == "prefill" else self.decode

@@ -1,7 +1,8 @@
 """Prefill and decode nodes with their ranks as threads of the test process (tests/inproc.py): the
 in-memory PP group and KV transfer instead of gloo and Mooncake, the real loops, schedulers, votes,
 consensus store and rank consensus checker. Each test takes seconds; the behaviours that need real
-processes (Mooncake, sockets, SIGKILL, timeouts) stay in tests/test_pd_nodes.py."""
+processes (Mooncake, sockets, SIGKILL, the KV transfer timeouts) stay in tests/test_pd_nodes.py and
+tests/test_chaos_faults.py."""
 
 from __future__ import annotations
 
@@ -272,3 +273,40 @@ def test_retraction_under_decode_kv_pressure(tiny6, tiny6_greedy):
         stats = c.wait_settled()
         _all_settled(stats)
         assert all(s.retractions > 0 for s in stats["decode"]), stats["decode"]
+
+
+def test_decode_local_requests_among_pd_requests_match_transformers(tiny6, tiny6_greedy):
+    """Requests with no bootstrap fields are prefilled on the decode node itself (chunked, by the
+    same scheduler on every decode rank), at the same time as PD requests whose KV comes from the
+    prefill node; both kinds are token-identical to transformers."""
+    prompts, reference = tiny6_greedy
+    want = [r[:MAX_NEW] for r in reference]
+    with running(lambda: PDCluster(tiny6, 2, 3)) as c:
+        local = [f"local{i}" for i in range(len(prompts))]
+        pd = [f"pd{i}" for i in range(len(prompts))]
+        for i, ids in enumerate(prompts):
+            c.submit_local(local[i], ids, MAX_NEW)
+            c.submit(pd[i], ids, MAX_NEW)
+        for i in range(len(prompts)):
+            r = c.result(local[i], sides=("decode",))
+            assert r.ok and r.tokens == want[i], f"decode-local prompt {i}: {r}"
+            r = c.result(pd[i])
+            assert r.ok and r.tokens == want[i], f"PD prompt {i}: {r}"
+        _all_settled(c.wait_settled())
+
+
+def test_waiting_timeout_covers_the_pd_queues(tiny6, tiny6_greedy):
+    """`--waiting-timeout` also ends requests stuck in the PD queues (the prefill node's bootstrap
+    queue, the decode node's prealloc/transfer queues) with its own reason, long before the KV
+    bootstrap and waiting timeouts would; a request that is not stuck is not touched."""
+    prompts, reference = tiny6_greedy
+    with running(lambda: PDCluster(tiny6, 2, 2, spec={"waiting_timeout_s": 1.0})) as c:
+        c.submit("stuck-d", prompts[3], MAX_NEW, sides=("decode",))  # the prefill side never comes
+        c.submit("stuck-p", prompts[3], MAX_NEW, sides=("prefill",))  # nor the decode side
+        r = c.result("stuck-d", sides=("decode",))
+        assert r.error is not None and r.error.reason == "waiting_timeout", r
+        r = c.result("stuck-p", sides=("prefill",))
+        assert isinstance(r.prefill, ErrorEvent), r
+        assert r.prefill.reason == "waiting_timeout", r.prefill
+        assert c.generate_all(prompts[:2], MAX_NEW) == [x[:MAX_NEW] for x in reference[:2]]
+        _all_settled(c.wait_settled())

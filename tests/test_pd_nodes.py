@@ -31,28 +31,6 @@ from pd_cluster import (
 MAX_NEW = 10
 
 
-def decode_local_all(durl: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as c:
-            res = await asyncio.gather(
-                *(
-                    c.post(
-                        f"{durl}/generate",
-                        json={
-                            "input_ids": ids,
-                            "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
-                        },
-                    )
-                    for ids in prompts
-                )
-            )
-        for r in res:
-            assert r.status_code == 200, r.text
-        return [r.json()["token_ids"] for r in res]
-
-    return asyncio.run(run())
-
-
 @pytest.fixture(scope="module")
 def reference(tiny6, mixed_prompts):
     return hf_greedy_one_thread(tiny6, mixed_prompts, MAX_NEW)
@@ -63,21 +41,16 @@ def reference(tiny6, mixed_prompts):
 QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 
 
-# Every layout from (1,1) to (3,3) runs in seconds in-process (tests/test_inproc_pd.py, ranks as
-# threads, the in-memory transfer); here, one layout with real processes, gloo and Mooncake: the
-# decode ranks' layers cut across the prefill ranks' (2 against 3: decode PP1's layers [2, 4) come
-# from both prefill ranks).
+# Every layout from (1,1) to (3,3), and decode-local requests among PD ones, run in seconds
+# in-process (tests/test_inproc_pd.py, ranks as threads, the in-memory transfer); here, one layout
+# with real processes, gloo and Mooncake: the decode ranks' layers cut across the prefill ranks'
+# (2 against 3: decode PP1's layers [2, 4) come from both prefill ranks).
 @pytest.mark.parametrize("ppp,dpp", [(2, 3)])
 def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, reference, tmp_path):
     with pd_pair(tiny6, ppp, dpp, tmp_path, env=QUEUE_TIMEOUTS) as ((purl, bport, _), (durl, _)):
         got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
-        # Decode-local: the same prompts with no bootstrap fields are prefilled on the decode node
-        # (chunked, by the same scheduler on every decode rank), all at once.
-        local = decode_local_all(durl, mixed_prompts, MAX_NEW)
-        for i, (g, want) in enumerate(zip(local, reference, strict=True)):
-            assert g == want, f"decode-local prompt {i} differs from transformers"
         left = wait_pages_free(purl, durl)
         assert not any(left[purl]) and not any(left[durl]), left
         for url in (purl, durl):
@@ -117,6 +90,9 @@ async def _abort_that_overtakes_its_request(c, purl, durl, bport, prompts) -> No
             assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
 
 
+RANDOM_ABORTS = 24  # requests with random fates; a quarter of them are never aborted
+
+
 async def _random_aborts(c, purl, durl, bport, prompts, reference) -> None:
     """Random aborts: waiting, mid-chunk, inflight on prefill; transfer, running on decode. The
     requests that finish are right, and enough of them finish."""
@@ -139,7 +115,7 @@ async def _random_aborts(c, purl, durl, bport, prompts, reference) -> None:
         rp, rd = await tp, await td
         return k, mode, rp, rd
 
-    results = await asyncio.gather(*(one(i) for i in range(48)))
+    results = await asyncio.gather(*(one(i) for i in range(RANDOM_ABORTS)))
     ok = 0
     for k, mode, rp, rd in results:
         if rd.status_code == 200 and rd.json()["meta_info"]["finish_reason"]["type"] == "length":
@@ -147,7 +123,7 @@ async def _random_aborts(c, purl, durl, bport, prompts, reference) -> None:
             ok += 1
         else:
             assert mode != "none", (k, rp.text, rd.text)
-    assert ok >= 10
+    assert ok >= RANDOM_ABORTS // 8
 
 
 async def _streaming_client_goes_away(c, purl, durl, bport, prompts) -> None:
@@ -167,7 +143,7 @@ async def _streaming_client_goes_away(c, purl, durl, bport, prompts) -> None:
 def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
     """Deterministic cases for the stages only one side reaches,
     then random aborts on both sides. Aborts end their rooms through KVAbort, not timeouts, so the
-    transfer wait is long: 48 requests queue on a loaded machine, and at 8 s an unaborted room's
+    transfer wait is long: the requests queue on a loaded machine, and at 8 s an unaborted room's
     transfer timed out in a loaded full run."""
     env = {"PDSERVE_KV_WAITING_TIMEOUT_S": "30"}
     with pd_pair(tiny6, 2, 2, tmp_path, env=env) as ((purl, bport, _), (durl, _)):
@@ -190,33 +166,6 @@ def test_aborts_at_every_stage(tiny6, mixed_prompts, reference, tmp_path):
         assert not any(left[purl]) and not any(left[durl]), f"pages still held: {left}"
         # Still serving, still right.
         assert pd_generate_all(purl, durl, bport, mixed_prompts[:3], MAX_NEW) == reference[:3]
-
-
-def test_waiting_timeout_covers_the_pd_queues(tiny6, mixed_prompts, reference, tmp_path):
-    """`--waiting-timeout` also ends requests stuck in the PD queues (prefill bootstrap, decode
-    prealloc/transfer) with a clear error, before the 8 s KV bootstrap/waiting timeouts would."""
-    extra = ["--waiting-timeout", "3"]
-    with pd_pair(tiny6, 2, 2, tmp_path, extra=extra) as ((purl, bport, _), (durl, _)):
-        allow_bootstrap(durl, bport)
-
-        async def stuck():  # one request on each node at once, each alone in its room
-            async with httpx.AsyncClient(timeout=30) as c:
-                return await asyncio.gather(
-                    *(
-                        c.post(f"{url}/generate", json=body(mixed_prompts[3], room, bport, 5))
-                        for url, room in ((durl, 22), (purl, 21))  # the other side never comes
-                    )
-                )
-
-        for url, r in zip((durl, purl), asyncio.run(stuck()), strict=True):
-            # Without the timeout these end by the KV bootstrap/prealloc failure instead, whose
-            # message names that failure, not the waiting timeout.
-            assert r.status_code >= 400, r.text
-            assert "waiting timeout" in r.json()["error"]["message"], (url, r.text)
-        # A request that is not stuck is not touched.
-        assert pd_generate_all(purl, durl, bport, mixed_prompts[:2], MAX_NEW) == reference[:2]
-        left = wait_pages_free(purl, durl, timeout=40)
-        assert not any(left[purl]) and not any(left[durl]), f"pages still held: {left}"
 
 
 def _kill_group(proc):
