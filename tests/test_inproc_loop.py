@@ -4,7 +4,9 @@ consensus checker (consensus/rank_checker.py). Real processes: tests/test_pp_nod
 
 from __future__ import annotations
 
+import random
 import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from inproc import ClusterError, ColocatedCluster, running, settled
 
 from consensus import rank_checker
 from runtime.idle_wait import IdleWait
+from runtime.messages import AbortRequest
 from runtime.pp_comm import Msg
 from runtime.pp_comm_memory import CommClosed, MemoryPPGroup
 from runtime.slot_loop import RankDivergence
@@ -63,6 +66,72 @@ def test_planted_divergence_is_caught(tiny6, tiny6_greedy):
     cause = err.value.__cause__
     assert isinstance(cause, RankDivergence), repr(cause)
     assert "first diverging call" in str(cause) and "'schedule'" in str(cause), str(cause)
+
+
+def _phase(loop, rid: str) -> str:
+    """Where PP0 has `rid`: waiting, prefilling (mid-prompt), decoding, or ended."""
+    req = loop.sched.reqs.get(rid)
+    if req is None:
+        return "ended"
+    if req.status.value == "waiting":
+        return "waiting"
+    return "decoding" if req.output_ids else "prefilling"
+
+
+def _storm_turns(c, rids, rng, p_abort: float) -> Counter:
+    """Runs the node turn by turn until every request in `rids` ended, aborting each live one with
+    probability `p_abort` before each turn; returns where the aborted ones were (`_phase`)."""
+    front, aborted = c.node_.front, Counter()
+    pp0 = c.node_.loops[0]
+
+    def ended(rid):
+        return any(e.terminal for e in front.events.get(rid, []))
+
+    for _ in range(3000):
+        live = [rid for rid in rids if rid not in aborted and not ended(rid)]
+        if not live:
+            return aborted
+        for rid in live:
+            if rng.random() < p_abort:
+                front.submit(AbortRequest(rid, "client_abort"))
+                aborted[rid] = _phase(pp0, rid)
+        c.node_.step()
+    raise AssertionError("the storm's requests did not end within 3000 turns")
+
+
+def test_abort_storm_pp3(tiny6, tiny6_greedy):
+    """Aborts at seeded random turns of a PP 3 node, on any of its three slots: in the waiting
+    queue (8 running places for 60 requests), between prefill chunks, while decoding, and after the
+    answer ended. Every request ends; a finished answer is the reference, an aborted one a prefix
+    of it; no page stays held or locked, and the node still answers. (The same through HTTP streams
+    that clients cut: tests/test_chaos_abort_storm.py, 1,000 requests through `pdserve up`.)"""
+    prompts, reference = tiny6_greedy
+    rng = random.Random(3)
+    with running(lambda: ColocatedCluster(tiny6, 3, engine={"max_running": 8})) as c:
+        rids = {f"s{i}": i % len(prompts) for i in range(60)}
+        with c.stepping():
+            for rid, k in rids.items():
+                c.submit(rid, prompts[k], MAX_NEW)
+            aborted = _storm_turns(c, list(rids), rng, p_abort=0.01)
+        where = Counter(aborted.values())
+        assert where["waiting"] and where["prefilling"] and where["decoding"], where
+        cut = 0
+        for rid, k in rids.items():
+            r = c.result(rid)
+            want = reference[k][:MAX_NEW]
+            if r.ok:
+                assert r.tokens == want, (rid, r)
+            else:
+                assert rid in aborted and r.finish is not None and r.finish.kind == "abort", r
+                assert r.tokens == want[: len(r.tokens)], (rid, r)
+                cut += 1
+        assert 10 <= cut < len(rids) - 10, (cut, where)
+        # Aborts for requests that already ended change nothing.
+        done = [rid for rid in rids if rid not in aborted][:5]
+        c.node_.front.submit(*(AbortRequest(rid, "client_abort") for rid in done))
+        stats = c.wait_settled()
+        assert all(settled(s) for s in stats["colocated"]), stats
+        assert c.generate_all(prompts[:2], MAX_NEW) == [x[:MAX_NEW] for x in reference[:2]]
 
 
 def test_rank_checker_is_per_thread():
