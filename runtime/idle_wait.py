@@ -4,7 +4,8 @@ Each iteration wakes every rank of the node (the meta goes round the ring), so a
 fast for nothing pays for it on every rank. Measured on a 2-core host, a PP 2 node with one PD room
 waiting for its partner, polled every 5 ms, took half a core (docs/PERFORMANCE.md), a share that
 the other node's ranks on the same host lose. So the wait backs off:
-- idle (no request at all): 5, 10, 20 ... up to 100 ms; a request still wakes PP0 at once;
+- idle (no request at all): 5, 10, 20 ... up to 250 ms; a request still wakes PP0 at once, so
+  this costs no latency (an idle PP 2 node took 3.5 % of a core per rank at 100 ms);
 - only outstanding work (PD rooms in bootstrap, transfer, release or quarantine, which move by
   messages from outside the ring): 5, 10, then 20 ms while nothing changes, back to 5 ms when a
   queue changes, so a KV transfer that lands is seen within 20 ms;
@@ -18,7 +19,7 @@ from collections.abc import Hashable
 
 
 class IdleWait:
-    def __init__(self, first_ms: int = 5, idle_max_ms: int = 100, outstanding_max_ms: int = 20):
+    def __init__(self, first_ms: int = 5, idle_max_ms: int = 250, outstanding_max_ms: int = 20):
         if not 0 < first_ms <= min(idle_max_ms, outstanding_max_ms):
             raise ValueError(
                 f"first_ms {first_ms} must be > 0 and at most the caps "

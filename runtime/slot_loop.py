@@ -68,7 +68,7 @@ class LoopConfig:
     # idle_wait_ms, doubling up to idle_max_wait_ms with nothing at all to do, or up to
     # outstanding_max_wait_ms while only outstanding work (PD rooms) waits and does not move.
     idle_wait_ms: int = 5
-    idle_max_wait_ms: int = 100
+    idle_max_wait_ms: int = 250
     outstanding_max_wait_ms: int = 20
     check_every: int = 8  # consensus-checker digest comparison period (iterations)
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer than this (0 = off)

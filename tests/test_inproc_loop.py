@@ -221,13 +221,13 @@ def test_collectives_meet_in_call_order():
 def test_idle_wait_backs_off_and_resets():
     """PP0's wait for the front (runtime/idle_wait.py): none with work; with only outstanding work
     it doubles to its 20 ms cap while that work does not move and restarts when it moves; idle, it
-    doubles to 100 ms; a message restarts it."""
-    w = IdleWait(first_ms=5, idle_max_ms=100, outstanding_max_ms=20)
+    doubles to 250 ms; a message restarts it."""
+    w = IdleWait(first_ms=5, idle_max_ms=250, outstanding_max_ms=20)
     room = (("transfer", 1),)
     assert [w.next(False, room) for _ in range(4)] == [5, 10, 20, 20]
     assert w.next(False, (("running", 1),)) == 5  # the room moved on
     assert w.next(True, None) == 0
-    assert [w.next(False, None) for _ in range(6)] == [5, 10, 20, 40, 80, 100]
+    assert [w.next(False, None) for _ in range(8)] == [5, 10, 20, 40, 80, 160, 250, 250]
     w.woken()
     assert w.next(False, None) == 5
     with pytest.raises(ValueError, match="first_ms"):
