@@ -21,9 +21,9 @@ lint: setup-test
 	$(VENV)/bin/ruff format --check .
 
 # The test suite (what CI runs): lint first, then pytest, its files spread over 2 workers
-# (pytest-xdist; a file's tests stay on one worker, since they share its module fixtures). Much of
-# the suite's time is spent waiting on its own processes and timeouts, so 2 workers on 2 cores
-# shorten it. TEST_WORKERS=0 runs it in one process.
+# (pytest-xdist; a file's tests stay on one worker, since they share its module fixtures). The
+# suite is mostly CPU (its node processes starting and running): 2 workers keep 2 cores busy, and 4
+# were slower. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
