@@ -1,4 +1,5 @@
-"""Issue #18: conditional disaggregation on a real `pdserve up` cluster (prefill PP 1, decode PP 2).
+"""Issue #18: conditional disaggregation on a real `pdserve up` cluster (prefill PP 1, decode PP 2)
+of tiny6.
 
 The router sends prompts shorter than --disagg-min-prompt-tokens to the decode node alone, which
 prefills them itself, mixed with the streams it is decoding; longer prompts use the PD pair. Every
@@ -31,9 +32,9 @@ ROUTER_ARGS = (
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny30, tmp_path_factory, request):
+def cluster(tiny6, tmp_path_factory, request):
     log, port = tmp_path_factory.mktemp("cond") / "up.log", free_port()
-    args = ["--model", str(tiny30), "--port", str(port), "--prefill-pp", "1", "--decode-pp", "2"]
+    args = ["--model", str(tiny6), "--port", str(port), "--prefill-pp", "1", "--decode-pp", "2"]
     args += ["--node-args", " ".join(node_args(max_running=None)), "--router-args", ROUTER_ARGS]
     with launched(args, log) as up:
         request.getfixturevalue("prompts")  # transformers' answers, computed while it loads
@@ -42,12 +43,12 @@ def cluster(tiny30, tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny30):
+def prompts(tiny6):
     """8 long prompts (disaggregated) and 4 short ones (decode-only), with their HF answers."""
     rng = random.Random(18)
     long = [[rng.randrange(3, 380) for _ in range(rng.randrange(60, 90))] for _ in range(8)]
     short = [[rng.randrange(3, 380) for _ in range(rng.randrange(4, MIN_PROMPT))] for _ in range(4)]
-    model = load_hf(tiny30)
+    model = load_hf(tiny6)
     return long, short, hf_greedy(model, long, MAX_NEW), hf_greedy(model, short, MAX_NEW)
 
 
@@ -80,7 +81,7 @@ def decisions(url: str) -> dict[str, float]:
 
 
 def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cluster, prompts):
-    """8 long prompts stream through the PD pair with 3x the tokens; 4 short prompts sent while
+    """8 long prompts stream through the PD pair with 10x the tokens; 4 short prompts sent while
     they decode are prefilled by the decode node between their steps. All 12 are HF-exact."""
     url, auth, _ = cluster
     long, short, want_long, want_short = prompts
@@ -88,7 +89,7 @@ def test_short_prompts_are_prefilled_on_the_decode_node_among_running_streams(cl
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as ac:
-            running = [asyncio.create_task(generate(ac, url, p, 3 * MAX_NEW)) for p in long]
+            running = [asyncio.create_task(generate(ac, url, p, 10 * MAX_NEW)) for p in long]
             await asyncio.sleep(0.5)  # the long ones are prefilled and decoding by now, mostly
             local = await asyncio.gather(*(generate(ac, url, p, MAX_NEW) for p in short))
             return await asyncio.gather(*running), local
