@@ -300,7 +300,9 @@ def test_waiting_timeout_covers_the_pd_queues(tiny6, tiny6_greedy):
     queue, the decode node's prealloc/transfer queues) with its own reason, long before the KV
     bootstrap and waiting timeouts would; a request that is not stuck is not touched."""
     prompts, reference = tiny6_greedy
-    with running(lambda: PDCluster(tiny6, 2, 2, spec={"waiting_timeout_s": 1.0})) as c:
+    # 3 s, as in a node's test: the requests that are not stuck count as waiting on the decode
+    # node until their KV lands, which a loaded machine can stretch past a shorter timeout.
+    with running(lambda: PDCluster(tiny6, 2, 2, spec={"waiting_timeout_s": 3.0})) as c:
         c.submit("stuck-d", prompts[3], MAX_NEW, sides=("decode",))  # the prefill side never comes
         c.submit("stuck-p", prompts[3], MAX_NEW, sides=("prefill",))  # nor the decode side
         r = c.result("stuck-d", sides=("decode",))
