@@ -51,6 +51,11 @@ def test_a_pd_pairs_choices_go_to_one_prefill_node():
     with Cluster(prefill=2, decode=2, prefill_policy="round_robin") as cluster:
         out = sdk(cluster).completions.create(model=MODEL, prompt="a b c", max_tokens=2, n=4)
         assert [c.text for c in out.choices] == ["a b"] * 4
+        # The router sends each pair's two legs at once and the stub decode node answers without
+        # waiting for its prefill leg, so a prefill leg can arrive after the client has its answer.
+        deadline = time.monotonic() + 10
+        while sum(n.stats.generate for n in cluster.prefill) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sorted(n.stats.generate for n in cluster.prefill) == [0, 4]
 
 
