@@ -34,7 +34,7 @@ from consensus.vote import PREALLOC, RELEASE, TRANSFERRED, Ballot, RingVote
 from decode_node.prefix import HeldPrefix, hold_prefix, release_prefix
 from engine.core import Req, SamplingParams
 from engine.kv_cache import pages_needed
-from kv_transfer.base import BaseDecodeKVManager
+from kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
 from pd_common.messages import PDAddRequest
 from runtime.messages import TokenEvent
@@ -66,8 +66,8 @@ class DecodeLoop(PDLoop):
         self.quarantine: dict[int, PDReq] = {}
         self.aux_free = list(range(aux_slots))  # a heap: lowest free slot first, like the pages
 
-    def has_outstanding(self) -> bool:
-        return bool(self.by_rid or self.quarantine)
+    def waiting_ends(self) -> list[BaseKVReceiver]:
+        return [*super().waiting_ends(), *(pd.transfer for pd in self.quarantine.values())]
 
     def queue_sizes(self) -> dict[str, int]:
         return {

@@ -5,6 +5,7 @@ PD request, the end of a request), the consensus ring over the PP group, and the
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +116,17 @@ class PDLoop(SlotLoop):
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             return None
 
-    def has_outstanding(self) -> bool:
-        return bool(self.by_rid)
+    def waiting_ends(self) -> list[BaseKVSender | BaseKVReceiver]:
+        """The transfer ends of this rank's rooms (the decode loop adds its quarantine)."""
+        return [pd.transfer for pd in self.by_rid.values()]
+
+    def outstanding(self) -> Hashable | None:
+        """The queue sizes and each room's transfer status: a room moves when its KV lands or fails
+        (the votes act on that over the next turns) or when it changes queue."""
+        ends = self.waiting_ends()
+        if not ends:
+            return None
+        return tuple(sorted(self.queue_sizes().items())), tuple(int(e.poll()) for e in ends)
 
     def stats_extension(self) -> KVRankStats:
         """The transfer counters since start, and the rooms' latencies since the last push."""

@@ -7,8 +7,9 @@ the other node's ranks on the same host lose. So the wait backs off:
 - idle (no request at all): 5, 10, 20 ... up to 250 ms; a request still wakes PP0 at once, so
   this costs no latency (an idle PP 2 node took 3.5 % of a core per rank at 100 ms);
 - only outstanding work (PD rooms in bootstrap, transfer, release or quarantine, which move by
-  messages from outside the ring): 5, 10, then 20 ms while nothing changes, back to 5 ms when a
-  queue changes, so a KV transfer that lands is seen within 20 ms;
+  messages from outside the ring): 5, 10, then 20 ms while nothing changes, back to 5 ms when
+  something does (`SlotLoop.outstanding`: a queue's size, or a room's transfer status, such as KV
+  that landed), so a landed transfer is seen within 20 ms and the votes on it run at 5 ms;
 - work to schedule: no wait.
 The wait is timing only: it decides when PP0 looks, never what any rank decides.
 """

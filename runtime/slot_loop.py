@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -165,10 +166,12 @@ class SlotLoop:
         """Runs on every rank for each request the scheduler finished this iteration."""
         self.spans.finish(req.rid, req.finish.kind if req.finish else "unknown")
 
-    def has_outstanding(self) -> bool:
-        """Requests that wait on something outside the scheduler (PD loops: bootstrap, transfers,
-        release votes, quarantined pages): PP0 keeps polling for them (runtime/idle_wait.py)."""
-        return False
+    def outstanding(self) -> Hashable | None:
+        """Work that waits on something outside the scheduler (PD loops: rooms in bootstrap,
+        transfer, release votes, quarantine), as a value that changes whenever that work moves;
+        None: there is none. PP0 polls faster while it moves (runtime/idle_wait.py). Timing only:
+        no decision reads it."""
+        return None
 
     def request_phase(self, rid: str) -> str | None:
         """ "waiting" (queued, no forward yet), "running", or None (not known here); for timeouts.
@@ -181,10 +184,7 @@ class SlotLoop:
 
     def _idle_wait_ms(self) -> int:
         busy = self.sched.has_work or any(b is not None and b.entries for b in self.batches)
-        outstanding = None
-        if not busy and self.has_outstanding():
-            outstanding = tuple(sorted(self.queue_sizes().items()))  # changes when work moves
-        return self._idle.next(busy, outstanding)
+        return self._idle.next(busy, None if busy else self.outstanding())
 
     def ingest_meta(self) -> list[Any]:
         if self.is_first:

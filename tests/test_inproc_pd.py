@@ -312,3 +312,24 @@ def test_waiting_timeout_covers_the_pd_queues(tiny6, tiny6_greedy):
         assert r.prefill.reason == "waiting_timeout", r.prefill
         assert c.generate_all(prompts[:2], MAX_NEW) == [x[:MAX_NEW] for x in reference[:2]]
         _all_settled(c.wait_settled())
+
+
+def test_outstanding_moves_with_a_rooms_transfer_status(tiny6, tiny6_greedy):
+    """PP0's idle wait backs off while `outstanding()` stays the same (runtime/idle_wait.py): a room
+    waiting in the decode node's transfer queue changes it as soon as its transfer end's status
+    does, before the room changes queue, so the votes on a landed transfer run at the short wait."""
+    prompts, reference = tiny6_greedy
+    with running(lambda: PDCluster(tiny6, 2, 2)) as c:
+        d0 = c.decode.loops[0]
+        assert d0.outstanding() is None
+        with c.stepping():
+            room = c.submit("moves", prompts[3], MAX_NEW, sides=("decode",))
+            c.step_until(lambda: room in d0.transfer)
+            waiting = d0.outstanding()
+            for node in c.nodes:
+                node.step()
+            assert d0.outstanding() == waiting  # nothing moved: the same value, so PP0 backs off
+            c.submit("moves", prompts[3], MAX_NEW, sides=("prefill",), room=room)
+            c.step_until(lambda: d0.outstanding() != waiting)
+            assert room in d0.transfer, "the value changed only when the room left the queue"
+        assert c.result("moves").tokens == reference[3][:MAX_NEW]
