@@ -502,6 +502,18 @@ class PDCluster(Cluster):
             self.decode.front.submit(PDAddRequest(rid, list(ids), p, room, self.fabric.address))
         return room
 
+    def check_late_prefill_after_decode_abort(
+        self, rid: str, ids: list[int], max_new: int, room: int
+    ) -> None:
+        """`rid` was sent to the decode node alone and aborted there: its answer is an abort
+        error, and its prefill side, coming later, is refused as `aborted_by_decode`."""
+        r = self.result(rid, sides=("decode",))
+        assert r.error is not None and "abort" in r.error.message, r
+        self.submit(rid, ids, max_new, sides=("prefill",), room=room)
+        r = self.result(rid, sides=("prefill",))
+        assert isinstance(r.prefill, ErrorEvent), r
+        assert "aborted_by_decode" in r.prefill.message, r.prefill
+
     def submit_local(self, rid: str, ids: list[int], max_new: int) -> None:
         """A decode-local request (no bootstrap fields: the decode node prefills it itself)."""
         p = {"max_tokens": max_new, "ignore_eos": True}

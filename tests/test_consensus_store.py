@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import pickle
 import random
@@ -279,19 +280,32 @@ def _expected_drops(sealed: dict, unsealed: list) -> dict[str, int]:
     return expect
 
 
-def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
-    pp0 = PPConsensusStore(0, 3)
-    rank1 = PPConsensusStore(1, 3, pp0.address)
+@contextlib.contextmanager
+def _store_with_raw_sender(size: int):
+    """A store of `size` ranks (PP0 and PP1 of it), and a raw ZMQ socket pushing to PP0's address:
+    (pp0, rank1, raw)."""
+    pp0 = PPConsensusStore(0, size)
+    rank1 = PPConsensusStore(1, size, pp0.address)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(pp0.address)
+    try:
+        yield pp0, rank1, raw
+    finally:
+        raw.close()
+        ctx.term()
+        rank1.close()
+        pp0.close()
+
+
+def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
     pk = msgpack.packb
     # A rank of this cluster (it holds the secret) sending garbage.
     seal = Sealer(CHANNEL, "pp1").seal
     sealed = _sealed_bad_payloads(pk)
     unsealed = _unauthenticated_frames(seal, pk)
-    try:
+    with _store_with_raw_sender(3) as (pp0, rank1, raw):
         _send_bad_frames(raw, seal, pk, sealed, unsealed)
         expect = _expected_drops(sealed, unsealed)
         wait_until(lambda: sum(pp0.dropped.values()) == sum(expect.values()), "all drops", pp0)
@@ -299,31 +313,15 @@ def test_bad_frames_are_dropped_counted_and_the_store_keeps_working():
         assert pp0.collect(5) == [None, None, None]  # nothing bad was applied
         rank1[5] = W
         wait_until(lambda: pp0.collect(5)[1] == W, "a good write after the bad ones", pp0)
-    finally:
-        raw.close()
-        ctx.term()
-        rank1.close()
-        pp0.close()
 
 
 def test_an_oversized_message_is_dropped_and_the_store_keeps_working():
     """libzmq refuses a message over the socket's MAXMSGSIZE and disconnects its sender only."""
-    pp0 = PPConsensusStore(0, 2)
-    rank1 = PPConsensusStore(1, 2, pp0.address)
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.PUSH)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(pp0.address)
-    try:
+    with _store_with_raw_sender(2) as (pp0, rank1, raw):
         raw.send(b"x" * (1 << 20))
         rank1[7] = W
         wait_until(lambda: pp0.collect(7)[1] == W, "a good write after the oversized one", pp0)
         assert sum(pp0.dropped.values()) == 0  # never reached the store: libzmq dropped it
-    finally:
-        raw.close()
-        ctx.term()
-        rank1.close()
-        pp0.close()
 
 
 def test_bad_types_raise_on_the_callers_thread_and_send_nothing():

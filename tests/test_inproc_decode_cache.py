@@ -14,8 +14,6 @@ import torch
 from inproc import PDCluster, running, settled
 from reference import hf_greedy, load_hf
 
-from runtime.messages import ErrorEvent
-
 MAX_NEW = 8
 PS = 4  # tests/inproc.py ENGINE page_size, both nodes
 
@@ -160,11 +158,7 @@ def test_abort_after_partial_prefix_bootstrap(tiny6, hf6):
             ]
             assert all(n > 0 for n in locked), locked
             c.abort("early", "decode")
-        r = c.result("early", sides=("decode",))
-        assert r.error is not None and "abort" in r.error.message, r
-        c.submit("early", p2, MAX_NEW, sides=("prefill",), room=room)
-        r = c.result("early", sides=("prefill",))
-        assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+        c.check_late_prefill_after_decode_abort("early", p2, MAX_NEW, room)
 
         with c.stepping():
             c.submit("late", p2, MAX_NEW)

@@ -137,11 +137,7 @@ def _abort_in_decode_prealloc(c, prompt) -> None:
         room = c.submit("prealloc", prompt, MAX_NEW, sides=("decode",))
         c.step_until(lambda: _loops_all(d, registered))
         c.abort("prealloc", "decode")
-    r = c.result("prealloc", sides=("decode",))
-    assert r.error is not None and "abort" in r.error.message, r
-    c.submit("prealloc", prompt, MAX_NEW, sides=("prefill",), room=room)
-    r = c.result("prealloc", sides=("prefill",))
-    assert isinstance(r.prefill, ErrorEvent) and "aborted_by_decode" in r.prefill.message
+    c.check_late_prefill_after_decode_abort("prealloc", prompt, MAX_NEW, room)
 
 
 def _abort_in_decode_transfer(c, prompt) -> None:
