@@ -12,9 +12,10 @@ Whose log: a rank process has one, `CHECKER`. A thread may `bind` its own checke
 test clusters of tests/inproc.py run each rank as a thread of one process); calls on that thread
 then go to it, and every other thread still uses `CHECKER`.
 
-When the switch is off, the decorator returns the function itself: zero overhead. The switch is
-read when a decorated function is defined (import time); `enable()` turns it on later, and refuses
-once a decision point was already defined without it.
+When the switch is off, a decorated call costs one flag test (a few decision calls per step). The
+switch is read per call, not when a decision point is defined: a rank forked from a zygote
+(infra/zygote.py) imported these modules under the zygote's environment and calls
+`configure_from_env()` with its own; `enable()` turns it on in a test process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-ENABLED = os.environ.get("PDSERVE_RANK_CONSENSUS_CHECK", "0") not in ("", "0", "false", "False")
+ENV = "PDSERVE_RANK_CONSENSUS_CHECK"
+
+
+def _env_says_on() -> bool:
+    return os.environ.get(ENV, "0") not in ("", "0", "false", "False")
+
+
+ENABLED = _env_says_on()
 
 
 def _canon(x: Any) -> Any:
@@ -90,7 +98,6 @@ class RankChecker:
 
 CHECKER = RankChecker()  # the rank process's checker
 _bound = threading.local()  # .checker: a thread's own checker (a rank run as a thread)
-_defined_off: list[str] = []  # decision points defined while the switch was off
 
 
 def checker() -> RankChecker:
@@ -107,14 +114,16 @@ def bind(c: RankChecker | None) -> None:
 
 
 def enable() -> None:
-    """Turns the checker on in this process (tests), before any decision code is imported."""
+    """Turns the checker on in this process (tests)."""
     global ENABLED
-    if _defined_off:
-        raise RuntimeError(
-            "rank_checker.enable() after decision points were defined without the checker "
-            f"({', '.join(_defined_off[:4])}...): call it before engine/ and the loops are imported"
-        )
     ENABLED = True
+
+
+def configure_from_env() -> None:
+    """Reads the switch from this process's environment again: a rank forked from a zygote
+    (infra/zygote.py) was imported under the zygote's environment, and runs under its node's."""
+    global ENABLED
+    ENABLED = _env_says_on()
 
 
 def rank_consensus(
@@ -124,12 +133,11 @@ def rank_consensus(
     ranks."""
 
     def deco(fn):
-        if not ENABLED:
-            _defined_off.append(name)
-            return fn
-
+        # the switch is read per call (a few calls per step): a forked rank sets it after import
         @functools.wraps(fn)
         def wrapper(*a, **kw):
+            if not ENABLED:
+                return fn(*a, **kw)
             chosen = args(*a, **kw) if args else None  # before the call: it may mutate them
             r = fn(*a, **kw)
             checker().record(name, chosen, result(r) if result else None)

@@ -50,16 +50,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 
 
-def child_env() -> dict[str, str]:
-    """This process's environment for a child that calls `die_with_parent` late (a rank, after
-    its imports): it names this process as the parent the child must still have."""
-    return {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-
-
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans.
     A parent that died before this call is caught too (the signal would never come): a child
-    started with `child_env` whose parent is no longer the one named there exits at once."""
+    whose environment names its parent (PARENT_PID_ENV, as infra/zygote.py sets it) exits at once
+    when that is no longer its parent."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -68,6 +63,13 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_PID_ENV, "")
     if parent.isdigit() and int(parent) != os.getppid():
         os._exit(1)
+
+
+def set_process_name(name: str) -> None:
+    """Linux: the name `ps -o comm`, top and /proc/PID/comm show (15 bytes at most). A rank forked
+    from a zygote (infra/zygote.py) would otherwise show the zygote's name and command line."""
+    with open("/proc/self/comm", "w") as f:  # the main thread's name is the process's
+        f.write(name[:15])
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:

@@ -33,9 +33,12 @@ from infra.internal_auth import bearer, is_loopback
 from infra.logs import FORMAT_ENV, add_log_args, setup_logging
 from infra.procs import die_with_parent, free_port, stop_processes
 from infra.tracing import add_tracing_arg
+from infra.zygote import ENV as ZYGOTE_ENV
+from infra.zygote import Zygote
 from runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")
+RANK_MODULES = ["prefill_node.rank", "decode_node.rank"]  # what the cluster's zygote preloads
 STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
 
 
@@ -103,6 +106,7 @@ class Cluster:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nodes: list[tuple[str, str]] = []  # (name, url)
+        self.zygote: Zygote | None = None
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
         # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
         # bundle, ~75 ms of CPU) per call, taken from the ranks that are starting
@@ -124,7 +128,9 @@ class Cluster:
         """Starts the nodes, waits until every rank has loaded, then starts the router; returns
         the router's URL."""
         a = self.args
-        env = dict(os.environ, **{SECRET_ENV: self.secret})
+        # every rank of every node is forked from one zygote: one torch import, not one per rank
+        self.zygote = Zygote.start(RANK_MODULES)
+        env = dict(os.environ, **{SECRET_ENV: self.secret, ZYGOTE_ENV: self.zygote.path})
         env.pop(SECRET_FILE_ENV, None)
         cpus = self._plan_cores()
         logs = ["--log-level", a.log_level, "--log-format", a.log_format]
@@ -314,6 +320,8 @@ class Cluster:
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)
         stop_processes([p for n, p in self.procs if n != "router"], grace_s=15)
+        if self.zygote is not None:  # after the nodes, which stop their ranks
+            self.zygote.close()
         with contextlib.suppress(OSError):
             os.unlink(self.secret_file)
             os.rmdir(self._secret_dir)

@@ -34,7 +34,7 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from infra.logs import setup_logging
-from infra.procs import die_with_parent
+from infra.procs import die_with_parent, set_process_name
 from runtime.front import (
     EVT_CHANNEL,
     EVT_MAX_BYTES,
@@ -316,6 +316,8 @@ def run_rank(
     except ValueError as e:  # a MessageError, or JSONDecodeError
         ap.error(f"--spec: {e}")
     setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
+    set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
+    rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
     bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))

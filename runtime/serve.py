@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +20,9 @@ import uvicorn
 from infra.http_server import server_config
 from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
-from infra.procs import child_env, free_port, stop_processes
+from infra.procs import free_port, stop_processes
 from infra.tracing import make_exporter
+from infra.zygote import Zygote, ZygoteChild
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
 
@@ -69,17 +68,17 @@ def engine_dict(args, threads: int) -> dict[str, Any]:
 
 
 class RankSet:
-    """The local rank processes of a node, and a thread that notices when one of them exits."""
+    """The local rank processes of a node, forked by a rank zygote (infra/zygote.py: the shared
+    one PDSERVE_RANK_ZYGOTE names, or the node's own), and a thread that notices when one of them
+    exits."""
 
     def __init__(self, specs: list[RankSpec], on_exit, module: str = "runtime.rank_process"):
-        self.procs: list[subprocess.Popen] = []
         self.on_exit = on_exit
         self._stopping = False
-        for spec in specs:
-            cmd = [sys.executable, "-m", module, "--spec", spec.to_json()]
-            # the rank sets its parent-death signal only after its imports: child_env lets it
-            # notice a front that died before then
-            self.procs.append(subprocess.Popen(cmd, env=child_env()))
+        self.zygote = Zygote.shared_or_start([module])
+        self.procs: list[ZygoteChild] = [
+            self.zygote.fork(module, ["--spec", spec.to_json()]) for spec in specs
+        ]
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -95,6 +94,7 @@ class RankSet:
     def stop(self) -> None:
         self._stopping = True
         stop_processes(self.procs)
+        self.zygote.close()
 
 
 def advertise_host(args) -> str:

@@ -56,18 +56,21 @@ def kill_group(p: subprocess.Popen, grace: float = 8.0) -> None:
         p.wait(timeout=5)
 
 
+def group_members(pgid: int) -> list[tuple[int, str, str]]:
+    """(pid, stat, comm) of the processes whose process group is `pgid`. Not `ps -g`: that
+    selects by session, and the nodes the tests start are groups inside the test's session."""
+    out = subprocess.run(
+        ["ps", "-e", "-o", "pid=,pgid=,stat=,comm="], capture_output=True, text=True
+    )
+    rows = (ln.split(None, 3) for ln in out.stdout.splitlines() if ln.strip())
+    return [(int(pid), stat, comm) for pid, pg, stat, comm in rows if int(pg) == pgid]
+
+
 def group_alive(pgid: int, wait_s: float = 10.0) -> list[int]:
     """Processes of the group still running (zombies do not count), after waiting up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        out = subprocess.run(
-            ["ps", "-o", "pid=,stat=", "-g", str(pgid)], capture_output=True, text=True
-        ).stdout
-        alive = [
-            int(pid)
-            for pid, stat in (ln.split() for ln in out.splitlines() if ln.strip())
-            if "Z" not in stat
-        ]
+        alive = [pid for pid, stat, _ in group_members(pgid) if "Z" not in stat]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
@@ -103,7 +106,9 @@ def start(
     timeout: float = 120.0,
     wait: bool = True,
 ):
-    """Runs `pdserve <cmd>` in its own process group; yields (url, Popen); stops the whole group."""
+    """Runs `pdserve <cmd>` in its own process group; yields (url, Popen); stops the whole group.
+    The group, not a session: the ranks that the test session's rank zygote (conftest.py) forks
+    for the node join it, so stopping the group stops them too."""
     e = dict(os.environ, **(env or {}))
     e.setdefault("PDSERVE_LOG_LEVEL", "INFO")
     with open(log_path, "wb") as logf:
@@ -113,7 +118,7 @@ def start(
             env=e,
             stdout=logf,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )
     url = f"http://127.0.0.1:{port}"
     try:

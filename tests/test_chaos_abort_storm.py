@@ -625,9 +625,11 @@ def test_cluster_still_answers_correctly(storm, cluster, prompts):
 
 
 def test_ctrl_c_leaves_no_process(storm, cluster):
-    """Runs last: SIGINT to `pdserve up` stops the router,
-    both nodes and every rank."""
-    assert len(group_alive(cluster.proc.pid, wait_s=0)) == 1 + 1 + 2 + sum(cluster.pp.values())
+    """Runs last: SIGINT to `pdserve up` stops the router, both nodes, the rank zygote and every
+    rank."""
+    up_router_nodes_zygote = 1 + 1 + 2 + 1
+    alive = group_alive(cluster.proc.pid, wait_s=0)
+    assert len(alive) == up_router_nodes_zygote + sum(cluster.pp.values())
     cluster.proc.send_signal(signal.SIGINT)
     assert cluster.proc.wait(timeout=60) == 0, cluster.log.read_text()[-2000:]
     assert group_alive(cluster.proc.pid) == [], "processes left behind after Ctrl-C"

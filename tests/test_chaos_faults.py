@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
+from cluster import NODE_ARGS, free_port, group_alive, group_members, start, wait_healthy
 from metrics_scrape import counter
 from one_thread import one_torch_thread
 from pd_cluster import FAST_TIMEOUTS, wait_pages_free
@@ -230,18 +231,13 @@ class Chaos:
 
     # --- looking at it ---
     def ranks(self, node: Node) -> dict[int, int]:
-        """pp_rank -> pid of the node's live rank processes (children of its front)."""
-        out = subprocess.run(
-            ["ps", "--ppid", str(node.proc.pid), "-o", "pid="], capture_output=True, text=True
-        )
+        """pp_rank -> pid of the node's live rank processes: those of its process group that a
+        rank names after itself (runtime/rank_process.py, e.g. decode-pp1)."""
         ranks = {}
-        for pid in map(int, out.stdout.split()):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue  # exited meanwhile
-            if b"--spec" in argv:  # a zombie has an empty command line
-                ranks[json.loads(argv[argv.index(b"--spec") + 1])["pp_rank"]] = pid
+        for pid, stat, comm in group_members(node.proc.pid):
+            m = re.fullmatch(r"(prefill|decode)-pp(\d+)", comm.strip())
+            if m and "Z" not in stat:
+                ranks[int(m.group(2))] = pid
         return ranks
 
     def rank_stats(self, node: Node) -> list[dict | None]:

@@ -157,10 +157,22 @@ def test_rank_checker_is_per_thread():
     assert rank_checker.checker() is rank_checker.CHECKER  # an unbound thread: the process's
 
 
-def test_enable_refuses_after_decision_points_were_defined_off(monkeypatch):
-    monkeypatch.setattr(rank_checker, "_defined_off", ["schedule"])
-    with pytest.raises(RuntimeError, match="before engine"):
-        rank_checker.enable()
+def test_the_switch_is_read_per_call_from_the_environment(monkeypatch):
+    """A rank forked from a zygote imported its decision points under the zygote's environment;
+    its own environment decides (configure_from_env), whatever it was at definition time."""
+    monkeypatch.setattr(rank_checker, "ENABLED", False)
+    point = rank_checker.rank_consensus("probe", args=lambda x: x)(lambda x: x + 1)
+    mine = rank_checker.RankChecker()
+    rank_checker.bind(mine)
+    try:
+        monkeypatch.setenv(rank_checker.ENV, "1")
+        rank_checker.configure_from_env()
+        assert point(1) == 2 and mine.calls == 1
+        monkeypatch.setenv(rank_checker.ENV, "0")
+        rank_checker.configure_from_env()
+        assert point(2) == 3 and mine.calls == 1
+    finally:
+        rank_checker.bind(None)
 
 
 # --- the in-memory PP group -----------------------------------------------------------------------
