@@ -1,4 +1,5 @@
-"""One decode PP rank: `python -m decode_node.rank --spec JSON` (started by `pdserve decode`)."""
+"""One decode PP rank: `main(["--spec", JSON])`, in a process forked by a rank zygote for
+`pdserve decode` (infra/zygote.py); `python -m decode_node.rank --spec JSON` runs one too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from kv_transfer.base import BaseDecodeKVManager
 from kv_transfer.decode_manager import DecodeKVManager
 from pd_common.messages import PDRankSpec
 from pd_common.rank_setup import pool_desc, transfer_config
-from runtime.rank_process import RankParts, run_rank
+from runtime.rank_process import ZYGOTE_PRELOAD, RankParts, run_rank
+
+__all__ = ["ZYGOTE_PRELOAD", "main"]  # ZYGOTE_PRELOAD: for a rank zygote (infra/zygote.py)
 
 AUX_SLOTS = 256
 

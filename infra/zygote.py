@@ -78,7 +78,9 @@ class ZygoteServer:
         # (the ranks compute with torch; OpenBLAS reads this once, here).
         os.environ["OPENBLAS_NUM_THREADS"] = "1"
         for m in sorted(self.modules):
-            importlib.import_module(m)
+            # ZYGOTE_PRELOAD: what the module imports lazily, later, in every child
+            for extra in getattr(importlib.import_module(m), "ZYGOTE_PRELOAD", ()):
+                importlib.import_module(extra)
         threads = len(os.listdir("/proc/self/task"))
         if threads != 1:
             log.warning("rank zygote: %d threads after its imports: unsafe to fork", threads)

@@ -1,4 +1,5 @@
-"""One prefill PP rank: `python -m prefill_node.rank --spec JSON` (started by `pdserve prefill`)."""
+"""One prefill PP rank: `main(["--spec", JSON])`, in a process forked by a rank zygote for
+`pdserve prefill` (infra/zygote.py); `python -m prefill_node.rank --spec JSON` runs one too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pd_common.messages import PDRankSpec
 from pd_common.rank_setup import pool_desc, transfer_config
 from prefill_node.loop import PrefillLoop
 from runtime.pp_comm import Msg
-from runtime.rank_process import RankParts, run_rank
+from runtime.rank_process import ZYGOTE_PRELOAD, RankParts, run_rank
+
+__all__ = ["ZYGOTE_PRELOAD", "main"]  # ZYGOTE_PRELOAD: for a rank zygote (infra/zygote.py)
 
 
 def consensus_store(parts: RankParts) -> PPConsensusStore | None:

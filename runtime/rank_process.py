@@ -1,4 +1,5 @@
-"""One PP rank of a node: `python -m runtime.rank_process --spec JSON`.
+"""One PP rank of a node: `main(["--spec", JSON])`, in a process forked by a rank zygote
+(infra/zygote.py); `python -m runtime.rank_process --spec JSON` runs one too.
 
 Loads its layer slice, joins the node's PP group, agrees on capacities, and runs the slot loop
 until told to stop. PP0 talks to the front over ZMQ; every rank pushes its stats (queues, pool) to
@@ -48,6 +49,10 @@ from runtime.placement import bind_cores
 from runtime.pp_comm import PPComm
 from runtime.rank_spec import RankSpec
 from runtime.slot_loop import LoopConfig, SlotLoop
+
+# What a rank imports lazily and a rank zygote (infra/zygote.py) imports once for all its children:
+# the last stage's grammar warm-up (engine/grammar.py) imports xgrammar, about 1.8 s of CPU here.
+ZYGOTE_PRELOAD = ("xgrammar",)
 
 log = logging.getLogger("pdserve.rank")
 

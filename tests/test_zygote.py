@@ -1,0 +1,94 @@
+"""The rank zygote (infra/zygote.py): the test session's one (conftest.py rank_zygote) forks real
+rank processes for this test process. What a child takes from its requester, how its exit comes
+back, and what the zygote refuses while it keeps serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from infra.zygote import Zygote
+from runtime.rank_spec import RankSpec
+
+
+def test_a_child_reports_its_exit_code_and_writes_to_the_requesters_stderr(rank_zygote, capfd):
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", "{not json"])
+    assert child.wait(timeout=60) == 2  # argparse's error exit, from the child's own main
+    assert child.pid > 0 and child.poll() == 2
+    assert "--spec" in capfd.readouterr().err
+
+
+def test_a_rank_takes_the_requesters_cwd_and_group_and_stops_on_sigterm(
+    rank_zygote, tiny6, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    spec = RankSpec(
+        model=str(tiny6),
+        engine={},
+        pp_size=1,
+        pp_rank=0,
+        dist_init="",
+        req_addr=f"ipc://{tmp_path}/req",  # nobody serves these: the rank waits for requests
+        evt_addr=f"ipc://{tmp_path}/evt",
+    )
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", spec.to_json()])
+    try:
+        pid = child.pid
+        assert os.getpgid(pid) == os.getpgrp()  # set by the zygote before it answered
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}/comm").read_text().strip() != "colocated-pp0":  # in its main
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        assert os.readlink(f"/proc/{pid}/cwd") == str(tmp_path)
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == rank_zygote.proc.pid  # its parent
+        assert child.poll() is None
+        child.terminate()
+        assert child.wait(timeout=60) == 0  # the rank's SIGTERM handler: a clean exit
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+
+
+def test_sigkill_is_reported_as_on_popen(rank_zygote, tiny6, tmp_path):
+    spec = RankSpec(
+        model=str(tiny6),
+        engine={},
+        pp_size=1,
+        pp_rank=0,
+        dist_init="",
+        req_addr=f"ipc://{tmp_path}/req",
+        evt_addr=f"ipc://{tmp_path}/evt",
+    )
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", spec.to_json()])
+    child.kill()
+    assert child.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_module_it_did_not_preload_is_refused(rank_zygote, caplog):
+    with caplog.at_level(logging.ERROR, logger="infra.zygote"):
+        child = rank_zygote.fork("json.tool", [])
+        assert child.wait(timeout=30) == 1
+    assert "not preloaded" in caplog.text
+
+
+def _raw(zygote: Zygote, payload: bytes, fds: list[int]) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(60)
+        s.connect(zygote.path)
+        socket.send_fds(s, [payload], fds)
+        return json.loads(s.recv(4096))
+
+
+def test_malformed_requests_get_an_error_and_the_zygote_keeps_serving(rank_zygote):
+    assert "error" in _raw(rank_zygote, b"{", [1, 2])  # not JSON
+    assert "error" in _raw(rank_zygote, b'{"module": "runtime.rank_process"}', [])  # no fds
+    assert "error" in _raw(rank_zygote, json.dumps({"module": "os"}).encode(), [1, 2])
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", "{"])
+    assert child.wait(timeout=60) == 2
