@@ -306,6 +306,16 @@ def colocated_loop(parts: RankParts) -> SlotLoop:
     return SlotLoop(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
 
 
+def _become_rank(spec: RankSpec) -> None:
+    """The process settings of a rank, before it builds anything."""
+    setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
+    set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
+    rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
+    bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+
+
 def run_rank(
     argv: list[str] | None,
     make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
@@ -320,12 +330,7 @@ def run_rank(
         spec = spec_cls.from_json(ap.parse_args(argv).spec)
     except ValueError as e:  # a MessageError, or JSONDecodeError
         ap.error(f"--spec: {e}")
-    setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
-    set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
-    rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
-    bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
-    die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    _become_rank(spec)
     ctx = zmq.Context()
     loop = None
     try:
