@@ -10,13 +10,12 @@ stderr (passed as file descriptors), CPU affinity and process group (where the s
 it), and runs `MODULE.main(argv)`. It dies with its requester (a pidfd watched by a thread) and
 with the zygote (the rank's own parent-death signal).
 
-Client: `Zygote.fork()` returns a `ZygoteChild`, the part of `subprocess.Popen` that
-`infra.procs.stop_processes` and a watch loop use. The zygote reports the child's exit code on
-the request's connection. PDSERVE_RANK_ZYGOTE names a shared zygote (one per `pdserve up`, one
-per test worker); without it a node starts its own.
+The client is infra/zygote_client.py. PDSERVE_RANK_ZYGOTE names a shared zygote (one per `pdserve
+up`, one per test worker); without it a node starts its own.
 
-The wire is JSON, never pickle: {"module", "argv", "env", "cwd"} with fds [stdout, stderr], then
-{"pid": n} and later {"exit": code}, or {"error": why}."""
+The wire is JSON, never pickle: {"module", "argv", "env", "cwd"} with fds [stdout, stderr, the
+requester's own pidfd], then {"pid": n} with the child's pidfd, and later {"exit": code}; or
+{"error": why}. One request at a time: a silent peer (same uid) holds the others up to 10 s."""
 
 from __future__ import annotations
 
@@ -26,13 +25,10 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -52,9 +48,16 @@ def peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _send(sock: socket.socket, msg: dict) -> None:
+def readable(fd: int, timeout_s: float | None) -> bool:
+    """poll(2), not select(2): a node's descriptors can pass FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
     with contextlib.suppress(OSError):  # a requester that died: its child dies with it
-        sock.send(json.dumps(msg).encode())
+        socket.send_fds(sock, [json.dumps(msg).encode()], fds or [])
 
 
 # --- the server ----------------------------------------------------------------------------------
@@ -69,6 +72,7 @@ class ZygoteServer:
         self.path = path
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.stopping = False
 
@@ -92,72 +96,114 @@ class ZygoteServer:
         # zygote stops it (a zygote that died first would take the ranks with it, ungracefully)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        while not self.stopping:
-            ready, _, _ = select.select([self.listener, self._wake_r], [], [], 5.0)
-            if self._wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-            if self.listener in ready and not self.stopping:
-                conn, _ = self.listener.accept()
-                self._serve(conn)
-            self._reap()
-        self._stop_children()
+        try:
+            while not self.stopping:
+                ready, _, _ = select.select([self.listener, self._wake_r], [], [], 5.0)
+                self._drain_wakeups()
+                if self.listener in ready and not self.stopping:
+                    self._accept()
+                self._reap()
+        finally:
+            self._stop_children()
 
     def _on_term(self, *_) -> None:
         self.stopping = True
+
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError as e:  # EMFILE and the like: this request fails, the others go on
+            log.error("rank zygote: accept failed: %s", e)
+            return
+        try:
+            self._serve(conn)
+        except Exception as e:  # a bad request or a failed fork never stops the zygote
+            _send(conn, {"error": f"{type(e).__name__}: {e}"})
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(REQUEST_TIMEOUT_S)
         fds: list[int] = []
         try:
-            node_pid, uid = peer_pid_uid(conn)
-            if uid != os.getuid():
-                raise ValueError(f"peer uid {uid} is not this zygote's")
-            msg, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
-            if flags & socket.MSG_TRUNC or len(fds) != 2:
-                raise ValueError("request truncated, or without its stdout and stderr")
-            req = json.loads(msg)
-            if req.get("module") not in self.modules:
-                raise ValueError(f"module {req.get('module')!r} is not preloaded here")
-            pidfd = os.pidfd_open(node_pid)  # before the fork: the requester is alive now
+            req, fds, node_pid = self._read_request(conn)
+            node_pidfd = fds[2]
             pgid = os.getpgid(node_pid)
-        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
-            _send(conn, {"error": f"{type(e).__name__}: {e}"})
-            conn.close()
+            # the pidfd the requester sent is its own: alive now, so node_pid is still its pid
+            if readable(node_pidfd, 0):
+                raise ValueError("the requester exited")
+            if readable(conn.fileno(), 0):  # it sends nothing more: this is its end closing
+                raise ValueError("the requester withdrew its request")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                self._child(conn, req, fds, node_pid, pgid)  # never returns
+        finally:
             for fd in fds:
                 os.close(fd)
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            self._child(conn, req, fds, node_pid, pidfd)  # never returns
         # the child joins its requester's process group (stopping the group stops it) before the
-        # requester learns its pid; a requester in another session keeps it in this one
-        with contextlib.suppress(OSError):
+        # requester learns its pid; both sides set it (the child too, in case this comes late)
+        with contextlib.suppress(OSError):  # a requester in another session keeps it in ours
             os.setpgid(pid, pgid)
-        os.close(pidfd)
-        for fd in fds:
-            os.close(fd)
         self.children[pid] = conn
-        _send(conn, {"pid": pid})
-
-    def _child(self, conn, req: dict, fds: list[int], node_pid: int, pidfd: int) -> None:
-        code = 1
+        child_pidfd = os.pidfd_open(pid)  # not reaped before _reap: the pid cannot be reused
         try:
-            self._become_child(conn, req, fds, node_pid, pidfd)
-            code = importlib.import_module(req["module"]).main(req["argv"])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            _send(conn, {"pid": pid}, [child_pidfd])
+        finally:
+            os.close(child_pidfd)
+
+    def _read_request(self, conn: socket.socket) -> tuple[dict, list[int], int]:
+        node_pid, uid = peer_pid_uid(conn)
+        msg, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        try:
+            if uid != os.getuid():
+                raise ValueError(f"peer uid {uid} is not this zygote's")
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(fds) != 3:
+                raise ValueError("request truncated, or without stdout, stderr and its pidfd")
+            req = json.loads(msg)
+            ok = isinstance(req, dict) and isinstance(req.get("module"), str)
+            if not ok or req["module"] not in self.modules:
+                raise ValueError(f"module {req.get('module') if ok else None!r} is not preloaded")
+            if not (
+                isinstance(req.get("argv"), list) and all(isinstance(a, str) for a in req["argv"])
+            ):
+                raise ValueError("argv must be a list of strings")
+            env, cwd = req.get("env"), req.get("cwd")
+            if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+                raise ValueError("env must map names to strings")
+            if not isinstance(cwd, str):
+                raise ValueError("cwd must be a string")
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return req, fds, node_pid
+
+    def _child(self, conn, req: dict, fds: list[int], node_pid: int, pgid: int) -> None:
+        code: int = 1
+        try:
+            self._become_child(conn, req, fds, node_pid, pgid)
+            rc = importlib.import_module(req["module"]).main(req["argv"])
+            code = 0 if rc is None else int(rc)
+        except SystemExit as e:  # as the interpreter does: None is 0, a message is printed, 1
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else 1)
+            os._exit(code & 0xFF)
 
-    def _become_child(self, conn, req, fds, node_pid: int, pidfd: int) -> None:
+    def _become_child(self, conn, req, fds, node_pid: int, pgid: int) -> None:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
@@ -166,6 +212,8 @@ class ZygoteServer:
             s.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+        with contextlib.suppress(OSError):
+            os.setpgid(0, pgid)
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, os.sched_getaffinity(node_pid))
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -177,9 +225,9 @@ class ZygoteServer:
         os.environ.update(req["env"])
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # the rank's die_with_parent: this zygote
         sys.argv = [req["module"], *req["argv"]]
-        threading.Thread(
-            target=_die_with, args=(pidfd,), name="requester-watch", daemon=True
-        ).start()
+        watch = threading.Thread(target=_die_with, args=(fds[2],), name="requester-watch")
+        watch.daemon = True
+        watch.start()
 
     def _reap(self) -> None:
         while self.children:
@@ -195,27 +243,32 @@ class ZygoteServer:
                 conn.close()
 
     def _stop_children(self) -> None:
-        """SIGTERM, 5 s, SIGKILL: what a node does with its ranks, for any it did not stop."""
+        """SIGTERM, up to 5 s, SIGKILL: what a node does with its ranks, for any it did not stop."""
         for pid in list(self.children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        for _ in range(50):
+        deadline = time.monotonic() + 5.0
+        while self.children and time.monotonic() < deadline:
             self._reap()
-            if not self.children:
-                break
-            select.select([self._wake_r], [], [], 0.1)
+            if self.children:
+                readable(self._wake_r, 0.1)
+                self._drain_wakeups()
         for pid in list(self.children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+        while self.children:  # SIGKILLed: gone at once
+            pid, status = os.waitpid(-1, 0)
+            conn = self.children.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                conn.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
 
 def _die_with(pidfd: int) -> None:
     """A forked rank's requester (its node) exited: so does the rank, as a spawned one would."""
-    select.select([pidfd], [], [])
+    readable(pidfd, None)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -226,147 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", required=True, help="Unix socket path, in a 0700 directory")
     ap.add_argument("modules", nargs="+", help="the modules to preload and fork into")
     a = ap.parse_args(argv)
-    die_with_parent()  # its starter (a node, `pdserve up`, a test session)
+    die_with_parent()  # its starter (a node, `pdserve up`, a test session), named in the env
     server = ZygoteServer(a.socket, a.modules)
     server.preload()
     server.run()
     return 0
-
-
-# --- the client ----------------------------------------------------------------------------------
-
-
-class ZygoteChild:
-    """A process forked for this one by a zygote; poll/wait/send_signal as on subprocess.Popen.
-    Its exit code comes from the zygote; a zygote that dies first takes its children along (their
-    parent-death signal), reported as -SIGKILL."""
-
-    def __init__(self, conn: socket.socket, module: str):
-        self.conn = conn
-        self.args = module
-        self.returncode: int | None = None
-        self._pid: int | None = None
-        self._pidfd: int | None = None
-
-    @property
-    def pid(self) -> int:
-        while self._pid is None and self.returncode is None:
-            self._read(START_TIMEOUT_S)
-            if self._pid is None and self.returncode is None:
-                raise TimeoutError(f"no pid from the zygote within {START_TIMEOUT_S:.0f} s")
-        return self._pid or 0
-
-    def _read(self, timeout: float | None) -> None:
-        """Takes one message from the zygote if one arrives within `timeout` (None: now)."""
-        if self.returncode is not None:
-            return
-        if not select.select([self.conn], [], [], timeout or 0)[0]:
-            return
-        try:
-            raw = self.conn.recv(4096)
-        except OSError:
-            raw = b""
-        msg = json.loads(raw) if raw else {"exit": -signal.SIGKILL}  # zygote gone: see above
-        if "error" in msg:
-            log.error("the rank zygote refused %s: %s", self.args, msg["error"])
-            msg = {"exit": 1}
-        if "pid" in msg:
-            self._pid = msg["pid"]
-            with contextlib.suppress(ProcessLookupError):  # exited already: its code follows
-                self._pidfd = os.pidfd_open(self._pid)
-        if "exit" in msg:
-            self.returncode = int(msg["exit"])
-            self._close()
-
-    def poll(self) -> int | None:
-        while self.returncode is None and select.select([self.conn], [], [], 0)[0]:
-            self._read(None)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-            self._read(left if left is not None else 1.0)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        self.pid  # noqa: B018  (waits for the fork, so a stop during start-up reaches the rank)
-        if self.poll() is None and self._pidfd is not None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def _close(self) -> None:
-        self.conn.close()
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-
-class Zygote:
-    """The client side: the zygote PDSERVE_RANK_ZYGOTE names, or one started (and stopped) here."""
-
-    def __init__(self, path: str, proc: subprocess.Popen | None = None, tmpdir: str | None = None):
-        self.path = path
-        self.proc = proc
-        self._tmpdir = tmpdir
-
-    @classmethod
-    def start(cls, modules: list[str]) -> Zygote:
-        tmpdir = tempfile.mkdtemp(prefix="pdserve-zygote-")  # 0700: only this uid can connect
-        path = os.path.join(tmpdir, "sock")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.zygote", "--socket", path, *modules],
-            stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
-        )
-        return cls(path, proc, tmpdir)
-
-    @classmethod
-    def shared_or_start(cls, modules: list[str]) -> Zygote:
-        path = os.environ.get(ENV)
-        return cls(path) if path else cls.start(modules)
-
-    def fork(self, module: str, argv: list[str]) -> ZygoteChild:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:  # a zygote started a moment ago may not have bound its socket yet
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                conn.connect(self.path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                conn.close()
-                if time.monotonic() > deadline or (self.proc and self.proc.poll() is not None):
-                    raise RuntimeError(f"no rank zygote at {self.path}") from None
-                time.sleep(0.05)
-        _pid, uid = peer_pid_uid(conn)
-        if uid != os.getuid():
-            conn.close()
-            raise RuntimeError(f"the rank zygote at {self.path} runs as uid {uid}, not ours")
-        req = {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
-        socket.send_fds(conn, [json.dumps(req).encode()], [1, 2])
-        return ZygoteChild(conn, module)
-
-    def close(self) -> None:
-        """Stops a zygote started here (its children were stopped first); a shared one stays."""
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

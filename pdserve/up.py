@@ -34,7 +34,7 @@ from infra.logs import FORMAT_ENV, add_log_args, setup_logging
 from infra.procs import die_with_parent, free_port, stop_processes
 from infra.tracing import add_tracing_arg
 from infra.zygote import ENV as ZYGOTE_ENV
-from infra.zygote import Zygote
+from infra.zygote_client import Zygote
 from runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")

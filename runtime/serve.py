@@ -22,7 +22,7 @@ from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
 from infra.procs import free_port, stop_processes
 from infra.tracing import make_exporter
-from infra.zygote import Zygote, ZygoteChild
+from infra.zygote_client import Zygote, ZygoteChild
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
 from runtime.rank_spec import RankSpec
 

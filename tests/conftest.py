@@ -64,7 +64,8 @@ def rank_zygote():
     node the tests start inherits: each rank is forked from it instead of importing torch again
     (about 3.5 s of CPU per rank on the 2-core machine, 96 ranks per run). `pdserve up` starts
     its own, as in production; a node started without one starts its own too."""
-    from infra.zygote import ENV, Zygote
+    from infra.zygote import ENV
+    from infra.zygote_client import Zygote
 
     zygote = Zygote.start(RANK_MODULES)
     os.environ[ENV] = zygote.path

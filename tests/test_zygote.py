@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from infra.zygote import Zygote
+from infra.zygote_client import Zygote
 from runtime.rank_spec import RankSpec
 
 
@@ -23,7 +23,7 @@ def test_a_child_reports_its_exit_code_and_writes_to_the_requesters_stderr(rank_
     assert "--spec" in capfd.readouterr().err
 
 
-def test_a_rank_takes_the_requesters_cwd_and_group_and_stops_on_sigterm(
+def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
     rank_zygote, tiny6, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
@@ -39,7 +39,6 @@ def test_a_rank_takes_the_requesters_cwd_and_group_and_stops_on_sigterm(
     child = rank_zygote.fork("runtime.rank_process", ["--spec", spec.to_json()])
     try:
         pid = child.pid
-        assert os.getpgid(pid) == os.getpgrp()  # set by the zygote before it answered
         deadline = time.monotonic() + 60
         while Path(f"/proc/{pid}/comm").read_text().strip() != "colocated-pp0":  # in its main
             assert time.monotonic() < deadline and child.poll() is None
@@ -78,17 +77,32 @@ def test_a_module_it_did_not_preload_is_refused(rank_zygote, caplog):
     assert "not preloaded" in caplog.text
 
 
-def _raw(zygote: Zygote, payload: bytes, fds: list[int]) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.settimeout(60)
-        s.connect(zygote.path)
-        socket.send_fds(s, [payload], fds)
-        return json.loads(s.recv(4096))
+def _raw(zygote: Zygote, payload: bytes, with_fds: bool = True) -> dict:
+    me = os.pidfd_open(os.getpid())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(60)
+            s.connect(zygote.path)
+            socket.send_fds(s, [payload], [1, 2, me] if with_fds else [])
+            return json.loads(s.recv(4096))
+    finally:
+        os.close(me)
+
+
+GOOD = {"module": "runtime.rank_process", "argv": ["--spec", "{"], "env": {}, "cwd": "/"}
 
 
 def test_malformed_requests_get_an_error_and_the_zygote_keeps_serving(rank_zygote):
-    assert "error" in _raw(rank_zygote, b"{", [1, 2])  # not JSON
-    assert "error" in _raw(rank_zygote, b'{"module": "runtime.rank_process"}', [])  # no fds
-    assert "error" in _raw(rank_zygote, json.dumps({"module": "os"}).encode(), [1, 2])
+    bad = [
+        b"{",  # not JSON
+        b"[]",  # not an object
+        json.dumps({**GOOD, "module": []}).encode(),  # unhashable
+        json.dumps({**GOOD, "module": "os"}).encode(),  # not preloaded
+        json.dumps({**GOOD, "argv": "--spec"}).encode(),
+        json.dumps({**GOOD, "env": {"A": 1}}).encode(),
+    ]
+    for payload in bad:
+        assert "error" in _raw(rank_zygote, payload), payload
+    assert "error" in _raw(rank_zygote, json.dumps(GOOD).encode(), with_fds=False)
     child = rank_zygote.fork("runtime.rank_process", ["--spec", "{"])
     assert child.wait(timeout=60) == 2
