@@ -5,11 +5,11 @@ uvicorn closes a connection idle between requests (`timeout_keep_alive`), but it
 headers forever and lets a response wait forever for a client that stopped reading. So each
 connection here also has:
   * a header timeout: from the connection's first byte (or the end of the previous response) to the
-    end of the request's headers, at most HEADER_TIMEOUT_S, and at most MAX_HEADER_BYTES of headers;
-    a slowloris connection is closed, and a silent one too;
+    end of the request's headers, at most PDSERVE_HTTP_HEADER_TIMEOUT_S (10 s), and at most
+    MAX_HEADER_BYTES of headers; a slowloris connection is closed, and a silent one too;
   * a write timeout: once the client's receive window is full (uvicorn pauses writing), the client
-    must read within WRITE_TIMEOUT_S or the connection is dropped, which ends the response (the
-    app sees a disconnect, and a stream releases what it holds).
+    must read within PDSERVE_HTTP_WRITE_TIMEOUT_S (30 s) or the connection is dropped, which ends
+    the response (the app sees a disconnect, and a stream releases what it holds).
 Both work on the protocol class (h11 or httptools):
 a thin subclass that only arms and disarms timers.
 
@@ -26,8 +26,18 @@ import os
 
 import uvicorn
 
-HEADER_TIMEOUT_S = float(os.environ.get("PDSERVE_HTTP_HEADER_TIMEOUT_S", "10"))
-WRITE_TIMEOUT_S = float(os.environ.get("PDSERVE_HTTP_WRITE_TIMEOUT_S", "30"))
+
+def header_timeout_s() -> float:
+    """The header timeout, from the environment when a connection opens (not at import: a process
+    forked from a zygote imported this module under another environment)."""
+    return float(os.environ.get("PDSERVE_HTTP_HEADER_TIMEOUT_S", "10"))
+
+
+def write_timeout_s() -> float:
+    """The write timeout, read like header_timeout_s."""
+    return float(os.environ.get("PDSERVE_HTTP_WRITE_TIMEOUT_S", "30"))
+
+
 KEEP_ALIVE_S = 5  # the router's node pools expire idle connections before this
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -58,7 +68,7 @@ class _Bounded(_base_protocol()):
         if self._header_timer is None:
             self._header_bytes = 0
             self._header_timer = self.loop.call_later(
-                HEADER_TIMEOUT_S, self._drop, "headers too slow"
+                header_timeout_s(), self._drop, "headers too slow"
             )
 
     def _drop(self, why: str) -> None:
@@ -87,7 +97,7 @@ class _Bounded(_base_protocol()):
         super().pause_writing()
         if self._write_timer is None:
             self._write_timer = self.loop.call_later(
-                WRITE_TIMEOUT_S, self._drop, "client stopped reading"
+                write_timeout_s(), self._drop, "client stopped reading"
             )
 
     def resume_writing(self) -> None:

@@ -13,9 +13,10 @@ with the zygote (the rank's own parent-death signal).
 The client is infra/zygote_client.py. PDSERVE_RANK_ZYGOTE names a shared zygote (one per `pdserve
 up`, one per test worker); without it a node starts its own.
 
-The wire is JSON, never pickle: {"module", "argv", "env", "cwd"} with fds [stdout, stderr, the
-requester's own pidfd], then {"pid": n} with the child's pidfd, and later {"exit": code}; or
-{"error": why}. One request at a time: a silent peer (same uid) holds the others up to 10 s."""
+The wire is JSON, never pickle: {"module", "argv", "env", "cwd", "new_group"} with fds [stdout,
+stderr, the requester's own pidfd], then {"pid": n} with the child's pidfd, and later
+{"exit": code}; or {"error": why}. One request at a time: a silent peer (same uid) holds the
+others up to 10 s."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ class ZygoteServer:
         try:
             req, fds, node_pid = self._read_request(conn)
             node_pidfd = fds[2]
-            pgid = os.getpgid(node_pid)
+            pgid = 0 if req.get("new_group") else os.getpgid(node_pid)  # 0: a group of its own
             # the pidfd the requester sent is its own: alive now, so node_pid is still its pid
             if readable(node_pidfd, 0):
                 raise ValueError("the requester exited")
@@ -149,7 +150,7 @@ class ZygoteServer:
         # the child joins its requester's process group (stopping the group stops it) before the
         # requester learns its pid; both sides set it (the child too, in case this comes late)
         with contextlib.suppress(OSError):  # a requester in another session keeps it in ours
-            os.setpgid(pid, pgid)
+            os.setpgid(pid, pgid or pid)
         self.children[pid] = conn
         child_pidfd = os.pidfd_open(pid)  # not reaped before _reap: the pid cannot be reused
         try:

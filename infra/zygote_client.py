@@ -160,16 +160,33 @@ class Zygote:
                     raise RuntimeError(f"no rank zygote at {self.path}: {e}") from None
                 time.sleep(0.05)
 
-    def fork(self, module: str, argv: list[str]) -> ZygoteChild:
+    def fork(
+        self,
+        module: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        output: tuple[int, int] = (1, 2),
+        new_group: bool = False,
+    ) -> ZygoteChild:
+        """`module.main(argv)` in a forked process, with `env` (default: ours), `cwd`, its stdout
+        and stderr on the `output` descriptors, in our process group or (`new_group`) its own."""
         conn = self._connect()
         _pid, uid = peer_pid_uid(conn)
         if uid != os.getuid():
             conn.close()
             raise RuntimeError(f"the rank zygote at {self.path} runs as uid {uid}, not ours")
-        req = {"module": module, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        req = {
+            "module": module,
+            "argv": argv,
+            "env": dict(os.environ if env is None else env),
+            "cwd": cwd or os.getcwd(),
+            "new_group": new_group,
+        }
         me = os.pidfd_open(os.getpid())  # the child watches this process through it
         try:
-            socket.send_fds(conn, [json.dumps(req).encode()], [1, 2, me])
+            socket.send_fds(conn, [json.dumps(req).encode()], [*output, me])
         finally:
             os.close(me)
         return ZygoteChild(conn, module)

@@ -39,6 +39,7 @@ def node_args(**overrides: int | None) -> list[str]:
 
 
 NODE_ARGS = node_args()
+NODE_ZYGOTE = None  # conftest.py node_zygote: forks the processes `start` runs
 
 
 def kill_group(p: subprocess.Popen, grace: float = 8.0) -> None:
@@ -112,14 +113,24 @@ def start(
     e = dict(os.environ, **(env or {}))
     e.setdefault("PDSERVE_LOG_LEVEL", "INFO")
     with open(log_path, "wb") as logf:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *cmd],
-            cwd=ROOT,
-            env=e,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-        )
+        if NODE_ZYGOTE is not None:  # forked, as `python -m pdserve.cli` would run (conftest.py)
+            p = NODE_ZYGOTE.fork(
+                "pdserve.cli",
+                cmd,
+                env=e,
+                cwd=str(ROOT),
+                output=(logf.fileno(), logf.fileno()),
+                new_group=True,
+            )
+        else:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", *cmd],
+                cwd=ROOT,
+                env=e,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+            )
     url = f"http://127.0.0.1:{port}"
     try:
         if wait:

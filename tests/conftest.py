@@ -74,6 +74,24 @@ def rank_zygote():
     zygote.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def node_zygote():
+    """One zygote per test process for the node and router processes the tests start
+    (tests/cluster.py start): `pdserve.cli` and what a front or router imports once it runs
+    (pdserve/cli.py ZYGOTE_PRELOAD, about 1.7 s of CPU per process here), never torch. Each is
+    forked into a process group of its own, with its own environment and log file, and runs
+    `pdserve.cli.main(argv)` as `python -m pdserve.cli argv` would."""
+    import cluster
+
+    from infra.zygote_client import Zygote
+
+    zygote = Zygote.start(["pdserve.cli"])
+    cluster.NODE_ZYGOTE = zygote
+    yield zygote
+    cluster.NODE_ZYGOTE = None
+    zygote.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """4 layers, hidden 64: the default test model."""
