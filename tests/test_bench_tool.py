@@ -459,8 +459,8 @@ def _within(a: float, b: float, factor: float = 2.0) -> bool:
 
 
 def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list[dict]) -> None:
-    """Our requests inside aiperf's window [first send, last answer] against aiperf's: rates
-    within 2x, latencies within 3x."""
+    """Our requests inside aiperf's window [first send, last answer] against aiperf's: rates and
+    latencies within 4x."""
     w0 = min(x["metadata"]["request_start_ns"] for x in peer_recs) / 1e9
     w1 = max(x["metadata"]["request_end_ns"] for x in peer_recs) / 1e9
     ok = [x for x in measured if x["ok"]]
@@ -476,14 +476,12 @@ def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list
         f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
         f"TTFT p50 ms {ttfts}, ITL mean ms {itls}"
     )
-    assert _within(*rates), rates
-    # TTFT here is ~100-250 ms of queueing behind the other client's decode steps, medians of a
-    # handful of requests: observed 10-30 % apart in most runs and once 2.0x (228 vs 113 ms) in a
-    # full-suite run; 3x still catches a TTFT taken from the wrong moment (that is seconds here).
-    assert _within(*ttfts, factor=3.0), ttfts
-    # ITL: means over 5 gaps per request, in milliseconds: once 2.0x apart (3.7 vs 7.5 ms) in a
-    # loaded full-suite run; 3x still catches per-chunk against per-token (6x here) or a unit slip
-    assert _within(*itls, factor=3.0), itls
+    # Within 4x: the two meters are two client processes on a 2-core machine that the suite keeps
+    # busy, and a starved client measures late. Seen in loaded full runs: req/s 3.4x apart (19.4
+    # against 5.7 in a 2.1 s window), ITL 3.2x and 2.0x, TTFT 2.7x and 2.0x. 4x still catches what
+    # this check is for: a unit slip (1000x), or per-chunk against per-token ITL (6x here).
+    for name, pair in (("req/s", rates), ("TTFT p50", ttfts), ("ITL mean", itls)):
+        assert _within(*pair, factor=4.0), (name, pair)
 
 
 def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
@@ -496,8 +494,8 @@ def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
     are compared with aiperf's. Run together, both meters see the same server under the same load
     (4 in flight) at the same moments, which run one after the other they do not on a shared
     2-core machine (a first version did that and saw 1.7x-2.3x apart either way). Counts are facts
-    of the workload and must be equal; rates must agree within 2x and latencies within 3x: a check
-    that the two meters measure the same thing, not a performance assertion.
+    of the workload and must be equal; rates and latencies must agree within 4x: a check that the
+    two meters measure the same thing, not a performance assertion.
     """
     model = httpx.get(f"{cluster}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
         "data"
