@@ -76,6 +76,7 @@ class ZygoteServer:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.stopping = False
+        self._startup_sigterm = signal.getsignal(signal.SIGTERM)
 
     def preload(self) -> None:
         # Forking a threaded process copies locks held by threads that do not exist in the child.
@@ -92,7 +93,9 @@ class ZygoteServer:
 
     def run(self) -> None:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
-        signal.signal(signal.SIGTERM, self._on_term)
+        # a child gets back the SIGTERM handler this process started with: the default, or the
+        # one coverage.py installs to save its data (`make coverage`; its `sigterm` setting)
+        self._startup_sigterm = signal.signal(signal.SIGTERM, self._on_term)
         # Ctrl-C reaches the whole group: the nodes stop their ranks, then whoever started this
         # zygote stops it (a zygote that died first would take the ranks with it, ungracefully)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -206,8 +209,8 @@ class ZygoteServer:
 
     def _become_child(self, conn, req, fds, node_pid: int, pgid: int) -> None:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, self._startup_sigterm)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for s in (self.listener, conn, *self.children.values()):
             s.close()
