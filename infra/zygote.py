@@ -1,14 +1,15 @@
 """A warm parent for rank processes (a zygote): it imports the rank modules once (torch alone is
 about 3 s of CPU per process on a small host), then forks one process per request. A node's N
-ranks, or all the ranks `pdserve up` starts, then cost one import instead of N.
+ranks, or all the ranks `pdserve up` starts, then cost one import instead of N. (The tests fork
+their node and router processes from one too: tests/conftest.py.)
 
 Server: `python -m infra.zygote --socket PATH MODULE...` listens on a Unix socket, in a 0700
 directory, before it imports, so clients can queue requests while it loads. It accepts peers of
-its own uid only (SO_PEERCRED), forks only into the modules it preloaded, and forks from one
-thread (it starts none). A child takes the requester's environment, working directory, stdout,
-stderr (passed as file descriptors), CPU affinity and process group (where the session allows
-it), and runs `MODULE.main(argv)`. It dies with its requester (a pidfd watched by a thread) and
-with the zygote (the rank's own parent-death signal).
+its own uid only (SO_PEERCRED), forks only into the modules it preloaded (and their
+`ZYGOTE_PRELOAD`), and forks from one thread (it starts none, and checks). A child takes the
+requester's environment, working directory, stdout, stderr (passed as file descriptors), CPU
+affinity and process group (or a group of its own), and runs `MODULE.main(argv)`. It dies with its
+requester (a pidfd watched by a thread) and with the zygote (the rank's own parent-death signal).
 
 The client is infra/zygote_client.py. PDSERVE_RANK_ZYGOTE names a shared zygote (one per `pdserve
 up`, one per test worker); without it a node starts its own.
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 from infra.procs import PARENT_PID_ENV, die_with_parent
 
@@ -100,6 +102,7 @@ class ZygoteServer:
         # zygote stops it (a zygote that died first would take the ranks with it, ungracefully)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        zygote = os.getpid()
         try:
             while not self.stopping:
                 ready, _, _ = select.select([self.listener, self._wake_r], [], [], 5.0)
@@ -108,6 +111,8 @@ class ZygoteServer:
                     self._accept()
                 self._reap()
         finally:
+            if os.getpid() != zygote:  # a child here is a bug: it must not stop its siblings
+                os._exit(1)
             self._stop_children()
 
     def _on_term(self, *_) -> None:
@@ -146,7 +151,10 @@ class ZygoteServer:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                self._child(conn, req, fds, node_pid, pgid)  # never returns
+                try:
+                    self._child(conn, req, fds, node_pid, pgid)
+                finally:  # never back into this loop, whatever a child raises on its way out
+                    _exit_now(1)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -202,10 +210,7 @@ class ZygoteServer:
         except BaseException:
             traceback.print_exc()
         finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code & 0xFF)
+            _exit_now(code & 0xFF)
 
     def _become_child(self, conn, req, fds, node_pid: int, pgid: int) -> None:
         signal.set_wakeup_fd(-1)
@@ -268,6 +273,22 @@ class ZygoteServer:
                 conn.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """A forked child's exit. A second SIGTERM (a node's group, then the node) can run a handler
+    that raises on the way out; the signals are blocked first, and a handler already pending that
+    raises anyway is caught and the exit tried again, so no child ever returns into the zygote's
+    loop (where it would stop the zygote's other children and remove its socket)."""
+    while True:
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+        except BaseException:  # see above
+            continue
 
 
 def _die_with(pidfd: int) -> None:

@@ -1,4 +1,4 @@
-"""What the node front starts a rank process with (JSON in its argv, checked strictly on arrival)
+"""What the node front starts a rank process with (JSON in its argv, checked strictly on
 arrival). Kept apart from runtime/rank_process.py so the front can build it without importing
 torch. A kind of node with more to say subclasses it (pd_common/messages.PDRankSpec), and names
 that class in its front (NodeFront.rank_spec) and its rank entry point (run_rank's spec_cls)."""

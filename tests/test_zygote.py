@@ -16,6 +16,20 @@ from infra.zygote_client import Zygote
 from runtime.rank_spec import RankSpec
 
 
+def _idle_rank(model, tmp_path) -> str:
+    """A rank spec whose front links nobody serves: the rank loads, then waits for requests."""
+    spec = RankSpec(
+        model=str(model),
+        engine={},
+        pp_size=1,
+        pp_rank=0,
+        dist_init="",
+        req_addr=f"ipc://{tmp_path}/req",
+        evt_addr=f"ipc://{tmp_path}/evt",
+    )
+    return spec.to_json()
+
+
 def test_a_child_reports_its_exit_code_and_writes_to_the_requesters_stderr(rank_zygote, capfd):
     child = rank_zygote.fork("runtime.rank_process", ["--spec", "{not json"])
     assert child.wait(timeout=60) == 2  # argparse's error exit, from the child's own main
@@ -27,16 +41,7 @@ def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
     rank_zygote, tiny6, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    spec = RankSpec(
-        model=str(tiny6),
-        engine={},
-        pp_size=1,
-        pp_rank=0,
-        dist_init="",
-        req_addr=f"ipc://{tmp_path}/req",  # nobody serves these: the rank waits for requests
-        evt_addr=f"ipc://{tmp_path}/evt",
-    )
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", spec.to_json()])
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", _idle_rank(tiny6, tmp_path)])
     try:
         pid = child.pid
         deadline = time.monotonic() + 60
@@ -56,16 +61,7 @@ def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
 
 
 def test_sigkill_is_reported_as_on_popen(rank_zygote, tiny6, tmp_path):
-    spec = RankSpec(
-        model=str(tiny6),
-        engine={},
-        pp_size=1,
-        pp_rank=0,
-        dist_init="",
-        req_addr=f"ipc://{tmp_path}/req",
-        evt_addr=f"ipc://{tmp_path}/evt",
-    )
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", spec.to_json()])
+    child = rank_zygote.fork("runtime.rank_process", ["--spec", _idle_rank(tiny6, tmp_path)])
     child.kill()
     assert child.wait(timeout=60) == -signal.SIGKILL
 
