@@ -15,6 +15,19 @@ import httpx
 CONNECTIONS_PER_SHARD = 32
 
 
+class _NodeTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport, with one library fault mapped to what it means. anyio 4.16 raises
+    AttributeError ('NoneType' object has no attribute 'getpeername') from httpcore's connect when
+    the node's socket closes under it (seen when a node is killed mid-connection): that is a
+    connection error, and the router's handling of an unreachable node applies, not a 500."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as e:
+            raise httpx.ConnectError(f"connection lost: {e}", request=request) from e
+
+
 class NodeClients:
     def __init__(
         self, connect_timeout_s: float, max_concurrent: int, headers: dict[str, str] | None = None
@@ -35,13 +48,15 @@ class NodeClients:
         if entry is None:
             clients = [
                 httpx.AsyncClient(
-                    verify=self._ssl,
                     timeout=self._timeout,
                     headers=self._headers,
-                    # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the node
-                    # is closing
-                    limits=httpx.Limits(
-                        max_connections=None, max_keepalive_connections=64, keepalive_expiry=4.0
+                    transport=_NodeTransport(
+                        verify=self._ssl,
+                        # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the
+                        # node is closing
+                        limits=httpx.Limits(
+                            max_connections=None, max_keepalive_connections=64, keepalive_expiry=4.0
+                        ),
                     ),
                 )
                 for _ in range(self._shards)
