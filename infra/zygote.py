@@ -95,8 +95,8 @@ class ZygoteServer:
 
     def run(self) -> None:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
-        # a child gets back the SIGTERM handler this process started with: the default, or the
-        # one coverage.py installs to save its data (`make coverage`; its `sigterm` setting)
+        # a child gets the SIGTERM handler this process started with (see _fork): the default,
+        # or the one coverage.py installs to save its data (`make coverage`; its `sigterm` setting)
         self._startup_sigterm = signal.signal(signal.SIGTERM, self._on_term)
         # Ctrl-C reaches the whole group: the nodes stop their ranks, then whoever started this
         # zygote stops it (a zygote that died first would take the ranks with it, ungracefully)
@@ -149,12 +149,7 @@ class ZygoteServer:
                 raise ValueError("the requester withdrew its request")
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    self._child(conn, req, fds, node_pid, pgid)
-                finally:  # never back into this loop, whatever a child raises on its way out
-                    _exit_now(1)
+            pid = self._fork(lambda: self._child(conn, req, fds, node_pid, pgid))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -168,6 +163,24 @@ class ZygoteServer:
             _send(conn, {"pid": pid}, [child_pidfd])
         finally:
             os.close(child_pidfd)
+
+    def _fork(self, run_child) -> int:
+        """Forks with SIGTERM blocked and set to the handler this process started with, so the
+        child starts with that one (and coverage.py's fork hook chains to it, `make coverage`),
+        never this zygote's own; the child unblocks it once it is set up (_become_child)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, self._startup_sigterm)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    run_child()
+                finally:  # never back into this loop, whatever a child raises on its way out
+                    _exit_now(1)
+        finally:  # the zygote (a child never gets here)
+            signal.signal(signal.SIGTERM, self._on_term)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return pid
 
     def _read_request(self, conn: socket.socket) -> tuple[dict, list[int], int]:
         node_pid, uid = peer_pid_uid(conn)
@@ -215,8 +228,7 @@ class ZygoteServer:
     def _become_child(self, conn, req, fds, node_pid: int, pgid: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, self._startup_sigterm)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGTERM: set at the fork
         for s in (self.listener, conn, *self.children.values()):
             s.close()
         for fd in (self._wake_r, self._wake_w):
@@ -237,6 +249,7 @@ class ZygoteServer:
         watch = threading.Thread(target=_die_with, args=(fds[2],), name="requester-watch")
         watch.daemon = True
         watch.start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def _reap(self) -> None:
         while self.children:
