@@ -203,7 +203,7 @@ class ZygoteServer:
                 raise ValueError("env must map names to strings")
             if not isinstance(cwd, str):
                 raise ValueError("cwd must be a string")
-        except ValueError:
+        except Exception:  # whatever is wrong with it, the fds it brought are closed
             for fd in fds:
                 os.close(fd)
             raise

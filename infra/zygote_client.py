@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from infra.procs import PARENT_PID_ENV
+from infra.procs import PARENT_PID_ENV, stop_processes
 from infra.zygote import ENV, START_TIMEOUT_S, peer_pid_uid, readable
 
 log = logging.getLogger(__name__)
@@ -194,12 +194,6 @@ class Zygote:
     def close(self) -> None:
         """Stops a zygote started here (its children were stopped first); a shared one stays."""
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+            stop_processes([self.proc], grace_s=10)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
