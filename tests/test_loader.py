@@ -5,15 +5,18 @@ model."""
 from __future__ import annotations
 
 import json
+import platform
 import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from engine.config import cpu_has_native_bf16
 from engine.loader import (
     ModelLoadError,
     load_model_config,
@@ -392,6 +395,24 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     assert EngineConfig(dtype="float32").for_model("bfloat16").dtype == "float32"
     assert (
         EngineConfig(dtype="bfloat16").for_model("float32", native_bf16=False).dtype == "bfloat16"
+    )
+
+
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64",
+    reason="reads the x86 CPU flags of Linux's /proc/cpuinfo",
+)
+def test_native_bf16_means_the_cpus_own_bf16_units():
+    """`auto` serves bf16 only where the CPU has bf16 instructions. oneDNN's own check says yes on
+    any AVX-512 CPU, where bf16 is emulated 7x slower than fp32 (an Ice Lake without AVX-512 BF16
+    failed this before the fix)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"}), sorted(
+        f for f in flags if f.startswith(("avx512", "amx"))
     )
 
 
