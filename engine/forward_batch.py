@@ -54,6 +54,7 @@ class AttnGroup:
     pages: int  # pages per request (padded); kv_len = pages * page_size
     kv_len: int
     kv_pages: torch.Tensor  # [Bg * pages] pool pages (padding: page 0, masked)
+    seq_lens: torch.Tensor  # [Bg] keys of each request (kv_len before padding)
     q_rows: torch.Tensor  # [Bg * max_q] rows of T that feed the padded queries
     out_rows: torch.Tensor  # [n] rows of T that receive this group's outputs
     out_sel: torch.Tensor | None  # [n] indices into the Bg * max_q padded rows; None: all real
@@ -187,6 +188,7 @@ def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, dev
         pages=pages,
         kv_len=kv_len,
         kv_pages=kv_pages.flatten().to(device),
+        seq_lens=torch.tensor([it.kv_len for it in items], dtype=torch.long, device=device),
         q_rows=q_rows.flatten().to(device),
         out_rows=out_rows.to(device),
         out_sel=None if all_real else out_sel.to(device),

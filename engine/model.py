@@ -13,15 +13,22 @@ names.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
+from engine import paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.model_config import ModelConfig
 from engine.rope import RopeTable, apply_rope
+
+log = logging.getLogger(__name__)
+
+# A decode group's entry in the per-group masks: attend with the in-place kernel, no gather.
+IN_PLACE = object()
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -112,6 +119,17 @@ class DecoderLayer(torch.nn.Module):
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
         for g, mask in zip(fb.groups, masks, strict=True):
+            if mask is IN_PLACE:
+                # Decode, in place: the kernel reads each request's pages where they lie.
+                o = paged_attention.decode_attention(
+                    q.index_select(0, g.q_rows),
+                    kv,
+                    g.kv_pages.view(g.num_seqs, g.pages),
+                    g.seq_lens,
+                    d**-0.5,
+                )
+                out.index_copy_(0, g.out_rows, o.view(g.num_seqs, cfg.q_size))
+                continue
             n = g.num_seqs * g.pages
             kbuf, vbuf = ws[0, :n], ws[1, :n]
             torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)  # ONE gather for K, one for V
@@ -175,6 +193,7 @@ class ModelSlice(torch.nn.Module):
             dtype,
         )
         self._ws = torch.empty(0)
+        self._in_place: bool | None = None
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""
@@ -220,6 +239,18 @@ class ModelSlice(torch.nn.Module):
                     )
                     self.lm_head_weight.copy_(w[head])
 
+    def choose_decode_attention(self, pool: KVPool) -> bool:
+        """Whether decode groups attend with the in-place kernel: on the CPU, where it loads
+        (engine/paged_attention.py); decided once per slice, and said once."""
+        if self._in_place is None:
+            self._in_place = pool.kv.device.type == "cpu" and paged_attention.load()
+            if pool.kv.device.type == "cpu" and not self._in_place:
+                log.warning(
+                    "decode attention gathers KV pages (the in-place kernel is off: %s)",
+                    paged_attention.why_not(),
+                )
+        return self._in_place
+
     def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
         and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
@@ -245,9 +276,12 @@ class ModelSlice(torch.nn.Module):
             )
         h = F.embedding(x, self.embed_weight) if self.is_first else x.to(self.dtype, copy=True)
         rope = self.rope.lookup(fb.positions, fb.max_position)
+        in_place = self.choose_decode_attention(pool)
         # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
         masks = [
-            None
+            IN_PLACE
+            if in_place and g.max_q == 1
+            else None
             if g.mask is None
             else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
             for g in fb.groups

@@ -35,6 +35,8 @@ class ModelRunner:
                 dtype=dtype,
             )
         )
+        # Decided (and the in-place kernel loaded, or built) now, not inside the first request.
+        model.choose_decode_attention(self.pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.grammar: GrammarSampler | None = None  # set on the sampling rank (structured output)
 

@@ -26,6 +26,11 @@ if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1' >/dev/null; then
     say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
     apt_install libibverbs1 librdmacm1
 fi
+# The C++ compiler that builds the in-place decode attention kernel (step 5; engine/paged_attention.py).
+if ! command -v c++ >/dev/null; then
+    say "installing g++ (builds the decode attention kernel)"
+    apt_install g++
+fi
 # Tests only: spin, the model checker of protocol_model/ (`make verify-protocol`), and the C
 # compiler its verifiers are built with (Debian's spin package does not pull one in).
 if [ "${1:-}" = "--test" ] && ! { command -v spin >/dev/null && command -v cc >/dev/null; }; then
@@ -78,7 +83,11 @@ fi
 # process would compile every module again (about 0.4 s of CPU each, measured).
 "$VENV/bin/python" -m compileall -q -j 0 bench consensus decode_node engine infra kv_transfer \
     pd_common pdserve prefill_node router runtime >/dev/null
-# 5. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
+# 5. The in-place decode attention kernel, compiled for this CPU and torch (about 20 s, once; a
+#    new source, torch or CPU builds a new one). Without it ranks serve with the slower gather path.
+"$VENV/bin/python" -m engine.paged_attention build >/dev/null \
+    || say "WARNING: the decode attention kernel did not build; ranks will gather KV pages instead"
+# 6. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
 #    venv, because it pins exact versions that would downgrade ours (pyzmq, prometheus-client, ...).
 if [ "${1:-}" = "--test" ] && [ ! -x "$VENV/aiperf/bin/aiperf" ]; then
     say "installing aiperf==0.13.0 into $VENV/aiperf (tests only; its own venv)"

@@ -1,0 +1,134 @@
+"""The in-place decode attention kernel (engine/csrc/paged_attention.cpp) against gather + SDPA,
+and the model's use of it. The kernel is built by `scripts/setup.sh`; a checkout where it is
+missing fails here, on purpose: serving would silently fall back to the slower gather path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import paged_attention
+from engine.loader import load_model_config, load_slice
+from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan, scattered_tables
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert paged_attention.load(), paged_attention.why_not()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("llama"))
+    cfg = load_model_config(path)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    return path, cfg, seqs, hf_logits(path, seqs)
+
+
+def reference(q, kv, page_table, lens):
+    """Gather the pages, mask past each length, SDPA: what the model does without the kernel."""
+    b, nh, d = q.shape
+    ps, nkv = kv.shape[2], kv.shape[3]
+    n = page_table.shape[1] * ps
+    keys = kv[:, 0].index_select(0, page_table.flatten()).view(b, n, nkv, d).transpose(1, 2)
+    vals = kv[:, 1].index_select(0, page_table.flatten()).view(b, n, nkv, d).transpose(1, 2)
+    ok = torch.arange(n)[None, :] < lens[:, None]
+    mask = torch.zeros(b, 1, 1, n).masked_fill_(~ok[:, None, None, :], float("-inf"))
+    o = F.scaled_dot_product_attention(
+        q.float().view(b, nkv, nh // nkv, d), keys.float(), vals.float(), attn_mask=mask
+    )
+    return o.reshape(b, nh, d)
+
+
+def make_case(seed, *, heads, kv_heads, page_size, lens, dtype=torch.float32, layers=3):
+    g = torch.Generator().manual_seed(seed)
+    d = 32
+    max_pages = max(-(-n // page_size) for n in lens)
+    num_pages = len(lens) * max_pages + 5
+    pool = torch.randn(num_pages, layers, 2, page_size, kv_heads, d, generator=g).to(dtype)
+    tables = scattered_tables(lens, page_size, num_pages, seed=seed)
+    page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    return q, pool[:, 1], page_table, torch.tensor(lens)  # a strided view: layer 1 of 3
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,page_size,lens",
+    [
+        (4, 4, 4, [1, 2, 3, 4, 5, 17]),  # MHA; one key; lengths across page ends
+        (9, 3, 16, [1, 16, 33, 300, 512]),  # SmolLM2's GQA, 16-token pages
+        (8, 2, 1, [1, 7, 64]),  # page size 1
+        (6, 1, 5, [9, 10, 11, 250]),  # MQA, an odd page size
+    ],
+)
+def test_fp32_equals_gather_and_sdpa(heads, kv_heads, page_size, lens):
+    q, kv, pt, n = make_case(
+        len(lens), heads=heads, kv_heads=kv_heads, page_size=page_size, lens=lens
+    )
+    got = paged_attention.decode_attention(q, kv, pt, n, q.shape[-1] ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, reference(q, kv, pt, n), rtol=1e-5, atol=2e-6)
+
+
+def test_bf16_pool_sums_in_fp32():
+    q, kv, pt, n = make_case(
+        7, heads=9, kv_heads=3, page_size=16, lens=[5, 100, 400], dtype=torch.bfloat16
+    )
+    got = paged_attention.decode_attention(q, kv, pt, n, q.shape[-1] ** -0.5)
+    assert got.dtype == torch.bfloat16
+    # same inputs, fp32 arithmetic: only the final rounding to bf16 differs
+    torch.testing.assert_close(got.float(), reference(q, kv, pt, n), rtol=8e-3, atol=8e-3)
+    fp32_q = paged_attention.decode_attention(q.float(), kv, pt, n, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(fp32_q, reference(q, kv, pt, n), rtol=1e-5, atol=2e-6)
+
+
+def test_bad_tables_are_refused_not_read():
+    q, kv, pt, n = make_case(3, heads=4, kv_heads=2, page_size=4, lens=[6, 8])
+    scale = q.shape[-1] ** -0.5
+    bad = pt.clone()
+    bad[1, 1] = kv.shape[0]  # one page past the pool
+    with pytest.raises(RuntimeError, match="page_table"):
+        paged_attention.decode_attention(q, kv, bad, n, scale)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        paged_attention.decode_attention(q, kv, pt, torch.tensor([6, 0]), scale)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        paged_attention.decode_attention(q, kv, pt, torch.tensor([6, 9]), scale)  # > 2 pages
+    with pytest.raises(RuntimeError, match="int64"):
+        paged_attention.decode_attention(q, kv, pt.int(), n, scale)
+
+
+def test_the_model_decodes_with_it(tiny_llama, monkeypatch):
+    """Decode groups go through the kernel (counted), prefill through SDPA, and both paths agree
+    with transformers and with each other."""
+    path, cfg, seqs, ref = tiny_llama
+    calls = []
+    real = paged_attention.decode_attention
+
+    def counted(*a):
+        calls.append(a[0].shape[0])
+        return real(*a)
+
+    monkeypatch.setattr(paged_attention, "decode_attention", counted)
+
+    slices = [load_slice(path, 0, 3), load_slice(path, 3, 4)]
+    got = run_plan(slices, cfg, seqs, PLAN)
+    assert calls and all(s._in_place for s in slices)
+    decode_items = sum(n == 1 for step in PLAN for _, n, _ in step)
+    assert sum(calls) == decode_items * len(cfg_layers(slices))
+    assert max_err(got, ref) < 1e-4
+    for s in slices:
+        s._in_place = False  # the gather path, as on a machine without the kernel
+    gathered = run_plan(slices, cfg, seqs, PLAN)
+    assert (
+        max((got[k] - gathered[k]).abs().max().item() / gathered[k].abs().max().item() for k in got)
+        < 1e-5
+    )
+
+
+def cfg_layers(slices):
+    return [layer for s in slices for layer in s.layers]
