@@ -53,6 +53,8 @@ class Engine:
         self.config = config = config.for_model(self.model_config.dtype)
         self.tokenizer = load_tokenizer(path)
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
+        if config.small_batch_weights:
+            model.add_small_batch_weights()
         self.runner = ModelRunner(
             model, config.num_pages, config.page_size, config.torch_dtype, config.seed
         )

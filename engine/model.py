@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine import paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from engine.linear import add_linear_, linear, reorder
 from engine.model_config import ModelConfig
 from engine.rope import RopeTable, apply_rope
 
@@ -51,6 +52,12 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
         self.down_weight = _empty(h, inter, dtype=dtype)
+        self.small: dict[str, torch.Tensor | None] = {}  # engine/linear.py: reordered copies
+
+    def add_small_batch_weights(self) -> None:
+        """Reordered copies of the four matmul weights, for small (decode) batches."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            self.small[name] = reorder(getattr(self, f"{name}_weight"))
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
@@ -88,14 +95,15 @@ class DecoderLayer(torch.nn.Module):
         """Updates the residual stream `h` [T, hidden] in place."""
         cfg = self.cfg
         x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm_weight, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        small = self.small
+        qkv = linear(x, self.qkv_weight, small.get("qkv"), self.qkv_bias)
         attn = self._attention(qkv, layer, fb, pool, rope, masks, ws)
-        h.addmm_(attn, self.o_weight.t())
+        add_linear_(h, attn, self.o_weight, small.get("o"))
         x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm_weight, cfg.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, small.get("gate_up"))
         inter = cfg.intermediate_size
         act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        h.addmm_(act, self.down_weight.t())
+        add_linear_(h, act, self.down_weight, small.get("down"))
 
     def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
         cfg = self.cfg
@@ -194,6 +202,15 @@ class ModelSlice(torch.nn.Module):
         )
         self._ws = torch.empty(0)
         self._in_place: bool | None = None
+        self._small_head: torch.Tensor | None = None
+
+    def add_small_batch_weights(self) -> None:
+        """oneDNN-reordered copies of every matmul weight, LM head included, used for batches of
+        4..128 rows (engine/linear.py); about doubles the slice's weight memory."""
+        for layer in self.layers:
+            layer.add_small_batch_weights()
+        if self.is_last:
+            self._small_head = reorder(self.lm_head_weight)
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""
@@ -293,4 +310,4 @@ class ModelSlice(torch.nn.Module):
             return h
         h = h.index_select(0, fb.logit_rows)
         h = F.rms_norm(h, (self.cfg.hidden_size,), self.norm_weight, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head_weight).float()
+        return linear(h, self.lm_head_weight, self._small_head).float()

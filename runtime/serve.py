@@ -63,6 +63,7 @@ def engine_dict(args, threads: int) -> dict[str, Any]:
         max_running=args.max_running,
         max_context=args.max_context,
         enable_prefix_cache=not args.no_prefix_cache,
+        small_batch_weights=not args.no_small_batch_weights,
         threads=threads,
     )
 
