@@ -45,9 +45,8 @@ def reference(q, kv, page_table, lens):
     return o.reshape(b, nh, d)
 
 
-def make_case(seed, *, heads, kv_heads, page_size, lens, dtype=torch.float32, layers=3):
+def make_case(seed, *, heads, kv_heads, page_size, lens, dtype=torch.float32, layers=3, d=32):
     g = torch.Generator().manual_seed(seed)
-    d = 32
     max_pages = max(-(-n // page_size) for n in lens)
     num_pages = len(lens) * max_pages + 5
     pool = torch.randn(num_pages, layers, 2, page_size, kv_heads, d, generator=g).to(dtype)
@@ -58,17 +57,20 @@ def make_case(seed, *, heads, kv_heads, page_size, lens, dtype=torch.float32, la
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,page_size,lens",
+    "heads,kv_heads,page_size,lens,d",
     [
-        (4, 4, 4, [1, 2, 3, 4, 5, 17]),  # MHA; one key; lengths across page ends
-        (9, 3, 16, [1, 16, 33, 300, 512]),  # SmolLM2's GQA, 16-token pages
-        (8, 2, 1, [1, 7, 64]),  # page size 1
-        (6, 1, 5, [9, 10, 11, 250]),  # MQA, an odd page size
+        (4, 4, 4, [1, 2, 3, 4, 5, 17], 32),  # MHA; one key; lengths across page ends
+        (9, 3, 16, [1, 16, 33, 300, 512], 64),  # SmolLM2's GQA and head size, 16-token pages
+        (8, 2, 1, [1, 7, 64], 128),  # page size 1
+        (6, 1, 5, [9, 10, 11, 250], 32),  # MQA, an odd page size
+        # head sizes off the vector paths: scores in blocks of 8 only, and neither
+        (6, 2, 16, [3, 40, 99], 40),
+        (4, 2, 16, [3, 40, 99], 20),
     ],
 )
-def test_fp32_equals_gather_and_sdpa(heads, kv_heads, page_size, lens):
+def test_fp32_equals_gather_and_sdpa(heads, kv_heads, page_size, lens, d):
     q, kv, pt, n = make_case(
-        len(lens), heads=heads, kv_heads=kv_heads, page_size=page_size, lens=lens
+        len(lens), heads=heads, kv_heads=kv_heads, page_size=page_size, lens=lens, d=d
     )
     got = paged_attention.decode_attention(q, kv, pt, n, q.shape[-1] ** -0.5)
     assert got.dtype == torch.float32 and got.shape == q.shape

@@ -8,6 +8,10 @@
 // Per (request, KV head) task: the `group` query heads that share the KV head are processed
 // together, page by page, with an online softmax (running max and sum) in fp32, so the keys and
 // values are read once for all of them. Pool and query may be fp32 or bf16; every sum is fp32.
+// With AVX2 and FMA the scores take eight keys at a time and the weighted values 32 columns at a
+// time in registers, and the next page is prefetched: on one Ice Lake core, 32 requests of 384
+// tokens (SmolLM2's 3 KV heads of 64) read their KV at 8.6 GB/s, about what a streaming sum reaches
+// there. Other CPUs take the plain loops.
 //
 // Op: pdserve::paged_decode_attention(q, kv, page_table, seq_lens, scale) -> out
 //   q          [B, num_heads, head_dim]        contiguous
@@ -21,6 +25,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -51,12 +58,123 @@ inline float exp_nonpos(float x) {
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
 
-template <typename KV>
-inline float dot(const float* q, const KV* k, int64_t d) {
-  float s = 0.0f;
+// scores[g * n + t] = q_g . k_t for the n tokens of one page (k_t = K + t * ks).
+void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t ks, int64_t n,
+                 float* scores) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
+    // Eight tokens at a time: eight independent FMA chains, then one transpose-and-add of the
+    // eight partial vectors instead of eight horizontal sums.
+    // Rows past the page's last token read zeros (a fixed count of 8 keeps p[] in registers).
+    std::vector<float> zeros(d, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * d;
+      for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t m = std::min<int64_t>(8, n - t0);
+        const float* rows[8];
+        for (int j = 0; j < 8; ++j) rows[j] = j < m ? K + (t0 + j) * ks : zeros.data();
+        __m256 p[8];
+        for (int j = 0; j < 8; ++j) p[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(qg + c);
+          for (int j = 0; j < 8; ++j) p[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(rows[j] + c), p[j]);
+        }
+        const __m256 a0 = _mm256_hadd_ps(p[0], p[1]), a1 = _mm256_hadd_ps(p[2], p[3]);
+        const __m256 a2 = _mm256_hadd_ps(p[4], p[5]), a3 = _mm256_hadd_ps(p[6], p[7]);
+        const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+        const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                                         _mm256_permute2f128_ps(b0, b1, 0x31));
+        alignas(32) float out[8];
+        _mm256_store_ps(out, sum);
+        for (int j = 0; j < m; ++j) scores[g * n + t0 + j] = out[j];
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = 0; t < n; ++t) {
+      float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
-  return s;
+      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * K[t * ks + i];
+      scores[g * n + t] = s;
+    }
+}
+
+// acc[g * d + i] = acc[g * d + i] * corr[g] + sum_t w[g * n + t] * v_t[i] (v_t = V + t * vs).
+void page_accumulate(const float* w, const float* corr, int64_t G, int64_t d, const float* V,
+                     int64_t vs, int64_t n, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 32 == 0) {
+    // 32 columns at a time in four registers, all n tokens, then the next 32: four FMA chains.
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 cg = _mm256_set1_ps(corr[g]);
+      for (int64_t c = 0; c < d; c += 32) {
+        float* ag = acc + g * d + c;
+        __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(ag), cg);
+        __m256 r1 = _mm256_mul_ps(_mm256_loadu_ps(ag + 8), cg);
+        __m256 r2 = _mm256_mul_ps(_mm256_loadu_ps(ag + 16), cg);
+        __m256 r3 = _mm256_mul_ps(_mm256_loadu_ps(ag + 24), cg);
+        for (int64_t t = 0; t < n; ++t) {
+          const __m256 wt = _mm256_set1_ps(w[g * n + t]);
+          const float* v = V + t * vs + c;
+          r0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v), r0);
+          r1 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + 8), r1);
+          r2 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + 16), r2);
+          r3 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + 24), r3);
+        }
+        _mm256_storeu_ps(ag, r0);
+        _mm256_storeu_ps(ag + 8, r1);
+        _mm256_storeu_ps(ag + 16, r2);
+        _mm256_storeu_ps(ag + 24, r3);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float* ag = acc + g * d;
+    for (int64_t i = 0; i < d; ++i) ag[i] *= corr[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const float wt = w[g * n + t];
+      const float* v = V + t * vs;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ag[i] += wt * v[i];
+    }
+  }
+}
+
+// One page's keys or values of one KV head as fp32 rows: in place for an fp32 pool, converted
+// into `buf` for a bf16 one. Returns the rows and sets their stride.
+inline const float* as_f32(const float* src, int64_t stride, int64_t, int64_t, float*,
+                           int64_t* out_stride) {
+  *out_stride = stride;
+  return src;
+}
+inline const float* as_f32(const at::BFloat16* src, int64_t stride, int64_t n, int64_t d,
+                           float* buf, int64_t* out_stride) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < d; ++i) buf[t * d + i] = static_cast<float>(src[t * stride + i]);
+  *out_stride = d;
+  return buf;
+}
+
+// Asks for the next page's keys and values of this head while this one is computed: the rows of
+// one head are 1 / kv_heads of each token's bytes, a stride the hardware prefetcher does not follow
+// across pages (which lie anywhere in the pool).
+template <typename KV>
+inline void prefetch_page(const KV* kpage, int64_t s_half, int64_t s_tok, int64_t n, int64_t d) {
+#if defined(__SSE__)
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KV));
+  for (int64_t t = 0; t < n; ++t) {
+    const char* k = reinterpret_cast<const char*>(kpage + t * s_tok);
+    const char* v = reinterpret_cast<const char*>(kpage + s_half + t * s_tok);
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      _mm_prefetch(k + o, _MM_HINT_T0);
+      _mm_prefetch(v + o, _MM_HINT_T0);
+    }
+  }
+#endif
 }
 
 template <typename T, typename KV>
@@ -76,7 +194,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 
   at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * ps);
-    std::vector<float> m(group), l(group);
+    std::vector<float> m(group), l(group), corr(group), kbuf(ps * d), vbuf(ps * d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nkv, h = task % nkv;
       const int64_t len = lens[b];
@@ -90,33 +208,28 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       for (int64_t p = 0; p * ps < len; ++p) {
         const int64_t page = pt[b * max_pages + p];
         const int64_t n = std::min(ps, len - p * ps);
-        const KV* kbase = base + page * s_page + h * s_head;
-        const KV* vbase = kbase + s_half;
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * ps;
+        const KV* kpage = base + page * s_page + h * s_head;
+        if ((p + 1) * ps < len) prefetch_page(base + pt[b * max_pages + p + 1] * s_page + h * s_head,
+                                              s_half, s_tok, std::min(ps, len - (p + 1) * ps), d);
+        int64_t ks = 0, vs = 0;
+        const float* K = as_f32(kpage, s_tok, n, d, kbuf.data(), &ks);
+        const float* V = as_f32(kpage + s_half, s_tok, n, d, vbuf.data(), &vs);
+        page_scores(qf.data(), group, d, K, ks, n, scores.data());
+        for (int64_t g = 0; g < group; ++g) {  // online softmax over this page's scores
+          float* sg = scores.data() + g * n;
           float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = dot(qf.data() + g * d, kbase + t * s_tok, d);
-            mx = std::max(mx, sg[t]);
-          }
-          const float corr = exp_nonpos(m[g] - mx);  // 0 on the first page (m = -inf)
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+          corr[g] = exp_nonpos(m[g] - mx);  // ~0 on the first page (m = -inf), where acc = 0
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
             sg[t] = exp_nonpos(sg[t] - mx);
             sum += sg[t];
           }
-          l[g] = l[g] * corr + sum;
+          l[g] = l[g] * corr[g] + sum;
           m[g] = mx;
-          float* ag = acc.data() + g * d;
-          for (int64_t i = 0; i < d; ++i) ag[i] *= corr;
-          for (int64_t t = 0; t < n; ++t) {
-            const KV* v = vbase + t * s_tok;
-            const float w = sg[t];
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += w * to_f(v[i]);
-          }
         }
+        page_accumulate(scores.data(), corr.data(), group, d, V, vs, n, acc.data());
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * nh + h * group + g) * d;
