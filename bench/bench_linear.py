@@ -28,6 +28,16 @@ from engine.loader import load_model_config, resolve_model  # noqa: E402
 ROWS = (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def best_of(f, reps: int = 5) -> float:
     f()
     best = float("inf")
@@ -73,7 +83,7 @@ def main() -> int:
     lines = [
         "# Layer matmuls: plain weights vs the small-batch copy (engine/linear.py)",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"Machine: {cpu_name()}, torch {torch.__version__}, "
         f"{args.threads} thread(s), {args.dtype}. All {cfg.num_layers} layers' QKV, O, gate/up "
         f"and down matmuls of the default model ({nbytes / 1e6:.0f} MB of weights), best of 5.",
         "",

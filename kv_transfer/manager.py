@@ -43,7 +43,10 @@ class TransferConfig:
     device: str | None = None  # RDMA device(s); None: PDSERVE_TRANSFER_DEVICE, else all found
     ctrl_port: int = 0  # 0: a free port
     bootstrap_timeout_s: float = 30.0
-    waiting_timeout_s: float = 60.0
+    # registered, no KV yet: a room queued behind a burst at a busy prefill node waits here (a
+    # burst of 32 prompts on one shared core took over 60 s, and the retry prefilled them again);
+    # a dead prefill is found by the heartbeat, a failed one says so, so this is the last resort
+    waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = (
