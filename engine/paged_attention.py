@@ -6,8 +6,8 @@ for every layer; at 32 requests of ~350 tokens that copy moves about as many byt
 weights. The kernel reads each key and value once, where it lies.
 
 Built by `scripts/setup.sh` (`python -m engine.paged_attention build`), once per source, torch
-version and CPU (it is compiled with -march=native), under `PDSERVE_CACHE_DIR` (default
-~/.cache/pdserve)/ext. A rank only loads the built library; where none is built it builds it first,
+version and CPU (it is compiled with -march=native), under `PDSERVE_EXT_DIR` (default
+~/.cache/pdserve/ext). A rank only loads the built library; where none is built it builds it first,
 in a child process with a time limit, and where that fails it serves with the gather path and logs
 why. `PDSERVE_PAGED_ATTENTION=0` turns the kernel off. Other devices keep the gather path (the same
 torch code runs on CUDA).
@@ -31,6 +31,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 NAME = "pdserve_paged_attention"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 ENV_SWITCH = "PDSERVE_PAGED_ATTENTION"
+# Its own root, not PDSERVE_CACHE_DIR's: the tests give every session a fresh model cache, and
+# should load the build setup made, not compile the kernel again per session.
+ENV_DIR = "PDSERVE_EXT_DIR"
 BUILD_TIMEOUT_S = 600.0
 
 _loaded: bool | None = None
@@ -52,8 +55,8 @@ def build_dir() -> Path:
     built for another CPU (-march=native) or another torch is never loaded."""
     parts = (SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, platform.machine())
     key = hashlib.sha256("|".join((*parts, _cpu_flags())).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
-    return root / "ext" / f"{NAME}-{key}"
+    root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "pdserve" / "ext")
+    return root / f"{NAME}-{key}"
 
 
 def library_path() -> Path:
