@@ -49,7 +49,8 @@ def linear(
 
 
 def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: torch.Tensor | None):
-    """h += x @ w.T, in place."""
+    """h += x @ w.T, in place. On the small path the product is rounded to h's dtype before the
+    add (addmm_ may round once): at most a last-bit difference, which shows in bf16."""
     if _small(x, small):
         h.add_(_onednn_linear(x, small, None))
     else:

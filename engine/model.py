@@ -260,8 +260,10 @@ class ModelSlice(torch.nn.Module):
         """Whether decode groups attend with the in-place kernel: on the CPU, where it loads
         (engine/paged_attention.py); decided once per slice, and said once."""
         if self._in_place is None:
-            self._in_place = pool.kv.device.type == "cpu" and paged_attention.load()
-            if pool.kv.device.type == "cpu" and not self._in_place:
+            # the kernel takes fp32 and bf16; fp16 (`--dtype float16`) keeps the gather path
+            cpu = pool.kv.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+            self._in_place = cpu and paged_attention.load()
+            if cpu and not self._in_place:
                 log.warning(
                     "decode attention gathers KV pages (the in-place kernel is off: %s)",
                     paged_attention.why_not(),

@@ -4,7 +4,10 @@ missing fails here, on purpose: serving would silently fall back to the slower g
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 
 from engine import paged_attention
 from engine.loader import load_model_config, load_slice
+from tests.cluster import ROOT
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan, scattered_tables
 from tests.tiny_model import build_tiny_model
 
@@ -134,3 +138,40 @@ def test_the_model_decodes_with_it(tiny_llama, monkeypatch):
 
 def cfg_layers(slices):
     return [layer for s in slices for layer in s.layers]
+
+
+def _load_in_child(env_extra: dict, timeout: float) -> tuple[bool, str]:
+    """`load()` in a fresh interpreter (its once-per-process state stays out of this one)."""
+    code = "from engine import paged_attention as p; ok = p.load(); print(ok); print(p.why_not())"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env_extra},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stderr
+    ok, why = (r.stdout.splitlines() + ["", ""])[:2]
+    return ok == "True", why
+
+
+def test_no_build_place_means_the_gather_path_not_a_dead_rank(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ok, why = _load_in_child({"PDSERVE_EXT_DIR": str(blocker / "ext")}, timeout=60)
+    assert not ok and why  # the folder cannot be made under a file: said, not raised
+
+
+def test_a_build_left_half_done_is_rebuilt_not_waited_for(tmp_path):
+    """A builder killed mid-build leaves torch's lock file; the next build must not wait on it
+    forever (our own flock died with the builder). Compiles the kernel once (about 20 s)."""
+    from engine import paged_attention
+
+    ext = tmp_path / "ext"
+    d = ext / paged_attention.build_dir().name
+    d.mkdir(parents=True)
+    (d / "lock").write_text("")
+    ok, why = _load_in_child({"PDSERVE_EXT_DIR": str(ext)}, timeout=300)
+    assert ok, why
+    assert (d / f"{paged_attention.NAME}.so").exists() and not (d / "lock").exists()

@@ -39,7 +39,7 @@ namespace {
 // is a call per element. Relative error under 2e-7 (about 1.5 ulp) for x in [-87, 0], where every
 // softmax argument lies (x = score - running max <= 0).
 inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
+  x = x > -87.0f ? x : -87.0f;  // also NaN (from inf inputs) -> -87: no NaN-to-int cast below
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
   float p = 1.0f / 720.0f;
@@ -60,19 +60,19 @@ inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
 
 // scores[g * n + t] = q_g . k_t for the n tokens of one page (k_t = K + t * ks).
 void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t ks, int64_t n,
-                 float* scores) {
+                 const float* zeros, float* scores) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
     // Eight tokens at a time: eight independent FMA chains, then one transpose-and-add of the
     // eight partial vectors instead of eight horizontal sums.
-    // Rows past the page's last token read zeros (a fixed count of 8 keeps p[] in registers).
-    std::vector<float> zeros(d, 0.0f);
+    // Rows past the page's last token read `zeros` (d of them): a fixed count of 8 keeps p[] in
+    // registers.
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * d;
       for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t m = std::min<int64_t>(8, n - t0);
         const float* rows[8];
-        for (int j = 0; j < 8; ++j) rows[j] = j < m ? K + (t0 + j) * ks : zeros.data();
+        for (int j = 0; j < 8; ++j) rows[j] = j < m ? K + (t0 + j) * ks : zeros;
         __m256 p[8];
         for (int j = 0; j < 8; ++j) p[j] = _mm256_setzero_ps();
         for (int64_t c = 0; c < d; c += 8) {
@@ -194,7 +194,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 
   at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * ps);
-    std::vector<float> m(group), l(group), corr(group), kbuf(ps * d), vbuf(ps * d);
+    std::vector<float> m(group), l(group), corr(group), kbuf(ps * d), vbuf(ps * d), zeros(d, 0.0f);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nkv, h = task % nkv;
       const int64_t len = lens[b];
@@ -214,12 +214,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
         int64_t ks = 0, vs = 0;
         const float* K = as_f32(kpage, s_tok, n, d, kbuf.data(), &ks);
         const float* V = as_f32(kpage + s_half, s_tok, n, d, vbuf.data(), &vs);
-        page_scores(qf.data(), group, d, K, ks, n, scores.data());
+        page_scores(qf.data(), group, d, K, ks, n, zeros.data(), scores.data());
         for (int64_t g = 0; g < group; ++g) {  // online softmax over this page's scores
           float* sg = scores.data() + g * n;
           float mx = m[g];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-          corr[g] = exp_nonpos(m[g] - mx);  // ~0 on the first page (m = -inf), where acc = 0
+          // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
+          corr[g] = p == 0 ? 0.0f : exp_nonpos(m[g] - mx);
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
@@ -248,7 +249,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1,
               "kv must be [pages, 2, page_size, kv_heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(kv.size(4) == q.size(2), "q and kv head_dim differ");
-  TORCH_CHECK(q.size(1) % kv.size(3) == 0, "num_heads must be a multiple of kv_heads");
+  TORCH_CHECK(kv.size(3) > 0 && q.size(1) % kv.size(3) == 0,
+              "num_heads must be a multiple of kv_heads");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) &&
                   page_table.scalar_type() == at::kLong && page_table.is_contiguous(),
               "page_table must be contiguous int64 [B, max_pages]");
