@@ -3,11 +3,11 @@ oneDNN reordered into its blocked layout, used for batches of SMALL_MIN..SMALL_M
 
 Decode batches are small (one row per running request), and there MKL's sgemm on a plain [out, in]
 weight is slow: on one Ice Lake core, SmolLM2's four layer matmuls through oneDNN on a reordered
-copy took 0.57–0.94x the time of the plain ones at 4 to 128 rows (`bench/bench_linear.py`,
-bench/results/linear.md). At 1 to 3 rows the plain path is faster (1.16–1.20x), and from 256 rows
-on (prefill chunks) it is within 7 %, so those keep the plain weight. The copy costs the memory of
-the weights once more; `EngineConfig.small_batch_weights` (`--no-small-batch-weights`) turns it
-off.
+copy took 0.45–0.96x the time of the plain ones at 4 to 128 rows, over two runs
+(`bench/bench_linear.py`, bench/results/linear.md). At 1 to 3 rows the copy is slower (1.09–1.22x),
+and from 256 rows on (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain
+weight. The copy costs the memory of the weights once more; `EngineConfig.small_batch_weights`
+(`--no-small-batch-weights`) turns it off.
 
 Only on the CPU, and only where this torch has oneDNN's linear ops: elsewhere `reorder` returns
 None and every matmul takes the plain path.

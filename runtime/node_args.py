@@ -43,7 +43,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--no-small-batch-weights",
         action="store_true",
         help="keep one copy of the weights: saves about their size in memory, and decode "
-        "batches of 4-128 requests then run their matmuls up to 1.7x slower",
+        "batches of 4-128 requests then run their matmuls up to 2.2x slower",
     )
     ap.add_argument(
         "--threads",
