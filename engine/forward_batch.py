@@ -73,7 +73,6 @@ class ForwardBatch:
     groups: list[AttnGroup]
     logit_rows: torch.Tensor  # [n] rows of T whose logits are returned, in item order
     max_position: int
-    max_group_pages: int  # largest Bg * pages over groups (size of the gather workspace)
 
 
 def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") -> ForwardBatch:
@@ -116,7 +115,6 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
         groups=groups,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         max_position=max(it.kv_len for it in items) - 1,
-        max_group_pages=max(g.num_seqs * g.pages for g in groups),
     )
 
 

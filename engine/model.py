@@ -270,12 +270,12 @@ class ModelSlice(torch.nn.Module):
                 )
         return self._in_place
 
-    def _workspace(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def _workspace(self, pages: int, pool: KVPool) -> torch.Tensor:
         """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
         and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
         lay = pool.layout
-        shape = (2, fb.max_group_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        numel = 2 * fb.max_group_pages * lay.page_size * lay.num_kv_heads * lay.head_dim
+        shape = (2, pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        numel = 2 * pages * lay.page_size * lay.num_kv_heads * lay.head_dim
         if self._ws.numel() < numel or self._ws.dtype != pool.kv.dtype:
             self._ws = torch.empty(max(numel, 2 * self._ws.numel()), dtype=pool.kv.dtype)
         return self._ws[:numel].view(shape)
@@ -305,7 +305,10 @@ class ModelSlice(torch.nn.Module):
             else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
             for g in fb.groups
         ]
-        ws = self._workspace(fb, pool)
+        # sized for the groups that gather (not those the in-place kernel serves)
+        groups = zip(fb.groups, masks, strict=True)
+        gathered = [g.num_seqs * g.pages for g, m in groups if m is not IN_PLACE]
+        ws = self._workspace(max(gathered, default=0), pool)
         for i, layer in enumerate(self.layers):
             layer(h, i, fb, pool, rope, masks, ws)
         if not self.is_last:
