@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import uvicorn
 
@@ -125,3 +126,21 @@ def server_config(app, **kw) -> uvicorn.Config:
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         **kw,
     )
+
+
+def run_server(server: uvicorn.Server) -> int | None:
+    """`server.run()`, from the main thread; returns the signal (SIGINT, SIGTERM) that stopped it,
+    or None. After its graceful shutdown, uvicorn raises a signal it caught once more, under the
+    handler that was in place before it started. Under the default handler that killed the process
+    there, before the caller's `finally`: a node's ranks were left to die with it, unstopped, and
+    its rank zygote's folder stayed in /tmp (found after SIGTERM, 2026-12-02). A handler that only
+    records the signal is in place while uvicorn runs, so the caller cleans up, then returns."""
+    caught: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda sig, _frame: caught.append(sig)) for s in stops}
+    try:
+        server.run()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return caught[0] if caught else None

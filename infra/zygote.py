@@ -31,6 +31,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -244,6 +245,7 @@ class ZygoteServer:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        tempfile.tempdir = None  # the requester's TMPDIR, not the one this zygote found first
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # the rank's die_with_parent: this zygote
         sys.argv = [req["module"], *req["argv"]]
         watch = threading.Thread(target=_die_with, args=(fds[2],), name="requester-watch")

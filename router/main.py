@@ -298,20 +298,22 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 def serve(config: RouterConfig) -> None:
     import uvicorn
 
-    from infra.http_server import server_config
+    from infra.http_server import run_server, server_config
     from infra.logs import setup_logging, uvicorn_level
     from router.app import build_app
 
     setup_logging("[router]", config.log_level, config.log_format)
-    uvicorn.Server(
-        server_config(
-            build_app(config),
-            host=config.host,
-            port=config.port,
-            log_level=uvicorn_level(),
-            timeout_graceful_shutdown=5,
+    run_server(
+        uvicorn.Server(
+            server_config(
+                build_app(config),
+                host=config.host,
+                port=config.port,
+                log_level=uvicorn_level(),
+                timeout_graceful_shutdown=5,
+            )
         )
-    ).run()
+    )
 
 
 def run(argv: list[str] | None = None) -> int:

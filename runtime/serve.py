@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from infra.http_server import server_config
+from infra.http_server import run_server, server_config
 from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
 from infra.procs import free_port, stop_processes
@@ -230,7 +230,7 @@ def run_node(
     try:
         if ready is not None:
             ready()  # a tokenizer that cannot load stops the node now, with its error
-        server.run()
+        run_server(server)
     finally:
         ranks.stop()
     return 0

@@ -17,6 +17,8 @@ import pytest
 from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
 from one_thread import hf_greedy_one_thread
 
+from infra.zygote import ENV as ZYGOTE_ENV
+
 MAX_NEW = 12
 
 
@@ -143,6 +145,28 @@ def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny6, tmp_path):
             time.sleep(0.2)
         assert not any(_alive(p) for p in pids), "rank processes outlived the failure"
     assert group_alive(proc.pid) == []
+
+
+@pytest.mark.parametrize("own_zygote", [True, False], ids=["own-zygote", "shared-zygote"])
+def test_sigterm_to_the_front_stops_the_ranks_and_leaves_no_files(tiny6, tmp_path, own_zygote):
+    """`kill PID` of a node: its front stops its ranks and its zygote, removes its socket folders
+    and exits 0. Before the fix uvicorn re-raised the SIGTERM under the default handler and the
+    front died before it stopped anything (its own zygote's folder stayed in /tmp)."""
+    port, tmp = free_port(), tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    if own_zygote:
+        env[ZYGOTE_ENV] = ""  # as a node outside the tests: it starts its own rank zygote
+    cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
+    with start(cmd, port, tmp_path / "node.log", env=env) as (url, proc):
+        pids = [s["pid"] for s in httpx.get(f"{url}/server_info").json()["ranks"]]
+        made = sorted(p.name.split("-")[1] for p in tmp.iterdir())
+        assert made == (["front", "zygote"] if own_zygote else ["front"]), made
+        proc.send_signal(signal.SIGTERM)  # the front alone: it must stop the rest itself
+        assert proc.wait(timeout=60) == 0, (tmp_path / "node.log").read_text()[-3000:]
+        assert not any(_alive(p) for p in pids), "rank processes outlived their front"
+        assert group_alive(proc.pid, wait_s=0) == []
+        assert list(tmp.iterdir()) == []
 
 
 def _alive(pid: int) -> bool:

@@ -3,7 +3,7 @@
 # driven by the same aiperf workload (run_aiperf_sweep.sh) with the client pinned to core 1.
 # Prefix caching is off on both sides: every level resends the same seeded prompts.
 # Usage (from the project checkout, which must have .venv): side_by_side.sh OUT_DIR [SYSTEMS]
-#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 colo colo1 colo2" and
+#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 colo colo1 colo2 colopp2" and
 #   of the prefix-cache runs "vllm_cache vllm_fp32_cache pd_cache colo_cache" (default: vllm pd colo)
 #   vllm_fp32: vLLM in fp32 (on a CPU without bf16 units, the dtype pdserve's auto resolves to).
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
@@ -26,7 +26,9 @@ wait_health() {  # URL PID SECONDS
     sleep 0.5
   done; return 1
 }
-stop_group() { kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done; kill -KILL -- "-$1" 2>/dev/null; sleep 2; }
+# TERM the group, wait up to 20 s for all of it (not only its leader, a bash that exits at once) to
+# stop and clean up, then KILL what is left
+stop_group() { kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 -- "-$1" 2>/dev/null || break; sleep 0.5; done; kill -KILL -- "-$1" 2>/dev/null; sleep 2; }
 for S in $SYSTEMS; do
   echo "== $S $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
   t0=$(date +%s.%N)
@@ -50,11 +52,13 @@ for S in $SYSTEMS; do
       PORT=8100
       wait_health http://127.0.0.1:8100 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
       MODEL=$(served_model http://127.0.0.1:8100) ;;
-    colo|colo1|colo2)
+    colo|colo1|colo2|colopp2)
       # colo: `pdserve serve --pp 1` with its defaults (its plan: one compute core, one for I/O);
       # colo1 / colo2: --threads 1 / 2 named explicitly (colo2: both cores compute, nothing left for I/O)
-      th=(); [ "$S" = colo1 ] && th=(--threads 1); [ "$S" = colo2 ] && th=(--threads 2)
-      setsid bash -c "'$PDS' serve --pp 1 ${th[*]} $cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
+      # colopp2: `pdserve serve --pp 2`, one rank per core, nothing left for I/O
+      th=(--pp 1); [ "$S" = colo1 ] && th+=(--threads 1); [ "$S" = colo2 ] && th+=(--threads 2)
+      [ "$S" = colopp2 ] && th=(--pp 2)
+      setsid bash -c "'$PDS' serve ${th[*]} $cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8200
       wait_health http://127.0.0.1:8200 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
       MODEL=$(served_model http://127.0.0.1:8200) ;;
