@@ -38,10 +38,7 @@ from infra.zygote_client import Zygote
 from runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")
-RANK_MODULES = ["prefill_node.rank", "decode_node.rank"]
-# A prefill rank that shares a core with a decode rank (more ranks than cores) takes what the
-# decode rank leaves: a decode step never waits for a prefill chunk on its core.
-SHARED_PREFILL_NICE = 19  # what the cluster's zygote preloads
+RANK_MODULES = ["prefill_node.rank", "decode_node.rank"]  # what the cluster's zygote preloads
 STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
 
 
@@ -186,19 +183,10 @@ class Cluster:
         bind_cores(plan.io_cores)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
         at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
-        d0 = at["decode"]
-        decode_cores = {c for r in plan.rank_cores[d0 : d0 + len(ranks["decode"])] for c in r}
 
         def cpus(role: str, pp: int) -> list[str]:
             at[role] += pp
-            start = at[role] - pp
-            flags = ["--cpus", plan.flag(start, pp), *io]
-            mine = {c for r in plan.rank_cores[start : start + pp] for c in r}
-            if role == "prefill" and mine & decode_cores:
-                # decode first: this prefill node computes in the decode ranks' idle time
-                flags += ["--rank-nice", str(SHARED_PREFILL_NICE)]
-                say(f"a prefill node on core(s) {sorted(mine)} runs at nice {SHARED_PREFILL_NICE}")
-            return flags
+            return ["--cpus", plan.flag(at[role] - pp, pp), *io]
 
         return cpus
 

@@ -104,15 +104,6 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         "planned over this process's cores (runtime/placement.py); `pdserve up` sets it",
     )
     ap.add_argument(
-        "--rank-nice",
-        type=int,
-        default=0,
-        choices=range(20),
-        metavar="0..19",
-        help="nice value of this node's ranks; `pdserve up` gives 19 to a prefill node whose ranks "
-        "share their cores with decode ranks, so it computes only in their idle time",
-    )
-    ap.add_argument(
         "--io-cpus",
         default=None,
         help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any",

@@ -14,7 +14,6 @@ nodes it starts, else each node for its own ranks) and logged.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,14 +115,6 @@ def parse_io_cpus(text: str) -> tuple[int, ...]:
         return tuple(int(c) for c in text.split(",") if c.strip())
     except ValueError:
         raise ValueError(f"--io-cpus {text!r}: expected core numbers, e.g. '3'") from None
-
-
-def set_nice(nice: int) -> None:
-    """Sets this process's nice value: every thread it has now (Linux sets it per thread) and, by
-    inheritance, every thread they start. Raising it needs no privilege."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
 
 def bind_cores(cores: Sequence[int]) -> None:

@@ -45,7 +45,7 @@ from runtime.front import (
     STATS_MAX_BYTES,
 )
 from runtime.messages import RankStats, StatsExtension, decode, pack
-from runtime.placement import bind_cores, set_nice
+from runtime.placement import bind_cores
 from runtime.pp_comm import PPComm
 from runtime.rank_spec import RankSpec
 from runtime.slot_loop import LoopConfig, SlotLoop
@@ -265,8 +265,7 @@ def build_rank(
     cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     why = f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}"
     about = (
-        f"layers [{start}, {end}) of {mcfg.num_layers}, {threads} torch threads on cores {cores}"
-        f"{f' at nice {os.getpriority(os.PRIO_PROCESS, 0)}' if spec.nice else ''}, "
+        f"layers [{start}, {end}) of {mcfg.num_layers}, {threads} torch threads on cores {cores}, "
         f"dtype {cfg.dtype} ({why})"
     )
     log.debug("pp_rank %d/%d: %s", spec.pp_rank, spec.pp_size, about)
@@ -315,8 +314,6 @@ def _become_rank(spec: RankSpec) -> None:
     set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
     rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
     bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
-    if spec.nice:
-        set_nice(spec.nice)
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
 

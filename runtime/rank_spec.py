@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from runtime.messages import MessageError, from_mapping
+from runtime.messages import from_mapping
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ class RankSpec:
     device: str = "cpu"
     role: str = "colocated"
     cpus: list[int] = field(default_factory=list)  # cores this rank's threads own; [] = unbound
-    nice: int = 0  # 0..19: 19 = compute only when the rank it shares its cores with does not
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer (0 = off)
     comm_stream: bool = False  # PP sends on their own CUDA stream
@@ -45,7 +44,4 @@ class RankSpec:
     @classmethod
     def from_json(cls, text: str) -> RankSpec:
         """Raises ValueError (MessageError) naming what is wrong."""
-        spec = from_mapping(cls, json.loads(text))
-        if not 0 <= spec.nice <= 19:
-            raise MessageError(f"RankSpec.nice: {spec.nice} is not in 0..19")
-        return spec
+        return from_mapping(cls, json.loads(text))

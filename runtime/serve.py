@@ -156,7 +156,6 @@ def make_specs(
             pp_size=args.pp,
             pp_rank=r,
             cpus=list(cores),
-            nice=args.rank_nice,
             dist_init=dist,
             req_addr=front_addrs.get("req", ""),
             evt_addr=front_addrs.get("evt", ""),

@@ -18,8 +18,6 @@ from cluster import ROOT, free_port, group_alive, launched, node_args, secret_he
 from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
 
-from pdserve.up import SHARED_PREFILL_NICE
-
 NODE_ARGS = " ".join(node_args(max_running=None))
 MAX_NEW = 12
 ROUTER_ARGS = "--max-concurrent 24 --max-queue 8 --health-interval 1 --health-failure-threshold 2"
@@ -158,28 +156,12 @@ def test_ranks_run_on_the_cores_the_plan_printed(cluster):
     for _, role, pp, cores in plan:
         want.setdefault((role, int(pp)), []).append({int(c) for c in cores.split(",")})
     got: dict[tuple[str, int], list[set[int]]] = {}
-    nice: dict[str, list[tuple[set[int], set[int]]]] = {"prefill": [], "decode": []}
     for role, nodes in node_urls(url).items():
         for node in nodes:
             for st in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]:
                 cores = os.sched_getaffinity(st["pid"])
                 got.setdefault((role, st["pp_rank"]), []).append(cores)
-                nice[role].append((cores, _thread_nice(st["pid"])))
     assert _core_sets(got) == _core_sets(want), line
-    # a prefill rank on a decode rank's core computes in its idle time (nice 19); the rest at 0
-    decode_cores = set().union(*(c for c, _ in nice["decode"]))
-    assert all(n == {0} for _, n in nice["decode"]), nice
-    for cores, n in nice["prefill"]:
-        assert n == ({SHARED_PREFILL_NICE} if cores & decode_cores else {0}), (nice, line)
-
-
-def _thread_nice(pid: int) -> set[int]:
-    """The nice values of a process's threads (/proc/PID/task/TID/stat, field 19)."""
-    out = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            out.add(int(f.read().rsplit(")", 1)[1].split()[16]))
-    return out
 
 
 def _core_sets(by_rank: dict[tuple[str, int], list[set[int]]]) -> dict:
