@@ -45,6 +45,25 @@ _one_default_tls_context()
 
 
 @pytest.fixture(scope="session", autouse=True)
+def process_tmpdir(tmp_path_factory):
+    """Every process the tests start makes its temporary folders (a front's socket folder, a rank
+    zygote's) under this session's pytest folder, not /tmp. A process that cleans up removes them
+    (tests/test_pp_node.py checks SIGTERM); one a test kills with SIGKILL cannot, and what it
+    leaves goes with pytest's old session folders instead of piling up in /tmp."""
+    import tempfile
+
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # re-read TMPDIR
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+
+
+@pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
     """GGUF metadata and tokenizer caches (engine/gguf_file.py) go to a fresh folder per session:
     the first load of a GGUF in a session parses it like on a new machine, and ~/.cache stays
@@ -59,7 +78,7 @@ def model_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def rank_zygote():
+def rank_zygote(process_tmpdir):
     """One rank zygote per test process (infra/zygote.py), named in the environment that every
     node the tests start inherits: each rank is forked from it instead of importing torch again
     (about 3.5 s of CPU per rank on the 2-core machine, 96 ranks per run). `pdserve up` starts
@@ -75,7 +94,7 @@ def rank_zygote():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def node_zygote():
+def node_zygote(process_tmpdir):
     """One zygote per test process for the node and router processes the tests start
     (tests/cluster.py start): `pdserve.cli` and what a front or router imports once it runs
     (pdserve/cli.py ZYGOTE_PRELOAD, about 1.7 s of CPU per process here), never torch. Each is
