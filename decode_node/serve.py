@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from pd_common.node_defaults import set_pd_defaults
 from runtime.node_args import add_node_args
 from runtime.serve import advertise_host, make_front, run_node, run_remote_ranks
 
 
 def add_decode_args(ap: argparse.ArgumentParser) -> None:
     add_node_args(ap, default_port=30001)
+    set_pd_defaults(ap)
 
 
 def decode_main(args) -> int:

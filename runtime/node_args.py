@@ -35,7 +35,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--chunk-size", type=int, default=d.chunk_size, help="chunked-prefill chunk (tokens)"
     )
-    ap.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    ap.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=d.max_batch_tokens,
+        help="new tokens in one forward, decodes and prefill chunks together (default "
+        "%(default)s; prefill and decode nodes: pd_common/node_defaults.py)",
+    )
     ap.add_argument("--max-running", type=int, default=d.max_running)
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--no-prefix-cache", action="store_true")

@@ -1,0 +1,18 @@
+"""Engine defaults that PD nodes set apart from the colocated node's, with the measurement behind
+each (docs/PERFORMANCE.md, bench/results/side_by_side_icelake.md runs 6 and 7)."""
+
+from __future__ import annotations
+
+import argparse
+
+# New tokens per forward. 512, against the engine's 2048: a prefill iteration then holds one
+# 512-token chunk, so a prompt's release vote (and its answer to the router) waits for at most
+# that, and a decode step that also prefills a decode-only request carries at most 512 tokens. On
+# the 2-core machine, aiperf at c=8 / 32 gave 1.45x / 1.32x the output tok/s and 0.63x / 0.76x the
+# TTFT p99 of 2048 in the same run; matmuls of 512 rows run about as fast per row as 2048
+# (bench/results/linear.md).
+PD_MAX_BATCH_TOKENS = 512
+
+
+def set_pd_defaults(ap: argparse.ArgumentParser) -> None:
+    ap.set_defaults(max_batch_tokens=PD_MAX_BATCH_TOKENS)
