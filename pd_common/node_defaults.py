@@ -8,9 +8,9 @@ import argparse
 # New tokens per forward. 512, against the engine's 2048: a prefill iteration then holds one
 # 512-token chunk, so a prompt's release vote (and its answer to the router) waits for at most
 # that, and a decode step that also prefills a decode-only request carries at most 512 tokens. On
-# the 2-core machine, aiperf at c=8 / 32 gave 1.45x / 1.32x the output tok/s and 0.63x / 0.76x the
-# TTFT p99 of 2048 in the same run; matmuls of 512 rows run about as fast per row as 2048
-# (bench/results/linear.md).
+# the 2-core machine, aiperf at c=1 / 8 / 32 in two same-run pairs (both orders) gave 1.20x, 1.20x /
+# 1.45x, 1.23x / 1.32x, 1.00x the output tok/s of 2048; matmuls of 512 rows run about as fast per
+# row as 2048 (bench/results/linear.md).
 PD_MAX_BATCH_TOKENS = 512
 
 
