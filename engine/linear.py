@@ -1,16 +1,19 @@
-"""The model's matmuls against a weight in two layouts: the plain [out, in] tensor, and a copy that
-oneDNN reordered into its blocked layout, used for batches of SMALL_MIN..SMALL_MAX rows.
+"""The model's matmuls, each against its weight's plain [out, in] tensor or, for small (decode)
+batches, against one small-batch copy of it:
 
-Decode batches are small (one row per running request), and there MKL's sgemm on a plain [out, in]
-weight is slow: on one Ice Lake core, SmolLM2's four layer matmuls through oneDNN on a reordered
-copy took 0.45–0.96x the time of the plain ones at 4 to 128 rows, over two runs
-(`bench/bench_linear.py`, bench/results/linear.md). At 1 to 3 rows the copy is slower (1.09–1.22x),
-and from 256 rows on (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain
-weight. The copy costs the memory of the weights once more; `EngineConfig.small_batch_weights`
-(`--no-small-batch-weights`) turns it off.
+- **packed block codes** (engine/packed_linear.py), where the weight is exactly a 4- or 8-bit
+  block grid (the default model, a Q4_1 GGUF), for batches of up to PACKED_MAX rows. A decode
+  step reads about a sixth of the fp32 weight bytes.
+- otherwise **a copy that oneDNN reordered into its blocked layout**, for SMALL_MIN..SMALL_MAX
+  rows. MKL's sgemm on a plain [out, in] weight is slow at a few rows: on one Ice Lake core,
+  SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the time of the plain
+  ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`, bench/results/linear.md). At 1 to
+  3 rows the copy is slower (1.09–1.22x), and from 256 rows on (prefill chunks) it gains nothing
+  (0.97–1.18x), so those keep the plain weight. It costs the memory of the weights once more.
 
-Only on the CPU, and only where this torch has oneDNN's linear ops: elsewhere `reorder` returns
-None and every matmul takes the plain path.
+Prefill chunks always take the plain weight (MKL). `EngineConfig.small_batch_weights`
+(`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there is no copy and
+every matmul takes the plain path.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import packed_linear
+from engine.packed_linear import PackedWeight
+
 SMALL_MIN, SMALL_MAX = 4, 128
+# SmolLM2's decode step on one core, packed / reordered weights: 0.60x / 0.73x / 0.94x the time at
+# 1 / 8 / 32 rows, 1.08x at 64 (its arithmetic is slower than oneDNN's once reads stop mattering)
+PACKED_MAX = 32
+
+SmallWeight = PackedWeight | torch.Tensor | None
 
 
 def reorder(w: torch.Tensor) -> torch.Tensor | None:
@@ -31,7 +42,19 @@ def reorder(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _small(x: torch.Tensor, small: torch.Tensor | None) -> bool:
+def small_batch_weight(w: torch.Tensor) -> SmallWeight:
+    """The copy of `w` that small batches multiply against: its block codes where it is a grid
+    and the kernel loads, else oneDNN's reordered copy, else None."""
+    if w.device.type == "cpu" and w.dtype == torch.float32 and packed_linear.available():
+        packed = packed_linear.pack(w)
+        if packed is not None:
+            return packed
+    return reorder(w)
+
+
+def _small(x: torch.Tensor, small: SmallWeight) -> bool:
+    if isinstance(small, PackedWeight):
+        return x.shape[0] <= PACKED_MAX
     return small is not None and SMALL_MIN <= x.shape[0] <= SMALL_MAX
 
 
@@ -39,19 +62,30 @@ def _onednn_linear(x, small, bias):
     return torch.ops.mkldnn._linear_pointwise(x, small, bias, "none", [], "")
 
 
+def _packed_linear(x, small, bias):
+    y = packed_linear.packed_linear(x, small)
+    return y if bias is None else y.add_(bias)
+
+
+def _small_linear(x: torch.Tensor, small: SmallWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(small, PackedWeight):
+        return _packed_linear(x, small, bias)
+    return _onednn_linear(x, small, bias)
+
+
 def linear(
-    x: torch.Tensor, w: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None = None
+    x: torch.Tensor, w: torch.Tensor, small: SmallWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, in] @ w.T (+ bias): through `small` (w reordered) when M is a small batch."""
+    """x [M, in] @ w.T (+ bias): through `small` when M is a small batch."""
     if _small(x, small):
-        return _onednn_linear(x, small, bias)
+        return _small_linear(x, small, bias)
     return F.linear(x, w, bias)
 
 
-def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: torch.Tensor | None):
-    """h += x @ w.T, in place. On the small path the product is rounded to h's dtype before the
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeight):
+    """h += x @ w.T, in place. On a small path the product is rounded to h's dtype before the
     add (addmm_ may round once): at most a last-bit difference, which shows in bf16."""
     if _small(x, small):
-        h.add_(_onednn_linear(x, small, None))
+        h.add_(_small_linear(x, small, None))
     else:
         h.addmm_(x, w.t())

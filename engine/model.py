@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine import paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.linear import add_linear_, linear, reorder
+from engine.linear import SmallWeight, add_linear_, linear, small_batch_weight
 from engine.model_config import ModelConfig
 from engine.rope import RopeTable, apply_rope
 
@@ -52,12 +52,12 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
         self.down_weight = _empty(h, inter, dtype=dtype)
-        self.small: dict[str, torch.Tensor | None] = {}  # engine/linear.py: reordered copies
+        self.small: dict[str, SmallWeight] = {}  # engine/linear.py: small-batch copies
 
     def add_small_batch_weights(self) -> None:
-        """Reordered copies of the four matmul weights, for small (decode) batches."""
+        """Small-batch copies of the four matmul weights, for decode batches (engine/linear.py)."""
         for name in ("qkv", "o", "gate_up", "down"):
-            self.small[name] = reorder(getattr(self, f"{name}_weight"))
+            self.small[name] = small_batch_weight(getattr(self, f"{name}_weight"))
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
@@ -202,15 +202,16 @@ class ModelSlice(torch.nn.Module):
         )
         self._ws = torch.empty(0)
         self._in_place: bool | None = None
-        self._small_head: torch.Tensor | None = None
+        self._small_head: SmallWeight = None
 
     def add_small_batch_weights(self) -> None:
-        """oneDNN-reordered copies of every matmul weight, LM head included, used for batches of
-        4..128 rows (engine/linear.py); about doubles the slice's weight memory."""
+        """Small-batch copies of every matmul weight, LM head included (engine/linear.py): packed
+        block codes where a weight is a grid, else oneDNN-reordered copies (about doubling the
+        slice's weight memory)."""
         for layer in self.layers:
             layer.add_small_batch_weights()
         if self.is_last:
-            self._small_head = reorder(self.lm_head_weight)
+            self._small_head = small_batch_weight(self.lm_head_weight)
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""

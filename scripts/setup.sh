@@ -26,8 +26,8 @@ if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1' >/dev/null; then
     say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
     apt_install libibverbs1 librdmacm1
 fi
-# The C++ compiler that builds the in-place decode attention kernel (step 5; engine/paged_attention.py).
-# Optional: without one, ranks serve with the slower gather path, so no root is not an error here.
+# The C++ compiler that builds the CPU kernels (step 5; engine/cpu_kernels.py).
+# Optional: without one, ranks serve with the slower torch paths, so no root is not an error here.
 if ! command -v c++ >/dev/null; then
     if [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; then
         say "installing g++ (builds the decode attention kernel)"
@@ -88,10 +88,11 @@ fi
 # process would compile every module again (about 0.4 s of CPU each, measured).
 "$VENV/bin/python" -m compileall -q -j 0 bench consensus decode_node engine infra kv_transfer \
     pd_common pdserve prefill_node router runtime >/dev/null
-# 5. The in-place decode attention kernel, compiled for this CPU and torch (about 20 s, once; a
-#    new source, torch or CPU builds a new one). Without it ranks serve with the slower gather path.
-"$VENV/bin/python" -m engine.paged_attention build >/dev/null \
-    || say "WARNING: the decode attention kernel did not build; ranks will gather KV pages instead"
+# 5. The CPU kernels (decode attention over the pool, packed-weight matmuls), compiled for this CPU
+#    and torch (about 30 s, once; a new source, torch or CPU builds a new one). Without them ranks
+#    serve with the slower torch paths.
+"$VENV/bin/python" -m engine.cpu_kernels build >/dev/null \
+    || say "WARNING: the CPU kernels did not build; ranks will gather KV pages and read fp32 weights"
 # 6. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
 #    venv, because it pins exact versions that would downgrade ours (pyzmq, prometheus-client, ...).
 if [ "${1:-}" = "--test" ] && [ ! -x "$VENV/aiperf/bin/aiperf" ]; then

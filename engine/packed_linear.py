@@ -1,0 +1,106 @@
+"""Weights kept as the block codes they ship in, for decode-sized matmuls on the CPU.
+
+The default model is a quantized GGUF (SmolLM2-135M-Instruct Q4_1: every layer matrix in 4-bit
+blocks, the embedding in 8-bit ones). The loader dequantizes it to fp32, and a decode step then
+reads 4 bytes per weight from memory, where the file spent about 0.6: at a few rows per matmul that
+read, not the arithmetic, is the step's time. This module finds the block codes again in the fp32
+weight and keeps them; `engine/csrc/packed_linear.cpp` multiplies against them, decoding each block
+in registers.
+
+Exact, never approximate: a weight is packed only if, for every block of 32 values along a row, a
+scale and offset with fp16 values and integer codes give back each value bit for bit
+(code * scale is exact in fp32, plus the offset rounds once, in the kernel as here). The product
+therefore uses the very weights the fp32 matmul uses, and only the order of its fp32 sums differs.
+A weight that is not such a grid (fp32 or bf16 checkpoints, the tiny random test models, another
+quantization) is left as it is.
+
+Two grids, those of GGML's Q4_1 and Q8_0:
+- 4-bit: w = q * d + m, q in [0, 15]; m is the block's minimum, d = (max - m) / 15.
+- 8-bit: w = q * d, q in [-127, 127]; d = max |w| / 127.
+
+Only for fp32 weights on the CPU, where the kernels load (engine/cpu_kernels.py);
+`PDSERVE_PACKED_WEIGHTS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import cpu_kernels
+
+ENV_SWITCH = "PDSERVE_PACKED_WEIGHTS"
+BLOCK = 32
+ROWS_PER_TASK = 4  # the kernel's NT: output rows it decodes at once
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """W [out, in] as block codes: uint8 [out, in / 2] two 4-bit codes a byte (bits 4) or int8
+    [out, in] (bits 8), with fp32 scale and offset [out, in / 32] (offset empty for bits 8)."""
+
+    bits: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+
+def available() -> bool:
+    """Whether packed matmuls can run in this process. Never raises."""
+    return not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+
+
+def why_not() -> str:
+    return cpu_kernels.switched_off(ENV_SWITCH) or cpu_kernels.why_not()
+
+
+def _exact(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor) -> bool:
+    w = q * d if m is None else q * d + m  # q * d is exact: the sum rounds once, as in the kernel
+    return torch.equal(w, v)
+
+
+def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).float()
+
+
+def _grid4(v: torch.Tensor) -> PackedWeight | None:
+    m = v.amin(-1, keepdim=True)
+    d = _fp16_exact((v.amax(-1, keepdim=True) - m) / 15)
+    q = torch.where(d > 0, (v - m) / d, 0).round_().clamp_(0, 15)
+    if not _exact(q, d, m, v):
+        return None
+    q8 = q.to(torch.uint8)
+    codes = q8[..., :16] | (q8[..., 16:] << 4)  # GGML's Q4_1 order: low nibbles first
+    n = v.shape[0]
+    return PackedWeight(4, codes.reshape(n, -1), d.reshape(n, -1), m.reshape(n, -1))
+
+
+def _grid8(v: torch.Tensor) -> PackedWeight | None:
+    d = _fp16_exact(v.abs().amax(-1, keepdim=True) / 127)
+    q = torch.where(d > 0, v / d, 0).round_().clamp_(-127, 127)
+    if not _exact(q, d, None, v):
+        return None
+    n = v.shape[0]
+    return PackedWeight(8, q.to(torch.int8).reshape(n, -1), d.reshape(n, -1), torch.empty(0))
+
+
+def pack(w: torch.Tensor) -> PackedWeight | None:
+    """The block codes of fp32 weight `w` [out, in], or None where `w` is not such a grid (or the
+    kernel's shapes do not fit it)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    n, k = w.shape
+    if k % BLOCK or n % ROWS_PER_TASK or not torch.isfinite(w).all():
+        return None
+    v = w.detach().reshape(n, k // BLOCK, BLOCK)
+    return _grid4(v) or _grid8(v)
+
+
+def packed_linear(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x [M, in] fp32 @ W.T -> [M, out] fp32. Call `available()` first."""
+    return torch.ops.pdserve.packed_linear(x.contiguous(), pw.codes, pw.scale, pw.offset, pw.bits)

@@ -1,0 +1,163 @@
+"""Packed block-code weights (engine/packed_linear.py, engine/csrc/packed_linear.cpp): a weight is
+packed only when its codes give back every value bit for bit, the kernel's product equals the fp32
+matmul's, decode-sized batches take it, and a model with GGUF-grid weights still matches
+transformers and serves the same greedy tokens as without it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from engine import linear as lin
+from engine import packed_linear as pl
+from engine.loader import load_model_config, load_slice
+from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels():
+    assert pl.available(), pl.why_not()
+
+
+def gguf_grid(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """`w` quantized and dequantized by the gguf package (llama.cpp's reference code): what a
+    quantized GGUF's loader hands the model."""
+    return dequantize(quantize(np.ascontiguousarray(w, np.float32), qtype), qtype).reshape(w.shape)
+
+
+def decode(p: pl.PackedWeight) -> torch.Tensor:
+    """The weights the codes stand for, decoded here without the kernel."""
+    n = p.codes.shape[0]
+    if p.bits == 4:
+        c = p.codes.reshape(n, -1, 16)
+        q = torch.cat([c & 15, c >> 4], dim=-1).float()
+        return (q * p.scale[..., None] + p.offset[..., None]).reshape(n, -1)
+    return (p.codes.reshape(n, -1, 32).float() * p.scale[..., None]).reshape(n, -1)
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_1, 4), (Q.Q8_0, 8)])
+def test_the_codes_give_back_every_weight_bit_for_bit(qtype, bits):
+    rng = np.random.default_rng(0)
+    w = torch.from_numpy(gguf_grid(rng.standard_normal((96, 160)) * 0.05, qtype))
+    w[5] = 0.0  # a block of one value (scale 0)
+    p = pl.pack(w)
+    assert p is not None and p.bits == bits
+    assert torch.equal(decode(p), w)
+    assert p.nbytes * 8 <= w.numel() * (bits + 2)  # codes plus fp32 scale (and offset) per 32
+
+
+def test_what_is_not_a_grid_is_left_alone():
+    rng = np.random.default_rng(1)
+    plain = torch.from_numpy(rng.standard_normal((64, 64)).astype(np.float32))
+    assert pl.pack(plain) is None
+    grid = torch.from_numpy(gguf_grid(plain.numpy(), Q.Q4_1))
+    assert pl.pack(grid) is not None
+    off = grid.clone()
+    off[3, 7] = torch.nextafter(off[3, 7], torch.tensor(1.0))  # one value one ulp off the grid
+    assert pl.pack(off) is None
+    assert pl.pack(grid[:, :48].contiguous()) is None  # rows not whole blocks
+    assert pl.pack(grid[:62]) is None  # rows not a multiple of the kernel's task
+    assert pl.pack(grid.bfloat16()) is None
+
+
+@pytest.mark.parametrize(("qtype", "bias"), [(Q.Q4_1, True), (Q.Q4_1, False), (Q.Q8_0, False)])
+def test_the_packed_product_is_the_fp32_product(qtype, bias):
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(2)
+    w = torch.from_numpy(gguf_grid(rng.standard_normal((200, 96)) * 0.05, qtype))
+    b = torch.randn(200, generator=g) if bias else None
+    small = lin.small_batch_weight(w)
+    assert isinstance(small, pl.PackedWeight)
+    for m in (1, 2, 3, 4, 5, 8, 31, lin.PACKED_MAX):  # every remainder of the kernel's row tiles
+        x = torch.randn(m, 96, generator=g)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+        got = lin.linear(x, w, small, b)
+        assert got.shape == (m, 200)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        h = torch.randn(m, 200, generator=g)
+        want = h + F.linear(x.double(), w.double()).float()
+        lin.add_linear_(h, x, w, small)
+        torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_path_is_taken_for_decode_sized_batches_only(monkeypatch):
+    w = torch.from_numpy(gguf_grid(np.random.default_rng(3).standard_normal((64, 32)), Q.Q4_1))
+    small = lin.small_batch_weight(w)
+    calls = []
+    real = lin._packed_linear
+
+    def counted(x, s, bias):  # a spy: the real kernel runs
+        calls.append(x.shape[0])
+        return real(x, s, bias)
+
+    monkeypatch.setattr(lin, "_packed_linear", counted)
+    for m in range(1, lin.PACKED_MAX + 20):
+        lin.linear(torch.randn(m, 32), w, small)
+    assert calls == list(range(1, lin.PACKED_MAX + 1))
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(pl.ENV_SWITCH, "0")
+    assert not pl.available() and pl.ENV_SWITCH in pl.why_not()
+    w = torch.from_numpy(gguf_grid(np.random.default_rng(4).standard_normal((64, 32)), Q.Q4_1))
+    assert not isinstance(lin.small_batch_weight(w), pl.PackedWeight)  # the oneDNN copy instead
+
+
+def grid_model(path):
+    """The tiny model with every matrix on a GGUF grid: Q4_1 layers, a Q8_0 embedding (as the
+    default model ships)."""
+    w = load_file(str(path / "model.safetensors"))
+    for name, t in w.items():
+        if t.dim() == 2:
+            qtype = Q.Q8_0 if "embed" in name or "lm_head" in name else Q.Q4_1
+            w[name] = torch.from_numpy(gguf_grid(t.numpy(), qtype))
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory):
+    path = grid_model(build_tiny_model(tmp_path_factory.mktemp("grid"), tie=True))
+    assert json.loads((path / "config.json").read_text())["vocab_size"] % 4 == 0
+    cfg = load_model_config(path)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    return path, cfg, seqs, hf_logits(path, seqs)
+
+
+def test_a_grid_model_runs_packed_and_matches_transformers(tiny_grid, monkeypatch):
+    path, cfg, seqs, ref = tiny_grid
+    slices = [load_slice(path, 0, 2), load_slice(path, 2, 4)]
+    for s in slices:
+        s.add_small_batch_weights()
+    small = [v for s in slices for layer in s.layers for v in layer.small.values()]
+    assert small and all(isinstance(v, pl.PackedWeight) for v in small)
+    assert isinstance(slices[-1]._small_head, pl.PackedWeight)
+    rows = []
+    real = lin._packed_linear
+    monkeypatch.setattr(lin, "_packed_linear", lambda x, s, b: rows.append(len(x)) or real(x, s, b))
+    got = run_plan(slices, cfg, seqs, PLAN)
+    assert rows  # the plan's decode steps went through the kernel
+    assert max_err(got, ref) < 1e-4
+
+
+def test_the_default_model_is_packed_whole():
+    """SmolLM2-135M-Instruct ships as a Q4_1 GGUF with a Q8_0 embedding: its last layer's four
+    matrices pack as 4-bit codes and its LM head as 8-bit ones, with every value given back."""
+    s = load_slice(None, 29, 30)
+    s.add_small_batch_weights()
+    layer = s.layers[0]
+    for name, small in layer.small.items():
+        assert isinstance(small, pl.PackedWeight) and small.bits == 4, name
+        assert torch.equal(decode(small), getattr(layer, f"{name}_weight"))
+    assert isinstance(s._small_head, pl.PackedWeight) and s._small_head.bits == 8
+    assert torch.equal(decode(s._small_head), s.lm_head_weight)
