@@ -3,7 +3,7 @@ batches, against one small-batch copy of it:
 
 - **packed block codes** (engine/packed_linear.py), where the weight is exactly a 4- or 8-bit
   block grid (the default model, a Q4_1 GGUF), for batches of up to PACKED_MAX rows. A decode
-  step reads about a sixth of the fp32 weight bytes.
+  step reads about a fifth of the fp32 weight bytes.
 - otherwise **a copy that oneDNN reordered into its blocked layout**, for SMALL_MIN..SMALL_MAX
   rows. MKL's sgemm on a plain [out, in] weight is slow at a few rows: on one Ice Lake core,
   SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the time of the plain
@@ -25,8 +25,9 @@ from engine import packed_linear
 from engine.packed_linear import PackedWeight
 
 SMALL_MIN, SMALL_MAX = 4, 128
-# SmolLM2's decode step on one core, packed / reordered weights: 0.60x / 0.73x / 0.94x the time at
-# 1 / 8 / 32 rows, 1.08x at 64 (its arithmetic is slower than oneDNN's once reads stop mattering)
+# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.31x / 0.44x /
+# 0.67x / 0.95x the time at 1 / 8 / 16 / 32 rows, 1.13x / 1.27x at 48 / 64 (past 32 rows the
+# kernel's arithmetic, not the bytes it reads, sets its pace, and oneDNN's is faster)
 PACKED_MAX = 32
 
 SmallWeight = PackedWeight | torch.Tensor | None

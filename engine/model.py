@@ -19,11 +19,12 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine import paged_attention
+from engine import packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.linear import SmallWeight, add_linear_, linear, small_batch_weight
 from engine.model_config import ModelConfig
+from engine.packed_linear import PackedWeight
 from engine.rope import RopeTable, apply_rope
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,17 @@ class ModelSlice(torch.nn.Module):
             layer.add_small_batch_weights()
         if self.is_last:
             self._small_head = small_batch_weight(self.lm_head_weight)
+        copies = [v for layer in self.layers for v in layer.small.values()]
+        copies += [self._small_head] if self.is_last else []
+        packed = [v for v in copies if isinstance(v, PackedWeight)]
+        why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
+        log.info(
+            "small-batch weights: %d of %d matmuls on packed block codes (%.0f MB)%s",
+            len(packed),
+            len(copies),
+            sum(p.nbytes for p in packed) / 1e6,
+            "" if packed else f", oneDNN-reordered copies instead ({why})",
+        )
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""

@@ -32,13 +32,15 @@ from engine import cpu_kernels
 
 ENV_SWITCH = "PDSERVE_PACKED_WEIGHTS"
 BLOCK = 32
-ROWS_PER_TASK = 4  # the kernel's NT: output rows it decodes at once
+PANEL = 16  # output rows whose codes the kernel keeps together, column by column
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """W [out, in] as block codes: uint8 [out, in / 2] two 4-bit codes a byte (bits 4) or int8
-    [out, in] (bits 8), with fp32 scale and offset [out, in / 32] (offset empty for bits 8)."""
+    """W [out, in] as block codes, in panels of PANEL output rows stored column by column: uint8
+    [out / 16, in / 2, 16] for bits 4 (columns k and k + 1 in a byte's low and high nibble), int8
+    [out / 16, in, 16] for bits 8, with fp32 scale and offset [out / 16, in / 32, 16] (offset empty
+    for bits 8)."""
 
     bits: int
     codes: torch.Tensor
@@ -68,16 +70,21 @@ def _fp16_exact(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).float()
 
 
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[out, n] -> [out / PANEL, n, PANEL]: each panel's rows side by side, column by column."""
+    return t.reshape(-1, PANEL, t.shape[-1]).transpose(1, 2).contiguous()
+
+
 def _grid4(v: torch.Tensor) -> PackedWeight | None:
     m = v.amin(-1, keepdim=True)
     d = _fp16_exact((v.amax(-1, keepdim=True) - m) / 15)
     q = torch.where(d > 0, (v - m) / d, 0).round_().clamp_(0, 15)
     if not _exact(q, d, m, v):
         return None
-    q8 = q.to(torch.uint8)
-    codes = q8[..., :16] | (q8[..., 16:] << 4)  # GGML's Q4_1 order: low nibbles first
     n = v.shape[0]
-    return PackedWeight(4, codes.reshape(n, -1), d.reshape(n, -1), m.reshape(n, -1))
+    cols = _panels(q.to(torch.uint8).reshape(n, -1))  # [out / 16, in, 16]
+    codes = cols[:, 0::2] | (cols[:, 1::2] << 4)  # columns k and k + 1 share a byte
+    return PackedWeight(4, codes.contiguous(), _panels(d.reshape(n, -1)), _panels(m.reshape(n, -1)))
 
 
 def _grid8(v: torch.Tensor) -> PackedWeight | None:
@@ -86,7 +93,8 @@ def _grid8(v: torch.Tensor) -> PackedWeight | None:
     if not _exact(q, d, None, v):
         return None
     n = v.shape[0]
-    return PackedWeight(8, q.to(torch.int8).reshape(n, -1), d.reshape(n, -1), torch.empty(0))
+    codes = _panels(q.to(torch.int8).reshape(n, -1))
+    return PackedWeight(8, codes, _panels(d.reshape(n, -1)), torch.empty(0))
 
 
 def pack(w: torch.Tensor) -> PackedWeight | None:
@@ -95,7 +103,7 @@ def pack(w: torch.Tensor) -> PackedWeight | None:
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
         return None
     n, k = w.shape
-    if k % BLOCK or n % ROWS_PER_TASK or not torch.isfinite(w).all():
+    if k % BLOCK or n % PANEL or not torch.isfinite(w).all():
         return None
     v = w.detach().reshape(n, k // BLOCK, BLOCK)
     return _grid4(v) or _grid8(v)

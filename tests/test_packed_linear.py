@@ -35,13 +35,17 @@ def gguf_grid(w: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def decode(p: pl.PackedWeight) -> torch.Tensor:
-    """The weights the codes stand for, decoded here without the kernel."""
-    n = p.codes.shape[0]
-    if p.bits == 4:
-        c = p.codes.reshape(n, -1, 16)
-        q = torch.cat([c & 15, c >> 4], dim=-1).float()
-        return (q * p.scale[..., None] + p.offset[..., None]).reshape(n, -1)
-    return (p.codes.reshape(n, -1, 32).float() * p.scale[..., None]).reshape(n, -1)
+    """The weights [out, in] the codes stand for, decoded here without the kernel."""
+    if p.bits == 4:  # [panels, in / 2, 16]: columns k and k + 1 in the low and high nibbles
+        q = torch.stack([p.codes & 15, p.codes >> 4], dim=2).flatten(1, 2).float()
+    else:
+        q = p.codes.float()  # [panels, in, 16]
+
+    def per_column(t):  # [panels, in / 32, 16] -> [panels, in, 16]
+        return t.repeat_interleave(32, dim=1)
+
+    w = q * per_column(p.scale) + (per_column(p.offset) if p.bits == 4 else 0)
+    return w.transpose(1, 2).reshape(-1, q.shape[1])
 
 
 @pytest.mark.parametrize(("qtype", "bits"), [(Q.Q4_1, 4), (Q.Q8_0, 8)])
@@ -65,7 +69,7 @@ def test_what_is_not_a_grid_is_left_alone():
     off[3, 7] = torch.nextafter(off[3, 7], torch.tensor(1.0))  # one value one ulp off the grid
     assert pl.pack(off) is None
     assert pl.pack(grid[:, :48].contiguous()) is None  # rows not whole blocks
-    assert pl.pack(grid[:62]) is None  # rows not a multiple of the kernel's task
+    assert pl.pack(grid[:56]) is None  # rows not a multiple of the kernel's panel
     assert pl.pack(grid.bfloat16()) is None
 
 
@@ -73,17 +77,17 @@ def test_what_is_not_a_grid_is_left_alone():
 def test_the_packed_product_is_the_fp32_product(qtype, bias):
     g = torch.Generator().manual_seed(0)
     rng = np.random.default_rng(2)
-    w = torch.from_numpy(gguf_grid(rng.standard_normal((200, 96)) * 0.05, qtype))
-    b = torch.randn(200, generator=g) if bias else None
+    w = torch.from_numpy(gguf_grid(rng.standard_normal((208, 96)) * 0.05, qtype))
+    b = torch.randn(208, generator=g) if bias else None
     small = lin.small_batch_weight(w)
     assert isinstance(small, pl.PackedWeight)
     for m in (1, 2, 3, 4, 5, 8, 31, lin.PACKED_MAX):  # every remainder of the kernel's row tiles
         x = torch.randn(m, 96, generator=g)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
         got = lin.linear(x, w, small, b)
-        assert got.shape == (m, 200)
+        assert got.shape == (m, 208)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        h = torch.randn(m, 200, generator=g)
+        h = torch.randn(m, 208, generator=g)
         want = h + F.linear(x.double(), w.double()).float()
         lin.add_linear_(h, x, w, small)
         torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)

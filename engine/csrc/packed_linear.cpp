@@ -1,22 +1,23 @@
 // Matmul against weights stored as block codes (CPU): y = x @ W.T, fp32 in and out.
 //
 // W [N, K] is kept as it ships in a quantized GGUF: blocks of 32 weights along K, each block
-// w = code * scale + offset with a 4-bit code (two per byte, the block's first 16 weights in the
-// low nibbles, the next 16 in the high ones, as in GGML's Q4_1) or an 8-bit signed code (GGML's
-// Q8_0, no offset). engine/packed_linear.py only packs a weight whose every value this formula
-// gives back exactly, so the kernel multiplies by the very weights the fp32 matmul would: only the
-// order of the fp32 sums differs. A decode step reads its weights from memory once; at 4.6 bits
-// a weight instead of 32 it reads about a sixth of the bytes.
+// w = code * scale + offset with a 4-bit code (GGML's Q4_1) or an 8-bit signed code (Q8_0, no
+// offset). engine/packed_linear.py only packs a weight whose every value this formula gives back
+// exactly, so the kernel multiplies by the very weights the fp32 matmul would: only the order of
+// the fp32 sums differs. A decode step reads its weights from memory once; at 6 bits a weight
+// (codes, scale and offset) instead of 32 it reads about a fifth of the bytes.
 //
-// Per task of NT output rows: the rows are decoded once into an fp32 buffer that stays in L1,
-// then every MT rows of x are multiplied against it with MT x NT vector accumulators. The vector
-// types are GCC's, so the same code takes zmm registers with AVX-512 and ymm pairs with AVX2.
+// Layout: panels of 16 output rows. Within a panel the codes of one column k of all 16 rows lie
+// together (4-bit: columns k and k + 1 in the low and high nibbles of 16 bytes), so one load and a
+// widening give the 16 weights of column k as a vector, and the kernel computes y[m, 16 rows] as
+// vector accumulators: acc[m] += w[k, 16 rows] * x[m, k] (x broadcast). No horizontal sums, and
+// each decoded column serves every row of x in the tile (up to 16).
 //
 // Op: pdserve::packed_linear(x, codes, scale, offset, bits) -> y
 //   x       [M, K] fp32 contiguous, K a multiple of 32
-//   codes   [N, K / 2] uint8 (bits 4) or [N, K] int8 (bits 8), contiguous, N a multiple of NT
-//   scale   [N, K / 32] fp32
-//   offset  [N, K / 32] fp32 (bits 4), or an empty tensor (bits 8)
+//   codes   [N / 16, K / 2, 16] uint8 (bits 4) or [N / 16, K, 16] int8 (bits 8), contiguous
+//   scale   [N / 16, K / 32, 16] fp32
+//   offset  like scale (bits 4), or an empty tensor (bits 8)
 //   y       [M, N] fp32
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +28,7 @@
 #endif
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -34,8 +36,7 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t NT = 4;  // output rows per task (4 x 1536 fp32 of decoded weights: 24 KiB)
-constexpr int64_t MT = 4;  // rows of x per accumulator tile (MT x NT = 16 vector accumulators)
+constexpr int64_t PANEL = 16;  // output rows per panel: one vector of fp32
 
 inline v16 load16(const float* p) {
   v16 v;
@@ -43,94 +44,103 @@ inline v16 load16(const float* p) {
   return v;
 }
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(v16 v) {
+// 16 codes, one byte each, widened to fp32; and 16 bytes of two 4-bit codes each, widened to the
+// low and the high codes. With AVX-512 one instruction widens 16 bytes (GCC's generic conversions
+// of narrow integers come out scalar); elsewhere the plain loops.
+inline v16 widen_signed(const uint8_t* c) {
 #if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
 #else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(static_cast<int8_t>(c[i]));
+  return v;
 #endif
 }
 
-// One weight row [K] from its codes into fp32. code * scale is exact in fp32 (an 11-bit fp16
-// scale times an integer of at most 8 bits), so with the offset added it rounds once: the same
-// value the packer checked. With AVX-512 the codes widen with one instruction per 16 (GCC's
-// generic conversions of narrow integers come out scalar); elsewhere the plain loop.
-template <int BITS>
-void decode_row(const uint8_t* codes, const float* scale, const float* offset, int64_t K,
-                float* out) {
+inline void widen_nibbles(const uint8_t* c, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))));
+  hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+#else
+  for (int i = 0; i < 16; ++i) {
+    lo[i] = static_cast<float>(c[i] & 15);
+    hi[i] = static_cast<float>(c[i] >> 4);
+  }
+#endif
+}
+
+// y[r0 + r, n0 .. n0 + 16) for r < R, from one panel's codes, scales `s` and offsets `o`, and
+// the tile's rows of x stored column by column (`xt` [K, R]: one base pointer and constant
+// offsets, so every x value is an FMA's broadcast operand; 16 row pointers would not fit in the
+// general registers). code * scale is exact in fp32 (an 11-bit fp16 scale times an integer of at
+// most 8 bits), so with the offset added each weight rounds once: the value the packer checked.
+template <int BITS, int R>
+void tile(const float* xt, int64_t K, const uint8_t* codes, const float* s, const float* o,
+          float* y, int64_t N, int64_t r0, int64_t n0) {
+  v16 acc[R] = {};
   for (int64_t b = 0; b < K / BLOCK; ++b) {
-    const uint8_t* c = codes + b * (BITS == 4 ? 16 : BLOCK);
-    float* o = out + b * BLOCK;
-#if defined(__AVX512F__)
-    const __m512 d = _mm512_set1_ps(scale[b]);
+    const v16 d = load16(s + b * PANEL);
+    const float* xb = xt + b * BLOCK * R;
     if constexpr (BITS == 4) {
-      const __m512 m = _mm512_set1_ps(offset[b]);
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-      const __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
-      const __m512i hi = _mm512_srli_epi32(q, 4);
-      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m));
-      _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m));
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + h * 16));
-        _mm512_storeu_ps(o + h * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), d));
-      }
-    }
-#else
-    const float d = scale[b];
-    if constexpr (BITS == 4) {
-      const float m = offset[b];
-      for (int i = 0; i < 16; ++i) {
-        o[i] = static_cast<float>(c[i] & 15) * d + m;
-        o[i + 16] = static_cast<float>(c[i] >> 4) * d + m;
+      const v16 m = load16(o + b * PANEL);
+      const uint8_t* c = codes + b * (BLOCK / 2) * PANEL;
+      for (int64_t k = 0; k < BLOCK; k += 2) {
+        v16 lo, hi;
+        widen_nibbles(c + (k / 2) * PANEL, lo, hi);
+        const v16 w0 = lo * d + m, w1 = hi * d + m;  // columns k and k + 1
+#pragma GCC unroll 16  // the accumulators must live in registers, not on the stack
+        for (int r = 0; r < R; ++r) {
+          acc[r] += w0 * xb[k * R + r];
+          acc[r] += w1 * xb[(k + 1) * R + r];
+        }
       }
     } else {
-      for (int i = 0; i < BLOCK; ++i) o[i] = static_cast<float>(static_cast<int8_t>(c[i])) * d;
+      const uint8_t* c = codes + b * BLOCK * PANEL;
+      for (int64_t k = 0; k < BLOCK; ++k) {
+        const v16 w = widen_signed(c + k * PANEL) * d;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] += w * xb[k * R + r];
+      }
     }
-#endif
   }
+  for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + n0, &acc[r], sizeof(v16));
 }
 
-// y[r, n0 + j] for rows r in [r0, r0 + R) and j < NT, from NT decoded rows `w` [NT, K].
-template <int R>
-void tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t r0, int64_t n0) {
-  v16 acc[R][NT] = {};
-  for (int64_t k = 0; k < K; k += 16) {
-    v16 wv[NT];
-    for (int j = 0; j < NT; ++j) wv[j] = load16(w + j * K + k);
-    for (int r = 0; r < R; ++r) {
-      const v16 xv = load16(x + (r0 + r) * K + k);
-      for (int j = 0; j < NT; ++j) acc[r][j] += xv * wv[j];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NT; ++j) y[(r0 + r) * N + n0 + j] = hsum(acc[r][j]);
+// The rows of x in tiles of 16, then at most one each of 8, 4, 2 and 1 rows: (first row, rows).
+std::vector<std::pair<int64_t, int>> row_tiles(int64_t M) {
+  std::vector<std::pair<int64_t, int>> out;
+  int64_t r = 0;
+  for (; r + 16 <= M; r += 16) out.emplace_back(r, 16);
+  for (int R : {8, 4, 2, 1})
+    if (M - r >= R) out.emplace_back(r, R), r += R;
+  return out;
 }
 
 template <int BITS>
-void run(const float* x, const uint8_t* codes, const float* scale, const float* offset,
-         int64_t M, int64_t N, int64_t K, float* y) {
-  const int64_t row_bytes = BITS == 4 ? K / 2 : K, blocks = K / BLOCK;
-  at::parallel_for(0, N / NT, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(NT * K);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NT;
-      for (int64_t j = 0; j < NT; ++j) {
-        const int64_t n = n0 + j;
-        decode_row<BITS>(codes + n * row_bytes, scale + n * blocks,
-                         BITS == 4 ? offset + n * blocks : nullptr, K, w.data() + j * K);
-      }
-      int64_t r0 = 0;
-      for (; r0 + MT <= M; r0 += MT) tile<MT>(x, K, w.data(), y, N, r0, n0);
-      switch (M - r0) {
-        case 3: tile<3>(x, K, w.data(), y, N, r0, n0); break;
-        case 2: tile<2>(x, K, w.data(), y, N, r0, n0); break;
-        case 1: tile<1>(x, K, w.data(), y, N, r0, n0); break;
-        default: break;
+void run(const float* x, const uint8_t* codes, const float* scale, const float* offset, int64_t M,
+         int64_t N, int64_t K, float* y) {
+  const auto tiles = row_tiles(M);
+  std::vector<float> xt(M * K);  // each tile's rows column by column: tile (r0, R) at xt[r0 * K]
+  for (const auto& [r0, R] : tiles)
+    for (int r = 0; r < R; ++r)
+      for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * R + r] = x[(r0 + r) * K + k];
+  const int64_t panel_bytes = (BITS == 4 ? K / 2 : K) * PANEL, panel_scales = K / BLOCK * PANEL;
+  at::parallel_for(0, N / PANEL, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* c = codes + p * panel_bytes;
+      const float* s = scale + p * panel_scales;
+      const float* o = BITS == 4 ? offset + p * panel_scales : nullptr;
+      for (const auto& [r0, R] : tiles) {
+        const float* t = xt.data() + r0 * K;
+        switch (R) {
+          case 16: tile<BITS, 16>(t, K, c, s, o, y, N, r0, p * PANEL); break;
+          case 8: tile<BITS, 8>(t, K, c, s, o, y, N, r0, p * PANEL); break;
+          case 4: tile<BITS, 4>(t, K, c, s, o, y, N, r0, p * PANEL); break;
+          case 2: tile<BITS, 2>(t, K, c, s, o, y, N, r0, p * PANEL); break;
+          default: tile<BITS, 1>(t, K, c, s, o, y, N, r0, p * PANEL); break;
+        }
       }
     }
   });
@@ -141,18 +151,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(bits == 4 || bits == 8, "packed_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "packed_linear: x must be a contiguous fp32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = P * PANEL;
   TORCH_CHECK(K % BLOCK == 0, "packed_linear: K (", K, ") must be a multiple of ", BLOCK);
-  TORCH_CHECK(N % NT == 0, "packed_linear: N (", N, ") must be a multiple of ", NT);
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.size(1) == (bits == 4 ? K / 2 : K) &&
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() &&
+                  codes.size(1) == (bits == 4 ? K / 2 : K) && codes.size(2) == PANEL &&
                   codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "packed_linear: codes must be contiguous ", bits == 4 ? "uint8 [N, K/2]" : "int8 [N, K]");
+              "packed_linear: codes must be contiguous ",
+              bits == 4 ? "uint8 [N/16, K/2, 16]" : "int8 [N/16, K, 16]");
   for (const at::Tensor* t : {&scale, &offset}) {
     if (t == &offset && bits == 8) continue;
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) == N && t->size(1) == K / BLOCK,
-                "packed_linear: scale and offset must be contiguous fp32 [N, K/32]");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == P && t->size(1) == K / BLOCK && t->size(2) == PANEL,
+                "packed_linear: scale and offset must be contiguous fp32 [N/16, K/32, 16]");
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;

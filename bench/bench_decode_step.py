@@ -1,0 +1,101 @@
+"""Decode step time of the offline engine with and without packed block-code weights
+(engine/packed_linear.py), SmolLM2-135M-Instruct, fp32, in one process, alternating.
+
+Both engines load the same model; one with `PDSERVE_PACKED_WEIGHTS=0` (its small batches take the
+oneDNN-reordered copies), one with packed codes. For each batch size B: B seeded prompts of 300-400
+random token ids, then per engine and repetition the time of a run of S + 1 output tokens minus
+that of a 1-token run (the prefix cache holds the prompts, so both runs prefill about nothing),
+over S: the time of one decode step of B requests. Repetitions alternate the engines, so a
+machine that slows down slows both.
+
+  .venv/bin/python bench/bench_decode_step.py [--batches 1 8 32 64] [--steps 32] [--reps 3]
+      [--threads 1] [--out bench/results/decode_step.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.packed_linear import ENV_SWITCH  # noqa: E402
+
+
+def engines(threads: int) -> dict[str, Engine]:
+    out = {}
+    for name, switch in (("reordered", "0"), ("packed", "1")):
+        os.environ[ENV_SWITCH] = switch  # read when the weights are packed, at load
+        out[name] = Engine(EngineConfig(model=None, threads=threads, dtype="float32"))
+    return out
+
+
+def prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 49000) for _ in range(rng.randint(300, 400))]
+
+
+def step_ms(eng: Engine, prompts: list[list[int]], steps: int) -> float:
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t
+
+    return (run(steps + 1) - run(1)) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/decode_step.md"))
+    args = ap.parse_args()
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.threads]))
+    engs = engines(args.threads)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    rows = []
+    for b in args.batches:
+        prompts = [prompt(rng) for _ in range(b)]
+        times: dict[str, list[float]] = {k: [] for k in engs}
+        for e in engs.values():  # prefill once: the prefix cache keeps the prompts
+            e.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+        for _ in range(args.reps):
+            for name, e in engs.items():
+                times[name].append(step_ms(e, prompts, args.steps))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append((b, times, med["packed"] / med["reordered"]))
+        print(f"B={b}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()), flush=True)
+    lines = [
+        "# Decode step, packed block codes vs oneDNN-reordered weights",
+        "",
+        f"`bench/bench_decode_step.py`, {platform.processor() or platform.machine()}, "
+        f"{args.threads} thread(s), torch {torch.__version__}, SmolLM2-135M-Instruct fp32, prompts "
+        f"300-400 tokens, {args.steps} steps, {args.reps} alternating repetitions (median).",
+        "",
+        "| batch | reordered, ms/step | packed, ms/step | packed / reordered |",
+        "|---:|---|---|---:|",
+    ]
+    for b, times, ratio in rows:
+        cells = [" ".join(f"{x:.1f}" for x in times[k]) for k in ("reordered", "packed")]
+        lines.append(f"| {b} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
