@@ -53,8 +53,9 @@ class Engine:
         self.config = config = config.for_model(self.model_config.dtype)
         self.tokenizer = load_tokenizer(path)
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
+        matmuls = "plain weights only"
         if config.small_batch_weights:
-            model.add_small_batch_weights()
+            matmuls = model.add_small_batch_weights()
         self.runner = ModelRunner(
             model, config.num_pages, config.page_size, config.torch_dtype, config.seed
         )
@@ -71,12 +72,13 @@ class Engine:
         self._ids = itertools.count()
         self._done: dict[str, Req] = {}  # finished requests not yet returned by generate/stream
         log.info(
-            "engine ready: model=%s layers=%d dtype=%s kv=%d tokens threads=%d",
+            "engine ready: model=%s layers=%d dtype=%s kv=%d tokens threads=%d, %s",
             path.name,
             self.model_config.num_layers,
             config.dtype,
             config.max_total_tokens,
             self.threads,
+            matmuls,
         )
 
     # --- requests ---------------------------------------------------------------------------------

@@ -205,10 +205,10 @@ class ModelSlice(torch.nn.Module):
         self._in_place: bool | None = None
         self._small_head: SmallWeight = None
 
-    def add_small_batch_weights(self) -> None:
+    def add_small_batch_weights(self) -> str:
         """Small-batch copies of every matmul weight, LM head included (engine/linear.py): packed
         block codes where a weight is a grid, else oneDNN-reordered copies (about doubling the
-        slice's weight memory)."""
+        slice's weight memory). Returns what it made, for the rank's ready line."""
         for layer in self.layers:
             layer.add_small_batch_weights()
         if self.is_last:
@@ -216,14 +216,11 @@ class ModelSlice(torch.nn.Module):
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
         packed = [v for v in copies if isinstance(v, PackedWeight)]
-        why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
-        log.info(
-            "small-batch weights: %d of %d matmuls on packed block codes (%.0f MB)%s",
-            len(packed),
-            len(copies),
-            sum(p.nbytes for p in packed) / 1e6,
-            "" if packed else f", oneDNN-reordered copies instead ({why})",
-        )
+        if not packed:
+            why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
+            return f"decode matmuls on oneDNN-reordered weights ({why})"
+        mb = sum(p.nbytes for p in packed) / 1e6
+        return f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB)"
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""

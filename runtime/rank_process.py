@@ -275,7 +275,7 @@ def build_rank(
         cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)
     if cfg.small_batch_weights:
-        model.add_small_batch_weights()
+        about += ", " + model.add_small_batch_weights()
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
     if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
         runner.grammar = GrammarSampler(

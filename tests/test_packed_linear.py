@@ -158,7 +158,8 @@ def test_the_default_model_is_packed_whole():
     """SmolLM2-135M-Instruct ships as a Q4_1 GGUF with a Q8_0 embedding: its last layer's four
     matrices pack as 4-bit codes and its LM head as 8-bit ones, with every value given back."""
     s = load_slice(None, 29, 30)
-    s.add_small_batch_weights()
+    about = s.add_small_batch_weights()
+    assert about.startswith("decode matmuls on packed block codes: 5 of 5 "), about
     layer = s.layers[0]
     for name, small in layer.small.items():
         assert isinstance(small, pl.PackedWeight) and small.bits == 4, name
