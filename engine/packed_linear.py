@@ -4,12 +4,12 @@ The default model is a quantized GGUF (SmolLM2-135M-Instruct Q4_1: every layer m
 blocks, the embedding in 8-bit ones). The loader dequantizes it to fp32, and a decode step then
 reads 4 bytes per weight from memory, where the file spent about 0.6: at a few rows per matmul that
 read, not the arithmetic, is the step's time. This module finds the block codes again in the fp32
-weight and keeps them; `engine/csrc/packed_linear.cpp` multiplies against them, decoding each block
-in registers.
+weight and keeps them; `engine/csrc/packed_linear.cpp` multiplies against them, decoding each
+column of 16 output rows into a vector register.
 
-Exact, never approximate: a weight is packed only if, for every block of 32 values along a row, a
-scale and offset with fp16 values and integer codes give back each value bit for bit
-(code * scale is exact in fp32, plus the offset rounds once, in the kernel as here). The product
+Exact, never approximate: a weight is packed only if, for every block of 32 values along a row, an
+fp16 scale, an offset and integer codes give back each value bit for bit (code * scale is exact
+in fp32, plus the offset rounds once, in the kernel as here). The product
 therefore uses the very weights the fp32 matmul uses, and only the order of its fp32 sums differs.
 A weight that is not such a grid (fp32 or bf16 checkpoints, the tiny random test models, another
 quantization) is left as it is.
