@@ -72,7 +72,9 @@ def main() -> int:
                 for w, s in zip(ws, ss, strict=True)
             ]
         )
+        # the default model's weights pack (engine/packed_linear.py): bench_packed_matmuls.py
         used = "reordered" if lin.SMALL_MIN <= m <= lin.SMALL_MAX else "plain"
+        used = "packed" if m <= lin.PACKED_MAX else used
         rows.append((m, plain, onednn, used))
         print(
             f"rows {m:4d}: plain {plain * 1e3:7.1f} ms  reordered {onednn * 1e3:7.1f} ms  "

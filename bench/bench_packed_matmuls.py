@@ -41,8 +41,9 @@ def main() -> None:
     for layer in model.layers:
         for n in NAMES:
             w = getattr(layer, f"{n}_weight")
-            assert isinstance(layer.small[n], PackedWeight), "the kernels did not load"
-            weights.append((w.shape[1], {"packed": layer.small[n], "reordered": lin.reorder(w)}))
+            small = layer.small[n]
+            assert isinstance(small.packed, PackedWeight), "the kernels did not load"
+            weights.append((w.shape[1], {"packed": small.packed, "reordered": small.reordered}))
     rows = []
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k, _ in weights}
@@ -50,8 +51,9 @@ def main() -> None:
         for _ in range(3):
             for kind in best:
                 t = time.perf_counter()
+                op = lin._packed_linear if kind == "packed" else lin._onednn_linear
                 for k, small in weights:
-                    lin._small_linear(xs[k], small[kind], None)
+                    op(xs[k], small[kind], None)
                 best[kind] = min(best[kind], time.perf_counter() - t)
         rows.append((m, best["reordered"] * 1e3, best["packed"] * 1e3))
         print(f"M={m}: reordered {rows[-1][1]:.1f} ms, packed {rows[-1][2]:.1f} ms", flush=True)

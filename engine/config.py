@@ -35,8 +35,9 @@ class EngineConfig:
     max_running: int = 64
     max_context: int = 2048
     enable_prefix_cache: bool = True
-    # reordered copies of the weights for decode-sized batches (engine/linear.py): faster small
-    # matmuls for about twice the weight memory
+    # copies of the weights for decode-sized batches (engine/linear.py): packed block codes where
+    # a weight is a GGUF grid, and oneDNN-reordered copies; faster small matmuls for about twice
+    # the weight memory
     small_batch_weights: bool = True
     threads: int = 0  # torch intra-op threads; 0 => all cores of this process
     seed: int = 0  # the node's generator for unseeded sampling

@@ -1,22 +1,25 @@
 """The model's matmuls, each against its weight's plain [out, in] tensor or, for small (decode)
-batches, against one small-batch copy of it:
+batches, against a small-batch copy of it (`SmallWeights`):
 
 - **packed block codes** (engine/packed_linear.py), where the weight is exactly a 4- or 8-bit
   block grid (the default model, a Q4_1 GGUF), for batches of up to PACKED_MAX rows. A decode
   step reads about a fifth of the fp32 weight bytes.
-- otherwise **a copy that oneDNN reordered into its blocked layout**, for SMALL_MIN..SMALL_MAX
-  rows. MKL's sgemm on a plain [out, in] weight is slow at a few rows: on one Ice Lake core,
-  SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the time of the plain
-  ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`, bench/results/linear.md). At 1 to
-  3 rows the copy is slower (1.09–1.22x), and from 256 rows on (prefill chunks) it gains nothing
-  (0.97–1.18x), so those keep the plain weight. It costs the memory of the weights once more.
+- **a copy that oneDNN reordered into its blocked layout**, for the SMALL_MIN..SMALL_MAX rows the
+  packed codes do not take. MKL's sgemm on a plain [out, in] weight is slow at a few rows: on one
+  Ice Lake core, SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the time
+  of the plain ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`,
+  bench/results/linear.md). At 1 to 3 rows the copy is slower (1.09–1.22x), and from 256 rows on
+  (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain weight. It costs the
+  memory of the weights once more.
 
-Prefill chunks always take the plain weight (MKL). `EngineConfig.small_batch_weights`
-(`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there is no copy and
-every matmul takes the plain path.
+Prefill chunks take the plain weight (MKL). `EngineConfig.small_batch_weights`
+(`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there are no copies
+and every matmul takes the plain path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +28,19 @@ from engine import packed_linear
 from engine.packed_linear import PackedWeight
 
 SMALL_MIN, SMALL_MAX = 4, 128
-# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.31x / 0.44x /
-# 0.67x / 0.95x the time at 1 / 8 / 16 / 32 rows, 1.13x / 1.27x at 48 / 64 (past 32 rows the
-# kernel's arithmetic, not the bytes it reads, sets its pace, and oneDNN's is faster)
+# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.30x / 0.44x /
+# 0.64x / 0.93x the time at 1 / 8 / 16 / 32 rows, 1.12x / 1.24x at 48 / 64 (past 32 rows the
+# kernel's arithmetic, not the bytes it reads, sets its pace, and oneDNN's is faster;
+# bench/results/packed_matmuls.md)
 PACKED_MAX = 32
 
-SmallWeight = PackedWeight | torch.Tensor | None
+
+@dataclass(frozen=True)
+class SmallWeights:
+    """A weight's small-batch copies; either may be None."""
+
+    packed: PackedWeight | None = None
+    reordered: torch.Tensor | None = None
 
 
 def reorder(w: torch.Tensor) -> torch.Tensor | None:
@@ -43,20 +53,13 @@ def reorder(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def small_batch_weight(w: torch.Tensor) -> SmallWeight:
-    """The copy of `w` that small batches multiply against: its block codes where it is a grid
-    and the kernel loads, else oneDNN's reordered copy, else None."""
+def small_batch_weights(w: torch.Tensor) -> SmallWeights:
+    """The copies of `w` that small batches multiply against: its block codes where it is a grid
+    and the kernel loads, and oneDNN's reordered copy where this torch makes one."""
+    packed = None
     if w.device.type == "cpu" and w.dtype == torch.float32 and packed_linear.available():
         packed = packed_linear.pack(w)
-        if packed is not None:
-            return packed
-    return reorder(w)
-
-
-def _small(x: torch.Tensor, small: SmallWeight) -> bool:
-    if isinstance(small, PackedWeight):
-        return x.shape[0] <= PACKED_MAX
-    return small is not None and SMALL_MIN <= x.shape[0] <= SMALL_MAX
+    return SmallWeights(packed, reorder(w))
 
 
 def _onednn_linear(x, small, bias):
@@ -68,25 +71,31 @@ def _packed_linear(x, small, bias):
     return y if bias is None else y.add_(bias)
 
 
-def _small_linear(x: torch.Tensor, small: SmallWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(small, PackedWeight):
-        return _packed_linear(x, small, bias)
-    return _onednn_linear(x, small, bias)
+def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Tensor | None:
+    """x @ w.T (+ bias) through the copy that serves a batch of x's rows, or None (plain)."""
+    if small is None:
+        return None
+    rows = x.shape[0]
+    if small.packed is not None and rows <= PACKED_MAX:
+        return _packed_linear(x, small.packed, bias)
+    if small.reordered is not None and SMALL_MIN <= rows <= SMALL_MAX:
+        return _onednn_linear(x, small.reordered, bias)
+    return None
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, small: SmallWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, in] @ w.T (+ bias): through `small` when M is a small batch."""
-    if _small(x, small):
-        return _small_linear(x, small, bias)
-    return F.linear(x, w, bias)
+    """x [M, in] @ w.T (+ bias): through a copy in `small` when M is a small batch."""
+    y = _small_linear(x, small, bias)
+    return F.linear(x, w, bias) if y is None else y
 
 
-def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeight):
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None):
     """h += x @ w.T, in place. On a small path the product is rounded to h's dtype before the
     add (addmm_ may round once): at most a last-bit difference, which shows in bf16."""
-    if _small(x, small):
-        h.add_(_small_linear(x, small, None))
-    else:
+    y = _small_linear(x, small, None)
+    if y is None:
         h.addmm_(x, w.t())
+    else:
+        h.add_(y)

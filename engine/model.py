@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from engine import packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.linear import SmallWeight, add_linear_, linear, small_batch_weight
+from engine.linear import PACKED_MAX, SmallWeights, add_linear_, linear, small_batch_weights
 from engine.model_config import ModelConfig
-from engine.packed_linear import PackedWeight
 from engine.rope import RopeTable, apply_rope
 
 log = logging.getLogger(__name__)
@@ -53,12 +52,12 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm_weight = _empty(h, dtype=dtype)
         self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
         self.down_weight = _empty(h, inter, dtype=dtype)
-        self.small: dict[str, SmallWeight] = {}  # engine/linear.py: small-batch copies
+        self.small: dict[str, SmallWeights] = {}  # engine/linear.py: small-batch copies
 
     def add_small_batch_weights(self) -> None:
         """Small-batch copies of the four matmul weights, for decode batches (engine/linear.py)."""
         for name in ("qkv", "o", "gate_up", "down"):
-            self.small[name] = small_batch_weight(getattr(self, f"{name}_weight"))
+            self.small[name] = small_batch_weights(getattr(self, f"{name}_weight"))
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
@@ -203,24 +202,27 @@ class ModelSlice(torch.nn.Module):
         )
         self._ws = torch.empty(0)
         self._in_place: bool | None = None
-        self._small_head: SmallWeight = None
+        self._small_head: SmallWeights | None = None
 
     def add_small_batch_weights(self) -> str:
         """Small-batch copies of every matmul weight, LM head included (engine/linear.py): packed
-        block codes where a weight is a grid, else oneDNN-reordered copies (about doubling the
+        block codes where a weight is a grid, and oneDNN-reordered copies (about doubling the
         slice's weight memory). Returns what it made, for the rank's ready line."""
         for layer in self.layers:
             layer.add_small_batch_weights()
         if self.is_last:
-            self._small_head = small_batch_weight(self.lm_head_weight)
+            self._small_head = small_batch_weights(self.lm_head_weight)
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
-        packed = [v for v in copies if isinstance(v, PackedWeight)]
+        packed = [v.packed for v in copies if v.packed is not None]
         if not packed:
             why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
             return f"decode matmuls on oneDNN-reordered weights ({why})"
         mb = sum(p.nbytes for p in packed) / 1e6
-        return f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB)"
+        return (
+            f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB), "
+            f"on oneDNN-reordered weights above {PACKED_MAX} rows"
+        )
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""

@@ -49,7 +49,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--no-small-batch-weights",
         action="store_true",
         help="keep one copy of the weights: saves about their size in memory, and decode "
-        "batches of 4-128 requests then run their matmuls up to 2.2x slower",
+        "batches then run their matmuls up to 3x slower (engine/linear.py)",
     )
     ap.add_argument(
         "--threads",

@@ -21,8 +21,8 @@ def test_reordered_equals_plain(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(200, 96, generator=g).to(dtype)
     bias = torch.randn(200, generator=g).to(dtype)
-    small = lin.reorder(w)
-    assert small is not None  # this CPU build of torch has oneDNN
+    small = lin.SmallWeights(reordered=lin.reorder(w))
+    assert small.reordered is not None  # this CPU build of torch has oneDNN
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     for m in (1, 2, 3, 4, 8, 31, 128, 129, 300):
         x = torch.randn(m, 96, generator=g).to(dtype)
@@ -38,7 +38,8 @@ def test_reordered_equals_plain(dtype):
 
 def test_the_small_path_is_taken_for_small_batches_only(monkeypatch):
     w = torch.randn(64, 32)
-    small = lin.reorder(w)
+    small = lin.small_batch_weights(w)  # random fp32: no grid, so only the reordered copy
+    assert small.packed is None and small.reordered is not None
     calls = []
     real = lin._onednn_linear
 
@@ -72,8 +73,9 @@ def test_a_model_with_small_batch_weights_matches_transformers(tiny):
     plain = run_plan(slices, cfg, seqs, PLAN)
     for s in slices:
         s.add_small_batch_weights()
-    assert all(v is not None for s in slices for layer in s.layers for v in layer.small.values())
-    assert slices[-1]._small_head is not None
+    small = [v for s in slices for layer in s.layers for v in layer.small.values()]
+    assert small and all(v.reordered is not None and v.packed is None for v in small)
+    assert slices[-1]._small_head.reordered is not None
     got = run_plan(slices, cfg, seqs, PLAN)
     assert max_err(got, ref) < 1e-4
     # the batches of 4 rows or more took the reordered path, so some rows differ in the last bits

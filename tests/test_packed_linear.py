@@ -79,8 +79,8 @@ def test_the_packed_product_is_the_fp32_product(qtype, bias):
     rng = np.random.default_rng(2)
     w = torch.from_numpy(gguf_grid(rng.standard_normal((208, 96)) * 0.05, qtype))
     b = torch.randn(208, generator=g) if bias else None
-    small = lin.small_batch_weight(w)
-    assert isinstance(small, pl.PackedWeight)
+    small = lin.SmallWeights(packed=lin.small_batch_weights(w).packed)  # the packed copy alone
+    assert isinstance(small.packed, pl.PackedWeight)
     for m in (1, 2, 3, 4, 5, 8, 31, lin.PACKED_MAX):  # every remainder of the kernel's row tiles
         x = torch.randn(m, 96, generator=g)
         ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
@@ -93,27 +93,30 @@ def test_the_packed_product_is_the_fp32_product(qtype, bias):
         torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_packed_path_is_taken_for_decode_sized_batches_only(monkeypatch):
+def spy(monkeypatch, name: str) -> list[int]:
+    """The row counts `lin.<name>` is called with; the real op still runs."""
+    calls, real = [], getattr(lin, name)
+    monkeypatch.setattr(lin, name, lambda x, s, b: calls.append(len(x)) or real(x, s, b))
+    return calls
+
+
+def test_packed_codes_for_decode_batches_then_the_reordered_copy(monkeypatch):
     w = torch.from_numpy(gguf_grid(np.random.default_rng(3).standard_normal((64, 32)), Q.Q4_1))
-    small = lin.small_batch_weight(w)
-    calls = []
-    real = lin._packed_linear
-
-    def counted(x, s, bias):  # a spy: the real kernel runs
-        calls.append(x.shape[0])
-        return real(x, s, bias)
-
-    monkeypatch.setattr(lin, "_packed_linear", counted)
-    for m in range(1, lin.PACKED_MAX + 20):
+    small = lin.small_batch_weights(w)
+    assert small.packed is not None and small.reordered is not None
+    packed, reordered = spy(monkeypatch, "_packed_linear"), spy(monkeypatch, "_onednn_linear")
+    for m in range(1, lin.SMALL_MAX + 20):
         lin.linear(torch.randn(m, 32), w, small)
-    assert calls == list(range(1, lin.PACKED_MAX + 1))
+    assert packed == list(range(1, lin.PACKED_MAX + 1))
+    assert reordered == list(range(lin.PACKED_MAX + 1, lin.SMALL_MAX + 1))
 
 
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(pl.ENV_SWITCH, "0")
     assert not pl.available() and pl.ENV_SWITCH in pl.why_not()
     w = torch.from_numpy(gguf_grid(np.random.default_rng(4).standard_normal((64, 32)), Q.Q4_1))
-    assert not isinstance(lin.small_batch_weight(w), pl.PackedWeight)  # the oneDNN copy instead
+    small = lin.small_batch_weights(w)
+    assert small.packed is None and small.reordered is not None  # the oneDNN copy alone
 
 
 def grid_model(path):
@@ -144,11 +147,9 @@ def test_a_grid_model_runs_packed_and_matches_transformers(tiny_grid, monkeypatc
     for s in slices:
         s.add_small_batch_weights()
     small = [v for s in slices for layer in s.layers for v in layer.small.values()]
-    assert small and all(isinstance(v, pl.PackedWeight) for v in small)
-    assert isinstance(slices[-1]._small_head, pl.PackedWeight)
-    rows = []
-    real = lin._packed_linear
-    monkeypatch.setattr(lin, "_packed_linear", lambda x, s, b: rows.append(len(x)) or real(x, s, b))
+    assert small and all(isinstance(v.packed, pl.PackedWeight) for v in small)
+    assert isinstance(slices[-1]._small_head.packed, pl.PackedWeight)
+    rows = spy(monkeypatch, "_packed_linear")
     got = run_plan(slices, cfg, seqs, PLAN)
     assert rows  # the plan's decode steps went through the kernel
     assert max_err(got, ref) < 1e-4
@@ -162,7 +163,8 @@ def test_the_default_model_is_packed_whole():
     assert about.startswith("decode matmuls on packed block codes: 5 of 5 "), about
     layer = s.layers[0]
     for name, small in layer.small.items():
-        assert isinstance(small, pl.PackedWeight) and small.bits == 4, name
-        assert torch.equal(decode(small), getattr(layer, f"{name}_weight"))
-    assert isinstance(s._small_head, pl.PackedWeight) and s._small_head.bits == 8
-    assert torch.equal(decode(s._small_head), s.lm_head_weight)
+        assert isinstance(small.packed, pl.PackedWeight) and small.packed.bits == 4, name
+        assert torch.equal(decode(small.packed), getattr(layer, f"{name}_weight"))
+    head = s._small_head.packed
+    assert isinstance(head, pl.PackedWeight) and head.bits == 8
+    assert torch.equal(decode(head), s.lm_head_weight)
