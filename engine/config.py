@@ -40,6 +40,9 @@ class EngineConfig:
     # the weight memory
     small_batch_weights: bool = True
     threads: int = 0  # torch intra-op threads; 0 => all cores of this process
+    # cores a helper thread may compute shares of prefill matmuls on (engine/spare_core.py):
+    # the host's cores the rank does not compute on, as its launcher planned; () => no helper
+    spare_cores: tuple[int, ...] = ()
     seed: int = 0  # the node's generator for unseeded sampling
 
     def __post_init__(self):
@@ -52,6 +55,7 @@ class EngineConfig:
             )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        object.__setattr__(self, "spare_cores", tuple(int(c) for c in self.spare_cores))
 
     @property
     def torch_dtype(self) -> torch.dtype:

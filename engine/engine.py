@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from engine import spare_core
 from engine.config import EngineConfig, apply_threads
 from engine.core import FinishReason, ParamError, Req, SamplingParams
 from engine.grammar import GrammarSampler
@@ -56,6 +57,8 @@ class Engine:
         matmuls = "plain weights only"
         if config.small_batch_weights:
             matmuls = model.add_small_batch_weights()
+        helper = spare_core.start(config.spare_cores, self.threads, config.torch_dtype)
+        matmuls += f", {helper}" if helper else ""
         self.runner = ModelRunner(
             model, config.num_pages, config.page_size, config.torch_dtype, config.seed
         )

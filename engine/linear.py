@@ -12,7 +12,8 @@ batches, against a small-batch copy of it (`SmallWeights`):
   (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain weight. It costs the
   memory of the weights once more.
 
-Prefill chunks take the plain weight (MKL). `EngineConfig.small_batch_weights`
+Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
+rank has one (engine/spare_core.py). `EngineConfig.small_batch_weights`
 (`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there are no copies
 and every matmul takes the plain path.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import packed_linear
+from engine import packed_linear, spare_core
 from engine.packed_linear import PackedWeight
 
 SMALL_MIN, SMALL_MAX = 4, 128
@@ -88,14 +89,18 @@ def linear(
 ) -> torch.Tensor:
     """x [M, in] @ w.T (+ bias): through a copy in `small` when M is a small batch."""
     y = _small_linear(x, small, bias)
-    return F.linear(x, w, bias) if y is None else y
+    if y is not None:
+        return y
+    return spare_core.linear(x, w, bias) if spare_core.takes(x) else F.linear(x, w, bias)
 
 
 def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None):
     """h += x @ w.T, in place. On a small path the product is rounded to h's dtype before the
     add (addmm_ may round once): at most a last-bit difference, which shows in bf16."""
     y = _small_linear(x, small, None)
-    if y is None:
-        h.addmm_(x, w.t())
-    else:
+    if y is not None:
         h.add_(y)
+    elif spare_core.takes(x) and h.is_contiguous():
+        spare_core.add_linear_(h, x, w)
+    else:
+        h.addmm_(x, w.t())

@@ -25,6 +25,7 @@ import msgpack
 import zmq
 
 from consensus import rank_checker
+from engine import spare_core
 from engine.config import EngineConfig, apply_threads
 from engine.detokenizer import StopDetokenizer
 from engine.grammar import GrammarSampler
@@ -276,6 +277,10 @@ def build_rank(
     model = load_slice(path, start, end, cfg.torch_dtype)
     if cfg.small_batch_weights:
         about += ", " + model.add_small_batch_weights()
+    helper = (
+        spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype) if spec.device == "cpu" else ""
+    )
+    about += f", {helper}" if helper else ""
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
     if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
         runner.grammar = GrammarSampler(

@@ -1,0 +1,247 @@
+// Prefill matmuls shared with a helper thread on a spare core, which never makes the rank wait.
+//
+// A rank computes on its own core; the host's other core runs the client, the router and the
+// fronts, and is idle part of the time (all of it between requests at concurrency 1). Two OpenMP
+// threads would use it, but every parallel region then waits at a barrier for a thread that the
+// busy core has descheduled: a request took 6x longer next to one busy process
+// (docs/PERFORMANCE.md, runtime/placement.py). Here the product y = x @ w.T of a prefill chunk is
+// split into blocks of rows instead. The rank's thread takes blocks from the front, one helper
+// thread (pinned to the spare core, at the lowest priority, so the I/O processes keep the core)
+// from the back. When the rank's thread runs out of free blocks while the helper is still working
+// on one, it computes that block itself and the helper's copy is dropped: the rank never waits for
+// the helper, so a starved helper costs nothing but the split.
+//
+// Every block is computed as a fresh tensor by the same call (at::linear on the block's rows)
+// whichever thread runs it, so y does not depend on who computed what.
+//
+// Ops:
+//   pdserve::spare_core_start(int[] cores, int nice) -> bool   the helper thread (once)
+//   pdserve::spare_core_linear(x, w, bias?, int blocks) -> x @ w.T + bias   (x [M, K], w [N, K])
+//   pdserve::spare_core_add_linear_(h, x, w, int blocks)  h [M, N] += x @ w.T
+//   pdserve::spare_core_counts() -> int[]   blocks by [the rank's thread, the helper, taken back]
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <omp.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace {
+
+enum : int { FREE = 0, RANK = 1, HELPING = 2, HELPED = 3, TAKEN_BACK = 4 };
+
+// One split product. The helper holds a reference, so x and w stay alive while it may read them.
+struct Work {
+  at::Tensor x, w, bias;
+  std::vector<int64_t> starts;  // block b covers rows [starts[b], starts[b + 1])
+  std::unique_ptr<std::atomic<int>[]> state;
+  std::vector<at::Tensor> helped;  // written by the helper before it sets HELPED
+  std::unique_ptr<std::atomic<int64_t>[]> claimed_ns;  // when the helper took each block
+
+  int64_t blocks() const { return static_cast<int64_t>(starts.size()) - 1; }
+  int64_t rows(int64_t b) const { return starts[b + 1] - starts[b]; }
+  // The product of block b's rows into `y` [rows, N]: the one call both threads make, so a block
+  // comes out the same whoever computes it (MKL gives the same bits into a fresh tensor or a view)
+  void block_into(int64_t b, at::Tensor& y) const {
+    at::mm_out(y, x.narrow(0, starts[b], rows(b)), w.t());
+    if (bias.defined()) y.add_(bias);
+  }
+  at::Tensor block(int64_t b) const {
+    at::Tensor y = at::empty({rows(b), w.size(0)}, x.options());
+    block_into(b, y);
+    return y;
+  }
+};
+
+std::atomic<int64_t> by_rank{0}, by_helper{0}, taken_back{0};
+// Whether the rank's thread took the helper's last unfinished block back: the spare core is busy,
+// and the rank does not wait for the helper until it finishes a block in time again.
+std::atomic<bool> helper_late{false};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class Helper {
+ public:
+  static Helper& get() {
+    static Helper* h = new Helper();  // never destroyed: the thread lives as long as the process
+    return *h;
+  }
+
+  bool start(const std::vector<int64_t>& cores, int64_t nice) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (thread_.joinable()) return true;
+    thread_ = std::thread([this, cores, nice] { run(cores, nice); });
+    thread_.detach();
+    return true;
+  }
+
+  void offer(std::shared_ptr<Work> w) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      work_ = std::move(w);
+    }
+    cv_.notify_one();
+  }
+
+  void withdraw() {
+    std::lock_guard<std::mutex> g(mu_);
+    work_.reset();
+  }
+
+ private:
+  void run(std::vector<int64_t> cores, int64_t nice) {
+    const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
+    if (!cores.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int64_t c : cores) CPU_SET(static_cast<int>(c), &set);
+      sched_setaffinity(tid, sizeof set, &set);
+    }
+    setpriority(PRIO_PROCESS, tid, static_cast<int>(nice));
+    omp_set_num_threads(1);  // this thread's own parallel regions: one thread, no barrier
+    c10::InferenceMode guard;
+    for (;;) {
+      std::shared_ptr<Work> w;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        // bounded waits: the loop re-checks; nothing here ever needs to stop it
+        while (!work_) cv_.wait_for(lk, std::chrono::seconds(1));
+        w = std::move(work_);
+      }
+      for (int64_t b = w->blocks() - 1; b >= 0; --b) {
+        int expected = FREE;
+        w->claimed_ns[b].store(now_ns());
+        if (!w->state[b].compare_exchange_strong(expected, HELPING)) continue;
+        at::Tensor y = w->block(b);
+        w->helped[b] = y;
+        expected = HELPING;
+        if (w->state[b].compare_exchange_strong(expected, HELPED)) by_helper.fetch_add(1);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<Work> work_;
+  std::thread thread_;
+};
+
+bool spare_core_start(std::vector<int64_t> cores, int64_t nice) {
+  return Helper::get().start(cores, nice);
+}
+
+// y = x @ w.T (+ bias) into a new tensor, or, with `out`, out += x @ w.T
+at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                        const at::Tensor* out, int64_t blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
+              "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
+  const int64_t M = x.size(0), N = w.size(0);
+  TORCH_CHECK(!out || (out->sizes() == at::IntArrayRef({M, N}) && out->is_contiguous() &&
+                          out->scalar_type() == x.scalar_type()),
+              "spare_core_add_linear_: h must be a contiguous [M, N] tensor of x's dtype");
+  blocks = std::max<int64_t>(1, std::min(blocks, M));
+  auto work = std::make_shared<Work>();
+  work->x = x;
+  work->w = w;
+  work->bias = bias;
+  for (int64_t b = 0; b <= blocks; ++b) work->starts.push_back(M * b / blocks);
+  work->state.reset(new std::atomic<int>[blocks]);
+  for (int64_t b = 0; b < blocks; ++b) work->state[b].store(FREE);
+  work->helped.resize(blocks);
+  work->claimed_ns.reset(new std::atomic<int64_t>[blocks]);
+  for (int64_t b = 0; b < blocks; ++b) work->claimed_ns[b].store(0);
+  if (blocks > 1) Helper::get().offer(work);
+
+  at::Tensor y = out ? *out : at::empty({M, N}, x.options());  // only this thread writes y
+  auto rows_of = [&](int64_t b) { return y.narrow(0, work->starts[b], work->rows(b)); };
+  auto place = [&](int64_t b, const at::Tensor& yb) {
+    out ? rows_of(b).add_(yb) : rows_of(b).copy_(yb);
+  };
+  // h += x @ w.T adds a finished product (addmm_ would accumulate into h, in other bits than the
+  // helper's product added); the product goes through a buffer kept from call to call, since a
+  // fresh one of megabytes would page-fault every time
+  static thread_local at::Tensor scratch;
+  auto compute = [&](int64_t b) {
+    if (!out) {
+      at::Tensor rows = rows_of(b);
+      work->block_into(b, rows);
+      return;
+    }
+    if (scratch.numel() < work->rows(b) * N || scratch.scalar_type() != x.scalar_type())
+      scratch = at::empty({work->rows(b) * N}, x.options());
+    at::Tensor p = scratch.narrow(0, 0, work->rows(b) * N).view({work->rows(b), N});
+    work->block_into(b, p);
+    rows_of(b).add_(p);
+  };
+  int64_t block_ns = 0;  // this thread's time for its last block
+  for (int64_t b = 0; b < blocks; ++b) {
+    int expected = FREE;
+    if (!work->state[b].compare_exchange_strong(expected, RANK)) continue;
+    const int64_t t0 = now_ns();
+    compute(b);
+    block_ns = now_ns() - t0;
+    by_rank.fetch_add(1);
+  }
+  Helper::get().withdraw();
+  for (int64_t b = blocks - 1; b >= 0; --b) {
+    // A helper that keeps pace finishes its block about one block time after taking it: wait
+    // until a quarter past that, no longer, and not at all while it is late (its core is busy).
+    // The wait only decides who computes the block, never what it holds.
+    const int64_t deadline = work->claimed_ns[b].load() + block_ns + block_ns / 4;
+    while (!helper_late.load() && work->state[b].load() == HELPING && now_ns() < deadline)
+      std::this_thread::yield();
+    int expected = HELPING;
+    if (work->state[b].compare_exchange_strong(expected, TAKEN_BACK)) {
+      compute(b);  // the helper is still on it: do not wait
+      taken_back.fetch_add(1);
+      helper_late.store(true);
+    } else if (expected == HELPED) {
+      place(b, work->helped[b]);
+      helper_late.store(false);
+    }
+  }
+  return y;
+}
+
+at::Tensor spare_core_linear(const at::Tensor& x, const at::Tensor& w,
+                             const c10::optional<at::Tensor>& bias, int64_t blocks) {
+  return split_linear(x, w, bias ? *bias : at::Tensor(), nullptr, blocks);
+}
+
+void spare_core_add_linear_(at::Tensor h, const at::Tensor& x, const at::Tensor& w,
+                            int64_t blocks) {
+  split_linear(x, w, at::Tensor(), &h, blocks);
+}
+
+std::vector<int64_t> spare_core_counts() {
+  return {by_rank.load(), by_helper.load(), taken_back.load()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("spare_core_start(int[] cores, int nice) -> bool", &spare_core_start);
+  m.def("spare_core_counts() -> int[]", &spare_core_counts);
+  m.def("spare_core_linear(Tensor x, Tensor w, Tensor? bias, int blocks) -> Tensor");
+  m.def("spare_core_add_linear_(Tensor(a!) h, Tensor x, Tensor w, int blocks) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("spare_core_linear", &spare_core_linear);
+  m.impl("spare_core_add_linear_", &spare_core_add_linear_);
+}

@@ -1,0 +1,88 @@
+"""Prefill matmuls shared with a helper thread on a spare core (the C++ op in
+`engine/csrc/spare_core.cpp`, built with the other CPU kernels).
+
+A rank computes on one core of its own. The host's other core (the plan's I/O core, or on a
+2-core PD host the other node's rank) is idle part of the time: all of it between requests at
+concurrency 1, less under load. OpenMP threads there fall off a cliff when that core is busy
+(runtime/placement.py). Instead, a prefill-sized product is split into blocks of rows; the rank's
+thread takes blocks from the front, a helper thread pinned to the spare cores at nice 19 (the I/O
+processes keep their core) from the back, and the rank never waits for a block the helper cannot
+finish in about the time the rank would take: it computes that block itself.
+
+Both threads compute a block with the same call, so the product does not depend on who computed
+which block. It does differ in the last bits from one unsplit matmul (MKL's sums over other
+blocks), and the split of M rows is fixed by M alone.
+
+On only for fp32 ranks with one compute thread on the CPU, where the launcher names spare cores
+(`EngineConfig.spare_cores`; `pdserve up` and `pdserve serve` name the host's cores the rank does
+not compute on); `PDSERVE_SPARE_CORE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_kernels
+
+ENV_SWITCH = "PDSERVE_SPARE_CORE"
+MIN_ROWS = 512  # smaller products: one MKL call (a split below 2 x 256 rows costs up to 10 %)
+BLOCK_ROWS = 256  # MKL loses next to nothing to a split into blocks of this many rows
+MAX_BLOCKS = 16
+NICE = 19
+
+_cores: tuple[int, ...] = ()
+
+
+def start(cores, threads: int, dtype: torch.dtype) -> str:
+    """Starts the helper on `cores` (once per process) where it applies; returns what it did, for
+    the rank's ready line, or "" where there is nothing to say (no spare core)."""
+    global _cores
+    cores = tuple(sorted(cores))
+    if not cores:
+        return ""
+    why = cpu_kernels.switched_off(ENV_SWITCH)
+    if not why and threads != 1:
+        why = f"{threads} compute threads"
+    if not why and dtype != torch.float32:
+        why = f"dtype {dtype}"
+    if not why and not cpu_kernels.load():
+        why = cpu_kernels.why_not()
+    if why:
+        return f"no prefill helper ({why})"
+    torch.ops.pdserve.spare_core_start(list(cores), NICE)
+    _cores = cores
+    word = "core" if len(cores) == 1 else "cores"
+    return f"prefill matmuls shared with a helper on spare {word} {','.join(map(str, cores))}"
+
+
+def active() -> bool:
+    return bool(_cores)
+
+
+def blocks(rows: int) -> int:
+    return max(2, min(MAX_BLOCKS, rows // BLOCK_ROWS))
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether a product of `x`'s rows goes through the helper."""
+    return (
+        bool(_cores)
+        and x.shape[0] >= MIN_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.pdserve.spare_core_linear(x, w, bias, blocks(x.shape[0]))
+
+
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    torch.ops.pdserve.spare_core_add_linear_(h, x, w, blocks(x.shape[0]))
+
+
+def counts() -> dict[str, int]:
+    """Blocks computed so far: by the rank's thread, by the helper, and taken back from it."""
+    rank, helper, taken_back = torch.ops.pdserve.spare_core_counts()
+    return {"rank": rank, "helper": helper, "taken_back": taken_back}
