@@ -41,7 +41,7 @@ class EngineConfig:
     small_batch_weights: bool = True
     threads: int = 0  # torch intra-op threads; 0 => all cores of this process
     # cores a helper thread may compute shares of prefill matmuls on (engine/spare_core.py):
-    # the host's cores the rank does not compute on, as its launcher planned; () => no helper
+    # the core plan's I/O cores, named by the node (runtime/serve.py); () => no helper
     spare_cores: tuple[int, ...] = ()
     seed: int = 0  # the node's generator for unseeded sampling
 

@@ -1,8 +1,8 @@
 """Prefill matmuls shared with a helper thread on a spare core (the C++ op in
 `engine/csrc/spare_core.cpp`, built with the other CPU kernels).
 
-A rank computes on one core of its own. The host's other core (the plan's I/O core, or on a
-2-core PD host the other node's rank) is idle part of the time: all of it between requests at
+A rank computes on one core of its own. The plan's I/O core (the colocated node's second core on
+a 2-core host: fronts, router, client) is idle part of the time: all of it between requests at
 concurrency 1, less under load. OpenMP threads there fall off a cliff when that core is busy
 (runtime/placement.py). Instead, a prefill-sized product is split into blocks of rows; the rank's
 thread takes blocks from the front, a helper thread pinned to the spare cores at nice 19 (the I/O
@@ -14,8 +14,8 @@ which block. It does differ in the last bits from one unsplit matmul (MKL's sums
 blocks), and the split of M rows is fixed by M alone.
 
 On only for fp32 ranks with one compute thread on the CPU, where the launcher names spare cores
-(`EngineConfig.spare_cores`; `pdserve up` and `pdserve serve` name the host's cores the rank does
-not compute on); `PDSERVE_SPARE_CORE=0` turns it off.
+(`EngineConfig.spare_cores`; the nodes name the core plan's I/O cores, runtime/serve.py);
+`PDSERVE_SPARE_CORE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def start(cores, threads: int, dtype: torch.dtype) -> str:
         why = cpu_kernels.why_not()
     if why:
         return f"no prefill helper ({why})"
-    torch.ops.pdserve.spare_core_start(list(cores), NICE)
+    if not torch.ops.pdserve.spare_core_start(list(cores), NICE):
+        return "no prefill helper (its thread did not start within 10 s)"
     _cores = cores
     word = "core" if len(cores) == 1 else "cores"
     return f"prefill matmuls shared with a helper on spare {word} {','.join(map(str, cores))}"

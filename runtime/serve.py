@@ -133,10 +133,12 @@ def stats_port(args) -> int:
     return 0
 
 
-def spare_cores(host, cores, threads: int) -> list[int]:
-    """The host's cores a one-thread rank on `cores` does not compute on: where its prefill helper
-    may run (engine/spare_core.py), at the lowest priority."""
-    return sorted(set(host) - set(cores)) if threads == 1 else []
+def spare_cores(io_cores, threads: int) -> list[int]:
+    """Where a rank's prefill helper may run (engine/spare_core.py): the plan's I/O cores, for a
+    rank with one compute thread. Never another rank's core: on a 2-core `pdserve up` host
+    (no I/O core) a helper on the other node's core cost the decode rank's ITL p99 1.26x at
+    concurrency 32 (docs/PERFORMANCE.md)."""
+    return sorted(io_cores) if threads == 1 else []
 
 
 def make_specs(
@@ -154,13 +156,12 @@ def make_specs(
     )
     plan = node_placement(args, len(ranks))
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
-    host = os.sched_getaffinity(0)  # before the front binds itself to the I/O cores
     bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
     return [
         spec_cls(
             model=args.model,
             engine=engine_dict(args, args.threads or len(cores))
-            | {"spare_cores": spare_cores(host, cores, args.threads or len(cores))},
+            | {"spare_cores": spare_cores(plan.io_cores, args.threads or len(cores))},
             pp_size=args.pp,
             pp_rank=r,
             cpus=list(cores),

@@ -206,3 +206,19 @@ def secret_headers(log_path: Path) -> dict[str, str]:
     assert os.stat(path).st_mode & 0o777 == 0o600
     with open(path) as f:
         return {"Authorization": f"Bearer {f.read().strip()}"}
+
+
+def _threads(pid: int):
+    """(nice, cores) of each thread of process `pid`."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out.append((int(fields[16]), os.sched_getaffinity(int(tid))))
+    return out
+
+
+def helper_threads(pid: int, cores) -> int:
+    """How many threads of `pid` run at nice 19 on exactly `cores`: a rank's prefill helper
+    (engine/spare_core.py)."""
+    return sum(1 for nice, on in _threads(pid) if nice == 19 and on == set(cores))

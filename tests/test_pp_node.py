@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from cluster import NODE_ARGS, free_port, group_alive, start, wait_healthy
+from cluster import NODE_ARGS, free_port, group_alive, helper_threads, start, wait_healthy
 from one_thread import hf_greedy_one_thread
 
 from infra.zygote import ENV as ZYGOTE_ENV
@@ -92,6 +92,10 @@ def _check_rank_cores(stats, pp):
     assert got == [set(c) for c in plan.rank_cores]
     if pp <= len(os.sched_getaffinity(0)):
         assert not plan.shared and len(set().union(*got)) == pp
+    # and its prefill helper runs on the plan's I/O cores, if any, at nice 19 (engine/spare_core.py)
+    for s in stats:
+        on_io = helper_threads(s["pid"], plan.io_cores) if plan.io_cores else 0
+        assert on_io == (1 if plan.io_cores else 0), (s, plan)
 
 
 def _check_stop_string(url, model, prompts, refs):

@@ -49,6 +49,15 @@ struct Work {
   std::vector<at::Tensor> helped;  // written by the helper before it sets HELPED
   std::unique_ptr<std::atomic<int64_t>[]> claimed_ns;  // when the helper took each block
 
+  Work(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& bias_, int64_t n)
+      : x(x_), w(w_), bias(bias_), state(new std::atomic<int>[n]), helped(n),
+        claimed_ns(new std::atomic<int64_t>[n]) {
+    for (int64_t b = 0; b <= n; ++b) starts.push_back(x.size(0) * b / n);
+    for (int64_t b = 0; b < n; ++b) {
+      state[b].store(FREE);
+      claimed_ns[b].store(0);
+    }
+  }
   int64_t blocks() const { return static_cast<int64_t>(starts.size()) - 1; }
   int64_t rows(int64_t b) const { return starts[b + 1] - starts[b]; }
   // The product of block b's rows into `y` [rows, N]: the one call both threads make, so a block
@@ -82,12 +91,14 @@ class Helper {
     return *h;
   }
 
+  // Starts the thread once; returns once it runs where and how it was asked (or after 10 s).
   bool start(const std::vector<int64_t>& cores, int64_t nice) {
-    std::lock_guard<std::mutex> g(mu_);
-    if (thread_.joinable()) return true;
-    thread_ = std::thread([this, cores, nice] { run(cores, nice); });
-    thread_.detach();
-    return true;
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!started_) {
+      started_ = true;
+      std::thread([this, cores, nice] { run(cores, nice); }).detach();
+    }
+    return cv_.wait_for(lk, std::chrono::seconds(10), [this] { return placed_; });
   }
 
   void offer(std::shared_ptr<Work> w) {
@@ -115,6 +126,11 @@ class Helper {
     setpriority(PRIO_PROCESS, tid, static_cast<int>(nice));
     omp_set_num_threads(1);  // this thread's own parallel regions: one thread, no barrier
     c10::InferenceMode guard;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      placed_ = true;
+    }
+    cv_.notify_all();
     for (;;) {
       std::shared_ptr<Work> w;
       {
@@ -138,11 +154,19 @@ class Helper {
   std::mutex mu_;
   std::condition_variable cv_;
   std::shared_ptr<Work> work_;
-  std::thread thread_;
+  bool started_ = false, placed_ = false;
 };
 
 bool spare_core_start(std::vector<int64_t> cores, int64_t nice) {
   return Helper::get().start(cores, nice);
+}
+
+// A [rows, n] buffer of this thread's, kept from call to call: a fresh one of megabytes would
+// page-fault every time.
+at::Tensor scratch(int64_t rows, int64_t n, const at::TensorOptions& options) {
+  static thread_local at::Tensor buf;
+  if (buf.numel() < rows * n || buf.dtype() != options.dtype()) buf = at::empty({rows * n}, options);
+  return buf.narrow(0, 0, rows * n).view({rows, n});
 }
 
 // y = x @ w.T (+ bias) into a new tensor, or, with `out`, out += x @ w.T
@@ -155,16 +179,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                           out->scalar_type() == x.scalar_type()),
               "spare_core_add_linear_: h must be a contiguous [M, N] tensor of x's dtype");
   blocks = std::max<int64_t>(1, std::min(blocks, M));
-  auto work = std::make_shared<Work>();
-  work->x = x;
-  work->w = w;
-  work->bias = bias;
-  for (int64_t b = 0; b <= blocks; ++b) work->starts.push_back(M * b / blocks);
-  work->state.reset(new std::atomic<int>[blocks]);
-  for (int64_t b = 0; b < blocks; ++b) work->state[b].store(FREE);
-  work->helped.resize(blocks);
-  work->claimed_ns.reset(new std::atomic<int64_t>[blocks]);
-  for (int64_t b = 0; b < blocks; ++b) work->claimed_ns[b].store(0);
+  auto work = std::make_shared<Work>(x, w, bias, blocks);
   if (blocks > 1) Helper::get().offer(work);
 
   at::Tensor y = out ? *out : at::empty({M, N}, x.options());  // only this thread writes y
@@ -173,20 +188,11 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     out ? rows_of(b).add_(yb) : rows_of(b).copy_(yb);
   };
   // h += x @ w.T adds a finished product (addmm_ would accumulate into h, in other bits than the
-  // helper's product added); the product goes through a buffer kept from call to call, since a
-  // fresh one of megabytes would page-fault every time
-  static thread_local at::Tensor scratch;
+  // helper's product added)
   auto compute = [&](int64_t b) {
-    if (!out) {
-      at::Tensor rows = rows_of(b);
-      work->block_into(b, rows);
-      return;
-    }
-    if (scratch.numel() < work->rows(b) * N || scratch.scalar_type() != x.scalar_type())
-      scratch = at::empty({work->rows(b) * N}, x.options());
-    at::Tensor p = scratch.narrow(0, 0, work->rows(b) * N).view({work->rows(b), N});
+    at::Tensor p = out ? scratch(work->rows(b), N, x.options()) : rows_of(b);
     work->block_into(b, p);
-    rows_of(b).add_(p);
+    if (out) rows_of(b).add_(p);
   };
   int64_t block_ns = 0;  // this thread's time for its last block
   for (int64_t b = 0; b < blocks; ++b) {
