@@ -27,6 +27,7 @@
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -74,14 +75,20 @@ struct Work {
 };
 
 std::atomic<int64_t> by_rank{0}, by_helper{0}, taken_back{0};
-// Whether the rank's thread took the helper's last unfinished block back: the spare core is busy,
-// and the rank does not wait for the helper until it finishes a block in time again.
-std::atomic<bool> helper_late{false};
+// Whether the helper's last block took it noticeably longer than the CPU time it got: something
+// else runs on the spare core, and the rank does not wait for the helper until that passes.
+std::atomic<bool> spare_busy{false};
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+int64_t thread_cpu_ns() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 
 class Helper {
@@ -141,9 +148,11 @@ class Helper {
       }
       for (int64_t b = w->blocks() - 1; b >= 0; --b) {
         int expected = FREE;
-        w->claimed_ns[b].store(now_ns());
+        const int64_t t0 = now_ns(), cpu0 = thread_cpu_ns();
+        w->claimed_ns[b].store(t0);
         if (!w->state[b].compare_exchange_strong(expected, HELPING)) continue;
         at::Tensor y = w->block(b);
+        spare_busy.store(thread_cpu_ns() - cpu0 < (now_ns() - t0) * 4 / 5);
         w->helped[b] = y;
         expected = HELPING;
         if (w->state[b].compare_exchange_strong(expected, HELPED)) by_helper.fetch_add(1);
@@ -206,19 +215,17 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   Helper::get().withdraw();
   for (int64_t b = blocks - 1; b >= 0; --b) {
     // A helper that keeps pace finishes its block about one block time after taking it: wait
-    // until a quarter past that, no longer, and not at all while it is late (its core is busy).
-    // The wait only decides who computes the block, never what it holds.
+    // until a quarter past that, no longer, and not at all while its core is busy. The wait only
+    // decides who computes the block, never what it holds.
     const int64_t deadline = work->claimed_ns[b].load() + block_ns + block_ns / 4;
-    while (!helper_late.load() && work->state[b].load() == HELPING && now_ns() < deadline)
+    while (!spare_busy.load() && work->state[b].load() == HELPING && now_ns() < deadline)
       std::this_thread::yield();
     int expected = HELPING;
     if (work->state[b].compare_exchange_strong(expected, TAKEN_BACK)) {
       compute(b);  // the helper is still on it: do not wait
       taken_back.fetch_add(1);
-      helper_late.store(true);
     } else if (expected == HELPED) {
       place(b, work->helped[b]);
-      helper_late.store(false);
     }
   }
   return y;
