@@ -24,11 +24,13 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#include <time.h>
+#if defined(__linux__)
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -91,6 +93,20 @@ int64_t thread_cpu_ns() {
   return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 
+// Pins the calling thread to `cores` and sets its nice value (Linux; elsewhere it stays as it is).
+void place_this_thread(const std::vector<int64_t>& cores, int64_t nice) {
+#if defined(__linux__)
+  const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
+  if (!cores.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int64_t c : cores) CPU_SET(static_cast<int>(c), &set);
+    sched_setaffinity(tid, sizeof set, &set);
+  }
+  setpriority(PRIO_PROCESS, tid, static_cast<int>(nice));
+#endif
+}
+
 class Helper {
  public:
   static Helper& get() {
@@ -123,14 +139,7 @@ class Helper {
 
  private:
   void run(std::vector<int64_t> cores, int64_t nice) {
-    const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
-    if (!cores.empty()) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      for (int64_t c : cores) CPU_SET(static_cast<int>(c), &set);
-      sched_setaffinity(tid, sizeof set, &set);
-    }
-    setpriority(PRIO_PROCESS, tid, static_cast<int>(nice));
+    place_this_thread(cores, nice);
     omp_set_num_threads(1);  // this thread's own parallel regions: one thread, no barrier
     c10::InferenceMode guard;
     {
