@@ -91,7 +91,7 @@ def linear(
     y = _small_linear(x, small, bias)
     if y is not None:
         return y
-    return spare_core.linear(x, w, bias) if spare_core.takes(x) else F.linear(x, w, bias)
+    return spare_core.linear(x, w, bias) if spare_core.takes(x, w) else F.linear(x, w, bias)
 
 
 def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None):
@@ -100,7 +100,7 @@ def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallW
     y = _small_linear(x, small, None)
     if y is not None:
         h.add_(y)
-    elif spare_core.takes(x) and h.is_contiguous():
+    elif spare_core.takes(x, w) and h.is_contiguous() and h.dtype == x.dtype:
         spare_core.add_linear_(h, x, w)
     else:
         h.addmm_(x, w.t())

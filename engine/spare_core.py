@@ -50,7 +50,7 @@ def start(cores, threads: int, dtype: torch.dtype) -> str:
     if why:
         return f"no prefill helper ({why})"
     if not torch.ops.pdserve.spare_core_start(list(cores), NICE):
-        return "no prefill helper (its thread did not start within 10 s)"
+        return f"no prefill helper (its thread could not be pinned to {cores} at nice {NICE})"
     _cores = cores
     word = "core" if len(cores) == 1 else "cores"
     return f"prefill matmuls shared with a helper on spare {word} {','.join(map(str, cores))}"
@@ -64,13 +64,14 @@ def blocks(rows: int) -> int:
     return max(2, min(MAX_BLOCKS, rows // BLOCK_ROWS))
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether a product of `x`'s rows goes through the helper."""
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the product x @ w.T goes through the helper."""
     return (
         bool(_cores)
+        and x.dim() == 2
         and x.shape[0] >= MIN_ROWS
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
+        and x.dtype == w.dtype == torch.float32
+        and x.device.type == w.device.type == "cpu"
         and x.is_contiguous()
     )
 

@@ -212,9 +212,12 @@ def _threads(pid: int):
     """(nice, cores) of each thread of process `pid`."""
     out = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out.append((int(fields[16]), os.sched_getaffinity(int(tid))))
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out.append((int(fields[16]), os.sched_getaffinity(int(tid))))
+        except OSError:  # the thread ended meanwhile
+            continue
     return out
 
 

@@ -30,11 +30,14 @@ def spare():
     """The helper, on this host's last core (the same core on a 1-core host: still a second
     thread). Off again after the module, so later modules in this worker take the plain path."""
     assert cpu_kernels.load(), cpu_kernels.why_not()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a one-thread rank: the helper's own parallel regions too
     cores = (sorted(os.sched_getaffinity(0))[-1],)
     said = sc.start(cores, 1, torch.float32)
     assert said.startswith("prefill matmuls shared with a helper on spare core"), said
     yield cores
     sc._cores = ()
+    torch.set_num_threads(threads)
 
 
 def blockwise(x, w, bias=None):
@@ -50,13 +53,14 @@ def claimed(counts) -> int:
     return counts["helper"] + counts["taken_back"]
 
 
-@pytest.mark.parametrize("rows", [512, 700, 1031])
-def test_the_same_bits_whoever_computes_which_block(spare, rows):
+@pytest.mark.parametrize("rows, cols", [(512, 160), (700, 100), (1031, 160)])
+def test_the_same_bits_whoever_computes_which_block(spare, rows, cols):
     """Repeated products are bit-identical to the block-by-block reference while the helper takes
     different blocks from call to call; until it has taken at least one (bounded by 20 s)."""
     g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=g), torch.randn(160, 96, generator=g)
-    bias, h0 = torch.randn(160, generator=g), torch.randn(rows, 160, generator=g)
+    # cols 100: the rank's thread writes rows of y that start off a 64-byte line, the helper not
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(cols, 96, generator=g)
+    bias, h0 = torch.randn(cols, generator=g), torch.randn(rows, cols, generator=g)
     want, want_bias = blockwise(x, w), blockwise(x, w, bias)
     before, deadline, calls = claimed(sc.counts()), time.monotonic() + 20, 0
     while calls < 20 or (claimed(sc.counts()) == before and time.monotonic() < deadline):

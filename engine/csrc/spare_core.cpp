@@ -32,9 +32,12 @@
 #include <unistd.h>
 #endif
 
+#include <ATen/Parallel.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -93,17 +96,18 @@ int64_t thread_cpu_ns() {
   return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 
-// Pins the calling thread to `cores` and sets its nice value (Linux; elsewhere it stays as it is).
-void place_this_thread(const std::vector<int64_t>& cores, int64_t nice) {
+// Pins the calling thread to `cores` and sets its nice value; false where either fails (or off
+// Linux, where it stays as it is).
+bool place_this_thread(const std::vector<int64_t>& cores, int64_t nice) {
 #if defined(__linux__)
   const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
-  if (!cores.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int64_t c : cores) CPU_SET(static_cast<int>(c), &set);
-    sched_setaffinity(tid, sizeof set, &set);
-  }
-  setpriority(PRIO_PROCESS, tid, static_cast<int>(nice));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int64_t c : cores) CPU_SET(static_cast<int>(c), &set);
+  return !cores.empty() && sched_setaffinity(tid, sizeof set, &set) == 0 &&
+         setpriority(PRIO_PROCESS, tid, static_cast<int>(nice)) == 0;
+#else
+  return false;
 #endif
 }
 
@@ -114,37 +118,53 @@ class Helper {
     return *h;
   }
 
-  // Starts the thread once; returns once it runs where and how it was asked (or after 10 s).
+  // Starts the thread once; true once it runs where and how it was asked (waits up to 10 s).
   bool start(const std::vector<int64_t>& cores, int64_t nice) {
     std::unique_lock<std::mutex> lk(mu_);
     if (!started_) {
       started_ = true;
       std::thread([this, cores, nice] { run(cores, nice); }).detach();
+      std::atexit([] { get().quiesce(); });  // before libtorch's statics are destroyed
     }
-    return cv_.wait_for(lk, std::chrono::seconds(10), [this] { return placed_; });
+    cv_.wait_for(lk, std::chrono::seconds(10), [this] { return placed_; });
+    return placed_ && placed_ok_;
   }
 
+  // try_lock: the helper, at nice 19, may be descheduled while it holds the lock, and the rank
+  // must not wait for it; a product not offered is computed by the rank alone.
   void offer(std::shared_ptr<Work> w) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      work_ = std::move(w);
-    }
+    if (!mu_.try_lock()) return;
+    work_ = std::move(w);
+    mu_.unlock();
     cv_.notify_one();
   }
 
-  void withdraw() {
-    std::lock_guard<std::mutex> g(mu_);
+  void withdraw() {  // only spares the helper a product with nothing left to take
+    if (!mu_.try_lock()) return;
     work_.reset();
+    mu_.unlock();
+  }
+
+  // At exit: the helper takes no more blocks, and the one it may be computing is waited for (at
+  // most 2 s), so no op of it runs while the process tears libtorch down.
+  void quiesce() {
+    stopping_.store(true);
+    const int64_t deadline = now_ns() + 2000000000;
+    while (computing_.load() && now_ns() < deadline) std::this_thread::yield();
   }
 
  private:
   void run(std::vector<int64_t> cores, int64_t nice) {
-    place_this_thread(cores, nice);
-    omp_set_num_threads(1);  // this thread's own parallel regions: one thread, no barrier
+    const bool ok = place_this_thread(cores, nice);
+    // this thread's own parallel regions: one thread, no barrier. ATen sets a thread's count on
+    // its first parallel op, from the process's; do that first, then override it.
+    at::init_num_threads();
+    omp_set_num_threads(1);
     c10::InferenceMode guard;
     {
       std::lock_guard<std::mutex> g(mu_);
       placed_ = true;
+      placed_ok_ = ok;
     }
     cv_.notify_all();
     for (;;) {
@@ -155,16 +175,23 @@ class Helper {
         while (!work_) cv_.wait_for(lk, std::chrono::seconds(1));
         w = std::move(work_);
       }
-      for (int64_t b = w->blocks() - 1; b >= 0; --b) {
+      for (int64_t b = w->blocks() - 1; b >= 0 && !stopping_.load(); --b) {
         int expected = FREE;
         const int64_t t0 = now_ns(), cpu0 = thread_cpu_ns();
         w->claimed_ns[b].store(t0);
-        if (!w->state[b].compare_exchange_strong(expected, HELPING)) continue;
-        at::Tensor y = w->block(b);
-        spare_busy.store(thread_cpu_ns() - cpu0 < (now_ns() - t0) * 4 / 5);
-        w->helped[b] = y;
-        expected = HELPING;
-        if (w->state[b].compare_exchange_strong(expected, HELPED)) by_helper.fetch_add(1);
+        computing_.store(true);
+        if (!stopping_.load() && w->state[b].compare_exchange_strong(expected, HELPING)) {
+          try {
+            at::Tensor y = w->block(b);
+            spare_busy.store(thread_cpu_ns() - cpu0 < (now_ns() - t0) * 4 / 5);
+            w->helped[b] = y;
+            expected = HELPING;
+            if (w->state[b].compare_exchange_strong(expected, HELPED)) by_helper.fetch_add(1);
+          } catch (...) {
+            // left HELPING: the rank takes the block back and meets the error itself
+          }
+        }
+        computing_.store(false);
       }
     }
   }
@@ -172,7 +199,8 @@ class Helper {
   std::mutex mu_;
   std::condition_variable cv_;
   std::shared_ptr<Work> work_;
-  bool started_ = false, placed_ = false;
+  bool started_ = false, placed_ = false, placed_ok_ = false;
+  std::atomic<bool> stopping_{false}, computing_{false};
 };
 
 bool spare_core_start(std::vector<int64_t> cores, int64_t nice) {
@@ -193,6 +221,11 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
               "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
   const int64_t M = x.size(0), N = w.size(0);
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.device() == x.device(),
+              "spare_core_linear: w must have x's dtype and device");
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == N &&
+                                  bias.scalar_type() == x.scalar_type()),
+              "spare_core_linear: bias must be [N] of x's dtype");
   TORCH_CHECK(!out || (out->sizes() == at::IntArrayRef({M, N}) && out->is_contiguous() &&
                           out->scalar_type() == x.scalar_type()),
               "spare_core_add_linear_: h must be a contiguous [M, N] tensor of x's dtype");
