@@ -53,7 +53,7 @@ def node_placement(args, n_local: int) -> Placement:
         raise SystemExit(str(e)) from None
 
 
-def engine_dict(args, threads: int) -> dict[str, Any]:
+def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
     return dict(
         dtype=args.dtype,
         page_size=args.page_size,
@@ -65,6 +65,7 @@ def engine_dict(args, threads: int) -> dict[str, Any]:
         enable_prefix_cache=not args.no_prefix_cache,
         small_batch_weights=not args.no_small_batch_weights,
         threads=threads,
+        spare_cores=spare_cores(io_cores, threads),
     )
 
 
@@ -160,8 +161,7 @@ def make_specs(
     return [
         spec_cls(
             model=args.model,
-            engine=engine_dict(args, args.threads or len(cores))
-            | {"spare_cores": spare_cores(plan.io_cores, args.threads or len(cores))},
+            engine=engine_dict(args, args.threads or len(cores), plan.io_cores),
             pp_size=args.pp,
             pp_rank=r,
             cpus=list(cores),
