@@ -32,6 +32,7 @@ class EngineConfig:
     max_total_tokens: int = 32768  # KV pool capacity in tokens, the same on every rank
     chunk_size: int = 512
     max_batch_tokens: int = 2048
+    mixed_prefill_tokens: int = 0  # prompt tokens in a forward while requests decode; 0: no cap
     max_running: int = 64
     max_context: int = 2048
     enable_prefix_cache: bool = True
@@ -97,6 +98,7 @@ class EngineConfig:
             page_size=self.page_size,
             chunk_size=self.chunk_size,
             max_batch_tokens=self.max_batch_tokens,
+            mixed_prefill_tokens=self.mixed_prefill_tokens,
             max_running=self.max_running,
             max_context=self.max_context,
             num_slots=num_slots,

@@ -34,6 +34,9 @@ class SchedulerConfig:
     page_size: int = 16
     chunk_size: int = 512  # max prompt tokens of one request in one batch
     max_batch_tokens: int = 2048  # max new tokens in one forward (decodes + prefill chunks)
+    # max prompt tokens in a forward while any request decodes (0: max_batch_tokens): a running
+    # stream's next token then waits for at most this much prefill
+    mixed_prefill_tokens: int = 0
     max_running: int = 64  # admitted requests across all slots
     max_context: int = 2048  # prompt + output tokens of one request
     enable_prefix_cache: bool = True
@@ -50,6 +53,8 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.chunk_size > self.max_batch_tokens:
             raise ValueError(
                 f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens "
@@ -179,6 +184,8 @@ class Scheduler:
             self._grow(r, r.kv_len + 1)
             self._place(batch, r, 1)
         budget -= len(batch.entries)
+        if self.cfg.mixed_prefill_tokens and self._any_decoding():
+            budget = min(budget, self.cfg.mixed_prefill_tokens)
         # 2. Prefill chunks of requests already admitted to this slot (their pages are allocated).
         for r in members:
             if budget <= 0:
@@ -200,6 +207,11 @@ class Scheduler:
             self._place(batch, req, n)
             budget -= n
         return batch
+
+    def _any_decoding(self) -> bool:
+        """Whether a request of any slot is past its prompt and not re-prefilling: its next token
+        waits for every forward, including the other slots' (a pipeline runs them in turn)."""
+        return any(r.output_ids and r.seq_len - r.kv_len <= 1 for s in self.slots for r in s)
 
     def _admit(self, req: Req, reserve: int) -> bool:
         """Locks the cached prefix and allocates pages for every token the request has."""

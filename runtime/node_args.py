@@ -42,6 +42,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         help="new tokens in one forward, decodes and prefill chunks together (default "
         "%(default)s; prefill and decode nodes: pd_common/node_defaults.py)",
     )
+    ap.add_argument(
+        "--mixed-prefill-tokens",
+        type=int,
+        default=d.mixed_prefill_tokens,
+        help="prompt tokens in one forward while requests are decoding, so a stream's next "
+        "token waits for at most this much prefill (0: --max-batch-tokens; decode nodes: "
+        "pd_common/node_defaults.py)",
+    )
     ap.add_argument("--max-running", type=int, default=d.max_running)
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--no-prefix-cache", action="store_true")

@@ -221,13 +221,22 @@ def join_pp_group(spec: RankSpec) -> PPComm:
 
 def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
     """Capacities every decision reads are agreed once: the minimum over ranks."""
-    lo, _ = comm.all_min_max([cfg.num_pages, cfg.max_running, cfg.chunk_size, cfg.max_batch_tokens])
+    lo, _ = comm.all_min_max(
+        [
+            cfg.num_pages,
+            cfg.max_running,
+            cfg.chunk_size,
+            cfg.max_batch_tokens,
+            cfg.mixed_prefill_tokens,
+        ]
+    )
     return replace(
         cfg,
         max_total_tokens=lo[0] * cfg.page_size,
         max_running=lo[1],
         chunk_size=lo[2],
         max_batch_tokens=lo[3],
+        mixed_prefill_tokens=lo[4],
     )
 
 

@@ -60,6 +60,7 @@ def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
         max_total_tokens=args.max_total_tokens,
         chunk_size=args.chunk_size,
         max_batch_tokens=args.max_batch_tokens,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
         max_running=args.max_running,
         max_context=args.max_context,
         enable_prefix_cache=not args.no_prefix_cache,

@@ -58,6 +58,7 @@ def make(num_pages=256, page=4, slots=1, cache=True, **kw) -> Scheduler:
         chunk_size=kw.pop("chunk", 8),
         max_batch_tokens=kw.pop("mbt", 32),
         max_running=kw.pop("max_running", 16),
+        mixed_prefill_tokens=kw.pop("mixed", 0),
         max_context=512,
         num_slots=slots,
         enable_prefix_cache=cache,
@@ -200,3 +201,35 @@ def test_unfit_requests_are_rejected_with_the_field_named():
     with pytest.raises(ParamError) as e:
         SamplingParams.from_dict({"top_q": 0.5})
     assert e.value.field == "top_q"
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_prefill_per_forward_is_capped_while_any_request_decodes(slots):
+    """A stream's next token waits for at most `mixed_prefill_tokens` of prefill, whichever slot
+    the prefill runs in; with no request decoding a prompt takes its full chunk; outputs are
+    unchanged."""
+    s = make(slots=slots, chunk=32, mbt=64, mixed=8)
+    s.add(Req("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+    b = s.schedule(0)
+    s.harvest(b, SampleOut([oracle([1, 2, 3])]))
+    long_prompt = [(7 * i) % VOCAB for i in range(60)]
+    s.add(Req("b", long_prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    prefill_sizes = []
+    while "b" in s.reqs and not s.reqs["b"].output_ids:
+        for slot in range(slots):
+            b = s.schedule(slot)
+            toks = []
+            for e in b.entries:
+                if e.req.rid == "b":
+                    prefill_sizes.append(e.num_new)
+                if e.need_logits:
+                    toks.append(oracle(e.req.all_ids[: e.start + e.num_new]))
+            s.harvest(b, SampleOut(toks) if toks else None)
+    assert prefill_sizes == [8] * 7 + [4], prefill_sizes
+    done = run_to_end(s)
+    assert done["b"].output_ids == expected(long_prompt, 3)
+    assert done["a"].output_ids == expected([1, 2, 3], 30)
+    # nothing decoding: a new prompt takes a whole chunk
+    s.add(Req("c", [5] + long_prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    first = s.schedule(0).entries
+    assert [e.num_new for e in first] == [32]
