@@ -29,9 +29,9 @@ from engine import packed_linear, spare_core
 from engine.packed_linear import PackedWeight
 
 SMALL_MIN, SMALL_MAX = 4, 128
-# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.30x / 0.44x /
-# 0.64x / 0.93x the time at 1 / 8 / 16 / 32 rows, 1.12x / 1.24x at 48 / 64 (past 32 rows the
-# kernel's arithmetic, not the bytes it reads, sets its pace, and oneDNN's is faster;
+# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.24x / 0.33x /
+# 0.53x / 0.77x the time at 1 / 8 / 16 / 32 rows, 0.91x / 1.11x at 48 / 64 (past 32 rows the
+# kernel's arithmetic, not the bytes it reads, sets its pace, and the margin is small;
 # bench/results/packed_matmuls.md)
 PACKED_MAX = 32
 

@@ -71,41 +71,61 @@ inline void widen_nibbles(const uint8_t* c, v16& lo, v16& hi) {
 #endif
 }
 
-// y[r0 + r, n0 .. n0 + 16) for r < R, from one panel's codes, scales `s` and offsets `o`, and
-// the tile's rows of x stored column by column (`xt` [K, R]: one base pointer and constant
-// offsets, so every x value is an FMA's broadcast operand; 16 row pointers would not fit in the
-// general registers). code * scale is exact in fp32 (an 11-bit fp16 scale times an integer of at
-// most 8 bits), so with the offset added each weight rounds once: the value the packer checked.
-template <int BITS, int R>
-void tile(const float* xt, int64_t K, const uint8_t* codes, const float* s, const float* o,
-          float* y, int64_t N, int64_t r0, int64_t n0) {
-  v16 acc[R] = {};
+// y[r0 + r, n0 .. n0 + 16 P) for r < R, from P adjacent panels (P = 1 or 2; `panel_bytes` codes
+// and `panel_scales` scales apart) and the tile's rows of x stored column by column (`xt` [K, R]:
+// one base pointer and constant offsets). With P = 2 each x value is broadcast once into a
+// register for two FMAs: an FMA that broadcasts its own operand from memory ran at half this
+// CPU's FMA rate (Ice Lake; bench/results/packed_matmuls.md). code * scale is exact in fp32 (an
+// 11-bit fp16 scale times an integer of at most 8 bits), so with the offset added each weight
+// rounds once: the value the packer checked. Every output sums over k in order, whatever R and P.
+template <int BITS, int R, int P>
+__attribute__((noinline)) void tile(const float* xt, int64_t K, const uint8_t* codes,
+                                    int64_t panel_bytes, const float* s, const float* o,
+                                    int64_t panel_scales, float* y, int64_t N, int64_t r0,
+                                    int64_t n0) {
+  static_assert(P == 1 || P == 2, "one or two panels");
+  v16 a0[R] = {}, a1[R] = {};  // a1: the second panel's, unused when P == 1
   for (int64_t b = 0; b < K / BLOCK; ++b) {
-    const v16 d = load16(s + b * PANEL);
+    const v16 d0 = load16(s + b * PANEL), d1 = load16(s + (P - 1) * panel_scales + b * PANEL);
     const float* xb = xt + b * BLOCK * R;
     if constexpr (BITS == 4) {
-      const v16 m = load16(o + b * PANEL);
+      const v16 m0 = load16(o + b * PANEL), m1 = load16(o + (P - 1) * panel_scales + b * PANEL);
       const uint8_t* c = codes + b * (BLOCK / 2) * PANEL;
       for (int64_t k = 0; k < BLOCK; k += 2) {
-        v16 lo, hi;
-        widen_nibbles(c + (k / 2) * PANEL, lo, hi);
-        const v16 w0 = lo * d + m, w1 = hi * d + m;  // columns k and k + 1
+        v16 lo0, hi0, lo1, hi1;
+        widen_nibbles(c + (k / 2) * PANEL, lo0, hi0);
+        if constexpr (P == 2) widen_nibbles(c + panel_bytes + (k / 2) * PANEL, lo1, hi1);
+        const v16 w00 = lo0 * d0 + m0, w01 = hi0 * d0 + m0;  // columns k and k + 1
+        v16 w10 = w00, w11 = w01;
+        if constexpr (P == 2) w10 = lo1 * d1 + m1, w11 = hi1 * d1 + m1;
 #pragma GCC unroll 16  // the accumulators must live in registers, not on the stack
         for (int r = 0; r < R; ++r) {
-          acc[r] += w0 * xb[k * R + r];
-          acc[r] += w1 * xb[(k + 1) * R + r];
+          const float x0 = xb[k * R + r], x1 = xb[(k + 1) * R + r];
+          a0[r] += w00 * x0;
+          if constexpr (P == 2) a1[r] += w10 * x0;
+          a0[r] += w01 * x1;
+          if constexpr (P == 2) a1[r] += w11 * x1;
         }
       }
     } else {
       const uint8_t* c = codes + b * BLOCK * PANEL;
       for (int64_t k = 0; k < BLOCK; ++k) {
-        const v16 w = widen_signed(c + k * PANEL) * d;
+        const v16 w0 = widen_signed(c + k * PANEL) * d0;
+        v16 w1 = w0;
+        if constexpr (P == 2) w1 = widen_signed(c + panel_bytes + k * PANEL) * d1;
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r] += w * xb[k * R + r];
+        for (int r = 0; r < R; ++r) {
+          const float x = xb[k * R + r];
+          a0[r] += w0 * x;
+          if constexpr (P == 2) a1[r] += w1 * x;
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(y + (r0 + r) * N + n0, &acc[r], sizeof(v16));
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(y + (r0 + r) * N + n0, &a0[r], sizeof(v16));
+    if constexpr (P == 2) std::memcpy(y + (r0 + r) * N + n0 + PANEL, &a1[r], sizeof(v16));
+  }
 }
 
 // The rows of x in tiles of 16, then at most one each of 8, 4, 2 and 1 rows: (first row, rows).
@@ -118,6 +138,19 @@ std::vector<std::pair<int64_t, int>> row_tiles(int64_t M) {
   return out;
 }
 
+template <int BITS, int P>
+void tile_rows(int R, const float* xt, int64_t K, const uint8_t* c, int64_t panel_bytes,
+               const float* s, const float* o, int64_t panel_scales, float* y, int64_t N,
+               int64_t r0, int64_t n0) {
+  switch (R) {
+    case 16: return tile<BITS, 16, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 8: return tile<BITS, 8, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 4: return tile<BITS, 4, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 2: return tile<BITS, 2, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    default: return tile<BITS, 1, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+  }
+}
+
 template <int BITS>
 void run(const float* x, const uint8_t* codes, const float* scale, const float* offset, int64_t M,
          int64_t N, int64_t K, float* y) {
@@ -127,20 +160,20 @@ void run(const float* x, const uint8_t* codes, const float* scale, const float* 
     for (int r = 0; r < R; ++r)
       for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * R + r] = x[(r0 + r) * K + k];
   const int64_t panel_bytes = (BITS == 4 ? K / 2 : K) * PANEL, panel_scales = K / BLOCK * PANEL;
-  at::parallel_for(0, N / PANEL, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // pairs of panels, and the last one alone when their number is odd
+  at::parallel_for(0, (N / PANEL + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const bool pair = p + 1 < N / PANEL;
       const uint8_t* c = codes + p * panel_bytes;
       const float* s = scale + p * panel_scales;
       const float* o = BITS == 4 ? offset + p * panel_scales : nullptr;
       for (const auto& [r0, R] : tiles) {
         const float* t = xt.data() + r0 * K;
-        switch (R) {
-          case 16: tile<BITS, 16>(t, K, c, s, o, y, N, r0, p * PANEL); break;
-          case 8: tile<BITS, 8>(t, K, c, s, o, y, N, r0, p * PANEL); break;
-          case 4: tile<BITS, 4>(t, K, c, s, o, y, N, r0, p * PANEL); break;
-          case 2: tile<BITS, 2>(t, K, c, s, o, y, N, r0, p * PANEL); break;
-          default: tile<BITS, 1>(t, K, c, s, o, y, N, r0, p * PANEL); break;
-        }
+        if (pair)
+          tile_rows<BITS, 2>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
+        else
+          tile_rows<BITS, 1>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
       }
     }
   });
