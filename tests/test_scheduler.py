@@ -203,11 +203,10 @@ def test_unfit_requests_are_rejected_with_the_field_named():
     assert e.value.field == "top_q"
 
 
-@pytest.mark.parametrize("slots", [1, 2])
-def test_prefill_per_forward_is_capped_while_any_request_decodes(slots):
-    """A stream's next token waits for at most `mixed_prefill_tokens` of prefill, whichever slot
-    the prefill runs in; with no request decoding a prompt takes its full chunk; outputs are
-    unchanged."""
+def test_prefill_per_forward_is_capped_while_any_request_decodes():
+    """A stream's next token waits for at most `mixed_prefill_tokens` of prefill; with no request
+    decoding a prompt takes its full chunk; outputs are unchanged."""
+    slots = 1
     s = make(slots=slots, chunk=32, mbt=64, mixed=8)
     s.add(Req("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
     b = s.schedule(0)
@@ -233,3 +232,16 @@ def test_prefill_per_forward_is_capped_while_any_request_decodes(slots):
     s.add(Req("c", [5] + long_prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
     first = s.schedule(0).entries
     assert [e.num_new for e in first] == [32]
+
+
+def test_the_prefill_cap_counts_the_decodes_of_other_slots():
+    """In a pipeline the slots' forwards run in turn, so a prefill in slot 1 delays slot 0's
+    decode too: it is capped while slot 0's request decodes, even with that decode in flight."""
+    s = make(slots=2, chunk=32, mbt=64, mixed=8)
+    s.add(Req("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+    s.harvest(s.schedule(0), SampleOut([oracle([1, 2, 3])]))  # "a" decodes, in slot 0
+    in_flight = s.schedule(0)
+    assert [(e.req.rid, e.num_new) for e in in_flight.entries] == [("a", 1)]
+    s.add(Req("b", list(range(40)), SamplingParams(max_tokens=1, ignore_eos=True)))
+    other = s.schedule(1)
+    assert [(e.req.rid, e.num_new) for e in other.entries] == [("b", 8)]
