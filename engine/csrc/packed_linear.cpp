@@ -78,6 +78,7 @@ inline void widen_nibbles(const uint8_t* c, v16& lo, v16& hi) {
 // CPU's FMA rate (Ice Lake; bench/results/packed_matmuls.md). code * scale is exact in fp32 (an
 // 11-bit fp16 scale times an integer of at most 8 bits), so with the offset added each weight
 // rounds once: the value the packer checked. Every output sums over k in order, whatever R and P.
+// noinline: inlined into its caller, GCC kept fewer accumulators in registers (slower, measured).
 template <int BITS, int R, int P>
 __attribute__((noinline)) void tile(const float* xt, int64_t K, const uint8_t* codes,
                                     int64_t panel_bytes, const float* s, const float* o,
