@@ -1,7 +1,7 @@
 """pdserve's C++ CPU kernels (`engine/csrc/*.cpp`), built for this machine with
 `torch.utils.cpp_extension` into one library, and loaded by the ranks that use them:
-decode attention over the paged pool (engine/paged_attention.py) and matmuls against packed
-quantized weights (engine/packed_linear.py).
+decode attention over the paged pool (engine/paged_attention.py), matmuls against packed
+quantized weights (engine/packed_linear.py) and the small per-layer ops (engine/layer_ops.py).
 
 Built by `scripts/setup.sh` (`python -m engine.cpu_kernels build`), once per source, torch version
 and CPU (it is compiled with -march=native), under `PDSERVE_EXT_DIR` (default
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))  # part of the build's key, not compiled on their own
 NAME = "pdserve_cpu_kernels"
 # -fopenmp: at::parallel_for splits a kernel's tasks over the rank's threads through the OpenMP
 # runtime torch already loaded (libgomp.so.1); without it, the loop runs on one thread
@@ -58,7 +59,7 @@ def build_dir() -> Path:
     """Where this build of the sources, torch and CPU lives: a new key for any of them, so a
     library built for another CPU (-march=native) or another torch is never loaded."""
     parts = (
-        *(s.read_text() for s in SOURCES),
+        *(s.read_text() for s in SOURCES + HEADERS),
         " ".join(CFLAGS + LDFLAGS),
         torch.__version__,
         platform.machine(),

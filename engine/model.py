@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine import packed_linear, paged_attention
+from engine import layer_ops, packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.linear import PACKED_MAX, SmallWeights, add_linear_, linear, small_batch_weights
@@ -94,21 +94,21 @@ class DecoderLayer(torch.nn.Module):
     ) -> None:
         """Updates the residual stream `h` [T, hidden] in place."""
         cfg = self.cfg
-        x = F.rms_norm(h, (cfg.hidden_size,), self.input_norm_weight, cfg.rms_norm_eps)
+        x = layer_ops.rms_norm(h, self.input_norm_weight, cfg.rms_norm_eps)
         small = self.small
         qkv = linear(x, self.qkv_weight, small.get("qkv"), self.qkv_bias)
         attn = self._attention(qkv, layer, fb, pool, rope, masks, ws)
         add_linear_(h, attn, self.o_weight, small.get("o"))
-        x = F.rms_norm(h, (cfg.hidden_size,), self.post_norm_weight, cfg.rms_norm_eps)
+        x = layer_ops.rms_norm(h, self.post_norm_weight, cfg.rms_norm_eps)
         gate_up = linear(x, self.gate_up_weight, small.get("gate_up"))
-        inter = cfg.intermediate_size
-        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        act = layer_ops.silu_mul(gate_up)
         add_linear_(h, act, self.down_weight, small.get("down"))
 
-    def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
+    def _rope_store_kv(self, qkv, rope, kv, fb: ForwardBatch) -> torch.Tensor:
+        """layer_ops.rope_store_kv_ in torch ops (other devices and dtypes; q/k norms first), into
+        a new tensor: returns the rotated q [T, heads, head_dim]."""
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        group = nh // nkv
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d)
         if cfg.qk_norm:
             eps = cfg.rms_norm_eps
@@ -120,11 +120,22 @@ class DecoderLayer(torch.nn.Module):
                 dim=1,
             )
         qk = apply_rope(qk, *rope)
-        q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, nkv, d)
-        kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
-        kv[fb.out_pages, 0, fb.out_offs] = k.to(kv.dtype)
+        kv[fb.out_pages, 0, fb.out_offs] = qk[:, nh:].to(kv.dtype)
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
+        return qk[:, :nh]
+
+    def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
+        cfg = self.cfg
+        t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = nh // nkv
+        kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
+        if not cfg.qk_norm and layer_ops.rope_store_kv_(
+            qkv, rope, kv, fb.out_pages, fb.out_offs, nh, nkv
+        ):
+            q = qkv[:, : cfg.q_size].view(t, nh, d)
+        else:
+            q = self._rope_store_kv(qkv, rope, kv, fb)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
         for g, mask in zip(fb.groups, masks, strict=True):
             if mask is IN_PLACE:
@@ -326,5 +337,5 @@ class ModelSlice(torch.nn.Module):
         if not self.is_last:
             return h
         h = h.index_select(0, fb.logit_rows)
-        h = F.rms_norm(h, (self.cfg.hidden_size,), self.norm_weight, self.cfg.rms_norm_eps)
+        h = layer_ops.rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
         return linear(h, self.lm_head_weight, self._small_head).float()

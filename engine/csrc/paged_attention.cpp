@@ -32,28 +32,9 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "vec_math.h"
 
-// exp for the softmax weights. Written out (range reduction to [-ln2/2, ln2/2], degree-6
-// polynomial, scale by 2^n) so that the compiler vectorizes the loop that calls it; glibc's expf
-// is a call per element. Relative error under 2e-7 (about 1.5 ulp) for x in [-87, 0], where every
-// softmax argument lies (x = score - running max <= 0).
-inline float exp_nonpos(float x) {
-  x = x > -87.0f ? x : -87.0f;  // also NaN (from inf inputs) -> -87: no NaN-to-int cast below
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
-  float p = 1.0f / 720.0f;
-  p = std::fma(p, r, 1.0f / 120.0f);
-  p = std::fma(p, r, 1.0f / 24.0f);
-  p = std::fma(p, r, 1.0f / 6.0f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  const int e = static_cast<int>(n) + 127;
-  union { int i; float f; } s;
-  s.i = e << 23;
-  return p * s.f;
-}
+namespace {
 
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
@@ -220,11 +201,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           float mx = m[g];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
           // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
-          corr[g] = p == 0 ? 0.0f : exp_nonpos(m[g] - mx);
+          corr[g] = p == 0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx);
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
-            sg[t] = exp_nonpos(sg[t] - mx);
+            sg[t] = pdserve_vec::exp_f32(sg[t] - mx);
             sum += sg[t];
           }
           l[g] = l[g] * corr[g] + sum;
