@@ -39,7 +39,7 @@ LDFLAGS = ["-fopenmp"]
 # Its own root, not PDSERVE_CACHE_DIR's: the tests give every session a fresh model cache, and
 # should load the build setup made, not compile the kernel again per session.
 ENV_DIR = "PDSERVE_EXT_DIR"
-BUILD_TIMEOUT_S = 180.0  # about 20 s on a 2-core machine
+BUILD_TIMEOUT_S = 180.0  # about 40 s on a 2-core machine
 
 _loaded: bool | None = None
 _why_not = ""

@@ -52,7 +52,7 @@ def test_rms_norm_is_the_hf_module(rows, width):
     assert torch.equal(layer_ops.rms_norm(xb, wb, 1e-5), hf_rms_norm(xb, wb, 1e-5))
 
 
-def test_silu_mul_is_within_four_ulp_of_exact():
+def test_silu_mul_is_within_4e_7_of_exact():
     """Where silu is a normal float (gate >= -80); below that, next to 0 (exp is clamped: no inf,
     no NaN)."""
     g = torch.cat([torch.linspace(-80, 100, 18001), torch.randn(20000) * 4, torch.tensor([0.0])])
