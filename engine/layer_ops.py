@@ -35,7 +35,7 @@ def _takes(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * w over the last dim of x."""
-    if _takes(x) and w.dtype == x.dtype and load():
+    if _takes(x) and w.dtype == x.dtype and w.dim() == 1 and w.is_contiguous() and load():
         return torch.ops.pdserve.rms_norm(x, w, eps)
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
@@ -67,6 +67,8 @@ def rope_store_kv_(
         and kv.device.type == "cpu"
         and qkv.dtype == kv.dtype == cos.dtype == sin.dtype
         and kv.shape[-1] <= MAX_HEAD_DIM
+        and kv.shape[-1] % 2 == 0
+        and all(i.dtype == torch.long and i.is_contiguous() for i in (pages, offs))
         and load()
     )
     if ok:

@@ -39,8 +39,9 @@ def hf_rope(x, cos, sin):
 @pytest.mark.parametrize("width", [64, 100, 576])
 def test_rms_norm_is_the_hf_module(rows, width):
     """fp32: within a few ulp (only the order of the sum of squares differs); bf16: the same bits
-    (the normalized x is rounded to bf16 before the weight, as the HF module does). Rows that are a
-    strided view give what their contiguous copy gives."""
+    on these rows (the normalized x is rounded to bf16 before the weight, as the HF module does;
+    the fp32 sum order could, rarely, move one rounding). Rows that are a strided view give what
+    their contiguous copy gives."""
     g = torch.Generator().manual_seed(rows * width)
     x = torch.randn(rows, width + 8, generator=g) * 3
     w = torch.randn(width, generator=g)
@@ -100,6 +101,17 @@ def test_a_bad_slot_is_refused_and_nothing_is_written():
         (bad_pages if bad_pages is not pages else bad_offs)[-1] = 10_000
         with pytest.raises(RuntimeError, match="out of range"):
             layer_ops.rope_store_kv_(qkv, rope, pool[:, 0], bad_pages, bad_offs, 9, 3)
+    assert torch.equal(pool, before)
+
+
+def test_rows_that_overlap_or_a_negative_head_count_are_refused():
+    qkv, rope, pool, pages, offs = rope_case(torch.float32)
+    before = pool.clone()
+    with pytest.raises(RuntimeError, match="nh must be"):
+        layer_ops.rope_store_kv_(qkv, rope, pool[:, 0], pages, offs, -1, 3)
+    shared = qkv[:1].expand(qkv.shape[0], -1)  # every row the same memory
+    with pytest.raises(RuntimeError, match="rows"):
+        layer_ops.rope_store_kv_(shared, rope, pool[:, 0], pages, offs, 9, 3)
     assert torch.equal(pool, before)
 
 

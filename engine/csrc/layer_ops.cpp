@@ -78,7 +78,7 @@ constexpr int64_t MAX_HEAD_DIM = 512;
 // One head rotated in place: x * cos + rotate_half(x) * sin, each product rounded to the dtype
 // and then their sum, as the Hugging Face module computes it (fp-contract off: no FMA).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rope_head(T* x, const T* c, const T* s,
+__attribute__((noinline, optimize("fp-contract=off"))) void rope_head(T* x, const T* c, const T* s,
                                                               int64_t d) {
   float orig[MAX_HEAD_DIM];
   const int64_t h = d / 2;
@@ -164,8 +164,11 @@ void rope_store_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   const int64_t T = qkv.size(0), d = kv.size(4);
   TORCH_CHECK(d % 2 == 0 && d <= MAX_HEAD_DIM, "rope_store_kv_: head_dim must be even, <= ",
               MAX_HEAD_DIM);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (nh + 2 * nkv) * d,
-              "rope_store_kv_: qkv must be [T, (nh + 2 nkv) d] with unit stride");
+  TORCH_CHECK(nh >= 0 && nkv >= 1, "rope_store_kv_: nh must be >= 0 and nkv >= 1");
+  // rows apart (no two threads rotate the same memory), each at least (nh + 2 nkv) d wide
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (nh + 2 * nkv) * d &&
+                  (T <= 1 || qkv.stride(0) >= (nh + 2 * nkv) * d),
+              "rope_store_kv_: qkv must be [T, (nh + 2 nkv) d] rows with unit stride");
   for (const at::Tensor* c : {&cos, &sin})
     TORCH_CHECK(c->size(0) == T && c->size(-1) == d && c->stride(-1) == 1 && c->numel() == T * d,
                 "rope_store_kv_: cos and sin must be [T, .., d] with unit stride");
