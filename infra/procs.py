@@ -31,20 +31,43 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now, for a server to bind soon after. Taken below the kernel's ephemeral
     range: a port the OS hands out for bind(0) is also what it hands out as the local port of the
     next outgoing connection, which then holds it when the server binds (seen: EADDRINUSE on a
-    prefill node's bootstrap port while other processes connected). Random, then checked."""
+    prefill node's bootstrap port while other processes connected). Random, then checked. The
+    check binds without SO_REUSEADDR, so it skips a port another process holds with
+    reserve_port()."""
+    with _bound(host, reuse=False) as s:
+        return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A port as free_port picks it, kept bound (not listening) by the socket returned, with
+    SO_REUSEADDR: until the caller closes it, free_port in any process skips that port, while a
+    server that binds with SO_REUSEADDR (torch's TCPStore, uvicorn) can still take it. This closes
+    free_port's window between the check and the server's bind (seen: a PP rank's TCPStore lost its
+    port to another node starting at the same moment, and that node never became healthy)."""
+    return _bound(host, reuse=True)
+
+
+def _bound(host: str, reuse: bool) -> socket.socket:
     end = _ephemeral_start()
     rng = random.SystemRandom()
     for _ in range(100 if end - PORTS_FROM > 1000 else 0):
-        port = rng.randrange(PORTS_FROM, end)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no usable range below the ephemeral ports: the OS picks
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        s = _socket(reuse)
+        try:
+            s.bind((host, rng.randrange(PORTS_FROM, end)))
+        except OSError:
+            s.close()
+            continue
+        return s
+    s = _socket(reuse)  # no usable range below the ephemeral ports: the OS picks
+    s.bind((host, 0))
+    return s
+
+
+def _socket(reuse: bool) -> socket.socket:
+    s = socket.socket()
+    if reuse:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s
 
 
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"

@@ -149,8 +149,11 @@ def add_status(app: FastAPI, front: NodeFront, check_internal: Callable) -> None
     @app.get("/health")
     async def health():
         ok, why = front.healthy()
+        # dead: a rank exited and the node will not recover (a restart is needed); otherwise an
+        # unhealthy node is still starting or its ranks' stats are late
         return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "detail": why}, status_code=200 if ok else 503
+            {"status": "ok" if ok else "unhealthy", "detail": why, "dead": front.dead is not None},
+            status_code=200 if ok else 503,
         )
 
     @app.get("/server_info")

@@ -20,7 +20,7 @@ import uvicorn
 from infra.http_server import run_server, server_config
 from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
-from infra.procs import free_port, stop_processes
+from infra.procs import reserve_port, stop_processes
 from infra.tracing import make_exporter
 from infra.zygote_client import Zygote, ZygoteChild
 from runtime.placement import Placement, bind_cores, parse_cpus, parse_io_cpus, plan_placement
@@ -149,13 +149,13 @@ def make_specs(
     front_addrs: dict[str, str],
     spec_cls: type[RankSpec] = RankSpec,
     spec_fields: dict[str, Any] | None = None,
+    dist_port: int = 0,
 ) -> list[RankSpec]:
     """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
-    (PDRankSpec: where its transfer listens)."""
+    (PDRankSpec: where its transfer listens); `dist_port`: where pp_rank 0 hosts the PP group's
+    rendezvous on a single host (a port the caller holds with reserve_port)."""
     ranks = local_ranks(args)
-    dist = (
-        f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{free_port()}"
-    )
+    dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
     plan = node_placement(args, len(ranks))
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
     bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
@@ -196,12 +196,16 @@ def run_node(
 ) -> int:
     """Starts the ranks (each with its front's kind of spec, NodeFront.rank_spec), serves HTTP
     until stopped, then stops every rank."""
+    # held for the node's life, so no other process's free_port picks the rendezvous port before
+    # pp_rank 0 binds it (its TCPStore binds with SO_REUSEADDR, through the hold)
+    hold = reserve_port()
     specs = make_specs(
         args,
         role,
         {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
         front.rank_spec,
         spec_fields,
+        dist_port=hold.getsockname()[1],
     )
     server = uvicorn.Server(
         server_config(
@@ -243,6 +247,7 @@ def run_node(
         run_server(server)
     finally:
         ranks.stop()
+        hold.close()
     return 0
 
 

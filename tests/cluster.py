@@ -88,14 +88,28 @@ def wait_healthy(
                 + (log.read_text()[-4000:] if log else "")
             )
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
+            r = httpx.get(f"{url}/health", timeout=2)
         except httpx.HTTPError:
-            pass
+            r = None
+        if r is not None and r.status_code == 200:
+            return
+        if r is not None and r.status_code == 503 and _dead(r):  # it will never be healthy
+            raise RuntimeError(
+                f"{url} is dead before it was healthy: {r.text}\n"
+                + (log.read_text()[-4000:] if log else "")
+            )
         time.sleep(0.3)
     raise TimeoutError(
         f"{url} not healthy after {timeout:.0f} s:\n" + (log.read_text()[-4000:] if log else "")
     )
+
+
+def _dead(r: httpx.Response) -> bool:
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("dead") is True
 
 
 @contextlib.contextmanager

@@ -135,6 +135,7 @@ def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny6, tmp_path):
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--pp", "3", "--port", str(port), *NODE_ARGS]
     with start(cmd, port, tmp_path / "node.log") as (url, proc):
+        assert httpx.get(f"{url}/health").json()["dead"] is False
         pids = [s["pid"] for s in httpx.get(f"{url}/server_info").json()["ranks"]]
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
@@ -142,7 +143,9 @@ def test_sigkill_of_a_rank_is_noticed_and_nothing_is_left(tiny6, tmp_path):
             if httpx.get(f"{url}/health").status_code == 503:
                 break
             time.sleep(0.2)
-        assert httpx.get(f"{url}/health").status_code == 503
+        health = httpx.get(f"{url}/health")
+        # dead, not starting: what tests/cluster.py wait_healthy stops waiting at
+        assert health.status_code == 503 and health.json()["dead"] is True, health.text
         r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}, timeout=10)
         assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"]
         while time.monotonic() - t0 < 30 and any(_alive(p) for p in pids):
