@@ -34,7 +34,18 @@ namespace {
 constexpr int64_t GRAIN = 8;  // rows per task: a row is a few hundred ns of work
 
 inline float to_f(float v) { return v; }
-inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(at::BFloat16 v) { return pdserve_vec::bf16_bits_to_f32(v.x); }
+// fp32 -> T, rounded as static_cast<T> rounds, in a form the loops vectorize (vec_math.h)
+template <typename T>
+inline T from_f(float v);
+template <>
+inline float from_f<float>(float v) {
+  return v;
+}
+template <>
+inline at::BFloat16 from_f<at::BFloat16>(float v) {
+  return at::BFloat16(pdserve_vec::f32_to_bf16_bits(v), at::BFloat16::from_bits());
+}
 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_row, const T* w, int64_t rows, int64_t H, float eps,
@@ -50,7 +61,7 @@ void rms_norm_rows(const T* x, int64_t x_row, const T* w, int64_t rows, int64_t 
       // as the HF module: the normalized x in x's dtype, then times the weight
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i)
-        o[i] = static_cast<T>(to_f(static_cast<T>(to_f(xr[i]) * inv)) * to_f(w[i]));
+        o[i] = from_f<T>(to_f(from_f<T>(to_f(xr[i]) * inv)) * to_f(w[i]));
     }
   });
 }
@@ -68,7 +79,7 @@ void silu_mul_rows(const T* gu, int64_t gu_row, int64_t rows, int64_t I, T* out)
       // torch rounds silu(g) to the dtype before the product; so does this
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i)
-        o[i] = static_cast<T>(to_f(static_cast<T>(silu(to_f(g[i])))) * to_f(u[i]));
+        o[i] = from_f<T>(to_f(from_f<T>(silu(to_f(g[i])))) * to_f(u[i]));
     }
   });
 }
@@ -84,14 +95,14 @@ __attribute__((noinline, optimize("fp-contract=off"))) void rope_head(T* x, cons
   const int64_t h = d / 2;
   for (int64_t i = 0; i < d; ++i) orig[i] = to_f(x[i]);
   for (int64_t i = 0; i < h; ++i) {  // first half: rotate_half is -x[i + h]
-    const float a = to_f(static_cast<T>(orig[i] * to_f(c[i])));
-    const float b = to_f(static_cast<T>(-orig[i + h] * to_f(s[i])));
-    x[i] = static_cast<T>(a + b);
+    const float a = to_f(from_f<T>(orig[i] * to_f(c[i])));
+    const float b = to_f(from_f<T>(-orig[i + h] * to_f(s[i])));
+    x[i] = from_f<T>(a + b);
   }
   for (int64_t i = h; i < d; ++i) {  // second half: x[i - h]
-    const float a = to_f(static_cast<T>(orig[i] * to_f(c[i])));
-    const float b = to_f(static_cast<T>(orig[i - h] * to_f(s[i])));
-    x[i] = static_cast<T>(a + b);
+    const float a = to_f(from_f<T>(orig[i] * to_f(c[i])));
+    const float b = to_f(from_f<T>(orig[i - h] * to_f(s[i])));
+    x[i] = from_f<T>(a + b);
   }
 }
 

@@ -37,7 +37,7 @@
 namespace {
 
 inline float to_f(float v) { return v; }
-inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(at::BFloat16 v) { return pdserve_vec::bf16_bits_to_f32(v.x); }
 
 // scores[g * n + t] = q_g . k_t for the n tokens of one page (k_t = K + t * ks).
 void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t ks, int64_t n,
@@ -135,7 +135,7 @@ inline const float* as_f32(const float* src, int64_t stride, int64_t, int64_t, f
 inline const float* as_f32(const at::BFloat16* src, int64_t stride, int64_t n, int64_t d,
                            float* buf, int64_t* out_stride) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < d; ++i) buf[t * d + i] = static_cast<float>(src[t * stride + i]);
+    for (int64_t i = 0; i < d; ++i) buf[t * d + i] = to_f(src[t * stride + i]);
   *out_stride = d;
   return buf;
 }

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace pdserve_vec {
 
@@ -27,6 +29,23 @@ inline float exp_f32(float x) {
   union { int i; float f; } s;
   s.i = e << 23;
   return p * s.f;
+}
+
+// bf16 <-> fp32 on the raw bits, written so that the loops calling them vectorize: c10's
+// conversions went element by element (in bf16, SiLU * up was a third of a prefill on an AMX core,
+// measured). fp32 -> bf16 rounds to nearest even and makes any NaN 0x7FC0: the bits c10 gives.
+inline float bf16_bits_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
 }
 
 }  // namespace pdserve_vec
