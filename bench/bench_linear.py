@@ -1,5 +1,5 @@
 """The model's matmuls at each batch size, plain weights against the small-batch copy
-(engine/linear.py), on one core: what SMALL_MIN..SMALL_MAX rests on.
+(engine/linear.py), on one core: what `reordered_rows` rests on.
 
 The four layer matmuls of SmolLM2-135M (QKV, O, gate/up, down; shapes from the default model's
 config) for every layer, so the weights come from memory as in a forward, not from cache.
@@ -73,8 +73,9 @@ def main() -> int:
             ]
         )
         # the default model's weights pack (engine/packed_linear.py): bench_packed_matmuls.py
-        used = "reordered" if lin.SMALL_MIN <= m <= lin.SMALL_MAX else "plain"
-        used = "packed" if m <= lin.PACKED_MAX else used
+        lo, hi = lin.reordered_rows(dtype)
+        used = "reordered" if lo <= m <= hi else "plain"
+        used = "packed" if m <= lin.PACKED_MAX and dtype == torch.float32 else used
         rows.append((m, plain, onednn, used))
         print(
             f"rows {m:4d}: plain {plain * 1e3:7.1f} ms  reordered {onednn * 1e3:7.1f} ms  "

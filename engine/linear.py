@@ -4,13 +4,15 @@ batches, against a small-batch copy of it (`SmallWeights`):
 - **packed block codes** (engine/packed_linear.py), where the weight is exactly a 4- or 8-bit
   block grid (the default model, a Q4_1 GGUF), for batches of up to PACKED_MAX rows. A decode
   step reads about a fifth of the fp32 weight bytes.
-- **a copy that oneDNN reordered into its blocked layout**, for the SMALL_MIN..SMALL_MAX rows the
-  packed codes do not take. MKL's sgemm on a plain [out, in] weight is slow at a few rows: on one
-  Ice Lake core, SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the time
-  of the plain ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`,
-  bench/results/linear.md). At 1 to 3 rows the copy is slower (1.09–1.22x), and from 256 rows on
-  (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain weight. It costs the
-  memory of the weights once more.
+- **a copy that oneDNN reordered into its blocked layout**, for the rows the packed codes do not
+  take (`reordered_rows`). In fp32, MKL's sgemm on a plain [out, in] weight is slow at a few rows:
+  on one Ice Lake core, SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the
+  time of the plain ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`,
+  bench/results/linear.md). At 1 to 3 rows the copy is slower there (1.09–1.22x), and from 256
+  rows on (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain weight. In bf16
+  on a core with AMX (torch's plain bf16 matmul reorders the weight on every call), the copy took
+  0.55–0.94x the plain time at every row count from 1 to 2048 (bench/results/linear_bf16.md), so
+  bf16 batches of any size take it. It costs the memory of the weights once more.
 
 Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
 rank has one (engine/spare_core.py). `EngineConfig.small_batch_weights`
@@ -28,7 +30,14 @@ import torch.nn.functional as F
 from engine import packed_linear, spare_core
 from engine.packed_linear import PackedWeight
 
-SMALL_MIN, SMALL_MAX = 4, 128
+SMALL_MIN, SMALL_MAX = 4, 128  # fp32 rows through the reordered copy; bf16: any (module doc)
+
+
+def reordered_rows(dtype: torch.dtype) -> tuple[int, float]:
+    """The row counts (lowest, highest) that multiply through the oneDNN-reordered copy."""
+    return (1, float("inf")) if dtype == torch.bfloat16 else (SMALL_MIN, SMALL_MAX)
+
+
 # All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.24x / 0.33x /
 # 0.53x / 0.77x the time at 1 / 8 / 16 / 32 rows, 0.91x / 1.11x at 48 / 64 (past 32 rows the
 # kernel's arithmetic, not the bytes it reads, sets its pace, and the margin is small;
@@ -79,8 +88,10 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     rows = x.shape[0]
     if small.packed is not None and rows <= PACKED_MAX:
         return _packed_linear(x, small.packed, bias)
-    if small.reordered is not None and SMALL_MIN <= rows <= SMALL_MAX:
-        return _onednn_linear(x, small.reordered, bias)
+    if small.reordered is not None:
+        lo, hi = reordered_rows(x.dtype)
+        if lo <= rows <= hi:
+            return _onednn_linear(x, small.reordered, bias)
     return None
 
 
