@@ -3,18 +3,21 @@ and our fraction of the roofline.
 
 Workload: `--requests` seeded prompts of random token ids (lengths uniform in [32, 256]),
 `--max-tokens` output tokens each, greedy, ignore_eos.
-  ours:          Engine.generate on all requests as one continuous batch, torch threads = 2, fp32;
-  transformers:  AutoModelForCausalLM (dequantized from the same GGUF, fp32) `generate` one request
-                 at a time on a seeded subset of `--hf-requests` of the same requests (the full set
-                 would take ~10 minutes); rates, not totals, are compared;
+  ours:          Engine.generate on all requests as one continuous batch, `--threads` torch threads,
+                 `--dtype`;
+  transformers:  AutoModelForCausalLM (dequantized from the same GGUF, cast to `--dtype`)
+                 `generate` one request at a time on a seeded subset of `--hf-requests` of the
+                 same requests (the full set would take ~10 minutes); rates, not totals, are
+                 compared;
   roofline:      (prompt + output tokens) x 2 x (parameters touched per token) / s, over the FLOP/s
-                 of a 2048x2048 @ 2048x2048 fp32 matmul measured here with 2 threads
+                 of a 2048x2048 @ 2048x2048 matmul in the same dtype, with the same threads
                  (best of several).
 Parameters touched per token: every decoder-layer weight for every token, plus the tied lm_head for
 each sampled token (prefill computes logits only at the last prompt position). Attention score FLOPs
 are not counted (they would only raise our number).
 
   .venv/bin/python bench/bench_engine.py [--requests 64] [--max-tokens 128] [--hf-requests 8]
+      [--dtype float32|bfloat16] [--threads 2]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.loader import resolve_model  # noqa: E402
 
 THREADS = 2
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def make_prompts(n: int, seed: int = 0, lo: int = 32, hi: int = 256) -> list[list[int]]:
@@ -46,8 +50,8 @@ def make_prompts(n: int, seed: int = 0, lo: int = 32, hi: int = 256) -> list[lis
     return [[rng.randrange(100, 49000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def matmul_flops(n: int = 2048, reps: int = 6) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_flops(dtype: torch.dtype, n: int = 2048, reps: int = 6) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(reps):
@@ -77,7 +81,7 @@ def param_counts(eng: Engine) -> tuple[int, int]:
 
 
 def hf_run(
-    path: Path, prompts: list[list[int]], max_new: int
+    path: Path, prompts: list[list[int]], max_new: int, dtype: torch.dtype
 ) -> tuple[float, list[list[int]], float]:
     from transformers import AutoModelForCausalLM
 
@@ -85,6 +89,7 @@ def hf_run(
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+    model = model.to(dtype)  # dequantized in fp32, then cast as the engine's loader casts
     load_s = time.perf_counter() - t
     outs = []
     with torch.inference_mode():
@@ -121,9 +126,12 @@ def main() -> int:
         "--hf-requests", type=int, default=8, help="seeded subset run through transformers"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--threads", type=int, default=THREADS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine.md"))
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
+    threads, dt, dname = args.threads, getattr(torch, args.dtype), DTYPE_NAMES[args.dtype]
+    torch.set_num_threads(threads)
     load0 = os.getloadavg()
 
     prompts = make_prompts(args.requests, args.seed)
@@ -133,11 +141,11 @@ def main() -> int:
         flush=True,
     )
 
-    flops = max(matmul_flops() for _ in range(2))
-    print(f"fp32 matmul 2048^3, {THREADS} threads: {flops / 1e9:.1f} GFLOP/s", flush=True)
+    flops = max(matmul_flops(dt) for _ in range(2))
+    print(f"{dname} matmul 2048^3, {threads} threads: {flops / 1e9:.1f} GFLOP/s", flush=True)
 
-    eng = Engine(EngineConfig(model=None, threads=THREADS, dtype="float32"))
-    torch.set_num_threads(THREADS)
+    eng = Engine(EngineConfig(model=None, threads=threads, dtype=args.dtype))
+    torch.set_num_threads(threads)
     layer_p, embed_p = param_counts(eng)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -159,7 +167,7 @@ def main() -> int:
     idx = sorted(rng.sample(range(args.requests), min(args.hf_requests, args.requests)))
     sub = [prompts[i] for i in idx]
     del eng
-    hf_s, hf_outs, hf_load = hf_run(path, sub, args.max_tokens)
+    hf_s, hf_outs, hf_load = hf_run(path, sub, args.max_tokens, dt)
     hf_out = sum(map(len, hf_outs))
     hf_rate = hf_out / hf_s
     same = sum(a == outs[i].token_ids for a, i in zip(hf_outs, idx, strict=True))
@@ -184,7 +192,7 @@ def main() -> int:
     hf_roof = 2 * (layer_p * (sum(map(len, sub)) + hf_out) + embed_p * hf_out) / hf_s / flops
     rows = [
         (
-            "ours: Engine.generate, 1 continuous batch, fp32, 2 threads",
+            f"ours: Engine.generate, 1 continuous batch, {dname}, {threads} threads",
             args.requests,
             n_out,
             f"{ours_s:.1f}",
@@ -192,7 +200,7 @@ def main() -> int:
             f"{roof:.1%}",
         ),
         (
-            "transformers generate, 1 request at a time, fp32, 2 threads",
+            f"transformers generate, 1 request at a time, {dname}, {threads} threads",
             len(sub),
             hf_out,
             f"{hf_s:.1f}",
@@ -220,8 +228,7 @@ def main() -> int:
             f"Workload: {args.requests} requests, prompts of seeded random token ids, "
             f"lengths uniform in [32, 256] ({n_prompt} prompt tokens, "
             f"mean {n_prompt / args.requests:.0f}), {args.max_tokens} output tokens each, greedy, "
-            "ignore_eos. Served dtype: **fp32** (the default; token-identical to the fp32 "
-            f"reference). torch threads = {THREADS} for both.",
+            f"ignore_eos. Served dtype: **{dname}**. torch threads = {threads} for both.",
             "",
             f"transformers ran a seeded subset of {len(sub)} of the {args.requests} requests "
             f"(indices {idx}), one at a time, because the full set would take "
@@ -235,8 +242,8 @@ def main() -> int:
             "",
             f"Roofline: FLOPs = 2 x ({layer_p / 1e6:.1f}M decoder-layer parameters x (prompt + "
             f"output tokens) + {embed_p / 1e6:.1f}M lm_head parameters x output tokens) = "
-            f"{flop / 1e12:.2f} TFLOP, over the measured fp32 matmul peak {flops / 1e9:.1f} "
-            f"GFLOP/s (2048x2048 @ 2048x2048, {THREADS} threads, best of 6). "
+            f"{flop / 1e12:.2f} TFLOP, over the measured {dname} matmul peak {flops / 1e9:.1f} "
+            f"GFLOP/s (2048x2048 @ 2048x2048, {threads} threads, best of 6). "
             "Attention score FLOPs are not counted.",
             "",
             f"- speed-up over transformers: **{speedup:.2f}x** (target >= 2.5x: "
@@ -245,7 +252,8 @@ def main() -> int:
             f"{'met' if ok_roof else 'NOT met'})",
             "",
             f"Command: `.venv/bin/python bench/bench_engine.py --requests {args.requests} "
-            f"--max-tokens {args.max_tokens} --hf-requests {args.hf_requests}`",
+            f"--max-tokens {args.max_tokens} --hf-requests {args.hf_requests} "
+            f"--dtype {args.dtype} --threads {threads}`",
             "",
         ]
     )

@@ -36,18 +36,24 @@ def test_reordered_equals_plain(dtype):
         torch.testing.assert_close(h.float(), want, **tol)
 
 
-def test_the_small_path_is_taken_for_small_batches_only(monkeypatch):
-    w = torch.randn(64, 32)
-    small = lin.small_batch_weights(w)  # random fp32: no grid, so only the reordered copy
-    assert small.packed is None and small.reordered is not None
+def _spy_on_the_reordered_path(monkeypatch) -> list[int]:
+    """The row counts of the products that go through the reordered copy (the real op runs)."""
     calls = []
     real = lin._onednn_linear
 
-    def counted(x, s, bias):  # a spy: the real op runs
+    def counted(x, s, bias):
         calls.append(x.shape[0])
         return real(x, s, bias)
 
     monkeypatch.setattr(lin, "_onednn_linear", counted)
+    return calls
+
+
+def test_the_small_path_is_taken_for_small_batches_only(monkeypatch):
+    w = torch.randn(64, 32)
+    small = lin.small_batch_weights(w)  # random fp32: no grid, so only the reordered copy
+    assert small.packed is None and small.reordered is not None
+    calls = _spy_on_the_reordered_path(monkeypatch)
     for m in range(1, lin.SMALL_MAX + 20):
         lin.linear(torch.randn(m, 32), w, small)
         lin.add_linear_(torch.zeros(m, 64), torch.randn(m, 32), w, small)
@@ -64,14 +70,7 @@ def test_bf16_batches_of_every_size_take_the_reordered_copy(monkeypatch):
     w = torch.randn(64, 32).to(torch.bfloat16)
     small = lin.small_batch_weights(w)
     assert small.packed is None and small.reordered is not None
-    calls = []
-    real = lin._onednn_linear
-
-    def counted(x, s, bias):  # a spy: the real op runs
-        calls.append(x.shape[0])
-        return real(x, s, bias)
-
-    monkeypatch.setattr(lin, "_onednn_linear", counted)
+    calls = _spy_on_the_reordered_path(monkeypatch)
     rows = [1, 2, 3, lin.SMALL_MAX, lin.SMALL_MAX + 1, 700]
     for m in rows:
         x = torch.randn(m, 32).to(torch.bfloat16)

@@ -1,0 +1,140 @@
+"""Greedy agreement of the offline engine with Hugging Face transformers on the same weights,
+SmolLM2-135M-Instruct, in bf16 and in fp32.
+
+Workload: `--prompts` chat requests (the model's chat template around a user message of English
+text, uniform in [32, 512] tokens, from `--corpus`, seeded), `--max-tokens` greedy tokens each,
+EOS not stopping either side (so every pair compares the same number of tokens).
+  engine:        Engine.generate, one continuous batch, one thread, `--dtype` bfloat16 / float32;
+  transformers:  AutoModelForCausalLM dequantized from the same GGUF, in fp32 and cast to bf16,
+                 one request at a time with its KV cache, argmax of the last position's logits.
+For each pair of runs: how many continuations are identical, the share of reference tokens matched
+before the first difference, and where the first differences fall. After a first difference the
+two continuations follow different texts, so later positions are not compared.
+
+  .venv/bin/python bench/bench_agreement.py [--prompts 64] [--max-tokens 64]
+      [--corpus FILE] [--out bench/results/agreement.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.config import EngineConfig, cpu_has_native_bf16  # noqa: E402
+from engine.core import SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.loader import resolve_model  # noqa: E402
+from engine.tokenizer import load_tokenizer  # noqa: E402
+from tests.reference import hf_greedy  # noqa: E402  (the tests' reference loop)
+
+# aiperf's corpus (the side-by-side workload's text), installed with the test dependencies
+CORPUS = ROOT / ".venv/aiperf/lib/python3.11/site-packages/aiperf/dataset/generator/assets"
+CORPUS = CORPUS / "shakespeare.txt"
+
+
+def make_prompts(tok, corpus: Path, n: int, seed: int = 0) -> list[list[int]]:
+    words = tok.encode(corpus.read_text(), add_special_tokens=False)
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        k = rng.randint(32, 512)
+        start = rng.randrange(0, len(words) - k)
+        text = tok.decode(words[start : start + k])
+        msgs = [{"role": "user", "content": text}]
+        chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tok.encode(chat, add_special_tokens=False))
+    return prompts
+
+
+def engine_run(dtype: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
+    eng = Engine(EngineConfig(model=None, threads=1, dtype=dtype))
+    t = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=max_new, ignore_eos=True))
+    return [c.token_ids for c in outs], time.perf_counter() - t
+
+
+def compare(got: list[list[int]], ref: list[list[int]]) -> dict:
+    firsts = []
+    matched = 0
+    for g, r in zip(got, ref, strict=True):
+        k = next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), len(r))
+        matched += k
+        if k < len(r):
+            firsts.append(k)
+    return {
+        "identical": len(got) - len(firsts),
+        "n": len(got),
+        "share": matched / sum(len(r) for r in ref),
+        "firsts": sorted(firsts),
+    }
+
+
+def row(name: str, c: dict) -> str:
+    f = c["firsts"]
+    where = f"min {f[0]}, median {statistics.median(f):g}" if f else "none"
+    return f"| {name} | {c['identical']} / {c['n']} | {c['share']:.1%} | {where} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--corpus", type=Path, default=CORPUS)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/agreement.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = resolve_model(None)
+    tok = load_tokenizer(path)
+    prompts = make_prompts(tok, args.corpus, args.prompts)
+    runs = {}
+    for dtype in ("bfloat16", "float32"):
+        runs[f"engine {dtype}"], secs = engine_run(dtype, prompts, args.max_tokens)
+        print(f"engine {dtype}: {secs:.1f} s", flush=True)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    runs["transformers float32"] = hf_greedy(hf, prompts, args.max_tokens)
+    runs["transformers bfloat16"] = hf_greedy(hf.to(torch.bfloat16), prompts, args.max_tokens)
+    pairs = [
+        ("engine float32", "transformers float32"),
+        ("engine bfloat16", "transformers bfloat16"),
+        ("engine bfloat16", "transformers float32"),
+        ("transformers bfloat16", "transformers float32"),
+    ]
+    rows = [row(f"{a} / {b}", compare(runs[a], runs[b])) for a, b in pairs]
+    lens = [len(p) for p in prompts]
+    lines = [
+        "# Greedy agreement with transformers",
+        "",
+        f"`bench/bench_agreement.py --prompts {args.prompts} --max-tokens {args.max_tokens}`, "
+        f"{platform.machine()}, torch {torch.__version__}, bf16 units: "
+        f"{'yes' if cpu_has_native_bf16() else 'no'}, SmolLM2-135M-Instruct (the GGUF, "
+        "dequantized), "
+        f"{len(prompts)} chat prompts of {min(lens)}-{max(lens)} tokens, {args.max_tokens} greedy "
+        "tokens each, EOS not stopping.",
+        "",
+        "| run / reference | identical continuations | reference tokens matched before the "
+        "first difference | first difference at token |",
+        "|---|---:|---:|---|",
+        *rows,
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""bf16 serving agrees with transformers in bf16 on the default model, greedy.
+
+In bf16 the two do not run the same kernels (oneDNN's reordered weights and pdserve's fused ops
+against transformers' modules), so their logits differ in the last bits and a near tie can pick
+another token; from there the continuations follow different texts. The bound is set from
+bench/bench_agreement.py (64 chat prompts x 64 tokens, docs/PERFORMANCE.md), on a smaller set. fp32
+stays token-identical (the layout tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import hf_greedy
+
+from engine.config import EngineConfig, cpu_has_native_bf16
+from engine.core import SamplingParams
+from engine.engine import Engine
+from engine.loader import resolve_model
+from engine.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.skipif(
+    not cpu_has_native_bf16(),
+    reason="no bf16 units: bf16 is emulated (minutes per prompt) and `--dtype auto` serves fp32",
+)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits that are red.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "What does a CPU cache do?",
+]
+MAX_NEW = 32
+# The share of transformers' tokens matched before the first difference, over the 8 prompts: 0.82
+# measured on an AMX core. The bound is what bf16 itself moves the model by: transformers in bf16
+# matched 64 % of transformers in fp32 on the bench's 64 x 64 (pdserve bf16: 68 % of transformers
+# bf16), so pdserve in bf16 must stay at least that close to transformers in bf16.
+MIN_SHARE = 0.6
+
+
+def test_bf16_greedy_agrees_with_transformers_bf16():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(None)
+    tok = load_tokenizer(path)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
+    eng = Engine(EngineConfig(model=None, threads=1, dtype="bfloat16"))
+    got = [
+        c.token_ids
+        for c in eng.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    ]
+    del eng
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ref = hf_greedy(hf.to(torch.bfloat16), prompts, MAX_NEW)
+    matched = 0
+    for g, r in zip(got, ref, strict=True):
+        assert len(g) == len(r) == MAX_NEW
+        matched += next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)
+    share = matched / (MAX_NEW * len(prompts))
+    assert share >= MIN_SHARE, (share, got, ref)
