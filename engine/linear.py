@@ -1,5 +1,6 @@
-"""The model's matmuls, each against its weight's plain [out, in] tensor or, for small (decode)
-batches, against a small-batch copy of it (`SmallWeights`):
+"""The model's matmuls, each against its weight's plain [out, in] tensor or against a copy of it
+made for the batch sizes where the plain weight is slow (`SmallWeights`: decode batches in fp32,
+every batch in bf16):
 
 - **packed block codes** (engine/packed_linear.py), where the weight is exactly a 4- or 8-bit
   block grid (the default model, a Q4_1 GGUF), for batches of up to PACKED_MAX rows. A decode
@@ -89,8 +90,8 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     if small.packed is not None and rows <= PACKED_MAX:
         return _packed_linear(x, small.packed, bias)
     if small.reordered is not None:
-        lo, hi = reordered_rows(x.dtype)
-        if lo <= rows <= hi:
+        lo, hi = reordered_rows(small.reordered.dtype)
+        if lo <= rows <= hi and x.dtype == small.reordered.dtype:
             return _onednn_linear(x, small.reordered, bias)
     return None
 

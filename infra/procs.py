@@ -43,8 +43,14 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     SO_REUSEADDR: until the caller closes it, free_port in any process skips that port, while a
     server that binds with SO_REUSEADDR (torch's TCPStore, uvicorn) can still take it. This closes
     free_port's window between the check and the server's bind (seen: a PP rank's TCPStore lost its
-    port to another node starting at the same moment, and that node never became healthy)."""
-    return _bound(host, reuse=True)
+    port to another node starting at the same moment, and that node never became healthy).
+
+    The flag is set only after the bind: Linux lets two bound, not listening sockets share a port
+    when both had it at bind time, so a hold bound with it could share its port with another
+    reservation made at the same moment. Set afterwards, it still lets the server bind."""
+    s = _bound(host, reuse=False)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s
 
 
 def _bound(host: str, reuse: bool) -> socket.socket:

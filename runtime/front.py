@@ -156,7 +156,7 @@ class NodeFront:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def mark_dead(self, why: str) -> None:
-        if self.dead is None:
+        if not self.dead:
             log.error("node unhealthy: %s", why)
             self.dead = why
         for p in list(self.pending.values()):

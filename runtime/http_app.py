@@ -152,7 +152,7 @@ def add_status(app: FastAPI, front: NodeFront, check_internal: Callable) -> None
         # dead: a rank exited and the node will not recover (a restart is needed); otherwise an
         # unhealthy node is still starting or its ranks' stats are late
         return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "detail": why, "dead": front.dead is not None},
+            {"status": "ok" if ok else "unhealthy", "detail": why, "dead": bool(front.dead)},
             status_code=200 if ok else 503,
         )
 

@@ -149,12 +149,14 @@ def make_specs(
     front_addrs: dict[str, str],
     spec_cls: type[RankSpec] = RankSpec,
     spec_fields: dict[str, Any] | None = None,
-    dist_port: int = 0,
+    dist_port: int | None = None,
 ) -> list[RankSpec]:
     """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
     (PDRankSpec: where its transfer listens); `dist_port`: where pp_rank 0 hosts the PP group's
     rendezvous on a single host (a port the caller holds with reserve_port)."""
     ranks = local_ranks(args)
+    if not args.dist_init_addr and dist_port is None:
+        raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
     dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
     plan = node_placement(args, len(ranks))
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
@@ -199,54 +201,56 @@ def run_node(
     # held for the node's life, so no other process's free_port picks the rendezvous port before
     # pp_rank 0 binds it (its TCPStore binds with SO_REUSEADDR, through the hold)
     hold = reserve_port()
-    specs = make_specs(
-        args,
-        role,
-        {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
-        front.rank_spec,
-        spec_fields,
-        dist_port=hold.getsockname()[1],
-    )
-    server = uvicorn.Server(
-        server_config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=uvicorn_level(),
-            timeout_graceful_shutdown=3,
-        )
-    )
-    loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
-
-    def on_rank_exit(why: str) -> None:
-        loop = loop_holder.get("loop")
-        if loop is not None:
-            loop.call_soon_threadsafe(front.mark_dead, why)
-        else:
-            front.dead = why
-
-    ranks = RankSet(specs, on_rank_exit, module)
-    ready = getattr(front.tok, "ready", None)
-
-    @app.on_event("startup")
-    async def _grab_loop():
-        loop_holder["loop"] = asyncio.get_running_loop()
-        more = front.describe()
-        log.info(
-            "%s node front on http://%s:%d (pp=%d)%s",
-            role,
-            args.host,
-            args.port,
-            args.pp,
-            f", {more}" if more else "",
-        )
-
+    ranks = None
     try:
+        specs = make_specs(
+            args,
+            role,
+            {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
+            front.rank_spec,
+            spec_fields,
+            dist_port=hold.getsockname()[1],
+        )
+        server = uvicorn.Server(
+            server_config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=uvicorn_level(),
+                timeout_graceful_shutdown=3,
+            )
+        )
+        loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+
+        def on_rank_exit(why: str) -> None:
+            loop = loop_holder.get("loop")
+            if loop is not None:
+                loop.call_soon_threadsafe(front.mark_dead, why)
+            else:
+                front.dead = why
+
+        ranks = RankSet(specs, on_rank_exit, module)
+        ready = getattr(front.tok, "ready", None)
+
+        @app.on_event("startup")
+        async def _grab_loop():
+            loop_holder["loop"] = asyncio.get_running_loop()
+            more = front.describe()
+            log.info(
+                "%s node front on http://%s:%d (pp=%d)%s",
+                role,
+                args.host,
+                args.port,
+                args.pp,
+                f", {more}" if more else "",
+            )
+
         if ready is not None:
             ready()  # a tokenizer that cannot load stops the node now, with its error
         run_server(server)
     finally:
-        ranks.stop()
+        if ranks is not None:
+            ranks.stop()
         hold.close()
     return 0
 

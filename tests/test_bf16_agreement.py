@@ -57,6 +57,10 @@ def test_bf16_greedy_agrees_with_transformers_bf16():
         for q in QUESTIONS
     ]
     eng = Engine(EngineConfig(model=None, threads=1, dtype="bfloat16"))
+    # bf16 really served: an fp32 engine would match transformers' fp32 model exactly, and bf16's
+    # own distance from that is about what MIN_SHARE allows, so the share alone could not tell
+    assert eng.runner.model.layers[0].qkv_weight.dtype == torch.bfloat16
+    assert eng.runner.pool.kv.dtype == torch.bfloat16
     got = [
         c.token_ids
         for c in eng.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))

@@ -1,6 +1,6 @@
 """Small-batch weights (engine/linear.py): the reordered copy gives the plain matmul's result, it is
-used exactly for batches of SMALL_MIN..SMALL_MAX rows, and a model that has it still matches
-transformers."""
+used exactly for the rows `reordered_rows` names (fp32: SMALL_MIN..SMALL_MAX; bf16: all), and a
+model that has it still matches transformers."""
 
 from __future__ import annotations
 

@@ -43,6 +43,20 @@ def test_free_port_skips_a_reserved_port(picks_first):
     assert free_port() == port
 
 
+def test_two_reservations_never_share_a_port(picks_first):
+    """Two nodes starting at the same moment, both drawing the same port: the second reservation
+    skips it (a hold bound with SO_REUSEADDR already set would have shared it)."""
+    first = reserve_port()
+    port = first.getsockname()[1]
+    try:
+        picks_first(port)
+        second = reserve_port()
+        assert second.getsockname()[1] != port
+        second.close()
+    finally:
+        first.close()
+
+
 def test_the_pp_rendezvous_binds_through_the_hold():
     """pp_rank 0's TCPStore (the PP group's rendezvous) takes the port the node's front holds."""
     hold = reserve_port()
