@@ -93,6 +93,34 @@ def test_bf16_pool_sums_in_fp32():
     torch.testing.assert_close(fp32_q, reference(q, kv, pt, n), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,page_size,lens,d",
+    [
+        (9, 3, 16, [1, 15, 16, 17, 300, 513], 64),  # SmolLM2: lengths across page ends
+        (4, 4, 16, [2, 33], 64),  # one query head per KV head
+        (8, 2, 5, [1, 5, 6, 99], 64),  # pages of fewer than 16 tokens
+        (8, 4, 16, [7, 130], 128),  # head size 128
+        (12, 2, 16, [40], 64),  # 6 query heads per KV head: the generic path
+    ],
+)
+def test_bf16_equals_gather_and_sdpa(heads, kv_heads, page_size, lens, d):
+    """bf16 query and pool, the shapes the AVX-512 BF16 path takes where the CPU has it (bf16 dot
+    products, exact and summed in fp32) and one it leaves to the generic path: within the final
+    rounding to bf16 of the fp32 result."""
+    q, kv, pt, n = make_case(
+        3,
+        heads=heads,
+        kv_heads=kv_heads,
+        page_size=page_size,
+        lens=lens,
+        d=d,
+        dtype=torch.bfloat16,
+    )
+    got = paged_attention.decode_attention(q, kv, pt, n, d**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), reference(q, kv, pt, n), rtol=8e-3, atol=8e-3)
+
+
 def test_bad_tables_are_refused_not_read():
     q, kv, pt, n = make_case(3, heads=4, kv_heads=2, page_size=4, lens=[6, 8])
     scale = q.shape[-1] ** -0.5
