@@ -1,5 +1,6 @@
 """Decode step time of the offline engine with and without packed block-code weights
-(engine/packed_linear.py), SmolLM2-135M-Instruct, fp32, in one process, alternating.
+(engine/packed_linear.py), SmolLM2-135M-Instruct, fp32 or bf16 (`--dtype`), in one process,
+alternating.
 
 Both engines load the same model; one with `PDSERVE_PACKED_WEIGHTS=0` (its small batches take the
 oneDNN-reordered copies), one with packed codes. For each batch size B: B seeded prompts of 300-400
@@ -9,7 +10,7 @@ over S: the time of one decode step of B requests. Repetitions alternate the eng
 machine that slows down slows both.
 
   .venv/bin/python bench/bench_decode_step.py [--batches 1 8 32 64] [--steps 32] [--reps 3]
-      [--threads 1] [--out bench/results/decode_step.md]
+      [--threads 1] [--dtype float32] [--out bench/results/decode_step.md]
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from engine.engine import Engine  # noqa: E402
 from engine.packed_linear import ENV_SWITCH  # noqa: E402
 
 
-def engines(threads: int) -> dict[str, Engine]:
+def engines(threads: int, dtype: str) -> dict[str, Engine]:
     out = {}
     for name, switch in (("reordered", "0"), ("packed", "1")):
         os.environ[ENV_SWITCH] = switch  # read when the weights are packed, at load
-        out[name] = Engine(EngineConfig(model=None, threads=threads, dtype="float32"))
+        out[name] = Engine(EngineConfig(model=None, threads=threads, dtype=dtype))
     return out
 
 
@@ -62,10 +63,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=str(ROOT / "bench/results/decode_step.md"))
     args = ap.parse_args()
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.threads]))
-    engs = engines(args.threads)
+    engs = engines(args.threads, args.dtype)
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     rows = []
@@ -84,7 +86,8 @@ def main() -> None:
         "# Decode step, packed block codes vs oneDNN-reordered weights",
         "",
         f"`bench/bench_decode_step.py`, {platform.processor() or platform.machine()}, "
-        f"{args.threads} thread(s), torch {torch.__version__}, SmolLM2-135M-Instruct fp32, prompts "
+        f"{args.threads} thread(s), torch {torch.__version__}, SmolLM2-135M-Instruct {args.dtype}, "
+        f"prompts "
         f"300-400 tokens, {args.steps} steps, {args.reps} alternating repetitions (median).",
         "",
         "| batch | reordered, ms/step | packed, ms/step | packed / reordered |",

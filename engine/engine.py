@@ -56,7 +56,9 @@ class Engine:
         model = load_slice(path, 0, self.model_config.num_layers, config.torch_dtype)
         matmuls = "plain weights only"
         if config.small_batch_weights:
-            matmuls = model.add_small_batch_weights()
+            matmuls = model.add_small_batch_weights(
+                lambda: load_slice(path, 0, self.model_config.num_layers)  # fp32
+            )
         helper = spare_core.start(config.spare_cores, self.threads, config.torch_dtype)
         matmuls += f", {helper}" if helper else ""
         self.runner = ModelRunner(

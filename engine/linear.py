@@ -44,6 +44,15 @@ def reordered_rows(dtype: torch.dtype) -> tuple[int, float]:
 # kernel's arithmetic, not the bytes it reads, sets its pace, and the margin is small;
 # bench/results/packed_matmuls.md)
 PACKED_MAX = 32
+# bf16: packed codes up to this many rows, oneDNN above. On an AMX core all 121 matmuls of the
+# default model took 0.69x oneDNN's time at 1 row, 0.94x at 4, 1.26x at 8: past a few rows the
+# kernel's fp32 FMAs, not the bytes it reads, set its pace, and oneDNN's bf16 units are faster
+PACKED_MAX_BF16 = 3
+
+
+def packed_rows(dtype: torch.dtype) -> int:
+    """The most rows that multiply against packed codes in `dtype`."""
+    return PACKED_MAX_BF16 if dtype == torch.bfloat16 else PACKED_MAX
 
 
 @dataclass(frozen=True)
@@ -64,12 +73,15 @@ def reorder(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def small_batch_weights(w: torch.Tensor) -> SmallWeights:
+def small_batch_weights(w: torch.Tensor, source: torch.Tensor | None = None) -> SmallWeights:
     """The copies of `w` that small batches multiply against: its block codes where it is a grid
-    and the kernel loads, and oneDNN's reordered copy where this torch makes one."""
+    and the kernel loads (a bf16 `w`: found in `source`, the fp32 weight it was rounded from), and
+    oneDNN's reordered copy where this torch makes one."""
     packed = None
     if w.device.type == "cpu" and w.dtype == torch.float32 and packed_linear.available():
         packed = packed_linear.pack(w)
+    elif w.device.type == "cpu" and source is not None and packed_linear.bf16_available():
+        packed = packed_linear.pack_bf16(w, source)
     return SmallWeights(packed, reorder(w))
 
 
@@ -87,7 +99,7 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     if small is None:
         return None
     rows = x.shape[0]
-    if small.packed is not None and rows <= PACKED_MAX:
+    if small.packed is not None and rows <= packed_rows(x.dtype):
         return _packed_linear(x, small.packed, bias)
     if small.reordered is not None:
         lo, hi = reordered_rows(small.reordered.dtype)

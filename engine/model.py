@@ -14,7 +14,7 @@ names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine import layer_ops, packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.linear import PACKED_MAX, SmallWeights, add_linear_, linear, small_batch_weights
+from engine.linear import SmallWeights, add_linear_, linear, packed_rows, small_batch_weights
 from engine.model_config import ModelConfig
 from engine.rope import RopeTable, apply_rope
 
@@ -54,10 +54,12 @@ class DecoderLayer(torch.nn.Module):
         self.down_weight = _empty(h, inter, dtype=dtype)
         self.small: dict[str, SmallWeights] = {}  # engine/linear.py: small-batch copies
 
-    def add_small_batch_weights(self) -> None:
-        """Small-batch copies of the four matmul weights, for decode batches (engine/linear.py)."""
+    def add_small_batch_weights(self, source: DecoderLayer | None = None) -> None:
+        """Small-batch copies of the four matmul weights, for decode batches (engine/linear.py);
+        `source`: the same layer in fp32, where a bf16 layer's codes are found."""
         for name in ("qkv", "o", "gate_up", "down"):
-            self.small[name] = small_batch_weights(getattr(self, f"{name}_weight"))
+            fp32 = getattr(source, f"{name}_weight") if source is not None else None
+            self.small[name] = small_batch_weights(getattr(self, f"{name}_weight"), fp32)
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
@@ -215,14 +217,21 @@ class ModelSlice(torch.nn.Module):
         self._in_place: bool | None = None
         self._small_head: SmallWeights | None = None
 
-    def add_small_batch_weights(self) -> str:
+    def add_small_batch_weights(self, fp32: Callable[[], ModelSlice] | None = None) -> str:
         """Small-batch copies of every matmul weight, LM head included (engine/linear.py): packed
         block codes where a weight is a grid, and oneDNN-reordered copies (about doubling the
-        slice's weight memory). Returns what it made, for the rank's ready line."""
-        for layer in self.layers:
-            layer.add_small_batch_weights()
+        slice's weight memory). A bf16 slice finds its codes in the fp32 weights it was rounded
+        from: `fp32` loads this slice in fp32 (once, dropped after). Returns what it made, for the
+        rank's ready line."""
+        src = None
+        if fp32 is not None and self.dtype == torch.bfloat16 and packed_linear.bf16_available():
+            src = fp32()
+        for i, layer in enumerate(self.layers):
+            layer.add_small_batch_weights(src.layers[i] if src is not None else None)
         if self.is_last:
-            self._small_head = small_batch_weights(self.lm_head_weight)
+            head = src.lm_head_weight if src is not None else None
+            self._small_head = small_batch_weights(self.lm_head_weight, head)
+        del src
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
         packed = [v.packed for v in copies if v.packed is not None]
@@ -232,7 +241,7 @@ class ModelSlice(torch.nn.Module):
         mb = sum(p.nbytes for p in packed) / 1e6
         return (
             f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB), "
-            f"on oneDNN-reordered weights above {PACKED_MAX} rows"
+            f"on oneDNN-reordered weights above {packed_rows(self.dtype)} rows"
         )
 
     def weight_names(self) -> list[str]:

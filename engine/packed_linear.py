@@ -18,8 +18,10 @@ Two grids, those of GGML's Q4_1 and Q8_0:
 - 4-bit: w = q * d + m, q in [0, 15]; m is the block's minimum, d = (max - m) / 15.
 - 8-bit: w = q * d, q in [-127, 127]; d = max |w| / 127.
 
-Only for fp32 weights on the CPU, where the kernels load (engine/cpu_kernels.py);
-`PDSERVE_PACKED_WEIGHTS=0` turns it off.
+fp32 weights on the CPU, where the kernels load (engine/cpu_kernels.py); and bf16 weights on a CPU
+with AVX-512 BF16, packed from the fp32 values the bf16 weights were rounded from (`pack_bf16`):
+the kernel rounds each decoded weight to bf16, the very value of the bf16 weight, and multiplies
+with bf16 dot-product instructions. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ class PackedWeight:
 def available() -> bool:
     """Whether packed matmuls can run in this process. Never raises."""
     return not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+
+
+def bf16_available() -> bool:
+    """Whether bf16 batches can multiply against packed codes here. Never raises."""
+    return available() and bool(torch.ops.pdserve.packed_bf16_supported())
 
 
 def why_not() -> str:
@@ -109,6 +116,18 @@ def pack(w: torch.Tensor) -> PackedWeight | None:
     return _grid4(v) or _grid8(v)
 
 
+def pack_bf16(w: torch.Tensor, source: torch.Tensor) -> PackedWeight | None:
+    """The block codes of bf16 weight `w`, found in `source`, the fp32 weight it was rounded from;
+    None unless `source` is a grid and rounds to `w` exactly (nearest even, as the kernel rounds
+    each decoded weight): the packed product then multiplies by w's own values."""
+    if w.dtype != torch.bfloat16 or source.dtype != torch.float32 or w.shape != source.shape:
+        return None
+    if not torch.equal(source.to(torch.bfloat16), w):
+        return None
+    return pack(source)
+
+
 def packed_linear(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """x [M, in] fp32 @ W.T -> [M, out] fp32. Call `available()` first."""
+    """x [M, in] @ W.T -> [M, out], fp32 or bf16 (`bf16_available()`) in and out. Call
+    `available()` first."""
     return torch.ops.pdserve.packed_linear(x.contiguous(), pw.codes, pw.scale, pw.offset, pw.bits)

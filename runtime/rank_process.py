@@ -285,7 +285,9 @@ def build_rank(
         cfg = agree_capacities(comm, cfg)
     model = load_slice(path, start, end, cfg.torch_dtype)
     if cfg.small_batch_weights:
-        about += ", " + model.add_small_batch_weights()
+        about += ", " + model.add_small_batch_weights(
+            lambda: load_slice(path, start, end)  # fp32
+        )
     helper = (
         spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype) if spec.device == "cpu" else ""
     )

@@ -93,6 +93,38 @@ def test_the_packed_product_is_the_fp32_product(qtype, bias):
         torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_a_bf16_weight_packs_from_its_fp32_source(qtype):
+    """A bf16 weight's codes come from the fp32 weight it was rounded from, only when that rounds
+    to it exactly; the product multiplies by the bf16 weight's own values (exact products, fp32
+    sums, one rounding to bf16), for every remainder of the row tiles."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.from_numpy(
+        gguf_grid(np.random.default_rng(5).standard_normal((208, 96)) * 0.05, qtype)
+    )
+    wb = w.bfloat16()
+    assert pl.pack_bf16(wb, w + 1e-3) is None  # not the weight it was rounded from
+    assert pl.pack_bf16(wb, w * 0.999) is None
+    small = lin.small_batch_weights(wb, w)
+    assert isinstance(small.packed, pl.PackedWeight) and small.reordered is not None
+    for m in (1, 2, 3, 4, 5, 8, 31):
+        x = torch.randn(m, 96, generator=g).bfloat16()
+        got = pl.packed_linear(x, small.packed)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 208)
+        ref = (x.double() @ wb.double().T).float()
+        torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-6)
+
+
+def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch):
+    w = torch.from_numpy(gguf_grid(np.random.default_rng(6).standard_normal((64, 32)), Q.Q4_1))
+    small = lin.small_batch_weights(w.bfloat16(), w)
+    packed, reordered = spy(monkeypatch, "_packed_linear"), spy(monkeypatch, "_onednn_linear")
+    for m in range(1, 11):
+        lin.linear(torch.randn(m, 32).bfloat16(), w.bfloat16(), small)
+    assert packed == list(range(1, lin.PACKED_MAX_BF16 + 1))
+    assert reordered == list(range(lin.PACKED_MAX_BF16 + 1, 11))
+
+
 def spy(monkeypatch, name: str) -> list[int]:
     """The row counts `lin.<name>` is called with; the real op still runs."""
     calls, real = [], getattr(lin, name)
@@ -168,3 +200,16 @@ def test_the_default_model_is_packed_whole():
     head = s._small_head.packed
     assert isinstance(head, pl.PackedWeight) and head.bits == 8
     assert torch.equal(decode(head), s.lm_head_weight)
+
+
+def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights():
+    """In bf16 the codes come from the fp32 slice the bf16 one was rounded from: every matrix of
+    the last layer and the LM head packs, and its codes round to the bf16 weights."""
+    s = load_slice(None, 29, 30, torch.bfloat16)
+    about = s.add_small_batch_weights(lambda: load_slice(None, 29, 30))
+    assert about.startswith("decode matmuls on packed block codes: 5 of 5 "), about
+    layer = s.layers[0]
+    for name, small in layer.small.items():
+        assert isinstance(small.packed, pl.PackedWeight), name
+        assert torch.equal(decode(small.packed).bfloat16(), getattr(layer, f"{name}_weight"))
+    assert torch.equal(decode(s._small_head.packed).bfloat16(), s.lm_head_weight)

@@ -3,7 +3,7 @@
 # driven by the same aiperf workload (run_aiperf_sweep.sh) with the client pinned to core 1.
 # Prefix caching is off on both sides: every level resends the same seeded prompts.
 # Usage (from the project checkout, which must have .venv): side_by_side.sh OUT_DIR [SYSTEMS]
-#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 pd_args colo colo1 colo2 colopp2" and
+#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 pd_args pd_router colo colo1 colo2 colopp2" and
 #   of the prefix-cache runs "vllm_cache vllm_fp32_cache pd_cache colo_cache" (default: vllm pd colo)
 #   vllm_fp32: vLLM in fp32 (on a CPU without bf16 units, the dtype pdserve's auto resolves to).
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
@@ -41,15 +41,17 @@ for S in $SYSTEMS; do
       va=(); [ -n "$cache" ] && va=(--no-enable-prefix-caching); [ "$base" = vllm_fp32 ] && va+=(--dtype float32)
       setsid "$HERE/start_vllm.sh" 8011 "${va[@]}" || continue
       PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="$PEER_DIR/smollm2-135m-hf" ;;
-    pd|pd11|pd22|pd_fp32|pd_args)
+    pd|pd11|pd22|pd_fp32|pd_args|pd_router)
       # pd: `pdserve up` with its defaults; pd11 / pd22: PP 1+1 / PP 2+2 named explicitly;
-      # pd_args: pd with the node flags in PD_NODE_ARGS (env), e.g. "--max-batch-tokens 512".
+      # pd_args: pd with the node flags in PD_NODE_ARGS (env), e.g. "--max-batch-tokens 512";
+      # pd_router: pd with the router flags in PD_ROUTER_ARGS (env), e.g. "--disagg-local-prefill-cost 0".
       # No prefix cache (but in pd_cache): the levels resend the same prompts, and vLLM runs with
       # its cache off too.
       extra=(); case $S in pd11) extra=(--prefill-pp 1 --decode-pp 1);; pd22) extra=(--prefill-pp 2 --decode-pp 2);; esac
       na="$cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
       [ "$S" = pd_args ] && na="$na ${PD_NODE_ARGS:-}"
       [ -n "${na// }" ] && extra+=("--node-args=$na")
+      [ "$S" = pd_router ] && extra+=("--router-args=${PD_ROUTER_ARGS:-}")
       setsid "$PDS" up --port 8100 "${extra[@]}" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8100
       wait_health http://127.0.0.1:8100 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }

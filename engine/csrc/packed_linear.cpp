@@ -19,6 +19,7 @@
 //   scale   [N / 16, K / 32, 16] fp32
 //   offset  like scale (bits 4), or an empty tensor (bits 8)
 //   y       [M, N] fp32
+// With a bf16 x, y is bf16: the weights rounded to bf16 first (W16 below), a bf16 model's product.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,7 +80,19 @@ inline void widen_nibbles(const uint8_t* c, v16& lo, v16& hi) {
 // 11-bit fp16 scale times an integer of at most 8 bits), so with the offset added each weight
 // rounds once: the value the packer checked. Every output sums over k in order, whatever R and P.
 // noinline: inlined into its caller, GCC kept fewer accumulators in registers (slower, measured).
-template <int BITS, int R, int P>
+// W16: each decoded weight rounded to bf16 (nearest even; the bf16 model's weight, which the
+// loader rounds from the same fp32 value) before it multiplies: a bf16 model's product, its bf16 x
+// widened to fp32 exactly, every product exact in fp32 as in a bf16 dot product.
+inline v16 round_bf16(v16 w) {
+  typedef uint32_t u16v __attribute__((vector_size(64)));
+  u16v u;
+  std::memcpy(&u, &w, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;  // finite weights: no NaN case
+  std::memcpy(&w, &u, sizeof w);
+  return w;
+}
+
+template <int BITS, int R, int P, bool W16>
 __attribute__((noinline)) void tile(const float* xt, int64_t K, const uint8_t* codes,
                                     int64_t panel_bytes, const float* s, const float* o,
                                     int64_t panel_scales, float* y, int64_t N, int64_t r0,
@@ -96,9 +109,13 @@ __attribute__((noinline)) void tile(const float* xt, int64_t K, const uint8_t* c
         v16 lo0, hi0, lo1, hi1;
         widen_nibbles(c + (k / 2) * PANEL, lo0, hi0);
         if constexpr (P == 2) widen_nibbles(c + panel_bytes + (k / 2) * PANEL, lo1, hi1);
-        const v16 w00 = lo0 * d0 + m0, w01 = hi0 * d0 + m0;  // columns k and k + 1
+        v16 w00 = lo0 * d0 + m0, w01 = hi0 * d0 + m0;  // columns k and k + 1
         v16 w10 = w00, w11 = w01;
         if constexpr (P == 2) w10 = lo1 * d1 + m1, w11 = hi1 * d1 + m1;
+        if constexpr (W16) {
+          w00 = round_bf16(w00), w01 = round_bf16(w01);
+          if constexpr (P == 2) w10 = round_bf16(w10), w11 = round_bf16(w11);
+        }
 #pragma GCC unroll 16  // the accumulators must live in registers, not on the stack
         for (int r = 0; r < R; ++r) {
           const float x0 = xb[k * R + r], x1 = xb[(k + 1) * R + r];
@@ -111,9 +128,13 @@ __attribute__((noinline)) void tile(const float* xt, int64_t K, const uint8_t* c
     } else {
       const uint8_t* c = codes + b * BLOCK * PANEL;
       for (int64_t k = 0; k < BLOCK; ++k) {
-        const v16 w0 = widen_signed(c + k * PANEL) * d0;
+        v16 w0 = widen_signed(c + k * PANEL) * d0;
         v16 w1 = w0;
         if constexpr (P == 2) w1 = widen_signed(c + panel_bytes + k * PANEL) * d1;
+        if constexpr (W16) {
+          w0 = round_bf16(w0);
+          if constexpr (P == 2) w1 = round_bf16(w1);
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const float x = xb[k * R + r];
@@ -139,20 +160,20 @@ std::vector<std::pair<int64_t, int>> row_tiles(int64_t M) {
   return out;
 }
 
-template <int BITS, int P>
+template <int BITS, int P, bool W16>
 void tile_rows(int R, const float* xt, int64_t K, const uint8_t* c, int64_t panel_bytes,
                const float* s, const float* o, int64_t panel_scales, float* y, int64_t N,
                int64_t r0, int64_t n0) {
   switch (R) {
-    case 16: return tile<BITS, 16, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
-    case 8: return tile<BITS, 8, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
-    case 4: return tile<BITS, 4, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
-    case 2: return tile<BITS, 2, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
-    default: return tile<BITS, 1, P>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 16: return tile<BITS, 16, P, W16>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 8: return tile<BITS, 8, P, W16>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 4: return tile<BITS, 4, P, W16>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    case 2: return tile<BITS, 2, P, W16>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
+    default: return tile<BITS, 1, P, W16>(xt, K, c, panel_bytes, s, o, panel_scales, y, N, r0, n0);
   }
 }
 
-template <int BITS>
+template <int BITS, bool W16>
 void run(const float* x, const uint8_t* codes, const float* scale, const float* offset, int64_t M,
          int64_t N, int64_t K, float* y) {
   const auto tiles = row_tiles(M);
@@ -172,19 +193,25 @@ void run(const float* x, const uint8_t* codes, const float* scale, const float* 
       for (const auto& [r0, R] : tiles) {
         const float* t = xt.data() + r0 * K;
         if (pair)
-          tile_rows<BITS, 2>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
+          tile_rows<BITS, 2, W16>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
         else
-          tile_rows<BITS, 1>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
+          tile_rows<BITS, 1, W16>(R, t, K, c, panel_bytes, s, o, panel_scales, y, N, r0, p * PANEL);
       }
     }
   });
 }
 
+// Whether this build multiplies bf16 x against the codes (packed_linear with a bf16 x): every
+// build does; the op is asked so that a library built before it existed is not used for it.
+bool packed_bf16_supported() { return true; }
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "packed_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "packed_linear: x must be a contiguous fp32 [M, K] tensor");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || bf16),
+              "packed_linear: x must be a contiguous fp32 or bf16 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), P = codes.size(0), N = P * PANEL;
   TORCH_CHECK(K % BLOCK == 0, "packed_linear: K (", K, ") must be a multiple of ", BLOCK);
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() &&
@@ -202,10 +229,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   if (M == 0) return y;
   const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const float* off = bits == 4 ? offset.data_ptr<float>() : nullptr;
+  // bf16: x widened to fp32 (exact), bf16-rounded weights, the fp32 sums rounded to bf16 once
+  const at::Tensor xf = bf16 ? x.to(at::kFloat) : x;
+  at::Tensor yf = bf16 ? at::empty({M, N}, xf.options()) : y;
+  const float *xp = xf.data_ptr<float>(), *sp = scale.data_ptr<float>();
+  float* yp = yf.data_ptr<float>();
   if (bits == 4)
-    run<4>(x.data_ptr<float>(), c, scale.data_ptr<float>(), off, M, N, K, y.data_ptr<float>());
+    bf16 ? run<4, true>(xp, c, sp, off, M, N, K, yp) : run<4, false>(xp, c, sp, off, M, N, K, yp);
   else
-    run<8>(x.data_ptr<float>(), c, scale.data_ptr<float>(), off, M, N, K, y.data_ptr<float>());
+    bf16 ? run<8, true>(xp, c, sp, off, M, N, K, yp) : run<8, false>(xp, c, sp, off, M, N, K, yp);
+  if (bf16) y.copy_(yf);
   return y;
 }
 
@@ -213,6 +246,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("packed_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
+  m.def("packed_bf16_supported() -> bool", &packed_bf16_supported);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("packed_linear", &packed_linear); }
