@@ -15,10 +15,11 @@ every batch in bf16):
   0.55–0.94x the plain time at every row count from 1 to 2048 (bench/results/linear_bf16.md), so
   bf16 batches of any size take it. It costs the memory of the weights once more.
 
-Prefill-sized products are split with a helper thread on a spare core where the rank has one
-(engine/spare_core.py): fp32 blocks on the plain weight (MKL), bf16 ones on the reordered copy.
-`EngineConfig.small_batch_weights` (`--no-small-batch-weights`) turns both copies off. Only on
-the CPU: elsewhere there are no copies and every matmul takes the plain path.
+Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
+rank has one (engine/spare_core.py; fp32 only: in bf16 it cost the colocated node 0.83x its tok/s
+at concurrency 32, docs/PERFORMANCE.md). `EngineConfig.small_batch_weights`
+(`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there are no copies
+and every matmul takes the plain path.
 """
 
 from __future__ import annotations
@@ -108,31 +109,23 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     return None
 
 
-def _split_or_small(x, w, small: SmallWeights | None, bias) -> torch.Tensor | None:
-    """x @ w.T (+ bias) split with the spare core's helper where it takes x, else through a copy
-    in `small` that serves x's rows; None: neither (the plain weight)."""
-    if spare_core.takes(x, w):
-        return spare_core.linear(x, w, bias, small.reordered if small else None)
-    return _small_linear(x, small, bias)
-
-
 def linear(
     x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, in] @ w.T (+ bias): split with the spare core's helper when it takes M rows, else
-    through a copy in `small` where one serves M rows, else on the plain weight."""
-    y = _split_or_small(x, w, small, bias)
-    return F.linear(x, w, bias) if y is None else y
+    """x [M, in] @ w.T (+ bias): through a copy in `small` when M is a small batch."""
+    y = _small_linear(x, small, bias)
+    if y is not None:
+        return y
+    return spare_core.linear(x, w, bias) if spare_core.takes(x, w) else F.linear(x, w, bias)
 
 
 def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, small: SmallWeights | None):
-    """h += x @ w.T, in place. Off the plain path the product is rounded to h's dtype before the
+    """h += x @ w.T, in place. On a small path the product is rounded to h's dtype before the
     add (addmm_ may round once): at most a last-bit difference, which shows in bf16."""
-    if spare_core.takes(x, w) and h.is_contiguous() and h.dtype == x.dtype:
-        spare_core.add_linear_(h, x, w, small.reordered if small else None)
-        return
     y = _small_linear(x, small, None)
-    if y is None:
-        h.addmm_(x, w.t())
-    else:
+    if y is not None:
         h.add_(y)
+    elif spare_core.takes(x, w) and h.is_contiguous() and h.dtype == x.dtype:
+        spare_core.add_linear_(h, x, w)
+    else:
+        h.addmm_(x, w.t())

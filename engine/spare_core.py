@@ -13,10 +13,8 @@ Both threads compute a block with the same call, so the product does not depend 
 which block. It does differ in the last bits from one unsplit matmul (MKL's sums over other
 blocks), and the split of M rows is fixed by M alone.
 
-fp32 blocks multiply through MKL on the plain weight; bf16 blocks through oneDNN on the reordered
-copy that engine/linear.py keeps (in bf16 the plain matmul reorders the weight on every call).
-On for fp32 and bf16 ranks with one compute thread on the CPU, where the launcher names spare
-cores (`EngineConfig.spare_cores`; the nodes name the core plan's I/O cores, runtime/serve.py);
+On only for fp32 ranks with one compute thread on the CPU, where the launcher names spare cores
+(`EngineConfig.spare_cores`; the nodes name the core plan's I/O cores, runtime/serve.py);
 `PDSERVE_SPARE_CORE=0` turns it off.
 """
 
@@ -32,8 +30,6 @@ BLOCK_ROWS = 256  # MKL loses next to nothing to a split into blocks of this man
 MAX_BLOCKS = 16
 NICE = 19
 
-DTYPES = (torch.float32, torch.bfloat16)
-
 _cores: tuple[int, ...] = ()
 
 
@@ -47,7 +43,7 @@ def start(cores, threads: int, dtype: torch.dtype) -> str:
     why = cpu_kernels.switched_off(ENV_SWITCH)
     if not why and threads != 1:
         why = f"{threads} compute threads"
-    if not why and dtype not in DTYPES:
+    if not why and dtype != torch.float32:
         why = f"dtype {dtype}"
     if not why and not cpu_kernels.load():
         why = cpu_kernels.why_not()
@@ -74,38 +70,18 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
         bool(_cores)
         and x.dim() == 2
         and x.shape[0] >= MIN_ROWS
-        and x.dtype == w.dtype
-        and x.dtype in DTYPES
+        and x.dtype == w.dtype == torch.float32
         and x.device.type == w.device.type == "cpu"
         and x.is_contiguous()
     )
 
 
-def _operand(w: torch.Tensor, reordered: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
-    """The weight the blocks multiply against, and whether it is oneDNN's reordered copy (bf16)."""
-    if w.dtype == torch.bfloat16 and reordered is not None:
-        return reordered, True
-    return w, False
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.pdserve.spare_core_linear(x, w, bias, blocks(x.shape[0]))
 
 
-def linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    reordered: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x @ w.T (+ bias); `reordered`: oneDNN's copy of w, which bf16 blocks multiply against."""
-    operand, onednn = _operand(w, reordered)
-    return torch.ops.pdserve.spare_core_linear(
-        x, operand, bias, blocks(x.shape[0]), onednn, w.shape[0]
-    )
-
-
-def add_linear_(
-    h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, reordered: torch.Tensor | None = None
-) -> None:
-    operand, onednn = _operand(w, reordered)
-    torch.ops.pdserve.spare_core_add_linear_(h, x, operand, blocks(x.shape[0]), onednn)
+def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    torch.ops.pdserve.spare_core_add_linear_(h, x, w, blocks(x.shape[0]))
 
 
 def counts() -> dict[str, int]:

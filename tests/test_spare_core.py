@@ -1,8 +1,8 @@
 """Prefill matmuls shared with a helper thread on a spare core (engine/spare_core.py,
 engine/csrc/spare_core.cpp): the product has the same bits whoever computes which block and is the
-fp32 matmul's within rounding (bf16: oneDNN's on the reordered weight), the helper runs where it
-was put at the lowest priority, only prefill-sized fp32 and bf16 products take it, and a model
-served with it matches transformers token for token."""
+fp32 matmul's within rounding, the helper runs where it was put at the lowest priority, only
+prefill-sized fp32 products take it, and a model served with it matches transformers token for
+token."""
 
 from __future__ import annotations
 
@@ -49,19 +49,6 @@ def blockwise(x, w, bias=None):
     return torch.cat(out)
 
 
-def blockwise_onednn(x, reordered, bias=None):
-    """The same in bf16: oneDNN's linear on the reordered weight, block by block."""
-    m, n = x.shape[0], sc.blocks(x.shape[0])
-    starts = [m * b // n for b in range(n + 1)]
-    lp = torch.ops.mkldnn._linear_pointwise
-    return torch.cat(
-        [
-            lp(x[a:b], reordered, bias, "none", [], "")
-            for a, b in zip(starts, starts[1:], strict=False)
-        ]
-    )
-
-
 def claimed(counts) -> int:
     return counts["helper"] + counts["taken_back"]
 
@@ -87,52 +74,19 @@ def test_the_same_bits_whoever_computes_which_block(spare, rows, cols):
     torch.testing.assert_close(sc.linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows, cols", [(512, 160), (1031, 96)])
-def test_bf16_blocks_multiply_the_reordered_copy(spare, rows, cols):
-    """bf16: every block through oneDNN on the reordered weight (the copy engine/linear.py keeps),
-    the same bits whoever computes it, until the helper has taken one (bounded by 20 s)."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 64, generator=g).bfloat16()
-    w = torch.randn(cols, 64, generator=g).bfloat16()
-    bias, h0 = torch.randn(cols, generator=g).bfloat16(), torch.randn(rows, cols).bfloat16()
-    r = lin.reorder(w)
-    want, want_bias = blockwise_onednn(x, r), blockwise_onednn(x, r, bias)
-    before, deadline, calls = claimed(sc.counts()), time.monotonic() + 20, 0
-    while calls < 20 or (claimed(sc.counts()) == before and time.monotonic() < deadline):
-        assert torch.equal(sc.linear(x, w, None, r), want)
-        assert torch.equal(sc.linear(x, w, bias, r), want_bias)
-        h = h0.clone()
-        sc.add_linear_(h, x, w, r)
-        assert torch.equal(h, h0 + want)
-        calls += 1
-    assert claimed(sc.counts()) > before, "the helper never took a block"
-    ref = F.linear(x.float(), w.float(), bias.float())
-    torch.testing.assert_close(sc.linear(x, w, bias, r).float(), ref, rtol=1e-2, atol=3e-2)
-
-
 def test_the_helper_runs_on_the_spare_core_at_the_lowest_priority(spare):
     assert helper_threads(os.getpid(), spare) == 1
 
 
-def test_only_prefill_sized_products_take_it(spare, monkeypatch):
+def test_only_prefill_sized_fp32_products_take_it(spare, monkeypatch):
     calls = []
-
-    def counted(x, w, b, reordered=None):
-        calls.append((x.shape[0], x.dtype, reordered is not None))
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(sc, "linear", counted)
+    monkeypatch.setattr(sc, "linear", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
     w = torch.randn(64, 32)
     for rows in (1, 200, 511, 512, 2048):
         lin.linear(torch.randn(rows, 32), w, None)
-    wb = w.bfloat16()
-    small = lin.small_batch_weights(wb)
-    for rows in (8, 600):  # bf16 decode batches keep the reordered copy
-        lin.linear(torch.randn(rows, 32, dtype=torch.bfloat16), wb, small)
-    lin.linear(torch.randn(600, 32, dtype=torch.float16), w.half(), None)
+    lin.linear(torch.randn(600, 32, dtype=torch.bfloat16), w.bfloat16(), None)
     lin.linear(torch.randn(32, 600).t(), w, None)  # not contiguous
-    f32, bf16 = torch.float32, torch.bfloat16
-    assert calls == [(512, f32, False), (2048, f32, False), (600, bf16, True)]
+    assert calls == [512, 2048]
 
 
 def test_spare_cores_are_the_io_cores_of_one_thread_ranks():
@@ -142,7 +96,7 @@ def test_spare_cores_are_the_io_cores_of_one_thread_ranks():
     assert spare_cores((), 1) == []  # no I/O core: never another rank's core
     assert sc.start((), 1, torch.float32) == ""
     assert "2 compute threads" in sc.start((1,), 2, torch.float32)
-    assert "dtype" in sc.start((1,), 1, torch.float16)
+    assert "dtype" in sc.start((1,), 1, torch.bfloat16)
 
 
 def test_a_model_served_with_the_helper_matches_transformers(spare, tiny_model):

@@ -11,18 +11,15 @@
 // on one, it computes that block itself and the helper's copy is dropped: the rank never waits for
 // the helper, so a starved helper costs nothing but the split.
 //
-// Every block is computed by the same call (MKL's matmul on the block's rows, or oneDNN's linear
-// on a weight it reordered, which bf16 takes) whichever thread runs it, so y does not depend on
-// who computed what.
+// Every block is computed as a fresh tensor by the same call (at::linear on the block's rows)
+// whichever thread runs it, so y does not depend on who computed what.
 //
 // Ops:
 //   pdserve::spare_core_start(int[] cores, int nice) -> bool   the helper thread (once)
-//   pdserve::spare_core_linear(x, w, bias?, int blocks, bool onednn) -> x @ w.T + bias
-//       (x [M, K]; w [N, K], or with onednn the copy of it that mkldnn::_reorder_linear_weight made)
-//   pdserve::spare_core_add_linear_(h, x, w, int blocks, bool onednn)  h [M, N] += x @ w.T
+//   pdserve::spare_core_linear(x, w, bias?, int blocks) -> x @ w.T + bias   (x [M, K], w [N, K])
+//   pdserve::spare_core_add_linear_(h, x, w, int blocks)  h [M, N] += x @ w.T
 //   pdserve::spare_core_counts() -> int[]   blocks by [the rank's thread, the helper, taken back]
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -51,29 +48,15 @@ namespace {
 enum : int { FREE = 0, RANK = 1, HELPING = 2, HELPED = 3, TAKEN_BACK = 4 };
 
 // One split product. The helper holds a reference, so x and w stay alive while it may read them.
-// oneDNN's linear on a reordered weight (mkldnn::_linear_pointwise, the op engine/linear.py calls),
-// through the dispatcher: torch does not export it as a C++ function.
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, w, bias.defined() ? c10::IValue(bias) : c10::IValue(),
-                                 c10::IValue(std::string("none")),
-                                 c10::IValue(c10::List<std::optional<c10::Scalar>>()),
-                                 c10::IValue(std::string(""))};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
 struct Work {
   at::Tensor x, w, bias;
-  bool onednn;
   std::vector<int64_t> starts;  // block b covers rows [starts[b], starts[b + 1])
   std::unique_ptr<std::atomic<int>[]> state;
   std::vector<at::Tensor> helped;  // written by the helper before it sets HELPED
   std::unique_ptr<std::atomic<int64_t>[]> claimed_ns;  // when the helper took each block
 
-  Work(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& bias_, bool onednn_, int64_t n)
-      : x(x_), w(w_), bias(bias_), onednn(onednn_), state(new std::atomic<int>[n]), helped(n),
+  Work(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& bias_, int64_t n)
+      : x(x_), w(w_), bias(bias_), state(new std::atomic<int>[n]), helped(n),
         claimed_ns(new std::atomic<int64_t>[n]) {
     for (int64_t b = 0; b <= n; ++b) starts.push_back(x.size(0) * b / n);
     for (int64_t b = 0; b < n; ++b) {
@@ -83,23 +66,14 @@ struct Work {
   }
   int64_t blocks() const { return static_cast<int64_t>(starts.size()) - 1; }
   int64_t rows(int64_t b) const { return starts[b + 1] - starts[b]; }
-  int64_t n_out() const { return onednn ? y_cols : w.size(0); }
-  int64_t y_cols = 0;  // N (a reordered weight's sizes are not [N, K])
   // The product of block b's rows into `y` [rows, N]: the one call both threads make, so a block
-  // comes out the same whoever computes it (MKL gives the same bits into a fresh tensor or a view;
-  // oneDNN's product is copied)
+  // comes out the same whoever computes it (MKL gives the same bits into a fresh tensor or a view)
   void block_into(int64_t b, at::Tensor& y) const {
-    const at::Tensor xb = x.narrow(0, starts[b], rows(b));
-    if (onednn) {
-      y.copy_(onednn_linear(xb, w, bias));
-      return;
-    }
-    at::mm_out(y, xb, w.t());
+    at::mm_out(y, x.narrow(0, starts[b], rows(b)), w.t());
     if (bias.defined()) y.add_(bias);
   }
   at::Tensor block(int64_t b) const {
-    if (onednn) return onednn_linear(x.narrow(0, starts[b], rows(b)), w, bias);
-    at::Tensor y = at::empty({rows(b), n_out()}, x.options());
+    at::Tensor y = at::empty({rows(b), w.size(0)}, x.options());
     block_into(b, y);
     return y;
   }
@@ -243,11 +217,10 @@ at::Tensor scratch(int64_t rows, int64_t n, const at::TensorOptions& options) {
 
 // y = x @ w.T (+ bias) into a new tensor, or, with `out`, out += x @ w.T
 at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                        const at::Tensor* out, int64_t blocks, bool onednn, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 &&
-                  (onednn || (x.size(1) == w.size(1) && N == w.size(0))),
+                        const at::Tensor* out, int64_t blocks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
               "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
-  const int64_t M = x.size(0);
+  const int64_t M = x.size(0), N = w.size(0);
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.device() == x.device(),
               "spare_core_linear: w must have x's dtype and device");
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == N &&
@@ -257,8 +230,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                           out->scalar_type() == x.scalar_type()),
               "spare_core_add_linear_: h must be a contiguous [M, N] tensor of x's dtype");
   blocks = std::max<int64_t>(1, std::min(blocks, M));
-  auto work = std::make_shared<Work>(x, w, bias, onednn, blocks);
-  work->y_cols = N;
+  auto work = std::make_shared<Work>(x, w, bias, blocks);
   if (blocks > 1) Helper::get().offer(work);
 
   at::Tensor y = out ? *out : at::empty({M, N}, x.options());  // only this thread writes y
@@ -269,10 +241,6 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   // h += x @ w.T adds a finished product (addmm_ would accumulate into h, in other bits than the
   // helper's product added)
   auto compute = [&](int64_t b) {
-    if (out && onednn) {
-      rows_of(b).add_(work->block(b));
-      return;
-    }
     at::Tensor p = out ? scratch(work->rows(b), N, x.options()) : rows_of(b);
     work->block_into(b, p);
     if (out) rows_of(b).add_(p);
@@ -306,14 +274,13 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }
 
 at::Tensor spare_core_linear(const at::Tensor& x, const at::Tensor& w,
-                             const c10::optional<at::Tensor>& bias, int64_t blocks, bool onednn,
-                             int64_t n) {
-  return split_linear(x, w, bias ? *bias : at::Tensor(), nullptr, blocks, onednn, n);
+                             const c10::optional<at::Tensor>& bias, int64_t blocks) {
+  return split_linear(x, w, bias ? *bias : at::Tensor(), nullptr, blocks);
 }
 
 void spare_core_add_linear_(at::Tensor h, const at::Tensor& x, const at::Tensor& w,
-                            int64_t blocks, bool onednn) {
-  split_linear(x, w, at::Tensor(), &h, blocks, onednn, h.size(1));
+                            int64_t blocks) {
+  split_linear(x, w, at::Tensor(), &h, blocks);
 }
 
 std::vector<int64_t> spare_core_counts() {
@@ -325,18 +292,11 @@ std::vector<int64_t> spare_core_counts() {
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("spare_core_start(int[] cores, int nice) -> bool", &spare_core_start);
   m.def("spare_core_counts() -> int[]", &spare_core_counts);
-  m.def("spare_core_linear(Tensor x, Tensor w, Tensor? bias, int blocks, bool onednn, int n) "
-        "-> Tensor");
-  m.def("spare_core_add_linear_(Tensor(a!) h, Tensor x, Tensor w, int blocks, bool onednn) -> ()");
+  m.def("spare_core_linear(Tensor x, Tensor w, Tensor? bias, int blocks) -> Tensor");
+  m.def("spare_core_add_linear_(Tensor(a!) h, Tensor x, Tensor w, int blocks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
-  m.impl("spare_core_linear", &spare_core_linear);
-  m.impl("spare_core_add_linear_", &spare_core_add_linear_);
-}
-
-// a bf16 product's weight is oneDNN's reordered copy, an MkldnnCPU tensor
-TORCH_LIBRARY_IMPL(pdserve, MkldnnCPU, m) {
   m.impl("spare_core_linear", &spare_core_linear);
   m.impl("spare_core_add_linear_", &spare_core_add_linear_);
 }
