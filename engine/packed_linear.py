@@ -18,14 +18,17 @@ Two grids, those of GGML's Q4_1 and Q8_0:
 - 4-bit: w = q * d + m, q in [0, 15]; m is the block's minimum, d = (max - m) / 15.
 - 8-bit: w = q * d, q in [-127, 127]; d = max |w| / 127.
 
-fp32 weights on the CPU, where the kernels load (engine/cpu_kernels.py); and bf16 weights on a CPU
-with AVX-512 BF16, packed from the fp32 values the bf16 weights were rounded from (`pack_bf16`):
-the kernel rounds each decoded weight to bf16, the very value of the bf16 weight, and multiplies
-with bf16 dot-product instructions. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
+fp32 weights on the CPU, where the kernels load (engine/cpu_kernels.py); and, opted into with
+`PDSERVE_PACKED_BF16=1`, bf16 weights, packed from the fp32 values they were rounded from
+(`pack_bf16`): the kernel rounds each decoded weight to bf16, the very value of the bf16 weight,
+before its fp32 FMAs. Off by default: a decode step of 1 request took 0.65x the time, but the
+colocated node served 0.85x the tok/s at concurrency 32 with it (two alternating pairs,
+docs/PERFORMANCE.md), for reasons not found yet. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +36,7 @@ import torch
 from engine import cpu_kernels
 
 ENV_SWITCH = "PDSERVE_PACKED_WEIGHTS"
+BF16_SWITCH = "PDSERVE_PACKED_BF16"  # "1": bf16 models pack too (module doc)
 BLOCK = 32
 PANEL = 16  # output rows whose codes the kernel keeps together, column by column
 
@@ -60,7 +64,10 @@ def available() -> bool:
 
 
 def bf16_available() -> bool:
-    """Whether bf16 batches can multiply against packed codes here. Never raises."""
+    """Whether bf16 batches multiply against packed codes here: opted into and the kernel
+    loads. Never raises."""
+    if os.environ.get(BF16_SWITCH) != "1":
+        return False
     return available() and bool(torch.ops.pdserve.packed_bf16_supported())
 
 

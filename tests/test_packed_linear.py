@@ -94,10 +94,11 @@ def test_the_packed_product_is_the_fp32_product(qtype, bias):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
-def test_a_bf16_weight_packs_from_its_fp32_source(qtype):
+def test_a_bf16_weight_packs_from_its_fp32_source(qtype, monkeypatch):
     """A bf16 weight's codes come from the fp32 weight it was rounded from, only when that rounds
     to it exactly; the product multiplies by the bf16 weight's own values (exact products, fp32
     sums, one rounding to bf16), for every remainder of the row tiles."""
+    monkeypatch.setenv(pl.BF16_SWITCH, "1")
     g = torch.Generator().manual_seed(1)
     w = torch.from_numpy(
         gguf_grid(np.random.default_rng(5).standard_normal((208, 96)) * 0.05, qtype)
@@ -116,6 +117,7 @@ def test_a_bf16_weight_packs_from_its_fp32_source(qtype):
 
 
 def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch):
+    monkeypatch.setenv(pl.BF16_SWITCH, "1")
     w = torch.from_numpy(gguf_grid(np.random.default_rng(6).standard_normal((64, 32)), Q.Q4_1))
     small = lin.small_batch_weights(w.bfloat16(), w)
     packed, reordered = spy(monkeypatch, "_packed_linear"), spy(monkeypatch, "_onednn_linear")
@@ -202,9 +204,15 @@ def test_the_default_model_is_packed_whole():
     assert torch.equal(decode(head), s.lm_head_weight)
 
 
-def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights():
-    """In bf16 the codes come from the fp32 slice the bf16 one was rounded from: every matrix of
-    the last layer and the LM head packs, and its codes round to the bf16 weights."""
+def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights(monkeypatch):
+    """Opted in (`PDSERVE_PACKED_BF16=1`), the codes come from the fp32 slice the bf16 one was
+    rounded from: every matrix of the last layer and the LM head packs, and its codes round to the
+    bf16 weights. By default a bf16 slice does not pack (nor load itself in fp32)."""
+    s = load_slice(None, 29, 30, torch.bfloat16)
+    loads = []
+    about = s.add_small_batch_weights(lambda: loads.append(1))
+    assert about.startswith("decode matmuls on oneDNN-reordered weights") and loads == [], about
+    monkeypatch.setenv(pl.BF16_SWITCH, "1")
     s = load_slice(None, 29, 30, torch.bfloat16)
     about = s.add_small_batch_weights(lambda: load_slice(None, 29, 30))
     assert about.startswith("decode matmuls on packed block codes: 5 of 5 "), about
