@@ -45,9 +45,10 @@ def reordered_rows(dtype: torch.dtype) -> tuple[int, float]:
 # kernel's arithmetic, not the bytes it reads, sets its pace, and the margin is small;
 # bench/results/packed_matmuls.md)
 PACKED_MAX = 32
-# bf16 (opted into, engine/packed_linear.py): packed codes up to this many rows, oneDNN above. On an AMX core all 121 matmuls of the
-# default model took 0.69x oneDNN's time at 1 row, 0.94x at 4, 1.26x at 8: past a few rows the
-# kernel's fp32 FMAs, not the bytes it reads, set its pace, and oneDNN's bf16 units are faster
+# bf16 (opted into, engine/packed_linear.py): packed codes up to this many rows, oneDNN above.
+# On an AMX core all 121 matmuls of the default model took 0.69x oneDNN's time at 1 row, 0.94x at
+# 4, 1.26x at 8: past a few rows the kernel's fp32 FMAs, not the bytes it reads, set its pace, and
+# oneDNN's bf16 units are faster
 PACKED_MAX_BF16 = 3
 
 
