@@ -201,10 +201,6 @@ void run(const float* x, const uint8_t* codes, const float* scale, const float* 
   });
 }
 
-// Whether this build multiplies bf16 x against the codes (packed_linear with a bf16 x): every
-// build does; the op is asked so that a library built before it existed is not used for it.
-bool packed_bf16_supported() { return true; }
-
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const at::Tensor& offset, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "packed_linear: bits must be 4 or 8, got ", bits);
@@ -246,7 +242,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("packed_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
-  m.def("packed_bf16_supported() -> bool", &packed_bf16_supported);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("packed_linear", &packed_linear); }
