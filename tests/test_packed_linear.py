@@ -208,6 +208,7 @@ def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights(monkeypatch):
     """Opted in (`PDSERVE_PACKED_BF16=1`), the codes come from the fp32 slice the bf16 one was
     rounded from: every matrix of the last layer and the LM head packs, and its codes round to the
     bf16 weights. By default a bf16 slice does not pack (nor load itself in fp32)."""
+    monkeypatch.delenv(pl.BF16_SWITCH, raising=False)
     s = load_slice(None, 29, 30, torch.bfloat16)
     loads = []
     about = s.add_small_batch_weights(lambda: loads.append(1))
