@@ -9,6 +9,8 @@
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
 #   (run_aiperf_sweep.sh SYSPROMPT; each level draws its own user prompts).
 #   LEVELS (env): concurrency:requests pairs, default "1:16 8:48 32:64"
+# Writes OUT_DIR/summary.md (the aiperf table) and OUT_DIR/cpu_share.md (each core's busy share,
+# and the client's and the server's CPU, over each level's measured window: cpu_share.py).
 set -u
 HERE="$(cd "$(dirname "$0")" && pwd)"   # bench/peers: adapted from the shared peer scripts; same workload
 PEER_DIR="${PEER_DIR:-$HOME/.cache/pdserve-peers}"; export PEER_DIR
@@ -16,6 +18,9 @@ OUT="$1"; SYSTEMS="${2:-vllm pd colo}"
 export LEVELS="${LEVELS:-1:16 8:48 32:64}"
 PROJ="$(pwd)"; PDS="$PROJ/.venv/bin/pdserve"
 mkdir -p "$OUT"
+PY="$PEER_DIR/client-venv/bin/python"
+taskset -c 1 "$PY" "$HERE/cpu_share.py" record "$OUT/cpu_samples.jsonl" 7200 & SAMPLER=$!
+trap 'kill -TERM $SAMPLER 2>/dev/null' EXIT
 served_model() { curl -s "$1/v1/models" | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' | head -n 1; }
 wait_health() {  # URL PID SECONDS
   for _ in $(seq 1 $(( $3 * 2 ))); do
@@ -72,4 +77,7 @@ for S in $SYSTEMS; do
   "$HERE/run_aiperf_sweep.sh" "$PORT" "$MODEL" "$OUT/$S" 1
   stop_group $PGID
 done
-"$PEER_DIR/client-venv/bin/python" "$HERE/summarize_aiperf.py" $(for S in $SYSTEMS; do echo "$OUT/$S"; done) | tee "$OUT/summary.md"
+RUNS=$(for S in $SYSTEMS; do echo "$OUT/$S"; done)
+"$PY" "$HERE/summarize_aiperf.py" $RUNS | tee "$OUT/summary.md"
+kill -TERM $SAMPLER 2>/dev/null; wait $SAMPLER 2>/dev/null
+"$PY" "$HERE/cpu_share.py" summarize "$OUT/cpu_samples.jsonl" $RUNS | tee "$OUT/cpu_share.md"
