@@ -86,7 +86,7 @@ def window(samples: list[dict], start: float, end: float) -> dict[str, float]:
     wall = b["t"] - a["t"]
     row: dict[str, float] = {"wall_s": wall}
     for cpu in sorted(b["cores"]):
-        d = [y - x for x, y in zip(a["cores"][cpu], b["cores"][cpu])]
+        d = [y - x for x, y in zip(a["cores"][cpu], b["cores"][cpu], strict=True)]
         row[f"{cpu} busy"] = 1 - (d[3] + d[4]) / sum(d) if sum(d) else 0.0
     last: dict[str, list] = {}
     first: dict[str, int] = {}
