@@ -8,8 +8,9 @@ core 1 the client leaves is the most a server can gain from it (docs/PERFORMANCE
   cpu_share.py summarize OUT.jsonl RUN_DIR [RUN_DIR...]
       one markdown row per aiperf level (RUN_DIR/cN/profile_export_aiperf.json), over the window
       aiperf reports (start_time..end_time, warm-up excluded): each core's busy share (/proc/stat)
-      and each kind of process's CPU in cores (utime + stime): client (aiperf), server (the
-      project's processes or vLLM's), other.
+      and the share the hypervisor stole, and each kind of process's CPU in cores (utime +
+      stime): client (aiperf), server (pdserve's processes or vLLM's), other (this sampler
+      included, about 0.01-0.02 of a core).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def cores() -> dict[str, list[int]]:
 def kind(cmdline: str) -> str:
     if "cpu_share.py" in cmdline:  # this sampler
         return "other"
-    if "aiperf" in cmdline:
+    # the client venv lives under pdserve-peers: it must be told apart before the "pdserve" test
+    # (aiperf's children run there before they retitle themselves "aiperf ...")
+    if "aiperf" in cmdline or "/client-venv/" in cmdline:
         return "client"
-    if "pdserve" in cmdline or "vllm" in cmdline.lower() or "/.venv/" in cmdline:
+    if "pdserve" in cmdline or "vllm" in cmdline.lower():
         return "server"
     return "other"
 
@@ -72,8 +75,16 @@ def record(path: str, seconds: float) -> None:
 
 
 def load(path: str) -> list[dict]:
+    """The samples; a last line cut short (the sampler killed mid-write, or still writing) is
+    left out."""
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
 def window(samples: list[dict], start: float, end: float) -> dict[str, float]:
@@ -86,8 +97,12 @@ def window(samples: list[dict], start: float, end: float) -> dict[str, float]:
     wall = b["t"] - a["t"]
     row: dict[str, float] = {"wall_s": wall}
     for cpu in sorted(b["cores"]):
-        d = [y - x for x, y in zip(a["cores"][cpu], b["cores"][cpu], strict=True)]
-        row[f"{cpu} busy"] = 1 - (d[3] + d[4]) / sum(d) if sum(d) else 0.0
+        # user nice system idle iowait irq softirq steal (guest time is inside user and nice):
+        # time the hypervisor stole is neither busy for us nor idle, and is reported apart
+        d = [y - x for x, y in zip(a["cores"][cpu][:8], b["cores"][cpu][:8], strict=True)]
+        total = sum(d)
+        row[f"{cpu} busy"] = (total - d[3] - d[4] - d[7]) / total if total else 0.0
+        row[f"{cpu} steal"] = d[7] / total if total else 0.0
     last: dict[str, list] = {}
     first: dict[str, int] = {}
     for s in inside:
@@ -100,32 +115,44 @@ def window(samples: list[dict], start: float, end: float) -> dict[str, float]:
     return row
 
 
+def level_dirs(run: str) -> list[tuple[int, str]]:
+    """The aiperf levels of one run folder (cN/), by concurrency."""
+    out = []
+    for name in os.listdir(run) if os.path.isdir(run) else []:
+        if name[:1] == "c" and name[1:].isdigit():
+            out.append((int(name[1:]), os.path.join(run, name, "profile_export_aiperf.json")))
+    return sorted(out)
+
+
 def summarize(path: str, runs: list[str]) -> None:
     samples = load(path)
     print(
-        "| run | conc | window s | core 0 busy | core 1 busy | client (cores) | server (cores) "
-        "| other (cores) |"
+        "| run | conc | window s | core 0 busy | core 1 busy | steal 0 / 1 | client (cores) "
+        "| server (cores) | other (cores) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
-        for c in (1, 8, 32):
-            p = os.path.join(run, f"c{c}", "profile_export_aiperf.json")
-            if not os.path.exists(p):
-                continue
-            with open(p) as f:
-                d = json.load(f)
-            # aiperf writes local wall-clock times without a zone
-            start, end = (
-                datetime.datetime.fromisoformat(d[k]).timestamp()
-                for k in ("start_time", "end_time")
-            )
-            r = window(samples, start, end)
-            if not r:
+        name = os.path.basename(run.rstrip("/"))
+        for c, p in level_dirs(run):
+            r: dict[str, float] = {}
+            if os.path.exists(p):
+                with open(p) as f:
+                    d = json.load(f)
+                if d.get("start_time") and d.get("end_time"):
+                    # aiperf writes local wall-clock times without a zone
+                    start, end = (
+                        datetime.datetime.fromisoformat(d[k]).timestamp()
+                        for k in ("start_time", "end_time")
+                    )
+                    r = window(samples, start, end)
+            if not r:  # no export, no times in it, or no samples over it (the sampler stopped)
+                print(f"| {name} | {c} | no samples or times | | | | | | |")
                 continue
             print(
-                f"| {os.path.basename(run.rstrip('/'))} | {c} | {r['wall_s']:.0f} | "
-                f"{r.get('cpu0 busy', 0):.0%} | {r.get('cpu1 busy', 0):.0%} | "
-                f"{r['client']:.2f} | {r['server']:.2f} | {r['other']:.2f} |"
+                f"| {name} | {c} | {r['wall_s']:.0f} | {r.get('cpu0 busy', 0):.0%} | "
+                f"{r.get('cpu1 busy', 0):.0%} | {r.get('cpu0 steal', 0):.0%} / "
+                f"{r.get('cpu1 steal', 0):.0%} | {r['client']:.2f} | {r['server']:.2f} | "
+                f"{r['other']:.2f} |"
             )
 
 

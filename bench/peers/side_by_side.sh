@@ -19,7 +19,7 @@ export LEVELS="${LEVELS:-1:16 8:48 32:64}"
 PROJ="$(pwd)"; PDS="$PROJ/.venv/bin/pdserve"
 mkdir -p "$OUT"
 PY="$PEER_DIR/client-venv/bin/python"
-taskset -c 1 "$PY" "$HERE/cpu_share.py" record "$OUT/cpu_samples.jsonl" 7200 & SAMPLER=$!
+taskset -c 1 "$PY" "$HERE/cpu_share.py" record "$OUT/cpu_samples.jsonl" 21600 & SAMPLER=$!
 trap 'kill -TERM $SAMPLER 2>/dev/null' EXIT
 served_model() { curl -s "$1/v1/models" | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' | head -n 1; }
 wait_health() {  # URL PID SECONDS
