@@ -11,8 +11,9 @@
 // on one, it computes that block itself and the helper's copy is dropped: the rank never waits for
 // the helper, so a starved helper costs nothing but the split.
 //
-// Every block is computed as a fresh tensor by the same call (at::linear on the block's rows)
-// whichever thread runs it, so y does not depend on who computed what.
+// Every block is computed by the same call (MKL's matmul on the block's rows, into a fresh tensor
+// or a view of y, which give the same bits) whichever thread runs it, so y does not depend on who
+// computed what.
 //
 // Ops:
 //   pdserve::spare_core_start(int[] cores, int nice) -> bool   the helper thread (once)
