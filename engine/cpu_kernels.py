@@ -1,7 +1,8 @@
 """pdserve's C++ CPU kernels (`engine/csrc/*.cpp`), built for this machine with
 `torch.utils.cpp_extension` into one library, and loaded by the ranks that use them:
 decode attention over the paged pool (engine/paged_attention.py), matmuls against packed
-quantized weights (engine/packed_linear.py) and the small per-layer ops (engine/layer_ops.py).
+quantized weights (engine/packed_linear.py), the small per-layer ops (engine/layer_ops.py) and the
+choice of a token per row of logits (engine/sampling.py).
 
 Built by `scripts/setup.sh` (`python -m engine.cpu_kernels build`), once per source, torch version
 and CPU (it is compiled with -march=native), under `PDSERVE_EXT_DIR` (default
