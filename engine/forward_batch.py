@@ -8,7 +8,10 @@ call, with ONE gather per layer for K and one for V of the group's pages (whole 
 `kv_pages`; keys past a request's length are masked). Grouping keeps padding small:
 
 * decode items (num_new == 1) are sorted by KV length and cut into groups of DECODE_GROUP_SIZE;
-  their queries are one row each (max_q == 1), the fast path.
+  their queries are one row each (max_q == 1), the fast path. With `one_decode_group` (the
+  in-place kernel, which reads each request's own pages and pads nothing) they form one group in
+  item order instead; when the batch is all decode, its rows are T itself (`rows_are_t`), and the
+  layer hands q and the output to the kernel with no index_select or index_copy.
 * extend items (prefill chunks) with at least LONG_EXTEND new tokens run alone; when such an item
   starts at position 0 its attention is plain causal (`causal`, no mask, and SDPA skips the upper
   triangle). Short extend items are grouped while padding stays under 2x the real work.
@@ -60,6 +63,7 @@ class AttnGroup:
     out_sel: torch.Tensor | None  # [n] indices into the Bg * max_q padded rows; None: all real
     mask: torch.Tensor | None  # bool [Bg, 1, max_q, kv_len], True = may attend; None: see causal
     causal: bool  # SDPA is_causal (a single request starting at position 0)
+    rows_are_t: bool = False  # one query row per token of T, in order: q_rows == arange(T)
 
 
 @dataclass
@@ -75,7 +79,10 @@ class ForwardBatch:
     max_position: int
 
 
-def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") -> ForwardBatch:
+def build_forward_batch(
+    items: list[BatchItem], page_size: int, device="cpu", one_decode_group: bool = False
+) -> ForwardBatch:
+    """`one_decode_group`: the decode items in one group, in item order (the in-place kernel)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
     offsets, positions, pages_of_tok, logit_rows = [], [], [], []
@@ -102,8 +109,8 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
     out_pages = torch.tensor(pages_of_tok, dtype=torch.long)
     out_offs = pos_t % page_size
     groups = [
-        _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device)
-        for g in _group_items(items)
+        _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device, row)
+        for g in _group_items(items, one_decode_group)
     ]
     return ForwardBatch(
         num_tokens=row,
@@ -118,12 +125,18 @@ def build_forward_batch(items: list[BatchItem], page_size: int, device="cpu") ->
     )
 
 
-def _group_items(items: list[BatchItem]) -> list[list[int]]:
+def _group_items(items: list[BatchItem], one_decode_group: bool = False) -> list[list[int]]:
     """Item indices per attention group (deterministic: a pure function of the items)."""
-    decode = sorted(
-        (b for b, it in enumerate(items) if it.num_new == 1), key=lambda b: -items[b].kv_len
-    )
-    groups = [decode[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decode), DECODE_GROUP_SIZE)]
+    if one_decode_group:
+        decode = [b for b, it in enumerate(items) if it.num_new == 1]
+        groups = [decode] if decode else []
+    else:
+        decode = sorted(
+            (b for b, it in enumerate(items) if it.num_new == 1), key=lambda b: -items[b].kv_len
+        )
+        groups = [
+            decode[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decode), DECODE_GROUP_SIZE)
+        ]
     extend = sorted(
         (b for b, it in enumerate(items) if it.num_new > 1),
         key=lambda b: (-items[b].num_new, -items[b].kv_len),
@@ -150,7 +163,9 @@ def _group_items(items: list[BatchItem]) -> list[list[int]]:
     return groups
 
 
-def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, device) -> AttnGroup:
+def _build_group(
+    items: list[BatchItem], offsets: list[int], page_size: int, device, num_tokens: int
+) -> AttnGroup:
     bg = len(items)
     max_q = max(it.num_new for it in items)
     pages = max(pages_needed(it.kv_len, page_size) for it in items)
@@ -192,4 +207,5 @@ def _build_group(items: list[BatchItem], offsets: list[int], page_size: int, dev
         out_sel=None if all_real else out_sel.to(device),
         mask=mask,
         causal=causal,
+        rows_are_t=max_q == 1 and offsets == list(range(num_tokens)),
     )

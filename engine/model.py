@@ -143,12 +143,14 @@ class DecoderLayer(torch.nn.Module):
             if mask is IN_PLACE:
                 # Decode, in place: the kernel reads each request's pages where they lie.
                 o = paged_attention.decode_attention(
-                    q.index_select(0, g.q_rows),
+                    q if g.rows_are_t else q.index_select(0, g.q_rows),
                     kv,
                     g.kv_pages.view(g.num_seqs, g.pages),
                     g.seq_lens,
                     d**-0.5,
                 )
+                if g.rows_are_t:  # an all-decode batch: the kernel's output is the layer's
+                    return o.view(t, cfg.q_size)
                 out.index_copy_(0, g.out_rows, o.view(g.num_seqs, cfg.q_size))
                 continue
             n = g.num_seqs * g.pages

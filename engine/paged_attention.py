@@ -35,7 +35,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, heads, head_dim] contiguous; kv a layer's pool view [pages, 2, page_size, kv_heads,
-    head_dim]; page_table int64 [B, max_pages]; seq_lens int64 [B] (keys per request).
-    Returns [B, heads, head_dim] in q's dtype. Call `load()` first."""
+    """q [B, heads, head_dim], heads and head_dim contiguous, any stride between requests (a
+    decode batch's rows of the fused QKV output); kv a layer's pool view [pages, 2, page_size,
+    kv_heads, head_dim]; page_table int64 [B, max_pages]; seq_lens int64 [B] (keys per request).
+    Returns a contiguous [B, heads, head_dim] in q's dtype. Call `load()` first."""
     return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, seq_lens, scale)

@@ -59,8 +59,10 @@ def scattered_tables(lengths, page_size, num_pages, seed=0):
     return tables
 
 
-def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
-    """Runs `plan` through the chained slices; returns {(request, position): logits row}."""
+def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32, one_group=False):
+    """Runs `plan` through the chained slices; returns {(request, position): logits row}.
+    `one_group`: the decode items in one attention group, as the runner asks for the in-place
+    kernel."""
     num_pages = sum(pages_needed(len(s), page_size) for s in seqs) + 3
     pools = [
         KVPool(
@@ -85,7 +87,7 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32):
             items.append(BatchItem(tables[r], done[r], n, logits))
             toks += seqs[r][done[r] : done[r] + n]
             done[r] += n
-        fb = build_forward_batch(items, page_size)
+        fb = build_forward_batch(items, page_size, one_decode_group=one_group)
         x = torch.tensor(toks)
         for s, pool in zip(slices, pools, strict=True):
             x = s(x, fb, pool)
@@ -220,6 +222,34 @@ def test_forward_batch_layout():
     assert rows == list(range(12))
     with pytest.raises(ValueError, match="pages"):
         build_forward_batch([BatchItem([0], 3, 2, True)], page_size=4)
+
+
+def test_one_decode_group_for_the_in_place_kernel():
+    """For the in-place kernel: every decode item in one group, in item order (no sort, no
+    padding to share), and an all-decode batch's rows are T itself, so the layer skips the
+    index_select and index_copy around the kernel."""
+    items = [
+        BatchItem([2], 3, 1, True),
+        BatchItem([4, 9, 2], 0, 9, True),
+        BatchItem([7, 3], 5, 1, True),
+        BatchItem([1, 5], 7, 1, True),
+    ]
+    mixed = build_forward_batch(items, page_size=4, one_decode_group=True)
+    decode = [g for g in mixed.groups if g.max_q == 1]
+    assert len(decode) == 1 and not decode[0].rows_are_t
+    assert decode[0].q_rows.tolist() == [0, 10, 11]  # item order, not sorted by length
+    assert decode[0].seq_lens.tolist() == [4, 6, 8]
+    rows = sorted(r for g in mixed.groups for r in g.out_rows.tolist())
+    assert rows == list(range(12))
+    only = [it for it in items if it.num_new == 1]
+    fb = build_forward_batch(only, page_size=4, one_decode_group=True)
+    (g,) = fb.groups
+    assert g.rows_are_t and g.q_rows.tolist() == g.out_rows.tolist() == [0, 1, 2]
+    assert g.kv_pages.view(3, 2).tolist() == [[2, 0], [7, 3], [1, 5]]
+    # the default (the gather path): sorted by length, cut into groups, never rows_are_t
+    sorted_fb = build_forward_batch(only, page_size=4)
+    assert [r for g in sorted_fb.groups for r in g.q_rows.tolist()] == [2, 1, 0]
+    assert not any(g.rows_are_t for g in sorted_fb.groups)
 
 
 @pytest.fixture(scope="module")

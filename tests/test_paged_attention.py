@@ -121,6 +121,25 @@ def test_bf16_equals_gather_and_sdpa(heads, kv_heads, page_size, lens, d):
     torch.testing.assert_close(got.float(), reference(q, kv, pt, n), rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_of_a_wider_tensor(dtype):
+    """q as the layer has it for an all-decode batch: each request's heads are the first columns
+    of its row of the fused QKV output (a stride between requests wider than heads * head_dim).
+    The kernel reads it as it lies and returns a contiguous result equal to the packed query's."""
+    heads, kv_heads, d, lens = 9, 3, 64, [1, 17, 300]
+    q, kv, pt, n = make_case(
+        5, heads=heads, kv_heads=kv_heads, page_size=16, lens=lens, d=d, dtype=dtype
+    )
+    qkv = torch.cat([q.view(len(lens), heads * d), torch.randn(len(lens), 2 * kv_heads * d)], 1)
+    rows = qkv.to(dtype)[:, : heads * d].view(len(lens), heads, d)
+    assert not rows.is_contiguous()
+    got = paged_attention.decode_attention(rows, kv, pt, n, d**-0.5)
+    assert got.is_contiguous() and got.shape == q.shape
+    torch.testing.assert_close(got, paged_attention.decode_attention(q, kv, pt, n, d**-0.5))
+    with pytest.raises(RuntimeError, match="head_dim contiguous"):
+        paged_attention.decode_attention(q.transpose(1, 2), kv, pt, n, d**-0.5)
+
+
 def test_bad_tables_are_refused_not_read():
     q, kv, pt, n = make_case(3, heads=4, kv_heads=2, page_size=4, lens=[6, 8])
     scale = q.shape[-1] ** -0.5
@@ -155,6 +174,9 @@ def test_the_model_decodes_with_it(tiny_llama, monkeypatch):
     decode_items = sum(n == 1 for step in PLAN for _, n, _ in step)
     assert sum(calls) == decode_items * len(cfg_layers(slices))
     assert max_err(got, ref) < 1e-4
+    one_group = run_plan(slices, cfg, seqs, PLAN, one_group=True)  # as the runner builds it
+    assert sum(calls) == 2 * decode_items * len(cfg_layers(slices))
+    assert all(torch.equal(one_group[k], got[k]) for k in got)
     for s in slices:
         s._in_place = False  # the gather path, as on a machine without the kernel
     gathered = run_plan(slices, cfg, seqs, PLAN)

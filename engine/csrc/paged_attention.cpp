@@ -14,12 +14,13 @@
 // there. Other CPUs take the plain loops.
 //
 // Op: pdserve::paged_decode_attention(q, kv, page_table, seq_lens, scale) -> out
-//   q          [B, num_heads, head_dim]        contiguous
+//   q          [B, num_heads, head_dim]        heads and head_dim contiguous; any request stride
+//              (a decode batch's rows of the fused QKV output pass as they are)
 //   kv         [pages, 2, page_size, kv_heads, head_dim]   a layer's view of the pool: any strides,
 //              but head_dim contiguous
 //   page_table [B, max_pages] int64            contiguous; only the first ceil(len / page_size) used
 //   seq_lens   [B] int64                       keys per request (>= 1)
-//   out        [B, num_heads, head_dim]        q's dtype
+//   out        [B, num_heads, head_dim]        q's dtype, contiguous
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -293,7 +294,7 @@ void bf16_dot_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor
     alignas(64) uint16_t zeros[D] = {};
     std::vector<float> state(nkv * G * (D + 2));
     for (int64_t b = begin; b < end; ++b)
-      bf16_dot_request<G, D>(qp + b * nh * D, nkv, base, pt + b * max_pages, lens[b], ps,
+      bf16_dot_request<G, D>(qp + b * q.stride(0), nkv, base, pt + b * max_pages, lens[b], ps,
                              kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), sc, zeros,
                              state.data(), op + b * nh * D);
   });
@@ -336,7 +337,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       const int64_t b = task / nkv, h = task % nkv;
       const int64_t len = lens[b];
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + (b * nh + h * group + g) * d;
+        const T* src = qp + b * q.stride(0) + (h * group + g) * d;
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(src[i]) * sc;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -382,7 +383,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
                                   const at::Tensor& page_table, const at::Tensor& seq_lens,
                                   double scale) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode_attention: CPU only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [B, heads, head_dim] with heads and head_dim contiguous");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1,
               "kv must be [pages, 2, page_size, kv_heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(kv.size(4) == q.size(2), "q and kv head_dim differ");
@@ -404,7 +406,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
       TORCH_CHECK(page >= 0 && page < pages, "page_table[", b, ", ", p, "] out of range");
     }
   }
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());
   const auto qt = q.scalar_type(), kt = kv.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
     decode_kernel<float, float>(q, kv, page_table, seq_lens, scale, out);
