@@ -4,15 +4,21 @@ before), one process, alternating, on one core.
 
 Rows of SmolLM2's vocabulary (49,152) in bf16, as the forward leaves them, with an OpenAI client's
 defaults (temperature 1, no top-k, top-p or min-p: what aiperf and vLLM's benchmarks send), and
-greedy rows for scale.
+greedy rows for scale. Then the whole decode step of the offline engine (SmolLM2-135M-Instruct,
+bf16, one thread) at `--step-batch` requests of 70-534 token prompts at temperature 1, its last
+rank's sampler swapped between the two, alternating runs of 48 output tokens: the median step over
+each run's last 40 (all decode).
 
-  .venv/bin/python bench/bench_sampling.py [--rows 1,8,32,64] [--reps 7] [--out FILE.md]
+  .venv/bin/python bench/bench_sampling.py [--rows 1,8,32,64] [--reps 7] [--step-batch 32]
+      [--step-runs 2] [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -23,8 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import cpu_kernels, sampling  # noqa: E402
+os.environ.setdefault("TQDM_DISABLE", "1")
+from engine import cpu_kernels, model_runner, sampling  # noqa: E402
+from engine.batch import SampleOut  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.core import SamplingParams  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.sampling import _filtered_probs, sample  # noqa: E402
 
 VOCAB = 49_152
@@ -71,10 +81,60 @@ def table_row(rows: int, reps: int, g: torch.Generator) -> str:
     return f"| {rows} | {o:.2f} | {n:.2f} | {n / o:.3f} | {t:.2f} | {t / o:.3f} | {gr:.2f} |"
 
 
+def decode_step_ms(eng: Engine, prompts: list[list[int]]) -> float:
+    """Median decode step (ms) over the last 40 steps of one run of 48 output tokens."""
+    sp = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0)
+    for p in prompts:
+        eng.add_request(p, sp)
+    eng._done = {}
+    steps = []
+    while eng.scheduler.has_work:
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    return statistics.median(steps[-40:]) * 1e3
+
+
+def step_table(batch: int, runs: int) -> list[str]:
+    """The engine's decode step with each sampler, alternating `runs` times."""
+    eng = Engine(EngineConfig(model=None, threads=1, dtype="bfloat16"))
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(100, 40_000) for _ in range(rng.randint(70, 534))] for _ in range(batch)
+    ]
+    eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    real = model_runner.sample
+    old = lambda logits, params, steps, g, *rest: SampleOut(multinomial_per_row(logits, params, g))  # noqa: E731
+    times: dict[str, list[float]] = {"multinomial": [], "inverse CDF": []}
+    try:
+        for _ in range(runs):
+            for name, fn in (("multinomial", old), ("inverse CDF", real)):
+                model_runner.sample = fn
+                times[name].append(decode_step_ms(eng, prompts))
+    finally:
+        model_runner.sample = real
+    o, n = (statistics.median(v) for v in times.values())
+    return [
+        "",
+        f"Offline engine, bf16, 1 thread, {batch} requests at temperature 1: median decode step "
+        f"(ms) per run, {runs} alternating runs of each.",
+        "",
+        "| sampler | decode step ms, each run | median | ratio |",
+        "|---|---|---:|---:|",
+        f"| torch.multinomial per row | {' / '.join(f'{x:.1f}' for x in times['multinomial'])} "
+        f"| {o:.1f} | 1 |",
+        f"| inverse CDF (C++ op) | {' / '.join(f'{x:.1f}' for x in times['inverse CDF'])} "
+        f"| {n:.1f} | {n / o:.3f} |",
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32,64")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--step-batch", type=int, default=32)
+    ap.add_argument("--step-runs", type=int, default=2, help="0: no decode-step comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -95,6 +155,8 @@ def main() -> int:
     for rows in (int(x) for x in args.rows.split(",")):
         lines.append(table_row(rows, args.reps, g))
         print(lines[-1], flush=True)
+    if args.step_runs:
+        lines += step_table(args.step_batch, args.step_runs)
     lines += ["", "Command: `.venv/bin/python bench/bench_sampling.py`", ""]
     text = "\n".join(lines)
     if args.out:

@@ -9,6 +9,7 @@
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
 #   (run_aiperf_sweep.sh SYSPROMPT; each level draws its own user prompts).
 #   LEVELS (env): concurrency:requests pairs, default "1:16 8:48 32:64"
+#   TEMPERATURE (env): sent to both servers, default 1 (0: greedy, as runs before 25; run_aiperf_sweep.sh)
 # Writes OUT_DIR/summary.md (the aiperf table) and OUT_DIR/cpu_share.md (each core's busy share,
 # and the client's and the server's CPU, over each level's measured window: cpu_share.py).
 set -u
