@@ -19,7 +19,6 @@ import platform
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -27,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from engine_steps import median_step_ms  # noqa: E402
 
 from engine import forward_batch, model_runner  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -40,19 +41,6 @@ def sorted_groups(items, page_size, device="cpu", one_decode_group=False):
     return ONE_GROUP(items, page_size, device)
 
 
-def decode_step_ms(eng: Engine, prompts: list[list[int]]) -> float:
-    sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    for p in prompts:
-        eng.add_request(p, sp)
-    steps = []
-    while eng.scheduler.has_work:
-        t = time.perf_counter()
-        eng.step()
-        steps.append(time.perf_counter() - t)
-    eng._done = {}
-    return statistics.median(steps[-32:]) * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
@@ -61,6 +49,7 @@ def main() -> int:
     args = ap.parse_args()
     eng = Engine(EngineConfig(model=None, threads=1, dtype="bfloat16"))
     torch.set_num_threads(1)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
     lines = [
         "# Decode step: the in-place kernel once per layer vs per sorted group of 8",
         "",
@@ -77,13 +66,15 @@ def main() -> int:
         prompts = [
             [rng.randrange(100, 40_000) for _ in range(rng.randint(300, 400))] for _ in range(b)
         ]
-        decode_step_ms(eng, prompts)  # warm-up (and the prefix cache holds the prompts after it)
+        median_step_ms(
+            eng, prompts, sp, last=32
+        )  # warm-up (and the prefix cache holds the prompts after it)
         times: dict[str, list[float]] = {"groups": [], "one": []}
         try:
             for _ in range(args.reps):
                 for name, fn in (("groups", sorted_groups), ("one", ONE_GROUP)):
                     model_runner.build_forward_batch = fn
-                    times[name].append(decode_step_ms(eng, prompts))
+                    times[name].append(median_step_ms(eng, prompts, sp, last=32))
         finally:
             model_runner.build_forward_batch = ONE_GROUP
         g, o = (statistics.median(v) for v in times.values())

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+from engine_steps import median_step_ms  # noqa: E402
+
 from engine import cpu_kernels, model_runner, sampling  # noqa: E402
 from engine.batch import SampleOut  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -81,20 +83,6 @@ def table_row(rows: int, reps: int, g: torch.Generator) -> str:
     return f"| {rows} | {o:.2f} | {n:.2f} | {n / o:.3f} | {t:.2f} | {t / o:.3f} | {gr:.2f} |"
 
 
-def decode_step_ms(eng: Engine, prompts: list[list[int]]) -> float:
-    """Median decode step (ms) over the last 40 steps of one run of 48 output tokens."""
-    sp = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0)
-    for p in prompts:
-        eng.add_request(p, sp)
-    eng._done = {}
-    steps = []
-    while eng.scheduler.has_work:
-        t = time.perf_counter()
-        eng.step()
-        steps.append(time.perf_counter() - t)
-    return statistics.median(steps[-40:]) * 1e3
-
-
 def step_table(batch: int, runs: int) -> list[str]:
     """The engine's decode step with each sampler, alternating `runs` times."""
     eng = Engine(EngineConfig(model=None, threads=1, dtype="bfloat16"))
@@ -106,12 +94,13 @@ def step_table(batch: int, runs: int) -> list[str]:
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     real = model_runner.sample
     old = lambda logits, params, steps, g, *rest: SampleOut(multinomial_per_row(logits, params, g))  # noqa: E731
+    sp = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0)
     times: dict[str, list[float]] = {"multinomial": [], "inverse CDF": []}
     try:
         for _ in range(runs):
             for name, fn in (("multinomial", old), ("inverse CDF", real)):
                 model_runner.sample = fn
-                times[name].append(decode_step_ms(eng, prompts))
+                times[name].append(median_step_ms(eng, prompts, sp, last=40))
     finally:
         model_runner.sample = real
     o, n = (statistics.median(v) for v in times.values())
