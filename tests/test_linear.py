@@ -88,7 +88,7 @@ def tiny(tmp_path_factory):
     return path, cfg, seqs, hf_logits(path, seqs)
 
 
-def test_a_model_with_small_batch_weights_matches_transformers(tiny):
+def test_a_model_with_small_batch_weights_matches_transformers(tiny, monkeypatch):
     path, cfg, seqs, ref = tiny
     slices = [load_slice(path, 0, 2), load_slice(path, 2, 4)]
     plain = run_plan(slices, cfg, seqs, PLAN)
@@ -97,7 +97,12 @@ def test_a_model_with_small_batch_weights_matches_transformers(tiny):
     small = [v for s in slices for layer in s.layers for v in layer.small.values()]
     assert small and all(v.reordered is not None and v.packed is None for v in small)
     assert slices[-1]._small_head.reordered is not None
+    calls = _spy_on_the_reordered_path(monkeypatch)
     got = run_plan(slices, cfg, seqs, PLAN)
     assert max_err(got, ref) < 1e-4
-    # the batches of 4 rows or more took the reordered path, so some rows differ in the last bits
-    assert any(not torch.equal(got[k], plain[k]) for k in got)
+    assert got.keys() == plain.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], plain[k], rtol=1e-4, atol=1e-4)
+    # the model's products of SMALL_MIN..SMALL_MAX rows went through the reordered copy. (Whether
+    # that changes the last bits depends on the CPU's oneDNN kernels: on one CI host it did not.)
+    assert calls and all(lin.SMALL_MIN <= m <= lin.SMALL_MAX for m in calls)
