@@ -82,9 +82,9 @@ class Dispatcher:
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
                     reason = "prefill_failed" if prefill_failed else "no_prefill"
-                self.disagg.routed(key, decode.url)
-                self.metrics.route_decision(path, reason)
                 keep = prefill if path == "disaggregated" else None
+                self.disagg.routed(key, decode.url, keep.url if keep else None)
+                self.metrics.route_decision(path, reason)
                 return Route(keep, decode, tokens, chars)
         colocated = self._choose("colocated", key, exclude, model)
         if colocated:

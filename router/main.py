@@ -212,9 +212,9 @@ def _add_routing_args(opt) -> None:
         D.local_prefill_cost,
         float,
         help="PD: cost of a decode-side prefill token vs a prefill-side one, for the queue rule "
-        "(0: no queue rule; the default was measured on 2 cores where the prefill rank shares a "
-        "core: where prefill nodes have cores of their own, a higher cost keeps more prefills out "
-        "of the decode batch)",
+        "(0: no queue rule; at most 1 while the decode node has no request open; the default was "
+        "measured on 2 cores where the prefill rank shares a core: where prefill nodes have cores "
+        "of their own, a higher cost keeps more prefills out of the decode batch)",
     )
     opt(
         "--disagg-transfer-overhead-tokens",

@@ -20,9 +20,10 @@ class W:
     url: str
     queued_prompt_tokens: int = 0
     prefix_cache: bool = True
+    in_flight: int = 0  # requests the router has open there
 
 
-P, D = W("http://p"), W("http://d")
+P, D = W("http://p"), W("http://d", in_flight=4)  # the decode node has streams running
 
 
 def ids(n: int) -> dict:
@@ -66,6 +67,40 @@ def test_a_decode_node_holding_most_of_the_prompt_prefills_it():
     assert d.decide({}, turn2, P, W(D.url, prefix_cache=False)).path == "disaggregated"
 
 
+def test_a_prompt_both_nodes_hold_stays_disaggregated():
+    """One shared system prompt before every request: both nodes' caches hold it and each would
+    compute only the rest, so the request stays disaggregated and its prefill stays off the decode
+    streams' core. (When only the decode node's cache counted, such requests went decode_only:
+    44 of 53 in an aiperf run at concurrency 8.)"""
+    d = Disaggregation(
+        DisaggConfig(
+            min_prompt_tokens=0,
+            decode_prefix_fraction=0.8,
+            local_prefill_cost=1.5,
+            transfer_overhead_tokens=16,
+        )
+    )
+    system = "system\n" + "you are a careful assistant. " * 60
+    first = system + "user\n" + "a" * 400
+    assert d.decide({}, first, P, D).path == "disaggregated"
+    d.routed(first, D.url, P.url)
+    later = system + "user\n" + "b" * 400  # both hold over 80 % of it
+    n = d.tokens.estimate({}, later)
+    held = d.held_tokens(d.decode_cache, later, D, n)
+    assert held >= 0.8 * n and held == d.held_tokens(d.prefill_cache, later, P, n)
+    dec = d.decide({}, later, P, D)
+    assert (dec.path, dec.reason) == ("disaggregated", "default")
+    assert dec.prompt_tokens == n - held  # the prefill node's queue is charged only the rest
+    # a prefill node started with --no-prefix-cache holds nothing: the decode node's hit counts
+    assert d.decide({}, later, W(P.url, prefix_cache=False), D).reason == "decode_prefix_hit"
+    # the prefill node's queue still counts: behind a deep one the decode node prefills it
+    assert d.decide({}, later, W(P.url, 10_000), D).reason == "prefill_queue"
+    # a request the decode node prefilled alone is not recorded as held by the prefill node
+    other = "user\nsomething else entirely " * 20
+    d.routed(other, D.url)
+    assert d.held_tokens(d.prefill_cache, other, P, 100) == 0
+
+
 def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_node():
     cfg = DisaggConfig(
         min_prompt_tokens=0,
@@ -75,14 +110,31 @@ def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_node():
     )
     d = Disaggregation(cfg)
     body = ids(100)
-    assert d.decide(body, "k", W("p", 0), W("d", 0)).path == "disaggregated"  # 164 < 400
+    busy = dict(in_flight=2)  # streams decode there: a local prefill delays them
+    assert d.decide(body, "k", W("p", 0), W("d", 0, **busy)).path == "disaggregated"  # 164 < 400
     # 300 + 100 + 64 = 464 > 4 * 100
-    assert d.decide(body, "k", W("p", 300), W("d", 0)).reason == "prefill_queue"
+    assert d.decide(body, "k", W("p", 300), W("d", 0, **busy)).reason == "prefill_queue"
     # the decode node's own local queue counts against it: 4 * (50 + 100) = 600
-    assert d.decide(body, "k", W("p", 300), W("d", 50)).path == "disaggregated"
+    assert d.decide(body, "k", W("p", 300), W("d", 50, **busy)).path == "disaggregated"
     assert Disaggregation(DisaggConfig(local_prefill_cost=0)).decide(
         body, "k", W("p", 10**6), W("d", 0)
     ).path == ("disaggregated")
+
+
+def test_an_idle_decode_node_prefills_at_the_cost_of_what_it_computes():
+    """With no request open on the decode node, its prefill delays no stream: the queue rule
+    weighs its tokens 1, not the local cost, so the transfer overhead decides between equals (on
+    the 2-core host, where the prefill rank shares the client's core, this is the faster path)."""
+    cfg = DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2, local_prefill_cost=1.5)
+    d = Disaggregation(cfg)
+    body = ids(300)
+    idle, busy = W("d", 0, in_flight=0), W("d", 0, in_flight=1)
+    assert d.decide(body, "k", W("p", 0), idle).reason == "prefill_queue"  # 300 < 316
+    assert d.decide(body, "k", W("p", 0), busy).path == "disaggregated"  # 450 > 316
+    # a cost below 1 stays as set
+    low = Disaggregation(DisaggConfig(min_prompt_tokens=0, local_prefill_cost=0.5))
+    assert low.decide(ids(600), "k", W("p", 0), W("d", 700, in_flight=0)).path == "disaggregated"
+    assert low.decide(ids(600), "k", W("p", 0), W("d", 10, in_flight=0)).reason == "prefill_queue"
 
 
 def decisions(cluster) -> dict[tuple[str, str], float]:
@@ -136,15 +188,17 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
 @pytest.mark.parametrize("cache", [True, False])
 def test_a_decode_node_without_a_prefix_cache_never_counts_as_holding_the_prompt(cache):
     """The router learns from /server_info whether the decode node keeps finished prompts' KV; a
-    resent prompt is a decode_prefix_hit only when it does."""
-    cfg = DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=0.8, local_prefill_cost=0)
+    longer prompt after one the decode node prefilled alone (too short to disaggregate, so the
+    prefill node never saw it) is a decode_prefix_hit only when it does."""
+    cfg = DisaggConfig(min_prompt_tokens=40, decode_prefix_fraction=0.8, local_prefill_cost=0)
     with Cluster(prefill=1, decode=1, disagg=cfg, node_kw={"prefix_cache": cache}) as cluster:
         workers = httpx.get(cluster.url + "/workers", timeout=5).json()["workers"]
         assert [w["prefix_cache"] for w in workers] == [cache, cache]
-        for _ in range(2):
-            assert generate(cluster, list(range(64))).status_code == 200
-        hits = decisions(cluster)[("decode_only", "decode_prefix_hit")]
-        assert hits == (1 if cache else 0)
+        for n in (39, 44):
+            assert generate(cluster, list(range(n))).status_code == 200
+        counts = decisions(cluster)
+        assert counts[("decode_only", "short_prompt")] == 1
+        assert counts[("decode_only", "decode_prefix_hit")] == (1 if cache else 0)
 
 
 def test_queued_prompt_tokens_return_to_zero():
