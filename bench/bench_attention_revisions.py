@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import re
 import statistics
 import subprocess
@@ -33,11 +32,12 @@ from torch.utils import cpp_extension
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_decode_attention import HEADS, KV_HEADS, LAYERS, D  # noqa: E402
+from bench.bench_decode_attention import case as decode_attention_case  # noqa: E402
 from engine import cpu_kernels  # noqa: E402
 
 KERNEL = "engine/csrc/paged_attention.cpp"
 HEADER = "engine/csrc/vec_math.h"
-LAYERS, PAGE, KV_HEADS, HEADS, D = 30, 16, 3, 9, 64
 
 
 def source(rev: str, path: str) -> str:
@@ -68,20 +68,9 @@ def build(rev: str, tag: str, workdir: Path):
     return getattr(torch.ops, ns).paged_decode_attention
 
 
-def case(lo: int, hi: int, dtype: torch.dtype, seed: int = 0):
-    rng = random.Random(seed)
-    lens = [rng.randint(lo, hi) for _ in range(32)]
-    per = [-(-n // PAGE) for n in lens]
-    pages = sum(per) + 8
-    pool = torch.randn(pages, LAYERS, 2, PAGE, KV_HEADS, D).to(dtype)
-    order = list(range(pages))
-    rng.shuffle(order)
-    tables, i = [], 0
-    for k in per:
-        tables.append(order[i : i + k] + [0] * (max(per) - k))
-        i += k
-    q = torch.randn(32, HEADS, D).to(dtype)
-    return q, pool, torch.tensor(tables), torch.tensor(lens)
+def case(lo: int, hi: int, dtype: torch.dtype):
+    pool, table, lens = decode_attention_case(0, lo, hi, dtype)
+    return torch.randn(32, HEADS, D).to(dtype), pool, table, lens
 
 
 def step_ms(op, q, pool, table, lens) -> float:
