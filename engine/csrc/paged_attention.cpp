@@ -9,9 +9,8 @@
 // together, page by page, with an online softmax (running max and sum) in fp32, so the keys and
 // values are read once for all of them. Pool and query may be fp32 or bf16; every sum is fp32.
 // With AVX2 and FMA the scores take eight keys at a time and the weighted values 32 columns at a
-// time in registers, and the next page is prefetched: on one Ice Lake core, 32 requests of 384
-// tokens (SmolLM2's 3 KV heads of 64) read their KV at 8.6 GB/s, about what a streaming sum reaches
-// there. Other CPUs take the plain loops.
+// time in registers, and the next page is prefetched a few lines at a time while this one is
+// computed (HeadRowStream). Other CPUs take the plain loops.
 //
 // Op: pdserve::paged_decode_attention(q, kv, page_table, seq_lens, scale) -> out
 //   q          [B, num_heads, head_dim]        heads and head_dim contiguous; any request stride
@@ -40,9 +39,44 @@ namespace {
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return pdserve_vec::bf16_bits_to_f32(v.x); }
 
+// The generic kernel's prefetch of the next page of one KV head (or the next task's first): its
+// `rows` K rows of `row_bytes` every `stride` bytes from `k` (nullptr: nothing to fetch), each
+// followed by its V row `v_bytes` further on, a few cache lines per step(), the steps spread over
+// the arithmetic on the current page, as PageStream (below) does for the bf16 path's whole pages.
+// On the AVX-512 BF16 EPYC the fp32 decode attention at 32 requests took 0.73x / 0.72x / 0.80x the
+// time of one burst per page at 30-100 / 300-400 / 800-900 tokens (bench/bench_attention_revisions.py
+// --dtype float32).
+class HeadRowStream {
+ public:
+  static constexpr int kLinesPerStep = 4;
+  void start(const void* k, int64_t v_bytes, int64_t rows, int64_t row_bytes, int64_t stride) {
+    k_ = static_cast<const char*>(k);
+    v_bytes_ = v_bytes;
+    stride_ = stride;
+    row_lines_ = (row_bytes + 63) / 64;
+    rows_ = k_ ? rows : 0;
+    row_ = line_ = half_ = 0;
+  }
+  void step() {
+#if defined(__SSE__)
+    for (int i = 0; i < kLinesPerStep && row_ < rows_; ++i) {
+      _mm_prefetch(k_ + half_ * v_bytes_ + row_ * stride_ + line_ * 64, _MM_HINT_T0);
+      if (++line_ == row_lines_) {  // K row, then its V row, then the next row
+        line_ = 0;
+        if (++half_ == 2) half_ = 0, ++row_;
+      }
+    }
+#endif
+  }
+
+ private:
+  const char* k_ = nullptr;
+  int64_t v_bytes_ = 0, stride_ = 0, row_lines_ = 0, rows_ = 0, row_ = 0, line_ = 0, half_ = 0;
+};
+
 // scores[g * n + t] = q_g . k_t for the n tokens of one page (k_t = K + t * ks).
 void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t ks, int64_t n,
-                 const float* zeros, float* scores) {
+                 const float* zeros, float* scores, HeadRowStream& next) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
     // Eight tokens at a time: eight independent FMA chains, then one transpose-and-add of the
@@ -52,6 +86,7 @@ void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t k
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * d;
       for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        next.step();
         const int64_t m = std::min<int64_t>(8, n - t0);
         const float* rows[8];
         for (int j = 0; j < 8; ++j) rows[j] = j < m ? K + (t0 + j) * ks : zeros;
@@ -76,6 +111,7 @@ void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t k
 #endif
   for (int64_t g = 0; g < G; ++g)
     for (int64_t t = 0; t < n; ++t) {
+      next.step();
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * K[t * ks + i];
@@ -85,7 +121,7 @@ void page_scores(const float* q, int64_t G, int64_t d, const float* K, int64_t k
 
 // acc[g * d + i] = acc[g * d + i] * corr[g] + sum_t w[g * n + t] * v_t[i] (v_t = V + t * vs).
 void page_accumulate(const float* w, const float* corr, int64_t G, int64_t d, const float* V,
-                     int64_t vs, int64_t n, float* acc) {
+                     int64_t vs, int64_t n, float* acc, HeadRowStream& next) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 32 == 0) {
     // 32 columns at a time in four registers, all n tokens, then the next 32: four FMA chains.
@@ -98,6 +134,7 @@ void page_accumulate(const float* w, const float* corr, int64_t G, int64_t d, co
         __m256 r2 = _mm256_mul_ps(_mm256_loadu_ps(ag + 16), cg);
         __m256 r3 = _mm256_mul_ps(_mm256_loadu_ps(ag + 24), cg);
         for (int64_t t = 0; t < n; ++t) {
+          next.step();
           const __m256 wt = _mm256_set1_ps(w[g * n + t]);
           const float* v = V + t * vs + c;
           r0 = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v), r0);
@@ -118,6 +155,7 @@ void page_accumulate(const float* w, const float* corr, int64_t G, int64_t d, co
     float* ag = acc + g * d;
     for (int64_t i = 0; i < d; ++i) ag[i] *= corr[g];
     for (int64_t t = 0; t < n; ++t) {
+      next.step();
       const float wt = w[g * n + t];
       const float* v = V + t * vs;
 #pragma omp simd
@@ -139,24 +177,6 @@ inline const float* as_f32(const at::BFloat16* src, int64_t stride, int64_t n, i
     for (int64_t i = 0; i < d; ++i) buf[t * d + i] = to_f(src[t * stride + i]);
   *out_stride = d;
   return buf;
-}
-
-// Asks for the next page's keys and values of this head while this one is computed: the rows of
-// one head are 1 / kv_heads of each token's bytes, a stride the hardware prefetcher does not follow
-// across pages (which lie anywhere in the pool).
-template <typename KV>
-inline void prefetch_page(const KV* kpage, int64_t s_half, int64_t s_tok, int64_t n, int64_t d) {
-#if defined(__SSE__)
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(KV));
-  for (int64_t t = 0; t < n; ++t) {
-    const char* k = reinterpret_cast<const char*>(kpage + t * s_tok);
-    const char* v = reinterpret_cast<const char*>(kpage + s_half + t * s_tok);
-    for (int64_t o = 0; o < row_bytes; o += 64) {
-      _mm_prefetch(k + o, _MM_HINT_T0);
-      _mm_prefetch(v + o, _MM_HINT_T0);
-    }
-  }
-#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -366,6 +386,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores(group * ps);
     std::vector<float> m(group), l(group), corr(group), kbuf(ps * d), vbuf(ps * d), zeros(d, 0.0f);
+    const int64_t kv_size = static_cast<int64_t>(sizeof(KV));
+    HeadRowStream next;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nkv, h = task % nkv;
       const int64_t len = lens[b];
@@ -380,12 +402,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
         const int64_t page = pt[b * max_pages + p];
         const int64_t n = std::min(ps, len - p * ps);
         const KV* kpage = base + page * s_page + h * s_head;
-        if ((p + 1) * ps < len) prefetch_page(base + pt[b * max_pages + p + 1] * s_page + h * s_head,
-                                              s_half, s_tok, std::min(ps, len - (p + 1) * ps), d);
+        // the next page of this head, or the next task's first (its request's, its head's)
+        const KV* nk = (p + 1) * ps < len ? base + pt[b * max_pages + p + 1] * s_page + h * s_head
+                       : task + 1 < end   ? base + pt[(task + 1) / nkv * max_pages] * s_page +
+                                              (task + 1) % nkv * s_head
+                                          : nullptr;
+        next.start(nk, s_half * kv_size, ps, d * kv_size, s_tok * kv_size);
         int64_t ks = 0, vs = 0;
         const float* K = as_f32(kpage, s_tok, n, d, kbuf.data(), &ks);
         const float* V = as_f32(kpage + s_half, s_tok, n, d, vbuf.data(), &vs);
-        page_scores(qf.data(), group, d, K, ks, n, zeros.data(), scores.data());
+        page_scores(qf.data(), group, d, K, ks, n, zeros.data(), scores.data(), next);
         for (int64_t g = 0; g < group; ++g) {  // online softmax over this page's scores
           float* sg = scores.data() + g * n;
           float mx = m[g];
@@ -401,7 +427,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           l[g] = l[g] * corr[g] + sum;
           m[g] = mx;
         }
-        page_accumulate(scores.data(), corr.data(), group, d, V, vs, n, acc.data());
+        page_accumulate(scores.data(), corr.data(), group, d, V, vs, n, acc.data(), next);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = op + (b * nh + h * group + g) * d;
