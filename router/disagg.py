@@ -14,7 +14,8 @@ batch). The router sends a request there instead of to the pair, in this order o
                      prefilling on the decode node would: P's queue + the prompt P does not hold +
                      the transfer overhead > cost x (D's local queue + the prompt D does not hold),
                      where the cost is `local_prefill_cost` while the decode node has requests
-                     open (its prefill would delay their streams) and at most 1 while it has none
+                     open (its prefill would delay their streams) and at most
+                     `idle_local_prefill_cost` (1) while it has none
 
 Both nodes' caches count. A prompt that both hold most of (one shared system prompt before every
 request) costs each node only the rest, so it stays disaggregated and its prefill stays off the
@@ -100,7 +101,9 @@ class Disaggregation:
         if cfg.local_prefill_cost > 0:
             pd = prefill.queued_prompt_tokens + n - held_p + cfg.transfer_overhead_tokens
             # an idle decode node's prefill delays no stream: it costs what it computes
-            cost = cfg.local_prefill_cost if decode.in_flight else min(1.0, cfg.local_prefill_cost)
+            cost = cfg.local_prefill_cost
+            if not decode.in_flight:
+                cost = min(cfg.idle_local_prefill_cost, cost)
             local = cost * (decode.queued_prompt_tokens + n - held)
             if local < pd:
                 return Decision("decode_only", "prefill_queue", n - held)

@@ -212,9 +212,17 @@ def _add_routing_args(opt) -> None:
         D.local_prefill_cost,
         float,
         help="PD: cost of a decode-side prefill token vs a prefill-side one, for the queue rule "
-        "(0: no queue rule; at most 1 while the decode node has no request open; the default was "
-        "measured on 2 cores where the prefill rank shares a core: where prefill nodes have cores "
-        "of their own, a higher cost keeps more prefills out of the decode batch)",
+        "(0: no queue rule; while the decode node has no request open, "
+        "--disagg-idle-local-prefill-cost at most; the default was measured on 2 cores where the "
+        "prefill rank shares a core: where prefill nodes have cores of their own, a higher cost "
+        "keeps more prefills out of the decode batch)",
+    )
+    opt(
+        "--disagg-idle-local-prefill-cost",
+        D.idle_local_prefill_cost,
+        float,
+        help="PD: the queue rule's cost while the decode node has no request open (no stream to "
+        "delay; at most --disagg-local-prefill-cost, which restores the rule as it was)",
     )
     opt(
         "--disagg-transfer-overhead-tokens",
@@ -292,6 +300,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             min_prompt_tokens=args.disagg_min_prompt_tokens,
             decode_prefix_fraction=args.disagg_decode_prefix_fraction,
             local_prefill_cost=args.disagg_local_prefill_cost,
+            idle_local_prefill_cost=args.disagg_idle_local_prefill_cost,
             transfer_overhead_tokens=args.disagg_transfer_overhead_tokens,
         ),
     )

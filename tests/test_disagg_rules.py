@@ -131,6 +131,11 @@ def test_an_idle_decode_node_prefills_at_the_cost_of_what_it_computes():
     idle, busy = W("d", 0, in_flight=0), W("d", 0, in_flight=1)
     assert d.decide(body, "k", W("p", 0), idle).reason == "prefill_queue"  # 300 < 316
     assert d.decide(body, "k", W("p", 0), busy).path == "disaggregated"  # 450 > 316
+    # --disagg-idle-local-prefill-cost at the local cost: the rule as it was
+    same = DisaggConfig(**{**cfg.__dict__, "idle_local_prefill_cost": 1.5})
+    assert Disaggregation(same).decide(body, "k", W("p", 0), idle).path == "disaggregated"
+    with pytest.raises(ValueError):
+        DisaggConfig(idle_local_prefill_cost=-1)
     # a cost below 1 stays as set
     low = Disaggregation(DisaggConfig(min_prompt_tokens=0, local_prefill_cost=0.5))
     assert low.decide(ids(600), "k", W("p", 0), W("d", 700, in_flight=0)).path == "disaggregated"
