@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine_steps import median_step_ms  # noqa: E402
+from engine_steps import alternating_step_ms, median_step_ms  # noqa: E402
 
-from engine import forward_batch, model_runner  # noqa: E402
+from engine import forward_batch  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import SamplingParams  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -69,14 +69,10 @@ def main() -> int:
         median_step_ms(
             eng, prompts, sp, last=32
         )  # warm-up (and the prefix cache holds the prompts after it)
-        times: dict[str, list[float]] = {"groups": [], "one": []}
-        try:
-            for _ in range(args.reps):
-                for name, fn in (("groups", sorted_groups), ("one", ONE_GROUP)):
-                    model_runner.build_forward_batch = fn
-                    times[name].append(median_step_ms(eng, prompts, sp, last=32))
-        finally:
-            model_runner.build_forward_batch = ONE_GROUP
+        variants = {"groups": sorted_groups, "one": ONE_GROUP}
+        times = alternating_step_ms(
+            eng, prompts, sp, 32, args.reps, "build_forward_batch", variants
+        )
         g, o = (statistics.median(v) for v in times.values())
         fmt = lambda v: " ".join(f"{x:.1f}" for x in v)  # noqa: E731
         lines.append(f"| {b} | {fmt(times['groups'])} | {fmt(times['one'])} | {o / g:.2f}x |")

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("TQDM_DISABLE", "1")
-from engine_steps import median_step_ms  # noqa: E402
+from engine_steps import alternating_step_ms  # noqa: E402
 
 from engine import cpu_kernels, model_runner, sampling  # noqa: E402
 from engine.batch import SampleOut  # noqa: E402
@@ -92,17 +92,10 @@ def step_table(batch: int, runs: int) -> list[str]:
         [rng.randrange(100, 40_000) for _ in range(rng.randint(70, 534))] for _ in range(batch)
     ]
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    real = model_runner.sample
     old = lambda logits, params, steps, g, *rest: SampleOut(multinomial_per_row(logits, params, g))  # noqa: E731
     sp = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0)
-    times: dict[str, list[float]] = {"multinomial": [], "inverse CDF": []}
-    try:
-        for _ in range(runs):
-            for name, fn in (("multinomial", old), ("inverse CDF", real)):
-                model_runner.sample = fn
-                times[name].append(median_step_ms(eng, prompts, sp, last=40))
-    finally:
-        model_runner.sample = real
+    variants = {"multinomial": old, "inverse CDF": model_runner.sample}
+    times = alternating_step_ms(eng, prompts, sp, 40, runs, "sample", variants)
     o, n = (statistics.median(v) for v in times.values())
     return [
         "",
