@@ -12,9 +12,13 @@ call, with ONE gather per layer for K and one for V of the group's pages (whole 
   in-place kernel, which reads each request's own pages and pads nothing) they form one group in
   item order instead; when the batch is all decode, its rows are T itself (`rows_are_t`), and the
   layer hands q and the output to the kernel with no index_select or index_copy.
-* extend items (prefill chunks) with at least LONG_EXTEND new tokens run alone; when such an item
-  starts at position 0 its attention is plain causal (`causal`, no mask, and SDPA skips the upper
-  triangle). Short extend items are grouped while padding stays under 2x the real work.
+* with `one_extend_group` (the in-place extend kernel, which attends each item causally over its
+  own pages with no padding and no mask) the extend items form one group in item order, described
+  by `first_rows` and `num_new` instead of padded query rows and a mask.
+* otherwise extend items (prefill chunks) with at least LONG_EXTEND new tokens run alone; when
+  such an item starts at position 0 its attention is plain causal (`causal`, no mask, and SDPA
+  skips the upper triangle). Short extend items are grouped while padding stays under 2x the real
+  work.
 
 Index arithmetic, for item b with `start` cached tokens and `num_new` new ones, query row i
 (0 <= i < max_q) and key j (0 <= j < kv_len = pages * page_size):
@@ -64,6 +68,10 @@ class AttnGroup:
     mask: torch.Tensor | None  # bool [Bg, 1, max_q, kv_len], True = may attend; None: see causal
     causal: bool  # SDPA is_causal (a single request starting at position 0)
     rows_are_t: bool = False  # one query row per token of T, in order: q_rows == arange(T)
+    # the in-place extend group (`one_extend_group`): row of T of each item's first new token, and
+    # its new tokens; q_rows, out_rows and mask are then unused (empty, None)
+    first_rows: torch.Tensor | None = None
+    num_new: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,9 +88,14 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    items: list[BatchItem], page_size: int, device="cpu", one_decode_group: bool = False
+    items: list[BatchItem],
+    page_size: int,
+    device="cpu",
+    one_decode_group: bool = False,
+    one_extend_group: bool = False,
 ) -> ForwardBatch:
-    """`one_decode_group`: the decode items in one group, in item order (the in-place kernel)."""
+    """`one_decode_group`: the decode items in one group, in item order (the in-place decode
+    kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
     offsets, positions, pages_of_tok, logit_rows = [], [], [], []
@@ -110,8 +123,16 @@ def build_forward_batch(
     out_offs = pos_t % page_size
     groups = [
         _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device, row)
-        for g in _group_items(items, one_decode_group)
+        for g in _group_items(items, one_decode_group, one_extend_group)
     ]
+    if one_extend_group:
+        extend = [b for b, it in enumerate(items) if it.num_new > 1]
+        if extend:
+            groups.append(
+                _build_extend_group(
+                    [items[b] for b in extend], [offsets[b] for b in extend], page_size, device
+                )
+            )
     return ForwardBatch(
         num_tokens=row,
         page_size=page_size,
@@ -125,8 +146,11 @@ def build_forward_batch(
     )
 
 
-def _group_items(items: list[BatchItem], one_decode_group: bool = False) -> list[list[int]]:
-    """Item indices per attention group (deterministic: a pure function of the items)."""
+def _group_items(
+    items: list[BatchItem], one_decode_group: bool = False, one_extend_group: bool = False
+) -> list[list[int]]:
+    """Item indices per attention group (deterministic: a pure function of the items); with
+    `one_extend_group`, the decode groups only (the extend group is built apart)."""
     if one_decode_group:
         decode = [b for b, it in enumerate(items) if it.num_new == 1]
         groups = [decode] if decode else []
@@ -137,6 +161,8 @@ def _group_items(items: list[BatchItem], one_decode_group: bool = False) -> list
         groups = [
             decode[i : i + DECODE_GROUP_SIZE] for i in range(0, len(decode), DECODE_GROUP_SIZE)
         ]
+    if one_extend_group:
+        return groups
     extend = sorted(
         (b for b, it in enumerate(items) if it.num_new > 1),
         key=lambda b: (-items[b].num_new, -items[b].kv_len),
@@ -163,17 +189,47 @@ def _group_items(items: list[BatchItem], one_decode_group: bool = False) -> list
     return groups
 
 
+def _page_table(items: list[BatchItem], page_size: int) -> torch.Tensor:
+    """[len(items), pages] pool pages of each item's keys; padding: page 0 (never read unmasked)."""
+    pages = max(pages_needed(it.kv_len, page_size) for it in items)
+    table = torch.zeros(len(items), pages, dtype=torch.long)
+    for r, it in enumerate(items):
+        need = pages_needed(it.kv_len, page_size)
+        table[r, :need] = torch.tensor(it.page_table[:need], dtype=torch.long)
+    return table
+
+
+def _build_extend_group(
+    items: list[BatchItem], offsets: list[int], page_size: int, device
+) -> AttnGroup:
+    kv_pages = _page_table(items, page_size)
+    pages = kv_pages.shape[1]
+    none = torch.empty(0, dtype=torch.long, device=device)
+    return AttnGroup(
+        num_seqs=len(items),
+        max_q=max(it.num_new for it in items),
+        pages=pages,
+        kv_len=pages * page_size,
+        kv_pages=kv_pages.flatten().to(device),
+        seq_lens=torch.tensor([it.kv_len for it in items], dtype=torch.long, device=device),
+        q_rows=none,
+        out_rows=none,
+        out_sel=None,
+        mask=None,
+        causal=False,
+        first_rows=torch.tensor(offsets, dtype=torch.long, device=device),
+        num_new=torch.tensor([it.num_new for it in items], dtype=torch.long, device=device),
+    )
+
+
 def _build_group(
     items: list[BatchItem], offsets: list[int], page_size: int, device, num_tokens: int
 ) -> AttnGroup:
     bg = len(items)
     max_q = max(it.num_new for it in items)
-    pages = max(pages_needed(it.kv_len, page_size) for it in items)
+    kv_pages = _page_table(items, page_size)
+    pages = kv_pages.shape[1]
     kv_len = pages * page_size
-    kv_pages = torch.zeros(bg, pages, dtype=torch.long)
-    for r, it in enumerate(items):
-        need = pages_needed(it.kv_len, page_size)
-        kv_pages[r, :need] = torch.tensor(it.page_table[:need], dtype=torch.long)
     off = torch.tensor(offsets, dtype=torch.long)
     num_new = torch.tensor([it.num_new for it in items], dtype=torch.long)
     q_idx = torch.arange(max_q)

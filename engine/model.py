@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # A decode group's entry in the per-group masks: attend with the in-place kernel, no gather.
 IN_PLACE = object()
+# The extend group's (`one_extend_group`): the in-place extend kernel, no gather and no mask.
+EXTEND_IN_PLACE = object()
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -140,6 +142,18 @@ class DecoderLayer(torch.nn.Module):
             q = self._rope_store_kv(qkv, rope, kv, fb)
         out = torch.empty(t, cfg.q_size, dtype=q.dtype)
         for g, mask in zip(fb.groups, masks, strict=True):
+            if mask is EXTEND_IN_PLACE:  # writes its items' rows of `out`
+                paged_attention.extend_attention_(
+                    out.view(t, nh, d),
+                    q,
+                    kv,
+                    g.kv_pages.view(g.num_seqs, g.pages),
+                    g.seq_lens,
+                    g.num_new,
+                    g.first_rows,
+                    d**-0.5,
+                )
+                continue
             if mask is IN_PLACE:
                 # Decode, in place: the kernel reads each request's pages where they lie.
                 o = paged_attention.decode_attention(
@@ -217,6 +231,7 @@ class ModelSlice(torch.nn.Module):
         )
         self._ws = torch.empty(0)
         self._in_place: bool | None = None
+        self._extend_in_place: bool | None = None
         self._small_head: SmallWeights | None = None
 
     def add_small_batch_weights(self, fp32: Callable[[], ModelSlice] | None = None) -> str:
@@ -304,6 +319,21 @@ class ModelSlice(torch.nn.Module):
                 )
         return self._in_place
 
+    def choose_extend_attention(self, pool: KVPool) -> bool:
+        """Whether extend items (prefill chunks) attend with the in-place extend kernel: a bf16
+        slice and pool on a CPU where it has a kernel for these shapes
+        (engine/paged_attention.py); decided once per slice, and said once."""
+        if self._extend_in_place is None:
+            cfg, lay = self.cfg, pool.layout
+            why = "not a bf16 slice and pool on the CPU"
+            if pool.kv.device.type == "cpu" and self.dtype == pool.kv.dtype == torch.bfloat16:
+                group = cfg.num_heads // cfg.num_kv_heads
+                why = paged_attention.extend_why_not(group, cfg.head_dim, lay.page_size)
+                if why:
+                    log.info("prefill attention gathers KV pages (in place: %s)", why)
+            self._extend_in_place = not why
+        return self._extend_in_place
+
     def _workspace(self, pages: int, pool: KVPool) -> torch.Tensor:
         """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
         and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
@@ -332,7 +362,9 @@ class ModelSlice(torch.nn.Module):
         in_place = self.choose_decode_attention(pool)
         # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
         masks = [
-            IN_PLACE
+            EXTEND_IN_PLACE
+            if g.first_rows is not None
+            else IN_PLACE
             if in_place and g.max_q == 1
             else None
             if g.mask is None
@@ -340,8 +372,11 @@ class ModelSlice(torch.nn.Module):
             for g in fb.groups
         ]
         # sized for the groups that gather (not those the in-place kernel serves)
+        in_place_kernels = (IN_PLACE, EXTEND_IN_PLACE)
         groups = zip(fb.groups, masks, strict=True)
-        gathered = [g.num_seqs * g.pages for g, m in groups if m is not IN_PLACE]
+        gathered = [
+            g.num_seqs * g.pages for g, m in groups if not any(m is k for k in in_place_kernels)
+        ]
         ws = self._workspace(max(gathered, default=0), pool)
         for i, layer in enumerate(self.layers):
             layer(h, i, fb, pool, rope, masks, ws)

@@ -37,6 +37,7 @@ class ModelRunner:
         )
         # Decided (and the in-place kernel loaded, or built) now, not inside the first request.
         model.choose_decode_attention(self.pool)
+        model.choose_extend_attention(self.pool)
         self.generator = torch.Generator().manual_seed(seed)
         self.grammar: GrammarSampler | None = None  # set on the sampling rank (structured output)
 
@@ -62,6 +63,7 @@ class ModelRunner:
             items,
             self.pool.page_size,
             one_decode_group=self.model.choose_decode_attention(self.pool),
+            one_extend_group=self.model.choose_extend_attention(self.pool),
         )
         x = self.input_ids(batch) if self.is_first else hidden_in
         assert x is not None and x.shape[0] == batch.num_tokens, (

@@ -59,10 +59,19 @@ def scattered_tables(lengths, page_size, num_pages, seed=0):
     return tables
 
 
-def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32, one_group=False):
+def run_plan(
+    slices,
+    cfg,
+    seqs,
+    plan,
+    page_size=PAGE_SIZE,
+    dtype=torch.float32,
+    one_group=False,
+    one_extend_group=False,
+):
     """Runs `plan` through the chained slices; returns {(request, position): logits row}.
-    `one_group`: the decode items in one attention group, as the runner asks for the in-place
-    kernel."""
+    `one_group` / `one_extend_group`: the decode / extend items in one attention group, as the
+    runner asks for the in-place kernels."""
     num_pages = sum(pages_needed(len(s), page_size) for s in seqs) + 3
     pools = [
         KVPool(
@@ -87,7 +96,9 @@ def run_plan(slices, cfg, seqs, plan, page_size=PAGE_SIZE, dtype=torch.float32, 
             items.append(BatchItem(tables[r], done[r], n, logits))
             toks += seqs[r][done[r] : done[r] + n]
             done[r] += n
-        fb = build_forward_batch(items, page_size, one_decode_group=one_group)
+        fb = build_forward_batch(
+            items, page_size, one_decode_group=one_group, one_extend_group=one_extend_group
+        )
         x = torch.tensor(toks)
         for s, pool in zip(slices, pools, strict=True):
             x = s(x, fb, pool)

@@ -1,0 +1,203 @@
+"""The in-place extend (prefill) attention kernel (engine/csrc/extend_attention.cpp): bf16 on a
+CPU with AVX-512 BF16, against fp32 attention over the same bf16 keys and values, its causality
+bit for bit, its bounds, and the model's use of it. Elsewhere the kernel does not exist and the
+gather path serves (that path is what the rest of the suite runs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import paged_attention
+from engine.forward_batch import BatchItem, build_forward_batch
+from engine.kv_cache import KVLayout, KVPool
+from engine.loader import load_model_config, load_slice
+from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan, scattered_tables
+from tests.tiny_model import build_tiny_model
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert paged_attention.load(), paged_attention.why_not()
+    why = paged_attention.extend_why_not(3, 64, PAGE)
+    if "AVX-512 BF16" in why:
+        pytest.skip(f"this CPU has no extend kernel: {why}")
+    assert not why, why
+
+
+def make_case(seed, *, heads, kv_heads, d, items, wide=False):
+    """items: (cached, new) per item. Returns q [T, heads, d] (rows of a wider tensor when
+    `wide`), a layer's strided pool view, and the kernel's tables."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [s + n for s, n in items]
+    max_pages = max(-(-n // PAGE) for n in lens)
+    num_pages = len(items) * max_pages + 3
+    pool = torch.randn(num_pages, 2, 2, PAGE, kv_heads, d, generator=g).to(torch.bfloat16)
+    tables = scattered_tables(lens, PAGE, num_pages, seed=seed)
+    page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables])
+    t = sum(n for _, n in items)
+    cols = heads * d + (2 * kv_heads * d if wide else 0)
+    q = torch.randn(t, cols, generator=g).to(torch.bfloat16)[:, : heads * d].view(t, heads, d)
+    news = torch.tensor([n for _, n in items])
+    firsts = torch.cumsum(news, 0) - news
+    return q, pool[:, 1], page_table, torch.tensor(lens), news, firsts
+
+
+def reference(q, kv, page_table, lens, news, firsts):
+    """fp32 attention over the same bf16 inputs: each item's pages gathered, causal from its
+    cached length."""
+    ps, nkv, d = kv.shape[2], kv.shape[3], kv.shape[4]
+    group = q.shape[1] // nkv
+    out = torch.empty(q.shape)
+    for b in range(len(lens)):
+        n_keys, n, f = int(lens[b]), int(news[b]), int(firsts[b])
+        pages = kv[page_table[b, : -(-n_keys // ps)]]
+        keys = pages[:, 0].reshape(-1, nkv, d)[:n_keys].float().repeat_interleave(group, 1)
+        vals = pages[:, 1].reshape(-1, nkv, d)[:n_keys].float().repeat_interleave(group, 1)
+        qb = q[f : f + n].float()
+        s = torch.einsum("thd,khd->htk", qb, keys) * d**-0.5
+        ok = torch.arange(n_keys)[None, :] <= n_keys - n + torch.arange(n)[:, None]
+        p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1)
+        out[f : f + n] = torch.einsum("htk,khd->thd", p, vals)
+    return out
+
+
+def run(q, kv, page_table, lens, news, firsts, out=None):
+    out = torch.zeros(q.shape, dtype=torch.bfloat16) if out is None else out
+    paged_attention.extend_attention_(
+        out, q, kv, page_table, lens, news, firsts, q.shape[-1] ** -0.5
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,items",
+    [
+        (9, 3, 64, [(0, 300)]),  # SmolLM2: a prompt from position 0, across chunks of keys
+        (9, 3, 64, [(512, 300)]),  # after a cached system prompt
+        (9, 3, 64, [(3, 2), (0, 17), (40, 33), (100, 64), (17, 129)]),  # several items, odd ends
+        (4, 4, 64, [(15, 40)]),  # one query head per KV head
+        (8, 4, 64, [(0, 70), (33, 5)]),  # two
+        (8, 2, 64, [(129, 31)]),  # four
+        (8, 4, 128, [(0, 45), (200, 20)]),  # head size 128, two
+        (4, 4, 128, [(31, 3)]),
+        (8, 2, 128, [(64, 64)]),
+    ],
+)
+def test_equals_fp32_attention(heads, kv_heads, d, items):
+    """Within the final rounding to bf16 and bf16 probabilities (as FlashAttention multiplies
+    them) of fp32 attention over the same inputs; q as rows of the fused QKV output."""
+    case = make_case(len(items), heads=heads, kv_heads=kv_heads, d=d, items=items, wide=True)
+    assert not case[0].is_contiguous()
+    got = run(*case)
+    torch.testing.assert_close(got.float(), reference(*case), rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_rows_see_no_later_key_bit_for_bit():
+    """Causal, exactly: changing the keys and values after a row's own position (to large values)
+    leaves the row's output bit for bit, and slots past the item's end (NaN, as a stale page may
+    hold anything) are never read into it."""
+    start, n = 100, 70
+    q, kv, pt, lens, news, firsts = make_case(1, heads=9, kv_heads=3, d=64, items=[(start, n)])
+    base = run(q, kv, pt, lens, news, firsts)
+    assert torch.isfinite(base.float()).all()
+    for row in (0, 17, 31, 32, 69):  # across the kernel's 32-token blocks
+        changed = kv.clone()
+        for key in range(start + row + 1, 16 * pt.shape[1]):
+            page, off = pt[0, key // PAGE], key % PAGE
+            fill = float("nan") if key >= start + n else 300.0
+            changed[page, :, off] = fill
+        got = run(q, changed, pt, lens, news, firsts)
+        assert torch.equal(got[: row + 1], base[: row + 1]), row
+        if row < n - 1:
+            assert not torch.equal(got[row + 1], base[row + 1])
+
+
+def test_rows_of_other_items_are_left_alone():
+    """Only the items' rows of `out` are written: a mixed batch's decode rows are another
+    kernel's."""
+    q, kv, pt, lens, news, firsts = make_case(2, heads=9, kv_heads=3, d=64, items=[(0, 40)])
+    t = 45  # rows 0-1 and 42-44 belong to others
+    qq = torch.zeros(t, 9, 64, dtype=torch.bfloat16)
+    qq[2:42] = q
+    out = torch.full((t, 9, 64), 7.0, dtype=torch.bfloat16)
+    run(qq, kv, pt, lens, news, torch.tensor([2]), out=out)
+    assert (out[:2] == 7).all() and (out[42:] == 7).all()
+    torch.testing.assert_close(out[2:42], run(q, kv, pt, lens, news, firsts))
+
+
+def test_bad_tables_are_refused_not_read():
+    q, kv, pt, lens, news, firsts = make_case(3, heads=9, kv_heads=3, d=64, items=[(5, 20)])
+    bad = pt.clone()
+    bad[0, 1] = kv.shape[0]
+    with pytest.raises(RuntimeError, match="page_table"):
+        run(q, kv, bad, lens, news, firsts)
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(q, kv, pt, torch.tensor([40]), news, firsts)  # more keys than the table holds
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(q, kv, pt, lens, torch.tensor([26]), firsts)  # more new tokens than keys
+    with pytest.raises(RuntimeError, match="first_rows"):
+        run(q, kv, pt, lens, news, torch.tensor([1]))  # rows past q
+    with pytest.raises(RuntimeError, match="bf16"):
+        run(q.float(), kv, pt, lens, news, firsts)
+
+
+def test_one_extend_group():
+    items = [
+        BatchItem([0, 1], 0, 20, True),
+        BatchItem([2], 4, 1, True),
+        BatchItem([3, 4, 5], 30, 3, False),
+    ]
+    fb = build_forward_batch(items, PAGE, one_decode_group=True, one_extend_group=True)
+    decode, extend = fb.groups
+    assert decode.first_rows is None and decode.seq_lens.tolist() == [5]
+    assert extend.first_rows.tolist() == [0, 21] and extend.num_new.tolist() == [20, 3]
+    assert extend.seq_lens.tolist() == [20, 33] and extend.mask is None
+    assert extend.kv_pages.view(2, extend.pages).tolist() == [[0, 1, 0], [3, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def tiny_head64(tmp_path_factory):
+    """A tiny Llama with SmolLM2's head size and query heads per KV head."""
+    path = build_tiny_model(
+        tmp_path_factory.mktemp("head64"), hidden=192, heads=3, kv_heads=1, intermediate=256
+    )
+    cfg = load_model_config(path)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    return path, cfg, seqs, hf_logits(path, seqs)
+
+
+def pool(s, cfg, dtype):
+    return KVPool(KVLayout(8, PAGE, s.layer_start, s.layer_end, cfg.num_kv_heads, 64, dtype))
+
+
+def test_the_model_prefills_with_it(tiny_head64, monkeypatch):
+    """A bf16 slice picks the kernel; prefill chunks (from position 0, after a cached chunk,
+    short ones grouped with decodes) go through it (counted), and agree with transformers in fp32
+    as closely as the gather path's bf16 SDPA does."""
+    path, cfg, seqs, ref = tiny_head64
+    calls = []
+    real = paged_attention.extend_attention_
+
+    def counted(*a):
+        calls.append(int(a[5].sum()))
+        return real(*a)
+
+    monkeypatch.setattr(paged_attention, "extend_attention_", counted)
+    bf16 = dict(page_size=PAGE, dtype=torch.bfloat16)
+    s = load_slice(path, 0, 4, dtype=torch.bfloat16)
+    assert s.choose_extend_attention(pool(s, cfg, torch.bfloat16))
+    fp32 = load_slice(path, 0, 4)
+    assert not fp32.choose_extend_attention(pool(fp32, cfg, torch.float32))
+    got = run_plan([s], cfg, seqs, PLAN, one_group=True, one_extend_group=True, **bf16)
+    extend_tokens = sum(n for step in PLAN for _, n, _ in step if n > 1)
+    assert sum(calls) == extend_tokens * cfg.num_layers
+    gathered = run_plan([s], cfg, seqs, PLAN, one_group=True, **bf16)
+    assert sum(calls) == extend_tokens * cfg.num_layers  # the gather path: no call
+    assert max_err(got, ref) < 0.1
+    assert max_err(got, ref) < 1.5 * max_err(gathered, ref)
