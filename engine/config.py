@@ -56,6 +56,7 @@ class EngineConfig:
             )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
         object.__setattr__(self, "spare_cores", tuple(int(c) for c in self.spare_cores))
 
     @property
@@ -111,6 +112,19 @@ class EngineConfig:
     def from_kwargs(cls, **kw) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def check_batch_limits(chunk_size: int, max_batch_tokens: int, mixed_prefill_tokens: int) -> None:
+    """Raises ValueError, naming the fields, where the scheduler could not plan a forward."""
+    for name, v in (("chunk_size", chunk_size), ("max_batch_tokens", max_batch_tokens)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if mixed_prefill_tokens < 0:
+        raise ValueError(f"mixed_prefill_tokens must be >= 0, got {mixed_prefill_tokens}")
+    if chunk_size > max_batch_tokens:
+        raise ValueError(
+            f"chunk_size ({chunk_size}) must be <= max_batch_tokens ({max_batch_tokens})"
+        )
 
 
 def apply_threads(threads: int) -> int:

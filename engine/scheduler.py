@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from consensus.rank_checker import rank_consensus
 from engine.batch import BatchEntry, SampleOut, ScheduledBatch
+from engine.config import check_batch_limits
 from engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams
 from engine.kv_cache import PageAllocator, pages_needed
 from engine.prefix_cache import PrefixCache
@@ -43,23 +44,10 @@ class SchedulerConfig:
     num_slots: int = 1  # microbatch slots (pp_size + async_depth)
 
     def __post_init__(self):
-        for name in (
-            "page_size",
-            "chunk_size",
-            "max_batch_tokens",
-            "max_running",
-            "max_context",
-            "num_slots",
-        ):
+        for name in ("page_size", "max_running", "max_context", "num_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mixed_prefill_tokens < 0:
-            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
-        if self.chunk_size > self.max_batch_tokens:
-            raise ValueError(
-                f"chunk_size ({self.chunk_size}) must be <= max_batch_tokens "
-                f"({self.max_batch_tokens})"
-            )
+        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
 
 
 def _batch_digest(b: ScheduledBatch) -> list:

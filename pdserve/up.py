@@ -274,6 +274,8 @@ class Cluster:
             for name, url in self.nodes:
                 try:
                     info = self.http.get(f"{url}/server_info", headers=bearer(self.secret)).json()
+                    if info.get("failed"):
+                        raise RuntimeError(f"{name} failed during start-up: {info['failed']}")
                     n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])
                     ok = info["healthy"]
                     states.append(f"{name} " + ("ready" if ok else f"{n}/{total} ranks"))

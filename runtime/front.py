@@ -386,6 +386,7 @@ class NodeFront:
             "pp_size": self.pp_size,
             "healthy": ok,
             "status": why,
+            "failed": self.dead or None,  # a rank exited: the node will not become healthy
             "load": {
                 "running": pp0.queues.get("running", 0) if pp0 else 0,
                 "waiting": pp0.queues.get("waiting", 0) if pp0 else 0,

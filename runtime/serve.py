@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from engine.config import EngineConfig
 from infra.http_server import run_server, server_config
 from infra.internal_auth import refuse_unprotected_bind
 from infra.logs import setup_logging, uvicorn_level
@@ -54,7 +55,9 @@ def node_placement(args, n_local: int) -> Placement:
 
 
 def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
-    return dict(
+    """The engine settings every rank gets, checked here: a setting a rank would refuse stops the
+    node before any rank starts, with the reason."""
+    engine = dict(
         dtype=args.dtype,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
@@ -68,6 +71,11 @@ def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
         threads=threads,
         spare_cores=spare_cores(io_cores, threads),
     )
+    try:
+        EngineConfig.from_kwargs(**engine)
+    except ValueError as e:
+        raise SystemExit(f"bad engine flags: {e}") from None
+    return engine
 
 
 class RankSet:
