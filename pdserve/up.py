@@ -118,9 +118,16 @@ class Cluster:
             f.write(self.secret)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=die_with_parent
-        )
+        # a node starts on all of the host's cores (its --cpus name its ranks' cores, which this
+        # launcher, bound to the fronts' cores, does not hold); the router keeps the launcher's
+        host = self._host_cores if name != "router" else None
+
+        def start() -> None:
+            if host:
+                os.sched_setaffinity(0, host)
+            die_with_parent()
+
+        p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=start)
         self.procs.append((name, p))
         return p
 
@@ -132,6 +139,7 @@ class Cluster:
         self.zygote = Zygote.start(RANK_MODULES)
         env = dict(os.environ, **{SECRET_ENV: self.secret, ZYGOTE_ENV: self.zygote.path})
         env.pop(SECRET_FILE_ENV, None)
+        self._host_cores = os.sched_getaffinity(0)
         cpus = self._plan_cores()
         logs = ["--log-level", a.log_level, "--log-format", a.log_format]
         if a.otlp_traces_endpoint:  # the router and every node export their spans
@@ -158,8 +166,9 @@ class Cluster:
         The prefill ranks come first in the plan (an uneven split gives them the extra core),
         unless no core is left over for I/O. Then the decode ranks take the first cores: the
         fronts, the router and a co-located client share the last core (the one the plan keeps for
-        I/O whenever it can, and the one vLLM-CPU reserves), and a prefill rank there loses only
-        throughput, while a decode rank would add their scheduling delay to each token."""
+        I/O whenever it can, and the one vLLM-CPU reserves), bound there, and a prefill rank there
+        loses only throughput, while a decode rank would add their scheduling delay to each
+        token."""
         a = self.args
         plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
         m = len(self._models())
@@ -175,13 +184,19 @@ class Cluster:
         }
         order = ("prefill", "decode") if plan.io_cores else ("decode", "prefill")
         names = ranks[order[0]] + ranks[order[1]]
+        # with no core left over, on the last rank's (a prefill rank's): off the decode ranks'
+        # cores, where their wake-ups would delay tokens
+        fronts = plan.front_cores(last_rank_shares=order[1] == "prefill")
         say(
             f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
             f"node(s) x PP {a.decode_pp} per model, {m} model(s): {self._num_ranks()} rank "
-            f"processes on {len(os.sched_getaffinity(0))} cores; placement: {plan.describe(names)}"
+            f"processes on {len(os.sched_getaffinity(0))} cores; placement: "
+            f"{plan.describe(names, fronts)}"
         )
-        bind_cores(plan.io_cores)  # this launcher and the router it starts
+        bind_cores(fronts)  # this launcher and the router it starts
         io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
+        if fronts and not plan.io_cores:  # the fronts' cores, not I/O cores a helper may use
+            io = ["--front-cpus", ",".join(map(str, fronts))]
         at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
 
         def cpus(role: str, pp: int) -> list[str]:

@@ -122,3 +122,10 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         default=None,
         help="cores for the front process (e.g. '2'); default: the plan's I/O core, if any",
     )
+    ap.add_argument(
+        "--front-cpus",
+        default=None,
+        help="cores for the front process when they are not I/O cores (no prefill helper runs "
+        "there): `pdserve up` on a host with no core left over binds the fronts to a prefill "
+        "rank's core; default: --io-cpus",
+    )

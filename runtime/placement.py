@@ -32,11 +32,21 @@ class Placement:
         flat = [c for cores in self.rank_cores for c in cores]
         return len(flat) != len(set(flat))
 
-    def describe(self, names: Sequence[str]) -> str:
+    def front_cores(self, last_rank_shares: bool) -> tuple[int, ...]:
+        """Where the fronts and the router run: the I/O cores; with none left over, the last
+        rank's cores when `last_rank_shares` (a rank that loses only throughput to them), else
+        () (they float)."""
+        if self.io_cores or not last_rank_shares:
+            return self.io_cores
+        return self.rank_cores[-1]
+
+    def describe(self, names: Sequence[str], front_cores: Sequence[int] = ()) -> str:
         ranks = ", ".join(
             f"{n} -> {_cores(c)}" for n, c in zip(names, self.rank_cores, strict=True)
         )
         io = _cores(self.io_cores) if self.io_cores else "any core (none left over)"
+        if front_cores and not self.io_cores:
+            io = f"{_cores(front_cores)} (none left over: shared with {names[-1]})"
         note = "; cores shared by ranks (more ranks than cores)" if self.shared else ""
         return f"{ranks}; fronts/router -> {io}{note}"
 

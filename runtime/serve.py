@@ -168,7 +168,8 @@ def make_specs(
     dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
     plan = node_placement(args, len(ranks))
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
-    bind_cores(plan.io_cores)  # the front; each rank binds itself to its own cores
+    # the front; each rank binds itself to its own cores
+    bind_cores(parse_io_cpus(args.front_cpus) if args.front_cpus else plan.io_cores)
     return [
         spec_cls(
             model=args.model,

@@ -44,6 +44,19 @@ def test_describe_and_flag():
     assert "shared" in plan_placement(4, [0, 1]).describe(["a", "b", "c", "d"])
 
 
+def test_fronts_share_the_last_rank_core_when_none_is_left():
+    """With no core left over, the fronts and the router go on the last rank's cores (where
+    `pdserve up` puts a prefill rank), not wherever the scheduler drops them; with an I/O core,
+    there."""
+    two = plan_placement(2, [0, 1])
+    assert two.io_cores == () and two.front_cores(last_rank_shares=True) == (1,)
+    assert two.front_cores(last_rank_shares=False) == ()
+    text = two.describe(["decode-0 pp0", "prefill-0 pp0"], two.front_cores(True))
+    assert "fronts/router -> core 1 (none left over: shared with prefill-0 pp0)" in text
+    three = plan_placement(2, [0, 1, 2])
+    assert three.front_cores(last_rank_shares=True) == three.io_cores == (2,)
+
+
 def test_parse_cpus_names_the_problem():
     mine = sorted(os.sched_getaffinity(0))
     assert parse_cpus(f"{mine[0]}", 1) == ((mine[0],),)

@@ -142,10 +142,11 @@ def test_ready_line_and_models(cluster):
 
 
 def test_ranks_run_on_the_cores_the_plan_printed(cluster):
-    """Every rank process runs on the cores `up` printed for it (read back from /proc). With no
-    core left over for I/O (here: 6 ranks on the host's cores, or fewer cores), the decode ranks
-    come first in the plan: the last core, which the fronts, the router and clients share, gets a
-    prefill rank before any decode rank does."""
+    """Every rank process runs on the cores `up` printed for it, and every front on the cores
+    printed for the fronts (read back from /proc). With no core left over for I/O (here: 6 ranks
+    on the host's cores, or fewer cores), the decode ranks come first in the plan: the last core,
+    which the fronts, the router and clients share, gets a prefill rank before any decode rank
+    does, and the fronts are bound there."""
     url, _, log = cluster
     line = next(x for x in log.read_text().splitlines() if "placement:" in x)
     plan = re.findall(r"((prefill|decode)-\d+ pp(\d+)) -> cores? (\d+(?:,\d+)*)", line)
@@ -162,6 +163,14 @@ def test_ranks_run_on_the_cores_the_plan_printed(cluster):
                 cores = os.sched_getaffinity(st["pid"])
                 got.setdefault((role, st["pp_rank"]), []).append(cores)
     assert _core_sets(got) == _core_sets(want), line
+    # the fronts (and the router, bound with the launcher) run on the cores printed for them
+    fronts = re.search(r"fronts/router -> cores? (\d+(?:,\d+)*)", line)
+    assert fronts, line  # never left to float
+    want_fronts = {int(c) for c in fronts.group(1).split(",")}
+    for nodes in node_urls(url).values():
+        for node in nodes:
+            pid = HTTP.get(f"{node}/server_info", headers=AUTH).json()["pid"]
+            assert os.sched_getaffinity(pid) == want_fronts, (node, line)
 
 
 def _core_sets(by_rank: dict[tuple[str, int], list[set[int]]]) -> dict:
