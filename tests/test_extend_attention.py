@@ -97,15 +97,21 @@ def test_equals_fp32_attention(heads, kv_heads, d, items):
     torch.testing.assert_close(got.float(), reference(*case), rtol=1.6e-2, atol=1.6e-2)
 
 
-def test_rows_see_no_later_key_bit_for_bit():
+@pytest.mark.parametrize(
+    "start,n,rows",
+    [
+        (100, 70, (0, 17, 31, 32, 69)),  # across the kernel's 32-token blocks
+        (200, 100, (0, 55, 56, 57, 99)),  # across its 256-key chunks (row 55 is key 255)
+    ],
+)
+def test_rows_see_no_later_key_bit_for_bit(start, n, rows):
     """Causal, exactly: changing the keys and values after a row's own position (to large values)
     leaves the row's output bit for bit, and slots past the item's end (NaN, as a stale page may
     hold anything) are never read into it."""
-    start, n = 100, 70
     q, kv, pt, lens, news, firsts = make_case(1, heads=9, kv_heads=3, d=64, items=[(start, n)])
     base = run(q, kv, pt, lens, news, firsts)
     assert torch.isfinite(base.float()).all()
-    for row in (0, 17, 31, 32, 69):  # across the kernel's 32-token blocks
+    for row in rows:
         changed = kv.clone()
         for key in range(start + row + 1, 16 * pt.shape[1]):
             page, off = pt[0, key // PAGE], key % PAGE
@@ -142,6 +148,9 @@ def test_bad_tables_are_refused_not_read():
         run(q, kv, pt, lens, torch.tensor([26]), firsts)  # more new tokens than keys
     with pytest.raises(RuntimeError, match="first_rows"):
         run(q, kv, pt, lens, news, torch.tensor([1]))  # rows past q
+    two = [torch.cat([x, x]) for x in (lens, news)]
+    with pytest.raises(RuntimeError, match="overlap"):  # two items writing the same rows
+        run(q, kv, torch.cat([pt, pt]), *two, torch.tensor([0, 0]))
     with pytest.raises(RuntimeError, match="bf16"):
         run(q.float(), kv, pt, lens, news, firsts)
 

@@ -35,7 +35,9 @@
 #include <immintrin.h>
 #endif
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -54,7 +56,7 @@ template <int D>
 struct Packed {
   int64_t item = -1, head = -1, packed = 0;
   std::vector<uint32_t> kt;  // [keys / 16][D / 2][16]: pair p of key j at (blk, p, j)
-  std::vector<uint32_t> vt;  // [keys / 2][D]: dims c of keys 2i, 2i + 1 at (i, c)
+  std::vector<uint16_t> vt;  // [keys / 2][D][2]: dim c of keys 2i, 2i + 1 at (i, c, 0 / 1)
 
   // Repacks keys [from, n) (from rounded down to a whole 16-key block, so a block left partial by
   // the last task is completed) with zeros past n to the block's end.
@@ -63,16 +65,15 @@ struct Packed {
     const int64_t from = packed / 16 * 16, end = (n + 15) / 16 * 16;
     if (static_cast<int64_t>(kt.size()) < end * D / 2) {
       kt.resize(std::max<int64_t>(end * D / 2, 2 * kt.size()));
-      vt.resize(kt.size());
+      vt.resize(2 * kt.size());
     }
     for (int64_t j = from; j < end; ++j) {
       uint32_t* kcol = kt.data() + (j / 16) * (D / 2) * 16 + j % 16;
-      uint16_t* vrow = reinterpret_cast<uint16_t*>(vt.data() + (j / 2) * D) + (j % 2);
+      uint16_t* vrow = vt.data() + (j / 2) * 2 * D + (j % 2);
       if (j < n) {
         const uint16_t* k = base + table[j / ps] * s_page + (j % ps) * s_tok;
         const uint16_t* v = k + s_half;
-        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
-        for (int p = 0; p < D / 2; ++p) kcol[p * 16] = k32[p];
+        for (int p = 0; p < D / 2; ++p) std::memcpy(kcol + p * 16, k + 2 * p, 4);
         for (int c = 0; c < D; ++c) vrow[2 * c] = v[c];
       } else {
         for (int p = 0; p < D / 2; ++p) kcol[p * 16] = 0;
@@ -106,7 +107,9 @@ inline __m512 exp512(__m512 x) {
 }
 
 inline __m512bh bcast_pair(const uint16_t* p) {
-  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
 }
 
 // s[r][j] = q_r . k_j for kTile rows and the 16 * nb keys of `nb` blocks starting at `kt`.
@@ -147,7 +150,7 @@ inline void tile_scores(const uint16_t* const* qr, const uint32_t* kt, int nb, f
 // o[r] = o[r] * corr[r] + sum_i P[r][2i..2i+1] . Vt[i] for rows r < R (R * D / 16 <= 16
 // accumulators), key pairs i < pairs.
 template <int D, int R>
-inline void rows_values(const uint16_t* pb, const uint32_t* vt, int pairs, const float* corr,
+inline void rows_values(const uint16_t* pb, const uint16_t* vt, int pairs, const float* corr,
                         float* o) {
   constexpr int C = D / 16;
   __m512 acc[R][C];
@@ -157,7 +160,7 @@ inline void rows_values(const uint16_t* pb, const uint32_t* vt, int pairs, const
   }
   for (int i = 0; i < pairs; ++i) {
     __m512bh v[C];
-    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + i * D + c * 16);
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt + (i * D + c * 16) * 2);
     for (int r = 0; r < R; ++r) {
       const __m512bh p = bcast_pair(pb + r * kChunk + 2 * i);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
@@ -222,7 +225,7 @@ void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
         l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
         m[r] = mx;
       }
-      const uint32_t* vt = pk.vt.data() + (c0 / 2) * D;
+      const uint16_t* vt = pk.vt.data() + c0 * D;
       for (int r = 0; r < kTile; r += RV)
         rows_values<D, RV>(pb + r * kChunk, vt, (n + 1) / 2, corr + r, o + r * D);
     }
@@ -327,6 +330,11 @@ void paged_extend_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
       TORCH_CHECK(page >= 0 && page < pages, "page_table[", b, ", ", p, "] out of range");
     }
   }
+  std::vector<std::pair<int64_t, int64_t>> rows;  // the items' rows of out: tasks write them apart
+  for (int64_t b = 0; b < B; ++b) rows.emplace_back(firsts[b], firsts[b] + news[b]);
+  std::sort(rows.begin(), rows.end());
+  for (size_t i = 1; i < rows.size(); ++i)
+    TORCH_CHECK(rows[i - 1].second <= rows[i].first, "first_rows: items' rows overlap");
   const int64_t G = q.size(1) / kv.size(3), D = q.size(2);
 #if defined(PDSERVE_EXTEND_BF16)
 #define PDSERVE_CASE(g, d)                                                                  \
