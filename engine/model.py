@@ -371,12 +371,9 @@ class ModelSlice(torch.nn.Module):
             else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
             for g in fb.groups
         ]
-        # sized for the groups that gather (not those the in-place kernel serves)
-        in_place_kernels = (IN_PLACE, EXTEND_IN_PLACE)
+        # sized for the groups that gather (no mask or a mask tensor), not those a kernel serves
         groups = zip(fb.groups, masks, strict=True)
-        gathered = [
-            g.num_seqs * g.pages for g, m in groups if not any(m is k for k in in_place_kernels)
-        ]
+        gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
         ws = self._workspace(max(gathered, default=0), pool)
         for i, layer in enumerate(self.layers):
             layer(h, i, fb, pool, rope, masks, ws)

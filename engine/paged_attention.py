@@ -4,7 +4,7 @@ CPU kernels, engine/cpu_kernels.py):
 * decode: `engine/csrc/paged_attention.cpp`, fp32 or bf16, any CPU;
 * extend (prefill chunks, over a cached prefix or not): `engine/csrc/extend_attention.cpp`, bf16
   on a CPU with AVX-512 BF16. SDPA's CPU flash kernel, which the gather path calls, reached a fifth
-  of the core's bf16 matmul rate here; the kernel takes 0.23-0.39x its time (docs/PERFORMANCE.md).
+  of the core's bf16 matmul rate here; the kernel takes 0.14-0.24x its time (docs/PERFORMANCE.md).
 
 The gather-then-SDPA path (engine/model.py) copies every decode request's KV pages out of the pool
 for every layer; at 32 requests of ~350 tokens that copy moves about as many bytes per step as the

@@ -30,10 +30,10 @@ fi
 # Optional: without one, ranks serve with the slower torch paths, so no root is not an error here.
 if ! command -v c++ >/dev/null; then
     if [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; then
-        say "installing g++ (builds the decode attention kernel)"
+        say "installing g++ (builds the CPU kernels)"
         apt_install g++
     else
-        say "WARNING: no C++ compiler: install g++ and rerun for the decode attention kernel"
+        say "WARNING: no C++ compiler: install g++ and rerun for the CPU kernels (attention, layer ops)"
     fi
 fi
 # Tests only: spin, the model checker of protocol_model/ (`make verify-protocol`), and the C
