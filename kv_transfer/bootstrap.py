@@ -213,7 +213,13 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
             return _error(413, f"body over {MAX_BODY} bytes")
         except (ValueError, KeyError, TypeError):
             return _error(400, "body must be {session: str, peers: [str]}")
-        return JSONResponse({"dead": state.heartbeat(session, peers), "ranks": state.sessions()})
+        return JSONResponse(
+            {
+                "dead": state.heartbeat(session, peers),
+                "ranks": state.sessions(),
+                "timeout_s": state.heartbeat_timeout_s,
+            }
+        )
 
     async def health(request: Request):
         return JSONResponse(state.health())

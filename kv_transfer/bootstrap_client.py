@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import NamedTuple
 
 import httpx
 
@@ -18,6 +19,14 @@ logger = logging.getLogger(__name__)
 
 class BootstrapTimeout(RuntimeError):
     pass
+
+
+class Heartbeat(NamedTuple):
+    """A bootstrap server's answer to one beat."""
+
+    dead: list[str]  # the asked-about peers silent there for over timeout_s
+    ranks: set[str]  # the sessions of the prefill ranks registered there now
+    timeout_s: float  # the server's heartbeat timeout (0 from a server that does not say)
 
 
 class BootstrapClient:
@@ -96,13 +105,21 @@ class BootstrapClient:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def heartbeat(self, session: str, peers: list[str]) -> tuple[list[str], set[str]]:
-        """One try; returns (the dead peers, the sessions of the prefill ranks registered now);
-        raises httpx.HTTPError (or ValueError) on failure."""
+    def heartbeat(self, session: str, peers: list[str]) -> Heartbeat:
+        """One try; raises httpx.HTTPError (or ValueError) on failure."""
         r = self._http.post("/heartbeat", json={"session": session, "peers": peers})
         r.raise_for_status()
         body = r.json()
         dead, ranks = body.get("dead"), body.get("ranks")
-        if not isinstance(dead, list) or not isinstance(ranks, list):
+        timeout_s = body.get("timeout_s", 0.0)
+        if (
+            not isinstance(dead, list)
+            or not isinstance(ranks, list)
+            or type(timeout_s) not in (int, float)
+        ):
             raise ValueError("bad heartbeat answer")
-        return [d for d in dead if isinstance(d, str)], {s for s in ranks if isinstance(s, str)}
+        return Heartbeat(
+            [d for d in dead if isinstance(d, str)],
+            {s for s in ranks if isinstance(s, str)},
+            max(0.0, float(timeout_s)),
+        )

@@ -120,8 +120,8 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
         for addr, recvs in by_addr.items():
             peers = sorted({s for r in recvs for s in r.prefill_sessions()})
             try:
-                dead, registered = self._client(addr).heartbeat(self.session_id, peers)
-                dead = set(dead)
+                beat = self._client(addr).heartbeat(self.session_id, peers)
+                dead, registered = set(beat.dead), beat.ranks
                 self._misses[addr] = 0
                 # A cached route naming a session the server no longer has is stale: the node was
                 # restarted on the same address with new ranks. Without this check the route would

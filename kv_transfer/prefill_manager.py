@@ -51,6 +51,10 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         # Each decode manager's pool and place, as its first authenticated registration gave them:
         # later registrations must name the same, so none can point writes at other memory.
         self._known_peers: OrderedDict[str, tuple] = OrderedDict()
+        # When each decode session last registered a room here (monotonic s): a registration is
+        # proof of life, newer than what the bootstrap server saw if the session has not beaten it
+        # since a stall (a heartbeat verdict of "silent" then is stale).
+        self._registered_at: OrderedDict[str, float] = OrderedDict()
         self._aux_free: queue.Queue[int] = queue.Queue()
         for i in range(self.aux_slots):
             self._aux_free.put(i)
@@ -131,6 +135,10 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
                 )
                 return
             with self._lock:
+                self._registered_at[msg.session_id] = time.monotonic()
+                self._registered_at.move_to_end(msg.session_id)
+                if len(self._registered_at) > KNOWN_PEERS_KEPT:
+                    self._registered_at.popitem(last=False)
                 sender = self._senders.get(msg.room)
                 if sender is None:
                     self._pending.setdefault(msg.room, []).append((time.monotonic(), msg))
@@ -234,7 +242,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
             active = [s for s in self._senders.values() if s.finished_at is None]
         peers = sorted({p for s in active for p in s.peer_sessions()})
         try:
-            dead = set(self._bootstrap.heartbeat(self.session_id, peers)[0])
+            beat = self._bootstrap.heartbeat(self.session_id, peers)
         except Exception as e:  # our own node's server; nothing to fail, say so
             # One miss is no news: the server lives in the node's front process, which can be
             # too busy to answer within the beat (a start-up importing the tokenizer's libraries
@@ -251,11 +259,22 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         if self._misses >= self.config.heartbeat_misses:
             self.info("heartbeat to bootstrap server %s answered again", self._bootstrap.addr)
         self._misses = 0
+        dead = self._silent(beat.dead, beat.timeout_s)
         if dead:
             self.failed_sessions.update(dead)
             for s in active:
                 if dead.intersection(s.peer_sessions()):
                     s._fail("peer_dead")
+
+    def _silent(self, dead: list[str], timeout_s: float) -> set[str]:
+        """The sessions of `dead` (silent on the bootstrap server for over `timeout_s`) that did not
+        register a room here within `timeout_s` either. A decode rank back from a stall may
+        register before its heartbeat reaches this server: its new rooms must not fail on the
+        stale verdict."""
+        now = time.monotonic()
+        with self._lock:
+            heard = {s: self._registered_at.get(s) for s in dead}
+        return {s for s, t in heard.items() if t is None or now - t > timeout_s}
 
     def close(self) -> None:
         super().close()

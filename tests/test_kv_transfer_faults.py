@@ -428,6 +428,45 @@ def test_a_decode_rank_back_from_a_stall_is_used_again(cluster):
     _assert(c.wait("PA", [again]), SUCCESS)
 
 
+def test_a_registration_outranks_a_stale_heartbeat_verdict(cluster):
+    """A decode rank back from a stall registers a room with a prefill rank before its heartbeat
+    reaches that prefill node's bootstrap server (it beats each server in turn; a starved process
+    later still). The server still calls it silent, but the registration is newer proof of life:
+    the room completes. The proof lasts one heartbeat timeout: a room of a rank that stays silent
+    fails with peer_dead. (Before, the new room failed at once with peer_dead: CI saw it in
+    test_decode_killed_mid_transfer, right after the stall test above.)
+
+    DS's own heartbeat interval is longer than the test. Its first room looks the route up, which
+    the server counts as a beat; the second uses the cached route after a silence longer than the
+    server's timeout: the state right after a stall, without the race."""
+    c = cluster
+    c.procs.update(spawn(mp.get_context("spawn"), "DS"))
+    c.pages["DS"] = list(range(NUM_PAGES))
+    c.aux_slots["DS"] = itertools.cycle(range(AUX_SLOTS))
+    c.procs["DS"].call(
+        "decode", "m", {**CFG, "heartbeat_interval_s": 600.0}, 0, [LAYERS], NUM_PAGES, PS, TB
+    )
+    first, ptab, _ = c.room("PB", "DS")
+    c.send_all("PB", first, ptab)
+    _assert(c.wait("DS", [first]), SUCCESS)
+    time.sleep(HB_TIMEOUT + 0.5)  # silent for longer than the server's timeout
+    room, ptab, dtab = c.room("PB", "DS")
+    _assert(c.wait("PB", [room], [WAITING, FAILED]), WAITING)
+    # several of PB's beats, each answered "DS is silent"
+    time.sleep(4 * CFG["heartbeat_interval_s"])
+    _assert(c.wait("PB", [room], [WAITING, FAILED], timeout=0), WAITING)
+    c.send_all("PB", room, ptab)
+    _assert(c.wait("DS", [room]), SUCCESS)
+    _assert(c.wait("PB", [room]), SUCCESS)
+    assert c.procs["DS"].call("check", "m", room, dtab, N) == 0
+    # DS stays silent: once its registrations are older than the timeout, it is dead.
+    left, _, _ = c.room("PB", "DS")
+    got = c.wait("PB", [left], timeout=HB_TIMEOUT + SLACK_S + 2)
+    _assert(got, FAILED, within=HB_TIMEOUT + 2 * CFG["heartbeat_interval_s"])
+    assert got[left][1] == "peer_dead", got
+    c.procs.pop("DS").stop()
+
+
 def test_decode_killed_mid_transfer(cluster):
     c = cluster
     to_da = [c.room("PA", "DA"), c.room("PB", "DA")]

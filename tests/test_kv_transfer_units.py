@@ -255,7 +255,7 @@ def test_bootstrap_app_endpoints():
     sessions = sorted([_info(0, 2, 0, 15).session_id, _info(1, 2, 15, 30).session_id])
     assert client.post(
         "/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth
-    ).json() == {"dead": [], "ranks": sessions}
+    ).json() == {"dead": [], "ranks": sessions, "timeout_s": HEARTBEAT_TIMEOUT_S}
     assert client.post("/heartbeat", json={"session": 1}, headers=auth).status_code == 400
 
 
