@@ -161,6 +161,8 @@ def main() -> int:
         flush=True,
     )
     load_mid = os.getloadavg()
+    if args.hf_requests <= 0:  # the engine's line only: no transformers run, no table
+        return 0
 
     path = resolve_model(None)
     rng = random.Random(args.seed + 1)

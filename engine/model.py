@@ -349,8 +349,8 @@ class ModelSlice(torch.nn.Module):
         """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
         previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
         attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
-        the last slice float32 logits [len(fb.logit_rows), vocab] for the rows of T listed in
-        fb.logit_rows."""
+        the last slice logits in the model's dtype [len(fb.logit_rows), vocab] for the rows of T
+        listed in fb.logit_rows."""
         lay = pool.layout
         if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
             raise ValueError(
@@ -381,4 +381,6 @@ class ModelSlice(torch.nn.Module):
             return h
         h = h.index_select(0, fb.logit_rows)
         h = layer_ops.rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
-        return linear(h, self.lm_head_weight, self._small_head).float()
+        # In the served dtype: the sampler reads bf16 rows as they are (widening them here copied
+        # 64 x 49152 logits per decode step, 7 % of its time) and widens only what it adjusts.
+        return linear(h, self.lm_head_weight, self._small_head)
