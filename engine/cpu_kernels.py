@@ -46,7 +46,7 @@ _loaded: bool | None = None
 _why_not = ""
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -65,7 +65,7 @@ def build_dir() -> Path:
         torch.__version__,
         platform.machine(),
     )
-    key = hashlib.sha256("|".join((*parts, _cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256("|".join((*parts, cpu_flags())).encode()).hexdigest()[:16]
     root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "pdserve" / "ext")
     return root.expanduser().resolve() / f"{NAME}-{key}"
 

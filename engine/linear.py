@@ -14,6 +14,10 @@ every batch in bf16):
   on a core with AMX (torch's plain bf16 matmul reorders the weight on every call), the copy took
   0.55–0.94x the plain time at every row count from 1 to 2048 (bench/results/linear_bf16.md), so
   bf16 batches of any size take it. It costs the memory of the weights once more.
+- **a bf16 copy blocked for VDPBF16PS** (engine/bf16_linear.py), on a CPU with AVX-512 BF16 and
+  no AMX, in place of the reordered copy: its kernel prefetches the next block of the weight while
+  it multiplies the current one, 0.66–0.80x oneDNN's time at 1–64 rows with the weights streamed
+  from memory, as in a decode step, and 0.96–1.04x at 512–2048 (bench/results/bf16_linear_epyc.md).
 
 Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
 rank has one (engine/spare_core.py; fp32 only: in bf16 it cost the colocated node 0.83x its tok/s
@@ -29,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import packed_linear, spare_core
+from engine import bf16_linear, packed_linear, spare_core
+from engine.bf16_linear import BlockedWeight
 from engine.packed_linear import PackedWeight
 
 SMALL_MIN, SMALL_MAX = 4, 128  # fp32 rows through the reordered copy; bf16: any (module doc)
@@ -59,10 +64,11 @@ def packed_rows(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class SmallWeights:
-    """A weight's small-batch copies; either may be None."""
+    """A weight's copies for the CPU's matmuls; any may be None."""
 
     packed: PackedWeight | None = None
     reordered: torch.Tensor | None = None
+    blocked: BlockedWeight | None = None  # bf16, every row count (engine/bf16_linear.py)
 
 
 def reorder(w: torch.Tensor) -> torch.Tensor | None:
@@ -84,7 +90,9 @@ def small_batch_weights(w: torch.Tensor, source: torch.Tensor | None = None) -> 
         packed = packed_linear.pack(w)
     elif w.device.type == "cpu" and source is not None and packed_linear.bf16_available():
         packed = packed_linear.pack_bf16(w, source)
-    return SmallWeights(packed, reorder(w))
+    blocked = bf16_linear.block(w)
+    # the blocked copy serves every row count the reordered one would: one copy, not two
+    return SmallWeights(packed, None if blocked is not None else reorder(w), blocked)
 
 
 def _onednn_linear(x, small, bias):
@@ -103,6 +111,9 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     rows = x.shape[0]
     if small.packed is not None and rows <= packed_rows(x.dtype):
         return _packed_linear(x, small.packed, bias)
+    if small.blocked is not None and x.dtype == torch.bfloat16:
+        y = bf16_linear.linear(x, small.blocked)
+        return y if bias is None else y.add_(bias)
     if small.reordered is not None:
         lo, hi = reordered_rows(small.reordered.dtype)
         if lo <= rows <= hi and x.dtype == small.reordered.dtype:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from engine import layer_ops, packed_linear, paged_attention
+from engine import bf16_linear, layer_ops, packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.linear import SmallWeights, add_linear_, linear, packed_rows, small_batch_weights
@@ -252,13 +252,21 @@ class ModelSlice(torch.nn.Module):
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
         packed = [v.packed for v in copies if v.packed is not None]
+        blocked = sum(v.blocked is not None for v in copies)
+        rest = (
+            f"blocked bf16 weights with prefetch ({blocked} of {len(copies)})"
+            if blocked
+            else "oneDNN-reordered weights"
+        )
         if not packed:
             why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
-            return f"decode matmuls on oneDNN-reordered weights ({why})"
+            if not blocked and self.dtype == torch.bfloat16:
+                why += f"; no blocked bf16 weights: {bf16_linear.why_not() or 'odd shapes'}"
+            return f"matmuls on {rest} (no packed codes: {why})"
         mb = sum(p.nbytes for p in packed) / 1e6
         return (
             f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB), "
-            f"on oneDNN-reordered weights above {packed_rows(self.dtype)} rows"
+            f"on {rest} above {packed_rows(self.dtype)} rows"
         )
 
     def weight_names(self) -> list[str]:

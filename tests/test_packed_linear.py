@@ -212,7 +212,7 @@ def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights(monkeypatch):
     s = load_slice(None, 29, 30, torch.bfloat16)
     loads = []
     about = s.add_small_batch_weights(lambda: loads.append(1))
-    assert about.startswith("decode matmuls on oneDNN-reordered weights") and loads == [], about
+    assert about.startswith("matmuls on ") and "no packed codes" in about and loads == [], about
     monkeypatch.setenv(pl.BF16_SWITCH, "1")
     s = load_slice(None, 29, 30, torch.bfloat16)
     about = s.add_small_batch_weights(lambda: load_slice(None, 29, 30))
