@@ -16,13 +16,13 @@ every batch in bf16):
   bf16 batches of any size take it. It costs the memory of the weights once more.
 - **a bf16 copy blocked for VDPBF16PS** (engine/bf16_linear.py), on a CPU with AVX-512 BF16 and
   no AMX, in place of the reordered copy: its kernel prefetches the next block of the weight while
-  it multiplies the current one, 0.66–0.80x oneDNN's time at 1–64 rows with the weights streamed
-  from memory, as in a decode step, and 0.96–1.04x at 512–2048 (bench/results/bf16_linear_epyc.md).
+  it multiplies the current one, 0.63–0.89x oneDNN's time at 1–64 rows with the weights streamed
+  from memory, as in a decode step, and 0.98–1.00x at 512–2048 (bench/results/bf16_linear_epyc.md).
 
 Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
 rank has one (engine/spare_core.py; fp32 only: in bf16 it cost the colocated node 0.83x its tok/s
 at concurrency 32, docs/PERFORMANCE.md). `EngineConfig.small_batch_weights`
-(`--no-small-batch-weights`) turns both copies off. Only on the CPU: elsewhere there are no copies
+(`--no-small-batch-weights`) turns the copies off. Only on the CPU: elsewhere there are no copies
 and every matmul takes the plain path.
 """
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import bf16_linear
 from engine import linear as lin
 from engine.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
@@ -66,7 +67,10 @@ def test_the_small_path_is_taken_for_small_batches_only(monkeypatch):
 
 def test_bf16_batches_of_every_size_take_the_reordered_copy(monkeypatch):
     """In bf16 the reordered copy was faster at every row count measured (1 to 2048 on an AMX
-    core, bench/results/linear_bf16.md); fp32 keeps SMALL_MIN..SMALL_MAX (above)."""
+    core, bench/results/linear_bf16.md); fp32 keeps SMALL_MIN..SMALL_MAX (above). Where the
+    blocked bf16 kernel serves (AVX-512 BF16 without AMX, tests/test_bf16_linear.py), it takes
+    the reordered copy's place: switched off here."""
+    monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
     w = torch.randn(64, 32).to(torch.bfloat16)
     small = lin.small_batch_weights(w)
     assert small.packed is None and small.reordered is not None

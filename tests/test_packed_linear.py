@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
+from engine import bf16_linear
 from engine import linear as lin
 from engine import packed_linear as pl
 from engine.loader import load_model_config, load_slice
@@ -107,7 +108,8 @@ def test_a_bf16_weight_packs_from_its_fp32_source(qtype, monkeypatch):
     assert pl.pack_bf16(wb, w + 1e-3) is None  # not the weight it was rounded from
     assert pl.pack_bf16(wb, w * 0.999) is None
     small = lin.small_batch_weights(wb, w)
-    assert isinstance(small.packed, pl.PackedWeight) and small.reordered is not None
+    assert isinstance(small.packed, pl.PackedWeight)
+    assert (small.reordered is None) != (small.blocked is None)  # one copy for the other rows
     for m in (1, 2, 3, 4, 5, 8, 31):
         x = torch.randn(m, 96, generator=g).bfloat16()
         got = pl.packed_linear(x, small.packed)
@@ -116,15 +118,25 @@ def test_a_bf16_weight_packs_from_its_fp32_source(qtype, monkeypatch):
         torch.testing.assert_close(got.float(), ref, rtol=2**-8, atol=1e-6)
 
 
-def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch, blocked):
+    """Then the blocked bf16 copy where its kernel serves (AVX-512 BF16 without AMX), else the
+    reordered one."""
     monkeypatch.setenv(pl.BF16_SWITCH, "1")
+    if blocked and not bf16_linear.available():
+        pytest.skip(f"the blocked bf16 kernel is off here: {bf16_linear.why_not()}")
+    if not blocked:
+        monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
     w = torch.from_numpy(gguf_grid(np.random.default_rng(6).standard_normal((64, 32)), Q.Q4_1))
     small = lin.small_batch_weights(w.bfloat16(), w)
     packed, reordered = spy(monkeypatch, "_packed_linear"), spy(monkeypatch, "_onednn_linear")
+    calls, real = [], bf16_linear.linear
+    monkeypatch.setattr(bf16_linear, "linear", lambda x, bw: calls.append(len(x)) or real(x, bw))
     for m in range(1, 11):
         lin.linear(torch.randn(m, 32).bfloat16(), w.bfloat16(), small)
     assert packed == list(range(1, lin.PACKED_MAX_BF16 + 1))
-    assert reordered == list(range(lin.PACKED_MAX_BF16 + 1, 11))
+    rest = list(range(lin.PACKED_MAX_BF16 + 1, 11))
+    assert (calls, reordered) == ((rest, []) if blocked else ([], rest))
 
 
 def spy(monkeypatch, name: str) -> list[int]:

@@ -7,9 +7,9 @@
 // (bench/results/engine_bf16_epyc.md). Here each block of 32 output columns is one contiguous run
 // of memory (K / 2 pairs of 32 columns x 2), and while a block's first row tile runs, the next
 // block's lines are prefetched into L2, two per k pair, so the read of one overlaps the arithmetic
-// of the other. All 121 matmuls of a step, weights streamed: 0.66-0.80x oneDNN's time at 1-32 rows
-// on one core, 0.70-0.80x at 1-64 rows on two, 0.96-0.98x at 512, 1.01-1.04x at 1024-2048
-// (bench/bench_bf16_linear.py).
+// of the other. All 121 matmuls of a forward, weights streamed: 0.63-0.89x oneDNN's time at 1-64
+// rows, 0.87-0.95x at 128, 0.98-1.00x at 512-2048, on one core and on two
+// (bench/bench_bf16_linear.py, bench/results/bf16_linear_epyc.md).
 //
 // Products: VDPBF16PS on pairs along k (exact bf16 products, fp32 sums in k order), one rounding
 // to bf16 at the end, as oneDNN's kernels do; the two differ only where their fp32 sums round to
