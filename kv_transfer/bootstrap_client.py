@@ -13,6 +13,8 @@ from kv_transfer.bootstrap import PrefillRankInfo
 
 # One call to a bootstrap server; kv_transfer/bootstrap.py HEARTBEAT_TIMEOUT_S allows for it.
 REQUEST_TIMEOUT_S = 2.0
+# The most a server's heartbeat timeout is taken to be: a registration proves life for that long.
+MAX_HEARTBEAT_TIMEOUT_S = 600.0
 
 logger = logging.getLogger(__name__)
 
@@ -121,5 +123,5 @@ class BootstrapClient:
         return Heartbeat(
             [d for d in dead if isinstance(d, str)],
             {s for s in ranks if isinstance(s, str)},
-            max(0.0, float(timeout_s)),
+            min(MAX_HEARTBEAT_TIMEOUT_S, max(0.0, float(timeout_s))),  # NaN: 0
         )

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from consensus.kvpoll import KVPoll, update_status
 from engine.model_config import split_layers
 from kv_transfer.bootstrap import HEARTBEAT_TIMEOUT_S, BootstrapState, PrefillRankInfo, build_app
-from kv_transfer.bootstrap_client import REQUEST_TIMEOUT_S
+from kv_transfer.bootstrap_client import MAX_HEARTBEAT_TIMEOUT_S, REQUEST_TIMEOUT_S, BootstrapClient
 from kv_transfer.layout import (
     PoolDesc,
     build_descriptors,
@@ -345,3 +345,30 @@ def test_one_timed_out_heartbeat_does_not_make_a_rank_dead():
     assert (
         cfg.heartbeat_misses * cfg.heartbeat_interval_s + REQUEST_TIMEOUT_S
     ) == HEARTBEAT_TIMEOUT_S
+
+
+def test_a_heartbeat_answer_is_checked_and_its_timeout_bounded():
+    """The server's timeout in a heartbeat answer bounds how long a registration counts as proof
+    of life on a prefill rank: read as a number in [0, MAX_HEARTBEAT_TIMEOUT_S] (a server that
+    does not say: 0, no proof), and an answer of the wrong shape is a failed beat."""
+    import httpx
+
+    answers = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=answers.pop(0))
+
+    client = BootstrapClient("127.0.0.1:1")
+    client._http = httpx.Client(
+        base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler)
+    )
+    base = {"dead": ["d", 7], "ranks": ["p"]}
+    for timeout, want in [(5, 5.0), (2.5, 2.5), (1e300, MAX_HEARTBEAT_TIMEOUT_S), (-3, 0.0)]:
+        answers.append({**base, "timeout_s": timeout})
+        assert client.heartbeat("s", ["d"]) == (["d"], {"p"}, want)
+    answers.append(base)
+    assert client.heartbeat("s", ["d"]).timeout_s == 0.0
+    for bad in ({**base, "timeout_s": "5"}, {**base, "timeout_s": True}, {"ranks": []}):
+        answers.append(bad)
+        with pytest.raises(ValueError):
+            client.heartbeat("s", ["d"])
