@@ -1,8 +1,9 @@
 """pdserve's C++ CPU kernels (`engine/csrc/*.cpp`), built for this machine with
 `torch.utils.cpp_extension` into one library, and loaded by the ranks that use them:
-decode attention over the paged pool (engine/paged_attention.py), matmuls against packed
-quantized weights (engine/packed_linear.py), the small per-layer ops (engine/layer_ops.py) and the
-choice of a token per row of logits (engine/sampling.py).
+decode and prefill attention over the paged pool (engine/paged_attention.py), matmuls against
+packed quantized weights (engine/packed_linear.py) and against blocked bf16 weights
+(engine/bf16_linear.py), the small per-layer ops (engine/layer_ops.py) and the choice of a token
+per row of logits (engine/sampling.py).
 
 Built by `scripts/setup.sh` (`python -m engine.cpu_kernels build`), once per source, torch version
 and CPU (it is compiled with -march=native), under `PDSERVE_EXT_DIR` (default
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -46,7 +48,9 @@ _loaded: bool | None = None
 _why_not = ""
 
 
+@functools.cache
 def cpu_flags() -> str:
+    """The CPU's feature line from /proc/cpuinfo (read once: every weight's copy asks)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
