@@ -2,7 +2,8 @@
 `torch.utils.cpp_extension` into one library, and loaded by the ranks that use them:
 decode and prefill attention over the paged pool (engine/paged_attention.py), matmuls against
 packed quantized weights (engine/packed_linear.py) and against blocked bf16 weights
-(engine/bf16_linear.py), the small per-layer ops (engine/layer_ops.py) and the choice of a token
+(engine/bf16_linear.py), the small per-layer ops (engine/layer_ops.py), a bf16 slice's decode
+forward in one call (engine/decode_stack.py) and the choice of a token
 per row of logits (engine/sampling.py).
 
 Built by `scripts/setup.sh` (`python -m engine.cpu_kernels build`), once per source, torch version

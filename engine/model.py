@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from engine import bf16_linear, layer_ops, packed_linear, paged_attention
+from engine import bf16_linear, decode_stack, layer_ops, packed_linear, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.linear import SmallWeights, add_linear_, linear, packed_rows, small_batch_weights
@@ -233,6 +233,7 @@ class ModelSlice(torch.nn.Module):
         self._in_place: bool | None = None
         self._extend_in_place: bool | None = None
         self._small_head: SmallWeights | None = None
+        self._stack: decode_stack.StackWeights | None = None  # all-decode batches in one call
 
     def add_small_batch_weights(self, fp32: Callable[[], ModelSlice] | None = None) -> str:
         """Small-batch copies of every matmul weight, LM head included (engine/linear.py): packed
@@ -249,6 +250,7 @@ class ModelSlice(torch.nn.Module):
             head = src.lm_head_weight if src is not None else None
             self._small_head = small_batch_weights(self.lm_head_weight, head)
         del src
+        self._stack = decode_stack.stack_weights(self)
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
         packed = [v.packed for v in copies if v.packed is not None]
@@ -258,6 +260,9 @@ class ModelSlice(torch.nn.Module):
             if blocked
             else "oneDNN-reordered weights"
         )
+        if self.dtype == torch.bfloat16:
+            why = decode_stack.why_not(self)
+            rest += "; decode steps in one call" if not why else f"; decode steps per op ({why})"
         if not packed:
             why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
             if not blocked and self.dtype == torch.bfloat16:
@@ -352,6 +357,17 @@ class ModelSlice(torch.nn.Module):
             self._ws = torch.empty(max(numel, 2 * self._ws.numel()), dtype=pool.kv.dtype)
         return self._ws[:numel].view(shape)
 
+    def _one_call(self, fb: ForwardBatch, masks: list, pool: KVPool) -> bool:
+        """Whether this forward runs its layers in one call (engine/decode_stack.py): an
+        all-decode batch on the in-place attention kernel, over a bf16 pool."""
+        return (
+            self._stack is not None
+            and len(fb.groups) == 1
+            and masks[0] is IN_PLACE
+            and fb.groups[0].rows_are_t
+            and pool.kv.dtype == torch.bfloat16
+        )
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
@@ -383,8 +399,24 @@ class ModelSlice(torch.nn.Module):
         groups = zip(fb.groups, masks, strict=True)
         gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
         ws = self._workspace(max(gathered, default=0), pool)
-        for i, layer in enumerate(self.layers):
-            layer(h, i, fb, pool, rope, masks, ws)
+        if self._one_call(fb, masks, pool):
+            g = fb.groups[0]
+            decode_stack.run_(
+                h,
+                self._stack,
+                rope,
+                pool.kv,
+                fb.out_pages,
+                fb.out_offs,
+                g.kv_pages.view(g.num_seqs, g.pages),
+                g.seq_lens,
+                self.cfg.num_heads,
+                self.cfg.num_kv_heads,
+                self.cfg.rms_norm_eps,
+            )
+        else:
+            for i, layer in enumerate(self.layers):
+                layer(h, i, fb, pool, rope, masks, ws)
         if not self.is_last:
             return h
         h = h.index_select(0, fb.logit_rows)

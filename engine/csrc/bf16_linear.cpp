@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
+
 namespace {
 
 constexpr int64_t kN = 32;  // output columns per block: two vectors of 16 fp32 sums
@@ -115,6 +117,10 @@ constexpr Tile kTiles[kRows + 1] = {nullptr,   tile<1>, tile<2>, tile<3>,  tile<
                                     tile<10>,  tile<11>, tile<12>};
 #endif
 
+}  // namespace
+
+namespace pdserve_ops {
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 #ifndef PDSERVE_BF16_LINEAR
   TORCH_CHECK(false, "bf16_linear: built without AVX-512 BF16");
@@ -163,15 +169,15 @@ bool bf16_linear_supported() {
 #endif
 }
 
-}  // namespace
+}  // namespace pdserve_ops
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("bf16_linear_supported() -> bool", &bf16_linear_supported);
+  m.def("bf16_linear_supported() -> bool", &pdserve_ops::bf16_linear_supported);
   m.def("pack_bf16_linear(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("pack_bf16_linear", &pack_bf16_linear);
-  m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_linear", &pdserve_ops::bf16_linear);
 }

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -127,6 +128,10 @@ void rope_store_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
+}  // namespace
+
+namespace pdserve_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rms_norm: CPU only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with unit stride");
@@ -203,7 +208,7 @@ void rope_store_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
     TORCH_CHECK(false, "rope_store_kv_: unsupported dtype ", kv.scalar_type());
 }
 
-}  // namespace
+}  // namespace pdserve_ops
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -213,7 +218,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_store_kv_", &rope_store_kv_);
+  m.impl("rms_norm", &pdserve_ops::rms_norm);
+  m.impl("silu_mul", &pdserve_ops::silu_mul);
+  m.impl("rope_store_kv_", &pdserve_ops::rope_store_kv_);
 }

@@ -32,6 +32,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -438,6 +439,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   });
 }
 
+}  // namespace
+
+namespace pdserve_ops {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
                                   const at::Tensor& page_table, const at::Tensor& seq_lens,
                                   double scale) {
@@ -482,7 +487,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
   return out;
 }
 
-}  // namespace
+}  // namespace pdserve_ops
 
 TORCH_LIBRARY(pdserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor seq_lens, "
@@ -490,5 +495,5 @@ TORCH_LIBRARY(pdserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &pdserve_ops::paged_decode_attention);
 }
