@@ -22,6 +22,7 @@ import httpx
 
 from router.circuit import CircuitBreaker
 from router.config import RouterConfig, WorkerSpec
+from router.cores import FrontCores
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients
 from router.tool_parsers import FORMATS
@@ -81,6 +82,7 @@ class WorkerRegistry:
         self._metrics = metrics
         self._workers: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
+        self.cores = FrontCores()  # the router's threads follow same-host fronts (router/cores.py)
 
     # --- membership -------------------------------------------------------------------------
     def add(self, spec: WorkerSpec) -> Worker:
@@ -236,7 +238,10 @@ class WorkerRegistry:
             if worker.model is None or (worker.role == "prefill" and worker.bootstrap_port is None):
                 resp = await client.get(f"{worker.url}/server_info", timeout=timeout)
                 if resp.status_code == 200:
-                    self._learn(worker, resp.json())
+                    info = resp.json()
+                    self._learn(worker, info)
+                    if isinstance(info, dict):
+                        self.cores.learn(worker.url, info.get("front_cpus"))
             if worker.role == "prefill":
                 await self._push_to_decodes()
             elif worker.role == "decode" and not await self.push_bootstrap_servers(worker, True):

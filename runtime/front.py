@@ -382,6 +382,8 @@ class NodeFront:
             "tool_call_format": self.tool_call_format,
             "prefix_cache": self.prefix_cache,
             "pid": os.getpid(),
+            # where this front runs (its node's I/O cores): a router on this host follows it there
+            "front_cpus": sorted(os.sched_getaffinity(0)),
             "sampling_defaults": self.sampling_defaults,
             "pp_size": self.pp_size,
             "healthy": ok,

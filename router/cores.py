@@ -1,0 +1,79 @@
+"""The router's cores: those of its same-host workers' fronts.
+
+A node's core plan (runtime/placement.py) keeps a core for I/O, where its fronts run and where the
+router should run too, away from the ranks' compute threads. `pdserve up` starts its router there;
+a router started by hand next to `pdserve serve` (the colocated recipe) floated over every core and
+took its share of the rank's. So when a worker at a loopback address reports the cores its front is
+bound to (`/server_info` "front_cpus"), the router moves every one of its threads onto the union of
+those cores; it only ever narrows the cores it was started with (a router started with taskset
+elsewhere stays there), and logs the move once per change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+MAX_CPUS = 4096  # a front_cpus list longer than this, or a core past it, is not a core list
+
+
+def is_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_front_cpus(value: object) -> frozenset[int] | None:
+    """A /server_info "front_cpus" value as a set of cores, or None where it is not a non-empty
+    list of core numbers."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_CPUS:
+        return None
+    if not all(type(c) is int and 0 <= c < MAX_CPUS for c in value):
+        return None
+    return frozenset(value)
+
+
+def bind_all_threads(cores: Iterable[int]) -> None:
+    """Every thread of this process on `cores` (threads started later inherit their creator's)."""
+    cores = set(cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, ValueError):  # the thread ended meanwhile
+            continue
+
+
+class FrontCores:
+    """Follows the fronts of the router's same-host workers onto their cores."""
+
+    def __init__(self, allowed: Iterable[int] | None = None):
+        self.allowed = frozenset(allowed if allowed is not None else os.sched_getaffinity(0))
+        self.fronts: frozenset[int] = frozenset()
+        self.bound: frozenset[int] | None = None
+
+    def learn(self, url: str, front_cpus: object) -> frozenset[int] | None:
+        """Takes a worker's reported front cores; returns the cores the router moved to, if it
+        moved."""
+        cpus = parse_front_cpus(front_cpus)
+        if cpus is None or not is_loopback(url):
+            return None
+        self.fronts |= cpus
+        want = self.fronts & self.allowed
+        if not want or want == (self.bound or self.allowed):
+            return None
+        bind_all_threads(want)
+        self.bound = want
+        logger.info(
+            "router on cores %s: where its same-host workers' fronts run (their I/O cores)",
+            ",".join(map(str, sorted(want))),
+        )
+        return want
