@@ -257,9 +257,13 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
                       uint16_t* out, const uint16_t* next_first) {
   constexpr int Q = D / 32, C = D / 16;
   float* accs = state;               // [H, G, D]
-  float* ms = state + H * G * D;     // [H, G] running max
-  float* ls = ms + H * G;            // [H, G] running sum
-  for (int64_t i = 0; i < H * G; ++i) ms[i] = -std::numeric_limits<float>::infinity(), ls[i] = 0;
+  // [H, G, 16] running sums, one per key lane (64-byte aligned: `state` is, and D is a multiple
+  // of 16), added up at the end: summed one key after the other, each page's 16 weights were a
+  // chain of 16 dependent scalar adds per query head
+  float* ls = state + H * G * D;
+  float* ms = ls + H * G * 16;       // [H, G] running max
+  for (int64_t i = 0; i < H * G; ++i) ms[i] = -std::numeric_limits<float>::infinity();
+  std::fill(ls, ls + H * G * 16, 0.0f);
   std::fill(accs, accs + H * G * D, 0.0f);
   const int64_t page_bytes = (ps - 1) * s_tok * 2 + H * s_head * 2;  // one half, all heads
   PageStream next;
@@ -275,8 +279,8 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
       const uint16_t* K = Kp + h * s_head;
       const uint16_t* V = K + s_half;
       float* m = ms + h * G;
-      float* l = ls + h * G;
-      alignas(64) float w[G][16];
+      alignas(64) float w[G * 16];  // per query head: scores minus their max, then their exps
+      float mx[G];
       __m512 acc[G][C];
       for (int g = 0; g < G; ++g) {
         const uint16_t* qg = q + (h * G + g) * D;
@@ -292,21 +296,23 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
           part[t] = a;
         }
         const __m512 s = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(sc));
-        const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(live, s));
-        alignas(64) float sv[16];
-        _mm512_store_ps(sv, s);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < 16; ++t) {
-          const float e = t < n ? pdserve_vec::exp_f32(sv[t] - mx) : 0.0f;
-          w[g][t] = e;
-          sum += e;
-        }
-        // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
-        const float corr = p == 0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx);
-        l[g] = l[g] * corr + sum;
-        m[g] = mx;
-        const __m512 cv = _mm512_set1_ps(corr);
+        mx[g] = std::max(m[g], _mm512_mask_reduce_max_ps(live, s));
+        _mm512_store_ps(w + g * 16, _mm512_sub_ps(s, _mm512_set1_ps(mx[g])));
+      }
+      // The softmax steps of the G query heads side by side, each a loop the compiler vectorizes:
+      // one head after the other, each head's exp waited for its max and held up the next head.
+#pragma omp simd
+      for (int i = 0; i < G * 16; ++i)
+        w[i] = (i & 15) < n ? pdserve_vec::exp_f32(w[i]) : 0.0f;
+      // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
+      float corr[G];
+#pragma omp simd
+      for (int g = 0; g < G; ++g) corr[g] = p == 0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx[g]);
+      for (int g = 0; g < G; ++g) {
+        float* lg = ls + (h * G + g) * 16;
+        const __m512 cv = _mm512_set1_ps(corr[g]);
+        _mm512_store_ps(lg, _mm512_fmadd_ps(_mm512_load_ps(lg), cv, _mm512_load_ps(w + g * 16)));
+        m[g] = mx[g];
         for (int c = 0; c < C; ++c)
           acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(accs + (h * G + g) * D + c * 16), cv);
       }
@@ -315,7 +321,7 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = widen_bf16(V + t * s_tok + c * 16);
         for (int g = 0; g < G; ++g) {
-          const __m512 wt = _mm512_set1_ps(w[g][t]);
+          const __m512 wt = _mm512_set1_ps(w[g * 16 + t]);
           for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(wt, v[c], acc[g][c]);
         }
       }
@@ -324,7 +330,7 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
     }
   }
   for (int64_t i = 0; i < H * G; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.0f / ls[i]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(ls + i * 16)));
     for (int c = 0; c < C; ++c)  // round to nearest even, as f32_to_bf16_bits
       _mm256_storeu_si256(
           reinterpret_cast<__m256i*>(out + i * D + c * 16),
@@ -345,11 +351,13 @@ void bf16_dot_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t zeros[D] = {};
-    std::vector<float> state(nkv * G * (D + 2));
+    std::vector<float> buf(nkv * G * (D + 16 + 1) + 16);  // bf16_dot_request's, 64-byte aligned
+    float* state =
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
     for (int64_t b = begin; b < end; ++b)
       bf16_dot_request<G, D>(qp + b * q.stride(0), nkv, base, pt + b * max_pages, lens[b], ps,
                              kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), sc, zeros,
-                             state.data(), op + b * nh * D,
+                             state, op + b * nh * D,
                              b + 1 < end ? base + pt[(b + 1) * max_pages] * kv.stride(0) : nullptr);
   });
 }
