@@ -29,11 +29,17 @@ from engine import paged_attention  # noqa: E402
 LAYERS, PAGE, KV_HEADS, HEADS, D = 30, 16, 3, 9, 64
 
 
-def case(seed: int = 0, lo: int = 70, hi: int = 530, dtype: torch.dtype = torch.bfloat16):
-    """32 requests of lo..hi tokens: a page-major pool, their page tables (pages shuffled over the
-    pool) and lengths."""
+def case(
+    seed: int = 0,
+    lo: int = 70,
+    hi: int = 530,
+    dtype: torch.dtype = torch.bfloat16,
+    requests: int = 32,
+):
+    """`requests` requests of lo..hi tokens: a page-major pool, their page tables (pages shuffled
+    over the pool) and lengths."""
     rng = random.Random(seed)
-    lens = [rng.randint(lo, hi) for _ in range(32)]
+    lens = [rng.randint(lo, hi) for _ in range(requests)]
     per = [-(-n // PAGE) for n in lens]
     pages = sum(per) + 8
     pool = torch.randn(pages, LAYERS, 2, PAGE, KV_HEADS, D).to(dtype)
