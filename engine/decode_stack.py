@@ -1,13 +1,15 @@
 """A bf16 layer slice's decode forward in one C++ call (`engine/csrc/decode_stack.cpp`).
 
-In a decode step of a few rows, the Python layer loop (engine/model.py) costs about as much as the
-attention: ten dispatched calls per layer through their Python wrappers, about 2 ms of a 14 ms
-8-row step of SmolLM2 on one core. The stack runs the same kernels in the same order from C++, so
-its results are bit for bit the loop's.
+In a decode step of a few rows, the Python layer loop (engine/model.py) costs: ten dispatched calls
+per layer through their Python wrappers, and the weight stream stalls between them. SmolLM2's decode
+step on one core took 0.76x / 0.91x / 0.94x the loop's time in one call at 1 / 8 / 32 requests
+(bench/bench_decode_stack.py). The call runs the same kernels in the same order from C++, so its
+results are bit for bit the loop's.
 
 It serves all-decode batches (one query row per request, the in-place decode kernel) of a bf16
-slice whose every matmul has a blocked weight (engine/bf16_linear.py) and whose layers have no
-q/k norms; other batches, dtypes, devices and models take the loop. Off with
+slice whose every matmul has a blocked weight (engine/bf16_linear.py) and none packed block codes
+(the opt-in `PDSERVE_PACKED_BF16`, which small batches would take in the loop), and whose layers
+have no q/k norms; other batches, dtypes, devices and models take the loop. Off with
 `PDSERVE_DECODE_STACK=0`.
 """
 
@@ -49,9 +51,13 @@ def why_not(slice_) -> str:
     ):
         if not ok:
             return f"the {name} is off"
+    if slice_.cfg.head_dim > layer_ops.MAX_HEAD_DIM or slice_.cfg.head_dim % 2:
+        return f"head_dim {slice_.cfg.head_dim} (the rotary kernel takes even sizes up to 512)"
     for layer in slice_.layers:
         if any(layer.small.get(m) is None or layer.small[m].blocked is None for m in _MATMULS):
             return "a matmul has no blocked weight"
+        if any(layer.small[m].packed is not None for m in _MATMULS):
+            return "small batches take packed block codes (PDSERVE_PACKED_BF16)"
         if layer.input_norm_weight.device.type != "cpu":
             return "not on the CPU"
     return ""

@@ -357,15 +357,19 @@ class ModelSlice(torch.nn.Module):
             self._ws = torch.empty(max(numel, 2 * self._ws.numel()), dtype=pool.kv.dtype)
         return self._ws[:numel].view(shape)
 
-    def _one_call(self, fb: ForwardBatch, masks: list, pool: KVPool) -> bool:
+    def _one_call(self, h: torch.Tensor, fb: ForwardBatch, masks: list, pool: KVPool) -> bool:
         """Whether this forward runs its layers in one call (engine/decode_stack.py): an
-        all-decode batch on the in-place attention kernel, over a bf16 pool."""
+        all-decode batch on the in-place attention kernel, over a bf16 pool, in the layouts the
+        kernel takes (where it would refuse them, the loop's torch fallbacks serve)."""
         return (
             self._stack is not None
             and len(fb.groups) == 1
             and masks[0] is IN_PLACE
             and fb.groups[0].rows_are_t
             and pool.kv.dtype == torch.bfloat16
+            and h.is_contiguous()
+            and fb.out_pages.is_contiguous()
+            and fb.out_offs.is_contiguous()
         )
 
     @torch.inference_mode()
@@ -399,7 +403,7 @@ class ModelSlice(torch.nn.Module):
         groups = zip(fb.groups, masks, strict=True)
         gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
         ws = self._workspace(max(gathered, default=0), pool)
-        if self._one_call(fb, masks, pool):
+        if self._one_call(h, fb, masks, pool):
             g = fb.groups[0]
             decode_stack.run_(
                 h,

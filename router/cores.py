@@ -70,7 +70,11 @@ class FrontCores:
         want = self.fronts & self.allowed
         if not want or want == (self.bound or self.allowed):
             return None
-        bind_all_threads(want)
+        try:
+            bind_all_threads(want)
+        except OSError as e:  # e.g. the cores left this process's cpuset since it started
+            logger.warning("router stays on its cores: moving to %s failed: %s", sorted(want), e)
+            return None
         self.bound = want
         logger.info(
             "router on cores %s: where its same-host workers' fronts run (their I/O cores)",

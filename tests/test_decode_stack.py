@@ -4,6 +4,7 @@ is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -105,8 +106,9 @@ def test_the_engine_decodes_in_one_call_with_the_same_tokens(tiny, monkeypatch):
 
 
 def test_where_it_does_not_apply(tmp_path, monkeypatch):
-    """Off by its switch, for fp32 slices and for layers with q/k norms, and the ready line says
-    which way decode steps run; a mixed batch takes the loop."""
+    """Off by its switch, for fp32 slices, for layers with q/k norms and where packed codes serve
+    small batches, and the ready line says which way decode steps run; a mixed batch takes the
+    loop."""
     path = build_tiny_model(tmp_path / "llama", hidden=96, heads=3, kv_heads=1)
     s = load_slice(path, 0, 4, dtype=torch.bfloat16)
     assert "decode steps in one call" in s.add_small_batch_weights()
@@ -117,6 +119,15 @@ def test_where_it_does_not_apply(tmp_path, monkeypatch):
     q3 = load_slice(qwen3, 0, 4, dtype=torch.bfloat16)
     assert "per op (the layers have q/k norms)" in q3.add_small_batch_weights()
     assert q3._stack is None
+    # packed block codes (the PDSERVE_PACKED_BF16 opt-in) would serve the loop's small batches
+    packed = load_slice(path, 0, 4, dtype=torch.bfloat16)
+    packed.add_small_batch_weights()
+    layer = packed.layers[2]
+    layer.small["o"] = dataclasses.replace(layer.small["o"], packed=layer.small["o"].blocked)
+    assert decode_stack.why_not(packed) == (
+        "small batches take packed block codes (PDSERVE_PACKED_BF16)"
+    )
+    assert decode_stack.stack_weights(packed) is None
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
     off = load_slice(path, 0, 4, dtype=torch.bfloat16)
     assert f"per op ({decode_stack.ENV_SWITCH}=0)" in off.add_small_batch_weights()

@@ -32,6 +32,11 @@ def test_front_cpus_are_read_only_from_loopback_workers_and_bounded():
     fc = FrontCores(allowed=CORES)
     assert fc.learn("http://10.0.0.5:1", CORES[:1]) is None and fc.fronts == frozenset()
     assert fc.learn("http://127.0.0.1:1", "0") is None
+    # cores it may not take (gone from its cpuset since it started): it stays and says so
+    before = os.sched_getaffinity(0)
+    gone = FrontCores(allowed=[*CORES, 4000])
+    assert gone.learn("http://127.0.0.1:1", [4000]) is None and gone.bound is None
+    assert os.sched_getaffinity(0) == before
 
 
 MOVES = """
