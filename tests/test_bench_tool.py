@@ -507,9 +507,16 @@ def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list
     # busy, and a starved client measures late. Seen in loaded full runs with 6 output tokens:
     # req/s 3.4x apart (19.4 against 5.7 in a 2.1 s window), ITL 3.2x and 2.0x, TTFT 2.7x and 2.0x,
     # and once ITL 18x (see CROSS_OSL). 4x still catches what this check is for: a unit slip
-    # (1000x), or e2e - TTFT not divided by the gaps between tokens (31x here).
-    for name, pair in (("req/s", rates), ("TTFT p50", ttfts), ("ITL mean", itls)):
-        assert _within(*pair, factor=4.0), (name, pair)
+    # (1000x), or e2e - TTFT not divided by the gaps between tokens (31x here). ITL mean gets 8x:
+    # a loaded full run (2026-12-04) had ours at 1.20 ms and aiperf at 0.29 ms in a 0.5 s window,
+    # aiperf reading each request's 32 tokens within about 9 ms (a starved reader sees its gaps
+    # shrink as ours sees them grow); 8x still fails both slips.
+    for name, pair, factor in (
+        ("req/s", rates, 4.0),
+        ("TTFT p50", ttfts, 4.0),
+        ("ITL mean", itls, 8.0),
+    ):
+        assert _within(*pair, factor=factor), (name, pair)
 
 
 def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
