@@ -10,25 +10,16 @@ import random
 import pytest
 import torch
 
-from engine import bf16_linear, cpu_kernels, decode_stack
+from engine import decode_stack
 from engine.config import EngineConfig
 from engine.core import SamplingParams
 from engine.engine import Engine
 from engine.forward_batch import BatchItem, build_forward_batch
 from engine.kv_cache import KVLayout, KVPool
 from engine.loader import load_model_config, load_slice
+from tests.test_bf16_linear import kernel  # noqa: F401 (autouse: the blocked kernel, or skip)
 from tests.test_model import DECODE_STEPS, PLAN, TOTAL, run_plan
 from tests.tiny_model import build_tiny_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    assert cpu_kernels.load(), cpu_kernels.why_not()
-    why = bf16_linear.why_not()
-    if "AVX-512 BF16" in why or "AMX" in why:
-        pytest.skip(f"the blocked bf16 kernel is off on this CPU: {why}")
-    assert not why, why
-
 
 # (name, build_tiny_model arguments): SmolLM2's head shape (3 query heads per KV head of 64, the
 # bf16 dot-product attention kernel), another one (the generic attention loop), and q/k/v biases
