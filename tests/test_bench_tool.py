@@ -446,7 +446,10 @@ def _assert_interrupted_results(
     (ours,) = res["loads"]
     assert res["interrupted"] is True and ours["interrupted"] is True
     measured = [x for x in ours["records"] if not x["warmup"]]
-    assert ours["cancelled"] >= 1 and ours["failed"] == 0
+    # The two requests in flight at Ctrl-C are cancelled, unless their answers were already in the
+    # client's socket: a starved client reads them before it acts on the signal, and its workers
+    # then stop taking requests (a loaded full run on 2026-12-04: 313 completed, 0 cancelled).
+    assert ours["cancelled"] <= 2 and ours["failed"] == 0
     assert ours["completed"] + ours["cancelled"] == len(measured)
     assert sum(x["error"] == "cancelled" for x in measured) == ours["cancelled"]
     return ours, measured
@@ -487,7 +490,7 @@ def _within(a: float, b: float, factor: float = 2.0) -> bool:
 
 def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list[dict]) -> None:
     """Our requests inside aiperf's window [first send, last answer] against aiperf's: rates and
-    latencies within 4x."""
+    TTFT within 4x; our ITLs by their definition."""
     w0 = min(x["metadata"]["request_start_ns"] for x in peer_recs) / 1e9
     w1 = max(x["metadata"]["request_end_ns"] for x in peer_recs) / 1e9
     ok = [x for x in measured if x["ok"]]
@@ -499,6 +502,11 @@ def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list
     rates = (len(ended_inside) / (w1 - w0), peer["request_throughput"]["avg"])
     ttfts = (statistics.median(x["ttft_ms"] for x in inside), peer["time_to_first_token"]["p50"])
     itls = (statistics.mean(x["itl_ms"] for x in inside), peer["inter_token_latency"]["avg"])
+    # Each of our ITLs is its own record's (e2e - TTFT) / (tokens - 1), to the records' rounding:
+    # what a unit slip or an undivided e2e would break.
+    for x in inside:
+        gaps = (x["e2e_ms"] - x["ttft_ms"]) / (x["output_tokens"] - 1)
+        assert abs(x["itl_ms"] - gaps) <= 0.002, x
     print(
         f"\ncross-check in aiperf's {w1 - w0:.1f} s window (ours, aiperf): req/s {rates}, "
         f"TTFT p50 ms {ttfts}, ITL mean ms {itls}"
@@ -507,16 +515,12 @@ def _assert_window_rates_agree(peer: dict, peer_recs: list[dict], measured: list
     # busy, and a starved client measures late. Seen in loaded full runs with 6 output tokens:
     # req/s 3.4x apart (19.4 against 5.7 in a 2.1 s window), ITL 3.2x and 2.0x, TTFT 2.7x and 2.0x,
     # and once ITL 18x (see CROSS_OSL). 4x still catches what this check is for: a unit slip
-    # (1000x), or e2e - TTFT not divided by the gaps between tokens (31x here). ITL mean gets 8x:
-    # a loaded full run (2026-12-04) had ours at 1.20 ms and aiperf at 0.29 ms in a 0.5 s window,
-    # aiperf reading each request's 32 tokens within about 9 ms (a starved reader sees its gaps
-    # shrink as ours sees them grow); 8x still fails both slips.
-    for name, pair, factor in (
-        ("req/s", rates, 4.0),
-        ("TTFT p50", ttfts, 4.0),
-        ("ITL mean", itls, 8.0),
-    ):
-        assert _within(*pair, factor=factor), (name, pair)
+    # (1000x). ITL means are not compared: a starved reader takes a request's tokens in one burst
+    # and sees its gaps shrink (2026-12-04, loaded: ours 1.20 ms against aiperf's 0.29 ms; with
+    # both cores busy, ours 0.02 ms against 0.75 ms), so the records' own arithmetic is checked
+    # above instead.
+    for name, pair in (("req/s", rates), ("TTFT p50", ttfts)):
+        assert _within(*pair, factor=4.0), (name, pair)
 
 
 def test_cross_check_with_aiperf_and_ctrl_c(cluster, tiny6, tmp_path):
