@@ -25,14 +25,17 @@ def bearer(secret: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"} if secret else {}
 
 
-def is_loopback(host: str) -> bool:
-    """True when `host` (an address or a name) is reachable only from this machine."""
+def is_loopback(host: str, resolve: bool = True) -> bool:
+    """True when `host` (an address or a name) is reachable only from this machine. `resolve`:
+    whether another name is looked up (a blocking DNS call; an event loop passes False)."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
+    if not resolve:
+        return False
     try:
         addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
     except OSError:

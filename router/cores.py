@@ -11,11 +11,12 @@ elsewhere stays there), and logs the move once per change.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Iterable
 from urllib.parse import urlsplit
+
+from infra import internal_auth
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
@@ -23,13 +24,9 @@ MAX_CPUS = 4096  # a front_cpus list longer than this, or a core past it, is not
 
 
 def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """Whether the worker at `url` is on this host: a loopback address or localhost (no DNS
+    lookup: this runs on the router's event loop)."""
+    return internal_auth.is_loopback(urlsplit(url).hostname or "", resolve=False)
 
 
 def parse_front_cpus(value: object) -> frozenset[int] | None:
