@@ -63,10 +63,8 @@ def why_not(slice_) -> str:
     return ""
 
 
-def stack_weights(slice_) -> StackWeights | None:
-    """The kernel's weight list for `slice_`, or None where `why_not(slice_)` says why not."""
-    if why_not(slice_):
-        return None
+def stack_weights(slice_) -> StackWeights:
+    """The kernel's weight list for `slice_`, for which `why_not(slice_)` is ""."""
     weights = []
     for layer in slice_.layers:
         s = layer.small

@@ -250,7 +250,8 @@ class ModelSlice(torch.nn.Module):
             head = src.lm_head_weight if src is not None else None
             self._small_head = small_batch_weights(self.lm_head_weight, head)
         del src
-        self._stack = decode_stack.stack_weights(self)
+        stack_off = decode_stack.why_not(self)  # why all-decode steps do not run in one call, or ""
+        self._stack = None if stack_off else decode_stack.stack_weights(self)
         copies = [v for layer in self.layers for v in layer.small.values()]
         copies += [self._small_head] if self.is_last else []
         packed = [v.packed for v in copies if v.packed is not None]
@@ -261,8 +262,11 @@ class ModelSlice(torch.nn.Module):
             else "oneDNN-reordered weights"
         )
         if self.dtype == torch.bfloat16:
-            why = decode_stack.why_not(self)
-            rest += "; decode steps in one call" if not why else f"; decode steps per op ({why})"
+            rest += (
+                f"; decode steps per op ({stack_off})"
+                if stack_off
+                else "; decode steps in one call"
+            )
         if not packed:
             why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
             if not blocked and self.dtype == torch.bfloat16:

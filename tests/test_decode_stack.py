@@ -118,7 +118,6 @@ def test_where_it_does_not_apply(tmp_path, monkeypatch):
     assert decode_stack.why_not(packed) == (
         "small batches take packed block codes (PDSERVE_PACKED_BF16)"
     )
-    assert decode_stack.stack_weights(packed) is None
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
     off = load_slice(path, 0, 4, dtype=torch.bfloat16)
     assert f"per op ({decode_stack.ENV_SWITCH}=0)" in off.add_small_batch_weights()
