@@ -6,7 +6,8 @@ a router started by hand next to `pdserve serve` (the colocated recipe) floated 
 took its share of the rank's. So when a worker at a loopback address reports the cores its front is
 bound to (`/server_info` "front_cpus"), the router moves every one of its threads onto the union of
 those cores; it only ever narrows the cores it was started with (a router started with taskset
-elsewhere stays there), and logs the move once per change.
+elsewhere stays there), and logs the move once per change. A worker removed takes its fronts with
+it: the router follows the ones left, or goes back to the cores it started with when none is left.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ class FrontCores:
 
     def __init__(self, allowed: Iterable[int] | None = None):
         self.allowed = frozenset(allowed if allowed is not None else os.sched_getaffinity(0))
-        self.fronts: frozenset[int] = frozenset()
-        self.bound: frozenset[int] | None = None
+        self._by_url: dict[str, frozenset[int]] = {}
+        self.bound: frozenset[int] | None = None  # None: on `allowed`, where it started
+
+    @property
+    def fronts(self) -> frozenset[int]:
+        """The cores of the same-host workers' fronts it knows of."""
+        return frozenset().union(*self._by_url.values())
 
     def learn(self, url: str, front_cpus: object) -> frozenset[int] | None:
         """Takes a worker's reported front cores; returns the cores the router moved to, if it
@@ -63,18 +69,31 @@ class FrontCores:
         cpus = parse_front_cpus(front_cpus)
         if cpus is None or not is_loopback(url):
             return None
-        self.fronts |= cpus
-        want = self.fronts & self.allowed
-        if not want or want == (self.bound or self.allowed):
+        self._by_url[url] = cpus
+        return self._follow()
+
+    def forget(self, url: str) -> frozenset[int] | None:
+        """A worker left the router: its fronts no longer count. Returns the cores the router
+        moved to, if it moved."""
+        if self._by_url.pop(url, None) is None:
+            return None
+        return self._follow()
+
+    def _follow(self) -> frozenset[int] | None:
+        want = self.fronts & self.allowed or self.allowed  # no front left here: where it started
+        if want == (self.bound or self.allowed):
             return None
         try:
             bind_all_threads(want)
         except OSError as e:  # e.g. the cores left this process's cpuset since it started
             logger.warning("router stays on its cores: moving to %s failed: %s", sorted(want), e)
             return None
-        self.bound = want
+        self.bound = None if want == self.allowed else want
         logger.info(
-            "router on cores %s: where its same-host workers' fronts run (their I/O cores)",
+            "router on cores %s: %s",
             ",".join(map(str, sorted(want))),
+            "where its same-host workers' fronts run (their I/O cores)"
+            if self.fronts & self.allowed
+            else "those it started with (no same-host front left)",
         )
         return want

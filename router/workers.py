@@ -102,6 +102,7 @@ class WorkerRegistry:
     def remove(self, url: str) -> Worker:
         worker = self._workers.pop(url)  # KeyError: caller answers 404
         self._metrics.forget_worker(url, worker.role)
+        self.cores.forget(url)
         logger.info("worker removed: %s", url)
         return worker
 

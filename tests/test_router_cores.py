@@ -21,6 +21,25 @@ CORES = sorted(os.sched_getaffinity(0))
 two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to move between")
 
 
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    """The distinct core sets of `pid`'s threads (a thread that ends meanwhile is skipped)."""
+    got = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            got.add(frozenset(os.sched_getaffinity(int(t))))
+        except ProcessLookupError:
+            pass
+    return got
+
+
+def wait_thread_cores(pid: int, want: frozenset[int], timeout: float = 20) -> set[frozenset[int]]:
+    """`thread_cores(pid)` once every thread is on `want`, or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while (got := thread_cores(pid)) != {want} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
 def test_front_cpus_are_read_only_from_loopback_workers_and_bounded():
     assert is_loopback("http://127.0.0.1:8201") and is_loopback("http://localhost:1")
     assert is_loopback("http://[::1]:30000")
@@ -61,8 +80,14 @@ for x in os.listdir("/proc/self/task"):
         pass
 assert t.native_id in tasks
 stop.set(); t.join()
+gone = [fc.forget("http://127.0.0.1:3")]             # its front left: back to {b}
+gone.append(fc.forget("http://127.0.0.1:1"))         # the front of :2 is still on b: no move
+gone.append(fc.forget("http://127.0.0.1:9"))         # never known: nothing
+gone.append(fc.forget("http://127.0.0.1:2"))         # none left: the cores it started with
 print(json.dumps([[sorted(o) if o else None for o in out],
-                  sorted(sorted(s) for s in set(map(frozenset, tasks.values()))), sorted(late[0])]))
+                  sorted(sorted(s) for s in set(map(frozenset, tasks.values()))), sorted(late[0]),
+                  [sorted(o) if o else None for o in gone], sorted(os.sched_getaffinity(0)),
+                  sorted(fc.allowed), fc.bound]))
 """
 
 
@@ -78,11 +103,13 @@ def test_every_thread_moves_and_only_ever_within_its_cores():
     )
     assert out.returncode == 0, out.stderr
     a, b = CORES[:2]
-    moves, task_sets, late = json.loads(out.stdout)
+    moves, task_sets, late, gone, final, allowed, bound = json.loads(out.stdout)
     # moved to {b}; the second report changed nothing; the third widened to {a, b} (on a 2-core
     # host all it was given: back where it started), every thread with it, and later ones too
     assert moves == [[b], None, [a, b]]
     assert task_sets == [[a, b]] and late == [a, b]
+    # workers removed: it follows the fronts left, then goes back to the cores it started with
+    assert gone == [[b], None, None, allowed] and final == allowed and bound is None
 
 
 @two_cores
@@ -97,13 +124,7 @@ def test_a_router_beside_a_colocated_node_runs_on_its_front_cores(tiny6, tmp_pat
         assert front == os.sched_getaffinity(info["pid"]) and front < set(CORES)
         router = ["router", "--port", str(rport), "--worker", nurl, "--health-interval", "1"]
         with start(router, rport, tmp_path / "router.log") as (rurl, rp):
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                tasks = os.listdir(f"/proc/{rp.pid}/task")
-                got = {frozenset(os.sched_getaffinity(int(t))) for t in tasks}
-                if got == {frozenset(front)}:
-                    break
-                time.sleep(0.2)
+            got = wait_thread_cores(rp.pid, frozenset(front))
             assert got == {frozenset(front)}, (got, front)
             assert "router on cores" in (tmp_path / "router.log").read_text()
             r = httpx.post(
@@ -112,3 +133,9 @@ def test_a_router_beside_a_colocated_node_runs_on_its_front_cores(tiny6, tmp_pat
                 timeout=60,
             )
             assert r.status_code == 200, r.text
+            # the worker removed: its front no longer holds the router, which goes back to the
+            # cores it started with
+            r = httpx.delete(f"{rurl}/workers", params={"url": nurl}, timeout=10)
+            assert r.status_code == 200, r.text
+            got = wait_thread_cores(rp.pid, frozenset(CORES))
+            assert got == {frozenset(CORES)}, (got, CORES)
