@@ -19,11 +19,12 @@ every batch in bf16):
   it multiplies the current one, 0.63–0.89x oneDNN's time at 1–64 rows with the weights streamed
   from memory, as in a decode step, and 0.98–1.00x at 512–2048 (bench/results/bf16_linear_epyc.md).
 
-Prefill chunks take the plain weight (MKL), split with a helper thread on a spare core where the
-rank has one (engine/spare_core.py; fp32 only: in bf16 it cost the colocated node 0.83x its tok/s
-at concurrency 32, docs/PERFORMANCE.md). `EngineConfig.small_batch_weights`
-(`--no-small-batch-weights`) turns the copies off. Only on the CPU: elsewhere there are no copies
-and every matmul takes the plain path.
+fp32 prefill chunks take the plain weight (MKL), bf16 ones the blocked copy; both split with a
+helper thread on a spare core where the rank has one (engine/spare_core.py: in bf16 on the blocked
+kernel, the colocated node 1.10x / 1.06x its tok/s at concurrency 32 / 8 with it, alternating;
+on oneDNN's reordered copy it had cost 0.83x, docs/PERFORMANCE.md).
+`EngineConfig.small_batch_weights` (`--no-small-batch-weights`) turns the copies off. Only on the
+CPU: elsewhere there are no copies and every matmul takes the plain path.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def _small_linear(x: torch.Tensor, small: SmallWeights | None, bias) -> torch.Te
     if small.packed is not None and rows <= packed_rows(x.dtype):
         return _packed_linear(x, small.packed, bias)
     if small.blocked is not None and x.dtype == torch.bfloat16:
+        if spare_core.takes_blocked(x):
+            return spare_core.blocked_linear(x, small.blocked, bias)
         y = bf16_linear.linear(x, small.blocked)
         return y if bias is None else y.add_(bias)
     if small.reordered is not None:

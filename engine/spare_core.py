@@ -13,21 +13,29 @@ Both threads compute a block with the same call, so the product does not depend 
 which block. It does differ in the last bits from one unsplit matmul (MKL's sums over other
 blocks), and the split of M rows is fixed by M alone.
 
-On only for fp32 ranks with one compute thread on the CPU, where the launcher names spare cores
-(`EngineConfig.spare_cores`; the nodes name the core plan's I/O cores, runtime/serve.py);
-`PDSERVE_SPARE_CORE=0` turns it off.
+In bf16 the blocks go through the blocked VDPBF16PS kernel (engine/bf16_linear.py), whose output
+rows do not depend on the rows beside them: there the split product has the bits of the unsplit one,
+so the grid is finer (blocks of 64 rows, the rank's thread taking runs of up to 4 in one call): a
+helper that gets only part of the I/O core then loses at most a small block when the rank takes
+its block back.
+
+On for ranks with one compute thread on the CPU, in fp32, and in bf16 where the blocked kernel
+serves, where the launcher names spare cores (`EngineConfig.spare_cores`; the nodes name the core
+plan's I/O cores, runtime/serve.py); `PDSERVE_SPARE_CORE=0` turns it off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernels
+from engine import bf16_linear, cpu_kernels
 
 ENV_SWITCH = "PDSERVE_SPARE_CORE"
 MIN_ROWS = 512  # smaller products: one MKL call (a split below 2 x 256 rows costs up to 10 %)
 BLOCK_ROWS = 256  # MKL loses next to nothing to a split into blocks of this many rows
 MAX_BLOCKS = 16
+BF16_BLOCK_ROWS = 64  # the blocked kernel at 64 rows: 0.96x its rate at 2048 (bf16_linear_epyc.md)
+BF16_MAX_BLOCKS = 256
 NICE = 19
 
 _cores: tuple[int, ...] = ()
@@ -43,8 +51,10 @@ def start(cores, threads: int, dtype: torch.dtype) -> str:
     why = cpu_kernels.switched_off(ENV_SWITCH)
     if not why and threads != 1:
         why = f"{threads} compute threads"
-    if not why and dtype != torch.float32:
+    if not why and dtype not in (torch.float32, torch.bfloat16):
         why = f"dtype {dtype}"
+    if not why and dtype == torch.bfloat16 and not bf16_linear.available():
+        why = f"bf16 without the blocked kernel: {bf16_linear.why_not()}"
     if not why and not cpu_kernels.load():
         why = cpu_kernels.why_not()
     if why:
@@ -64,6 +74,10 @@ def blocks(rows: int) -> int:
     return max(2, min(MAX_BLOCKS, rows // BLOCK_ROWS))
 
 
+def bf16_blocks(rows: int) -> int:
+    return max(2, min(BF16_MAX_BLOCKS, rows // BF16_BLOCK_ROWS))
+
+
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the product x @ w.T goes through the helper."""
     return (
@@ -76,8 +90,27 @@ def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def takes_blocked(x: torch.Tensor) -> bool:
+    """Whether the product of bf16 rows `x` with a blocked weight goes through the helper."""
+    return (
+        bool(_cores)
+        and x.dim() == 2
+        and x.shape[0] >= MIN_ROWS
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    )
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.pdserve.spare_core_linear(x, w, bias, blocks(x.shape[0]))
+
+
+def blocked_linear(x: torch.Tensor, bw, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) for `bw`, w's engine.bf16_linear.BlockedWeight."""
+    return torch.ops.pdserve.spare_core_bf16_linear(
+        x, bw.blocks, bw.out_features, bias, bf16_blocks(x.shape[0])
+    )
 
 
 def add_linear_(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """Prefill matmuls shared with a helper thread on a spare core (engine/spare_core.py,
 engine/csrc/spare_core.cpp): the product has the same bits whoever computes which block and is the
-fp32 matmul's within rounding, the helper runs where it was put at the lowest priority, only
-prefill-sized fp32 products take it, and a model served with it matches transformers token for
-token."""
+fp32 matmul's within rounding (in bf16 on the blocked kernel: the unsplit product's bits), the
+helper runs where it was put at the lowest priority, only prefill-sized products take it, and a
+model served with it matches transformers token for token (in bf16: the engine without it)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from cluster import helper_threads
 from reference import hf_greedy, load_hf
 
-from engine import cpu_kernels
+from engine import bf16_linear, cpu_kernels
 from engine import linear as lin
 from engine import spare_core as sc
 from engine.config import EngineConfig
@@ -96,7 +96,38 @@ def test_spare_cores_are_the_io_cores_of_one_thread_ranks():
     assert spare_cores((), 1) == []  # no I/O core: never another rank's core
     assert sc.start((), 1, torch.float32) == ""
     assert "2 compute threads" in sc.start((1,), 2, torch.float32)
-    assert "dtype" in sc.start((1,), 1, torch.bfloat16)
+    assert "dtype" in sc.start((1,), 1, torch.float16)
+    if not bf16_linear.available():  # bf16 takes it only on the blocked kernel
+        assert "bf16 without the blocked kernel" in sc.start((1,), 1, torch.bfloat16)
+
+
+blocked_kernel = pytest.mark.skipif(
+    not bf16_linear.available(), reason="the blocked bf16 kernel is off on this CPU"
+)
+
+
+@blocked_kernel
+@pytest.mark.parametrize("rows, cols", [(512, 160), (700, 100), (1031, 160)])
+def test_bf16_products_on_the_blocked_kernel_have_the_unsplit_bits(spare, rows, cols):
+    """The blocked kernel's rows do not depend on their neighbours: split between the threads,
+    the product is the unsplit kernel's bit for bit, with and without a bias; until the helper has
+    taken at least one block (bounded by 20 s)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(cols, 96, generator=g).bfloat16()
+    bias = torch.randn(cols, generator=g).bfloat16()
+    bw = bf16_linear.block(w)
+    assert sc.takes_blocked(x) and not sc.takes_blocked(x[: sc.MIN_ROWS - 1])
+    want = bf16_linear.linear(x, bw)
+    want_bias = want.clone().add_(bias)
+    before, deadline, calls = claimed(sc.counts()), time.monotonic() + 20, 0
+    while calls < 20 or (claimed(sc.counts()) == before and time.monotonic() < deadline):
+        assert torch.equal(sc.blocked_linear(x, bw, None), want)
+        assert torch.equal(lin.linear(x, w, lin.SmallWeights(None, None, bw), bias), want_bias)
+        calls += 1
+    assert claimed(sc.counts()) > before, "the helper never took a block"
+    with pytest.raises(RuntimeError, match="columns"):  # a weight of another shape: refused
+        sc.blocked_linear(torch.randn(600, 64).bfloat16(), bw, None)
 
 
 def test_a_model_served_with_the_helper_matches_transformers(spare, tiny_model):
@@ -122,3 +153,41 @@ def test_a_model_served_with_the_helper_matches_transformers(spare, tiny_model):
     finally:
         torch.set_num_threads(threads)
     assert [o.token_ids for o in outs] == hf_greedy(load_hf(tiny_model), prompts, 8)
+
+
+@blocked_kernel
+def test_a_bf16_model_served_with_the_helper_decodes_as_without_it(spare, tiny_model):
+    """bf16 prompts of 520-900 tokens in forwards of up to 1024: their matmuls take the helper,
+    and every sampled token is the one the engine without the helper samples."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (520, 700, 900)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7)
+
+    def tokens(cores):
+        eng = Engine(
+            EngineConfig(
+                model=str(tiny_model),
+                chunk_size=1024,
+                max_batch_tokens=1024,
+                max_total_tokens=4096,
+                threads=1,
+                dtype="bfloat16",
+                spare_cores=cores,
+                enable_prefix_cache=False,
+            )
+        )
+        return [o.token_ids for o in eng.generate(prompts, params)]
+
+    threads = torch.get_num_threads()
+    try:
+        before = sum(sc.counts().values())
+        helped = tokens(spare)
+        assert sum(sc.counts().values()) > before
+        sc._cores = ()  # off: the same engine config without the helper
+        after = sum(sc.counts().values())
+        alone = tokens(())
+        assert sum(sc.counts().values()) == after
+    finally:
+        sc._cores = spare
+        torch.set_num_threads(threads)
+    assert helped == alone

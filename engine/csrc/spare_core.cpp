@@ -12,13 +12,16 @@
 // the helper, so a starved helper costs nothing but the split.
 //
 // Every block is computed by the same call (MKL's matmul on the block's rows, into a fresh tensor
-// or a view of y, which give the same bits) whichever thread runs it, so y does not depend on who
-// computed what.
+// or a view of y, which give the same bits; in bf16 the blocked VDPBF16PS kernel of
+// bf16_linear.cpp, whose rows do not depend on the rows beside them) whichever thread runs it, so
+// y does not depend on who computed what.
 //
 // Ops:
 //   pdserve::spare_core_start(int[] cores, int nice) -> bool   the helper thread (once)
 //   pdserve::spare_core_linear(x, w, bias?, int blocks) -> x @ w.T + bias   (x [M, K], w [N, K])
 //   pdserve::spare_core_add_linear_(h, x, w, int blocks)  h [M, N] += x @ w.T
+//   pdserve::spare_core_bf16_linear(x, packed, int n, bias?, int blocks) -> x @ w.T + bias
+//     x [M, K] bf16, `packed` w [n, K] blocked by pack_bf16_linear (bf16_linear.cpp)
 //   pdserve::spare_core_counts() -> int[]   blocks by [the rank's thread, the helper, taken back]
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -44,13 +47,23 @@
 #include <thread>
 #include <vector>
 
+#include "ops.h"
+
 namespace {
 
 enum : int { FREE = 0, RANK = 1, HELPING = 2, HELPED = 3, TAKEN_BACK = 4 };
+constexpr int64_t kBf16RankRun = 4;  // blocks of engine/spare_core.py BF16_BLOCK_ROWS: 256 rows
 
 // One split product. The helper holds a reference, so x and w stay alive while it may read them.
 struct Work {
   at::Tensor x, w, bias;
+  at::Tensor packed;   // bf16: the blocked weight, in place of w
+  int64_t n_out = 0;   // its output features
+  // Blocks the rank's thread takes per call. The blocked bf16 kernel's output rows do not depend
+  // on the rows beside them, so there the grid can be fine (the helper, which gets what the I/O
+  // core leaves, loses at most a small block when the rank takes one back) while the rank still
+  // multiplies runs of several blocks at once. MKL's bits depend on the rows of a call: 1 there.
+  int64_t rank_run = 1;
   std::vector<int64_t> starts;  // block b covers rows [starts[b], starts[b + 1])
   std::unique_ptr<std::atomic<int>[]> state;
   std::vector<at::Tensor> helped;  // written by the helper before it sets HELPED
@@ -67,14 +80,21 @@ struct Work {
   }
   int64_t blocks() const { return static_cast<int64_t>(starts.size()) - 1; }
   int64_t rows(int64_t b) const { return starts[b + 1] - starts[b]; }
+  int64_t cols() const { return packed.defined() ? n_out : w.size(0); }
   // The product of block b's rows into `y` [rows, N]: the one call both threads make, so a block
   // comes out the same whoever computes it (MKL gives the same bits into a fresh tensor or a view)
-  void block_into(int64_t b, at::Tensor& y) const {
-    at::mm_out(y, x.narrow(0, starts[b], rows(b)), w.t());
+  void block_into(int64_t b, at::Tensor& y) const { run_into(b, b + 1, y); }
+  // blocks [b, e) in one call
+  void run_into(int64_t b, int64_t e, at::Tensor& y) const {
+    const at::Tensor xb = x.narrow(0, starts[b], starts[e] - starts[b]);
+    if (packed.defined())
+      y.copy_(pdserve_ops::bf16_linear(xb, packed, n_out));
+    else
+      at::mm_out(y, xb, w.t());
     if (bias.defined()) y.add_(bias);
   }
   at::Tensor block(int64_t b) const {
-    at::Tensor y = at::empty({rows(b), w.size(0)}, x.options());
+    at::Tensor y = at::empty({rows(b), cols()}, x.options());
     block_into(b, y);
     return y;
   }
@@ -216,14 +236,23 @@ at::Tensor scratch(int64_t rows, int64_t n, const at::TensorOptions& options) {
   return buf.narrow(0, 0, rows * n).view({rows, n});
 }
 
-// y = x @ w.T (+ bias) into a new tensor, or, with `out`, out += x @ w.T
+// y = x @ w.T (+ bias) into a new tensor, or, with `out`, out += x @ w.T; with `packed` (bf16) the
+// blocked weight of n_out features stands for w
 at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                        const at::Tensor* out, int64_t blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
-              "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
-  const int64_t M = x.size(0), N = w.size(0);
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.device() == x.device(),
-              "spare_core_linear: w must have x's dtype and device");
+                        const at::Tensor* out, int64_t blocks, const at::Tensor& packed = {},
+                        int64_t n_out = 0) {
+  if (packed.defined()) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
+                    x.device().is_cpu(),
+                "spare_core_bf16_linear: x must be a contiguous bf16 [M, K] CPU tensor");
+    TORCH_CHECK(n_out > 0, "spare_core_bf16_linear: n must be > 0");
+  } else {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
+                "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.device() == x.device(),
+                "spare_core_linear: w must have x's dtype and device");
+  }
+  const int64_t M = x.size(0), N = packed.defined() ? n_out : w.size(0);
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == N &&
                                   bias.scalar_type() == x.scalar_type()),
               "spare_core_linear: bias must be [N] of x's dtype");
@@ -232,28 +261,43 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
               "spare_core_add_linear_: h must be a contiguous [M, N] tensor of x's dtype");
   blocks = std::max<int64_t>(1, std::min(blocks, M));
   auto work = std::make_shared<Work>(x, w, bias, blocks);
+  work->packed = packed;
+  work->n_out = n_out;
+  if (packed.defined()) work->rank_run = kBf16RankRun;
   if (blocks > 1) Helper::get().offer(work);
 
   at::Tensor y = out ? *out : at::empty({M, N}, x.options());  // only this thread writes y
-  auto rows_of = [&](int64_t b) { return y.narrow(0, work->starts[b], work->rows(b)); };
+  auto rows_of = [&](int64_t b, int64_t e) {
+    return y.narrow(0, work->starts[b], work->starts[e] - work->starts[b]);
+  };
   auto place = [&](int64_t b, const at::Tensor& yb) {
-    out ? rows_of(b).add_(yb) : rows_of(b).copy_(yb);
+    out ? rows_of(b, b + 1).add_(yb) : rows_of(b, b + 1).copy_(yb);
   };
   // h += x @ w.T adds a finished product (addmm_ would accumulate into h, in other bits than the
   // helper's product added)
-  auto compute = [&](int64_t b) {
-    at::Tensor p = out ? scratch(work->rows(b), N, x.options()) : rows_of(b);
-    work->block_into(b, p);
-    if (out) rows_of(b).add_(p);
+  auto compute = [&](int64_t b, int64_t e) {
+    at::Tensor p = out ? scratch(work->starts[e] - work->starts[b], N, x.options()) : rows_of(b, e);
+    work->run_into(b, e, p);
+    if (out) rows_of(b, e).add_(p);
   };
-  int64_t block_ns = 0;  // this thread's time for its last block
-  for (int64_t b = 0; b < blocks; ++b) {
+  int64_t block_ns = 0;  // this thread's time per block in its last call
+  for (int64_t b = 0; b < blocks;) {
     int expected = FREE;
-    if (!work->state[b].compare_exchange_strong(expected, RANK)) continue;
+    if (!work->state[b].compare_exchange_strong(expected, RANK)) {
+      ++b;
+      continue;
+    }
+    int64_t e = b + 1;  // and the free blocks after it, up to a run
+    while (e < blocks && e - b < work->rank_run) {
+      expected = FREE;
+      if (!work->state[e].compare_exchange_strong(expected, RANK)) break;
+      ++e;
+    }
     const int64_t t0 = now_ns();
-    compute(b);
-    block_ns = now_ns() - t0;
-    by_rank.fetch_add(1);
+    compute(b, e);
+    block_ns = (now_ns() - t0) / (e - b);
+    by_rank.fetch_add(e - b);
+    b = e;
   }
   Helper::get().withdraw();
   for (int64_t b = blocks - 1; b >= 0; --b) {
@@ -265,7 +309,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
       std::this_thread::yield();
     int expected = HELPING;
     if (work->state[b].compare_exchange_strong(expected, TAKEN_BACK)) {
-      compute(b);  // the helper is still on it: do not wait
+      compute(b, b + 1);  // the helper is still on it: do not wait
       taken_back.fetch_add(1);
     } else if (expected == HELPED) {
       place(b, work->helped[b]);
@@ -284,6 +328,11 @@ void spare_core_add_linear_(at::Tensor h, const at::Tensor& x, const at::Tensor&
   split_linear(x, w, at::Tensor(), &h, blocks);
 }
 
+at::Tensor spare_core_bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                  const c10::optional<at::Tensor>& bias, int64_t blocks) {
+  return split_linear(x, at::Tensor(), bias ? *bias : at::Tensor(), nullptr, blocks, packed, n);
+}
+
 std::vector<int64_t> spare_core_counts() {
   return {by_rank.load(), by_helper.load(), taken_back.load()};
 }
@@ -295,9 +344,11 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("spare_core_counts() -> int[]", &spare_core_counts);
   m.def("spare_core_linear(Tensor x, Tensor w, Tensor? bias, int blocks) -> Tensor");
   m.def("spare_core_add_linear_(Tensor(a!) h, Tensor x, Tensor w, int blocks) -> ()");
+  m.def("spare_core_bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int blocks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("spare_core_linear", &spare_core_linear);
   m.impl("spare_core_add_linear_", &spare_core_add_linear_);
+  m.impl("spare_core_bf16_linear", &spare_core_bf16_linear);
 }
