@@ -59,7 +59,9 @@ class Engine:
             matmuls = model.add_small_batch_weights(
                 lambda: load_slice(path, 0, self.model_config.num_layers)  # fp32
             )
-        helper = spare_core.start(config.spare_cores, self.threads, config.torch_dtype)
+        helper = spare_core.start(
+            config.spare_cores, self.threads, config.torch_dtype, model.blocked_matmuls()
+        )
         matmuls += f", {helper}" if helper else ""
         self.runner = ModelRunner(
             model, config.num_pages, config.page_size, config.torch_dtype, config.seed

@@ -252,10 +252,9 @@ class ModelSlice(torch.nn.Module):
         del src
         stack_off = decode_stack.why_not(self)  # why all-decode steps do not run in one call, or ""
         self._stack = None if stack_off else decode_stack.stack_weights(self)
-        copies = [v for layer in self.layers for v in layer.small.values()]
-        copies += [self._small_head] if self.is_last else []
+        copies = self._small_copies()
         packed = [v.packed for v in copies if v.packed is not None]
-        blocked = sum(v.blocked is not None for v in copies)
+        blocked = self.blocked_matmuls()
         rest = (
             f"blocked bf16 weights with prefetch ({blocked} of {len(copies)})"
             if blocked
@@ -277,6 +276,14 @@ class ModelSlice(torch.nn.Module):
             f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB), "
             f"on {rest} above {packed_rows(self.dtype)} rows"
         )
+
+    def _small_copies(self) -> list:
+        copies = [v for layer in self.layers for v in layer.small.values() if v is not None]
+        return copies + ([self._small_head] if self.is_last and self._small_head else [])
+
+    def blocked_matmuls(self) -> int:
+        """How many of the slice's matmuls have a blocked bf16 copy (engine/bf16_linear.py)."""
+        return sum(v.blocked is not None for v in self._small_copies())
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""

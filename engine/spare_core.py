@@ -41,9 +41,10 @@ NICE = 19
 _cores: tuple[int, ...] = ()
 
 
-def start(cores, threads: int, dtype: torch.dtype) -> str:
+def start(cores, threads: int, dtype: torch.dtype, blocked: int = 0) -> str:
     """Starts the helper on `cores` (once per process) where it applies; returns what it did, for
-    the rank's ready line, or "" where there is nothing to say (no spare core)."""
+    the rank's ready line, or "" where there is nothing to say (no spare core). `blocked`: how many
+    of the rank's matmuls have a blocked bf16 copy (a bf16 product shares only on those)."""
     global _cores
     cores = tuple(sorted(cores))
     if not cores:
@@ -55,6 +56,8 @@ def start(cores, threads: int, dtype: torch.dtype) -> str:
         why = f"dtype {dtype}"
     if not why and dtype == torch.bfloat16 and not bf16_linear.available():
         why = f"bf16 without the blocked kernel: {bf16_linear.why_not()}"
+    if not why and dtype == torch.bfloat16 and not blocked:
+        why = "bf16 without blocked weights"
     if not why and not cpu_kernels.load():
         why = cpu_kernels.why_not()
     if why:

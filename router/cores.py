@@ -94,6 +94,6 @@ class FrontCores:
             ",".join(map(str, sorted(want))),
             "where its same-host workers' fronts run (their I/O cores)"
             if self.fronts & self.allowed
-            else "those it started with (no same-host front left)",
+            else "those it started with (no same-host front among them)",
         )
         return want

@@ -241,7 +241,8 @@ class WorkerRegistry:
                 if resp.status_code == 200:
                     info = resp.json()
                     self._learn(worker, info)
-                    if isinstance(info, dict):
+                    # a worker removed while its answer was on the way must not pin the router
+                    if isinstance(info, dict) and self._workers.get(worker.url) is worker:
                         self.cores.learn(worker.url, info.get("front_cpus"))
             if worker.role == "prefill":
                 await self._push_to_decodes()

@@ -246,6 +246,12 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                     x.device().is_cpu(),
                 "spare_core_bf16_linear: x must be a contiguous bf16 [M, K] CPU tensor");
     TORCH_CHECK(n_out > 0, "spare_core_bf16_linear: n must be > 0");
+    // the kernel's shape checks (bf16_linear.cpp), made before the helper is offered the product
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1) &&
+                    n_out > (packed.size(0) - 1) * packed.size(2) &&
+                    n_out <= packed.size(0) * packed.size(2),
+                "spare_core_bf16_linear: x has ", x.size(1), " columns and n is ", n_out,
+                ": the weight was blocked for another shape");
   } else {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && x.size(1) == w.size(1),
                 "spare_core_linear: x must be a contiguous [M, K] tensor and w [N, K]");
@@ -281,23 +287,32 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     if (out) rows_of(b, e).add_(p);
   };
   int64_t block_ns = 0;  // this thread's time per block in its last call
-  for (int64_t b = 0; b < blocks;) {
-    int expected = FREE;
-    if (!work->state[b].compare_exchange_strong(expected, RANK)) {
-      ++b;
-      continue;
+  try {
+    for (int64_t b = 0; b < blocks;) {
+      int expected = FREE;
+      if (!work->state[b].compare_exchange_strong(expected, RANK)) {
+        ++b;
+        continue;
+      }
+      int64_t e = b + 1;  // and the free blocks after it, up to a run
+      while (e < blocks && e - b < work->rank_run) {
+        expected = FREE;
+        if (!work->state[e].compare_exchange_strong(expected, RANK)) break;
+        ++e;
+      }
+      const int64_t t0 = now_ns();
+      compute(b, e);
+      block_ns = (now_ns() - t0) / (e - b);
+      by_rank.fetch_add(e - b);
+      b = e;
     }
-    int64_t e = b + 1;  // and the free blocks after it, up to a run
-    while (e < blocks && e - b < work->rank_run) {
-      expected = FREE;
-      if (!work->state[e].compare_exchange_strong(expected, RANK)) break;
-      ++e;
+  } catch (...) {  // the error is the caller's; the helper is left nothing more of this product
+    Helper::get().withdraw();
+    for (int64_t b = 0; b < blocks; ++b) {
+      int expected = FREE;
+      work->state[b].compare_exchange_strong(expected, RANK);
     }
-    const int64_t t0 = now_ns();
-    compute(b, e);
-    block_ns = (now_ns() - t0) / (e - b);
-    by_rank.fetch_add(e - b);
-    b = e;
+    throw;
   }
   Helper::get().withdraw();
   for (int64_t b = blocks - 1; b >= 0; --b) {
