@@ -60,7 +60,7 @@ class Engine:
                 lambda: load_slice(path, 0, self.model_config.num_layers)  # fp32
             )
         helper = spare_core.start(
-            config.spare_cores, self.threads, config.torch_dtype, model.blocked_matmuls()
+            config.spare_cores, self.threads, config.torch_dtype, blocked=model.blocked_matmuls()
         )
         matmuls += f", {helper}" if helper else ""
         self.runner = ModelRunner(

@@ -41,7 +41,7 @@ NICE = 19
 _cores: tuple[int, ...] = ()
 
 
-def start(cores, threads: int, dtype: torch.dtype, blocked: int = 0) -> str:
+def start(cores, threads: int, dtype: torch.dtype, *, blocked: int) -> str:
     """Starts the helper on `cores` (once per process) where it applies; returns what it did, for
     the rank's ready line, or "" where there is nothing to say (no spare core). `blocked`: how many
     of the rank's matmuls have a blocked bf16 copy (a bf16 product shares only on those)."""

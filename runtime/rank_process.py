@@ -289,7 +289,9 @@ def build_rank(
             lambda: load_slice(path, start, end)  # fp32
         )
     helper = (
-        spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype) if spec.device == "cpu" else ""
+        spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype, blocked=model.blocked_matmuls())
+        if spec.device == "cpu"
+        else ""
     )
     about += f", {helper}" if helper else ""
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)

@@ -10,10 +10,11 @@ import os
 import random
 import time
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from cluster import helper_threads
+from cluster import NODE_ARGS, free_port, helper_threads, start
 from reference import hf_greedy, load_hf
 
 from engine import bf16_linear, cpu_kernels
@@ -33,7 +34,7 @@ def spare():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a one-thread rank: the helper's own parallel regions too
     cores = (sorted(os.sched_getaffinity(0))[-1],)
-    said = sc.start(cores, 1, torch.float32)
+    said = sc.start(cores, 1, torch.float32, blocked=0)
     assert said.startswith("prefill matmuls shared with a helper on spare core"), said
     yield cores
     sc._cores = ()
@@ -94,13 +95,13 @@ def test_spare_cores_are_the_io_cores_of_one_thread_ranks():
     assert spare_cores((3, 2), 1) == [2, 3]
     assert spare_cores((3,), 2) == []  # OpenMP ranks: no helper
     assert spare_cores((), 1) == []  # no I/O core: never another rank's core
-    assert sc.start((), 1, torch.float32) == ""
-    assert "2 compute threads" in sc.start((1,), 2, torch.float32)
-    assert "dtype" in sc.start((1,), 1, torch.float16)
+    assert sc.start((), 1, torch.float32, blocked=0) == ""
+    assert "2 compute threads" in sc.start((1,), 2, torch.float32, blocked=0)
+    assert "dtype" in sc.start((1,), 1, torch.float16, blocked=0)
     if not bf16_linear.available():  # bf16 takes it only on the blocked kernel
-        assert "bf16 without the blocked kernel" in sc.start((1,), 1, torch.bfloat16, 4)
+        assert "bf16 without the blocked kernel" in sc.start((1,), 1, torch.bfloat16, blocked=4)
     else:  # and only where the rank's matmuls have blocked copies
-        assert "bf16 without blocked weights" in sc.start((1,), 1, torch.bfloat16, 0)
+        assert "bf16 without blocked weights" in sc.start((1,), 1, torch.bfloat16, blocked=0)
 
 
 blocked_kernel = pytest.mark.skipif(
@@ -210,3 +211,19 @@ def test_a_bf16_model_served_with_the_helper_decodes_as_without_it(spare, tiny_m
         sc._cores = spare
         torch.set_num_threads(threads)
     assert helped == alone
+
+
+@blocked_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="no I/O core on one core")
+def test_a_bf16_node_runs_its_helper_on_the_io_core(tiny6, tmp_path):
+    """`pdserve serve --pp 1 --dtype bfloat16`: the rank tells the helper how many of its matmuls
+    have blocked copies, and the helper runs on the plan's I/O core at nice 19 (the rank process
+    once passed none, and its bf16 helper stayed off)."""
+    port = free_port()
+    node = ["serve", "--model", str(tiny6), "--pp", "1", "--dtype", "bfloat16"]
+    with start([*node, "--port", str(port), *NODE_ARGS], port, tmp_path / "node.log") as (url, _):
+        info = httpx.get(f"{url}/server_info", timeout=10).json()
+        (rank,) = info["ranks"]
+        assert helper_threads(rank["pid"], info["front_cpus"]) == 1
+        log = (tmp_path / "node.log").read_text()
+        assert "prefill matmuls shared with a helper on spare core" in log, log[-2000:]
