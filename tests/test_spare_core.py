@@ -148,21 +148,27 @@ def test_bf16_blocks_the_helper_computed_are_placed_with_the_unsplit_bits(spare)
     assert sc.counts()["helper"] > before, "the helper never finished a block"
 
 
+def long_prompt_engine(model, dtype: str, cores) -> Engine:
+    """A one-thread engine whose forwards take up to 1024 prompt tokens, so that prompts of
+    520-900 tokens make prefill-sized products."""
+    cfg = EngineConfig(
+        model=str(model),
+        chunk_size=1024,
+        max_batch_tokens=1024,
+        max_total_tokens=4096,
+        threads=1,
+        dtype=dtype,
+        spare_cores=cores,
+        enable_prefix_cache=False,
+    )
+    return Engine(cfg)
+
+
 def test_a_model_served_with_the_helper_matches_transformers(spare, tiny_model):
     """Prompts of 520-900 tokens in forwards of up to 1024: their matmuls take the helper."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (520, 700, 900)]
-    eng = Engine(
-        EngineConfig(
-            model=str(tiny_model),
-            chunk_size=1024,
-            max_batch_tokens=1024,
-            max_total_tokens=4096,
-            threads=1,
-            dtype="float32",
-            spare_cores=spare,
-        )
-    )
+    eng = long_prompt_engine(tiny_model, "float32", spare)
     threads = torch.get_num_threads()
     try:
         before = sum(sc.counts().values())
@@ -182,18 +188,7 @@ def test_a_bf16_model_served_with_the_helper_decodes_as_without_it(spare, tiny_m
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7)
 
     def tokens(cores):
-        eng = Engine(
-            EngineConfig(
-                model=str(tiny_model),
-                chunk_size=1024,
-                max_batch_tokens=1024,
-                max_total_tokens=4096,
-                threads=1,
-                dtype="bfloat16",
-                spare_cores=cores,
-                enable_prefix_cache=False,
-            )
-        )
+        eng = long_prompt_engine(tiny_model, "bfloat16", cores)
         return [o.token_ids for o in eng.generate(prompts, params)]
 
     threads = torch.get_num_threads()
