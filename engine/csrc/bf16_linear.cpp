@@ -121,6 +121,13 @@ constexpr Tile kTiles[kRows + 1] = {nullptr,   tile<1>, tile<2>, tile<3>,  tile<
 
 namespace pdserve_ops {
 
+bool blocked_for(const at::Tensor& packed, int64_t k, int64_t n) {
+  return packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 &&
+         packed.dim() == 4 && packed.size(2) == kN && packed.size(3) == 2 &&
+         packed.is_contiguous() && packed.size(1) * 2 == k && n > (packed.size(0) - 1) * kN &&
+         n <= packed.size(0) * kN;
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 #ifndef PDSERVE_BF16_LINEAR
   TORCH_CHECK(false, "bf16_linear: built without AVX-512 BF16");

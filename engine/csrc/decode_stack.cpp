@@ -31,14 +31,10 @@
 namespace {
 
 constexpr int64_t kPerLayer = 6;
-constexpr int64_t kBlock = 32;  // output columns per block of a blocked weight (bf16_linear.cpp)
 
 void check_blocked(const at::Tensor& w, int64_t n, int64_t k, const char* name, int64_t layer) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
-                  w.size(0) == (n + kBlock - 1) / kBlock && w.size(1) * 2 == k &&
-                  w.size(2) == kBlock && w.size(3) == 2,
-              "decode_stack_: layer ", layer, "'s ", name, " weight is not blocked for [", n,
-              ", ", k, "]");
+  TORCH_CHECK(pdserve_ops::blocked_for(w, k, n), "decode_stack_: layer ", layer, "'s ", name,
+              " weight is not blocked for [", n, ", ", k, "]");
 }
 
 void decode_stack_(at::Tensor& h, at::TensorList weights, at::TensorList qkv_bias,

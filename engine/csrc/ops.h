@@ -1,6 +1,6 @@
-// The CPU ops that one kernel calls from another (decode_stack.cpp), declared once: each is
-// defined in its own file and registered there as pdserve::<name>; a direct call skips the
-// dispatcher and Python.
+// The CPU ops that one kernel calls from another (decode_stack.cpp, spare_core.cpp), declared
+// once: each is defined in its own file and registered there as pdserve::<name> (blocked_for is
+// not an op); a direct call skips the dispatcher and Python.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +20,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
                                   double scale);
 // bf16_linear.cpp
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+// whether `packed` is a weight [n, k] blocked by pack_bf16_linear: what bf16_linear checks
+bool blocked_for(const at::Tensor& packed, int64_t k, int64_t n);
 bool bf16_linear_supported();
 
 }  // namespace pdserve_ops

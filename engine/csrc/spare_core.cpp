@@ -246,10 +246,8 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                     x.device().is_cpu(),
                 "spare_core_bf16_linear: x must be a contiguous bf16 [M, K] CPU tensor");
     TORCH_CHECK(n_out > 0, "spare_core_bf16_linear: n must be > 0");
-    // the kernel's shape checks (bf16_linear.cpp), made before the helper is offered the product
-    TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1) &&
-                    n_out > (packed.size(0) - 1) * packed.size(2) &&
-                    n_out <= packed.size(0) * packed.size(2),
+    // the kernel's own check, made before the helper is offered the product
+    TORCH_CHECK(pdserve_ops::blocked_for(packed, x.size(1), n_out),
                 "spare_core_bf16_linear: x has ", x.size(1), " columns and n is ", n_out,
                 ": the weight was blocked for another shape");
   } else {
@@ -359,7 +357,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("spare_core_counts() -> int[]", &spare_core_counts);
   m.def("spare_core_linear(Tensor x, Tensor w, Tensor? bias, int blocks) -> Tensor");
   m.def("spare_core_add_linear_(Tensor(a!) h, Tensor x, Tensor w, int blocks) -> ()");
-  m.def("spare_core_bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int blocks) -> Tensor");
+  m.def(
+      "spare_core_bf16_linear(Tensor x, Tensor packed, int n, Tensor? bias, int blocks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
