@@ -32,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig, cpu_has_native_bf16  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from pdserve.engine.config import EngineConfig, cpu_has_native_bf16  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.model.loader import resolve_model  # noqa: E402
+from pdserve.engine.model.tokenizer import load_tokenizer  # noqa: E402
 from tests.reference import hf_greedy  # noqa: E402  (the tests' reference loop)
 
 # aiperf's corpus (the side-by-side workload's text), installed with the test dependencies

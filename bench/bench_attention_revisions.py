@@ -1,9 +1,10 @@
-"""The decode-attention kernel (engine/csrc/paged_attention.cpp) of two revisions, side by side in
-one process, alternating, on one core: a change to the kernel is timed against the code before it.
+"""The decode-attention kernel (engine/kernels/csrc/paged_attention.cpp) of two revisions, side by
+side in one process, alternating, on one core: a change to the kernel is timed against the code
+before it.
 
 Each revision's source (`git show REV:...`, or the working tree for `.`) is compiled on its own
-with the build's flags (engine/cpu_kernels.py) under an op namespace of its own, so both load
-beside each other; their outputs must agree to the last bit before anything is timed (the
+with the build's flags (engine/kernels/cpu_kernels.py) under an op namespace of its own, so both
+load beside each other; their outputs must agree to the last bit before anything is timed (the
 benchmark is for changes that keep the arithmetic), or with `--rounding` to within one bf16 rounding
 of each other (a change that sums in another order), and the table says how many differ.
 
@@ -35,10 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_decode_attention import HEADS, KV_HEADS, LAYERS, D  # noqa: E402
 from bench.bench_decode_attention import case as decode_attention_case  # noqa: E402
-from engine import cpu_kernels  # noqa: E402
+from pdserve.engine.kernels import cpu_kernels  # noqa: E402
 
-KERNEL = "engine/csrc/paged_attention.cpp"
-HEADERS = ("engine/csrc/vec_math.h", "engine/csrc/ops.h")  # ops.h: revisions since it exists
+KERNEL = "pdserve/engine/kernels/csrc/paged_attention.cpp"
+HEADERS = (
+    "pdserve/engine/kernels/csrc/vec_math.h",
+    "pdserve/engine/kernels/csrc/ops.h",
+)  # ops.h: revisions since it exists
 
 
 def source(rev: str, path: str) -> str | None:

@@ -1,6 +1,6 @@
 """All the matmuls of one SmolLM2-135M forward in bf16 (30 layers x QKV, O, gate/up, down, and the
-LM head) at a given number of rows: the blocked kernel (engine/bf16_linear.py) against oneDNN's
-reordered copy (engine/linear.py), in one process, alternating.
+LM head) at a given number of rows: the blocked kernel (engine/kernels/bf16_linear.py) against
+oneDNN's reordered copy (engine/model/linear.py), in one process, alternating.
 
 Each of the 121 weights is a tensor of its own, 269 MB in all, so every call streams its weight
 from memory as a decode step does (the last-level cache holds 32 MB on the EPYC this was written
@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import bf16_linear  # noqa: E402
-from engine.linear import reorder  # noqa: E402
+from pdserve.engine.kernels import bf16_linear  # noqa: E402
+from pdserve.engine.model.linear import reorder  # noqa: E402
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): QKV, O, gate/up, down

@@ -1,5 +1,5 @@
 """Conditional disaggregation: where a decode-only prefill beats the PD pair (SmolLM2-135M-Instruct,
-the model's own dtype), to set the router's --disagg-* defaults (router/disagg.py).
+the model's own dtype), to set the router's --disagg-* defaults (router/routing/disagg.py).
 
 A prefill node and a decode node (PP 1 each), driven the way the router drives them: the PD path
 sends the same body to both nodes at once (a random bootstrap_room), the decode-only path sends it

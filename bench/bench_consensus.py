@@ -26,12 +26,12 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from consensus import (
+from pdserve.consensus import (
     Ballot,
     KVPoll,
     LeaderSync,
     PPConsensusStore,
-    PPGroupTransport,  # noqa: E402
+    PPGroupTransport,
     RingVote,
 )
 
@@ -213,7 +213,7 @@ def bench_code(n: int = 2000) -> dict:
         "prealloc": Ballot(good=frozenset(rooms)),
         "retract": Ballot(good=frozenset(rids)),
     }
-    from consensus.transport import encode
+    from pdserve.consensus.transport import encode
 
     vote = RingVote(
         _ReplayTransport([encode(["v1", 0, sets]), encode(["v2", 0, sets])]), 1, kinds=kinds

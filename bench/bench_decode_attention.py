@@ -1,5 +1,5 @@
-"""bf16 decode attention over the paged pool (engine/csrc/paged_attention.cpp): the AVX-512 BF16
-path (bf16 query) against the generic path on the same pool (the query in fp32: pages converted
+"""bf16 decode attention over the paged pool (engine/kernels/csrc/paged_attention.cpp): the AVX-512
+BF16 path (bf16 query) against the generic path on the same pool (the query in fp32: pages converted
 to fp32 rows first), one process, alternating, on one core.
 
 The case is SmolLM2's decode step at 32 requests of the workload's lengths: 30 layers, 9 query
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import paged_attention  # noqa: E402
+from pdserve.engine.kernels import paged_attention  # noqa: E402
 
 LAYERS, PAGE, KV_HEADS, HEADS, D = 30, 16, 3, 9, 64
 

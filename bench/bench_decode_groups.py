@@ -29,10 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 from engine_steps import alternating_step_ms, median_step_ms  # noqa: E402
 
-from engine import forward_batch  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from pdserve.engine import forward_batch  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
 
 ONE_GROUP = forward_batch.build_forward_batch
 

@@ -1,5 +1,6 @@
-"""The offline engine's decode step with the layer stack in one C++ call (engine/decode_stack.py)
-and with the Python layer loop, one process, alternating, on one core.
+"""The offline engine's decode step with the layer stack in one C++ call
+(engine/kernels/decode_stack.py) and with the Python layer loop, one process, alternating, on one
+core.
 
 SmolLM2-135M-Instruct in bf16, one thread pinned to core 0 (`--core`), prefix cache off. For each
 batch size B: B prompts of 300-400 random tokens at temperature 1, 48 output tokens; the median
@@ -27,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")
 from engine_steps import median_step_ms  # noqa: E402
 
-from engine import decode_stack  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.kernels import decode_stack  # noqa: E402
 
 
 def main() -> None:

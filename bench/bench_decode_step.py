@@ -1,5 +1,5 @@
 """Decode step time of the offline engine with and without packed block-code weights
-(engine/packed_linear.py), SmolLM2-135M-Instruct, fp32 or bf16 (`--dtype`), in one process,
+(engine/kernels/packed_linear.py), SmolLM2-135M-Instruct, fp32 or bf16 (`--dtype`), in one process,
 alternating.
 
 Both engines load the same model; one with `PDSERVE_PACKED_WEIGHTS=0` (its small batches take the
@@ -30,10 +30,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.packed_linear import ENV_SWITCH  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.kernels.packed_linear import ENV_SWITCH  # noqa: E402
 
 
 def engines(threads: int, dtype: str) -> dict[str, Engine]:

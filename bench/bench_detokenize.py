@@ -19,9 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from engine.loader import resolve_model  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from pdserve.engine.model.detokenizer import IncrementalDetokenizer  # noqa: E402
+from pdserve.engine.model.loader import resolve_model  # noqa: E402
+from pdserve.engine.model.tokenizer import load_tokenizer  # noqa: E402
 
 
 def per_token_us(tok, ids: list[int], stream: bool) -> float:

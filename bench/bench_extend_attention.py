@@ -1,6 +1,6 @@
-"""Prefill (extend) attention: the in-place kernel (engine/csrc/extend_attention.cpp) against the
-gather path it replaces (the item's pages gathered, then SDPA: is_causal from position 0, an
-additive mask over a cached prefix), in bf16 on one thread, alternating in one process.
+"""Prefill (extend) attention: the in-place kernel (engine/kernels/csrc/extend_attention.cpp)
+against the gather path it replaces (the item's pages gathered, then SDPA: is_causal from position
+0, an additive mask over a cached prefix), in bf16 on one thread, alternating in one process.
 
 1. One layer of SmolLM2's attention (9 query heads, 3 KV heads, 64 dims, 16-token pages) for one
    item: cached prefix and new tokens as given. GFLOP/s counts the useful work (4 x heads x dims per
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import paged_attention  # noqa: E402
-from engine.forward_batch import BatchItem, build_forward_batch  # noqa: E402
-from engine.kv_cache import KVLayout, KVPool  # noqa: E402
-from engine.loader import load_model_config, load_slice, resolve_model  # noqa: E402
+from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.kernels import paged_attention
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
 
 NH, NKV, D, PAGE = 9, 3, 64, 16
 CASES = [(0, 100), (0, 300), (0, 500), (512, 100), (512, 300), (900, 64)]

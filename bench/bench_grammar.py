@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from engine.core import Req, SamplingParams
-from engine.grammar import GrammarSampler
-from engine.loader import load_model_config, resolve_model
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.core import Req, SamplingParams
+from pdserve.engine.grammar import GrammarSampler
+from pdserve.engine.model.loader import load_model_config, resolve_model
+from pdserve.engine.model.tokenizer import load_tokenizer
 
 GUIDES = {
     "json_schema": json.dumps(

@@ -40,13 +40,13 @@ class Node:
     """All ranks of one node in this process, one shared Mooncake engine."""
 
     def __init__(self):
-        from kv_transfer.mooncake import MooncakeEngine
+        from pdserve.kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.bufs, self.rooms, self.raw = [], [], {}, []
 
     def _pool(self, num_pages, layers):
-        from kv_transfer.layout import PoolDesc
+        from pdserve.kv_transfer.layout import PoolDesc
 
         nbytes = num_pages * (layers[1] - layers[0]) * 2 * PAGE_SIZE * TOKEN_BYTES
         buf = (ctypes.c_char * nbytes)()
@@ -63,8 +63,8 @@ class Node:
         )
 
     def setup(self, side, pp, bootstrap_addr):
-        from engine.model_config import split_layers
-        from kv_transfer import DecodeKVManager, PrefillKVManager, TransferConfig
+        from pdserve.engine.model.config import split_layers
+        from pdserve.kv_transfer import DecodeKVManager, PrefillKVManager, TransferConfig
 
         slices = split_layers(NUM_LAYERS, pp)
         for rank, layers in enumerate(slices):
@@ -176,7 +176,7 @@ class Proc:
 
 
 def run_layout(pre, dec, p_pp, d_pp, repeats, raw):
-    from kv_transfer import BootstrapServer
+    from pdserve.kv_transfer import BootstrapServer
 
     server = BootstrapServer().start()
     try:
@@ -210,7 +210,8 @@ def main():
         "--repeats", type=int, default=9
     )  # the raw write alone swings 0.8-1.9 GB/s here
     ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_transfer.md")
+        "--out",
+        default=os.path.join(os.path.dirname(__file__), "results", "kv_transfer.md"),
     )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")

@@ -1,6 +1,6 @@
 """Decode step and prefill time of the offline engine with the fused per-layer ops
-(engine/layer_ops.py: RMSNorm, SiLU * up, rotary + KV store) on and off, SmolLM2-135M-Instruct,
-fp32, one process, one core.
+(engine/kernels/layer_ops.py: RMSNorm, SiLU * up, rotary + KV store) on and off,
+SmolLM2-135M-Instruct, fp32, one process, one core.
 
 The ops are switched per repetition inside one engine (off, on, off, on, ...), so a machine that
 slows down slows both. Decode: B seeded prompts of 300-400 random token ids, the time of S + 1
@@ -29,10 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import layer_ops  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.kernels import layer_ops  # noqa: E402
 
 
 def timed(eng: Engine, prompts: list[list[int]], n: int) -> float:

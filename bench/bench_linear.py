@@ -1,5 +1,5 @@
 """The model's matmuls at each batch size, plain weights against the small-batch copy
-(engine/linear.py), on one core: what `reordered_rows` rests on.
+(engine/model/linear.py), on one core: what `reordered_rows` rests on.
 
 The four layer matmuls of SmolLM2-135M (QKV, O, gate/up, down; shapes from the default model's
 config) for every layer, so the weights come from memory as in a forward, not from cache.
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import linear as lin  # noqa: E402
-from engine.loader import load_model_config, resolve_model  # noqa: E402
+from pdserve.engine.model import linear as lin  # noqa: E402
+from pdserve.engine.model.loader import load_model_config, resolve_model  # noqa: E402
 
 ROWS = (1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 
@@ -72,7 +72,8 @@ def main() -> int:
                 for w, s in zip(ws, ss, strict=True)
             ]
         )
-        # the default model's weights pack (engine/packed_linear.py): bench_packed_matmuls.py
+        # the default model's weights pack (engine/kernels/packed_linear.py):
+        # bench_packed_matmuls.py
         lo, hi = lin.reordered_rows(dtype)
         used = "reordered" if lo <= m <= hi else "plain"
         used = "packed" if m <= lin.PACKED_MAX and dtype == torch.float32 else used
@@ -84,7 +85,7 @@ def main() -> int:
         )
     nbytes = sum(w.numel() * w.element_size() for ws in layers for w in ws)
     lines = [
-        "# Layer matmuls: plain weights vs the small-batch copy (engine/linear.py)",
+        "# Layer matmuls: plain weights vs the small-batch copy (engine/model/linear.py)",
         "",
         f"Machine: {cpu_name()}, torch {torch.__version__}, "
         f"{args.threads} thread(s), {args.dtype}. All {cfg.num_layers} layers' QKV, O, gate/up "

@@ -25,7 +25,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from infra.procs import free_port  # noqa: E402
+from pdserve.infra.procs import free_port  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 

@@ -1,9 +1,10 @@
 """All the layer matmuls of SmolLM2-135M-Instruct at decode-sized batches: packed block codes
-(engine/packed_linear.py) against oneDNN-reordered fp32 weights (engine/linear.py), one thread.
+(engine/kernels/packed_linear.py) against oneDNN-reordered fp32 weights (engine/model/linear.py),
+one thread.
 
 Each weight is streamed from memory as in a decode step (the 30 layers' 120 matrices do not fit
 in the caches). Per batch size M: three repetitions, alternating, best of each; PACKED_MAX in
-engine/linear.py is set from this table.
+engine/model/linear.py is set from this table.
 
   .venv/bin/python bench/bench_packed_matmuls.py [--rows 1 4 8 16 24 32 48 64]
       [--out bench/results/packed_matmuls.md]
@@ -22,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import linear as lin  # noqa: E402
-from engine.loader import load_slice  # noqa: E402
-from engine.packed_linear import PackedWeight  # noqa: E402
+from pdserve.engine.kernels.packed_linear import PackedWeight  # noqa: E402
+from pdserve.engine.model import linear as lin  # noqa: E402
+from pdserve.engine.model.loader import load_slice  # noqa: E402
 
 NAMES = ("qkv", "o", "gate_up", "down")
 

@@ -39,10 +39,10 @@ def _rank(rank: int, size: int, init: str, warmup: int, iters: int, q) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from engine.kv_cache import PageAllocator
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from runtime.pp_comm import PPComm
-    from runtime.slot_loop import LoopConfig, SlotLoop
+    from pdserve.engine.kv_cache import PageAllocator
+    from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+    from pdserve.runtime.rank.pp_comm import PPComm
+    from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
 
     class NeverRunner:  # batches are empty: forward/sample are never called
         def forward(self, *a, **k):

@@ -125,7 +125,7 @@ def main() -> None:
                     [
                         py,
                         "-m",
-                        "router.main",
+                        "pdserve.router.cli",
                         "--prefill",
                         f"http://127.0.0.1:{p_port}",
                         "--decode",

@@ -32,12 +32,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")
 from engine_steps import alternating_step_ms  # noqa: E402
 
-from engine import cpu_kernels, model_runner, sampling  # noqa: E402
-from engine.batch import SampleOut  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.sampling import _filtered_probs, sample  # noqa: E402
+from pdserve.engine import model_runner, sampling  # noqa: E402
+from pdserve.engine.batch import SampleOut  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.kernels import cpu_kernels  # noqa: E402
+from pdserve.engine.sampling import _filtered_probs, sample  # noqa: E402
 
 VOCAB = 49_152
 

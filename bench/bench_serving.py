@@ -47,7 +47,7 @@ def export_tokenizer(dest: Path) -> Path:
         return dest
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.loader import resolve_model
+    from pdserve.engine.model.loader import resolve_model
 
     gguf = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -166,8 +166,8 @@ def run_hf(n: int, tok_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.loader import resolve_model
     from pdserve.bench.workload import LengthDist, TokenCounter, Workload
+    from pdserve.engine.model.loader import resolve_model
 
     torch.set_num_threads(2)
     wl = Workload(

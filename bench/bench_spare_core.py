@@ -1,5 +1,5 @@
 """Prefill time of the offline engine with and without the spare-core helper
-(engine/spare_core.py), SmolLM2-135M-Instruct, fp32, one compute thread, in one process.
+(engine/kernels/spare_core.py), SmolLM2-135M-Instruct, fp32, one compute thread, in one process.
 
 The engine computes on the first core of this process; the helper may run on the second, at nice
 19. For each prompt length: the time of a 1-token generate (the prefill, prefix cache off), helper
@@ -28,10 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import spare_core  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import SamplingParams  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core import SamplingParams  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.kernels import spare_core  # noqa: E402
 
 
 def prefill_ms(eng: Engine, n: int, rng: random.Random) -> float:
@@ -89,7 +89,7 @@ def main() -> None:
         busy.wait()
     counts = spare_core.counts()
     lines = [
-        "# Prefill with a helper on the spare core (engine/spare_core.py)",
+        "# Prefill with a helper on the spare core (engine/kernels/spare_core.py)",
         "",
         f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"the engine on core {main_core}, the helper on core {spare[0]} at nice "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from engine import model_runner
-from engine.core import SamplingParams
-from engine.engine import Engine
+from pdserve.engine import model_runner
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.engine import Engine
 
 
 def median_step_ms(

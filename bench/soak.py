@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup must be between 0 and --duration")
     if not args.port:
         sys.path.insert(0, str(ROOT))
-        from infra.procs import free_port
+        from pdserve.infra.procs import free_port
 
         args.port = free_port()
 

@@ -9,29 +9,29 @@ import sys
 # processes (the tests' node zygote, tests/conftest.py) imports it once (about 1.7 s of CPU here).
 # No torch: a node front never imports it.
 ZYGOTE_PRELOAD = (
-    "runtime.serve",
-    "runtime.front",
-    "runtime.http_app",
-    "runtime.metrics",
-    "engine.loader",
-    "engine.tokenizer",
-    "prefill_node.serve",
-    "prefill_node.front",
-    "decode_node.serve",
-    "decode_node.front",
-    "router.main",
-    "router.app",
-    "infra.tracing",
+    "pdserve.runtime.serve",
+    "pdserve.runtime.front.process",
+    "pdserve.runtime.front.http_app",
+    "pdserve.runtime.front.metrics",
+    "pdserve.engine.model.loader",
+    "pdserve.engine.model.tokenizer",
+    "pdserve.prefill_node.serve",
+    "pdserve.prefill_node.front",
+    "pdserve.decode_node.serve",
+    "pdserve.decode_node.front",
+    "pdserve.router.cli",
+    "pdserve.router.app",
+    "pdserve.infra.tracing",
     "transformers.tokenization_utils_fast",
 )
 
 
 def _generate(args) -> int:
     """Offline generation with the engine in this process (a smoke test of a model)."""
-    from engine.config import EngineConfig
-    from engine.core import SamplingParams
-    from engine.engine import Engine
-    from infra.logs import setup_logging
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.core import SamplingParams
+    from pdserve.engine.engine import Engine
+    from pdserve.infra.logs import setup_logging
 
     setup_logging("[generate]", args.log_level)
     eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
@@ -51,7 +51,7 @@ def _generate(args) -> int:
 
 
 def _router(args) -> int:
-    from router.main import router_config_from_args, serve
+    from pdserve.router.cli import router_config_from_args, serve
 
     try:
         cfg = router_config_from_args(args)
@@ -75,7 +75,7 @@ def _light_up():
 
 
 def _light_router():
-    from router.main import add_router_args
+    from pdserve.router.cli import add_router_args
 
     return add_router_args, _router, "the OpenAI-compatible PD router"
 
@@ -110,18 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--log-level", default="WARNING")
 
-    from runtime.node_args import add_node_args
+    from pdserve.runtime.node_args import add_node_args
 
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
     add_node_args(s, default_port=30000)
 
-    from prefill_node.serve import add_prefill_args
+    from pdserve.prefill_node.serve import add_prefill_args
 
     add_prefill_args(sub.add_parser("prefill", help="a prefill node of a PD cluster"))
-    from decode_node.serve import add_decode_args
+    from pdserve.decode_node.serve import add_decode_args
 
     add_decode_args(sub.add_parser("decode", help="a decode node of a PD cluster"))
-    from router.main import add_router_args
+    from pdserve.router.cli import add_router_args
 
     add_router_args(sub.add_parser("router", help="the OpenAI-compatible PD router"))
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("version", help="print the version")
     sub.add_parser("trace", help="one request's stage timeline from the router (pdserve trace ID)")
     args = parser.parse_args(argv)
-    from engine.loader import ModelLoadError
+    from pdserve.engine.model.loader import ModelLoadError
 
     try:
         return _run(args)
@@ -151,7 +151,7 @@ def _run(args) -> int:
     if args.cmd == "generate":
         return _generate(args)
     if args.cmd == "serve":
-        from runtime.serve import serve_main
+        from pdserve.runtime.serve import serve_main
 
         return serve_main(args)
     if args.cmd == "up":
@@ -159,11 +159,11 @@ def _run(args) -> int:
 
         return up_main(args)
     if args.cmd == "prefill":
-        from prefill_node.serve import prefill_main
+        from pdserve.prefill_node.serve import prefill_main
 
         return prefill_main(args)
     if args.cmd == "decode":
-        from decode_node.serve import decode_main
+        from pdserve.decode_node.serve import decode_main
 
         return decode_main(args)
     if args.cmd == "router":

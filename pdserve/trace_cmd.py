@@ -24,7 +24,7 @@ def add_trace_args(ap: argparse.ArgumentParser) -> None:
 def trace_main(args) -> int:
     import httpx
 
-    from infra.cluster_secret import cluster_secret
+    from pdserve.infra.cluster_secret import cluster_secret
 
     token = cluster_secret()
     headers = {"Authorization": f"Bearer {token}"} if token else {}

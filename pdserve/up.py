@@ -26,19 +26,22 @@ from collections.abc import Callable
 
 import httpx
 
-from infra.cluster_secret import ENV as SECRET_ENV
-from infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
-from infra.cluster_secret import cluster_secret
-from infra.internal_auth import bearer, is_loopback
-from infra.logs import FORMAT_ENV, add_log_args, setup_logging
-from infra.procs import die_with_parent, free_port, stop_processes
-from infra.tracing import add_tracing_arg
-from infra.zygote import ENV as ZYGOTE_ENV
-from infra.zygote_client import Zygote
-from runtime.placement import bind_cores, plan_placement
+from pdserve.infra.cluster_secret import ENV as SECRET_ENV
+from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
+from pdserve.infra.cluster_secret import cluster_secret
+from pdserve.infra.internal_auth import bearer, is_loopback
+from pdserve.infra.logs import FORMAT_ENV, add_log_args, setup_logging
+from pdserve.infra.procs import die_with_parent, free_port, stop_processes
+from pdserve.infra.tracing import add_tracing_arg
+from pdserve.infra.zygote import ENV as ZYGOTE_ENV
+from pdserve.infra.zygote_client import Zygote
+from pdserve.runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")
-RANK_MODULES = ["prefill_node.rank", "decode_node.rank"]  # what the cluster's zygote preloads
+RANK_MODULES = [
+    "pdserve.prefill_node.rank",
+    "pdserve.decode_node.rank",
+]  # what the cluster's zygote preloads
 STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
 
 

@@ -26,7 +26,7 @@ if ! ldconfig -p 2>/dev/null | grep 'libibverbs.so.1' >/dev/null; then
     say "installing libibverbs1 librdmacm1 (needed by the Mooncake transfer engine)"
     apt_install libibverbs1 librdmacm1
 fi
-# The C++ compiler that builds the CPU kernels (step 5; engine/cpu_kernels.py).
+# The C++ compiler that builds the CPU kernels (step 5; pdserve/engine/kernels/cpu_kernels.py).
 # Optional: without one, ranks serve with the slower torch paths, so no root is not an error here.
 if ! command -v c++ >/dev/null; then
     if [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; then
@@ -86,12 +86,11 @@ fi
 # Bytecode for the package's own modules: an editable install writes none, and where
 # PYTHONDONTWRITEBYTECODE is set no import writes it either, so every rank, front and router
 # process would compile every module again (about 0.4 s of CPU each, measured).
-"$VENV/bin/python" -m compileall -q -j 0 bench consensus decode_node engine infra kv_transfer \
-    pd_common pdserve prefill_node router runtime >/dev/null
+"$VENV/bin/python" -m compileall -q -j 0 bench pdserve >/dev/null
 # 5. The CPU kernels (decode attention over the pool, packed-weight matmuls), compiled for this CPU
 #    and torch (about 30 s, once; a new source, torch or CPU builds a new one). Without them ranks
 #    serve with the slower torch paths.
-"$VENV/bin/python" -m engine.cpu_kernels build >/dev/null \
+"$VENV/bin/python" -m pdserve.engine.kernels.cpu_kernels build >/dev/null \
     || say "WARNING: the CPU kernels did not build; ranks will gather KV pages and read fp32 weights"
 # 6. Tests only: aiperf, the third-party load client `pdserve bench` is checked against. Its own
 #    venv, because it pins exact versions that would downgrade ours (pyzmq, prometheus-client, ...).

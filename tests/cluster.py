@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.procs import free_port  # noqa: F401  (re-exported for the tests)
+from pdserve.infra.procs import free_port  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,5 +237,5 @@ def _threads(pid: int):
 
 def helper_threads(pid: int, cores) -> int:
     """How many threads of `pid` run at nice 19 on exactly `cores`: a rank's prefill helper
-    (engine/spare_core.py)."""
+    (engine/kernels/spare_core.py)."""
     return sum(1 for nice, on in _threads(pid) if nice == 19 and on == set(cores))

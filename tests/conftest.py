@@ -4,9 +4,13 @@ import random
 import pytest
 from tiny_model import build_tiny_model
 
-from consensus import rank_checker
+from pdserve.consensus import rank_checker
 
-RANK_MODULES = ["runtime.rank_process", "prefill_node.rank", "decode_node.rank"]
+RANK_MODULES = [
+    "pdserve.runtime.rank.process",
+    "pdserve.prefill_node.rank",
+    "pdserve.decode_node.rank",
+]
 
 # The rank consensus checker is on in the test process (the in-process clusters of tests/inproc.py
 # compare every rank's decisions) and in every rank the tests start as a process.
@@ -65,9 +69,9 @@ def process_tmpdir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
-    """GGUF metadata and tokenizer caches (engine/gguf_file.py) go to a fresh folder per session:
-    the first load of a GGUF in a session parses it like on a new machine, and ~/.cache stays
-    clean."""
+    """GGUF metadata and tokenizer caches (engine/model/gguf_file.py) go to a fresh folder per
+    session: the first load of a GGUF in a session parses it like on a new machine, and ~/.cache
+    stays clean."""
     old = os.environ.get("PDSERVE_CACHE_DIR")
     os.environ["PDSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("pdserve-cache"))
     yield
@@ -83,8 +87,8 @@ def rank_zygote(process_tmpdir):
     node the tests start inherits: each rank is forked from it instead of importing torch again
     (about 3.5 s of CPU per rank on the 2-core machine, 96 ranks per run). `pdserve up` starts
     its own, as in production; a node started without one starts its own too."""
-    from infra.zygote import ENV
-    from infra.zygote_client import Zygote
+    from pdserve.infra.zygote import ENV
+    from pdserve.infra.zygote_client import Zygote
 
     zygote = Zygote.start(RANK_MODULES)
     os.environ[ENV] = zygote.path
@@ -102,7 +106,7 @@ def node_zygote(process_tmpdir):
     `pdserve.cli.main(argv)` as `python -m pdserve.cli argv` would."""
     import cluster
 
-    from infra.zygote_client import Zygote
+    from pdserve.infra.zygote_client import Zygote
 
     zygote = Zygote.start(["pdserve.cli"])
     cluster.NODE_ZYGOTE = zygote

@@ -1,10 +1,10 @@
 """Nodes whose PP ranks are threads of the test process: a colocated node, or a prefill node and a
 decode node joined by the in-memory KV transfer (kv_transfer/in_memory.py).
 
-Each rank is built the way a rank process builds itself (runtime/rank_process.py `build_rank`, the
+Each rank is built the way a rank process builds itself (runtime/rank/process.py `build_rank`, the
 PD rank modules' `make_loop` and `BUILD_KWARGS`), with two seams swapped: the PP group is the
-in-memory one (runtime/pp_comm_memory.py) and the KV managers join an `InMemoryFabric`. PP0 of a
-node talks to a `MemoryFront`, whose requests and events go through the wire codec. The prefill
+in-memory one (runtime/rank/pp_comm_memory.py) and the KV managers join an `InMemoryFabric`. PP0 of
+a node talks to a `MemoryFront`, whose requests and events go through the wire codec. The prefill
 node's consensus store is the real one (ZMQ on 127.0.0.1), and each rank thread keeps its own rank
 consensus checker (consensus/rank_checker.py `bind`), compared every 8 turns as in a node.
 
@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from consensus import rank_checker
-from decode_node import rank as decode_rank
-from kv_transfer.in_memory import InMemoryFabric
-from kv_transfer.manager import TransferConfig
-from pd_common.messages import PDAddRequest, PDRankSpec, PrefillDoneEvent
-from pd_common.rank_setup import pool_desc
-from prefill_node import rank as prefill_rank
-from runtime.messages import (
+from pdserve.consensus import rank_checker
+from pdserve.decode_node import rank as decode_rank
+from pdserve.kv_transfer.in_memory import InMemoryFabric
+from pdserve.kv_transfer.manager import TransferConfig
+from pdserve.pd_common.messages import PDAddRequest, PDRankSpec, PrefillDoneEvent
+from pdserve.pd_common.rank_setup import pool_desc
+from pdserve.prefill_node import rank as prefill_rank
+from pdserve.runtime.messages import (
     AbortRequest,
     AddRequest,
     ErrorEvent,
@@ -45,10 +45,10 @@ from runtime.messages import (
     pack,
     unpack,
 )
-from runtime.pp_comm_memory import CommClosed, MemoryPPGroup
-from runtime.rank_process import RankParts, build_rank, colocated_loop, rank_stats
-from runtime.rank_spec import RankSpec
-from runtime.slot_loop import SlotLoop
+from pdserve.runtime.rank.pp_comm_memory import CommClosed, MemoryPPGroup
+from pdserve.runtime.rank.process import RankParts, build_rank, colocated_loop, rank_stats
+from pdserve.runtime.rank.slot_loop import SlotLoop
+from pdserve.runtime.rank_spec import RankSpec
 
 # The real-process tests' node flags (tests/pd_cluster.py NODE_ARGS), fp32 for HF-exact outputs.
 ENGINE = {

@@ -22,13 +22,13 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 
 class Host:
     def __init__(self):
-        from kv_transfer.mooncake import MooncakeEngine
+        from pdserve.kv_transfer.mooncake import MooncakeEngine
 
         self.engine = MooncakeEngine("127.0.0.1", "tcp")
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
 
     def _pool(self, name, num_pages, page_size, layers, token_bytes):
-        from kv_transfer.layout import PoolDesc
+        from pdserve.kv_transfer.layout import PoolDesc
 
         nbytes = num_pages * (layers[1] - layers[0]) * 2 * page_size * token_bytes
         buf = (ctypes.c_char * nbytes)()
@@ -47,7 +47,7 @@ class Host:
     def prefill(
         self, name, cfg, pp_rank, pp_size, layers, num_pages, page_size, token_bytes, bootstrap_addr
     ):
-        from kv_transfer import PrefillKVManager, TransferConfig
+        from pdserve.kv_transfer import PrefillKVManager, TransferConfig
 
         pool = self._pool(name, num_pages, page_size, layers, token_bytes)
         self.mgrs[name] = PrefillKVManager(
@@ -58,7 +58,7 @@ class Host:
     def decode(
         self, name, cfg, pp_rank, dst_slices, num_pages, page_size, token_bytes, aux_slots=16
     ):
-        from kv_transfer import DecodeKVManager, TransferConfig
+        from pdserve.kv_transfer import DecodeKVManager, TransferConfig
 
         pool = self._pool(name, num_pages, page_size, dst_slices[pp_rank], token_bytes)
         self.mgrs[name] = DecodeKVManager(

@@ -365,8 +365,13 @@ class Cluster:
         return self.prefill + self.decode + self.colocated
 
     def __enter__(self) -> Cluster:
-        from router.app import build_app
-        from router.config import ALWAYS_DISAGGREGATE, HealthConfig, RouterConfig, WorkerSpec
+        from pdserve.router.app import build_app
+        from pdserve.router.config import (
+            ALWAYS_DISAGGREGATE,
+            HealthConfig,
+            RouterConfig,
+            WorkerSpec,
+        )
 
         try:
             workers = tuple(WorkerSpec(n.url, n.behavior.role) for n in self.nodes)

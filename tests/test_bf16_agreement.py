@@ -13,11 +13,11 @@ import pytest
 import torch
 from reference import hf_greedy
 
-from engine.config import EngineConfig, cpu_has_native_bf16
-from engine.core import SamplingParams
-from engine.engine import Engine
-from engine.loader import resolve_model
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.config import EngineConfig, cpu_has_native_bf16
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.model.loader import resolve_model
+from pdserve.engine.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not cpu_has_native_bf16(),

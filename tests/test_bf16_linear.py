@@ -1,5 +1,5 @@
-"""The blocked bf16 matmul (engine/csrc/bf16_linear.cpp): on a CPU with AVX-512 BF16 and no AMX,
-against fp32 products of the same bf16 inputs and against oneDNN's bf16 matmul, its bounds, and
+"""The blocked bf16 matmul (engine/kernels/csrc/bf16_linear.cpp): on a CPU with AVX-512 BF16 and no
+AMX, against fp32 products of the same bf16 inputs and against oneDNN's bf16 matmul, its bounds, and
 the model's use of it. Elsewhere the kernel is off and oneDNN's reordered copy serves."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import bf16_linear, cpu_kernels
-from engine.linear import linear, small_batch_weights
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.kernels import bf16_linear, cpu_kernels
+from pdserve.engine.model.linear import linear, small_batch_weights
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 

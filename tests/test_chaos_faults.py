@@ -232,7 +232,7 @@ class Chaos:
     # --- looking at it ---
     def ranks(self, node: Node) -> dict[int, int]:
         """pp_rank -> pid of the node's live rank processes: those of its process group that a
-        rank names after itself (runtime/rank_process.py, e.g. decode-pp1)."""
+        rank names after itself (runtime/rank/process.py, e.g. decode-pp1)."""
         ranks = {}
         for pid, stat, comm in group_members(node.proc.pid):
             m = re.fullmatch(r"(prefill|decode)-pp(\d+)", comm.strip())

@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import zmq
 
-from consensus import KVPoll, PPConsensusStore
-from consensus.store import CHANNEL
-from infra.channel_auth import Sealer
+from pdserve.consensus import KVPoll, PPConsensusStore
+from pdserve.consensus.store import CHANNEL
+from pdserve.infra.channel_auth import Sealer
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 10.0
@@ -380,7 +380,7 @@ def test_single_rank_store_needs_no_sockets():
 
 FAULT_SCRIPT = textwrap.dedent("""
     import sys, time
-    from consensus import KVPoll, PPConsensusStore
+    from pdserve.consensus import KVPoll, PPConsensusStore
     pp0 = PPConsensusStore(0, 2)
     rank1 = PPConsensusStore(1, 2, pp0.address)
     rank1[1] = KVPoll.Bootstrapping

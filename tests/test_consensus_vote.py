@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consensus import (
+from pdserve.consensus import (
     Ballot,
     ConsensusError,
     ConsensusTimeout,
@@ -25,7 +25,7 @@ from consensus import (
     done_for,
     update_status,
 )
-from consensus.vote import merge
+from pdserve.consensus.vote import merge
 
 JOIN_S = 20.0
 

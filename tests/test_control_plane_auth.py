@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from infra.channel_auth import AuthError, Opener, Sealer
+from pdserve.infra.channel_auth import AuthError, Opener, Sealer
 
 SECRET = "control-plane-test-secret"
 

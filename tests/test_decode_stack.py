@@ -1,6 +1,6 @@
-"""A bf16 slice's decode forward in one C++ call (engine/decode_stack.py): bit for bit the layer
-loop's results, on the paths where it applies and only there; bad calls refused before anything
-is written."""
+"""A bf16 slice's decode forward in one C++ call (engine/kernels/decode_stack.py): bit for bit the
+layer loop's results, on the paths where it applies and only there; bad calls refused before
+anything is written."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from engine import decode_stack
-from engine.config import EngineConfig
-from engine.core import SamplingParams
-from engine.engine import Engine
-from engine.forward_batch import BatchItem, build_forward_batch
-from engine.kv_cache import KVLayout, KVPool
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.kernels import decode_stack
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_bf16_linear import kernel  # noqa: F401 (autouse: the blocked kernel, or skip)
 from tests.test_model import DECODE_STEPS, PLAN, TOTAL, run_plan
 from tests.tiny_model import build_tiny_model

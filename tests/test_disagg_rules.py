@@ -1,6 +1,6 @@
-"""Conditional disaggregation (router/disagg.py): the rules on their own, then through a router in
-front of stub nodes (tests/stub_node.py), where a decode-only request is one without bootstrap
-fields and every decision is counted by reason."""
+"""Conditional disaggregation (router/routing/disagg.py): the rules on their own, then through a
+router in front of stub nodes (tests/stub_node.py), where a decode-only request is one without
+bootstrap fields and every decision is counted by reason."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import httpx
 import pytest
 from stub_node import Cluster
 
-from router.config import DisaggConfig
-from router.disagg import Disaggregation, TokenEstimator
+from pdserve.router.config import DisaggConfig
+from pdserve.router.routing.disagg import Disaggregation, TokenEstimator
 
 
 @dataclass

@@ -8,9 +8,9 @@ import random
 import pytest
 from reference import hf_greedy, load_hf
 
-from engine.config import EngineConfig
-from engine.core import ParamError, SamplingParams
-from engine.engine import Engine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import ParamError, SamplingParams
+from pdserve.engine.engine import Engine
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -167,7 +167,7 @@ def test_streamed_text_never_shows_a_completed_stop_string(engine):
     """The front's incremental detokenizer: whether the tokens arrive one by one or all at once, the
     text sent is what precedes the stop string, even when the token completing the stop string
     arrives in the same chunk as the text before it."""
-    from engine.detokenizer import IncrementalDetokenizer
+    from pdserve.engine.model.detokenizer import IncrementalDetokenizer
 
     tok = engine.tokenizer
     ids = tok.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
@@ -187,9 +187,9 @@ def test_incremental_detokenizer_equals_a_full_decode():
     """The decode-stream path (one `tokenizers` step per token) sends exactly the text of a full
     decode, over 200 random token sequences of the default model's byte-level vocabulary (pieces of
     multi-byte characters included) and real multi-byte text, in random chunk sizes."""
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.model.detokenizer import IncrementalDetokenizer
+    from pdserve.engine.model.loader import resolve_model
+    from pdserve.engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(None))
     rng = random.Random(5)

@@ -1,5 +1,5 @@
-"""The in-place extend (prefill) attention kernel (engine/csrc/extend_attention.cpp): bf16 on a
-CPU with AVX-512 BF16, against fp32 attention over the same bf16 keys and values, its causality
+"""The in-place extend (prefill) attention kernel (engine/kernels/csrc/extend_attention.cpp): bf16
+on a CPU with AVX-512 BF16, against fp32 attention over the same bf16 keys and values, its causality
 bit for bit, its bounds, and the model's use of it. Elsewhere the kernel does not exist and the
 gather path serves (that path is what the rest of the suite runs)."""
 
@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.forward_batch import BatchItem, build_forward_batch
-from engine.kv_cache import KVLayout, KVPool
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.kernels import paged_attention
+from pdserve.engine.kv_cache import KVLayout, KVPool
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan, scattered_tables
 from tests.tiny_model import build_tiny_model
 

@@ -1,5 +1,5 @@
-"""The node front's request and event sockets never listen on a TCP port (runtime/front.py): a
-bound PUSH deals its messages round-robin to whoever connects, so any process that reached it, on
+"""The node front's request and event sockets never listen on a TCP port (runtime/front/process.py):
+a bound PUSH deals its messages round-robin to whoever connects, so any process that reached it, on
 the network or on this host, could take a share of the requests without the secret. They are unix
 sockets in a directory only the node's user may enter; only the stats socket is on `host`
 (multi-host), and what arrives there is sealed."""
@@ -10,7 +10,7 @@ import asyncio
 import os
 import stat
 
-from runtime.front import NodeFront
+from pdserve.runtime.front.process import NodeFront
 
 
 def test_request_and_event_sockets_are_private_unix_sockets():

@@ -17,7 +17,7 @@ import pytest
 from cluster import free_port, start
 from stub_node import Cluster, StubNode
 
-from router.config import RetryConfig
+from pdserve.router.config import RetryConfig
 
 HEADER_TIMEOUT_S, WRITE_TIMEOUT_S = 3, 2
 SLOW_CLIENTS = 500
@@ -139,7 +139,8 @@ def test_a_client_that_stops_reading_frees_its_slot(router):
         s.close()
 
 
-# --- SSE keep-alive (router/keepalive.py), on the router in a thread over stub nodes --------------
+# --- SSE keep-alive (router/openai_api/keepalive.py), on the router in a thread over stub nodes
+# --------------
 
 
 def wait_running_zero(cluster, timeout: float = 30.0) -> int:

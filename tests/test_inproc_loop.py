@@ -1,5 +1,5 @@
 """The slot loop of a colocated node with its ranks as threads (tests/inproc.py), and the seams that
-make that possible: the in-memory PP group (runtime/pp_comm_memory.py) and the per-thread rank
+make that possible: the in-memory PP group (runtime/rank/pp_comm_memory.py) and the per-thread rank
 consensus checker (consensus/rank_checker.py). Real processes: tests/test_pp_node.py."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 from inproc import ClusterError, ColocatedCluster, running, settled
 
-from consensus import rank_checker
-from runtime.idle_wait import IdleWait
-from runtime.messages import AbortRequest
-from runtime.pp_comm import Msg
-from runtime.pp_comm_memory import CommClosed, MemoryPPGroup
-from runtime.slot_loop import RankDivergence
+from pdserve.consensus import rank_checker
+from pdserve.runtime.messages import AbortRequest
+from pdserve.runtime.rank.idle_wait import IdleWait
+from pdserve.runtime.rank.pp_comm import Msg
+from pdserve.runtime.rank.pp_comm_memory import CommClosed, MemoryPPGroup
+from pdserve.runtime.rank.slot_loop import RankDivergence
 
 MAX_NEW = 12
 
@@ -231,9 +231,9 @@ def test_collectives_meet_in_call_order():
 
 
 def test_idle_wait_backs_off_and_resets():
-    """PP0's wait for the front (runtime/idle_wait.py): none with work; with only outstanding work
-    it doubles to its 20 ms cap while that work does not move and restarts when it moves; idle, it
-    doubles to 250 ms; a message restarts it."""
+    """PP0's wait for the front (runtime/rank/idle_wait.py): none with work; with only outstanding
+    work it doubles to its 20 ms cap while that work does not move and restarts when it moves; idle,
+    it doubles to 250 ms; a message restarts it."""
     w = IdleWait(first_ms=5, idle_max_ms=250, outstanding_max_ms=20)
     room = (("transfer", 1),)
     assert [w.next(False, room) for _ in range(4)] == [5, 10, 20, 20]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from inproc import PDCluster, running, settled
 
-from consensus.kvpoll import KVPoll
-from pd_common.messages import PrefillDoneEvent
-from runtime.messages import ErrorEvent
+from pdserve.consensus.kvpoll import KVPoll
+from pdserve.pd_common.messages import PrefillDoneEvent
+from pdserve.runtime.messages import ErrorEvent
 
 MAX_NEW = 8
 
@@ -311,8 +311,8 @@ def test_waiting_timeout_covers_the_pd_queues(tiny6, tiny6_greedy):
 
 
 def test_outstanding_moves_with_a_rooms_transfer_status(tiny6, tiny6_greedy):
-    """PP0's idle wait backs off while `outstanding()` stays the same (runtime/idle_wait.py): a room
-    waiting in the decode node's transfer queue changes it as soon as its transfer end's status
+    """PP0's idle wait backs off while `outstanding()` stays the same (runtime/rank/idle_wait.py): a
+    room waiting in the decode node's transfer queue changes it as soon as its transfer end's status
     does, before the room changes queue, so the votes on a landed transfer run at the short wait."""
     prompts, reference = tiny6_greedy
     with running(lambda: PDCluster(tiny6, 2, 2)) as c:

@@ -32,13 +32,13 @@ from metrics_scrape import scrape
 from pd_cluster import FAST_TIMEOUTS, body
 from reference import hf_greedy, load_hf
 
-from consensus.kvpoll import KVPoll
-from infra.channel_auth import OVERHEAD, Sealer
-from kv_transfer.layout import PoolDesc
-from kv_transfer.manager import CHANNEL as KV_CHANNEL
-from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
-from runtime.front import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
-from runtime.metrics import FRONT_CHANNELS
+from pdserve.consensus.kvpoll import KVPoll
+from pdserve.infra.channel_auth import OVERHEAD, Sealer
+from pdserve.kv_transfer.layout import PoolDesc
+from pdserve.kv_transfer.manager import CHANNEL as KV_CHANNEL
+from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
+from pdserve.runtime.front.metrics import FRONT_CHANNELS
+from pdserve.runtime.front.process import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
 
 SECRET = "test-cluster-secret"
 AUTH = {"Authorization": f"Bearer {SECRET}"}

@@ -1,5 +1,6 @@
-"""router/keepalive.py without a cluster: a client that leaves while the router pings (the stream
-committed to 200, the dispatch still running) frees its admission slot and cancels the dispatch."""
+"""router/openai_api/keepalive.py without a cluster: a client that leaves while the router pings
+(the stream committed to 200, the dispatch still running) frees its admission slot and cancels the
+dispatch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import types
 
 from starlette.responses import StreamingResponse
 
-from router.keepalive import native_error, pinged_stream
+from pdserve.router.openai_api.keepalive import native_error, pinged_stream
 
 
 def test_client_leaving_during_pings_frees_the_slot():

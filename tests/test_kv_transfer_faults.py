@@ -23,12 +23,12 @@ import pytest
 import zmq
 from kv_transfer_workers import RankProcess
 
-from consensus.kvpoll import KVPoll
-from infra.channel_auth import Sealer
-from infra.cluster_secret import ENV as SECRET_ENV
-from kv_transfer import BootstrapServer, PoolDesc, TransferConfig
-from kv_transfer.manager import CHANNEL
-from kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
+from pdserve.consensus.kvpoll import KVPoll
+from pdserve.infra.channel_auth import Sealer
+from pdserve.infra.cluster_secret import ENV as SECRET_ENV
+from pdserve.kv_transfer import BootstrapServer, PoolDesc, TransferConfig
+from pdserve.kv_transfer.manager import CHANNEL
+from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
 
 LAYERS = (0, 30)
 TB, PS, NUM_PAGES, N = 128, 16, 256, 100  # tokens per room

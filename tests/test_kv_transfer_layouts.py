@@ -9,10 +9,10 @@ import random
 import pytest
 from kv_transfer_workers import RankProcess
 
-from consensus.kvpoll import KVPoll
-from engine.model_config import split_layers
-from kv_transfer import BootstrapServer
-from kv_transfer.layout import pages_for
+from pdserve.consensus.kvpoll import KVPoll
+from pdserve.engine.model.config import split_layers
+from pdserve.kv_transfer import BootstrapServer
+from pdserve.kv_transfer.layout import pages_for
 
 NUM_LAYERS = 30
 TOKEN_BYTES = 128  # 2 KV heads x head dim 16 x fp32

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kv_transfer.mooncake import MooncakeEngine, TransferError
+from pdserve.kv_transfer.mooncake import MooncakeEngine, TransferError
 
 SIZE, DESC = 1 << 20, 4096
 

@@ -9,11 +9,20 @@ import msgpack
 import pytest
 from starlette.testclient import TestClient
 
-from consensus.kvpoll import KVPoll, update_status
-from engine.model_config import split_layers
-from kv_transfer.bootstrap import HEARTBEAT_TIMEOUT_S, BootstrapState, PrefillRankInfo, build_app
-from kv_transfer.bootstrap_client import MAX_HEARTBEAT_TIMEOUT_S, REQUEST_TIMEOUT_S, BootstrapClient
-from kv_transfer.layout import (
+from pdserve.consensus.kvpoll import KVPoll, update_status
+from pdserve.engine.model.config import split_layers
+from pdserve.kv_transfer.bootstrap import (
+    HEARTBEAT_TIMEOUT_S,
+    BootstrapState,
+    PrefillRankInfo,
+    build_app,
+)
+from pdserve.kv_transfer.bootstrap_client import (
+    MAX_HEARTBEAT_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    BootstrapClient,
+)
+from pdserve.kv_transfer.layout import (
     PoolDesc,
     build_descriptors,
     coalesce,
@@ -21,8 +30,8 @@ from kv_transfer.layout import (
     overlapping,
     pages_for,
 )
-from kv_transfer.manager import TransferConfig
-from kv_transfer.messages import (
+from pdserve.kv_transfer.manager import TransferConfig
+from pdserve.kv_transfer.messages import (
     KVAbort,
     KVRegister,
     KVStatus,
@@ -30,7 +39,7 @@ from kv_transfer.messages import (
     decode_message,
     encode_message,
 )
-from kv_transfer.mooncake import resolve_protocol
+from pdserve.kv_transfer.mooncake import resolve_protocol
 
 TB = 8
 
@@ -306,7 +315,7 @@ def test_decode_ranks_naming_different_prefixes_fail_the_room():
     hear it (in-memory transfer: the same checks as the Mooncake sender)."""
     import ctypes
 
-    from kv_transfer.in_memory import InMemoryFabric
+    from pdserve.kv_transfer.in_memory import InMemoryFabric
 
     bufs = [ctypes.create_string_buffer(8 * 64 * TB) for _ in range(3)]
     fabric = InMemoryFabric(1)

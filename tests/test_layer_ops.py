@@ -1,6 +1,7 @@
-"""The fused per-layer ops (engine/layer_ops.py, engine/csrc/layer_ops.cpp) against the Hugging Face
-modules' arithmetic, and the model's use of them. The kernels are built by `scripts/setup.sh`; a
-checkout where they are missing fails here, on purpose: serving would fall back to the torch ops."""
+"""The fused per-layer ops (engine/kernels/layer_ops.py, engine/kernels/csrc/layer_ops.cpp) against
+the Hugging Face modules' arithmetic, and the model's use of them. The kernels are built by
+`scripts/setup.sh`; a checkout where they are missing fails here, on purpose: serving would fall
+back to the torch ops."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import layer_ops
-from engine.loader import load_model_config, load_slice
-from engine.rope import RopeTable
+from pdserve.engine.kernels import layer_ops
+from pdserve.engine.model.loader import load_model_config, load_slice
+from pdserve.engine.model.rope import RopeTable
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 

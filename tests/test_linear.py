@@ -1,6 +1,6 @@
-"""Small-batch weights (engine/linear.py): the reordered copy gives the plain matmul's result, it is
-used exactly for the rows `reordered_rows` names (fp32: SMALL_MIN..SMALL_MAX; bf16: all), and a
-model that has it still matches transformers."""
+"""Small-batch weights (engine/model/linear.py): the reordered copy gives the plain matmul's result,
+it is used exactly for the rows `reordered_rows` names (fp32: SMALL_MIN..SMALL_MAX; bf16: all), and
+a model that has it still matches transformers."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import bf16_linear
-from engine import linear as lin
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.kernels import bf16_linear
+from pdserve.engine.model import linear as lin
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import cpu_has_native_bf16
-from engine.loader import (
+from pdserve.engine.config import cpu_has_native_bf16
+from pdserve.engine.model.loader import (
     ModelLoadError,
     load_model_config,
     load_sampling_defaults,
     load_slice,
     resolve_model,
 )
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.model.tokenizer import load_tokenizer
 from tests.cluster import ROOT
 from tests.test_model import PLAN, TOTAL, max_err, run_plan
 from tests.tiny_model import build_tiny_model
@@ -134,7 +134,7 @@ def test_gguf_metadata_cache(tiny, tmp_path, monkeypatch):
     """The first load parses the GGUF and caches its index; later loads (other processes, in
     production) read the index instead and get the same config and weights; a rewritten file gets
     a new cache entry."""
-    from engine import gguf_file
+    from pdserve.engine.model import gguf_file
 
     path = write_gguf(tiny, tmp_path / "tiny.gguf")
     cfg = load_model_config(path)
@@ -155,7 +155,7 @@ def test_gguf_metadata_cache(tiny, tmp_path, monkeypatch):
 
 
 def test_stop_detokenizer_decodes_like_transformers(tiny):
-    from engine.detokenizer import StopDetokenizer
+    from pdserve.engine.model.detokenizer import StopDetokenizer
 
     tok, detok, rng = load_tokenizer(tiny), StopDetokenizer(tiny), random.Random(4)
     for _ in range(200):
@@ -327,8 +327,10 @@ def test_node_front_path_never_imports_torch(tiny):
     torch unimported: importing it costs a front ~2.5 s of CPU while its ranks start. The tokenizer
     it gets is the one AutoTokenizer gives."""
     code = (
-        "import sys; import runtime.serve, prefill_node.serve, decode_node.serve; "
-        "from engine.loader import load_model_config; from engine.tokenizer import load_tokenizer; "
+        "import sys; import pdserve.runtime.serve, pdserve.prefill_node.serve; "
+        "import pdserve.decode_node.serve; "
+        "from pdserve.engine.model.loader import load_model_config; "
+        "from pdserve.engine.model.tokenizer import load_tokenizer; "
         f"load_model_config({str(tiny)!r}); tok = load_tokenizer({str(tiny)!r}); "
         "print(type(tok).__name__, sorted(m for m in sys.modules if m == 'torch' or "
         "m.startswith('torch.'))[:3])"
@@ -359,8 +361,8 @@ def test_auto_dtype_is_the_models_own(tiny, tmp_path):
     """`--dtype auto` (the serving default) serves a model in the dtype it was saved in: the tiny
     fp32 test models stay fp32 (token-exact), a bf16 checkpoint and a quantized GGUF run in bf16,
     fp16 weights in bf16 on a CPU; an explicit dtype always wins."""
-    from engine.config import EngineConfig
-    from engine.gguf_file import _gguf_dtype
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model.gguf_file import _gguf_dtype
 
     assert load_model_config(tiny).dtype == "float32"
     bf16 = tmp_path / "bf16"

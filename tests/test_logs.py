@@ -19,7 +19,7 @@ import pytest
 from cluster import ROOT, free_port
 from stub_node import StubNode
 
-from infra.logs import JsonFormatter, bind_request, native_log, setup_logging
+from pdserve.infra.logs import JsonFormatter, bind_request, native_log, setup_logging
 
 
 def _record(msg: str, **extra) -> logging.LogRecord:

@@ -9,8 +9,8 @@ import json
 import msgpack
 import pytest
 
-from pd_common.messages import KVRankStats, PDAddRequest, PrefillDoneEvent
-from runtime.messages import (
+from pdserve.pd_common.messages import KVRankStats, PDAddRequest, PrefillDoneEvent
+from pdserve.runtime.messages import (
     AbortRequest,
     AbortUnknownEvent,
     AddRequest,
@@ -24,7 +24,7 @@ from runtime.messages import (
     pack,
     unpack,
 )
-from runtime.rank_spec import RankSpec
+from pdserve.runtime.rank_spec import RankSpec
 
 STATS = RankStats(
     pp_rank=1,

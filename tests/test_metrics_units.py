@@ -11,16 +11,21 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_node.front import DecodeFront
-from kv_transfer.stats import DROP_REASONS, FAILURE_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
-from pd_common.messages import KVRankStats
-from prefill_node.front import PrefillFront
-from router.metrics import CIRCUIT_STATES, GENERATION_ROUTES, RouterMetrics
-from runtime.answer import Pending
-from runtime.front import NodeFront
-from runtime.messages import ErrorEvent, FinishEvent, RankStats, TokenEvent
-from runtime.metrics import MetricsExtension, NodeMetrics
-from runtime.reasons import ABORT_REASONS, AbortReason
+from pdserve.decode_node.front import DecodeFront
+from pdserve.kv_transfer.stats import (
+    DROP_REASONS,
+    FAILURE_REASONS,
+    RECEIVER_FAILURES,
+    SENDER_FAILURES,
+)
+from pdserve.pd_common.messages import KVRankStats
+from pdserve.prefill_node.front import PrefillFront
+from pdserve.router.metrics import CIRCUIT_STATES, GENERATION_ROUTES, RouterMetrics
+from pdserve.runtime.front.answer import Pending
+from pdserve.runtime.front.metrics import MetricsExtension, NodeMetrics
+from pdserve.runtime.front.process import NodeFront
+from pdserve.runtime.messages import ErrorEvent, FinishEvent, RankStats, TokenEvent
+from pdserve.runtime.reasons import ABORT_REASONS, AbortReason
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,7 +156,7 @@ def test_the_front_counts_aborts_by_the_events_reason_and_a_disconnect_as_its_ow
         try:
 
             def pending(rid: str) -> Pending:
-                from engine.core import SamplingParams
+                from pdserve.engine.core import SamplingParams
 
                 p = Pending(rid, 3, SamplingParams(), _Detok())
                 front.pending[rid] = p
@@ -216,7 +221,7 @@ def test_reason_codes_come_from_fixed_snake_case_sets():
         assert re.fullmatch(r"[a-z]+(_[a-z]+)*", code), code
     calls = re.compile(r"\b(_fail|add_failure|add_dropped|_drop)\(\s*f?\"([^\"]+)\"")
     found: dict[str, set[str]] = {"failure": set(), "drop": set()}
-    for path in (ROOT / "kv_transfer").glob("*.py"):
+    for path in (ROOT / "pdserve" / "kv_transfer").glob("*.py"):
         for fn, text in calls.findall(path.read_text()):
             kind = "failure" if fn in ("_fail", "add_failure") else "drop"
             found[kind].add(text.partition(":")[0])

@@ -14,13 +14,14 @@ import random
 import pytest
 import torch
 
-from engine import forward_batch, gguf_file
-from engine.detokenizer import StopDetokenizer
-from engine.forward_batch import BatchItem, build_forward_batch
-from engine.gguf_file import gguf_cache_dir
-from engine.kv_cache import KVLayout, KVPool, pages_needed
-from engine.loader import load_model_config, load_slice, resolve_model
-from engine.tokenizer import load_tokenizer
+from pdserve.engine import forward_batch
+from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.kv_cache import KVLayout, KVPool, pages_needed
+from pdserve.engine.model import gguf_file
+from pdserve.engine.model.detokenizer import StopDetokenizer
+from pdserve.engine.model.gguf_file import gguf_cache_dir
+from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
+from pdserve.engine.model.tokenizer import load_tokenizer
 from tests.tiny_model import build_tiny_model
 
 PAGE_SIZE = 4

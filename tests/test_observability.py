@@ -14,8 +14,8 @@ from cluster import up
 from prometheus_client.parser import text_string_to_metric_families
 from test_deploy import dashboard_exprs, metric_names, metrics_list
 
-from kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
-from runtime.reasons import ABORT_REASONS
+from pdserve.kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
+from pdserve.runtime.reasons import ABORT_REASONS
 
 NODE_ARGS = "--page-size 4 --max-total-tokens 4096 --threads 1"
 

@@ -3,7 +3,7 @@ nodes through the official `openai` SDK: model A on a prefill node + a decode no
 colocated node (the `served` cluster of tests/test_openai_serving.py).
 
 The prompt is computed once: choice 0 first, the others after its first token, when the node's
-prefix cache holds the prompt's whole pages (router/choices.py). The node's
+prefix cache holds the prompt's whole pages (router/openai_api/n_choices.py). The node's
 `pdserve_prefix_cache_hit_tokens` counter shows it.
 """
 

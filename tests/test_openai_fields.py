@@ -11,8 +11,8 @@ import openai
 import pytest
 from stub_node import Cluster
 
-from router import openai_fields
-from router.openapi import openapi_document
+from pdserve.router.openai_api import unimplemented_fields
+from pdserve.router.openai_api.openapi import openapi_document
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]
@@ -84,14 +84,14 @@ def test_vllm_extensions_in_real_use_are_refused_and_named(client, field):
 
 
 def test_every_listed_field_refuses_a_value_other_than_its_neutral_ones(client):
-    for field in openai_fields.CHAT:
+    for field in unimplemented_fields.CHAT:
         refused(
             lambda field=field: client.chat.completions.create(
                 model=MODEL, messages=CHAT, max_tokens=2, extra_body={field: "on"}
             ),
             field,
         )
-    for field in openai_fields.COMPLETION:
+    for field in unimplemented_fields.COMPLETION:
         refused(
             lambda field=field: client.completions.create(
                 model=MODEL, prompt="a b", max_tokens=2, extra_body={field: "on"}
@@ -150,7 +150,9 @@ def test_tools_on_a_model_without_tool_support_are_refused_and_named(client):
 
 
 def test_neutral_values_are_accepted_and_never_reach_the_node(client, cluster):
-    neutral = {field: values[0] if values else None for field, values in openai_fields.CHAT.items()}
+    neutral = {
+        field: values[0] if values else None for field, values in unimplemented_fields.CHAT.items()
+    }
     out = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=2, user="u-1", extra_body=neutral
     )
@@ -192,10 +194,10 @@ def test_top_logprobs_without_logprobs_is_refused(client):
 def test_openapi_document_lists_the_refused_fields_with_their_neutral_values():
     schemas = openapi_document([MODEL], 256, auth=False)["components"]["schemas"]
     for name, table in (
-        ("ChatRequest", openai_fields.CHAT),
-        ("CompletionRequest", openai_fields.COMPLETION),
-        ("ChatMessage", openai_fields.MESSAGE),
-        ("StreamOptions", openai_fields.STREAM_OPTIONS),
+        ("ChatRequest", unimplemented_fields.CHAT),
+        ("CompletionRequest", unimplemented_fields.COMPLETION),
+        ("ChatMessage", unimplemented_fields.MESSAGE),
+        ("StreamOptions", unimplemented_fields.STREAM_OPTIONS),
     ):
         schema = schemas[name]
         assert schema["additionalProperties"] is False, name

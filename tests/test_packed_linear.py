@@ -1,7 +1,8 @@
-"""Packed block-code weights (engine/packed_linear.py, engine/csrc/packed_linear.cpp): a weight is
-packed only when its codes give back every value bit for bit, the kernel's product equals the fp32
-matmul's, decode-sized batches take it, and a model with GGUF-grid weights still matches
-transformers and serves the same greedy tokens as without it."""
+"""Packed block-code weights (engine/kernels/packed_linear.py,
+engine/kernels/csrc/packed_linear.cpp): a weight is packed only when its codes give back every value
+bit for bit, the kernel's product equals the fp32 matmul's, decode-sized batches take it, and a
+model with GGUF-grid weights still matches transformers and serves the same greedy tokens as without
+it."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from engine import bf16_linear
-from engine import linear as lin
-from engine import packed_linear as pl
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.kernels import bf16_linear
+from pdserve.engine.kernels import packed_linear as pl
+from pdserve.engine.model import linear as lin
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 

@@ -1,5 +1,5 @@
-"""The in-place decode attention kernel (engine/csrc/paged_attention.cpp) against gather + SDPA,
-and the model's use of it. The kernel is built by `scripts/setup.sh`; a checkout where it is
+"""The in-place decode attention kernel (engine/kernels/csrc/paged_attention.cpp) against gather +
+SDPA, and the model's use of it. The kernel is built by `scripts/setup.sh`; a checkout where it is
 missing fails here, on purpose: serving would silently fall back to the slower gather path."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import paged_attention
-from engine.loader import load_model_config, load_slice
+from pdserve.engine.kernels import paged_attention
+from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.cluster import ROOT
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan, scattered_tables
 from tests.tiny_model import build_tiny_model
@@ -192,7 +192,10 @@ def cfg_layers(slices):
 
 def _load_in_child(env_extra: dict, timeout: float) -> tuple[bool, str]:
     """`load()` in a fresh interpreter (its once-per-process state stays out of this one)."""
-    code = "from engine import paged_attention as p; ok = p.load(); print(ok); print(p.why_not())"
+    code = (
+        "from pdserve.engine.kernels import paged_attention as p; "
+        "ok = p.load(); print(ok); print(p.why_not())"
+    )
     r = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -216,7 +219,7 @@ def test_no_build_place_means_the_gather_path_not_a_dead_rank(tmp_path):
 def test_a_build_left_half_done_is_rebuilt_not_waited_for(tmp_path):
     """A builder killed mid-build leaves torch's lock file; the next build must not wait on it
     forever (our own flock died with the builder). Compiles the kernels once (about 30 s)."""
-    from engine import cpu_kernels
+    from pdserve.engine.kernels import cpu_kernels
 
     ext = tmp_path / "ext"
     d = ext / cpu_kernels.build_dir().name

@@ -9,7 +9,7 @@ import torch
 from reference import load_hf
 from test_engine import make
 
-from engine.core import SamplingParams
+from pdserve.engine.core import SamplingParams
 
 MAX_NEW = 16
 CASES = {
@@ -89,7 +89,7 @@ def test_an_overflowing_penalty_never_kills_the_sampling_rank():
     """Found by the router fuzz test: repetition_penalty 1e-300 divides positive logits into inf,
     softmax gives NaN, and torch.multinomial raised in the rank's loop (the rank died). The row
     now falls back to its argmax."""
-    from engine.sampling import sample
+    from pdserve.engine.sampling import sample
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 5
     p = SamplingParams.from_dict({"temperature": 1.0, "repetition_penalty": 1e-300})

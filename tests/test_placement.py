@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from runtime.placement import Placement, parse_cpus, plan_placement
+from pdserve.runtime.placement import Placement, parse_cpus, plan_placement
 
 
 @pytest.mark.parametrize("cores", range(1, 9))

@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from infra.procs import free_port, reserve_port
+from pdserve.infra.procs import free_port, reserve_port
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from cluster import NODE_ARGS, free_port, group_alive, helper_threads, start, wait_healthy
 from one_thread import hf_greedy_one_thread
 
-from infra.zygote import ENV as ZYGOTE_ENV
+from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 
 MAX_NEW = 12
 
@@ -85,14 +85,15 @@ def test_greedy_matches_transformers(pp, depth, tiny6, mixed_prompts, reference,
 def _check_rank_cores(stats, pp):
     """Each rank process runs on the cores the node's plan gave it (read back from /proc), and no
     two ranks share a core while the host has enough of them."""
-    from runtime.placement import plan_placement
+    from pdserve.runtime.placement import plan_placement
 
     plan = plan_placement(pp, sorted(os.sched_getaffinity(0)), threads=1)  # NODE_ARGS: --threads 1
     got = [os.sched_getaffinity(s["pid"]) for s in sorted(stats, key=lambda s: s["pp_rank"])]
     assert got == [set(c) for c in plan.rank_cores]
     if pp <= len(os.sched_getaffinity(0)):
         assert not plan.shared and len(set().union(*got)) == pp
-    # and its prefill helper runs on the plan's I/O cores, if any, at nice 19 (engine/spare_core.py)
+    # and its prefill helper runs on the plan's I/O cores, if any, at nice 19
+    # (engine/kernels/spare_core.py)
     for s in stats:
         on_io = helper_threads(s["pid"], plan.io_cores) if plan.io_cores else 0
         assert on_io == (1 if plan.io_cores else 0), (s, plan)
@@ -102,7 +103,7 @@ def _check_stop_string(url, model, prompts, refs):
     """A stop string the greedy answer reaches mid-way ends it there: the ranks decode the output
     tail for the check (engine.detokenizer.StopDetokenizer, loaded on first use). The stop string is
     the text of one answer token whose first occurrence starts where that token starts."""
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
     for prompt, ref in zip(prompts, refs, strict=True):
@@ -247,10 +248,10 @@ def test_planted_divergence_is_caught(tiny6, mixed_prompts, tmp_path):
 def test_planted_divergence_needs_the_checker(checker_on, monkeypatch):
     """The hook plants nothing unless the consensus checker is on too (which stops the node at
     once): the variable alone can never make a node hand out different pages."""
-    from consensus import rank_checker
-    from engine.kv_cache import PageAllocator
-    from runtime.rank_process import plant_divergence_if_asked
-    from runtime.rank_spec import RankSpec
+    from pdserve.consensus import rank_checker
+    from pdserve.engine.kv_cache import PageAllocator
+    from pdserve.runtime.rank.process import plant_divergence_if_asked
+    from pdserve.runtime.rank_spec import RankSpec
 
     monkeypatch.setenv("PDSERVE_TEST_PLANT_DIVERGENCE", "1")
     monkeypatch.setattr(rank_checker, "ENABLED", checker_on)

@@ -11,9 +11,9 @@ import random
 
 from test_scheduler import VOCAB, expected, make, oracle
 
-from engine.batch import SampleOut
-from engine.core import Req, SamplingParams
-from engine.scheduler import Scheduler
+from pdserve.engine.batch import SampleOut
+from pdserve.engine.core import Req, SamplingParams
+from pdserve.engine.scheduler import Scheduler
 
 
 def step(s: Scheduler, pool: dict[int, list], done: dict[str, Req]) -> None:

@@ -14,15 +14,15 @@ import sys
 import pytest
 from cluster import ROOT, group_alive
 
-from infra.zygote import ENV
+from pdserve.infra.zygote import ENV
 
 # A front in miniature: it starts one rank the way every node does (runtime/serve.py RankSet),
 # with front links nobody serves, then dies, with no cleanup: at once (the zygote may not have
 # forked yet) or once the zygote has forked the rank (reading its pid waits for that).
 FRONT = """
 import os, sys
-from runtime.rank_spec import RankSpec
-from runtime.serve import RankSet
+from pdserve.runtime.rank_spec import RankSpec
+from pdserve.runtime.serve import RankSet
 tmp, model, after_fork = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 spec = RankSpec(model=model, engine={}, pp_size=1, pp_rank=0, dist_init="",
                 req_addr=f"ipc://{tmp}/req", evt_addr=f"ipc://{tmp}/evt")

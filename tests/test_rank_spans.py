@@ -1,4 +1,4 @@
-"""The ranks' span records (runtime/rank_spans.py) of a traced PD request, in-process (ranks as
+"""The ranks' span records (runtime/rank/spans.py) of a traced PD request, in-process (ranks as
 threads, tests/inproc.py): every rank records its own stages, nested and in order; an untraced
 request records nothing. The whole path through real processes and OTLP is tests/test_tracing.py."""
 
@@ -8,7 +8,7 @@ import time
 
 from inproc import PDCluster, running
 
-from pd_common.messages import PDAddRequest
+from pdserve.pd_common.messages import PDAddRequest
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 PREFILL = {"bootstrap", "bootstrap.wait_decode_alloc", "bootstrap.handshake", "waiting"}

@@ -1,5 +1,5 @@
-"""router/json_body.py: a client that sends its headers and then trickles (or stops sending) its
-body gets 408 after BODY_TIMEOUT_S instead of holding the connection for good."""
+"""router/openai_api/json_body.py: a client that sends its headers and then trickles (or stops
+sending) its body gets 408 after BODY_TIMEOUT_S instead of holding the connection for good."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from router import json_body
-from router.errors import ApiError
+from pdserve.router.errors import ApiError
+from pdserve.router.openai_api import json_body
 
 
 def test_a_stalled_body_times_out(monkeypatch):

@@ -1,6 +1,6 @@
-"""`n` > 1 in the router against stub nodes (router/choices.py): where the choices go, their seeds,
-and what happens to all of them when one fails or the client leaves. The real prefix-cache sharing
-is tested on real nodes in tests/test_openai_choices.py."""
+"""`n` > 1 in the router against stub nodes (router/openai_api/n_choices.py): where the choices go,
+their seeds, and what happens to all of them when one fails or the client leaves. The real
+prefix-cache sharing is tested on real nodes in tests/test_openai_choices.py."""
 
 from __future__ import annotations
 

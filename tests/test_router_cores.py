@@ -1,5 +1,5 @@
-"""The router follows its same-host workers' fronts onto their cores (router/cores.py): a router
-started by hand next to a colocated node leaves the rank's compute core to the rank."""
+"""The router follows its same-host workers' fronts onto their cores (router/cpu_affinity.py): a
+router started by hand next to a colocated node leaves the rank's compute core to the rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from cluster import NODE_ARGS, free_port, start
 
-from router.cores import FrontCores, is_loopback, parse_front_cpus
+from pdserve.router.cpu_affinity import FrontCores, is_loopback, parse_front_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0))
@@ -60,7 +60,7 @@ def test_front_cpus_are_read_only_from_loopback_workers_and_bounded():
 
 MOVES = """
 import json, os, threading
-from router.cores import FrontCores
+from pdserve.router.cpu_affinity import FrontCores
 stop = threading.Event()
 t = threading.Thread(target=stop.wait, daemon=True)  # started before the move: moves too
 t.start()

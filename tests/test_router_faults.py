@@ -11,7 +11,7 @@ import openai
 import pytest
 from stub_node import Cluster
 
-from router.config import BreakerConfig, HealthConfig, RetryConfig
+from pdserve.router.config import BreakerConfig, HealthConfig, RetryConfig
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]

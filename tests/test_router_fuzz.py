@@ -33,7 +33,7 @@ from reference import hf_greedy, load_hf
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
-from router.openai_protocol import ChatRequest, CompletionRequest
+from pdserve.router.openai_api.protocol import ChatRequest, CompletionRequest
 
 KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}

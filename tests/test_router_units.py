@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.admission import Admission, Rejected
-from router.circuit import CircuitBreaker, CircuitState
-from router.config import BreakerConfig, CacheAwareConfig, RouterConfig, WorkerSpec
-from router.main import add_router_args, router_config_from_args
-from router.policies import (
+from pdserve.router.admission import Admission, Rejected
+from pdserve.router.cli import add_router_args, router_config_from_args
+from pdserve.router.config import BreakerConfig, CacheAwareConfig, RouterConfig, WorkerSpec
+from pdserve.router.routing.circuit import CircuitBreaker, CircuitState
+from pdserve.router.routing.policies import (
     CacheAware,
     LeastLoad,
     PowerOfTwo,
@@ -268,7 +268,7 @@ def test_cli_rejects_bad_worker_lists(argv, message):
 
 
 def test_stop_reason_names_a_stop_string_or_stop_token_but_not_the_eos_token():
-    from router.responses import stop_reason
+    from pdserve.router.openai_api.responses import stop_reason
 
     ids = frozenset({7})
     assert stop_reason({"finish_reason": {"type": "stop", "matched": "\n\n"}}, ids) == "\n\n"
@@ -282,7 +282,7 @@ def test_node_pools_share_one_tls_context():
     """Every connection pool of every node uses the one TLS context NodeClients built: a client
     built without one loads the CA bundle itself (about 75 ms of CPU), 8 of them on a node's first
     request at the default 256 concurrent requests."""
-    from router.node_clients import NodeClients
+    from pdserve.router.routing.node_clients import NodeClients
 
     async def main():
         clients = NodeClients(5.0, 256)

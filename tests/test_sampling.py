@@ -1,5 +1,5 @@
 """The sampler's draws against the distributions they must follow (engine/sampling.py), on both of
-its paths: the C++ op (engine/csrc/sampling.cpp) and the torch one.
+its paths: the C++ op (engine/kernels/csrc/sampling.cpp) and the torch one.
 
 Every draw comes from a seeded generator, so each count below is the same on every run: the bounds
 (4.5 standard deviations of a binomial count) are for a correct sampler, and a sampler that
@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from engine import cpu_kernels, sampling
-from engine.core import SamplingParams
-from engine.sampling import sample
+from pdserve.engine import sampling
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.sampling import sample
 
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from engine.batch import SampleOut
-from engine.core import ParamError, Req, SamplingParams
-from engine.kv_cache import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.batch import SampleOut
+from pdserve.engine.core import ParamError, Req, SamplingParams
+from pdserve.engine.kv_cache import PageAllocator
+from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 97
 

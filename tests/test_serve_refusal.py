@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from runtime.serve import refuse_unprotected
+from pdserve.runtime.serve import refuse_unprotected
 
 
 def args(host: str, insecure: bool = False) -> argparse.Namespace:

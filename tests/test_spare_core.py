@@ -1,7 +1,7 @@
-"""Prefill matmuls shared with a helper thread on a spare core (engine/spare_core.py,
-engine/csrc/spare_core.cpp): the product has the same bits whoever computes which block and is the
-fp32 matmul's within rounding (in bf16 on the blocked kernel: the unsplit product's bits), the
-helper runs where it was put at the lowest priority, only prefill-sized products take it, and a
+"""Prefill matmuls shared with a helper thread on a spare core (engine/kernels/spare_core.py,
+engine/kernels/csrc/spare_core.cpp): the product has the same bits whoever computes which block and
+is the fp32 matmul's within rounding (in bf16 on the blocked kernel: the unsplit product's bits),
+the helper runs where it was put at the lowest priority, only prefill-sized products take it, and a
 model served with it matches transformers token for token (in bf16: the engine without it)."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from cluster import NODE_ARGS, free_port, helper_threads, start
 from reference import hf_greedy, load_hf
 
-from engine import bf16_linear, cpu_kernels
-from engine import linear as lin
-from engine import spare_core as sc
-from engine.config import EngineConfig
-from engine.core import SamplingParams
-from engine.engine import Engine
-from runtime.serve import spare_cores
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.kernels import bf16_linear, cpu_kernels
+from pdserve.engine.kernels import spare_core as sc
+from pdserve.engine.model import linear as lin
+from pdserve.runtime.serve import spare_cores
 
 
 @pytest.fixture(scope="module")

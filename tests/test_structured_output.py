@@ -12,7 +12,7 @@ import pytest
 from inproc import PDCluster, running
 from test_engine import make
 
-from engine.core import ParamError, SamplingParams
+from pdserve.engine.core import ParamError, SamplingParams
 
 SCHEMAS = {
     "enum": {

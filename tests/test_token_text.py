@@ -1,6 +1,6 @@
-"""Logprob token text and bytes (runtime/token_text.py) on the tests' byte-level BPE tokenizer: the
-sampled tokens' texts concatenate to the decoded text even where a character spans tokens, and
-each token's bytes are its own, checked against transformers' GPT-2 byte table."""
+"""Logprob token text and bytes (runtime/front/token_text.py) on the tests' byte-level BPE
+tokenizer: the sampled tokens' texts concatenate to the decoded text even where a character spans
+tokens, and each token's bytes are its own, checked against transformers' GPT-2 byte table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from tiny_model import build_tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from runtime.token_text import TokenBytes, TokenText
+from pdserve.runtime.front.token_text import TokenBytes, TokenText
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 "qwen": a tiny random model with Qwen2.5's chat template (Hermes tool calls), served by a prefill
 node and a decode node; "plain": one whose template takes no tools (as SmolLM2's), colocated.
 A random model calls no tool by itself: `tool_choice: required` or a named function force the call
-with a grammar (router/tools.py), and the router's parser reads it back, whole and streamed.
+with a grammar (router/tools/request.py), and the router's parser reads it back, whole and streamed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The tool-call parsers (router/tool_parsers.py), their stream (router/tool_stream.py) and the
-guides that force calls (router/tools.py): on text a real chat template wrote, on every split of a
-stream, and on what each family's grammar admits."""
+"""The tool-call parsers (router/tools/parsers.py), their stream (router/tools/stream.py) and the
+guides that force calls (router/tools/request.py): on text a real chat template wrote, on every
+split of a stream, and on what each family's grammar admits."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import json
 import pytest
 from tiny_model import CHAT_TEMPLATE, QWEN25_TEMPLATE, build_tokenizer
 
-from router.tool_models import Tool
-from router.tool_parsers import parse, scan
-from router.tool_stream import ToolStream
-from router.tools import structural_tag
-from runtime.chat_template import check_messages, tool_call_format
+from pdserve.router.tools.models import Tool
+from pdserve.router.tools.parsers import parse, scan
+from pdserve.router.tools.request import structural_tag
+from pdserve.router.tools.stream import ToolStream
+from pdserve.runtime.front.chat_template import check_messages, tool_call_format
 
 CALLS = [("get_weather", {"city": "Paris", "n": [1, {"a": '}] \\"'}]}), ("noop", {})]
 TOOL = Tool.model_validate(

@@ -625,7 +625,7 @@ def test_free_port_stays_out_of_the_ephemeral_range():
     can take the port between the pick and the server's bind."""
     import socket
 
-    from infra.procs import PORTS_FROM, _ephemeral_start
+    from pdserve.infra.procs import PORTS_FROM, _ephemeral_start
 
     start = _ephemeral_start()
     for port in [free_port() for _ in range(50)]:

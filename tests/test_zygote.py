@@ -12,8 +12,8 @@ import socket
 import time
 from pathlib import Path
 
-from infra.zygote_client import Zygote
-from runtime.rank_spec import RankSpec
+from pdserve.infra.zygote_client import Zygote
+from pdserve.runtime.rank_spec import RankSpec
 
 
 def _idle_rank(model, tmp_path) -> str:
@@ -31,7 +31,7 @@ def _idle_rank(model, tmp_path) -> str:
 
 
 def test_a_child_reports_its_exit_code_and_writes_to_the_requesters_stderr(rank_zygote, capfd):
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", "{not json"])
+    child = rank_zygote.fork("pdserve.runtime.rank.process", ["--spec", "{not json"])
     assert child.wait(timeout=60) == 2  # argparse's error exit, from the child's own main
     assert child.pid > 0 and child.poll() == 2
     assert "--spec" in capfd.readouterr().err
@@ -41,7 +41,9 @@ def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
     rank_zygote, tiny6, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", _idle_rank(tiny6, tmp_path)])
+    child = rank_zygote.fork(
+        "pdserve.runtime.rank.process", ["--spec", _idle_rank(tiny6, tmp_path)]
+    )
     try:
         pid = child.pid
         deadline = time.monotonic() + 60
@@ -61,13 +63,15 @@ def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
 
 
 def test_sigkill_is_reported_as_on_popen(rank_zygote, tiny6, tmp_path):
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", _idle_rank(tiny6, tmp_path)])
+    child = rank_zygote.fork(
+        "pdserve.runtime.rank.process", ["--spec", _idle_rank(tiny6, tmp_path)]
+    )
     child.kill()
     assert child.wait(timeout=60) == -signal.SIGKILL
 
 
 def test_a_module_it_did_not_preload_is_refused(rank_zygote, caplog):
-    with caplog.at_level(logging.ERROR, logger="infra.zygote"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.infra.zygote"):
         child = rank_zygote.fork("json.tool", [])
         assert child.wait(timeout=30) == 1
     assert "not preloaded" in caplog.text
@@ -85,7 +89,7 @@ def _raw(zygote: Zygote, payload: bytes, with_fds: bool = True) -> dict:
         os.close(me)
 
 
-GOOD = {"module": "runtime.rank_process", "argv": ["--spec", "{"], "env": {}, "cwd": "/"}
+GOOD = {"module": "pdserve.runtime.rank.process", "argv": ["--spec", "{"], "env": {}, "cwd": "/"}
 
 
 def test_malformed_requests_get_an_error_and_the_zygote_keeps_serving(rank_zygote):
@@ -100,5 +104,5 @@ def test_malformed_requests_get_an_error_and_the_zygote_keeps_serving(rank_zygot
     for payload in bad:
         assert "error" in _raw(rank_zygote, payload), payload
     assert "error" in _raw(rank_zygote, json.dumps(GOOD).encode(), with_fds=False)
-    child = rank_zygote.fork("runtime.rank_process", ["--spec", "{"])
+    child = rank_zygote.fork("pdserve.runtime.rank.process", ["--spec", "{"])
     assert child.wait(timeout=60) == 2

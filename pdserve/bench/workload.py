@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model_path import ModelLoadError
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.model.path import ModelLoadError
+from pdserve.engine.model.tokenizer import load_tokenizer
 
 
 class BenchError(ValueError):
@@ -160,8 +160,8 @@ def random_words(rng: random.Random, n: int) -> list[str]:
 
 
 def _load(path: str):
-    """A local folder or GGUF file loads as a node front loads it (engine/tokenizer.py: a plain
-    fast tokenizer without importing torch, about 2.5 s of CPU here); a hub name through
+    """A local folder or GGUF file loads as a node front loads it (engine/model/tokenizer.py: a
+    plain fast tokenizer without importing torch, about 2.5 s of CPU here); a hub name through
     AutoTokenizer."""
     if Path(path).is_dir() or path.endswith(".gguf"):
         return load_tokenizer(path)

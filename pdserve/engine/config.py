@@ -1,0 +1,157 @@
+"""Engine configuration: one frozen dataclass, validated with `raise` (python -O strips asserts)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.scheduler import SchedulerConfig
+
+# dtype flag -> torch dtype name; torch itself is imported only where a tensor is made (the fronts,
+# which build configs too, never import it)
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "auto": "auto",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
+    dtype: str = "auto"  # the model's own dtype (bf16 for SmolLM2); "float32" is token-exact
+    page_size: int = 16
+    max_total_tokens: int = 32768  # KV pool capacity in tokens, the same on every rank
+    chunk_size: int = 512
+    max_batch_tokens: int = 2048
+    mixed_prefill_tokens: int = 0  # prompt tokens in a forward while requests decode; 0: no cap
+    max_running: int = 64
+    max_context: int = 2048
+    enable_prefix_cache: bool = True
+    # copies of the weights for decode-sized batches (engine/model/linear.py): packed block codes
+    # where a weight is a GGUF grid, and oneDNN-reordered copies; faster small matmuls for about
+    # twice the weight memory
+    small_batch_weights: bool = True
+    threads: int = 0  # torch intra-op threads; 0 => all cores of this process
+    # cores a helper thread may compute shares of prefill matmuls on (engine/kernels/spare_core.py):
+    # the core plan's I/O cores, named by the node (runtime/serve.py); () => no helper
+    spare_cores: tuple[int, ...] = ()
+    seed: int = 0  # the node's generator for unseeded sampling
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"max_total_tokens ({self.max_total_tokens}) must be >= page_size "
+                f"({self.page_size})"
+            )
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
+        object.__setattr__(self, "spare_cores", tuple(int(c) for c in self.spare_cores))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError(
+                "dtype 'auto' is resolved against the model first (EngineConfig.for_model)"
+            )
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
+
+    def for_model(
+        self, model_dtype: str, device: str = "cpu", native_bf16: bool | None = None
+    ) -> EngineConfig:
+        """This config with `auto` replaced by the dtype to serve `model_dtype` weights in. On a GPU
+        that is the model's own dtype. On a CPU, 16-bit weights run in bf16 where the CPU multiplies
+        bf16 natively (AVX-512 BF16, AMX; fp16 weights too: same width, the fast path), and in fp32
+        where it does not: there a bf16 matmul is emulated, 7x (AVX-512 without BF16: 23 vs 157
+        GFLOP/s for 2048^3 on one core) to 200x (AVX2: 0.2 vs 44) slower than fp32.
+        `native_bf16` None: ask this CPU (`cpu_has_native_bf16`)."""
+        if self.dtype != "auto":
+            return self
+        if device != "cpu" or model_dtype == "float32":
+            return replace(self, dtype=model_dtype)
+        if native_bf16 is None:
+            native_bf16 = cpu_has_native_bf16()
+        return replace(self, dtype="bfloat16" if native_bf16 else "float32")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size
+
+    def scheduler_config(
+        self, num_slots: int = 1, enable_prefix_cache: bool | None = None
+    ) -> SchedulerConfig:
+        from pdserve.engine.scheduler import SchedulerConfig
+
+        return SchedulerConfig(
+            page_size=self.page_size,
+            chunk_size=self.chunk_size,
+            max_batch_tokens=self.max_batch_tokens,
+            mixed_prefill_tokens=self.mixed_prefill_tokens,
+            max_running=self.max_running,
+            max_context=self.max_context,
+            num_slots=num_slots,
+            enable_prefix_cache=self.enable_prefix_cache
+            if enable_prefix_cache is None
+            else enable_prefix_cache,
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kw.items() if k in names})
+
+
+def check_batch_limits(chunk_size: int, max_batch_tokens: int, mixed_prefill_tokens: int) -> None:
+    """Raises ValueError, naming the fields, where the scheduler could not plan a forward."""
+    for name, v in (("chunk_size", chunk_size), ("max_batch_tokens", max_batch_tokens)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if mixed_prefill_tokens < 0:
+        raise ValueError(f"mixed_prefill_tokens must be >= 0, got {mixed_prefill_tokens}")
+    if chunk_size > max_batch_tokens:
+        raise ValueError(
+            f"chunk_size ({chunk_size}) must be <= max_batch_tokens ({max_batch_tokens})"
+        )
+
+
+def apply_threads(threads: int) -> int:
+    """Sets torch's intra-op threads (0 => every core this process may run on);
+    returns the count."""
+    if threads <= 0:
+        threads = len(os.sched_getaffinity(0))
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 on its own bf16 instructions (AVX-512 BF16 or AMX on x86).
+
+    oneDNN's own check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is not that question: on x86
+    it is true on any AVX-512 CPU, where oneDNN emulates bf16 (measured on an Ice Lake core without
+    AVX-512 BF16: 23 GFLOP/s bf16 against 157 fp32 for 2048^3). On other architectures (aarch64) it
+    does check the CPU's bf16 extension, so it is kept there."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

@@ -1,0 +1,455 @@
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the
+paged KV pool.
+
+RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias,
+tied or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first
+slice, the final norm and LM head only on the last. Q/K/V and gate/up are fused into one weight each
+at load time, so every layer runs four big matmuls over all T tokens of the batch.
+
+Weights are loaded by name (Hugging Face names, global layer indices) through `load_weights`; the
+loaders in `engine/model/loader.py` and `engine/model/gguf_file.py` turn safetensors or GGUF tensors
+into those names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.kernels import (
+    bf16_linear,
+    decode_stack,
+    layer_ops,
+    packed_linear,
+    paged_attention,
+)
+from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.linear import (
+    SmallWeights,
+    add_linear_,
+    linear,
+    packed_rows,
+    small_batch_weights,
+)
+from pdserve.engine.model.rope import RopeTable, apply_rope
+
+log = logging.getLogger(__name__)
+
+# A decode group's entry in the per-group masks: attend with the in-place kernel, no gather.
+IN_PLACE = object()
+# The extend group's (`one_extend_group`): the in-place extend kernel, no gather and no mask.
+EXTEND_IN_PLACE = object()
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.cfg = cfg
+        self.input_norm_weight = _empty(h, dtype=dtype)
+        self.qkv_weight = _empty(cfg.q_size + 2 * cfg.kv_size, h, dtype=dtype)
+        self.qkv_bias = (
+            _empty(cfg.q_size + 2 * cfg.kv_size, dtype=dtype) if cfg.attention_bias else None
+        )
+        self.o_weight = _empty(h, cfg.q_size, dtype=dtype)
+        self.q_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm_weight = _empty(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.post_norm_weight = _empty(h, dtype=dtype)
+        self.gate_up_weight = _empty(2 * inter, h, dtype=dtype)
+        self.down_weight = _empty(h, inter, dtype=dtype)
+        self.small: dict[str, SmallWeights] = {}  # engine/model/linear.py: small-batch copies
+
+    def add_small_batch_weights(self, source: DecoderLayer | None = None) -> None:
+        """Small-batch copies of the four matmul weights, for decode batches
+        (engine/model/linear.py); `source`: the same layer in fp32, where a bf16 layer's codes are
+        found."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            fp32 = getattr(source, f"{name}_weight") if source is not None else None
+            self.small[name] = small_batch_weights(getattr(self, f"{name}_weight"), fp32)
+
+    def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
+        """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
+        weights, one at a time (no concatenated temporaries)."""
+        a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
+        parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
+        with torch.no_grad():
+            self.input_norm_weight.copy_(w[prefix + "input_layernorm.weight"])
+            self.post_norm_weight.copy_(w[prefix + "post_attention_layernorm.weight"])
+            off = 0
+            for p, n in parts:
+                self.qkv_weight[off : off + n].copy_(w[a + f"{p}_proj.weight"])
+                if self.qkv_bias is not None:
+                    self.qkv_bias[off : off + n].copy_(w[a + f"{p}_proj.bias"])
+                off += n
+            self.o_weight.copy_(w[a + "o_proj.weight"])
+            if cfg.qk_norm:
+                self.q_norm_weight.copy_(w[a + "q_norm.weight"])
+                self.k_norm_weight.copy_(w[a + "k_norm.weight"])
+            inter = cfg.intermediate_size
+            self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
+            self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
+            self.down_weight.copy_(w[m + "down_proj.weight"])
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        fb: ForwardBatch,
+        pool: KVPool,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        masks: list,
+        ws: torch.Tensor,
+    ) -> None:
+        """Updates the residual stream `h` [T, hidden] in place."""
+        cfg = self.cfg
+        x = layer_ops.rms_norm(h, self.input_norm_weight, cfg.rms_norm_eps)
+        small = self.small
+        qkv = linear(x, self.qkv_weight, small.get("qkv"), self.qkv_bias)
+        attn = self._attention(qkv, layer, fb, pool, rope, masks, ws)
+        add_linear_(h, attn, self.o_weight, small.get("o"))
+        x = layer_ops.rms_norm(h, self.post_norm_weight, cfg.rms_norm_eps)
+        gate_up = linear(x, self.gate_up_weight, small.get("gate_up"))
+        act = layer_ops.silu_mul(gate_up)
+        add_linear_(h, act, self.down_weight, small.get("down"))
+
+    def _rope_store_kv(self, qkv, rope, kv, fb: ForwardBatch) -> torch.Tensor:
+        """layer_ops.rope_store_kv_ in torch ops (other devices and dtypes; q/k norms first), into
+        a new tensor: returns the rotated q [T, heads, head_dim]."""
+        cfg = self.cfg
+        t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d)
+        if cfg.qk_norm:
+            eps = cfg.rms_norm_eps
+            qk = torch.cat(
+                (
+                    F.rms_norm(qk[:, :nh], (d,), self.q_norm_weight, eps),
+                    F.rms_norm(qk[:, nh:], (d,), self.k_norm_weight, eps),
+                ),
+                dim=1,
+            )
+        qk = apply_rope(qk, *rope)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, nkv, d)
+        kv[fb.out_pages, 0, fb.out_offs] = qk[:, nh:].to(kv.dtype)
+        kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
+        return qk[:, :nh]
+
+    def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
+        cfg = self.cfg
+        t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        group = nh // nkv
+        kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
+        if not cfg.qk_norm and layer_ops.rope_store_kv_(
+            qkv, rope, kv, fb.out_pages, fb.out_offs, nh, nkv
+        ):
+            q = qkv[:, : cfg.q_size].view(t, nh, d)
+        else:
+            q = self._rope_store_kv(qkv, rope, kv, fb)
+        out = torch.empty(t, cfg.q_size, dtype=q.dtype)
+        for g, mask in zip(fb.groups, masks, strict=True):
+            if mask is EXTEND_IN_PLACE:  # writes its items' rows of `out`
+                paged_attention.extend_attention_(
+                    out.view(t, nh, d),
+                    q,
+                    kv,
+                    g.kv_pages.view(g.num_seqs, g.pages),
+                    g.seq_lens,
+                    g.num_new,
+                    g.first_rows,
+                    d**-0.5,
+                )
+                continue
+            if mask is IN_PLACE:
+                # Decode, in place: the kernel reads each request's pages where they lie.
+                o = paged_attention.decode_attention(
+                    q if g.rows_are_t else q.index_select(0, g.q_rows),
+                    kv,
+                    g.kv_pages.view(g.num_seqs, g.pages),
+                    g.seq_lens,
+                    d**-0.5,
+                )
+                if g.rows_are_t:  # an all-decode batch: the kernel's output is the layer's
+                    return o.view(t, cfg.q_size)
+                out.index_copy_(0, g.out_rows, o.view(g.num_seqs, cfg.q_size))
+                continue
+            n = g.num_seqs * g.pages
+            kbuf, vbuf = ws[0, :n], ws[1, :n]
+            torch.index_select(kv[:, 0], 0, g.kv_pages, out=kbuf)  # ONE gather for K, one for V
+            torch.index_select(kv[:, 1], 0, g.kv_pages, out=vbuf)
+            keys = kbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
+            vals = vbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
+            qg = q.index_select(0, g.q_rows)
+            if g.max_q == 1:
+                # Decode: the `group` query heads sharing a KV head become query rows of that head.
+                o = F.scaled_dot_product_attention(
+                    qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask
+                )
+                out.index_copy_(0, g.out_rows, o.reshape(g.num_seqs, cfg.q_size))
+                continue
+            qg = qg.view(g.num_seqs, g.max_q, nh, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qg, keys, vals, attn_mask=mask, is_causal=g.causal, enable_gqa=group > 1
+            )
+            o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, cfg.q_size)
+            if g.out_sel is not None:
+                o = o.index_select(0, g.out_sel)
+            out.index_copy_(0, g.out_rows, o)
+        return out
+
+
+class ModelSlice(torch.nn.Module):
+    """Layers [layer_start, layer_end) of the decoder;
+    pool local layer i = global layer layer_start + i."""
+
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= cfg.num_layers:
+            raise ValueError(
+                f"bad layer slice [{layer_start}, {layer_end}) of {cfg.num_layers} layers"
+            )
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
+            )
+        self.cfg, self.dtype = cfg, dtype
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first, self.is_last = layer_start == 0, layer_end == cfg.num_layers
+        self.embed_weight = (
+            _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if self.is_first else None
+        )
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end)
+        )
+        self.norm_weight = _empty(cfg.hidden_size, dtype=dtype) if self.is_last else None
+        self.lm_head_weight = None
+        if self.is_last:  # tied and the whole model in one slice: one matrix, not two copies
+            share = self.is_first and cfg.tie_word_embeddings
+            self.lm_head_weight = (
+                self.embed_weight if share else _empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            )
+        self.rope = RopeTable(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            min(cfg.max_position_embeddings, 32768),
+            dtype,
+        )
+        self._ws = torch.empty(0)
+        self._in_place: bool | None = None
+        self._extend_in_place: bool | None = None
+        self._small_head: SmallWeights | None = None
+        self._stack: decode_stack.StackWeights | None = None  # all-decode batches in one call
+
+    def add_small_batch_weights(self, fp32: Callable[[], ModelSlice] | None = None) -> str:
+        """Small-batch copies of every matmul weight, LM head included (engine/model/linear.py):
+        packed block codes where a weight is a grid, and oneDNN-reordered copies (about doubling the
+        slice's weight memory). A bf16 slice finds its codes in the fp32 weights it was rounded
+        from: `fp32` loads this slice in fp32 (once, dropped after). Returns what it made, for the
+        rank's ready line."""
+        src = None
+        if fp32 is not None and self.dtype == torch.bfloat16 and packed_linear.bf16_available():
+            src = fp32()
+        for i, layer in enumerate(self.layers):
+            layer.add_small_batch_weights(src.layers[i] if src is not None else None)
+        if self.is_last:
+            head = src.lm_head_weight if src is not None else None
+            self._small_head = small_batch_weights(self.lm_head_weight, head)
+        del src
+        stack_off = decode_stack.why_not(self)  # why all-decode steps do not run in one call, or ""
+        self._stack = None if stack_off else decode_stack.stack_weights(self)
+        copies = self._small_copies()
+        packed = [v.packed for v in copies if v.packed is not None]
+        blocked = self.blocked_matmuls()
+        rest = (
+            f"blocked bf16 weights with prefetch ({blocked} of {len(copies)})"
+            if blocked
+            else "oneDNN-reordered weights"
+        )
+        if self.dtype == torch.bfloat16:
+            rest += (
+                f"; decode steps per op ({stack_off})"
+                if stack_off
+                else "; decode steps in one call"
+            )
+        if not packed:
+            why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
+            if not blocked and self.dtype == torch.bfloat16:
+                why += f"; no blocked bf16 weights: {bf16_linear.why_not() or 'odd shapes'}"
+            return f"matmuls on {rest} (no packed codes: {why})"
+        mb = sum(p.nbytes for p in packed) / 1e6
+        return (
+            f"decode matmuls on packed block codes: {len(packed)} of {len(copies)} ({mb:.0f} MB), "
+            f"on {rest} above {packed_rows(self.dtype)} rows"
+        )
+
+    def _small_copies(self) -> list:
+        copies = [v for layer in self.layers for v in layer.small.values() if v is not None]
+        return copies + ([self._small_head] if self.is_last and self._small_head else [])
+
+    def blocked_matmuls(self) -> int:
+        """How many of the slice's matmuls have a blocked bf16 copy
+        (engine/kernels/bf16_linear.py)."""
+        return sum(v.blocked is not None for v in self._small_copies())
+
+    def weight_names(self) -> list[str]:
+        """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""
+        names = []
+        if self.is_first:
+            names.append("model.embed_tokens.weight")
+        for i in range(self.layer_start, self.layer_end):
+            p = f"model.layers.{i}."
+            names += [
+                p + "input_layernorm.weight",
+                p + "post_attention_layernorm.weight",
+                p + "self_attn.o_proj.weight",
+                p + "mlp.gate_proj.weight",
+                p + "mlp.up_proj.weight",
+                p + "mlp.down_proj.weight",
+            ]
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            if self.cfg.attention_bias:
+                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if self.cfg.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if self.is_last:
+            names.append("model.norm.weight")
+            names.append(
+                "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            )
+        return list(dict.fromkeys(names))
+
+    def load_weights(self, w: Mapping[str, torch.Tensor]) -> None:
+        """Fills the slice from HF-named tensors (as listed by `weight_names`)."""
+        with torch.no_grad():
+            if self.is_first:
+                self.embed_weight.copy_(w["model.embed_tokens.weight"])
+            for i, layer in enumerate(self.layers):
+                layer.load(w, f"model.layers.{self.layer_start + i}.")
+            if self.is_last:
+                self.norm_weight.copy_(w["model.norm.weight"])
+                if self.lm_head_weight is not self.embed_weight:
+                    head = (
+                        "model.embed_tokens.weight"
+                        if self.cfg.tie_word_embeddings
+                        else "lm_head.weight"
+                    )
+                    self.lm_head_weight.copy_(w[head])
+
+    def choose_decode_attention(self, pool: KVPool) -> bool:
+        """Whether decode groups attend with the in-place kernel: on the CPU, where it loads
+        (engine/kernels/paged_attention.py); decided once per slice, and said once."""
+        if self._in_place is None:
+            # the kernel takes fp32 and bf16; fp16 (`--dtype float16`) keeps the gather path
+            cpu = pool.kv.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+            self._in_place = cpu and paged_attention.load()
+            if cpu and not self._in_place:
+                log.warning(
+                    "decode attention gathers KV pages (the in-place kernel is off: %s)",
+                    paged_attention.why_not(),
+                )
+        return self._in_place
+
+    def choose_extend_attention(self, pool: KVPool) -> bool:
+        """Whether extend items (prefill chunks) attend with the in-place extend kernel: a bf16
+        slice and pool on a CPU where it has a kernel for these shapes
+        (engine/kernels/paged_attention.py); decided once per slice, and said once."""
+        if self._extend_in_place is None:
+            cfg, lay = self.cfg, pool.layout
+            why = "not a bf16 slice and pool on the CPU"
+            if pool.kv.device.type == "cpu" and self.dtype == pool.kv.dtype == torch.bfloat16:
+                group = cfg.num_heads // cfg.num_kv_heads
+                why = paged_attention.extend_why_not(group, cfg.head_dim, lay.page_size)
+                if why:
+                    log.info("prefill attention gathers KV pages (in place: %s)", why)
+            self._extend_in_place = not why
+        return self._extend_in_place
+
+    def _workspace(self, pages: int, pool: KVPool) -> torch.Tensor:
+        """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
+        and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
+        lay = pool.layout
+        shape = (2, pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        numel = 2 * pages * lay.page_size * lay.num_kv_heads * lay.head_dim
+        if self._ws.numel() < numel or self._ws.dtype != pool.kv.dtype:
+            self._ws = torch.empty(max(numel, 2 * self._ws.numel()), dtype=pool.kv.dtype)
+        return self._ws[:numel].view(shape)
+
+    def _one_call(self, h: torch.Tensor, fb: ForwardBatch, masks: list, pool: KVPool) -> bool:
+        """Whether this forward runs its layers in one call (engine/kernels/decode_stack.py): an
+        all-decode batch on the in-place attention kernel, over a bf16 pool, in the layouts the
+        kernel takes (where it would refuse them, the loop's torch fallbacks serve)."""
+        return (
+            self._stack is not None
+            and len(fb.groups) == 1
+            and masks[0] is IN_PLACE
+            and fb.groups[0].rows_are_t
+            and pool.kv.dtype == torch.bfloat16
+            and h.is_contiguous()
+            and fb.out_pages.is_contiguous()
+            and fb.out_offs.is_contiguous()
+        )
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
+        previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
+        attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
+        the last slice logits in the model's dtype [len(fb.logit_rows), vocab] for the rows of T
+        listed in fb.logit_rows."""
+        lay = pool.layout
+        if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
+            raise ValueError(
+                f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
+                f"slice is [{self.layer_start}, {self.layer_end})"
+            )
+        h = F.embedding(x, self.embed_weight) if self.is_first else x.to(self.dtype, copy=True)
+        rope = self.rope.lookup(fb.positions, fb.max_position)
+        in_place = self.choose_decode_attention(pool)
+        # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
+        masks = [
+            EXTEND_IN_PLACE
+            if g.first_rows is not None
+            else IN_PLACE
+            if in_place and g.max_q == 1
+            else None
+            if g.mask is None
+            else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
+            for g in fb.groups
+        ]
+        # sized for the groups that gather (no mask or a mask tensor), not those a kernel serves
+        groups = zip(fb.groups, masks, strict=True)
+        gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
+        ws = self._workspace(max(gathered, default=0), pool)
+        if self._one_call(h, fb, masks, pool):
+            g = fb.groups[0]
+            decode_stack.run_(
+                h,
+                self._stack,
+                rope,
+                pool.kv,
+                fb.out_pages,
+                fb.out_offs,
+                g.kv_pages.view(g.num_seqs, g.pages),
+                g.seq_lens,
+                self.cfg.num_heads,
+                self.cfg.num_kv_heads,
+                self.cfg.rms_norm_eps,
+            )
+        else:
+            for i, layer in enumerate(self.layers):
+                layer(h, i, fb, pool, rope, masks, ws)
+        if not self.is_last:
+            return h
+        h = h.index_select(0, fb.logit_rows)
+        h = layer_ops.rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
+        # In the served dtype: the sampler reads bf16 rows as they are (widening them here copied
+        # 64 x 49152 logits per decode step, 7 % of its time) and widens only what it adjusts.
+        return linear(h, self.lm_head_weight, self._small_head)

@@ -1,0 +1,184 @@
+"""A page-aligned prefix (radix) cache: requests that share a prompt prefix share its KV pages.
+
+The tree's edges are whole pages of token ids (`page_size` tokens each), so a match is always a list
+of full pages and never splits a page. A node is referenced (locked) by every live request whose
+page table starts with its path; only unreferenced leaves are evicted, least recently used first.
+
+Determinism (docs/ARCHITECTURE.md section 4): every PP rank runs the same call sequence, so the
+tree, the LRU order and therefore every eviction must be a pure function of that sequence.
+"Recently" is a logical clock bumped on every call, never wall time; children live in
+insertion-ordered dicts; ties in the eviction order break on the page id.
+
+Page ownership, for one request (P = page_size):
+
+    pages[0 : cached_pages]        shared, owned by the tree, locked by the request's handle
+    pages[cached_pages : ]         the request's own pages, allocated from the pool
+    at prefill completion (`cache_prefix`): the prompt's own full pages whose chunk is new to the
+    tree become tree nodes at once, still locked by the request, so a sibling admitted later (an
+    OpenAI `n` > 1 choice) shares them instead of computing the prompt again; the request keeps
+    its page table unchanged (a PD prefill node may still be sending those pages).
+    at finish: own full pages whose token chunk is new to the tree move into the tree; a chunk the
+    tree already has (a twin request inserted it first) and the partial last page go back to the
+    pool. A page `cache_prefix` already put in the tree is found there with the same page id and
+    stays.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache import PageAllocator
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    page: int
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    refs: int = 0
+    last_use: int = 0
+
+
+class PrefixCache:
+    """Shares page-aligned prompt prefixes. All state changes go through the methods below."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = _Node(key=(), page=-1, parent=None, refs=1)
+        self._clock = 0
+        self.num_cached_pages = 0  # pages owned by the tree
+        self.hit_tokens_total = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _chunks(self, tokens: list[int], n_pages: int):
+        P = self.page_size
+        for i in range(n_pages):
+            yield tuple(tokens[i * P : (i + 1) * P])
+
+    # --- lookups --------------------------------------------------------------------------------
+    def match(self, tokens: list[int], max_tokens: int) -> tuple[list[int], _Node]:
+        """Longest cached page-aligned prefix of `tokens` with at most `max_tokens` tokens.
+
+        Returns (pages, handle). The caller must `lock(handle)` before relying on the pages and
+        `unlock(handle)` when done; an unlocked match may be evicted by the next `evict`.
+        """
+        now = self._tick()
+        node, pages = self.root, []
+        for key in self._chunks(tokens, max(0, max_tokens) // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_use = now
+            pages.append(child.page)
+            node = child
+        return pages, node
+
+    def lock(self, handle: _Node) -> None:
+        node = handle
+        while node is not None:
+            node.refs += 1
+            node = node.parent
+
+    def unlock(self, handle: _Node) -> None:
+        node = handle
+        while node is not None:
+            node.refs -= 1
+            assert node.refs >= 0, "prefix-cache node unlocked more often than locked"
+            node = node.parent
+
+    # --- insertion --------------------------------------------------------------------------------
+    def insert(
+        self, tokens: list[int], pages: list[int], num_tokens: int, cached_pages: int
+    ) -> list[int]:
+        """Gives a finished request's pages to the tree; returns the pages to free to the pool.
+
+        `tokens[:num_tokens]` have KV in `pages`; the first `cached_pages` pages came from `match`
+        (tree-owned, skipped). Full pages with a new chunk become tree nodes; the rest are returned.
+        """
+        now = self._tick()
+        full = num_tokens // self.page_size
+        node, to_free = self.root, []
+        for i, key in enumerate(self._chunks(tokens, full)):
+            child = node.children.get(key)
+            if i < cached_pages:
+                assert child is not None and child.page == pages[i], (
+                    "cached prefix changed under a lock"
+                )
+            elif child is None:
+                child = _Node(key=key, page=pages[i], parent=node)
+                node.children[key] = child
+                self.num_cached_pages += 1
+            elif child.page != pages[i]:
+                to_free.append(pages[i])  # a twin request inserted this chunk first
+            child.last_use = now
+            node = child
+        to_free.extend(pages[max(full, cached_pages) :])
+        return to_free
+
+    def cache_prefix(
+        self, tokens: list[int], pages: list[int], num_pages: int, handle: _Node
+    ) -> _Node:
+        """Puts the first `num_pages` full pages of a running request into the tree (SGLang's
+        "cache unfinished request"); returns its new lock handle, locked (`handle` is unlocked).
+
+        A chunk the tree already holds under another page (a twin inserted it first) is walked
+        through, not replaced: the request's own copy goes back to the pool at `insert`.
+        """
+        now = self._tick()
+        node = self.root
+        for i, key in enumerate(self._chunks(tokens, num_pages)):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key=key, page=pages[i], parent=node)
+                node.children[key] = child
+                self.num_cached_pages += 1
+            child.last_use = now
+            node = child
+        self.lock(node)
+        self.unlock(handle)
+        return node
+
+    # --- eviction ---------------------------------------------------------------------------------
+    @property
+    def evictable_pages(self) -> int:
+        return sum(1 for n in self._iter_nodes() if n.refs == 0)
+
+    def _iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def evict(self, num_pages: int) -> int:
+        """Frees up to `num_pages` unreferenced leaf pages, least recently used first.
+        Returns the count."""
+        if num_pages <= 0:
+            return 0
+        heap = [
+            (n.last_use, n.page, n) for n in self._iter_nodes() if n.refs == 0 and not n.children
+        ]
+        heapq.heapify(heap)
+        freed = []
+        while heap and len(freed) < num_pages:
+            _, _, n = heapq.heappop(heap)
+            parent = n.parent
+            del parent.children[n.key]
+            freed.append(n.page)
+            if parent is not self.root and parent.refs == 0 and not parent.children:
+                heapq.heappush(heap, (parent.last_use, parent.page, parent))
+        self.allocator.free(freed)
+        self.num_cached_pages -= len(freed)
+        return len(freed)
+
+    def check_integrity(self) -> None:
+        n = sum(1 for _ in self._iter_nodes())
+        assert n == self.num_cached_pages, (
+            f"tree holds {n} pages, counter says {self.num_cached_pages}"
+        )

@@ -1,0 +1,378 @@
+"""The deterministic scheduler: continuous batching, chunked prefill, prefix sharing, retraction.
+
+Every PP rank runs one of these on the same replicated inputs (new requests, aborts, sampled
+tokens), so its decisions must be a pure function of its call sequence (docs/ARCHITECTURE.md section
+4): no wall clock, no unordered iteration, no rank-local resource readings. Capacities come from the
+config, which the ranks agree on at start-up.
+
+One request computes tokens `[kv_len, kv_len + num_new)` of `all_ids` per batch and samples when
+that reaches `seq_len`. A fresh prompt is prefilled in chunks; a decode step is the case
+`seq_len - kv_len == 1`; a retracted request re-prefills prompt + outputs, usually from the prefix
+cache. Requests are bound to the microbatch slot that admitted them: `slot` schedules only its
+own running requests (plus admissions), and only after its previous outputs were harvested.
+
+Abort: a waiting request is removed at once; an admitted request that is not in flight is torn down
+at once (no rank's forward can still be reading its pages); one in flight gets `to_finish` and ends
+when its slot is harvested. All three happen at the same logical moment on every rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.consensus.rank_checker import rank_consensus
+from pdserve.engine.batch import BatchEntry, SampleOut, ScheduledBatch
+from pdserve.engine.config import check_batch_limits
+from pdserve.engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams
+from pdserve.engine.kv_cache import PageAllocator, pages_needed
+from pdserve.engine.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    chunk_size: int = 512  # max prompt tokens of one request in one batch
+    max_batch_tokens: int = 2048  # max new tokens in one forward (decodes + prefill chunks)
+    # max prompt tokens in a forward while any request decodes (0: max_batch_tokens): a running
+    # stream's next token then waits for at most this much prefill
+    mixed_prefill_tokens: int = 0
+    max_running: int = 64  # admitted requests across all slots
+    max_context: int = 2048  # prompt + output tokens of one request
+    enable_prefix_cache: bool = True
+    num_slots: int = 1  # microbatch slots (pp_size + async_depth)
+
+    def __post_init__(self):
+        for name in ("page_size", "max_running", "max_context", "num_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
+
+
+def _batch_digest(b: ScheduledBatch) -> list:
+    return [
+        b.slot,
+        [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries],
+    ]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        allocator: PageAllocator,
+        eos_token_ids: tuple[int, ...] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        hold_kv_on_finish: bool = False,
+    ):
+        self.cfg = cfg
+        self.allocator = allocator
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detokenize = detokenize
+        self.cache = PrefixCache(allocator, cfg.page_size) if cfg.enable_prefix_cache else None
+        self.waiting: list[Req] = []  # sorted by arrival
+        self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
+        self.reqs: dict[str, Req] = {}  # live requests, insertion ordered
+        self.just_finished: list[Req] = []  # drained by the caller
+        self._arrivals = 0
+        self.num_retractions = 0
+        # Prefill side of PD: a request that ends keeps its pages until `release(rid)`: its KV may
+        # still be on the wire (even after an abort, a transfer thread may be reading them).
+        self.hold_kv_on_finish = hold_kv_on_finish
+        self.kept_kv: dict[str, Req] = {}  # finished, KV kept until `release` (hold_kv_on_finish)
+
+    # --- inputs -----------------------------------------------------------------------------------
+    def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises ParamError for a request that could never run
+        (too long for the context or the pool)."""
+        if prompt_len < 1:
+            raise ParamError("prompt", "is empty")
+        total = prompt_len + params.max_tokens
+        if total > self.cfg.max_context:
+            raise ParamError(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context limit of {self.cfg.max_context} tokens",
+            )
+        if pages_needed(total, self.cfg.page_size) > self.allocator.num_pages:
+            raise ParamError(
+                "max_tokens",
+                f"prompt + max_tokens ({total} tokens) can never fit in the KV pool "
+                f"({self.allocator.num_pages * self.cfg.page_size} tokens)",
+            )
+
+    @rank_consensus("add", args=lambda self, req: [req.rid, len(req.input_ids)])
+    def add(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise ParamError("rid", f"duplicate request id {req.rid!r}")
+        self.check_admissible(len(req.input_ids), req.params)
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        req.status = ReqStatus.WAITING
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    @rank_consensus("abort", args=lambda self, rid, message="": rid, result=lambda r: r is not None)
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return None
+        reason = FinishReason("abort", message)
+        if req.status in (ReqStatus.WAITING, ReqStatus.RETRACTED):
+            self.waiting.remove(req)
+            self._finish(req, reason)
+        elif req.in_flight:
+            req.to_finish = reason
+        else:
+            self._finish(req, reason)
+        return req
+
+    # --- scheduling -------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return sum(len(s) for s in self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.num_running > 0
+
+    def free_pages_for(self, n: int) -> bool:
+        """Makes `n` pages free if it can, evicting unreferenced prefix-cache pages."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.can_alloc(n)
+
+    def _grow(self, req: Req, upto_tokens: int) -> None:
+        need = pages_needed(upto_tokens, self.cfg.page_size) - len(req.pages)
+        if need > 0:
+            req.pages.extend(self.allocator.alloc(need))
+
+    @rank_consensus("schedule", args=lambda self, slot: slot, result=_batch_digest)
+    def schedule(self, slot: int) -> ScheduledBatch:
+        batch = ScheduledBatch(slot)
+        members = self.slots[slot]
+        assert not any(r.in_flight for r in members), f"slot {slot} scheduled before its harvest"
+        budget = self.cfg.max_batch_tokens
+        # 1. Running requests of this slot; decodes (1 token) need at most one new page each.
+        decodes = [r for r in members if r.seq_len - r.kv_len == 1]
+        while decodes:
+            need = sum(
+                1
+                for r in decodes
+                if r.kv_len % self.cfg.page_size == 0
+                and pages_needed(r.kv_len + 1, self.cfg.page_size) > len(r.pages)
+            )
+            if self.free_pages_for(need):
+                break
+            self._retract(max(decodes, key=lambda r: r.arrival))  # youngest first
+            decodes = [r for r in members if r.seq_len - r.kv_len == 1]
+        for r in decodes[:budget]:
+            self._grow(r, r.kv_len + 1)
+            self._place(batch, r, 1)
+        budget -= len(batch.entries)
+        if self.cfg.mixed_prefill_tokens and self._any_decoding():
+            budget = min(budget, self.cfg.mixed_prefill_tokens)
+        # 2. Prefill chunks of requests already admitted to this slot (their pages are allocated).
+        for r in members:
+            if budget <= 0:
+                break
+            left = r.seq_len - r.kv_len
+            if left > 1:
+                n = min(left, self.cfg.chunk_size, budget)
+                self._place(batch, r, n)
+                budget -= n
+        # 3. Admissions, first come first served (a request that does not fit blocks the later
+        #    ones).
+        while self.waiting and budget > 0 and self.num_running < self.cfg.max_running:
+            req = self.waiting[0]
+            if not self._admit(req, reserve=self.num_running):
+                break
+            self.waiting.pop(0)
+            members.append(req)
+            n = min(req.seq_len - req.kv_len, self.cfg.chunk_size, budget)
+            self._place(batch, req, n)
+            budget -= n
+        return batch
+
+    def _any_decoding(self) -> bool:
+        """Whether a request of any slot is past its prompt and not re-prefilling: its next token
+        waits for every forward, including the other slots' (a pipeline runs them in turn)."""
+        return any(r.output_ids and r.seq_len - r.kv_len <= 1 for s in self.slots for r in s)
+
+    def _admit(self, req: Req, reserve: int) -> bool:
+        """Locks the cached prefix and allocates pages for every token the request has."""
+        pages, handle = [], None
+        if self.cache is not None:
+            pages, handle = self.cache.match(req.all_ids, req.seq_len - 1)
+            self.cache.lock(handle)
+        need = pages_needed(req.seq_len, self.cfg.page_size) - len(pages)
+        if not self.free_pages_for(need + reserve):
+            if handle is not None:
+                self.cache.unlock(handle)
+            return False
+        req.pages = pages + self.allocator.alloc(need)
+        req.prefix_node = handle
+        req.cached_len = len(pages) * self.cfg.page_size
+        req.kv_len = req.cached_len
+        req.status = ReqStatus.RUNNING
+        if self.cache is not None:
+            self.cache.hit_tokens_total += req.cached_len
+        return True
+
+    def _place(self, batch: ScheduledBatch, req: Req, n: int) -> None:
+        start = req.kv_len
+        req.kv_len += n
+        req.in_flight = True
+        batch.entries.append(BatchEntry(req, start, n, req.kv_len == req.seq_len, list(req.pages)))
+
+    def _retract(self, req: Req) -> None:
+        """Preempts a running request that is not in flight: its KV goes back
+        (to the prefix cache)."""
+        assert not req.in_flight, f"retracting {req.rid} while in flight"
+        self.slots[self._slot_of(req)].remove(req)
+        self._release_kv(req)
+        req.status = ReqStatus.RETRACTED
+        req.kv_len = req.cached_len = 0
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+        self.num_retractions += 1
+
+    def _slot_of(self, req: Req) -> int:
+        for i, s in enumerate(self.slots):
+            if req in s:
+                return i
+        raise AssertionError(f"{req.rid} is in no slot")
+
+    # --- outputs ----------------------------------------------------------------------------------
+    @rank_consensus(
+        "harvest",
+        args=lambda self, batch, out: [batch.slot, out.token_ids if out else None],
+        result=lambda r: [q.rid for q in r],
+    )
+    def harvest(self, batch: ScheduledBatch, out: SampleOut | None) -> list[Req]:
+        """Applies a batch's sampled tokens; returns the requests that got a token
+        (in batch order)."""
+        got, k = [], 0
+        for e in batch.entries:
+            req = e.req
+            req.in_flight = False
+            if e.need_logits:
+                assert out is not None, "a sampling batch was harvested without outputs"
+                if req.to_finish is None and e.start < req.prompt_len:
+                    self._cache_prompt(req)
+                if req.to_finish is None:
+                    req.output_ids.append(out.token_ids[k])
+                    if out.logprobs is not None:
+                        req.output_logprobs.append(out.logprobs[k])
+                    if out.top_logprobs is not None:
+                        req.output_top_logprobs.append(out.top_logprobs[k])
+                    got.append(req)
+                    self._check_stop(req)
+                k += 1
+            if req.to_finish is not None and not req.finished:
+                self._finish(req, req.to_finish)
+        return got
+
+    @rank_consensus("cache_prompt", args=lambda self, req: [req.rid, req.prompt_len])
+    def _cache_prompt(self, req: Req) -> None:
+        """The prompt's KV is complete: its whole pages go into the prefix cache now, not at
+        finish, so a request with the same prompt admitted from now on (an `n` > 1 sibling) finds
+        them (engine/prefix_cache.py `cache_prefix`)."""
+        full = req.prompt_len // self.cfg.page_size
+        if (
+            self.cache is None
+            or req.prefix_node is None
+            or full <= req.cached_len // self.cfg.page_size
+        ):
+            return
+        req.prefix_node = self.cache.cache_prefix(req.input_ids, req.pages, full, req.prefix_node)
+
+    def _check_stop(self, req: Req) -> None:
+        p, tok = req.params, req.output_ids[-1]
+        reason = None
+        if tok in p.stop_token_ids or not p.ignore_eos and tok in self.eos_token_ids:
+            reason = FinishReason("stop", matched=tok)
+        elif p.stop and self.detokenize is not None:
+            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8) :])
+            hit = next((s for s in p.stop if s in tail), None)
+            if hit is not None:
+                reason = FinishReason("stop", matched=hit)
+        if reason is None and (
+            len(req.output_ids) >= p.max_tokens or req.seq_len >= self.cfg.max_context
+        ):
+            reason = FinishReason("length")
+        if reason is not None:
+            self._finish(req, reason)
+
+    @rank_consensus("finish", args=lambda self, req, reason: [req.rid, reason.kind, req.kv_len])
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if req.status == ReqStatus.RUNNING:
+            self.slots[self._slot_of(req)].remove(req)
+            if self.hold_kv_on_finish:
+                self.kept_kv[req.rid] = req
+            else:
+                self._release_kv(req)
+        req.finish = reason
+        req.status = ReqStatus.FINISHED
+        self.reqs.pop(req.rid, None)
+        self.just_finished.append(req)
+
+    def _release_kv(self, req: Req) -> None:
+        if self.cache is not None:
+            free = self.cache.insert(
+                req.all_ids, req.pages, req.kv_len, req.cached_len // self.cfg.page_size
+            )
+            self.cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        else:
+            free = req.pages
+        self.allocator.free(free)
+        req.pages = []
+
+    @rank_consensus("release", args=lambda self, rid: rid)
+    def release(self, rid: str) -> None:
+        """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
+        self._release_kv(self.kept_kv.pop(rid))
+
+    @rank_consensus(
+        "add_prefilled",
+        args=lambda self, req, pages, slot, cached_len=0, prefix_node=None: [
+            req.rid,
+            list(pages),
+            slot,
+            cached_len,
+        ],
+    )
+    def add_prefilled(
+        self, req: Req, pages: list[int], slot: int, cached_len: int = 0, prefix_node=None
+    ) -> None:
+        """Decode side of PD: the prompt's KV is in `pages` (the first `cached_len` tokens' pages
+        from the prefix cache, locked by `prefix_node`, the rest transferred) and `req.output_ids`
+        holds the first token; the request joins `slot` as a running decode (it may finish at
+        once). The request owns the lock from here: it is unlocked at finish or retraction."""
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, cached_len
+        req.prefix_node = prefix_node
+        req.status = ReqStatus.RUNNING
+        self.reqs[req.rid] = req
+        self.slots[slot].append(req)
+        self._check_stop(req)
+
+    def drain_finished(self) -> list[Req]:
+        out, self.just_finished = self.just_finished, []
+        return out
+
+    # --- observability ----------------------------------------------------------------------------
+    @property
+    def used_tokens(self) -> int:
+        """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
+        return sum(r.kv_len for s in self.slots for r in s) + sum(
+            r.kv_len for r in self.kept_kv.values()
+        )
+
+    def held_pages(self) -> int:
+        """Pages live or kept requests hold, prefix-cache pages excluded (0 when nothing runs)."""
+        cached = self.cache.num_cached_pages if self.cache is not None else 0
+        return self.allocator.num_used - cached

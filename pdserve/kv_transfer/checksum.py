@@ -1,0 +1,37 @@
+"""Debug KV checksum: crc32 of a request's KV for a layer run, independent of the page size.
+
+The bytes are read in (layer, k/v, token) order, so a prefill rank and a decode rank with different
+page sizes compute the same value over the same tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+from collections.abc import Sequence
+
+from pdserve.kv_transfer.layout import PoolDesc
+
+
+def kv_checksum(
+    pool: PoolDesc,
+    page_ids: Sequence[int],
+    layers: tuple[int, int],
+    num_tokens: int,
+    token_start: int = 0,
+    first_page: int = 0,
+) -> int:
+    """crc32 of tokens [token_start, num_tokens); `page_ids[0]` is the request's page `first_page`
+    (a decode table after a cached prefix)."""
+    ps, tb = pool.page_size, pool.token_bytes
+    crc = 0
+    for layer in range(*layers):
+        for kv in (0, 1):
+            t = token_start
+            while t < num_tokens:
+                page, off = divmod(t, ps)
+                n = min(ps - off, num_tokens - t)
+                addr = pool.addr(page_ids[page - first_page], layer, kv, off)
+                crc = zlib.crc32(ctypes.string_at(addr, n * tb), crc)
+                t += n
+    return crc

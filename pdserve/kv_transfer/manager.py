@@ -1,0 +1,280 @@
+"""What the prefill and decode KV managers share: config, engine, aux buffer, control sockets,
+threads.
+
+Threads of one manager (none of them ever runs scheduler code):
+  recv       opens (infra/channel_auth.py: HMAC of the cluster secret) and decodes control messages
+             from the PULL socket and hands them to `_on_message` with their authenticated sender;
+             unauthenticated, replayed and malformed ones are dropped and counted
+  reaper     every `tick_s`: timeouts and clean-up (`_tick`), so rooms end even if nobody polls
+  heartbeat  every `heartbeat_interval_s`: liveness of peers through bootstrap servers
+The transfer pool (prefill) and route look-ups (decode) live in the subclasses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, fields
+
+import zmq
+
+from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from pdserve.kv_transfer.layout import PoolDesc
+from pdserve.kv_transfer.messages import Message, MessageError, decode_message, encode_message
+from pdserve.kv_transfer.mooncake import MooncakeEngine
+from pdserve.kv_transfer.stats import TransferStats
+
+logger = logging.getLogger(__name__)
+
+AUX_HEADER = struct.Struct("<QII")  # room, payload length, crc32 of the payload
+MAX_CONTROL_BYTES = 8 << 20  # a KVRegister of ~900k page ids; anything larger is not ours
+CHANNEL = "kv-control"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    host: str = "127.0.0.1"  # address this rank's engine and control socket use
+    protocol: str | None = None  # tcp | rdma | auto; None: PDSERVE_TRANSFER_PROTOCOL, else auto
+    device: str | None = None  # RDMA device(s); None: PDSERVE_TRANSFER_DEVICE, else all found
+    ctrl_port: int = 0  # 0: a free port
+    bootstrap_timeout_s: float = 30.0
+    # registered, no KV yet: a room queued behind a burst at a busy prefill node waits here (a
+    # burst of 32 prompts on one shared core took over 60 s, and the retry prefilled them again);
+    # a dead prefill is found by the heartbeat, a failed one says so, so this is the last resort
+    waiting_timeout_s: float = 300.0
+    transfer_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = (
+        3  # bootstrap server unreachable this many beats in a row => its ranks are dead
+    )
+    max_inflight_descriptors: int = (
+        64  # outstanding Mooncake writes per peer write; far under its queue
+    )
+    transfer_threads: int = 2  # per rank; more threads thrash a small CPU over TCP (see bench)
+    aux_slot_bytes: int = 4096
+    checksum: bool = False  # debug: decode verifies a crc32 of what it received
+    auth_token: str | None = None  # bearer token of the bootstrap server
+    terminal_ttl_s: float = 60.0  # finished rooms are kept this long to answer late messages
+    quarantine_s: float = 45.0  # decode: pages of a failed room without every peer's final word
+    # wait this long (beyond the engine's write timeout) before reuse
+    tick_s: float = 0.05
+
+    def __post_init__(self):
+        for f in (
+            "bootstrap_timeout_s",
+            "waiting_timeout_s",
+            "transfer_timeout_s",
+            "heartbeat_interval_s",
+            "tick_s",
+        ):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be > 0")
+        if (
+            self.max_inflight_descriptors < 1
+            or self.transfer_threads < 1
+            or self.heartbeat_misses < 1
+        ):
+            raise ValueError(
+                "max_inflight_descriptors, transfer_threads and heartbeat_misses must be >= 1"
+            )
+        if self.aux_slot_bytes <= AUX_HEADER.size:
+            raise ValueError(f"aux_slot_bytes must exceed the {AUX_HEADER.size}-byte header")
+
+    @classmethod
+    def from_env(cls, **overrides) -> TransferConfig:
+        """Defaults, then PDSERVE_KV_* environment variables, then `overrides` (flags)."""
+        env = {}
+        if "PDSERVE_KV_CHECKSUM" in os.environ:
+            env["checksum"] = os.environ["PDSERVE_KV_CHECKSUM"] not in ("", "0", "false")
+        for f in fields(cls):
+            key = "PDSERVE_KV_" + f.name.upper()
+            if f.type == "float" and key in os.environ:
+                env[f.name] = float(os.environ[key])
+        return cls(**{**env, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def write_aux(ptr: int, room: int, payload: bytes) -> int:
+    """Lays out header + payload at `ptr`; returns the byte count."""
+    data = AUX_HEADER.pack(room, len(payload), zlib.crc32(payload)) + payload
+    ctypes.memmove(ptr, data, len(data))
+    return len(data)
+
+
+def read_aux(ptr: int, room: int, capacity: int) -> bytes | None:
+    """The payload at `ptr` if its header names `room` and its crc matches, else None."""
+    hroom, n, crc = AUX_HEADER.unpack(ctypes.string_at(ptr, AUX_HEADER.size))
+    if hroom != room or n > capacity - AUX_HEADER.size:
+        return None
+    payload = ctypes.string_at(ptr + AUX_HEADER.size, n)
+    return payload if zlib.crc32(payload) == crc else None
+
+
+class KVManagerBase:
+    side = "?"
+
+    def __init__(
+        self,
+        config: TransferConfig,
+        pool: PoolDesc,
+        pp_rank: int,
+        aux_slots: int,
+        engine: MooncakeEngine | None = None,
+    ):
+        self.config, self.pool, self.pp_rank = config, pool, pp_rank
+        self.stats = TransferStats()
+        self._prefix = f"[pid {os.getpid()} {self.side} pp{pp_rank}]"
+        self.engine = engine or MooncakeEngine(config.host, config.protocol, config.device)
+        self.engine.register(pool.base_ptr, pool.nbytes)
+        self.aux_slots = aux_slots
+        self._aux = (ctypes.c_char * (aux_slots * config.aux_slot_bytes))()
+        self.aux_base = ctypes.addressof(self._aux)
+        self.engine.register(self.aux_base, aux_slots * config.aux_slot_bytes)
+        self._lock = threading.RLock()  # guards the room tables of the subclass
+        self._stop = threading.Event()
+        self._zmq = zmq.Context()
+        self._pull = self._zmq.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        limit_size(self._pull, MAX_CONTROL_BYTES)
+        if config.ctrl_port:
+            self._pull.bind(f"tcp://{config.host}:{config.ctrl_port}")
+            self.ctrl_port = config.ctrl_port
+        else:
+            self.ctrl_port = self._pull.bind_to_random_port(f"tcp://{config.host}")
+        # Who this manager is on the wire: its Mooncake session and control port, inside every MAC.
+        self.sender_id = sender_id(self.engine.session_id, self.ctrl_port)
+        self._sealer = Sealer(CHANNEL, self.sender_id)
+        self._opener = Opener(CHANNEL)
+        self._logged_drops: set[str] = set()
+        self._push: dict[tuple[str, int], tuple[zmq.Socket, threading.Lock]] = {}
+        self._push_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
+            for fn in (self._recv_loop, self._reaper_loop, self._heartbeat_loop)
+        ]
+
+    def _start_threads(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def info(self, msg, *args):
+        logger.info(f"{self._prefix} {msg}", *args)
+
+    def debug(self, msg, *args):
+        logger.debug(f"{self._prefix} {msg}", *args)
+
+    def warn(self, msg, *args):
+        logger.warning(f"{self._prefix} {msg}", *args)
+
+    @property
+    def session_id(self) -> str:
+        return self.engine.session_id
+
+    def aux_ptr(self, slot: int) -> int:
+        if not 0 <= slot < self.aux_slots:
+            raise ValueError(f"aux slot {slot} outside [0, {self.aux_slots})")
+        return self.aux_base + slot * self.config.aux_slot_bytes
+
+    # ---- control messages -------------------------------------------------------------------
+
+    def send(self, host: str, port: int, msg: Message) -> bool:
+        """Queues one control message without blocking; False (and counted) if it cannot go now."""
+        data = encode_message(msg)
+        with self._push_lock:
+            entry = self._push.get((host, port))
+            if entry is None:
+                sock = self._zmq.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 10000)
+                limit_size(sock, MAX_CONTROL_BYTES)
+                sock.connect(f"tcp://{host}:{port}")
+                entry = self._push[(host, port)] = (sock, threading.Lock())
+        sock, lock = entry
+        try:
+            with lock:  # sealed under the socket's lock: frames leave in seq order
+                sock.send(self._sealer.seal(data), flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            self.warn("control message to %s:%d not sent: %s", host, port, e)
+            self.stats.add_dropped("send_failed")
+            return False
+
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            data = self._pull.recv(copy=True)
+            try:
+                sender, payload = self._opener.open(data)
+                msg = decode_message(payload)
+            except AuthError as e:
+                self._drop(e.reason, "dropped a control message (%d bytes): %s", len(data), e)
+                continue
+            except MessageError as e:
+                self._drop(
+                    "malformed", "dropped a malformed control message (%d bytes): %s", len(data), e
+                )
+                continue
+            try:
+                self._on_message(msg, sender)
+            except Exception:
+                self.stats.add_dropped("handler_error")
+                logger.exception("%s control message %s failed", self._prefix, type(msg).__name__)
+
+    def _drop(self, reason: str, fmt: str, *args) -> None:
+        """Counts a dropped message; logs the first of each reason (a flood must not flood logs)."""
+        self.stats.add_dropped(reason)
+        if reason not in self._logged_drops:
+            self._logged_drops.add(reason)
+            self.warn(fmt + " (further drops of this kind are only counted)", *args)
+
+    def _reaper_loop(self) -> None:
+        while not self._stop.wait(self.config.tick_s):
+            try:
+                self._tick(time.monotonic())
+            except Exception:
+                logger.exception("%s reaper tick failed", self._prefix)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._heartbeat()
+            except Exception:
+                logger.exception("%s heartbeat failed", self._prefix)
+
+    def _on_message(self, msg: Message, sender: str) -> None:
+        """`sender`: the authenticated `sender_id` of the manager that sent `msg`."""
+        raise NotImplementedError
+
+    def _tick(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stops the threads, closes the sockets and unregisters the memory (the pool may be freed
+        afterwards); rooms still open are left as they are."""
+        self._stop.set()
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=5)
+        with self._push_lock:
+            for sock, _ in self._push.values():
+                sock.close(0)
+            self._push.clear()
+        self._pull.close(0)
+        self._zmq.term()
+        self.engine.unregister(self.aux_base)
+        self.engine.unregister(self.pool.base_ptr)
+
+
+def sender_id(session_id: str, ctrl_port: int) -> str:
+    """A KV manager's name on the control channel: Mooncake session and control port (unique)."""
+    return f"{session_id}/{ctrl_port}"

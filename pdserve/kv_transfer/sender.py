@@ -1,0 +1,359 @@
+"""Prefill side: one KVSender per room on every prefill rank, owned by a PrefillKVManager.
+
+Sender states (KVPoll):
+  Bootstrapping    waiting for every decode rank that needs this rank's layers to register
+                   (the registrations say which decode slices exist)       -> bootstrap timeout
+  WaitingForInput  all registered; waiting for the scheduler's first chunk -> waiting timeout
+  Transferring     chunks are written in order by a transfer thread; a chunk in flight longer than
+                   the transfer timeout, a failed write or a dead peer fails the room
+  Success          the last chunk and the aux data landed on every decode peer, then Success was
+                   sent to each of them
+  Failed           terminal; the decode peers are told (KVStatus Failed, or KVAbort on abort)
+The scheduler only calls `send_chunk`, `poll` and `abort`; none of them waits on the network.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.consensus.kvpoll import KVPoll
+from pdserve.kv_transfer.base import BaseKVSender
+from pdserve.kv_transfer.checksum import kv_checksum
+from pdserve.kv_transfer.layout import build_descriptors, check_compatible, intersect, overlapping
+from pdserve.kv_transfer.manager import sender_id
+from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus
+from pdserve.kv_transfer.mooncake import TransferError
+from pdserve.kv_transfer.stats import room_tokens
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.prefill_manager import PrefillKVManager
+
+
+@dataclass(frozen=True)
+class Chunk:
+    page_ids: tuple
+    token_start: int
+    token_end: int
+    last: bool
+    aux: bytes | None
+
+
+class KVSender(BaseKVSender):
+    def __init__(self, mgr: PrefillKVManager, room: int):
+        self.room = room
+        self._mgr = mgr
+        self._lock = threading.Lock()
+        self._status = KVPoll.Bootstrapping
+        self.reason: str | None = None
+        self._peers: dict[int, KVRegister] = {}
+        self._expected: frozenset[int] | None = None
+        self._chunks: deque[Chunk] = deque()
+        self._busy = False
+        self._deferred: tuple[str, bool] | None = (
+            None  # failure notice held back while a write runs
+        )
+        self._last_queued = False
+        now = time.monotonic()
+        self.created_at, self._progress_at, self._inflight_since = now, now, None
+        self._first_chunk_at: float | None = None
+        self.finished_at: float | None = None
+        self.bytes_sent = 0  # KV bytes written for this room (transfer threads, one at a time)
+        self.descriptors = 0  # Mooncake write descriptors of this room (traces only)
+
+    def poll(self) -> KVPoll:
+        return self._status
+
+    @property
+    def first_chunk_at(self) -> float | None:
+        """When the first chunk went on the wire (monotonic s); with `finished_at`, the span of
+        this rank's transfer (traces only)."""
+        return self._first_chunk_at
+
+    def send_chunk(
+        self,
+        page_ids,
+        token_start: int,
+        token_end: int,
+        last: bool = False,
+        aux: bytes | None = None,
+    ) -> None:
+        """Queues tokens [token_start, token_end) for all decode peers (page_ids: this rank's page
+        table of the request from token 0). On the last chunk, `aux` (the first token and its
+        logprobs) is written after the KV and before Success."""
+        if self._last_queued:
+            raise ValueError(f"room {self.room}: chunk after the last one")
+        if not 0 <= token_start <= token_end:
+            raise ValueError(f"room {self.room}: bad token range [{token_start}, {token_end})")
+        with self._lock:
+            if self._status == KVPoll.Failed:
+                return
+            self._chunks.append(
+                Chunk(tuple(int(p) for p in page_ids), token_start, token_end, last, aux)
+            )
+            self._last_queued = last
+        self._kick()
+
+    def abort(self, reason: str = "aborted") -> None:
+        self._fail(reason, abort=True)
+
+    # ---- called by the manager's threads ----------------------------------------------------
+
+    def on_register(self, msg: KVRegister) -> None:
+        mgr = self._mgr
+        try:
+            check_compatible(mgr.pool, msg.pool)
+            if msg.session_id in mgr.failed_sessions:
+                # A registration is proof of life: a session declared dead (a stalled process, a
+                # starved CPU) or that failed a write is used again, or PD would stay down for good.
+                # Its earlier rooms failed already; a new one fails again if it really is dead.
+                mgr.failed_sessions.discard(msg.session_id)
+                mgr.info("session %s registers again: writing to it again", msg.session_id)
+            expected = _expected_ranks(mgr.pool.layers, msg)
+        except ValueError as e:
+            mgr.warn(
+                "room %d: bad registration from decode rank %d: %s", self.room, msg.dst_rank, e
+            )
+            self._reply_failed(msg, "bad_registration")
+            self._fail("bad_registration")
+            return
+        with self._lock:
+            late = self._status == KVPoll.Failed
+            dup = (
+                not late and msg.dst_rank in self._peers
+            )  # a later registration never redirects writes
+            mismatch = not late and not dup and _prefix_differs(self._peers, msg)
+            if not late and not dup and not mismatch:
+                if self._expected is not None and expected != self._expected:
+                    self._expected = frozenset()  # inconsistent decode layouts: fail below
+                self._expected = self._expected if self._expected is not None else expected
+                self._peers[msg.dst_rank] = msg
+                if (
+                    self._expected
+                    and set(self._peers) == self._expected
+                    and self._status == KVPoll.Bootstrapping
+                ):
+                    self._status = KVPoll.WaitingForInput
+                    self._progress_at = time.monotonic()
+        if dup:
+            mgr.stats.add_dropped("duplicate_register")
+            mgr.warn("room %d: decode rank %d registered again; ignored", self.room, msg.dst_rank)
+        elif late:
+            self._reply_failed(msg, self.reason or "failed")
+        elif mismatch:
+            mgr.warn("room %d: decode ranks registered different cached prefixes", self.room)
+            self._reply_failed(msg, "prefix_mismatch")
+            self._fail("prefix_mismatch")
+        elif self._expected == frozenset():
+            self._fail("bad_registration")
+        else:
+            self._kick()
+
+    def _reply_failed(self, msg: KVRegister, reason: str) -> None:
+        """Tells the decode rank that sent `msg` this room failed here, for `reason`."""
+        mgr = self._mgr
+        mgr.send(
+            msg.ctrl_host, msg.ctrl_port, _status(self.room, mgr.pp_rank, KVPoll.Failed, reason)
+        )
+
+    def peer_sessions(self) -> list[str]:
+        with self._lock:
+            return [p.session_id for p in self._peers.values()]
+
+    def check_timeouts(self, now: float) -> None:
+        cfg = self._mgr.config
+        status, since = self._status, self._inflight_since
+        if status == KVPoll.Bootstrapping and now - self.created_at > cfg.bootstrap_timeout_s:
+            self._fail("bootstrap_timeout")
+        elif since is not None and now - since > cfg.transfer_timeout_s:
+            self._fail("transfer_timeout")
+        elif (
+            status in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            and since is None
+            and not self._chunks
+            and now - self._progress_at > cfg.waiting_timeout_s
+        ):
+            self._fail("waiting_timeout")
+
+    def _fail(self, reason: str, abort: bool = False) -> None:
+        with self._lock:
+            if self._status in (KVPoll.Failed, KVPoll.Success):
+                return
+            self._status, self.reason = KVPoll.Failed, reason
+            self._chunks.clear()
+            self.finished_at = time.monotonic()
+            peers = list(self._peers.values())
+            if self._busy:
+                # A write may still be on the wire: the peers hear of the failure when it returned,
+                # so a terminal message from this rank means it never writes into their pages again.
+                self._deferred, peers = (reason, abort), []
+        mgr = self._mgr
+        mgr.stats.add_failure(reason)
+        say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine
+        say("room %d failed: %s", self.room, reason)
+        self._notify(peers, reason, abort)
+
+    def _notify(self, peers: list[KVRegister], reason: str, abort: bool) -> None:
+        mgr = self._mgr
+        for p in peers:
+            msg = (
+                KVAbort(self.room, "prefill", mgr.pp_rank, reason)
+                if abort
+                else _status(self.room, mgr.pp_rank, KVPoll.Failed, reason)
+            )
+            mgr.send(p.ctrl_host, p.ctrl_port, msg)
+
+    def is_peer(self, dst_rank: int, sender: str) -> bool:
+        """Whether `sender` is the decode manager that registered as `dst_rank` in this room."""
+        with self._lock:
+            p = self._peers.get(dst_rank)
+        return p is not None and sender_id(p.session_id, p.ctrl_port) == sender
+
+    def on_decode_abort(self, dst_rank: int) -> None:
+        """The decode side gave up the room; it waits for a final message before reusing pages."""
+        with self._lock:
+            quiet = self._status in (KVPoll.Failed, KVPoll.Success) and not self._busy
+            peer = self._peers.get(dst_rank)
+        if not quiet:
+            self._fail("aborted_by_decode")
+        elif peer is not None:
+            self._mgr.send(
+                peer.ctrl_host,
+                peer.ctrl_port,
+                _status(
+                    self.room, self._mgr.pp_rank, KVPoll.Failed, self.reason or "aborted_by_decode"
+                ),
+            )
+
+    def _kick(self) -> None:
+        with self._lock:
+            if (
+                self._busy
+                or not self._chunks
+                or self._status not in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            ):
+                return
+            self._busy = True
+        self._mgr.pool_executor.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if self._status == KVPoll.Failed or not self._chunks:
+                    self._busy = False
+                    deferred, self._deferred = self._deferred, None
+                    peers = list(self._peers.values())
+                    done = True
+                else:
+                    done = False
+            if done:
+                if deferred is not None:
+                    self._notify(peers, *deferred)
+                return
+            with self._lock:
+                chunk = self._chunks.popleft()
+                self._status = KVPoll.Transferring
+                self._inflight_since = time.monotonic()
+                if self._first_chunk_at is None:
+                    self._first_chunk_at = self._inflight_since
+                peers = sorted(self._peers.items())
+            try:
+                self._send(chunk, peers)
+            except (TransferError, ValueError) as e:
+                self._mgr.warn("room %d: transfer failed: %s", self.room, e)
+                if isinstance(e, TransferError) and e.session_id:
+                    self._mgr.failed_sessions.add(e.session_id)  # a failed session is not reused
+                self._fail("transfer_error" if isinstance(e, TransferError) else "bad_chunk")
+            finally:
+                with self._lock:
+                    self._inflight_since = None
+                    self._progress_at = time.monotonic()
+
+    def _send(self, chunk: Chunk, peers: list[tuple[int, KVRegister]]) -> None:
+        mgr, cfg = self._mgr, self._mgr.config
+        stop = lambda: self._status == KVPoll.Failed  # noqa: E731
+        for _, p in peers:
+            if p.session_id in mgr.failed_sessions:
+                # A peer that already failed another room fails this one at once, instead of
+                # holding a transfer thread (and the healthy peers' rooms queued behind it) in
+                # another write.
+                raise TransferError(f"session {p.session_id} failed before", p.session_id)
+            descs = build_descriptors(
+                mgr.pool,
+                p.pool,
+                chunk.page_ids,
+                p.page_ids,
+                max(chunk.token_start, p.prefix_tokens),  # the decode rank holds the prefix
+                chunk.token_end,
+                p.prefix_tokens // p.pool.page_size,
+            )
+            moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
+            mgr.stats.add_write(len(descs), moved)
+            self.descriptors += len(descs)
+            self.bytes_sent += moved
+        if not chunk.last:
+            return
+        aux_bytes = {}
+        for _, p in peers:
+            aux_bytes[p.dst_rank] = (
+                mgr.write_aux(self.room, chunk.aux, p, stop) if chunk.aux is not None else 0
+            )
+        sums = {}
+        if cfg.checksum:
+            for _, p in peers:
+                sums[p.dst_rank] = kv_checksum(
+                    mgr.pool,
+                    chunk.page_ids,
+                    intersect(mgr.pool.layers, p.pool.layers),
+                    chunk.token_end,
+                    token_start=p.prefix_tokens,
+                )
+        with self._lock:
+            if self._status == KVPoll.Failed:
+                return
+            self._status = KVPoll.Success
+            self.finished_at = time.monotonic()
+        for _, p in peers:
+            mgr.send(
+                p.ctrl_host,
+                p.ctrl_port,
+                KVStatus(
+                    self.room,
+                    mgr.pp_rank,
+                    int(KVPoll.Success),
+                    "",
+                    chunk.token_end,
+                    aux_bytes[p.dst_rank],
+                    sums.get(p.dst_rank),
+                ),
+            )
+        mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
+        mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
+
+
+def _expected_ranks(mine: tuple[int, int], msg: KVRegister) -> frozenset[int]:
+    """The decode ranks whose layer slices (as `msg` lists them) overlap this rank's layers `mine`.
+    ValueError when `msg` is not a valid registration: its cached prefix is not page-aligned, or its
+    own slice is not its pool's layers or does not overlap `mine`."""
+    if msg.prefix_tokens % msg.pool.page_size:
+        raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
+    own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
+    if own_slice != msg.pool.layers or intersect(mine, own_slice) is None:
+        raise ValueError(
+            f"decode rank {msg.dst_rank} with layers {msg.pool.layers} does not "
+            f"overlap {mine} or its slice list"
+        )
+    return frozenset(r for r, _, _ in overlapping(mine, dict(enumerate(msg.dst_slices))))
+
+
+def _prefix_differs(peers: dict, msg) -> bool:
+    """Whether `msg` names another cached prefix than the decode ranks registered before it (every
+    decode rank of a room matches the same prefix; a difference is a bug, and fails the room)."""
+    return any(p.prefix_tokens != msg.prefix_tokens for p in peers.values())
+
+
+def _status(room: int, rank: int, status: KVPoll, reason: str) -> KVStatus:
+    return KVStatus(room, rank, int(status), reason[:200], 0, 0, None)

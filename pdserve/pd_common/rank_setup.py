@@ -1,0 +1,28 @@
+"""What both PD rank entry points build the same way: the KV pool's description for the transfer,
+and the transfer configuration."""
+
+from __future__ import annotations
+
+from pdserve.infra.cluster_secret import cluster_secret
+from pdserve.kv_transfer.layout import PoolDesc
+from pdserve.kv_transfer.manager import TransferConfig
+from pdserve.runtime.rank.process import RankParts
+
+
+def pool_desc(parts: RankParts) -> PoolDesc:
+    """This rank's KV pool as the transfer sees it: addresses and shapes, no tensors."""
+    pool = parts.runner.pool
+    lay = pool.layout
+    return PoolDesc(
+        pool.data_ptr,
+        lay.num_pages,
+        lay.page_size,
+        lay.layer_start,
+        lay.layer_end,
+        lay.token_bytes,
+        str(lay.dtype).removeprefix("torch."),
+    )
+
+
+def transfer_config(parts: RankParts) -> TransferConfig:
+    return TransferConfig.from_env(host=parts.spec.transfer_host, auth_token=cluster_secret())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible PD router (HTTP only; of pdserve it imports only pdserve.infra)."""

@@ -1,0 +1,303 @@
+"""The worker registry and its health checker.
+
+A worker is eligible for new requests when it is healthy (its `GET /health` probes pass), its
+circuit breaker lets requests through, and (prefill only) its bootstrap port is known.
+
+A decode node contacts only the bootstrap servers on its allowlist, which the registry keeps
+current: every decode probe sends it the bootstrap addresses of the prefill workers registered now
+(PUT /bootstrap_servers, with the cluster secret), and a prefill probe that finds a decode node's
+copy out of date sends it at once, so a prefill node is never eligible before the decode nodes know
+it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+from pdserve.router.config import RouterConfig, WorkerSpec
+from pdserve.router.cpu_affinity import FrontCores
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.routing.circuit import CircuitBreaker
+from pdserve.router.routing.node_clients import NodeClients
+from pdserve.router.tools.parsers import FORMATS
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str
+    breaker: CircuitBreaker
+    bootstrap_port: int | None = None
+    model: str | None = None  # learnt from /server_info
+    max_context: int | None = None  # learnt from /server_info
+    tool_format: str | None = None  # learnt from /server_info: its model's tool-call format
+    prefix_cache: bool = True  # learnt from /server_info: it keeps finished prompts' KV
+    healthy: bool = False
+    ever_healthy: bool = False
+    good_probes: int = 0  # consecutive
+    bad_probes: int = 0  # consecutive
+    in_flight: int = 0  # requests the router has open on this worker
+    queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
+    bootstrap_host: str = field(init=False)
+    pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
+    push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.bootstrap_host = urlparse(self.url).hostname or ""
+
+    def eligible(self) -> bool:
+        if self.role == "prefill" and self.bootstrap_port is None:
+            return False
+        return self.healthy and self.breaker.can_pass()
+
+    def describe(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "model": self.model,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state.name.lower(),
+            "in_flight": self.in_flight,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
+            "bootstrap_port": self.bootstrap_port,
+            "max_context": self.max_context,
+            "prefix_cache": self.prefix_cache,
+        }
+
+
+class WorkerRegistry:
+    """Owns the workers and the background health loop. All methods run on the app's event loop."""
+
+    def __init__(self, cfg: RouterConfig, clients: NodeClients, metrics: RouterMetrics):
+        self._cfg = cfg
+        self._clients = clients
+        self._metrics = metrics
+        self._workers: dict[str, Worker] = {}
+        self._task: asyncio.Task | None = None
+        self.cores = (
+            FrontCores()
+        )  # the router's threads follow same-host fronts (router/cpu_affinity.py)
+
+    # --- membership -------------------------------------------------------------------------
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.url in self._workers:
+            raise ValueError(f"worker {spec.url} is already registered")
+        worker = Worker(
+            url=spec.url,
+            role=spec.role,
+            bootstrap_port=spec.bootstrap_port,
+            breaker=CircuitBreaker(self._cfg.breaker),
+        )
+        self._workers[spec.url] = worker
+        self._report(worker)
+        logger.debug("worker added: %s role=%s", spec.url, spec.role)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        worker = self._workers.pop(url)  # KeyError: caller answers 404
+        self._metrics.forget_worker(url, worker.role)
+        self.cores.forget(url)
+        logger.info("worker removed: %s", url)
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def eligible(self, role: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.eligible()]
+
+    def serving(self, model: str | None, role: str | None = None) -> list[Worker]:
+        """Eligible workers (of `role`, or any) that take requests for `model`: those whose
+        /server_info named it; every worker for the --served-model-name alias, for None, and while
+        no worker has reported its model yet."""
+        known = any(w.model for w in self._workers.values())
+        everyone = model is None or not known or model == self._cfg.served_model_name
+        return [
+            w
+            for w in self._workers.values()
+            if (role is None or w.role == role) and w.eligible() and (everyone or w.model == model)
+        ]
+
+    def has_role(self, role: str) -> bool:
+        return any(w.role == role for w in self._workers.values())
+
+    def models(self) -> list[str]:
+        names = {w.model for w in self._workers.values() if w.model}
+        if self._cfg.served_model_name:
+            names.add(self._cfg.served_model_name)
+        return sorted(names)
+
+    def max_context(self, model: str | None = None) -> int | None:
+        """The smallest context of the workers (that serve `model`, if given)."""
+        limits = [
+            w.max_context
+            for w in self._workers.values()
+            if w.max_context
+            and (model is None or w.model in (model, None) or model == self._cfg.served_model_name)
+        ]
+        return min(limits) if limits else None
+
+    def tool_format(self, model: str | None) -> str | None:
+        """The tool-call format of the workers that serve `model` (router/tools/parsers.py); None
+        when they report none, or differ."""
+        alias = model is None or model == self._cfg.served_model_name
+        formats = {
+            w.tool_format for w in self._workers.values() if w.model and (alias or w.model == model)
+        }
+        return formats.pop() if len(formats) == 1 else None
+
+    def bootstrap_servers(self) -> list[str]:
+        """'host:port' of every registered prefill worker whose bootstrap port is known."""
+        return sorted(
+            {
+                f"{w.bootstrap_host}:{w.bootstrap_port}"
+                for w in self._workers.values()
+                if w.role == "prefill" and w.bootstrap_port is not None
+            }
+        )
+
+    async def push_bootstrap_servers(self, worker: Worker, force: bool) -> bool:
+        """Sends the decode `worker` the current allowlist (unless it has it and not `force`).
+        Pushes to one worker are serialised, so the last one it receives is the newest list."""
+        async with worker.push_lock:
+            servers = self.bootstrap_servers()
+            if not force and worker.pushed_servers == servers:
+                return True
+            try:
+                resp = await self._clients.get(worker.url).put(
+                    f"{worker.url}/bootstrap_servers",
+                    json={"servers": servers},
+                    timeout=self._cfg.health.timeout_s,
+                )
+            except httpx.HTTPError as exc:
+                logger.debug("bootstrap allowlist to %s failed: %r", worker.url, exc)
+                return False
+            if resp.status_code != 200:
+                logger.warning(
+                    "decode node %s refused the bootstrap allowlist: %s %s",
+                    worker.url,
+                    resp.status_code,
+                    resp.text[:200],
+                )
+                return False
+            worker.pushed_servers = servers
+            return True
+
+    async def _push_to_decodes(self) -> None:
+        decodes = [w for w in self._workers.values() if w.role == "decode"]
+        if decodes:
+            await asyncio.gather(*(self.push_bootstrap_servers(w, False) for w in decodes))
+
+    def report(self, worker: Worker) -> None:
+        """Refresh the worker's gauges (after a health or breaker change)."""
+        if self._workers.get(worker.url) is worker:
+            self._report(worker)
+
+    def _report(self, worker: Worker) -> None:
+        state = worker.breaker.state.name.lower()
+        self._metrics.set_worker(worker.url, worker.role, worker.healthy, state)
+
+    # --- health -----------------------------------------------------------------------------
+    async def probe(self, worker: Worker) -> bool:
+        """One health probe: `/server_info` while the worker's facts are unknown, then `/health`.
+        Updates the worker's health by the configured thresholds; returns the probe's verdict."""
+        ok = await self._probe_once(worker)
+        if ok:
+            worker.good_probes += 1
+            worker.bad_probes = 0
+            if not worker.healthy and (
+                not worker.ever_healthy or worker.good_probes >= self._cfg.health.success_threshold
+            ):
+                # the first time is the start-up (the router's ready line counts the workers)
+                log = logger.info if worker.ever_healthy else logger.debug
+                worker.healthy = worker.ever_healthy = True
+                log("worker healthy: %s", worker.url)
+        else:
+            worker.bad_probes += 1
+            worker.good_probes = 0
+            if worker.healthy and worker.bad_probes >= self._cfg.health.failure_threshold:
+                worker.healthy = False
+                logger.warning(
+                    "worker unhealthy after %d failed probes: %s", worker.bad_probes, worker.url
+                )
+        self.report(worker)
+        return ok
+
+    async def _probe_once(self, worker: Worker) -> bool:
+        timeout = self._cfg.health.timeout_s
+        client = self._clients.get(worker.url)
+        try:
+            if worker.model is None or (worker.role == "prefill" and worker.bootstrap_port is None):
+                resp = await client.get(f"{worker.url}/server_info", timeout=timeout)
+                if resp.status_code == 200:
+                    info = resp.json()
+                    self._learn(worker, info)
+                    # a worker removed while its answer was on the way must not pin the router
+                    if isinstance(info, dict) and self._workers.get(worker.url) is worker:
+                        self.cores.learn(worker.url, info.get("front_cpus"))
+            if worker.role == "prefill":
+                await self._push_to_decodes()
+            elif worker.role == "decode" and not await self.push_bootstrap_servers(worker, True):
+                return False
+            resp = await client.get(f"{worker.url}/health", timeout=timeout)
+            return resp.status_code == 200
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("probe of %s failed: %r", worker.url, exc)
+            return False
+
+    @staticmethod
+    def _learn(worker: Worker, info: dict) -> None:
+        if not isinstance(info, dict):
+            return
+        if isinstance(info.get("model"), str):
+            worker.model = info["model"]
+        if isinstance(info.get("max_context"), int):
+            worker.max_context = info["max_context"]
+        if isinstance(info.get("prefix_cache"), bool):
+            worker.prefix_cache = info["prefix_cache"]
+        fmt = info.get("tool_call_format")
+        worker.tool_format = fmt if isinstance(fmt, str) and fmt in FORMATS else None
+        port = info.get("bootstrap_port")
+        if worker.role == "prefill" and worker.bootstrap_port is None and isinstance(port, int):
+            worker.bootstrap_port = port
+        role = info.get("role")
+        if isinstance(role, str) and role != worker.role:
+            logger.warning(
+                "worker %s registered as %s reports role %s", worker.url, worker.role, role
+            )
+
+    async def probe_all(self) -> None:
+        workers = self.all()
+        if workers:
+            await asyncio.gather(*(self.probe(w) for w in workers))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.health.interval_s)
+            await self.probe_all()
+            for worker in self.all():  # breakers move open -> half-open with time
+                self.report(worker)

@@ -1,0 +1,216 @@
+"""`Router`: what one router app owns (workers, dispatcher, admission, metrics) and the checks every
+endpoint shares (bearer, JSON body, model, context, admission, client disconnect)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.infra.internal_auth import bearer, bearer_ok
+from pdserve.infra.tracing import make_exporter
+from pdserve.router.admission import Admission, Rejected
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import ApiError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_api.json_body import read_json_body
+from pdserve.router.routing.attempt import Attempt, Route
+from pdserve.router.routing.dispatch import Dispatcher
+from pdserve.router.routing.node_clients import NodeClients
+from pdserve.router.routing.workers import WorkerRegistry
+from pdserve.router.timeline import CURRENT, RequestTrace, Timeline, now_ns
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+
+class Router:
+    """Everything one app owns: HTTP client pool, workers, dispatcher, admission, metrics."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.clients = NodeClients(
+            cfg.connect_timeout_s, cfg.max_concurrent, bearer(cfg.internal_token)
+        )
+        self.registry = WorkerRegistry(cfg, self.clients, self.metrics)
+        for spec in cfg.workers:
+            self.registry.add(spec)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.clients, self.metrics)
+        self.admission = Admission(cfg.max_concurrent, cfg.max_queue, cfg.queue_timeout_s)
+        self.timeline = Timeline(
+            cfg.debug_requests, make_exporter(cfg.otlp_traces_endpoint, "router")
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await self.registry.probe_all()
+        self.registry.start()
+        logger.info(
+            "router ready: %d workers, models %s", len(self.registry.all()), self.registry.models()
+        )
+        try:
+            yield
+        finally:
+            await self.registry.stop()
+            await self.dispatcher.drain()
+            await self.clients.aclose()
+            self.timeline.close()
+
+    # --- request checks -----------------------------------------------------------------
+    def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
+        if not bearer_ok(request.headers.get("authorization"), secret):
+            raise ApiError(
+                401,
+                f"missing or wrong {what} (send 'Authorization: Bearer ...')",
+                code="invalid_api_key",
+            )
+
+    async def read_json(self, request: Request):
+        return await read_json_body(request, self.cfg.max_body_bytes)
+
+    def check_model(self, model: str) -> None:
+        known = self.registry.models()
+        if known and model not in known:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; served: {', '.join(known)}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_context(
+        self, model: str, max_new_tokens: int | None, field: str = "max_tokens"
+    ) -> None:
+        limit = self.registry.max_context(model)
+        if limit and max_new_tokens and max_new_tokens >= limit:
+            raise ApiError(
+                400,
+                f"{field}={max_new_tokens} leaves no room for the prompt in "
+                f"the {limit}-token context",
+                param=field,
+                code="context_length_exceeded",
+            )
+
+    async def admit(self) -> None:
+        trace, t0 = CURRENT.get(), now_ns()
+        try:
+            await self.admission.acquire()
+            if trace is not None:
+                trace.add("router.admission_queue", t0, now_ns())
+        except Rejected as exc:
+            if trace is not None:
+                trace.add("router.admission_queue", t0, now_ns(), rejected=str(exc))
+            self.metrics.rejected.inc()
+            raise ApiError(
+                429,
+                f"the router is at capacity ({exc}); retry later",
+                type="rate_limit_error",
+                code="router_overloaded",
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
+            ) from None
+
+    async def open_watched(
+        self,
+        request: Request,
+        body: dict,
+        key: str,
+        stream: bool,
+        model: str | None,
+        follow: Route | None = None,
+        keepalive: bool = True,
+    ) -> Attempt | asyncio.Task:
+        """Dispatch; if the client disconnects before the answer opens, cancel (which aborts).
+        A stream not open after `sse_keepalive_s` (when `keepalive`): the dispatch task, still
+        running (the caller then sends keep-alives until it ends, router/openai_api/keepalive.py).
+        `follow`: the pair to try first (Dispatcher.open)."""
+        task = asyncio.create_task(self.dispatcher.open(body, key, stream, model, follow))
+        watcher = asyncio.create_task(wait_disconnect(request))
+        ping = stream and keepalive and self.cfg.sse_keepalive_s > 0
+        wait_s = self.cfg.sse_keepalive_s if ping else None
+        timed_out = False
+        try:
+            done, _ = await asyncio.wait(
+                {task, watcher}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            timed_out = not done
+        finally:
+            watcher.cancel()
+            if not task.done() and not timed_out:
+                task.cancel()
+                await asyncio.wait({task})  # cancel() only asks; its cleanup closes and aborts
+        if timed_out:
+            return task
+        client_left = watcher.done() and not watcher.cancelled()
+        if task.cancelled() or client_left:
+            if not task.cancelled() and task.exception() is None:
+                task.result().close(None, abort=True)  # it opened just as the client left
+            raise ApiError(499, "client closed the request", code="client_closed")
+        return task.result()
+
+    # --- running a handler ------------------------------------------------------------------
+    async def serve(self, route: str, request: Request, handler) -> Response:
+        """Run one handler; ApiError becomes an OpenAI error body; non-stream metrics here."""
+        t0 = time.perf_counter()
+        trace = self.timeline.start(route, request)
+        try:
+            response = await handler(request, t0)
+        except ApiError as exc:
+            response = JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+        except BaseException:
+            if trace is not None:
+                self.timeline.end(trace, 500)
+            raise
+        if trace is not None:
+            self._end_trace(trace, response)
+        if not isinstance(response, StreamingResponse):
+            self.metrics.observe_request(route, response.status_code, time.perf_counter() - t0)
+        return response
+
+    def _end_trace(self, trace: RequestTrace, response: Response) -> None:
+        """The trace ends with the answer: now, or when a stream's last byte went out."""
+        if not isinstance(response, StreamingResponse):
+            self.timeline.end(trace, response.status_code)
+            return
+        inner = response.body_iterator
+
+        async def traced():
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                self.timeline.end(trace, response.status_code)
+
+        response.body_iterator = traced()
+
+    def default_model(self, model: str | None) -> str | None:
+        """`model` as given (checked), or the one served when it is left out (None: unknown yet)."""
+        if model is not None:
+            self.check_model(model)
+            return model
+        known = self.registry.models()
+        if len(known) > 1:
+            raise ApiError(
+                400, f"model: give one of {', '.join(known)}", param="model", code="invalid_value"
+            )
+        return known[0] if known else None
+
+    def health(self) -> Response:
+        status, code = ("ok", 200) if self.dispatcher.can_route() else ("unavailable", 503)
+        roles = {
+            role: {
+                "eligible": len(self.registry.eligible(role)),
+                "total": sum(w.role == role for w in self.registry.all()),
+            }
+            for role in ("prefill", "decode", "colocated")
+        }
+        return JSONResponse({"status": status, "workers": roles}, status_code=code)
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,1 @@
+"""A node's front process: HTTP, request checks, tokenization, answers, metrics and traces."""

@@ -1,0 +1,98 @@
+"""What a node front checks and builds from a request body before anything reaches a rank: the
+prompt's token ids (text, chat messages or ids), the sampling params, the context limit, the rid,
+its client errors, and the SSE framing."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pdserve.engine.core import ParamError, SamplingParams
+
+RID_MAX = 256  # characters of a request id
+
+
+class RequestError(Exception):
+    """A client error, answered with an OpenAI-style body."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {
+            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def prompt_ids(tok: Any, body: dict[str, Any], vocab_size: int) -> list[int]:
+    """The prompt of a /generate body: exactly one of `text`, `messages`, `input_ids`."""
+    given = [k for k in ("text", "messages", "input_ids") if body.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError(
+            400, "exactly one of 'text', 'messages', 'input_ids' is required", "text"
+        )
+    kind = given[0]
+    if kind == "text":
+        if not isinstance(body["text"], str):
+            raise RequestError(400, "'text' must be a string", "text")
+        ids = tok(body["text"])["input_ids"]
+    elif kind == "messages":
+        from pdserve.runtime.front.chat_template import (
+            render,  # it raises this module's RequestError
+        )
+
+        text = render(tok, body)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+        ):
+            raise RequestError(
+                400,
+                f"'input_ids' must be a list of integers in [0, {vocab_size})",
+                "input_ids",
+            )
+    if not ids:
+        raise RequestError(400, f"the prompt ('{kind}') is empty", kind)
+    return list(ids)
+
+
+def sampling_params(body: dict[str, Any], defaults: dict[str, Any]) -> tuple[SamplingParams, bool]:
+    """The body's sampling params over the model's `defaults`, and whether it asks for the rest
+    of the context (`max_tokens: null`: max_tokens is then 1 until the prompt's length is known)."""
+    sp = body.get("sampling_params")
+    to_end = (
+        isinstance(sp, dict) and "max_tokens" in sp and sp["max_tokens"] is None
+    )  # rest of context
+    try:
+        params = SamplingParams.from_dict({**sp, "max_tokens": 1} if to_end else sp, defaults)
+    except ParamError as e:
+        raise RequestError(400, str(e), e.field) from None
+    except TypeError as e:
+        raise RequestError(400, f"sampling_params: {e}", "sampling_params") from None
+    return params, to_end
+
+
+def check_context(prompt_len: int, max_tokens: int, max_context: int) -> None:
+    """Refuses a request whose prompt and max_tokens do not fit in the context."""
+    if prompt_len + max_tokens > max_context:
+        raise RequestError(
+            400,
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"context limit of {max_context} tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+
+
+def request_rid(body: dict[str, Any]) -> str:
+    """The body's request id, or a new one if it has none."""
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str) or len(rid) > RID_MAX:
+        raise RequestError(400, f"'rid' must be a string of at most {RID_MAX} characters", "rid")
+    return rid

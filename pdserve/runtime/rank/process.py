@@ -1,0 +1,403 @@
+"""One PP rank of a node: `main(["--spec", JSON])`, in a process forked by a rank zygote
+(infra/zygote.py); `python -m pdserve.runtime.rank.process --spec JSON` runs one too.
+
+Loads its layer slice, joins the node's PP group, agrees on capacities, and runs the slot loop
+until told to stop. PP0 talks to the front over ZMQ; every rank pushes its stats (queues, pool) to
+the front twice a second, which is also the front's liveness signal. A watchdog ends the rank when
+it makes no progress for `watchdog_s` seconds; any communication error (a dead peer) ends it too,
+with one clear log line and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+import zmq
+
+from pdserve.consensus import rank_checker
+from pdserve.engine.config import EngineConfig, apply_threads
+from pdserve.engine.grammar import GrammarSampler
+from pdserve.engine.kernels import spare_core
+from pdserve.engine.model.config import split_layers
+from pdserve.engine.model.detokenizer import StopDetokenizer
+from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
+from pdserve.engine.model.tokenizer import load_tokenizer
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler
+from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from pdserve.infra.logs import setup_logging
+from pdserve.infra.procs import die_with_parent, set_process_name
+from pdserve.runtime.front.process import (
+    EVT_CHANNEL,
+    EVT_MAX_BYTES,
+    REQ_CHANNEL,
+    REQ_MAX_BYTES,
+    STATS_CHANNEL,
+    STATS_MAX_BYTES,
+)
+from pdserve.runtime.messages import RankStats, StatsExtension, decode, pack
+from pdserve.runtime.placement import bind_cores
+from pdserve.runtime.rank.pp_comm import PPComm
+from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
+from pdserve.runtime.rank_spec import RankSpec
+
+# What a rank imports lazily and a rank zygote (infra/zygote.py) imports once for all its children:
+# the last stage's grammar warm-up (engine/grammar.py) imports xgrammar, about 1.8 s of CPU here.
+ZYGOTE_PRELOAD = ("xgrammar",)
+
+log = logging.getLogger("pdserve.rank")
+
+
+class ZmqFrontIO:
+    """PP0's end of the front link: requests in (PULL), events out (PUSH); both sealed with the
+    cluster secret (infra/channel_auth.py). Bad requests are dropped, counted and logged once."""
+
+    def __init__(self, ctx: zmq.Context, req_addr: str, evt_addr: str):
+        self.pull = ctx.socket(zmq.PULL)
+        limit_size(self.pull, REQ_MAX_BYTES)
+        self.pull.connect(req_addr)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        limit_size(self.push, EVT_MAX_BYTES)
+        self.push.connect(evt_addr)
+        self._opener, self._sealer = Opener(REQ_CHANNEL), Sealer(EVT_CHANNEL, "pp0")
+        self.dropped: dict[str, int] = {}
+
+    def _drop(self, reason: str, err: object) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if self.dropped[reason] == 1:
+            log.warning(
+                "message from the front dropped (%s): %s; further ones are only counted",
+                reason,
+                err,
+            )
+
+    def poll(self, timeout_ms: int) -> list[Any]:
+        out: list[Any] = []
+        if not self.pull.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = decode(msgpack.unpackb(self._opener.open(raw)[1], raw=False))
+            except AuthError as e:
+                self._drop(e.reason, e)
+                continue
+            except Exception as e:  # the front is ours, but never trust bytes from a socket
+                self._drop("malformed", e)
+                continue
+            out.append(msg)
+
+    def report(self, events: list[Any]) -> None:
+        self.push.send(self._sealer.seal(pack(events)))
+
+
+def rank_stats(
+    loop: SlotLoop, pp_rank: int, ext: StatsExtension | None = None, dtype: str = ""
+) -> RankStats:
+    """What one rank reports to the front (and the in-process tests read directly)."""
+    s, alloc = loop.sched, loop.sched.allocator
+    cache = s.cache
+    return RankStats(
+        pp_rank=pp_rank,
+        pid=os.getpid(),
+        iterations=loop.stats.iterations,
+        forwards=loop.stats.forwards,
+        held_pages=s.held_pages(),
+        used_tokens=s.used_tokens,
+        num_pages=alloc.num_pages,
+        free_pages=alloc.num_free,
+        page_size=s.cfg.page_size,
+        cached_pages=cache.num_cached_pages if cache else 0,
+        locked_cached_pages=cache.num_cached_pages - cache.evictable_pages if cache else 0,
+        prefix_hit_tokens=cache.hit_tokens_total if cache else 0,
+        retractions=s.num_retractions,
+        queues=loop.queue_sizes(),
+        samples=loop.drain_samples(),
+        front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
+        ext=ext,
+        dtype=dtype,
+        spans=loop.spans.drain(),
+    )
+
+
+class StatsReporter:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        spec: RankSpec,
+        loop: SlotLoop,
+        period_s: float = 0.5,
+        dtype: str = "",
+    ):
+        self.sock = ctx.socket(zmq.PUSH) if addr else None
+        if self.sock is not None:
+            self.sock.setsockopt(zmq.SNDHWM, 16)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            limit_size(self.sock, STATS_MAX_BYTES)
+            self.sock.connect(addr)
+            self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
+        self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
+        self._next = 0.0
+
+    def maybe_send(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.sock is None or (now < self._next and not force):
+            return
+        self._next = now + self.period
+        stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
+        self._send(stats)
+
+    def _send(self, stats: RankStats) -> None:
+        try:
+            self.sock.send(self._sealer.seal(pack([stats])), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
+    def watch():
+        while True:
+            time.sleep(min(1.0, timeout_s / 4))
+            stalled = time.monotonic() - loop.stats.last_progress
+            if stalled > timeout_s:
+                s = loop.sched
+                log.error(
+                    "watchdog: no progress for %.0f s on pp_rank %d; waiting=%s running=%s "
+                    "free_pages=%d/%d; exiting",
+                    stalled,
+                    loop.rank,
+                    [r.rid for r in s.waiting][:20],
+                    [[r.rid for r in slot] for slot in s.slots],
+                    s.allocator.num_free,
+                    s.allocator.num_pages,
+                )
+                logging.shutdown()
+                os._exit(3)
+
+    threading.Thread(target=watch, name="watchdog", daemon=True).start()
+
+
+@dataclass
+class RankParts:
+    """What a rank is made of; a PD loop builds its own pieces (KV manager, votes) on top."""
+
+    spec: RankSpec
+    cfg: EngineConfig
+    mcfg: Any
+    comm: PPComm | None
+    runner: ModelRunner
+    sched: Scheduler
+    loop_cfg: LoopConfig
+    front: ZmqFrontIO | None = None
+    about: str = ""  # for the ready line: layers, threads, cores, dtype
+
+
+def join_pp_group(spec: RankSpec) -> PPComm:
+    return PPComm(
+        spec.pp_rank,
+        spec.pp_size,
+        init_method=spec.dist_init,
+        backend=spec.backend,
+        timeout_s=spec.pp_timeout_s,
+        device=spec.device,
+        comm_stream=spec.comm_stream,
+    )
+
+
+def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
+    """Capacities every decision reads are agreed once: the minimum over ranks."""
+    lo, _ = comm.all_min_max(
+        [
+            cfg.num_pages,
+            cfg.max_running,
+            cfg.chunk_size,
+            cfg.max_batch_tokens,
+            cfg.mixed_prefill_tokens,
+        ]
+    )
+    return replace(
+        cfg,
+        max_total_tokens=lo[0] * cfg.page_size,
+        max_running=lo[1],
+        chunk_size=lo[2],
+        max_batch_tokens=lo[3],
+        mixed_prefill_tokens=lo[4],
+    )
+
+
+def plant_divergence_if_asked(spec: RankSpec, runner: ModelRunner) -> None:
+    """Test-only: a rank-local allocation the other ranks do not make, the kind of bug the
+    consensus checker exists for; this rank then hands out different page ids. Only the
+    environment the rank was started with can ask for it (no request or message can), and only
+    with the checker on, which stops the node at the first diverging call: never wrong output."""
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") != str(spec.pp_rank):
+        return
+    if rank_checker.ENABLED:
+        log.warning(
+            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
+            spec.pp_rank,
+        )
+        runner.pool.allocator.alloc(1)
+
+
+def build_rank(
+    spec: RankSpec,
+    *,
+    hold_kv_on_finish: bool = False,
+    prefix_cache: bool | None = None,
+    comm: Any = None,
+) -> RankParts:
+    """Loads the rank's slice and builds its runner and scheduler. `comm`: a PP group end to use
+    instead of joining `spec.dist_init` (the in-memory one of runtime/rank/pp_comm_memory.py, when
+    the tests run a node's ranks as threads); None: a PP>1 rank joins the torch.distributed
+    group."""
+    cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
+    threads = apply_threads(cfg.threads)  # 0: every core this rank is bound to
+    path = resolve_model(cfg.model)
+    mcfg = load_model_config(path)
+    asked = cfg.dtype
+    cfg = cfg.for_model(mcfg.dtype, "cuda" if spec.device.startswith("cuda") else "cpu")
+    start, end = split_layers(mcfg.num_layers, spec.pp_size)[spec.pp_rank]
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    why = f"asked: {asked}" if asked != "auto" else f"auto; the model's weights are {mcfg.dtype}"
+    about = (
+        f"layers [{start}, {end}) of {mcfg.num_layers}, {threads} torch threads on cores {cores}, "
+        f"dtype {cfg.dtype} ({why})"
+    )
+    log.debug("pp_rank %d/%d: %s", spec.pp_rank, spec.pp_size, about)
+    if spec.pp_size > 1 and comm is None:
+        comm = join_pp_group(spec)
+    if comm is not None:
+        cfg = agree_capacities(comm, cfg)
+    model = load_slice(path, start, end, cfg.torch_dtype)
+    if cfg.small_batch_weights:
+        about += ", " + model.add_small_batch_weights(
+            lambda: load_slice(path, start, end)  # fp32
+        )
+    helper = (
+        spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype, blocked=model.blocked_matmuls())
+        if spec.device == "cpu"
+        else ""
+    )
+    about += f", {helper}" if helper else ""
+    runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
+    if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
+        runner.grammar = GrammarSampler(
+            lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
+        )
+        runner.grammar.warm_up_in_background()
+    plant_divergence_if_asked(spec, runner)
+    loop_cfg = LoopConfig(
+        pp_size=spec.pp_size,
+        async_depth=spec.async_depth,
+        skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
+        waiting_timeout_s=spec.waiting_timeout_s,
+        running_timeout_s=spec.running_timeout_s,
+    )
+    sched_cfg = replace(
+        cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
+        max_context=min(cfg.max_context, mcfg.max_position_embeddings),
+    )
+    sched = Scheduler(
+        sched_cfg,
+        runner.pool.allocator,
+        mcfg.eos_token_ids,
+        detokenize=StopDetokenizer(path),
+        hold_kv_on_finish=hold_kv_on_finish,
+    )
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
+
+
+def colocated_loop(parts: RankParts) -> SlotLoop:
+    return SlotLoop(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
+
+
+def _become_rank(spec: RankSpec) -> None:
+    """The process settings of a rank, before it builds anything."""
+    setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
+    set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
+    rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
+    bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+
+
+def run_rank(
+    argv: list[str] | None,
+    make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
+    build_kwargs: dict[str, Any] | None = None,
+    spec_cls: type[RankSpec] = RankSpec,
+) -> int:
+    """Parses the spec (a `spec_cls`), builds the rank and runs its loop until SIGTERM or a fatal
+    error."""
+    ap = argparse.ArgumentParser(description="one PP rank (started by a node launcher)")
+    ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    try:
+        spec = spec_cls.from_json(ap.parse_args(argv).spec)
+    except ValueError as e:  # a MessageError, or JSONDecodeError
+        ap.error(f"--spec: {e}")
+    _become_rank(spec)
+    ctx = zmq.Context()
+    loop = None
+    try:
+        parts = build_rank(spec, **(build_kwargs or {}))
+        if spec.pp_rank == 0:
+            parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr)
+        loop = make_loop(parts)
+        stats = StatsReporter(ctx, spec.stats_addr, spec, loop, dtype=parts.cfg.dtype)
+        start_watchdog(loop, spec.watchdog_s)
+        more = loop.describe()
+        log.info(
+            "pp_rank %d/%d ready: %s, %d KV pages of %d tokens%s",
+            spec.pp_rank,
+            spec.pp_size,
+            parts.about,
+            parts.cfg.num_pages,
+            parts.cfg.page_size,
+            f", {more}" if more else "",
+        )
+        stats.maybe_send(force=True)
+        t = 0
+        while True:
+            loop.iteration(t)
+            stats.maybe_send()
+            t += 1
+    except (SystemExit, KeyboardInterrupt):
+        return 0
+    except Exception as e:
+        log.error(
+            "pp_rank %d stops: %s: %s",
+            spec.pp_rank,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
+        logging.shutdown()
+        os._exit(1)
+    finally:
+        if loop is not None:
+            loop.close()
+        ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

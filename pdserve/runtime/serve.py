@@ -1,0 +1,371 @@
+"""`pdserve serve`: a colocated PP node (front + one process per PP rank); the PD nodes build on it.
+
+The launcher starts the front's sockets, starts the local rank processes, watches them, and serves
+HTTP. A rank that exits marks the node unhealthy (the front answers 503 and fails what is pending)
+and the launcher stops the other ranks: nothing is left half-alive. Ctrl-C or SIGTERM stops all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import uvicorn
+
+from pdserve.engine.config import EngineConfig
+from pdserve.infra.http_server import run_server, server_config
+from pdserve.infra.internal_auth import refuse_unprotected_bind
+from pdserve.infra.logs import setup_logging, uvicorn_level
+from pdserve.infra.procs import reserve_port, stop_processes
+from pdserve.infra.tracing import make_exporter
+from pdserve.infra.zygote_client import Zygote, ZygoteChild
+from pdserve.runtime.placement import (
+    Placement,
+    bind_cores,
+    parse_cpus,
+    parse_io_cpus,
+    plan_placement,
+)
+from pdserve.runtime.rank_spec import RankSpec
+
+log = logging.getLogger("pdserve.serve")
+
+
+def local_ranks(args) -> list[int]:
+    if args.pp % args.nnodes:
+        raise SystemExit(f"--pp {args.pp} must be a multiple of --nnodes {args.nnodes}")
+    per = args.pp // args.nnodes
+    return list(range(args.node_rank * per, (args.node_rank + 1) * per))
+
+
+def node_placement(args, n_local: int) -> Placement:
+    """This node's rank cores: `--cpus` as given (from `pdserve up`'s host-wide plan), else planned
+    over the cores this process may use."""
+    try:
+        if args.cpus:
+            io = parse_io_cpus(args.io_cpus) if args.io_cpus else ()
+            return Placement(parse_cpus(args.cpus, n_local), io)
+        plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), args.threads)
+        return (
+            plan
+            if args.io_cpus is None
+            else Placement(plan.rank_cores, parse_io_cpus(args.io_cpus))
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
+    """The engine settings every rank gets, checked here: a setting a rank would refuse stops the
+    node before any rank starts, with the reason."""
+    engine = dict(
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        chunk_size=args.chunk_size,
+        max_batch_tokens=args.max_batch_tokens,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        enable_prefix_cache=not args.no_prefix_cache,
+        small_batch_weights=not args.no_small_batch_weights,
+        threads=threads,
+        spare_cores=spare_cores(io_cores, threads),
+    )
+    try:
+        EngineConfig.from_kwargs(**engine)
+    except ValueError as e:
+        raise SystemExit(f"bad engine flags: {e}") from None
+    return engine
+
+
+class RankSet:
+    """The local rank processes of a node, forked by a rank zygote (infra/zygote.py: the shared
+    one PDSERVE_RANK_ZYGOTE names, or the node's own), and a thread that notices when one of them
+    exits."""
+
+    def __init__(
+        self, specs: list[RankSpec], on_exit, module: str = "pdserve.runtime.rank.process"
+    ):
+        self.on_exit = on_exit
+        self._stopping = False
+        self.zygote = Zygote.shared_or_start([module])
+        self.procs: list[ZygoteChild] = [
+            self.zygote.fork(module, ["--spec", spec.to_json()]) for spec in specs
+        ]
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for i, p in enumerate(self.procs):
+                rc = p.poll()
+                if rc is not None and not self._stopping:
+                    self.on_exit(f"rank process {p.pid} (local #{i}) exited with code {rc}")
+                    self.stop()
+                    return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stopping = True
+        stop_processes(self.procs)
+        self.zygote.close()
+
+
+def advertise_host(args) -> str:
+    """The address other hosts reach this one at (Mooncake, control sockets, stats)."""
+    host = os.environ.get("PDSERVE_ADVERTISE_HOST") or args.host
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def refuse_unprotected(args, role: str, ranks_listen: bool) -> str | None:
+    """The cluster secret; stops the process when this host's part of the node would listen beyond
+    loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks listen
+    (RankSpec.ranks_listen: the PD nodes' KV control sockets), the host they advertise
+    (PDSERVE_ADVERTISE_HOST)."""
+    from pdserve.infra.cluster_secret import cluster_secret
+
+    secret = cluster_secret()
+    hosts = [args.host] + ([advertise_host(args)] if ranks_listen else [])
+    for host in dict.fromkeys(hosts):
+        refuse_unprotected_bind(host, secret, args.insecure, f"pdserve {role}")
+    return secret
+
+
+def front_host(args) -> str:
+    return args.host if args.nnodes > 1 else "127.0.0.1"
+
+
+def stats_port(args) -> int:
+    """Multi-host: the front takes its ranks' stats on the rendezvous port + 1."""
+    if args.nnodes > 1:
+        if not args.dist_init_addr:
+            raise SystemExit(
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (the host of --node-rank 0)"
+            )
+        return int(args.dist_init_addr.rsplit(":", 1)[1]) + 1
+    return 0
+
+
+def spare_cores(io_cores, threads: int) -> list[int]:
+    """Where a rank's prefill helper may run (engine/kernels/spare_core.py): the plan's I/O cores,
+    for a rank with one compute thread. Never another rank's core: on a 2-core `pdserve up` host
+    (no I/O core) a helper on the other node's core cost the decode rank's ITL p99 1.26x at
+    concurrency 32 (docs/PERFORMANCE.md)."""
+    return sorted(io_cores) if threads == 1 else []
+
+
+def make_specs(
+    args,
+    role: str,
+    front_addrs: dict[str, str],
+    spec_cls: type[RankSpec] = RankSpec,
+    spec_fields: dict[str, Any] | None = None,
+    dist_port: int | None = None,
+) -> list[RankSpec]:
+    """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
+    (PDRankSpec: where its transfer listens); `dist_port`: where pp_rank 0 hosts the PP group's
+    rendezvous on a single host (a port the caller holds with reserve_port)."""
+    ranks = local_ranks(args)
+    if not args.dist_init_addr and dist_port is None:
+        raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
+    dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
+    plan = node_placement(args, len(ranks))
+    log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
+    # the front; each rank binds itself to its own cores
+    bind_cores(parse_io_cpus(args.front_cpus) if args.front_cpus else plan.io_cores)
+    return [
+        spec_cls(
+            model=args.model,
+            engine=engine_dict(args, args.threads or len(cores), plan.io_cores),
+            pp_size=args.pp,
+            pp_rank=r,
+            cpus=list(cores),
+            dist_init=dist,
+            req_addr=front_addrs.get("req", ""),
+            evt_addr=front_addrs.get("evt", ""),
+            stats_addr=front_addrs.get("stats", ""),
+            async_depth=args.async_depth,
+            skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm,
+            watchdog_s=args.watchdog,
+            pp_timeout_s=args.pp_timeout,
+            role=role,
+            device=args.device,
+            backend="nccl" if args.device.startswith("cuda") else "gloo",
+            waiting_timeout_s=args.waiting_timeout,
+            running_timeout_s=args.running_timeout,
+            comm_stream=args.pp_comm_stream,
+            **(spec_fields or {}),
+        )
+        for r, cores in zip(ranks, plan.rank_cores, strict=True)
+    ]
+
+
+def run_node(
+    args,
+    front,
+    app,
+    role: str,
+    spec_fields: dict[str, Any] | None = None,
+    module: str = "pdserve.runtime.rank.process",
+) -> int:
+    """Starts the ranks (each with its front's kind of spec, NodeFront.rank_spec), serves HTTP
+    until stopped, then stops every rank."""
+    # held for the node's life, so no other process's free_port picks the rendezvous port before
+    # pp_rank 0 binds it (its TCPStore binds with SO_REUSEADDR, through the hold)
+    hold = reserve_port()
+    ranks = None
+    try:
+        specs = make_specs(
+            args,
+            role,
+            {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
+            front.rank_spec,
+            spec_fields,
+            dist_port=hold.getsockname()[1],
+        )
+        server = uvicorn.Server(
+            server_config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=uvicorn_level(),
+                timeout_graceful_shutdown=3,
+            )
+        )
+        loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+
+        def on_rank_exit(why: str) -> None:
+            loop = loop_holder.get("loop")
+            if loop is not None:
+                loop.call_soon_threadsafe(front.mark_dead, why)
+            else:
+                front.dead = why
+
+        ranks = RankSet(specs, on_rank_exit, module)
+        ready = getattr(front.tok, "ready", None)
+
+        @app.on_event("startup")
+        async def _grab_loop():
+            loop_holder["loop"] = asyncio.get_running_loop()
+            more = front.describe()
+            log.info(
+                "%s node front on http://%s:%d (pp=%d)%s",
+                role,
+                args.host,
+                args.port,
+                args.pp,
+                f", {more}" if more else "",
+            )
+
+        if ready is not None:
+            ready()  # a tokenizer that cannot load stops the node now, with its error
+        run_server(server)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+        hold.close()
+    return 0
+
+
+class TokenizerLoading:
+    """The front's tokenizer, loading in a thread while the node starts its ranks: the ranks'
+    start-up (mostly importing torch) and the tokenizer's (importing transformers, reading the
+    files) overlap instead of running one after the other. Any use waits for the load."""
+
+    def __init__(self, path):
+        from pdserve.engine.model.tokenizer import load_tokenizer
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
+        self._future = self._pool.submit(load_tokenizer, path)
+        self._pool.shutdown(wait=False)
+
+    def ready(self):
+        return self._future.result()
+
+    def __getattr__(self, name):
+        return getattr(self._future.result(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._future.result()(*args, **kwargs)
+
+
+def make_front(args, role: str, cls=None, **kw):
+    """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
+    from pdserve.engine.model.loader import load_model_config, load_sampling_defaults, resolve_model
+    from pdserve.runtime.front.http_app import build_app
+    from pdserve.runtime.front.metrics import NodeMetrics
+    from pdserve.runtime.front.process import NodeFront
+
+    setup_logging(f"[{role} front]", args.log_level, args.log_format)
+    cls = cls or NodeFront
+    # the ranks read the secret too: children inherit the environment
+    secret = refuse_unprotected(args, role, cls.rank_spec.ranks_listen)
+    if not secret:
+        log.warning(
+            "no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users"
+        )
+    path = resolve_model(args.model)
+    mcfg = load_model_config(path)
+    name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name  # SmolLM2-135M-Instruct
+    front = cls(
+        TokenizerLoading(path),
+        model_name=name,
+        role=role,
+        pp_size=args.pp,
+        max_context=min(args.max_context, mcfg.max_position_embeddings),
+        vocab_size=mcfg.vocab_size,
+        host=front_host(args),
+        stats_port=stats_port(args),
+        **kw,
+    )
+    front.metrics = NodeMetrics(
+        f"{args.host}:{args.port}", role, front.finish_reasons, cls.metrics_extension
+    )
+    front.tracing.exporter = make_exporter(args.otlp_traces_endpoint, role)
+    front.max_pending = args.max_pending
+    front.prefix_cache = not args.no_prefix_cache
+    front.sampling_defaults = load_sampling_defaults(path)
+    if front.sampling_defaults.get("unapplied"):
+        log.warning(
+            "generation_config defaults pdserve does not apply: %s",
+            front.sampling_defaults["unapplied"],
+        )
+    return front, build_app(front, secret)
+
+
+def run_remote_ranks(
+    args,
+    role: str,
+    module: str,
+    spec_cls: type[RankSpec] = RankSpec,
+    spec_fields: dict[str, Any] | None = None,
+) -> int:
+    """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
+    setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level, args.log_format)
+    # these ranks' sockets are as reachable as node-rank 0's
+    refuse_unprotected(args, role, spec_cls.ranks_listen)
+    port = stats_port(args)
+    host0 = args.dist_init_addr.rsplit(":", 1)[0]
+    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, spec_cls, spec_fields)
+    stopped = threading.Event()
+    ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
+    try:
+        while not stopped.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ranks.stop()
+    return 1 if stopped.is_set() else 0
+
+
+def serve_main(args) -> int:
+    if args.node_rank > 0:
+        return run_remote_ranks(args, "colocated", "pdserve.runtime.rank.process")
+    front, app = make_front(args, "colocated")
+    return run_node(args, front, app, "colocated")

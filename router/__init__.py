@@ -1,1 +1,0 @@
-"""The OpenAI-compatible PD router (HTTP only; imports no other pdserve package)."""
