@@ -25,12 +25,12 @@ def trace_main(args) -> int:
     import httpx
 
     from pdserve.infra.cluster_secret import cluster_secret
+    from pdserve.infra.request_signing import signed_auth
 
-    token = cluster_secret()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    auth = signed_auth(cluster_secret())  # the secret signs the request; it is never sent
     path = f"/debug/requests/{args.id}" if args.id else "/debug/requests"
     try:
-        resp = httpx.get(args.router.rstrip("/") + path, headers=headers, timeout=args.timeout)
+        resp = httpx.get(args.router.rstrip("/") + path, auth=auth, timeout=args.timeout)
     except httpx.HTTPError as e:
         print(f"pdserve trace: cannot reach {args.router}: {e}", file=sys.stderr)
         return 1

@@ -29,9 +29,10 @@ import httpx
 from pdserve.infra.cluster_secret import ENV as SECRET_ENV
 from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from pdserve.infra.cluster_secret import cluster_secret
-from pdserve.infra.internal_auth import bearer, is_loopback
+from pdserve.infra.internal_auth import is_loopback
 from pdserve.infra.logs import FORMAT_ENV, add_log_args, setup_logging
 from pdserve.infra.procs import die_with_parent, free_port, stop_processes
+from pdserve.infra.request_signing import signed_auth
 from pdserve.infra.tracing import add_tracing_arg
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
@@ -291,7 +292,7 @@ class Cluster:
             states, ready = [], 0
             for name, url in self.nodes:
                 try:
-                    info = self.http.get(f"{url}/server_info", headers=bearer(self.secret)).json()
+                    info = self.http.get(f"{url}/server_info", auth=signed_auth(self.secret)).json()
                     if info.get("failed"):
                         raise RuntimeError(f"{name} failed during start-up: {info['failed']}")
                     n, total = sum(1 for r in info["ranks"] if r), len(info["ranks"])

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.infra.procs import free_port  # noqa: F401  (re-exported for the tests)
+from pdserve.infra.request_signing import SignedAuth
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,18 +209,36 @@ def pdserve_up(
 @contextlib.contextmanager
 def up(model: Path, log_path: Path, args: list[str], timeout: float = 240.0):
     """`pdserve up --model MODEL --port P ARGS` (pdserve_up): yields (url, Popen, the cluster
-    secret's headers)."""
+    secret's signing auth)."""
     port = free_port()
     with pdserve_up(["--model", str(model), "--port", str(port), *args], log_path, timeout) as p:
-        yield f"http://127.0.0.1:{port}", p, secret_headers(log_path)
+        yield f"http://127.0.0.1:{port}", p, secret_auth(log_path)
 
 
-def secret_headers(log_path: Path) -> dict[str, str]:
+def secret_of(log_path: Path) -> str:
     """`pdserve up` generated the cluster secret and printed the 0600 file it is in."""
     path = re.search(r"cluster secret .* in (\S+)", log_path.read_text()).group(1)
     assert os.stat(path).st_mode & 0o777 == 0o600
     with open(path) as f:
-        return {"Authorization": f"Bearer {f.read().strip()}"}
+        return f.read().strip()
+
+
+class ClusterAuth(httpx.Auth):
+    """Signs a test's internal calls with the cluster secret (infra/request_signing.py), as the
+    cluster's own processes do; `secret` may be set once the cluster is up."""
+
+    requires_request_body = True
+
+    def __init__(self, secret: str | None = None):
+        self.secret = secret
+
+    def auth_flow(self, request):
+        assert self.secret, "the cluster secret is not known yet"
+        yield from SignedAuth(self.secret).auth_flow(request)
+
+
+def secret_auth(log_path: Path) -> ClusterAuth:
+    return ClusterAuth(secret_of(log_path))
 
 
 def _threads(pid: int):

@@ -24,6 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.infra.request_signing import SignatureCheck, is_signed
+
 FAIL_MODES = (None, "500", "503", "429", "hang", "abort", "midstream")
 
 
@@ -81,6 +83,8 @@ def make_app(behavior: Behavior) -> FastAPI:
     node = _StubRoutes(behavior)
     app = FastAPI()
     app.state.behavior, app.state.stats = behavior, node.stats
+    # a real node's check of the router's signed requests (infra/request_signing.py)
+    app.add_middleware(SignatureCheck, secret=behavior.internal_token)
     app.add_api_route("/generate", node.generate, methods=["POST"])
     app.add_api_route("/abort", node.abort, methods=["POST"])
     app.add_api_route("/health", node.health, methods=["GET"])
@@ -219,8 +223,7 @@ class _StubRoutes:
             raise
 
     def _authorized(self, request: Request) -> bool:
-        token = self.behavior.internal_token
-        return not token or request.headers.get("authorization") == f"Bearer {token}"
+        return is_signed(request, self.behavior.internal_token)
 
     async def abort(self, request: Request):
         if not self._authorized(request):

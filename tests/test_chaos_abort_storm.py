@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import free_port, group_alive, node_args, pdserve_up
+from cluster import ClusterAuth, free_port, group_alive, node_args, pdserve_up
 from metrics_scrape import scrape, total
 from one_thread import hf_greedy_one_thread
 from pd_cluster import FAST_TIMEOUTS
@@ -81,7 +81,7 @@ def default_sigint() -> None:
 
 
 SECRET = "storm-cluster-secret"  # `pdserve up` takes the cluster secret from its environment
-AUTH = {"Authorization": f"Bearer {SECRET}"}
+AUTH = ClusterAuth(SECRET)  # internal calls are signed with the secret
 
 
 @dataclass
@@ -349,7 +349,7 @@ async def watch_queues(
     nodes: dict[str, str], peak: dict[str, dict[str, int]], stop: asyncio.Event
 ) -> None:
     """The longest queue seen on each node's PP0 (its stats, pushed twice a second)."""
-    async with httpx.AsyncClient(timeout=10, headers=AUTH) as c:
+    async with httpx.AsyncClient(timeout=10, auth=AUTH) as c:
         while not stop.is_set():
             for role, node in nodes.items():
                 try:
@@ -394,7 +394,7 @@ async def run_storm(
 def node_urls(url: str) -> dict[str, str]:
     return {
         w["role"]: w["url"]
-        for w in httpx.get(f"{url}/workers", headers=AUTH, timeout=10).json()["workers"]
+        for w in httpx.get(f"{url}/workers", auth=AUTH, timeout=10).json()["workers"]
     }
 
 
@@ -404,7 +404,7 @@ def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
     got = {}
     for role, node in nodes.items():
         m = scrape(node)
-        info = httpx.get(f"{node}/server_info", headers=AUTH, timeout=10).json()
+        info = httpx.get(f"{node}/server_info", auth=AUTH, timeout=10).json()
         got[role] = {
             "kv_used_tokens": [
                 v
@@ -467,7 +467,7 @@ def storm(cluster, prompts) -> Storm:
             break
         time.sleep(0.5)
     settle = time.monotonic() - t1
-    retractions = httpx.get(f"{nodes['decode']}/server_info", headers=AUTH, timeout=10).json()[
+    retractions = httpx.get(f"{nodes['decode']}/server_info", auth=AUTH, timeout=10).json()[
         "ranks"
     ][0]["retractions"]
     result = Storm(
@@ -588,7 +588,7 @@ def test_router_and_node_counters_agree(storm, cluster, prompts):
         delta["decode"]["length"] >= router_ok and delta["prefill"]["prefill_done"] >= router_ok
     ), (delta, router_ok)
     # Nothing is left in flight at the router, and no node was marked unhealthy.
-    workers = httpx.get(f"{cluster.url}/workers", headers=AUTH, timeout=10).json()["workers"]
+    workers = httpx.get(f"{cluster.url}/workers", auth=AUTH, timeout=10).json()["workers"]
     assert all(w["in_flight"] == 0 and w["healthy"] for w in workers), workers
 
 

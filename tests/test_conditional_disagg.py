@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from cluster import free_port, launched, node_args, secret_headers
+from cluster import free_port, launched, node_args, secret_auth
 from metrics_scrape import scrape, total
 from reference import hf_greedy, load_hf
 from tracing_checks import CLIENT_SPAN, PROMPT, TRACE, cluster_procs, outside_connections
@@ -39,7 +39,7 @@ def cluster(tiny6, tmp_path_factory, request):
     with launched(args, log) as up:
         request.getfixturevalue("prompts")  # transformers' answers, computed while it loads
         proc = up.ready(timeout=240)
-        yield f"http://127.0.0.1:{port}", secret_headers(log), proc
+        yield f"http://127.0.0.1:{port}", secret_auth(log), proc
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ async def generate(ac: httpx.AsyncClient, url: str, ids: list[int], max_new: int
     return r.json()["token_ids"]
 
 
-def local_prompt_tokens(url: str, auth: dict) -> float:
-    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+def local_prompt_tokens(url: str, auth: httpx.Auth) -> float:
+    workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
     decode = next(w["url"] for w in workers if w["role"] == "decode")
     return total(scrape(decode), "pdserve_decode_local_prompt_tokens_total")
 
@@ -119,11 +119,11 @@ def test_the_decode_only_route_leaves_nothing_held(cluster, prompts):
             return await asyncio.gather(*(generate(ac, url, p, MAX_NEW) for p in short))
 
     assert asyncio.run(run()) == want_short
-    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+    workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
     decode = next(w["url"] for w in workers if w["role"] == "decode")
     deadline = time.monotonic() + 30
     while True:
-        info = httpx.get(f"{decode}/server_info", headers=auth, timeout=5).json()
+        info = httpx.get(f"{decode}/server_info", auth=auth, timeout=5).json()
         held = [r["held_pages"] for r in info["ranks"]]
         if not any(held) or time.monotonic() > deadline:
             break
@@ -136,9 +136,9 @@ def test_the_router_learns_from_each_node_whether_it_keeps_prompts(cluster):
     finished prompts' KV: its /server_info says so (`--no-prefix-cache`: false), and the router's
     worker list shows what it learnt (the rule itself: tests/test_disagg_rules.py)."""
     url, auth, _ = cluster
-    workers = httpx.get(f"{url}/workers", headers=auth, timeout=5).json()["workers"]
+    workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
     for w in workers:
-        info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=5).json()
+        info = httpx.get(f"{w['url']}/server_info", auth=auth, timeout=5).json()
         assert info["prefix_cache"] is True and w["prefix_cache"] is True, (w, info)
 
 
@@ -157,13 +157,13 @@ def test_tracing_off_has_no_exporter_thread_socket_or_spans(cluster):
     # would have had the request's trace context, were tracing on
     assert decisions(url)["default"] - before["default"] == 1
     rid = r.json()["id"].split("-", 1)[1]
-    listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
+    listed = httpx.get(f"{url}/debug/requests", auth=auth, timeout=10).json()
     assert listed["requests"] == [] and listed["exporter"] is None
     assert not [t for t in listed["threads"] if t.startswith("Otel")]
-    workers = httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]
+    workers = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()["workers"]
     for w in workers:
-        info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=10).json()
+        info = httpx.get(f"{w['url']}/server_info", auth=auth, timeout=10).json()
         assert not [t for t in info["threads"] if t.startswith("Otel")], w["role"]
-        spans = httpx.get(f"{w['url']}/debug/spans/{rid}", headers=auth, timeout=10)
+        spans = httpx.get(f"{w['url']}/debug/spans/{rid}", auth=auth, timeout=10)
         assert spans.status_code == 404, spans.text  # no trace context reached the node
     assert outside_connections(cluster_procs(proc)) == []

@@ -27,13 +27,14 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from cluster import NODE_ARGS, ROOT, free_port, start, wait_healthy
+from cluster import NODE_ARGS, ROOT, ClusterAuth, free_port, start, wait_healthy
 from metrics_scrape import scrape
 from pd_cluster import FAST_TIMEOUTS, body
 from reference import hf_greedy, load_hf
 
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.infra.channel_auth import OVERHEAD, Sealer
+from pdserve.infra.request_signing import sign, signing_key
 from pdserve.kv_transfer.layout import PoolDesc
 from pdserve.kv_transfer.manager import CHANNEL as KV_CHANNEL
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus, encode_message
@@ -41,8 +42,15 @@ from pdserve.runtime.front.metrics import FRONT_CHANNELS
 from pdserve.runtime.front.process import EVT_CHANNEL, EVT_MAX_BYTES, STATS_CHANNEL, STATS_MAX_BYTES
 
 SECRET = "test-cluster-secret"
-AUTH = {"Authorization": f"Bearer {SECRET}"}
-WRONG = {"Authorization": f"Bearer {SECRET}x"}
+AUTH = ClusterAuth(SECRET)  # requests signed with the secret, as the cluster's own processes do
+# What each internal endpoint refuses: nothing, a wrong secret's signature, and the right secret
+# itself in clear (no process of the cluster sends it; it never crosses the network).
+REFUSED = (
+    {},
+    {"auth": ClusterAuth(SECRET + "x")},
+    {"headers": {"Authorization": f"Bearer {SECRET}"}},
+    {"headers": {"Authorization": SECRET}},
+)
 ENV = {**FAST_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": SECRET}
 # Long KV timeouts on the PD pair: a decode request waits for its prefill half on purpose (the
 # forged control messages come first), or forever (the pending cap: its KV never comes).
@@ -124,7 +132,7 @@ def _generate(url: str, ids: list[int]) -> list[int]:
     r = HTTP.post(
         f"{url}/generate",
         timeout=120,
-        headers={"Authorization": f"Bearer {SECRET}"},
+        auth=AUTH,
         json={"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}},
     )
     r.raise_for_status()
@@ -132,7 +140,7 @@ def _generate(url: str, ids: list[int]) -> list[int]:
 
 
 def _info(url: str) -> dict:
-    r = HTTP.get(f"{url}/server_info", timeout=10, headers={"Authorization": f"Bearer {SECRET}"})
+    r = HTTP.get(f"{url}/server_info", timeout=10, auth=AUTH)
     r.raise_for_status()
     return r.json()
 
@@ -263,7 +271,7 @@ def _register_bootstrap_server(durl: str, bport: int) -> None:
         f"{durl}/bootstrap_servers",
         json={"servers": [f"127.0.0.1:{bport}"]},
         timeout=10,
-        headers={"Authorization": f"Bearer {SECRET}"},
+        auth=AUTH,
     )
     assert r.status_code == 200, r.text
 
@@ -340,7 +348,7 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
             f"{durl}/generate",
             json=body(ids, room, bport, MAX_NEW),
             timeout=120,
-            headers={"Authorization": f"Bearer {SECRET}"},
+            auth=AUTH,
         )
         _wait(
             lambda: (_info(durl)["ranks"][0] or {}).get("held_pages", 0) > 0,
@@ -356,7 +364,7 @@ def test_forged_kv_control_messages_are_dropped_and_the_pd_request_completes_exa
             f"{purl}/generate",
             json=body(ids, room, bport, MAX_NEW),
             timeout=120,
-            headers={"Authorization": f"Bearer {SECRET}"},
+            auth=AUTH,
         )
         d = decode.result(timeout=120)
     assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
@@ -379,25 +387,20 @@ def test_node_internal_endpoints_need_the_secret(nodes, kind):
         "bootstrap_port": nodes["bport"],
         "sampling_params": {"max_tokens": 1},
     }
-    for headers in ({}, WRONG, {"Authorization": SECRET}):
-        r = HTTP.post(f"{url}/generate", json=gen, headers=headers, timeout=10)
-        assert r.status_code == 401, (kind, headers, r.text)
-        assert (
-            HTTP.post(f"{url}/abort", json={"rid": "x"}, headers=headers, timeout=10).status_code
-            == 401
-        )
-        assert HTTP.get(f"{url}/server_info", headers=headers, timeout=10).status_code == 401
-        assert HTTP.get(f"{url}/debug/spans/x", headers=headers, timeout=10).status_code == 401
+    for kw in REFUSED:
+        r = HTTP.post(f"{url}/generate", json=gen, **kw, timeout=10)
+        assert r.status_code == 401, (kind, kw, r.text)
+        assert HTTP.post(f"{url}/abort", json={"rid": "x"}, **kw, timeout=10).status_code == 401
+        assert HTTP.get(f"{url}/server_info", **kw, timeout=10).status_code == 401
+        assert HTTP.get(f"{url}/debug/spans/x", **kw, timeout=10).status_code == 401
         for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
-            assert (
-                HTTP.post(f"{url}{path}", json=req, headers=headers, timeout=10).status_code == 401
-            )
-    assert HTTP.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["role"] == kind
+            assert HTTP.post(f"{url}{path}", json=req, **kw, timeout=10).status_code == 401
+    assert HTTP.get(f"{url}/server_info", auth=AUTH, timeout=10).json()["role"] == kind
     assert (
-        HTTP.post(f"{url}/tokenize", json={"prompt": "a"}, headers=AUTH, timeout=10).json()["count"]
+        HTTP.post(f"{url}/tokenize", json={"prompt": "a"}, auth=AUTH, timeout=10).json()["count"]
         >= 1
     )
-    assert HTTP.post(f"{url}/abort", json={"rid": "x"}, headers=AUTH, timeout=10).status_code == 200
+    assert HTTP.post(f"{url}/abort", json={"rid": "x"}, auth=AUTH, timeout=10).status_code == 200
     # open on purpose: load balancer probes and Prometheus scrapers
     assert HTTP.get(f"{url}/health", timeout=10).status_code == 200
     assert HTTP.get(f"{url}/metrics", timeout=10).status_code == 200
@@ -418,13 +421,13 @@ def test_bootstrap_server_needs_the_secret(nodes):
         "dtype": "float32",
         "layout": "x",
     }
-    for headers in ({}, WRONG):
-        assert HTTP.put(f"{base}/route", json=fake, headers=headers, timeout=10).status_code == 401
+    for kw in REFUSED:
+        assert HTTP.put(f"{base}/route", json=fake, **kw, timeout=10).status_code == 401
         assert (
             HTTP.get(
                 f"{base}/route",
                 params={"layer_start": 0, "layer_end": 1},
-                headers=headers,
+                **kw,
                 timeout=10,
             ).status_code
             == 401
@@ -433,29 +436,27 @@ def test_bootstrap_server_needs_the_secret(nodes):
             HTTP.post(
                 f"{base}/heartbeat",
                 json={"session": "evil:1", "peers": []},
-                headers=headers,
+                **kw,
                 timeout=10,
             ).status_code
             == 401
         )
-    r = HTTP.get(
-        f"{base}/route", params={"layer_start": 0, "layer_end": 1}, headers=AUTH, timeout=10
-    )
+    r = HTTP.get(f"{base}/route", params={"layer_start": 0, "layer_end": 1}, auth=AUTH, timeout=10)
     assert r.status_code == 200 and [x["session_id"] for x in r.json()["ranks"]] != ["evil:1"]
     assert HTTP.get(f"{base}/health", timeout=10).status_code == 200
 
 
 def test_decode_allowlist_is_set_only_with_the_secret(nodes):
     url = nodes["decode"]
-    for headers in ({}, WRONG):
+    for kw in REFUSED:
         r = HTTP.put(
             f"{url}/bootstrap_servers",
             json={"servers": ["10.0.0.1:1"]},
-            headers=headers,
+            **kw,
             timeout=10,
         )
         assert r.status_code == 401
-    r = HTTP.put(f"{url}/bootstrap_servers", json={"servers": "x"}, headers=AUTH, timeout=10)
+    r = HTTP.put(f"{url}/bootstrap_servers", json={"servers": "x"}, auth=AUTH, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "servers"
 
 
@@ -470,12 +471,12 @@ def test_decode_contacts_no_foreign_bootstrap_address(nodes, hf):
         r = HTTP.put(
             f"{decode}/bootstrap_servers",
             json={"servers": [f"127.0.0.1:{bport}"]},
-            headers=AUTH,
+            auth=AUTH,
             timeout=10,
         )
         assert r.status_code == 200
         foreign = {**body([5, 6, 7, 8], 99, trap.getsockname()[1], 4), "rid": "foreign"}
-        r = HTTP.post(f"{decode}/generate", json=foreign, headers=AUTH, timeout=30)
+        r = HTTP.post(f"{decode}/generate", json=foreign, auth=AUTH, timeout=30)
         assert r.status_code == 403 and r.json()["error"]["code"] == "unknown_bootstrap_server", (
             r.text
         )
@@ -484,7 +485,7 @@ def test_decode_contacts_no_foreign_bootstrap_address(nodes, hf):
         ids = [5, 6, 7, 8, 9, 10]
         want = hf_greedy(hf, [ids], 4)[0]
         b = body(ids, 1234, bport, 4)
-        with httpx.Client(headers=AUTH, timeout=60) as c, ThreadPoolExecutor(2) as pool:
+        with httpx.Client(auth=AUTH, timeout=60) as c, ThreadPoolExecutor(2) as pool:
             fp = pool.submit(c.post, f"{prefill}/generate", json=b)
             fd = pool.submit(c.post, f"{decode}/generate", json=b)
             rp, rd = fp.result(), fd.result()
@@ -497,9 +498,10 @@ def test_decode_contacts_no_foreign_bootstrap_address(nodes, hf):
 def test_oversized_body_is_refused_before_it_is_read(nodes):
     url = nodes["colocated"]
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as s:
+        signature = sign(signing_key(SECRET), "POST", b"/generate", "x", b"", time.time())
         s.sendall(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-            + SECRET.encode()
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            + signature.encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{"
         )
         answer = s.recv(4096)  # answered without the 100 MB ever being sent
@@ -511,7 +513,7 @@ def test_oversized_body_is_refused_before_it_is_read(nodes):
             yield b"a" * 65536
         yield b'"}'
 
-    r = HTTP.post(f"{url}/generate", content=chunks(), headers=AUTH, timeout=30)
+    r = HTTP.post(f"{url}/generate", content=chunks(), auth=AUTH, timeout=30)
     assert r.status_code == 413, r.text
 
 
@@ -521,7 +523,7 @@ def test_pending_cap_answers_503_with_retry_after(nodes):
     r = HTTP.put(
         f"{url}/bootstrap_servers",
         json={"servers": [f"127.0.0.1:{bport}"]},
-        headers=AUTH,
+        auth=AUTH,
         timeout=10,
     )
     assert r.status_code == 200
@@ -531,27 +533,25 @@ def test_pending_cap_answers_503_with_retry_after(nodes):
                 httpx.post,
                 f"{url}/generate",
                 json={**body([5, 6, 7], 500 + i, bport, 4), "rid": f"hold{i}"},
-                headers=AUTH,
+                auth=AUTH,
                 timeout=120,
             )
             for i in range(2)
         ]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            ranks = HTTP.get(f"{url}/server_info", headers=AUTH, timeout=10).json()["ranks"]
+            ranks = HTTP.get(f"{url}/server_info", auth=AUTH, timeout=10).json()["ranks"]
             if (
                 ranks[0]
                 and sum(ranks[0].get(q, 0) for q in ("prealloc", "transfer", "waiting")) == 2
             ):
                 break
             time.sleep(0.2)
-        r = HTTP.post(
-            f"{url}/generate", json=body([5, 6, 7], 502, bport, 4), headers=AUTH, timeout=30
-        )
+        r = HTTP.post(f"{url}/generate", json=body([5, 6, 7], 502, bport, 4), auth=AUTH, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "node_overloaded", r.text
         assert r.headers["retry-after"] == "1"
         for i in range(2):
             assert HTTP.post(
-                f"{url}/abort", json={"rid": f"hold{i}"}, headers=AUTH, timeout=10
+                f"{url}/abort", json={"rid": f"hold{i}"}, auth=AUTH, timeout=10
             ).json()["aborted"]
         assert all(f.result().status_code >= 400 for f in held)

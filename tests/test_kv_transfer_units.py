@@ -4,6 +4,7 @@ descriptors on byte arrays), the control-message codec, the bootstrap state/app,
 from __future__ import annotations
 
 import random
+import time
 
 import msgpack
 import pytest
@@ -11,6 +12,7 @@ from starlette.testclient import TestClient
 
 from pdserve.consensus.kvpoll import KVPoll, update_status
 from pdserve.engine.model.config import split_layers
+from pdserve.infra.request_signing import sign, signing_key
 from pdserve.kv_transfer.bootstrap import (
     HEARTBEAT_TIMEOUT_S,
     BootstrapState,
@@ -245,35 +247,56 @@ def test_bootstrap_state_route_and_liveness():
     ]
 
 
+def signed(secret: str):
+    """Signs a TestClient's request as SignedAuth does an httpx client's (starlette's TestClient
+    runs on httpx2, which takes a function as its auth)."""
+    key = signing_key(secret)
+
+    def flow(request):
+        target, host = request.url.raw_path, request.headers["host"]
+        request.headers["Authorization"] = sign(
+            key, request.method, target, host, request.read(), time.time()
+        )
+        return request
+
+    return flow
+
+
 def test_bootstrap_app_endpoints():
     client = TestClient(build_app(BootstrapState(), token="s3cret"))
-    auth = {"authorization": "Bearer s3cret"}
+    auth = signed("s3cret")
     assert client.get("/health").json()["status"] == "ok"
     assert client.put("/route", json=_info(0, 2, 0, 15).to_wire()).status_code == 401
+    # the secret itself, sent in clear, is no credential: no process of the cluster sends it
+    clear = {"authorization": "Bearer s3cret"}
+    assert client.put("/route", json=_info(0, 2, 0, 15).to_wire(), headers=clear).status_code == 401
+    wrong = signed("s3cret-not")
+    assert client.put("/route", json=_info(0, 2, 0, 15).to_wire(), auth=wrong).status_code == 401
     assert (
         client.put(
-            "/route", json={**_info(0, 2, 0, 15).to_wire(), "pp_rank": "0"}, headers=auth
+            "/route", json={**_info(0, 2, 0, 15).to_wire(), "pp_rank": "0"}, auth=auth
         ).status_code
         == 400
     )
-    assert client.put("/route", json=_info(0, 2, 0, 15).to_wire(), headers=auth).status_code == 200
-    assert client.get("/route?layer_start=0&layer_end=30", headers=auth).status_code == 503
-    assert client.put("/route", json=_info(1, 2, 15, 30).to_wire(), headers=auth).status_code == 200
-    r = client.get("/route?layer_start=20&layer_end=30&session=d", headers=auth)
+    assert client.put("/route", json=_info(0, 2, 0, 15).to_wire(), auth=auth).status_code == 200
+    assert client.get("/route?layer_start=0&layer_end=30", auth=auth).status_code == 503
+    assert client.put("/route", json=_info(1, 2, 15, 30).to_wire(), auth=auth).status_code == 200
+    r = client.get("/route?layer_start=20&layer_end=30&session=d", auth=auth)
     assert r.status_code == 200 and [x["pp_rank"] for x in r.json()["ranks"]] == [1]
     sessions = sorted([_info(0, 2, 0, 15).session_id, _info(1, 2, 15, 30).session_id])
-    assert client.post(
-        "/heartbeat", json={"session": "d", "peers": ["x"]}, headers=auth
-    ).json() == {"dead": [], "ranks": sessions, "timeout_s": HEARTBEAT_TIMEOUT_S}
-    assert client.post("/heartbeat", json={"session": 1}, headers=auth).status_code == 400
+    assert client.post("/heartbeat", json={"session": "d", "peers": ["x"]}, auth=auth).json() == {
+        "dead": [],
+        "ranks": sessions,
+        "timeout_s": HEARTBEAT_TIMEOUT_S,
+    }
+    assert client.post("/heartbeat", json={"session": 1}, auth=auth).status_code == 400
 
 
 def test_bootstrap_app_refuses_oversized_bodies():
     """A declared or a streamed (chunked, no Content-Length) body over 64 KiB gets 413."""
     client = TestClient(build_app(BootstrapState(), token="s3cret"))
-    auth = {"authorization": "Bearer s3cret"}
     big = {"session": "d", "peers": ["p" * 100] * 1000}
-    assert client.post("/heartbeat", json=big, headers=auth).status_code == 413
+    assert client.post("/heartbeat", json=big, auth=signed("s3cret")).status_code == 413
 
     def chunks():
         yield b'{"session": "d", "peers": ['
@@ -281,8 +304,13 @@ def test_bootstrap_app_refuses_oversized_bodies():
             yield b'"' + b"p" * 100 + b'",'
         yield b'"p"]}'
 
-    assert client.post("/heartbeat", content=chunks(), headers=auth).status_code == 413
-    assert client.put("/route", content=chunks(), headers=auth).status_code == 413
+    whole = b"".join(chunks())
+    key = signing_key("s3cret")
+    for method, path in (("POST", "/heartbeat"), ("PUT", "/route")):
+        # a valid signature over the whole body, the body streamed: refused once past the limit
+        auth = {"authorization": sign(key, method, path.encode(), "testserver", whole, time.time())}
+        r = client.request(method, path, content=chunks(), headers=auth)
+        assert r.status_code == 413, r.text
 
 
 def test_protocol_choice(monkeypatch):

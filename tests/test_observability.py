@@ -26,7 +26,7 @@ def fresh(tiny6, tmp_path_factory):
     log = tmp_path_factory.mktemp("obs") / "up.log"
     args = ["--node-args", NODE_ARGS, "--router-args", "--health-interval 1"]
     with up(tiny6, log, args) as (url, _, auth):
-        workers = httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]
+        workers = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()["workers"]
         yield url, {w["role"]: w["url"] for w in workers}, log
 
 

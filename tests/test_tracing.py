@@ -42,7 +42,7 @@ def _complete(spans: list[dict]) -> bool:
 @pytest.fixture(scope="module")
 def traced(tiny6, tmp_path_factory):
     """A (2, 3) cluster exporting to the receiver, and one streamed completion under a client's
-    traceparent: (router url, auth headers, response id, the trace's exported spans, log)."""
+    traceparent: (router url, signing auth, response id, the trace's exported spans, log)."""
     log = tmp_path_factory.mktemp("tracing") / "up.log"
     with OtlpReceiver() as rx:
         args = ["--prefill-pp", "2", "--decode-pp", "3", "--node-args", NODE_ARGS]
@@ -109,15 +109,15 @@ def test_debug_requests_and_pdserve_trace(traced):
     url, auth, rid, spans, _, _ = traced
     assert httpx.get(f"{url}/debug/requests", timeout=10).status_code == 401
     assert httpx.get(f"{url}/debug/requests/{TRACE}", timeout=10).status_code == 401
-    listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
+    listed = httpx.get(f"{url}/debug/requests", auth=auth, timeout=10).json()
     assert TRACE in [r["id"] for r in listed["requests"]]
-    one = httpx.get(f"{url}/debug/requests/{rid}", headers=auth, timeout=10)
+    one = httpx.get(f"{url}/debug/requests/{rid}", auth=auth, timeout=10)
     assert one.status_code == 200, one.text
     got = one.json()
     assert got["id"] == TRACE and not got["unavailable"]
     stages = {(s["name"], s["attrs"].get("pp_rank")) for s in got["spans"]}
     assert stages == {(s["name"], s["attrs"].get("pp_rank")) for s in spans}
-    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=auth["Authorization"].split()[1])
+    env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=auth.secret)
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "trace", rid, "--router", url],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
@@ -141,11 +141,11 @@ def test_exporter_thread_and_socket_exist_when_on(traced):
     """The positive control of tests/test_conditional_disagg.py's tracing-off test (its cluster
     runs with tracing off): what that test looks for is there when tracing is on."""
     url, auth, _, _, proc, rx = traced
-    listed = httpx.get(f"{url}/debug/requests", headers=auth, timeout=10).json()
+    listed = httpx.get(f"{url}/debug/requests", auth=auth, timeout=10).json()
     assert EXPORTER_THREAD in listed["threads"] and listed["exporter"]
-    workers = httpx.get(f"{url}/workers", headers=auth, timeout=10).json()["workers"]
+    workers = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()["workers"]
     for w in workers:
-        info = httpx.get(f"{w['url']}/server_info", headers=auth, timeout=10).json()
+        info = httpx.get(f"{w['url']}/server_info", auth=auth, timeout=10).json()
         assert EXPORTER_THREAD in info["threads"], w["role"]
     outside = outside_connections(cluster_procs(proc))
     assert any(raddr.port == rx.port for _, raddr in outside), outside

@@ -14,7 +14,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cluster import ROOT, free_port, group_alive, launched, node_args, secret_headers
+from cluster import (
+    ROOT,
+    ClusterAuth,
+    free_port,
+    group_alive,
+    launched,
+    node_args,
+    secret_auth,
+    secret_of,
+)
 from metrics_scrape import family_names, parse, scrape, total, values
 from reference import hf_greedy, load_hf
 
@@ -62,7 +71,7 @@ def launches(tiny30, tmp_path_factory):
 def cluster(launches):
     url, launch = launches["main"]
     proc = launch.ready(timeout=420)  # a bound, not a speed check: two clusters load at once
-    AUTH.update(secret_headers(launch.log))
+    AUTH.secret = secret_of(launch.log)
     return url, proc, launch.log
 
 
@@ -103,7 +112,7 @@ def test_up_serves_several_models_each_on_its_own_nodes(launches):
         proc, log = launch.ready(timeout=420), launch.log
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny-x", "tiny-y"]
-        workers = HTTP.get(f"{url}/workers", headers=secret_headers(log)).json()["workers"]
+        workers = HTTP.get(f"{url}/workers", auth=secret_auth(log)).json()["workers"]
         assert sorted((w["role"], w["model"]) for w in workers) == [
             ("decode", "tiny-x"),
             ("decode", "tiny-y"),
@@ -159,7 +168,7 @@ def test_ranks_run_on_the_cores_the_plan_printed(cluster):
     got: dict[tuple[str, int], list[set[int]]] = {}
     for role, nodes in node_urls(url).items():
         for node in nodes:
-            for st in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]:
+            for st in HTTP.get(f"{node}/server_info", auth=AUTH).json()["ranks"]:
                 cores = os.sched_getaffinity(st["pid"])
                 got.setdefault((role, st["pp_rank"]), []).append(cores)
     assert _core_sets(got) == _core_sets(want), line
@@ -169,7 +178,7 @@ def test_ranks_run_on_the_cores_the_plan_printed(cluster):
     want_fronts = {int(c) for c in fronts.group(1).split(",")}
     for nodes in node_urls(url).values():
         for node in nodes:
-            pid = HTTP.get(f"{node}/server_info", headers=AUTH).json()["pid"]
+            pid = HTTP.get(f"{node}/server_info", auth=AUTH).json()["pid"]
             assert os.sched_getaffinity(pid) == want_fronts, (node, line)
 
 
@@ -249,9 +258,9 @@ def test_readme_curl_works_through_the_router(cluster):
 
 def test_every_node_requires_the_generated_secret(cluster):
     url, proc, log = cluster
-    auth = secret_headers(log)
+    auth = secret_auth(log)
     assert HTTP.get(f"{url}/workers").status_code == 401
-    workers = HTTP.get(f"{url}/workers", headers=auth).json()["workers"]
+    workers = HTTP.get(f"{url}/workers", auth=auth).json()["workers"]
     assert {w["role"] for w in workers} == {"prefill", "decode"}
     for w in workers:
         node = w["url"]
@@ -263,7 +272,7 @@ def test_every_node_requires_the_generated_secret(cluster):
         )
         assert HTTP.post(f"{node}/abort", json={"rid": "x"}).status_code == 401
         assert HTTP.get(f"{node}/server_info").status_code == 401
-        assert HTTP.get(f"{node}/server_info", headers=auth).status_code == 200
+        assert HTTP.get(f"{node}/server_info", auth=auth).status_code == 200
         if w["role"] == "prefill":
             boot = f"http://127.0.0.1:{w['bootstrap_port']}"
             assert HTTP.put(f"{boot}/route", json={}).status_code == 401
@@ -279,7 +288,7 @@ def test_the_secret_is_on_no_command_line(cluster):
     """Every process of the cluster (launcher, router, fronts, ranks): its command line, which any
     local user can read in `ps`, does not hold the secret."""
     _, proc, log = cluster
-    secret = secret_headers(log)["Authorization"].split()[1].encode()
+    secret = secret_of(log).encode()
     pids = group_alive(proc.pid, wait_s=0)
     assert len(pids) >= 7
     for pid in pids:
@@ -306,18 +315,18 @@ def test_sse_ends_with_done_and_completions_work(cluster):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-AUTH: dict[str, str] = {}  # the cluster secret's header, read by the fixture
+AUTH = ClusterAuth()  # signs with the cluster secret, read by the fixture
 
 
 def node_urls(url: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for w in HTTP.get(f"{url}/workers", headers=AUTH).json()["workers"]:
+    for w in HTTP.get(f"{url}/workers", auth=AUTH).json()["workers"]:
         out.setdefault(w["role"], []).append(w["url"])
     return out
 
 
 def pages(node: str) -> list[int]:
-    return [s["held_pages"] for s in HTTP.get(f"{node}/server_info", headers=AUTH).json()["ranks"]]
+    return [s["held_pages"] for s in HTTP.get(f"{node}/server_info", auth=AUTH).json()["ranks"]]
 
 
 def _serve_one_chat(url: str, name: str) -> str:
@@ -383,7 +392,7 @@ def test_status_page_in_a_real_browser(cluster, tmp_path):
     url, _, _ = cluster
     name = model_name(url)
     rid = _serve_one_chat(url, name)
-    secret = AUTH["Authorization"].split(" ", 1)[1]
+    secret = AUTH.secret
     opts = webdriver.ChromeOptions()
     for arg in (
         "--headless=new",
@@ -509,7 +518,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     url, _, _ = cluster
     name = model_name(url)
     decodes = node_urls(url)["decode"]
-    victim = HTTP.get(f"{decodes[0]}/server_info", headers=AUTH).json()["pid"]
+    victim = HTTP.get(f"{decodes[0]}/server_info", auth=AUTH).json()["pid"]
     os.kill(victim, signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     ok = 0
@@ -524,7 +533,7 @@ def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     assert ok == 8
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        ws = {w["url"]: w for w in HTTP.get(f"{url}/workers", headers=AUTH).json()["workers"]}
+        ws = {w["url"]: w for w in HTTP.get(f"{url}/workers", auth=AUTH).json()["workers"]}
         if not ws[decodes[0]]["healthy"]:
             break
         time.sleep(0.5)
@@ -584,7 +593,7 @@ def test_prefill_node_killed_every_request_is_answered_by_decode(cluster, chat_r
     name = model_name(url)
     before = total(scrape(url), "pdserve_router_route_decisions_total", path="decode_only")
     prefill = node_urls(url)["prefill"][0]
-    victim = HTTP.get(f"{prefill}/server_info", headers=AUTH).json()["pid"]
+    victim = HTTP.get(f"{prefill}/server_info", auth=AUTH).json()["pid"]
     qs = list(chat_reference)
 
     async def ask(ac, i):

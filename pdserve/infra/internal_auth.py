@@ -1,8 +1,9 @@
-"""Checking the cluster secret on internal HTTP endpoints, and refusing to listen unprotected.
+"""Bearer checks (the router's API key, and an operator's own calls to the router's internal
+endpoints), and refusing to listen unprotected.
 
-Every internal endpoint (node /generate, /abort, /tokenize, /detokenize, /server_info,
-/bootstrap_servers; bootstrap /route and /heartbeat; router /workers) takes `Authorization: Bearer
-<cluster secret>`, compared in constant time so the answer's timing tells nothing about how much of
+The cluster's own internal calls (router -> nodes, ranks -> bootstrap server, `pdserve up` and
+`pdserve trace`) never send the secret: they are signed with it (infra/request_signing.py). A
+bearer value is compared in constant time, so the answer's timing tells nothing about how much of
 a guess was right.
 """
 
@@ -18,11 +19,6 @@ def bearer_ok(header: str | None, secret: str | None) -> bool:
     if not secret:
         return True
     return hmac.compare_digest((header or "").encode(), f"Bearer {secret}".encode())
-
-
-def bearer(secret: str | None) -> dict[str, str]:
-    """The header a caller sends (none without a secret)."""
-    return {"Authorization": f"Bearer {secret}"} if secret else {}
 
 
 def is_loopback(host: str, resolve: bool = True) -> bool:

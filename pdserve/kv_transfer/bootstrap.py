@@ -20,11 +20,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pdserve.infra.internal_auth import bearer_ok
+from pdserve.infra.request_signing import SignatureCheck, is_signed
 from pdserve.kv_transfer.layout import LAYOUT_NAME, intersect
 
 # How long a rank may be silent before its peers hear it is dead. A rank beats every
@@ -171,11 +172,11 @@ async def read_json(request: Request):
 
 def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
     def authorized(request: Request) -> bool:
-        return bearer_ok(request.headers.get("authorization"), token)
+        return is_signed(request, token)
 
     async def put_route(request: Request):
         if not authorized(request):
-            return _error(401, "missing or wrong bearer token")
+            return _error(401, "the request must be signed with the cluster secret")
         try:
             state.register(PrefillRankInfo.from_wire(await read_json(request)))
         except BodyTooLarge:
@@ -186,7 +187,7 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
 
     async def get_route(request: Request):
         if not authorized(request):
-            return _error(401, "missing or wrong bearer token")
+            return _error(401, "the request must be signed with the cluster secret")
         q = request.query_params
         try:
             a, b = int(q["layer_start"]), int(q["layer_end"])
@@ -199,7 +200,7 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
 
     async def post_heartbeat(request: Request):
         if not authorized(request):
-            return _error(401, "missing or wrong bearer token")
+            return _error(401, "the request must be signed with the cluster secret")
         try:
             body = await read_json(request)
             session, peers = body["session"], body["peers"]
@@ -230,7 +231,8 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
             Route("/route", get_route, methods=["GET"]),
             Route("/heartbeat", post_heartbeat, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
-        ]
+        ],
+        middleware=[Middleware(SignatureCheck, secret=token, max_body=MAX_BODY)],
     )
 
 

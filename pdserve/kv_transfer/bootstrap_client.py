@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import httpx
 
+from pdserve.infra.request_signing import signed_auth
 from pdserve.kv_transfer.bootstrap import PrefillRankInfo
 
 # One call to a bootstrap server; kv_transfer/bootstrap.py HEARTBEAT_TIMEOUT_S allows for it.
@@ -38,9 +39,11 @@ class BootstrapClient:
         self, addr: str, token: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S
     ):
         self.addr = addr
-        headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(
-            base_url=f"http://{addr}", headers=headers, timeout=request_timeout_s, trust_env=False
+            base_url=f"http://{addr}",
+            auth=signed_auth(token),  # signed: the secret never crosses the network
+            timeout=request_timeout_s,
+            trust_env=False,
         )
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from pdserve.router.state import Router
 
 
 async def add_worker(router: Router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     body = await router.read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("url"), str):
         raise ApiError(
@@ -36,7 +36,7 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
 
 
 async def remove_worker(router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     url = request.query_params.get("url")
     if not url:
         raise ApiError(400, "give the worker as DELETE /workers?url=...", param="url")
@@ -48,7 +48,7 @@ async def remove_worker(router, request: Request, t0: float) -> Response:
 
 
 async def list_workers(router: Router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     return JSONResponse({"workers": [w.describe() for w in router.registry.all()]})
 
 

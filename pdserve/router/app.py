@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.infra.request_signing import SignatureCheck
 from pdserve.router import admin, dashboard, timeline
 from pdserve.router.config import RouterConfig
 from pdserve.router.openai_api import generation
@@ -55,6 +56,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         openapi_url=None,
     )
     app.state.router = router
+    app.add_middleware(SignatureCheck, secret=config.internal_token)  # see Router.check_internal
     for method, path, handler in ENDPOINTS:
 
         async def endpoint(request: Request, path=path, handler=handler):

@@ -35,7 +35,7 @@ async def page(router, request: Request, t0: float) -> Response:
 
 
 async def state(router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     workers = router.registry.all()
     infos = await asyncio.gather(*(_server_info(router, w.url) for w in workers))
     return JSONResponse(

@@ -12,7 +12,8 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.infra.internal_auth import bearer, bearer_ok
+from pdserve.infra.internal_auth import bearer_ok
+from pdserve.infra.request_signing import is_signed, signed_auth
 from pdserve.infra.tracing import make_exporter
 from pdserve.router.admission import Admission, Rejected
 from pdserve.router.config import RouterConfig
@@ -35,7 +36,7 @@ class Router:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.clients = NodeClients(
-            cfg.connect_timeout_s, cfg.max_concurrent, bearer(cfg.internal_token)
+            cfg.connect_timeout_s, cfg.max_concurrent, signed_auth(cfg.internal_token)
         )
         self.registry = WorkerRegistry(cfg, self.clients, self.metrics)
         for spec in cfg.workers:
@@ -62,6 +63,14 @@ class Router:
             self.timeline.close()
 
     # --- request checks -----------------------------------------------------------------
+    def check_internal(self, request: Request) -> None:
+        """The operator endpoints: a request signed with the cluster secret (`pdserve trace`, a
+        script with infra/request_signing.py), or its bearer token, which an operator's own
+        client sends; no process of the cluster sends it (docs/SECURITY.md)."""
+        if is_signed(request, self.cfg.internal_token):
+            return
+        self.check_bearer(request, self.cfg.internal_token, "internal token")
+
     def check_bearer(self, request: Request, secret: str | None, what: str) -> None:
         if not bearer_ok(request.headers.get("authorization"), secret):
             raise ApiError(

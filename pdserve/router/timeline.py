@@ -167,7 +167,7 @@ class Timeline:
 
 # --- GET /debug/requests[/{id}]: handler(router, request, t0), run by Router.serve ------------
 async def list_requests(router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     tl = router.timeline
     items = [t.summary() for t in reversed(tl.traces.values())]
     return JSONResponse(
@@ -181,7 +181,7 @@ async def list_requests(router, request: Request, t0: float) -> Response:
 
 
 async def show_request(router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.internal_token, "internal token")
+    router.check_internal(request)
     ident = request.path_params.get("id", "")
     trace = router.timeline.find(ident)
     if trace is None:

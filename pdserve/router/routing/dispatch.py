@@ -46,9 +46,9 @@ class Dispatcher:
             "decode": make_policy(cfg.decode_policy, cfg.cache_aware),
             "colocated": make_policy(cfg.decode_policy, cfg.cache_aware),
         }
-        self.node_headers = (
-            {"Authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
-        )
+        # headers of every request to a node; the secret is not one: the pooled clients sign
+        # each request with it (NodeClients)
+        self.node_headers: dict[str, str] = {}
         self.disagg = Disaggregation(cfg.disagg)
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task] = set()

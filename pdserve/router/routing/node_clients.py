@@ -30,9 +30,9 @@ class _NodeTransport(httpx.AsyncHTTPTransport):
 
 class NodeClients:
     def __init__(
-        self, connect_timeout_s: float, max_concurrent: int, headers: dict[str, str] | None = None
+        self, connect_timeout_s: float, max_concurrent: int, auth: httpx.Auth | None = None
     ):
-        self._headers = headers or {}  # the cluster secret, on every request to a node
+        self._auth = auth  # signs every request to a node with the cluster secret
         self._timeout = httpx.Timeout(
             connect=connect_timeout_s, read=None, write=connect_timeout_s, pool=None
         )
@@ -49,7 +49,7 @@ class NodeClients:
             clients = [
                 httpx.AsyncClient(
                     timeout=self._timeout,
-                    headers=self._headers,
+                    auth=self._auth,
                     transport=_NodeTransport(
                         verify=self._ssl,
                         # keep-alive below uvicorn's 5 s, so a pool never reuses a connection the

@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from pdserve.infra.internal_auth import bearer_ok
 from pdserve.infra.logs import bind_request
+from pdserve.infra.request_signing import SignatureCheck, is_signed
 from pdserve.infra.sse import sse
 from pdserve.runtime.front import tokenize as node_tokenize
 from pdserve.runtime.front.process import OVERLOADED, NodeFront
@@ -190,11 +190,14 @@ def build_app(front: NodeFront, internal_token: str | None = None) -> FastAPI:
         headers = {"Retry-After": "1"} if e.code == OVERLOADED else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    # internal calls are signed with the cluster secret, which never crosses the network
+    app.add_middleware(
+        SignatureCheck, secret=internal_token, max_body=MAX_BODY, body_timeout_s=BODY_TIMEOUT_S
+    )
+
     def check_internal(request: Request) -> None:
-        if not bearer_ok(request.headers.get("authorization"), internal_token):
-            raise RequestError(
-                401, "missing or wrong cluster secret (send 'Authorization: Bearer ...')"
-            )
+        if not is_signed(request, internal_token):
+            raise RequestError(401, "internal endpoint: the request must be signed")
 
     add_generate(app, front, check_internal)
     add_abort(app, front, check_internal)
