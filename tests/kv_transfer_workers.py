@@ -22,9 +22,10 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 
 class Host:
     def __init__(self):
-        from pdserve.kv_transfer.mooncake import MooncakeEngine
+        from pdserve.kv_transfer.tcp_transport import make_engine
 
-        self.engine = MooncakeEngine("127.0.0.1", "tcp")
+        # PDSERVE_TRANSFER_PROTOCOL, as a rank reads it: pdserve's TCP transport by default
+        self.engine = make_engine("127.0.0.1", None, None)
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
 
     def _pool(self, name, num_pages, page_size, layers, token_bytes):

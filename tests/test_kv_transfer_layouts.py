@@ -1,5 +1,6 @@
-"""Byte-exact KV transfer over real Mooncake (TCP, loopback) between separate rank processes, for
-independent prefill/decode PP sizes and page sizes, scattered page tables and chunked sending."""
+"""Byte-exact KV transfer between separate rank processes over loopback, for independent
+prefill/decode PP sizes and page sizes, scattered page tables and chunked sending: on pdserve's
+authenticated TCP transport (the default) and on Mooncake's TCP transport."""
 
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ ROOMS = [(150, [50, 150]), (37, [37])]  # prompt tokens, chunk ends
 DONE = [int(KVPoll.Success), int(KVPoll.Failed)]
 
 
-@pytest.fixture(scope="module")
-def ranks():
+@pytest.fixture(scope="module", params=["tcp", "mooncake-tcp"])
+def ranks(request):
     ctx = mp.get_context("spawn")
     procs: dict[str, RankProcess] = {}
     try:
-        for name in ["P0", "P1", "P2", "D0", "D1", "D2", "D3", "D4"]:
-            procs[name] = RankProcess(ctx, name)
+        with pytest.MonkeyPatch.context() as mp_env:  # what the spawned ranks read at start
+            mp_env.setenv("PDSERVE_TRANSFER_PROTOCOL", request.param)
+            for name in ["P0", "P1", "P2", "D0", "D1", "D2", "D3", "D4"]:
+                procs[name] = RankProcess(ctx, name)
         yield procs
     finally:
         for p in procs.values():

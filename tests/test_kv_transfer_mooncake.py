@@ -16,7 +16,7 @@ SIZE, DESC = 1 << 20, 4096
 
 @pytest.fixture(scope="module")
 def engine():
-    return MooncakeEngine("127.0.0.1", "tcp")
+    return MooncakeEngine("127.0.0.1", "mooncake-tcp")
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from pdserve.kv_transfer.layout import PoolDesc
 from pdserve.kv_transfer.messages import Message, MessageError, decode_message, encode_message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
 from pdserve.kv_transfer.stats import TransferStats
+from pdserve.kv_transfer.tcp_transport import TcpTransferEngine, make_engine
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +124,12 @@ class KVManagerBase:
         pool: PoolDesc,
         pp_rank: int,
         aux_slots: int,
-        engine: MooncakeEngine | None = None,
+        engine: MooncakeEngine | TcpTransferEngine | None = None,
     ):
         self.config, self.pool, self.pp_rank = config, pool, pp_rank
         self.stats = TransferStats()
         self._prefix = f"[pid {os.getpid()} {self.side} pp{pp_rank}]"
-        self.engine = engine or MooncakeEngine(config.host, config.protocol, config.device)
+        self.engine = engine or make_engine(config.host, config.protocol, config.device)
         self.engine.register(pool.base_ptr, pool.nbytes)
         self.aux_slots = aux_slots
         self._aux = (ctypes.c_char * (aux_slots * config.aux_slot_bytes))()

@@ -25,7 +25,10 @@ from pdserve.kv_transfer.layout import Desc
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("auto", "tcp", "rdma")
+# "tcp": pdserve's authenticated transport (kv_transfer/tcp_transport.py); "mooncake-tcp":
+# Mooncake's own TCP transport, which listens on every interface without authentication
+# (docs/SECURITY.md), for comparison runs only.
+PROTOCOLS = ("auto", "tcp", "rdma", "mooncake-tcp")
 POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # sleep between status polls: doubles while nothing completes
 DRAIN_TIMEOUT_S = 30.0  # after a failure or stop: how long outstanding writes may take to end
 WRITE_TIMEOUT_S = 30.0  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
@@ -69,7 +72,7 @@ def resolve_protocol(
                 "PDSERVE_TRANSFER_DEVICE"
             )
         device = ",".join(found)
-    if protocol == "tcp":
+    if protocol in ("tcp", "mooncake-tcp"):
         device = ""
     return protocol, device
 
@@ -94,10 +97,16 @@ class MooncakeEngine:
                 "mooncake-transfer-engine (CUDA), and Debian's libibverbs1"
             ) from e
         self.protocol, self.device = resolve_protocol(protocol, device)
+        native = "tcp" if self.protocol in ("tcp", "mooncake-tcp") else self.protocol
+        if native == "tcp":
+            logger.warning(
+                "Mooncake's TCP transport listens on every interface and authenticates no peer "
+                "(docs/SECURITY.md); pdserve's own is --transfer-protocol tcp"
+            )
         self._te = TransferEngine()
-        quiet = BENIGN_START_LINES if self.protocol == "tcp" else BENIGN_START_LINES[:1]
+        quiet = BENIGN_START_LINES if native == "tcp" else BENIGN_START_LINES[:1]
         with native_log(logging.getLogger("mooncake"), quiet):
-            rc = self._te.initialize(host, "P2PHANDSHAKE", self.protocol, self.device)
+            rc = self._te.initialize(host, "P2PHANDSHAKE", native, self.device)
         if rc != 0:
             raise TransferError(
                 f"Mooncake initialize({host}, {self.protocol}, {self.device!r}) returned {rc}"

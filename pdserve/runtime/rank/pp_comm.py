@@ -21,6 +21,8 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import os
+import socket
 from collections import defaultdict, deque
 from typing import Any
 
@@ -42,6 +44,25 @@ class Msg(enum.IntEnum):
     SYNC = 5  # start-up agreement (capacities, addresses)
 
 
+def rendezvous_store(
+    init_method: str, rank: int, size: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """The PP group's rendezvous at `tcp://host:port`. Rank 0 serves it on a socket bound to that
+    host only: torch's own TCPStore server listens on every interface."""
+    if not init_method.startswith("tcp://"):
+        raise ValueError(f"PP rendezvous {init_method!r}: expected tcp://host:port")
+    host, _, port = init_method[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if rank != 0:
+        return dist.TCPStore(host, int(port), size, False, timeout)
+    fd = socket.create_server((host, int(port)), backlog=128).detach()
+    try:
+        return dist.TCPStore(host, int(port), size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class PPComm:
     def __init__(
         self,
@@ -56,12 +77,13 @@ class PPComm:
     ):
         self.rank, self.size = rank, size
         self.device = torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            init_method=init_method,
+            store=rendezvous_store(init_method, rank, size, timeout),
             rank=rank,
             world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         # Objects and headers always go over gloo; on NCCL, tensors get their own group.
         self.cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
