@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from cluster import (
     ROOT,
@@ -282,6 +284,31 @@ def test_every_node_requires_the_generated_secret(cluster):
             )
         else:
             assert HTTP.put(f"{node}/bootstrap_servers", json={"servers": []}).status_code == 401
+
+
+def test_every_process_listens_on_loopback_only(cluster):
+    """A local cluster (the router on 127.0.0.1): every listening socket of every one of its
+    processes (router, fronts and their ZMQ links, bootstrap server, ranks: KV data ports, KV
+    control, the PP rendezvous and gloo) is on loopback (docs/SECURITY.md)."""
+    _, proc, _ = cluster
+    root = psutil.Process(proc.pid)
+    listening: dict[tuple[int, str, int], str] = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            conns, cmd = p.net_connections(kind="inet"), " ".join(p.cmdline()[2:4])
+        except psutil.NoSuchProcess:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                listening[(p.pid, c.laddr.ip, c.laddr.port)] = cmd
+    # the router, 3 fronts and 6 ranks (prefill PP 2, two decode nodes PP 2) each listen
+    assert len({pid for pid, _, _ in listening}) >= 10, listening
+    wide = [
+        f"{cmd} (pid {pid}) on {ip}:{port}"
+        for (pid, ip, port), cmd in sorted(listening.items())
+        if not ipaddress.ip_address(ip).is_loopback
+    ]
+    assert not wide, "listening beyond loopback:\n" + "\n".join(wide)
 
 
 def test_the_secret_is_on_no_command_line(cluster):
