@@ -14,6 +14,7 @@ from collections import defaultdict
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4  # the copy of a sent frame; on loopback the same frame also comes in
+SOL_PACKET, PACKET_ADD_MEMBERSHIP, PACKET_MR_PROMISC = 263, 1, 1
 MAX_KEPT_BYTES = 64 << 20  # payload kept per run for the chosen ports
 
 
@@ -42,6 +43,9 @@ class Capture:
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         self._sock.bind((interface, 0))
+        # promiscuous: a bridge device sees the frames it forwards between its ports only so
+        mreq = struct.pack("iHH8s", socket.if_nametoindex(interface), PACKET_MR_PROMISC, 0, b"")
+        self._sock.setsockopt(SOL_PACKET, PACKET_ADD_MEMBERSHIP, mreq)
         self._sock.settimeout(0.2)
         self._thread = threading.Thread(target=self._run, name="capture", daemon=True)
 

@@ -20,6 +20,7 @@ class RankSpec:
     pp_size: int
     pp_rank: int
     dist_init: str  # tcp://host:port of the PP group's rendezvous
+    host: str = "127.0.0.1"  # this rank's own address: its PP group (gloo) listens there only
     req_addr: str = ""  # front -> PP0 (PP0 only)
     evt_addr: str = ""  # PP0 -> front (PP0 only)
     stats_addr: str = ""  # every rank -> front

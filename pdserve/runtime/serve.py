@@ -186,6 +186,7 @@ def make_specs(
             pp_rank=r,
             cpus=list(cores),
             dist_init=dist,
+            host=advertise_host(args) if args.nnodes > 1 else "127.0.0.1",
             req_addr=front_addrs.get("req", ""),
             evt_addr=front_addrs.get("evt", ""),
             stats_addr=front_addrs.get("stats", ""),

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import datetime
 import enum
+import fcntl
 import logging
 import os
 import socket
+import struct
 from collections import defaultdict, deque
 from typing import Any
 
@@ -42,6 +44,37 @@ class Msg(enum.IntEnum):
     OUTPUT = 3  # sampled tokens of the slot being harvested (the ring)
     VOTE = 4  # consensus traffic
     SYNC = 5  # start-up agreement (capacities, addresses)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds IPv4 `address`, or None."""
+    try:
+        want = socket.inet_aton(socket.gethostbyname(address))
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]
+            except OSError:
+                continue
+        if got == want:
+            return name
+    return None
+
+
+def use_interface_of(host: str) -> None:
+    """Gloo listens on one interface, by default the one the machine's hostname resolves to, which
+    on a host with several (or in a network namespace) is not the rank's own: point it at the
+    interface holding `host`, unless GLOO_SOCKET_IFNAME already names one."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_of(host)
+    if name is None:
+        log.warning("no interface holds %s: gloo picks its own", host)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def rendezvous_store(
@@ -74,8 +107,10 @@ class PPComm:
         timeout_s: float = 60.0,
         device: str = "cpu",
         comm_stream: bool = False,
+        host: str = "127.0.0.1",
     ):
         self.rank, self.size = rank, size
+        use_interface_of(host)
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(

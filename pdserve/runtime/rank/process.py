@@ -216,6 +216,7 @@ def join_pp_group(spec: RankSpec) -> PPComm:
         timeout_s=spec.pp_timeout_s,
         device=spec.device,
         comm_stream=spec.comm_stream,
+        host=spec.host,
     )
 
 
