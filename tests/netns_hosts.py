@@ -93,6 +93,27 @@ class Host:
             if r.returncode != 0:
                 raise RuntimeError(f"tc netem {spec}: {r.stderr.strip()}")
 
+    def cut_link_to(self, peer: str) -> None:
+        """Silently drops every packet this host sends to `peer`: an htb class whose queue holds
+        nothing (pfifo limit 0), chosen by a u32 filter on that address; every other host stays
+        reachable. (This kernel has no netem, prio or drop action; htb, pfifo and u32 it has.)"""
+        dev, fast = ["dev", "eth0"], ["htb", "rate", "100gbit"]
+        for argv in (
+            ["tc", "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "1"],
+            ["tc", "class", "add", *dev, "parent", "1:", "classid", "1:1", *fast],
+            ["tc", "class", "add", *dev, "parent", "1:", "classid", "1:2", *fast],
+            ["tc", "qdisc", "add", *dev, "parent", "1:2", "handle", "20:", "pfifo", "limit", "0"],
+            ["tc", "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32"]
+            + ["match", "ip", "dst", f"{peer}/32", "flowid", "1:2"],
+        ):
+            r = self.run(*argv)
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+    def heal(self) -> None:
+        """Removes every link condition of this host."""
+        self.run("tc", "qdisc", "del", "dev", "eth0", "root")
+
 
 class Hosts:
     """`count` hosts on one bridge; a context manager that always tears them down."""

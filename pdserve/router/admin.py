@@ -42,6 +42,7 @@ async def remove_worker(router, request: Request, t0: float) -> Response:
         raise ApiError(400, "give the worker as DELETE /workers?url=...", param="url")
     try:
         worker = router.registry.remove(url)
+        router.dispatcher.pairs.forget(url)
     except KeyError:
         raise ApiError(404, f"no worker {url} is registered", param="url") from None
     return JSONResponse({"removed": worker.describe()})
@@ -49,7 +50,12 @@ async def remove_worker(router, request: Request, t0: float) -> Response:
 
 async def list_workers(router: Router, request: Request, t0: float) -> Response:
     router.check_internal(request)
-    return JSONResponse({"workers": [w.describe() for w in router.registry.all()]})
+    return JSONResponse(
+        {
+            "workers": [w.describe() for w in router.registry.all()],
+            "pairs": router.dispatcher.pairs.describe(),  # router/routing/pair_health.py
+        }
+    )
 
 
 async def models(router: Router, request: Request, t0: float) -> Response:

@@ -177,6 +177,20 @@ def _add_fault_args(opt) -> None:
         help="half-open successes that close a breaker",
     )
     opt("--cb-open-seconds", B.open_s, float, help="seconds a breaker stays open")
+    P = RouterConfig().pair_breaker
+    opt(
+        "--pair-failure-threshold",
+        P.failure_threshold,
+        int,
+        help="failed disaggregated attempts on a (prefill, decode) pair before the router stops "
+        "pairing the two nodes",
+    )
+    opt(
+        "--pair-open-seconds",
+        P.open_s,
+        float,
+        help="seconds before an unpaired (prefill, decode) pair gets one request to try it again",
+    )
     opt("--max-retries", T.max_retries, int, help="retries before the first byte")
     opt("--retry-initial-backoff", T.initial_backoff_s, float, help="first backoff, seconds")
     opt("--retry-max-backoff", T.max_backoff_s, float, help="largest backoff, seconds")
@@ -288,6 +302,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         breaker=BreakerConfig(
             args.cb_failure_threshold, args.cb_success_threshold, args.cb_open_seconds
         ),
+        pair_breaker=BreakerConfig(args.pair_failure_threshold, 1, args.pair_open_seconds),
         retry=RetryConfig(
             max_retries=args.max_retries,
             initial_backoff_s=args.retry_initial_backoff,

@@ -138,6 +138,8 @@ class RouterConfig:
     debug_requests: int = 1000  # requests the /debug/requests timeline keeps (0: off)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # a (prefill, decode) pair's link (router/routing/pair_health.py): fails fast, probed soon
+    pair_breaker: BreakerConfig = field(default_factory=lambda: BreakerConfig(2, 1, 5.0))
     retry: RetryConfig = field(default_factory=RetryConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
@@ -160,6 +162,8 @@ class RouterConfig:
                 self.health.success_threshold,
                 self.breaker.failure_threshold,
                 self.breaker.success_threshold,
+                self.pair_breaker.failure_threshold,
+                self.pair_breaker.success_threshold,
             )
             < 1
         ):

@@ -50,6 +50,7 @@ async def state(router, request: Request, t0: float) -> Response:
                 {**w.describe(), "ranks": _ranks(info)}
                 for w, info in zip(workers, infos, strict=True)
             ],
+            "pairs": router.dispatcher.pairs.describe(),
         }
     )
 

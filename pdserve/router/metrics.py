@@ -117,6 +117,19 @@ class RouterMetrics:
             ["worker", "state"],
             registry=self.registry,
         )
+        self.pair_state = Gauge(
+            "pdserve_router_pair_circuit_state",
+            "1 for the breaker state a (prefill, decode) pair is in (closed, open, half_open), "
+            "else 0: open while the router does not pair the two nodes",
+            ["prefill", "decode", "state"],
+            registry=self.registry,
+        )
+        self.pair_failures = Counter(
+            "pdserve_router_pair_failures_total",
+            "Disaggregated attempts that failed on a (prefill, decode) pair",
+            ["prefill", "decode"],
+            registry=self.registry,
+        )
 
     def _refusal_counters(self) -> None:
         """Attempts retried on a new pair, requests refused by admission control."""
@@ -146,6 +159,23 @@ class RouterMetrics:
         self.worker_healthy.labels(worker=url, role=role).set(1 if healthy else 0)
         for state in CIRCUIT_STATES:
             self.circuit_state.labels(worker=url, state=state).set(1 if state == circuit else 0)
+
+    def set_pair(self, prefill: str, decode: str, circuit: str) -> None:
+        for state in CIRCUIT_STATES:
+            self.pair_state.labels(prefill=prefill, decode=decode, state=state).set(
+                1 if state == circuit else 0
+            )
+
+    def forget_pair(self, prefill: str, decode: str) -> None:
+        for state in CIRCUIT_STATES:
+            try:
+                self.pair_state.remove(prefill, decode, state)
+            except KeyError:
+                pass
+        try:
+            self.pair_failures.remove(prefill, decode)
+        except KeyError:
+            pass
 
     def forget_worker(self, url: str, role: str) -> None:
         series = [(self.worker_healthy, (url, role))]

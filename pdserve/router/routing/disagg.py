@@ -43,6 +43,7 @@ DECODE_ONLY_REASONS = (
     "short_prompt",
     "decode_prefix_hit",
     "prefill_queue",
+    "pair_down",  # every prefill node's pair with this decode node is down (pair_health.py)
 )
 DISAGGREGATED_REASONS = ("default",)
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import random
+from collections.abc import Callable
 
 import httpx
 
@@ -25,6 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing.attempt import Attempt, Failure, Route
 from pdserve.router.routing.disagg import Disaggregation
 from pdserve.router.routing.node_clients import NodeClients
+from pdserve.router.routing.pair_health import FAILURE_CODES_NOT_THE_LINK, PairHealth
 from pdserve.router.routing.policies import make_policy
 from pdserve.router.routing.workers import Worker, WorkerRegistry
 
@@ -50,12 +52,22 @@ class Dispatcher:
         # each request with it (NodeClients)
         self.node_headers: dict[str, str] = {}
         self.disagg = Disaggregation(cfg.disagg)
+        self.pairs = PairHealth(cfg.pair_breaker, metrics)
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task] = set()
 
     # --- choosing -------------------------------------------------------------------------
-    def _choose(self, role: str, key: str, exclude: set[str], model: str | None) -> Worker | None:
+    def _choose(
+        self,
+        role: str,
+        key: str,
+        exclude: set[str],
+        model: str | None,
+        usable: Callable[[Worker], bool] | None = None,
+    ) -> Worker | None:
         eligible = self.registry.serving(model, role)
+        if usable is not None:  # a hard filter, unlike `exclude`
+            eligible = [w for w in eligible if usable(w)]
         fresh = [w for w in eligible if w.url not in exclude] or eligible
         return self.policies[role].select(fresh, key) if fresh else None
 
@@ -71,8 +83,7 @@ class Dispatcher:
         better prefilled there (router/routing/disagg.py), no prefill node can serve it or a prefill
         leg of this request failed; else a colocated worker serving it."""
         if self.registry.has_role("prefill") or self.registry.has_role("decode"):
-            decode = self._choose("decode", key, exclude, model)
-            prefill = None if prefill_failed else self._choose("prefill", key, exclude, model)
+            decode, prefill = self._choose_pair(key, exclude, model, prefill_failed)
             if decode:
                 body = body or {}
                 chars = 0 if isinstance(body.get("input_ids"), list) else len(key)
@@ -82,6 +93,8 @@ class Dispatcher:
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
                     reason = "prefill_failed" if prefill_failed else "no_prefill"
+                    if not prefill_failed and self.registry.serving(model, "prefill"):
+                        reason = "pair_down"  # prefill nodes serve, none paired with this one
                 keep = prefill if path == "disaggregated" else None
                 self.disagg.routed(key, decode.url, keep.url if keep else None)
                 self.metrics.route_decision(path, reason)
@@ -101,6 +114,23 @@ class Dispatcher:
             type="server_error",
             code="no_available_workers",
         )
+
+    def _choose_pair(
+        self, key: str, exclude: set[str], model: str | None, prefill_failed: bool
+    ) -> tuple[Worker | None, Worker | None]:
+        """A decode node, preferring those with a usable pair (pair_health.py), and a prefill node
+        usable with it (None: none is, or this request's prefill leg failed)."""
+        prefills = [] if prefill_failed else self.registry.serving(model, "prefill")
+
+        def paired(d: Worker) -> bool:
+            return any(self.pairs.usable(p.url, d.url) for p in prefills)
+
+        decode = (prefills and self._choose("decode", key, exclude, model, paired)) or None
+        decode = decode or self._choose("decode", key, exclude, model)
+        if decode is None or not prefills:
+            return decode, None
+        usable = lambda p: self.pairs.usable(p.url, decode.url)  # noqa: E731
+        return decode, self._choose("prefill", key, exclude, model, usable)
 
     def _eligible(self, route: Route, model: str | None) -> bool:
         return all(
@@ -146,10 +176,16 @@ class Dispatcher:
                 raise last.to_api_error() from None  # the cause says more than "none left"
             attempt = Attempt(self, route, body, stream)
             bind_request(attempt.rid)  # this request's log lines carry its rid (JSON format)
+            pair = (route.prefill.url, route.decode.url) if route.prefill is not None else None
+            if pair is not None:
+                self.pairs.on_dispatch(*pair)
+            verdict: bool | None = None  # the pair's, settled once in `finally`
             try:
                 await attempt.start()
+                verdict = True
                 return attempt
             except Failure as failure:
+                verdict = None if failure.code in FAILURE_CODES_NOT_THE_LINK else False
                 last = failure
                 log = logger.warning if failure.status >= 500 else logger.info
                 log("rid=%s attempt %d failed: %s", attempt.rid, n, failure.message)
@@ -164,6 +200,9 @@ class Dispatcher:
                     # (the prefill node's bootstrap server unreachable, its rank silent) as its own
                     # abort, and cache_aware would send the retry to the same prefill node again.
                     exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
+            finally:
+                if pair is not None:
+                    self.pairs.record(*pair, verdict)
             self.metrics.retries.inc()
             await asyncio.sleep(self.backoff(n))
             n += 1

@@ -1,0 +1,140 @@
+"""Health per (prefill, decode) pair on real hosts (router/routing/pair_health.py): two prefill and
+two decode nodes on four hosts and a router on the fifth (tests/netns_hosts.py). The link between
+one prefill host and one decode host is cut both ways (every packet between the two dropped,
+silently), while each stays reachable from every other host. Requests keep being answered exactly
+(none lost: the router retries them on a good pair), the router stops pairing those two nodes
+while both stay healthy, tries the pair again once per open period, and pairs them again once
+the link heals."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import httpx
+import pytest
+from cluster import ClusterAuth, node_args
+from netns_hosts import Hosts, can_make_hosts
+from reference import hf_greedy, load_hf
+
+from pdserve.infra.zygote import ENV as ZYGOTE_ENV
+
+WHY_NOT = can_make_hosts()
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "hosts can be made")
+
+MAX_NEW = 6
+PROMPTS = [[i, 7 + i, 3, 99 - i, 42, 5 + 2 * i] for i in range(1, 9)]
+API_KEY = "sk-pairs"
+OPEN_S = 5.0  # --pair-open-seconds
+KV_TIMEOUTS = {
+    "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "3",
+    "PDSERVE_KV_WAITING_TIMEOUT_S": "3",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "3",
+    "PDSERVE_RANK_CONSENSUS_CHECK": "1",
+}
+
+
+def commands(model: str, addrs: list[str]) -> list[list[str]]:
+    p1, p2, d1, d2, r = addrs
+    node = ["--model", model, *node_args()]
+    router = ["router", "--host", r, "--port", "8000", "--health-interval", "1"]
+    for p in (p1, p2):
+        router += ["--prefill", f"http://{p}:30000", "8998"]
+    for d in (d1, d2):
+        router += ["--decode", f"http://{d}:30001"]
+    router += ["--disagg-min-prompt-tokens", "0", "--disagg-decode-prefix-fraction", "2"]
+    router += ["--disagg-local-prefill-cost", "0", "--pair-open-seconds", str(OPEN_S)]
+    # one failure unpairs (the default is 2); random choices try every pair, the cut one too
+    router += ["--pair-failure-threshold", "1"]
+    router += ["--prefill-policy", "random", "--decode-policy", "random"]
+    return [
+        ["prefill", *node, "--host", p1, "--port", "30000", "--bootstrap-port", "8998"],
+        ["prefill", *node, "--host", p2, "--port", "30000", "--bootstrap-port", "8998"],
+        ["decode", *node, "--host", d1, "--port", "30001"],
+        ["decode", *node, "--host", d2, "--port", "30001"],
+        router,
+    ]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny6, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pairs")
+    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+    env |= {**KV_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": "pairs-secret", "PDSERVE_API_KEY": API_KEY}
+    with Hosts(5, net=1) as hosts:
+        addrs = [h.addr for h in hosts.hosts]
+        logs = [tmp / f"host{i}.log" for i in range(5)]
+        for h, cmd, log in zip(hosts.hosts, commands(str(tiny6), addrs), logs, strict=True):
+            h.popen([sys.executable, "-m", "pdserve.cli", *cmd], log, env)
+        url, auth = f"http://{addrs[4]}:8000", ClusterAuth("pairs-secret")
+        deadline = time.monotonic() + 300
+        while True:
+            dead = [h.name for h in hosts.hosts if any(p.poll() is not None for p in h.procs)]
+            assert not dead, {str(f): f.read_text()[-2000:] for f in logs}
+            try:
+                workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
+                if len(workers) == 4 and all(w["healthy"] for w in workers):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, {str(f): f.read_text()[-2000:] for f in logs}
+            time.sleep(1)
+        yield {"url": url, "auth": auth, "hosts": hosts, "addrs": addrs}
+
+
+def _generate(url: str, ids: list[int]) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}}
+    r = httpx.post(
+        f"{url}/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["token_ids"]
+
+
+def _state(url: str, auth) -> tuple[dict, dict]:
+    listing = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()
+    workers = {w["url"]: w for w in listing["workers"]}
+    pairs = {(p["prefill"], p["decode"]): p for p in listing["pairs"]}
+    return workers, pairs
+
+
+def test_a_cut_link_unpairs_two_healthy_nodes_until_it_heals(cluster, tiny6):
+    url, auth, hosts, addrs = cluster["url"], cluster["auth"], cluster["hosts"], cluster["addrs"]
+    ref = hf_greedy(load_hf(tiny6), PROMPTS, MAX_NEW)
+    p1, d1 = f"http://{addrs[0]}:30000", f"http://{addrs[2]}:30001"
+    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    _, pairs = _state(url, auth)
+    assert {p["state"] for p in pairs.values()} == {"closed"}
+
+    hosts[0].cut_link_to(addrs[2])
+    hosts[2].cut_link_to(addrs[0])
+    cut_at, sent = time.monotonic(), 0
+    while pairs.get((p1, d1), {}).get("state") not in ("open", "half_open"):
+        assert sent < 60, f"the cut pair never opened: {pairs}"  # P(never picked) < 1e-7
+        i = sent % len(PROMPTS)
+        assert _generate(url, PROMPTS[i]) == ref[i]  # none lost, none changed
+        sent += 1
+        workers, pairs = _state(url, auth)
+    cut = pairs[(p1, d1)]
+    assert cut["failures"] >= 1, pairs
+    assert all(w["healthy"] for w in workers.values()), workers  # both nodes serve other pairs
+    assert all(p["state"] == "closed" for k, p in pairs.items() if k != (p1, d1)), pairs
+
+    # unpaired: the cut pair gets at most one trial per open period while requests flow
+    before, start = cut["failures"], time.monotonic()
+    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    _, pairs = _state(url, auth)
+    periods = 1 + int((time.monotonic() - start) / OPEN_S)
+    assert pairs[(p1, d1)]["failures"] - before <= periods, pairs
+    print(f"cut to unpaired and {len(PROMPTS)} more answered: {time.monotonic() - cut_at:.1f} s")
+
+    hosts[0].heal()
+    hosts[2].heal()
+    deadline = time.monotonic() + 120
+    while pairs[(p1, d1)]["state"] != "closed":
+        assert time.monotonic() < deadline, pairs
+        assert _generate(url, PROMPTS[0]) == ref[0]
+        _, pairs = _state(url, auth)
+    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    assert all(p["state"] == "closed" for p in _state(url, auth)[1].values())
