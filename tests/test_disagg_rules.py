@@ -172,6 +172,7 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
                     "short_prompt",
                     "decode_prefix_hit",
                     "prefill_queue",
+                    "pair_down",
                 )
             ),
         }
