@@ -1,16 +1,18 @@
-"""KV transfer benchmark: kv_transfer vs one raw Mooncake write, on this machine, in one run.
+"""KV transfer benchmark: kv_transfer vs one raw write of its engine, on this machine, in one run.
 
 The KV of a 2,048-token SmolLM2-135M prompt (fp32: 30 layers x 2 x 2,048 tokens x 768 B = 94.4 MB,
 pages of 16 tokens = 128 pages, scattered page tables on both sides) moves from the prefill ranks to
 the decode ranks of a layout, each rank sending exactly its layer slice. Two processes (one per
-node; the ranks of a node share that process's Mooncake engine), Mooncake TCP on loopback.
+node; the ranks of a node share that process's transfer engine) on loopback: `--protocol tcp`,
+pdserve's authenticated TCP transport (the default), or `mooncake-tcp`, Mooncake's TCP transport.
 
 Reported: effective GB/s of one room (send_chunk on prefill -> Success on every decode rank, aux
-included) vs a single raw `batch_transfer_sync_write` of the same total bytes between the same two
-engines, their ratio (target >= 0.8), and per-room latency with 1, 8 and 32 rooms in flight.
+included) vs a single raw write of the same total bytes between the same two engines (one
+descriptor: `write` of pdserve's engine, Mooncake's `batch_transfer_sync_write`), their ratio
+(target >= 0.8), and per-room latency with 1, 8 and 32 rooms in flight.
 
-    .venv/bin/python bench/bench_kv_transfer.py [--layouts 1x1,2x3,3x2]
-        [--out bench/results/kv_transfer.md]
+    .venv/bin/python bench/bench_kv_transfer.py [--layouts 1x1,2x3,3x2] [--protocol tcp]
+        [--out bench/results/kv_transfer_tcp.md]
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ class Node:
     """All ranks of one node in this process, one shared Mooncake engine."""
 
     def __init__(self):
-        from pdserve.kv_transfer.mooncake import MooncakeEngine
+        from pdserve.kv_transfer.tcp_transport import make_engine
 
-        self.engine = MooncakeEngine("127.0.0.1", "tcp")
+        self.engine = make_engine("127.0.0.1", os.environ["BENCH_PROTOCOL"], None)
         self.mgrs, self.bufs, self.rooms, self.raw = [], [], {}, []
 
     def _pool(self, num_pages, layers):
@@ -103,10 +105,13 @@ class Node:
 
     def raw_write(self, src_ptr, session, dst_ptr, nbytes):
         t = time.perf_counter()
-        rc = self.engine._te.batch_transfer_sync_write(
-            session, [src_ptr], [dst_ptr], [nbytes]
-        )  # plain Mooncake
-        assert rc == 0, f"raw write returned {rc}"
+        if self.engine.protocol == "tcp":
+            self.engine.write(session, [(src_ptr, dst_ptr, nbytes)], 1)
+        else:
+            rc = self.engine._te.batch_transfer_sync_write(
+                session, [src_ptr], [dst_ptr], [nbytes]
+            )  # plain Mooncake
+            assert rc == 0, f"raw write returned {rc}"
         return time.perf_counter() - t
 
     def open_rooms(self, side, rooms, bootstrap_addr):
@@ -206,6 +211,7 @@ def run_layout(pre, dec, p_pp, d_pp, repeats, raw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1x1,2x3,3x2")
+    ap.add_argument("--protocol", default="tcp", choices=("tcp", "mooncake-tcp"))
     ap.add_argument(
         "--repeats", type=int, default=9
     )  # the raw write alone swings 0.8-1.9 GB/s here
@@ -214,6 +220,7 @@ def main():
         default=os.path.join(os.path.dirname(__file__), "results", "kv_transfer.md"),
     )
     args = ap.parse_args()
+    os.environ["BENCH_PROTOCOL"] = args.protocol  # the spawned node processes read it
     ctx = mp.get_context("spawn")
     pre, dec = Proc(ctx), Proc(ctx)
     try:
@@ -225,8 +232,8 @@ def main():
             "",
             f"KV of a {PROMPT}-token SmolLM2-135M prompt, fp32, {NUM_LAYERS} layers, "
             f"pages of {PAGE_SIZE}: {KV_BYTES / 1e6:.1f} MB per room, scattered page tables; "
-            f"Mooncake TCP on loopback, {os.cpu_count()} cores shared with other jobs. "
-            f"Raw = one `batch_transfer_sync_write` of the same {KV_BYTES / 1e6:.1f} MB (one "
+            f"transfer protocol `{args.protocol}` on loopback, {os.cpu_count()} cores shared with "
+            f"other jobs. Raw = one write of the same {KV_BYTES / 1e6:.1f} MB (one "
             "descriptor) between the same two engines, measured interleaved with the 1-room runs; "
             f"medians of {args.repeats}.",
             "",

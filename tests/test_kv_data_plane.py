@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pdserve.kv_transfer import tcp_transport as tt
 from pdserve.kv_transfer.mooncake import TransferError
@@ -105,9 +106,10 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 
 def _frame(seq: int, addr: int, payload: bytes, key: bytes = b"\0" * 32) -> bytes:
+    """A write frame as a writer seals it (AES-256-GCM under the connection's key)."""
     head = tt._FRAME.pack(tt.WRITE, seq, 1, len(payload))
     entries = tt._ENTRY.pack(addr, len(payload))
-    return head + entries + payload + tt._mac(key, head, entries, payload)
+    return head + entries + AESGCM(key).encrypt(tt._nonce(0, seq), payload, head + entries)
 
 
 def test_peers_without_the_secret_change_nothing(pair):
@@ -237,7 +239,7 @@ def test_malformed_frames_from_an_authenticated_peer_are_cut_off(pair):
     def session() -> tuple[socket.socket, bytes]:
         s = _connect(target)
         client = tt._Client.handshake(s, writer._key, target.session_id)
-        return s, client.key
+        return s, client.key  # the connection's key, which seals its frames
 
     cases = [
         lambda k: _frame(2, dst.ptr, payload, k),  # sequence skips

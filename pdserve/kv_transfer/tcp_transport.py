@@ -9,8 +9,12 @@ writes (docs/SECURITY.md). This transport has the same seam as kv_transfer/moonc
 - listens only on the address it is given (loopback for a local cluster);
 - admits a connection only after a challenge-response on the cluster secret (the secret itself
   never crosses the wire), in both directions, from which a key for this connection is derived;
-- carries writes in frames, each with a sequence number and an HMAC under that key: a frame from
-  anyone else, replayed, reordered or changed is refused and the connection closed;
+- carries writes in frames sealed with AES-256-GCM under that key (the header and the ranges as
+  associated data, the nonce from the direction and the frame's sequence number): the KV is
+  encrypted, and a frame from anyone else, replayed, reordered or changed fails its tag, is
+  refused and the connection closed. AES-GCM (the `cryptography` package, OpenSSL's AES-NI code)
+  seals 4.6 GB/s and opens 7.9 GB/s on one core here; HMAC-SHA256 hashed 1.5 GB/s, which held the
+  transport at 0.64 GB/s on a 2-core machine, hashing on both sides;
 - writes a frame only once its MAC holds and every range it names lies inside memory this process
   registered, so nothing else of the process can be touched; it has no read operation at all;
 - bounds everything: the connections at once, the frame size, the entries of a frame, and the time
@@ -34,6 +38,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from pdserve.infra.channel_auth import channel_key
 from pdserve.kv_transfer.layout import Desc
 from pdserve.kv_transfer.mooncake import WRITE_TIMEOUT_S, TransferError
@@ -43,7 +50,8 @@ logger = logging.getLogger(__name__)
 CHANNEL = "kv-data"
 MAGIC = b"PKV1"
 NONCE = 32
-TAG = 32
+TAG = 32  # handshake proofs (HMAC-SHA256)
+SEAL = 16  # a frame's AES-GCM tag
 _FRAME = struct.Struct("<4sQII")  # kind, seq, entries, payload bytes
 _ENTRY = struct.Struct("<QI")  # destination address, length
 _ACK = struct.Struct("<4sQI")  # b"ACK_", seq, status
@@ -63,6 +71,11 @@ def _mac(key: bytes, *parts: bytes | memoryview) -> bytes:
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+def _nonce(direction: int, seq: int) -> bytes:
+    """Unique per key: one key per connection, 0 for the writer's frames, 1 for the answers."""
+    return bytes([direction]) + seq.to_bytes(8, "little") + b"\0\0\0"
 
 
 def _recv_exactly(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes:
@@ -248,7 +261,9 @@ class _Client:
     """One authenticated connection to a peer's listener, used by one write at a time."""
 
     def __init__(self, sock: socket.socket, key: bytes, session_id: str):
-        self.sock, self.key, self.seq, self.session_id = sock, key, 0, session_id
+        self.sock, self.aead, self.seq, self.session_id = sock, AESGCM(key), 0, session_id
+        self.key = key
+        self._buf = bytearray()  # one frame's payload, gathered
 
     @classmethod
     def handshake(cls, sock: socket.socket, key: bytes, session_id: str) -> _Client:
@@ -273,31 +288,42 @@ class _Client:
                 break
             self._settimeout(deadline)
             self.seq += 1
-            head = _FRAME.pack(WRITE, self.seq, len(frame), sum(d[2] for d in frame))
+            size = sum(d[2] for d in frame)
+            head = _FRAME.pack(WRITE, self.seq, len(frame), size)
             entries = b"".join(_ENTRY.pack(d[1], d[2]) for d in frame)
-            views = [memoryview((ctypes.c_char * d[2]).from_address(d[0])).cast("B") for d in frame]
-            tag = _mac(self.key, head, entries, *views)
+            # the frame's ranges gathered into one buffer: one MAC update and one send per frame
+            # (per range, the Python calls cost more than the bytes: 0.34 GB/s at 12 KB ranges)
+            payload = self._gather(frame, size)
+            sealed = self.aead.encrypt(_nonce(0, self.seq), payload, head + entries)
             self.sock.sendall(head + entries)
-            for v in views:
-                self.sock.sendall(v)
-            self.sock.sendall(tag)
+            self.sock.sendall(sealed)
         self._flush(deadline)
         if stopped:
             raise TransferError("stopped")
+
+    def _gather(self, frame: Sequence[Desc], size: int) -> memoryview:
+        if len(self._buf) < size:
+            self._buf = bytearray(size)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
+        off = 0
+        for src, _, n in frame:
+            ctypes.memmove(base + off, src, n)
+            off += n
+        return memoryview(self._buf)[:size]
 
     def _flush(self, deadline: float) -> None:
         """Every frame sent has been written (or refused) once the peer acknowledges this."""
         self._settimeout(deadline)
         self.seq += 1
         head = _FRAME.pack(FLUSH, self.seq, 0, 0)
-        self.sock.sendall(head + _mac(self.key, head))
-        ack = _recv_exactly(self.sock, _ACK.size + TAG)
+        self.sock.sendall(head + self.aead.encrypt(_nonce(0, self.seq), b"", head))
+        ack = _recv_exactly(self.sock, _ACK.size + SEAL)
         kind, seq, status = _ACK.unpack(ack[: _ACK.size])
-        if (
-            kind != b"ACK_"
-            or seq != self.seq
-            or not hmac.compare_digest(ack[_ACK.size :], _mac(self.key, ack[: _ACK.size]))
-        ):
+        try:
+            self.aead.decrypt(_nonce(1, self.seq), ack[_ACK.size :], ack[: _ACK.size])
+        except InvalidTag:
+            raise ConnectionError("bad acknowledgement") from None
+        if kind != b"ACK_" or seq != self.seq:
             raise ConnectionError("bad acknowledgement")
         if status != OK:
             what = "a range outside its registered memory" if status == BAD_RANGE else "a frame"
@@ -335,7 +361,7 @@ class _Server:
     """The listener's side of one connection: frames in order, each checked whole, then written."""
 
     def __init__(self, sock: socket.socket, key: bytes, regions: _Regions, engine):
-        self.sock, self.key, self.regions, self.engine = sock, key, regions, engine
+        self.sock, self.aead, self.regions, self.engine = sock, AESGCM(key), regions, engine
         self.seq = 0
         self.failed = OK  # once a frame is refused, nothing more is written on this connection
         self._payload = bytearray()
@@ -353,10 +379,12 @@ class _Server:
                 raise ValueError(f"frame out of order or of unknown kind {kind!r}")
             self.seq = seq
             if kind == FLUSH:
-                if not hmac.compare_digest(_recv_exactly(self.sock, TAG), _mac(self.key, head)):
-                    raise ValueError("bad flush tag")
+                try:
+                    self.aead.decrypt(_nonce(0, seq), _recv_exactly(self.sock, SEAL), head)
+                except InvalidTag:
+                    raise ValueError("bad flush tag") from None
                 ack = _ACK.pack(b"ACK_", seq, self.failed)
-                self.sock.sendall(ack + _mac(self.key, ack))
+                self.sock.sendall(ack + self.aead.encrypt(_nonce(1, seq), b"", ack))
                 if self.failed != OK:
                     return
                 continue
@@ -369,14 +397,15 @@ class _Server:
         ranges = [_ENTRY.unpack_from(entries, i * _ENTRY.size) for i in range(n)]
         if sum(r[1] for r in ranges) != size or any(r[1] == 0 for r in ranges):
             raise ValueError("frame ranges do not add up to its payload")
-        if len(self._payload) < size:
-            self._payload = bytearray(size)
-        payload = memoryview(self._payload)[:size]
-        _recv_exactly(self.sock, size, payload)
-        tag = _recv_exactly(self.sock, TAG)
-        if not hmac.compare_digest(tag, _mac(self.key, head, entries, payload)):
+        if len(self._payload) < size + SEAL:
+            self._payload = bytearray(size + SEAL)
+        sealed = memoryview(self._payload)[: size + SEAL]
+        _recv_exactly(self.sock, size + SEAL, sealed)
+        try:
+            payload = self.aead.decrypt(_nonce(0, self.seq), sealed, head + entries)
+        except InvalidTag:
             self.engine.refused += 1
-            raise ValueError("bad frame tag")  # not from the authenticated peer: cut off
+            raise ValueError("bad frame tag") from None  # not from the authenticated peer: cut off
         if self.failed != OK:
             return
         with self.regions.lock:
@@ -384,9 +413,8 @@ class _Server:
                 self.failed = BAD_RANGE
                 self.engine.refused += 1
                 return
-            off = 0
-            base = ctypes.addressof(ctypes.c_char.from_buffer(self._payload))
-            for addr, k in ranges:
+            off, base = 0, ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p).value
+            for addr, k in ranges:  # from the decrypted bytes in place, no slice copies
                 ctypes.memmove(addr, base + off, k)
                 off += k
 
