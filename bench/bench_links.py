@@ -10,7 +10,10 @@ which this machine's kernel lacks (sch_netem: "Specified qdisc kind is unknown")
 for it and adds --rtts rows where it exists.
 
     sudo .venv/bin/python bench/bench_links.py [--rates 10gbit,1gbit] [--rounds 2]
-        [--out bench/results/links.md]
+        [--protocols tcp,mooncake-tcp] [--out bench/results/links.md]
+
+With several --protocols, a cluster per KV transfer protocol runs the same conditions in turn; every
+row is a ratio to the first protocol's unshaped link.
 """
 
 from __future__ import annotations
@@ -96,21 +99,35 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=6, help="per condition and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--protocols", default="tcp,mooncake-tcp")
     ap.add_argument("--out", default=str(ROOT / "bench/results/links.md"))
     args = ap.parse_args()
+    res: dict[str, dict[str, list[float]]] = {}
+    for protocol in args.protocols.split(","):
+        for cond, values in run_cluster(args, protocol).items():
+            res[f"{protocol}, {cond}"] = values
+    write_table(args, res, f"{args.protocols.split(',')[0]}, none")
+    return 0
+
+
+def run_cluster(args, protocol: str) -> dict[str, dict[str, list[float]]]:
+    """One cluster on one KV transfer protocol, every condition in alternating rounds."""
     if why := can_make_hosts():
         sys.exit(f"bench_links: {why}")
     env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
     env |= {"PDSERVE_INTERNAL_TOKEN": SECRET, "PDSERVE_API_KEY": API_KEY}
     env["PDSERVE_LOG_LEVEL"] = "WARNING"
+    env["PDSERVE_TRANSFER_PROTOCOL"] = protocol
     model = ["--model", args.model] if args.model else []
     log_dir = Path("/tmp/bench_links")
     log_dir.mkdir(exist_ok=True)
     with Hosts(3, net=3) as hosts:
         p, d, r = (h.addr for h in hosts.hosts)
         cmds = [
-            ["prefill", *model, "--host", p, "--port", "30000", "--bootstrap-port", "8998"],
-            ["decode", *model, "--host", d, "--port", "30001"],
+            # no prefix caches: every request prefills and moves its whole prompt
+            ["prefill", *model, "--no-prefix-cache", "--host", p, "--port", "30000"]
+            + ["--bootstrap-port", "8998"],
+            ["decode", *model, "--no-prefix-cache", "--host", d, "--port", "30001"],
             ["router", "--host", r, "--port", "8000", "--prefill", f"http://{p}:30000", "8998"]
             + ["--decode", f"http://{d}:30001", "--disagg-min-prompt-tokens", "0"]
             + ["--disagg-decode-prefix-fraction", "2", "--disagg-local-prefill-cost", "0"],
@@ -136,14 +153,15 @@ def main() -> int:
         res: dict[str, dict[str, list[float]]] = {
             c: {"ttft": [], "itl": [], "kv": []} for c in conditions
         }
+        serial = 0  # every prompt of the run differs from every other
         for rnd in range(args.rounds):
             for cond in conditions:
                 shape(shaped, cond)
                 s0, c0 = kv_seconds(prefill_url)
-                for i in range(args.requests):
+                for _ in range(args.requests):
+                    serial += 1
                     prompt = [
-                        (rnd * 7919 + i * 104729 + j * 31) % 40000 + 100
-                        for j in range(args.prompt_tokens)
+                        (serial * 7919 + j * 31) % 40000 + 100 for j in range(args.prompt_tokens)
                     ]
                     ttft, gaps = one_request(url, prompt, args.max_tokens)
                     res[cond]["ttft"].append(ttft)
@@ -153,7 +171,11 @@ def main() -> int:
                 ttft_ms = statistics.median(res[cond]["ttft"]) * 1e3
                 print(f"round {rnd} {cond}: TTFT p50 {ttft_ms:.0f} ms", flush=True)
         shape(shaped, "none")
-    base = res["none"]
+    return res
+
+
+def write_table(args, res: dict[str, dict[str, list[float]]], reference: str) -> None:
+    base = res[reference]
 
     def pct(xs, q):
         xs = sorted(xs)
@@ -165,15 +187,14 @@ def main() -> int:
         f"`bench/bench_links.py`: prefill, decode and router on three network namespaces, the "
         f"client a fourth; prompts of {args.prompt_tokens} tokens, {args.max_tokens} streamed "
         f"tokens, one request at a time, every one disaggregated; {args.requests} requests per "
-        f"condition in each of {args.rounds} alternating rounds. Ratios to the unshaped link in "
-        "the same run. Rates: tbf on both hosts' interfaces. This kernel has no netem, so no RTT "
-        "or loss rows.",
+        f"condition in each of {args.rounds} alternating rounds. Ratios to `{reference}` in the "
+        "same run (a cluster per KV transfer protocol, in turn). Rates: tbf on both hosts' "
+        "interfaces. This kernel has no netem, so no RTT or loss rows.",
         "",
-        "| link | KV transfer per request | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
+        "| link | KV: first chunk sent to all landed | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
         "|---|---|---|---|---|---|",
     ]
-    for cond in conditions:
-        c = res[cond]
+    for cond, c in res.items():
         ratios = [statistics.median(c["kv"]) / statistics.median(base["kv"])]
         ratios += [pct(c[k], q) / pct(base[k], q) for k in ("ttft", "itl") for q in (0.5, 0.99)]
         lines.append(f"| {cond} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
@@ -181,12 +202,12 @@ def main() -> int:
     ttft_ms, itl_ms = pct(base["ttft"], 0.5) * 1e3, pct(base["itl"], 0.5) * 1e3
     lines += [
         "",
-        f"Unshaped (the reference; absolute, this machine): KV transfer {kv_ms:.1f} ms per "
-        f"request, TTFT p50 {ttft_ms:.0f} ms, ITL p50 {itl_ms:.1f} ms.",
+        f"`{reference}` (absolute, this machine): first KV chunk sent to all landed "
+        f"{kv_ms:.1f} ms per request (the chunks are sent as the prefill computes them), "
+        f"TTFT p50 {ttft_ms:.0f} ms, ITL p50 {itl_ms:.1f} ms.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,10 @@ class Host:
         self.run("tc", "qdisc", "del", "dev", "eth0", "root")
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 class Hosts:
     """`count` hosts on one bridge; a context manager that always tears them down."""
 
@@ -130,6 +135,9 @@ class Hosts:
 
     def __enter__(self) -> Hosts:
         self._teardown()  # a stale set of the same names
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM ends a process without unwinding: raise instead, so __exit__ tears down
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._make()
         except BaseException:

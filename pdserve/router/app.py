@@ -56,7 +56,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         openapi_url=None,
     )
     app.state.router = router
-    app.add_middleware(SignatureCheck, secret=config.internal_token)  # see Router.check_internal
+    # see Router.check_internal; a signed body is bounded like any other
+    app.add_middleware(SignatureCheck, secret=config.internal_token, max_body=config.max_body_bytes)
     for method, path, handler in ENDPOINTS:
 
         async def endpoint(request: Request, path=path, handler=handler):
