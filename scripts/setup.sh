@@ -42,6 +42,12 @@ if [ "${1:-}" = "--test" ] && ! { command -v spin >/dev/null && command -v cc >/
     say "installing spin gcc (the protocol model checker; tests only)"
     apt_install spin gcc
 fi
+# Tests only: ip and tc (iproute2), which make the multi-host tests' hosts out of network
+# namespaces (tests/netns_hosts.py; they skip where namespaces cannot be made, e.g. without root).
+if [ "${1:-}" = "--test" ] && ! { command -v ip >/dev/null && command -v tc >/dev/null; }; then
+    say "installing iproute2 (network namespaces for the multi-host tests; tests only)"
+    apt_install iproute2
+fi
 # Tests only: a headless browser for the status page test (tests/test_up.py, selenium).
 if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
     say "installing chromium chromium-driver (the status page test; tests only)"

@@ -28,6 +28,7 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
             bootstrap_port=body.get("bootstrap_port"),
         )
         worker = router.registry.add(spec)
+        router.dispatcher.pairs.track(router.registry.all())
     except (ValueError, TypeError) as exc:
         status = 409 if "already registered" in str(exc) else 400
         raise ApiError(status, str(exc), param="url") from None

@@ -42,6 +42,7 @@ class Router:
         for spec in cfg.workers:
             self.registry.add(spec)
         self.dispatcher = Dispatcher(cfg, self.registry, self.clients, self.metrics)
+        self.dispatcher.pairs.track(self.registry.all())
         self.admission = Admission(cfg.max_concurrent, cfg.max_queue, cfg.queue_timeout_s)
         self.timeline = Timeline(
             cfg.debug_requests, make_exporter(cfg.otlp_traces_endpoint, "router")

@@ -36,6 +36,18 @@ class PairHealth:
         self._breakers: dict[Pair, CircuitBreaker] = {}
         self._failures: dict[Pair, int] = {}
 
+    def track(self, workers) -> None:
+        """Every (prefill, decode) pair of `workers` gets its breaker (closed) and its metrics'
+        series now, so they are exported before any request."""
+        prefills = [w.url for w in workers if w.role == "prefill"]
+        for decode in (w.url for w in workers if w.role == "decode"):
+            for prefill in prefills:
+                pair = (prefill, decode)
+                if pair not in self._breakers:
+                    self._breaker(pair)
+                    self._metrics.pair_failures.labels(prefill=prefill, decode=decode)
+                    self._report(pair)
+
     def usable(self, prefill: str, decode: str) -> bool:
         """Whether a new request may go to this pair now (no side effect)."""
         breaker = self._breakers.get((prefill, decode))
@@ -60,7 +72,7 @@ class PairHealth:
         return "closed" if breaker is None else breaker.state.name.lower()
 
     def describe(self) -> list[dict]:
-        """Every pair that has carried a request, for /workers and the status page."""
+        """Every pair of the registered workers, for /workers and the status page."""
         return [
             {
                 "prefill": p,
