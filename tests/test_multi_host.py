@@ -33,7 +33,10 @@ from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.kv_transfer import tcp_transport as tt
 
 WHY_NOT = can_make_hosts() or ("" if can_capture() else "capturing frames needs root")
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "hosts can be made")
+pytestmark = [
+    pytest.mark.hosts,
+    pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "hosts can be made"),
+]
 
 MAX_NEW = 8
 PROMPTS = [[5, 17, 3, 99, 42, 7], list(range(10, 50)), [200, 3, 3, 3, 150, 61, 8, 9, 1, 77, 31]]

@@ -21,7 +21,10 @@ from reference import hf_greedy, load_hf
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 
 WHY_NOT = can_make_hosts()
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "hosts can be made")
+pytestmark = [
+    pytest.mark.hosts,
+    pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "hosts can be made"),
+]
 
 MAX_NEW = 6
 PROMPTS = [[i, 7 + i, 3, 99 - i, 42, 5 + 2 * i] for i in range(1, 9)]
