@@ -17,19 +17,16 @@ import ipaddress
 import os
 import secrets
 import socket
-import sys
-import time
 
-import httpx
 import pytest
 from cluster import ClusterAuth, node_args
+from host_cluster import generate, host_env, start, wait_workers
 from metrics_scrape import scrape, total
 from netns_hosts import Hosts, can_make_hosts
 from packet_capture import Capture, can_capture, encodings, first_request
 from reference import hf_greedy, load_hf
 
 from pdserve.infra.request_signing import SCHEME
-from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.kv_transfer import tcp_transport as tt
 
 WHY_NOT = can_make_hosts() or ("" if can_capture() else "capturing frames needs root")
@@ -42,12 +39,6 @@ MAX_NEW = 8
 PROMPTS = [[5, 17, 3, 99, 42, 7], list(range(10, 50)), [200, 3, 3, 3, 150, 61, 8, 9, 1, 77, 31]]
 API_KEY = "sk-multi-host"
 PREFILL_PORT, BOOTSTRAP_PORT, DECODE_PORT, ROUTER_PORT = 30000, 8998, 30001, 8000
-KV_TIMEOUTS = {
-    "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "30",
-    "PDSERVE_KV_WAITING_TIMEOUT_S": "30",
-    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30",
-    "PDSERVE_RANK_CONSENSUS_CHECK": "1",
-}
 
 
 def node_commands(model: str, hosts: list[str]) -> list[list[str]]:
@@ -73,33 +64,6 @@ def node_commands(model: str, hosts: list[str]) -> list[list[str]]:
     ]
 
 
-def _generate(url: str, ids: list[int]) -> list[int]:
-    body = {"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}}
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    r = httpx.post(f"{url}/generate", json=body, headers=headers, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["token_ids"]
-
-
-def _wait_ready(url: str, auth, hosts: Hosts, logs, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for h in hosts.hosts:
-            for p in h.procs:
-                if p.poll() is not None:
-                    tails = {str(f): f.read_text()[-3000:] for f in logs if f.exists()}
-                    pytest.fail(f"{h.name} exited {p.returncode} while starting: {tails}")
-        try:
-            workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
-            if len(workers) == 2 and all(w["healthy"] for w in workers):
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(1)
-    tails = {str(f): f.read_text()[-3000:] for f in logs if f.exists()}
-    pytest.fail(f"the cluster was not ready within {timeout:.0f} s: {tails}")
-
-
 @pytest.fixture(scope="module")
 def hf_ref(tiny6):
     return hf_greedy(load_hf(tiny6), PROMPTS, MAX_NEW)
@@ -110,21 +74,15 @@ def cluster(tiny6, tmp_path_factory):
     """The five hosts, their processes, and the bridge's frames from before the first start."""
     secret = secrets.token_urlsafe(32)
     tmp = tmp_path_factory.mktemp("hosts")
-    # each host forks its own ranks: the tests' rank zygote lives in this namespace
-    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
-    env |= {**KV_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": secret}
-    env |= {"PDSERVE_API_KEY": API_KEY, "PDSERVE_LOG_LEVEL": "INFO"}
+    env = host_env(secret, API_KEY, kv_timeout_s=30)
     with Hosts(5) as hosts:
         addrs = [h.addr for h in hosts.hosts]
         logs = [tmp / f"host{i}.log" for i in range(5)]
         with Capture(hosts.bridge, encodings(secret), {DECODE_PORT}) as cap:
-            for h, cmd, log in zip(
-                hosts.hosts, node_commands(str(tiny6), addrs), logs, strict=True
-            ):
-                h.popen([sys.executable, "-m", "pdserve.cli", *cmd], log, env)
+            start(hosts, node_commands(str(tiny6), addrs), logs, env)
             url = f"http://{addrs[4]}:{ROUTER_PORT}"
             auth = ClusterAuth(secret)
-            _wait_ready(url, auth, hosts, logs, timeout=400)
+            wait_workers(url, auth, hosts, logs, count=2, timeout=400)
             yield {"url": url, "auth": auth, "hosts": hosts, "capture": cap, "logs": logs}
         assert not [h.name for h in hosts.hosts if any(p.poll() is not None for p in h.procs)]
     assert hosts.leftovers() == [], "the hosts were not torn down"
@@ -132,7 +90,7 @@ def cluster(tiny6, tmp_path_factory):
 
 def test_answers_across_five_hosts_equal_transformers(cluster, hf_ref):
     url = cluster["url"]
-    assert [_generate(url, ids) for ids in PROMPTS] == hf_ref
+    assert [generate(url, ids, MAX_NEW, API_KEY) for ids in PROMPTS] == hf_ref
     disaggregated = total(
         scrape(url), "pdserve_router_route_decisions_total", path="disaggregated", reason="default"
     )
@@ -233,7 +191,7 @@ def test_a_hostile_host_changes_nothing(cluster, hf_ref):
                     pass
             ports += 1
     assert ports >= 10
-    assert [_generate(url, ids) for ids in PROMPTS] == hf_ref
+    assert [generate(url, ids, MAX_NEW, API_KEY) for ids in PROMPTS] == hf_ref
     dead = [(h.name, p.args) for h in hosts.hosts for p in h.procs if p.poll() is not None]
     assert not dead, dead
 

@@ -8,17 +8,14 @@ the link heals."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import httpx
 import pytest
 from cluster import ClusterAuth, node_args
+from host_cluster import generate, host_env, start, wait_workers
 from netns_hosts import Hosts, can_make_hosts
 from reference import hf_greedy, load_hf
-
-from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 
 WHY_NOT = can_make_hosts()
 pytestmark = [
@@ -30,12 +27,6 @@ MAX_NEW = 6
 PROMPTS = [[i, 7 + i, 3, 99 - i, 42, 5 + 2 * i] for i in range(1, 9)]
 API_KEY = "sk-pairs"
 OPEN_S = 5.0  # --pair-open-seconds
-KV_TIMEOUTS = {
-    "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "3",
-    "PDSERVE_KV_WAITING_TIMEOUT_S": "3",
-    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "3",
-    "PDSERVE_RANK_CONSENSUS_CHECK": "1",
-}
 
 
 def commands(model: str, addrs: list[str]) -> list[list[str]]:
@@ -63,36 +54,14 @@ def commands(model: str, addrs: list[str]) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def cluster(tiny6, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pairs")
-    env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
-    env |= {**KV_TIMEOUTS, "PDSERVE_INTERNAL_TOKEN": "pairs-secret", "PDSERVE_API_KEY": API_KEY}
+    env = host_env("pairs-secret", API_KEY, kv_timeout_s=3)
     with Hosts(5, net=1) as hosts:
         addrs = [h.addr for h in hosts.hosts]
         logs = [tmp / f"host{i}.log" for i in range(5)]
-        for h, cmd, log in zip(hosts.hosts, commands(str(tiny6), addrs), logs, strict=True):
-            h.popen([sys.executable, "-m", "pdserve.cli", *cmd], log, env)
+        start(hosts, commands(str(tiny6), addrs), logs, env)
         url, auth = f"http://{addrs[4]}:8000", ClusterAuth("pairs-secret")
-        deadline = time.monotonic() + 300
-        while True:
-            dead = [h.name for h in hosts.hosts if any(p.poll() is not None for p in h.procs)]
-            assert not dead, {str(f): f.read_text()[-2000:] for f in logs}
-            try:
-                workers = httpx.get(f"{url}/workers", auth=auth, timeout=5).json()["workers"]
-                if len(workers) == 4 and all(w["healthy"] for w in workers):
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert time.monotonic() < deadline, {str(f): f.read_text()[-2000:] for f in logs}
-            time.sleep(1)
+        wait_workers(url, auth, hosts, logs, count=4, timeout=300)
         yield {"url": url, "auth": auth, "hosts": hosts, "addrs": addrs}
-
-
-def _generate(url: str, ids: list[int]) -> list[int]:
-    body = {"input_ids": ids, "sampling_params": {"max_tokens": MAX_NEW, "ignore_eos": True}}
-    r = httpx.post(
-        f"{url}/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["token_ids"]
 
 
 def _state(url: str, auth) -> tuple[dict, dict]:
@@ -106,7 +75,7 @@ def test_a_cut_link_unpairs_two_healthy_nodes_until_it_heals(cluster, tiny6):
     url, auth, hosts, addrs = cluster["url"], cluster["auth"], cluster["hosts"], cluster["addrs"]
     ref = hf_greedy(load_hf(tiny6), PROMPTS, MAX_NEW)
     p1, d1 = f"http://{addrs[0]}:30000", f"http://{addrs[2]}:30001"
-    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    assert [generate(url, ids, MAX_NEW, API_KEY) for ids in PROMPTS] == ref
     _, pairs = _state(url, auth)
     assert {p["state"] for p in pairs.values()} == {"closed"}
 
@@ -116,7 +85,7 @@ def test_a_cut_link_unpairs_two_healthy_nodes_until_it_heals(cluster, tiny6):
     while pairs.get((p1, d1), {}).get("state") not in ("open", "half_open"):
         assert sent < 60, f"the cut pair never opened: {pairs}"  # P(never picked) < 1e-7
         i = sent % len(PROMPTS)
-        assert _generate(url, PROMPTS[i]) == ref[i]  # none lost, none changed
+        assert generate(url, PROMPTS[i], MAX_NEW, API_KEY) == ref[i]  # none lost, none changed
         sent += 1
         workers, pairs = _state(url, auth)
     cut = pairs[(p1, d1)]
@@ -126,7 +95,7 @@ def test_a_cut_link_unpairs_two_healthy_nodes_until_it_heals(cluster, tiny6):
 
     # unpaired: the cut pair gets at most one trial per open period while requests flow
     before, start = cut["failures"], time.monotonic()
-    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    assert [generate(url, ids, MAX_NEW, API_KEY) for ids in PROMPTS] == ref
     _, pairs = _state(url, auth)
     periods = 1 + int((time.monotonic() - start) / OPEN_S)
     assert pairs[(p1, d1)]["failures"] - before <= periods, pairs
@@ -137,7 +106,7 @@ def test_a_cut_link_unpairs_two_healthy_nodes_until_it_heals(cluster, tiny6):
     deadline = time.monotonic() + 120
     while pairs[(p1, d1)]["state"] != "closed":
         assert time.monotonic() < deadline, pairs
-        assert _generate(url, PROMPTS[0]) == ref[0]
+        assert generate(url, PROMPTS[0], MAX_NEW, API_KEY) == ref[0]
         _, pairs = _state(url, auth)
-    assert [_generate(url, ids) for ids in PROMPTS] == ref
+    assert [generate(url, ids, MAX_NEW, API_KEY) for ids in PROMPTS] == ref
     assert all(p["state"] == "closed" for p in _state(url, auth)[1].values())

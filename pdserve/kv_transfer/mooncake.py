@@ -77,6 +77,14 @@ def resolve_protocol(
     return protocol, device
 
 
+def write_bounds(descs: Sequence[Desc], max_inflight: int) -> tuple[int, float]:
+    """(bytes, monotonic deadline) of one engine write: WRITE_TIMEOUT_S plus 1 s per GB."""
+    if max_inflight < 1:
+        raise ValueError("max_inflight must be >= 1")
+    total = sum(d[2] for d in descs)
+    return total, time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
+
+
 class TransferError(RuntimeError):
     """A failed write; `session_id` names the peer the engine rejected (None: we stopped it)."""
 
@@ -141,12 +149,9 @@ class MooncakeEngine:
         is retried), when `should_stop()` turns true (an abort or a timeout on the caller's side),
         or after WRITE_TIMEOUT_S. It returns or raises only once none of its writes is still on
         the wire, so after it the destination pages are never written by this call again."""
-        if max_inflight < 1:
-            raise ValueError("max_inflight must be >= 1")
-        total = sum(d[2] for d in descs)
+        total, deadline = write_bounds(descs, max_inflight)
         if not descs:
             return 0
-        deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
         todo = [(d, 1) for d in reversed(descs)]  # (descriptor, try); popped from the end: in order
         if session_id not in self._opened:
             with self._first_contact:  # the first write to a peer opens its segment

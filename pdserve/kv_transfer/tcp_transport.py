@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pdserve.infra.channel_auth import channel_key
 from pdserve.kv_transfer.layout import Desc
-from pdserve.kv_transfer.mooncake import WRITE_TIMEOUT_S, TransferError
+from pdserve.kv_transfer.mooncake import TransferError, write_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +148,9 @@ class TcpTransferEngine:
         only once the peer has answered for every frame sent, so after it the destination is never
         written by this call again (a peer that does not answer within the drain time is cut off
         and logged). `max_inflight` is Mooncake's window: one TCP stream needs none."""
-        if max_inflight < 1:
-            raise ValueError("max_inflight must be >= 1")
-        total = sum(d[2] for d in descs)
+        total, deadline = write_bounds(descs, max_inflight)
         if not descs:
             return 0
-        deadline = time.monotonic() + WRITE_TIMEOUT_S + total / 1e9
         for attempt in (1, 2):
             client = None
             try:
