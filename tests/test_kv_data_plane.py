@@ -238,7 +238,7 @@ def test_malformed_frames_from_an_authenticated_peer_are_cut_off(pair):
 
     def session() -> tuple[socket.socket, bytes]:
         s = _connect(target)
-        client = tt._Client.handshake(s, writer._key, target.session_id)
+        client = tt._Client.handshake(s, writer._key, target.session_id, time.monotonic() + 10)
         return s, client.key  # the connection's key, which seals its frames
 
     cases = [
@@ -281,3 +281,51 @@ def test_a_frame_header_says_what_the_writer_sends():
     """The layout both sides agree on (a change here is a protocol change: bump MAGIC)."""
     assert (tt._FRAME.size, tt._ENTRY.size, tt._ACK.size) == (20, 12, 16)
     assert tt.MAGIC == b"PKV1" and struct.calcsize("<4sQII") == tt._FRAME.size
+
+
+def test_a_trickled_handshake_is_cut_at_its_deadline(pair, monkeypatch):
+    """One byte at a time, each well inside a read's timeout: the whole handshake still ends at
+    HANDSHAKE_TIMEOUT_S, so a slow peer holds no slot for long."""
+    monkeypatch.setattr(tt, "HANDSHAKE_TIMEOUT_S", 1.0)
+    _, target, _, _ = pair
+    with _connect(target) as s:
+        s.recv(len(tt.MAGIC) + tt.NONCE)
+        start, closed = time.monotonic(), False
+        for _ in range(60):  # 60 x 0.1 s: past the deadline, each byte within it
+            try:
+                s.sendall(b"P")
+            except OSError:
+                closed = True
+                break
+            s.settimeout(0.1)
+            try:
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+        assert closed and time.monotonic() - start < 3.0
+
+
+def test_a_writer_that_leaves_without_its_flush_writes_nothing(pair):
+    """Frames are held until their flush: a writer that gave up (its deadline, an error) and
+    closed leaves nothing to land later in pages another request may own by then."""
+    writer, target, _, dst = pair
+    before, payload, at = dst.bytes(), b"\xab" * 4096, 8192
+    serving = len(target._open)
+    s = _connect(target)
+    client = tt._Client.handshake(s, writer._key, target.session_id, time.monotonic() + 10)
+    s.sendall(_frame(1, dst.ptr + at, payload, client.key))
+    s.close()
+    deadline = time.monotonic() + 10  # until the listener is done with that connection
+    while len(target._open) > serving:
+        assert time.monotonic() < deadline, "the listener still serves the closed connection"
+        time.sleep(0.01)
+    assert dst.bytes() == before  # nothing of the abandoned frame, then or later
+    s = _connect(target)  # the same frame with its flush: written
+    client = tt._Client.handshake(s, writer._key, target.session_id, time.monotonic() + 10)
+    with s:
+        s.sendall(_frame(1, dst.ptr + at, payload, client.key))
+        client.seq = 1
+        client._read_ack(client._send_flush(time.monotonic() + 10), time.monotonic() + 10)
+    assert dst.bytes()[at : at + 4096] == payload

@@ -4,6 +4,8 @@ on real nodes, with requests captured off the wire: tests/test_secret_on_the_wir
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from fastapi import FastAPI, Request
@@ -96,6 +98,7 @@ def test_a_changed_byte_of_the_header_is_refused():
         f"{SCHEME} t={'9' * 40},n={'a' * 32},s={'b' * 64}",
         f"{SCHEME} n={'a' * 32},s={'b' * 64}",
         f"{SCHEME} t=1,,,=,n={'a' * 32}",
+        f"{SCHEME} t=\u00b2,n={'a' * 32},s={'b' * 64}",  # a digit to str.isdigit, not to int()
     ],
 )
 def test_malformed_or_clear_credentials_are_refused(header):
@@ -188,3 +191,45 @@ def test_an_httpx_client_signs_every_request():
         assert header.startswith(SCHEME) and SECRET not in header
         assert v.check(header, r.method, r.url.raw_path, r.headers["host"], r.content) == ""
     assert seen[0].url.raw_path == b"/generate?x=1" and seen[0].headers["host"] == "node:8001"
+
+
+def _asgi_call(app, scope: dict, body: bytes) -> tuple[int, bytes]:
+    """One request straight through an ASGI app: (status, body)."""
+    import asyncio
+
+    sent, given = [], False
+
+    async def receive():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_request_signed_for_one_server_is_refused_by_another():
+    """The signed Host must name the socket the request came in on: a request captured on its
+    way to 10.9.8.7:8001 and replayed to 10.9.8.6:8001 is refused there (its nonce is new there)."""
+    method, target, host, body = REQ
+    header = sign(signing_key(SECRET), method, target, host, body, time.time())
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": "/generate",
+        "raw_path": b"/generate",
+        "query_string": b"x=1",
+        "headers": [(b"host", host.encode()), (b"authorization", header.encode())],
+        "server": ("10.9.8.6", 8001),
+    }
+    app = SignatureCheck(_app(), secret=SECRET)
+    status, answer = _asgi_call(app, scope, body)
+    assert (status, b"signed for another server" in answer) == (401, True), answer
+    scope = {**scope, "server": ("10.9.8.7", 8001)}  # the server it was signed for takes it
+    assert _asgi_call(SignatureCheck(_app(), secret=SECRET), scope, body)[0] != 401

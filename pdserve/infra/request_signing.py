@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import threading
@@ -125,7 +126,8 @@ def _parse(header: str | None) -> tuple[str, str, str] | None:
         return None
     parts = dict(p.partition("=")[::2] for p in header[len(SCHEME) + 1 :].split(","))
     t, nonce, mac = parts.get("t", ""), parts.get("n", ""), parts.get("s", "")
-    if not (t.isdigit() and len(t) <= 12 and _is_hex(nonce, 32) and _is_hex(mac, 64)):
+    digits = t.isascii() and t.isdigit() and len(t) <= 12  # ascii: int() takes other digits
+    if not (digits and _is_hex(nonce, 32) and _is_hex(mac, 64)):
         return None
     return t, nonce, mac
 
@@ -173,6 +175,8 @@ class SignatureCheck:
             target += b"?" + scope["query_string"]
         host = headers.get(b"host", b"").decode("latin-1")
         why = self.verifier.check(auth, scope["method"], target, host, body)
+        if not why and not _names_this_server(host, scope.get("server")):
+            why = "signed for another server"  # a captured request replayed to another node
         if why:
             return await _answer(send, 401, why)
         replayed = False
@@ -185,6 +189,28 @@ class SignatureCheck:
             return await receive()  # then the disconnect, whenever it comes
 
         await self.app({**scope, SCOPE_KEY: True}, replay, send)
+
+
+def _names_this_server(host: str, server) -> bool:
+    """Whether a Host header (signed) names the socket the request came in on: the same port, and
+    the same address when it names one. A DNS name cannot be checked without a lookup, so it
+    passes; nodes addressed by IP (as `pdserve up` and the tests do) refuse another node's
+    requests."""
+    if not server:
+        return True
+    if host.startswith("["):  # [v6 address]:port
+        name, _, port = host[1:].partition("]")
+        port = port.removeprefix(":")
+    elif host.count(":") == 1:
+        name, _, port = host.partition(":")
+    else:  # a name or v4 address alone, or a bare v6 address
+        name, port = host, ""
+    if port and (not port.isdigit() or int(port) != int(server[1])):
+        return False
+    try:
+        return ipaddress.ip_address(name) == ipaddress.ip_address(server[0])
+    except ValueError:
+        return True
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

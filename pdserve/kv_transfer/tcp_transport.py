@@ -15,10 +15,14 @@ writes (docs/SECURITY.md). This transport has the same seam as kv_transfer/moonc
   refused and the connection closed. AES-GCM (the `cryptography` package, OpenSSL's AES-NI code)
   seals 4.6 GB/s and opens 7.9 GB/s on one core here; HMAC-SHA256 hashed 1.5 GB/s, which held the
   transport at 0.64 GB/s on a 2-core machine, hashing on both sides;
-- writes a frame only once its MAC holds and every range it names lies inside memory this process
+- writes a frame only once its tag holds and every range it names lies inside memory this process
   registered, so nothing else of the process can be touched; it has no read operation at all;
-- bounds everything: the connections at once, the frame size, the entries of a frame, and the time
-  of a handshake, of a frame and of an idle connection.
+- writes a flush group's frames only when the writer's flush arrives: a writer that gave up (a
+  timeout, an error) and closed its connection leaves nothing behind to land in pages that may
+  already belong to another request;
+- bounds everything: unauthenticated handshakes (in all and per source address) apart from the
+  authenticated connections, the frame size, the entries of a frame, the bytes awaiting a flush,
+  and the time of a whole handshake, of a frame and of an idle connection.
 
 Without a cluster secret (loopback-only development) the key is derived from the empty secret, as
 for the ZMQ channels (infra/channel_auth.py): then anyone on the host could forge it, which is why
@@ -58,7 +62,10 @@ _ACK = struct.Struct("<4sQI")  # b"ACK_", seq, status
 WRITE, FLUSH = b"WRIT", b"FLSH"
 MAX_FRAME_BYTES = 8 << 20  # payload of one frame
 MAX_ENTRIES = 4096  # ranges of one frame
-MAX_CONNECTIONS = 256  # at once, per listening process
+MAX_CONNECTIONS = 256  # authenticated, at once, per listening process
+MAX_HANDSHAKES = 32  # unauthenticated connections at once: they cannot fill the above
+MAX_HANDSHAKES_PER_SOURCE = 4  # of those, from one address
+FLUSH_BYTES = 16 << 20  # a writer flushes at least this often; the listener holds them till then
 HANDSHAKE_TIMEOUT_S = 5.0
 FRAME_TIMEOUT_S = 30.0  # to receive a whole frame once it has begun
 IDLE_TIMEOUT_S = 600.0  # a pooled connection with no frame for this long is closed
@@ -78,10 +85,19 @@ def _nonce(direction: int, seq: int) -> bytes:
     return bytes([direction]) + seq.to_bytes(8, "little") + b"\0\0\0"
 
 
-def _recv_exactly(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes:
+def _recv_exactly(
+    sock: socket.socket, n: int, into: memoryview | None = None, deadline: float | None = None
+) -> bytes:
+    """`n` bytes; with a deadline the whole read is bounded by it (a peer that trickles one byte
+    at a time cannot stretch it)."""
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("read deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(buf[got:n])
         if k == 0:
             raise ConnectionError("connection closed")
@@ -125,6 +141,8 @@ class TcpTransferEngine:
         self.host = host
         self.session_id = f"{host}:{self._listener.getsockname()[1]}"
         self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._handshakes: dict[str, int] = {}  # source address -> handshakes under way
+        self._handshakes_lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._open_lock = threading.Lock()
         self._pool: dict[str, list[_Client]] = {}
@@ -171,6 +189,11 @@ class TcpTransferEngine:
 
     def close(self) -> None:
         self._stop.set()
+        for s in [self._listener, *self._open]:  # shutdown wakes a thread blocked on it
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._listener.close()
         with self._pool_lock:
             for clients in self._pool.values():
@@ -193,7 +216,8 @@ class TcpTransferEngine:
         timeout = max(0.1, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic()))
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
         try:
-            return _Client.handshake(sock, self._key, session_id)
+            handshake_deadline = min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            return _Client.handshake(sock, self._key, session_id, handshake_deadline)
         except BaseException:
             sock.close()
             raise
@@ -208,43 +232,86 @@ class TcpTransferEngine:
 
     # --- server side --------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
+        while True:
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                # out of descriptors or buffers for a moment: the listener must outlive it
+                logger.warning("KV data port %s: accept failed: %s", self.session_id, e)
+                self._stop.wait(0.1)
+                continue
+            if self._stop.is_set():
+                sock.close()
                 return
-            if not self._conns.acquire(blocking=False):
-                sock.close()  # at the connection bound: the peer retries later
+            source = addr[0]
+            if not self._begin_handshake(source):
+                sock.close()  # at a handshake bound: the peer retries later
                 self.refused += 1
                 continue
-            threading.Thread(
-                target=self._serve, args=(sock, addr), name="kv-tcp-conn", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve, args=(sock, source), name="kv-tcp-conn", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had
+                self._end_handshake(source)
+                sock.close()
 
-    def _serve(self, sock: socket.socket, addr) -> None:
+    def _begin_handshake(self, source: str) -> bool:
+        with self._handshakes_lock:
+            mine = self._handshakes.get(source, 0)
+            if (
+                mine >= MAX_HANDSHAKES_PER_SOURCE
+                or sum(self._handshakes.values()) >= MAX_HANDSHAKES
+            ):
+                return False
+            self._handshakes[source] = mine + 1
+            return True
+
+    def _end_handshake(self, source: str) -> None:
+        with self._handshakes_lock:
+            left = self._handshakes.get(source, 1) - 1
+            if left:
+                self._handshakes[source] = left
+            else:
+                self._handshakes.pop(source, None)
+
+    def _serve(self, sock: socket.socket, source: str) -> None:
         with self._open_lock:
             self._open.add(sock)
+        admitted = False
         try:
-            key = self._server_handshake(sock)
+            try:
+                key = self._server_handshake(sock)
+            finally:
+                self._end_handshake(source)
             if key is None:
+                self.refused += 1
+                return
+            # only an authenticated connection takes one of the connection slots
+            admitted = self._conns.acquire(blocking=False)
+            if not admitted:
                 self.refused += 1
                 return
             _Server(sock, key, self._regions, self).run()
         except (OSError, ConnectionError, ValueError) as e:
-            logger.debug("KV connection from %s ended: %s", addr, e)
+            logger.debug("KV connection from %s ended: %s", source, e)
         finally:
             with self._open_lock:
                 self._open.discard(sock)
             sock.close()
-            self._conns.release()
+            if admitted:
+                self._conns.release()
 
     def _server_handshake(self, sock: socket.socket) -> bytes | None:
         """Challenge-response: the peer proves it holds the secret for this listener's session,
         then this side proves it back; returns the connection's key, or None (refused)."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S  # for the whole handshake
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         mine = secrets.token_bytes(NONCE)
         sock.sendall(MAGIC + mine)
-        hello = _recv_exactly(sock, len(MAGIC) + NONCE + TAG)
+        hello = _recv_exactly(sock, len(MAGIC) + NONCE + TAG, deadline=deadline)
         magic, theirs, proof = hello[:4], hello[4 : 4 + NONCE], hello[4 + NONCE :]
         expected = _mac(self._key, b"client", mine, theirs, self.session_id.encode())
         if magic != MAGIC or not hmac.compare_digest(proof, expected):
@@ -263,14 +330,16 @@ class _Client:
         self._buf = bytearray()  # one frame's payload, gathered
 
     @classmethod
-    def handshake(cls, sock: socket.socket, key: bytes, session_id: str) -> _Client:
-        hello = _recv_exactly(sock, len(MAGIC) + NONCE)
+    def handshake(
+        cls, sock: socket.socket, key: bytes, session_id: str, deadline: float
+    ) -> _Client:
+        hello = _recv_exactly(sock, len(MAGIC) + NONCE, deadline=deadline)
         if hello[:4] != MAGIC:
             raise ConnectionError(f"{session_id} is not a KV data port")
         theirs, mine = hello[4:], secrets.token_bytes(NONCE)
         sock.sendall(MAGIC + mine + _mac(key, b"client", theirs, mine, session_id.encode()))
         try:
-            proof = _recv_exactly(sock, TAG)
+            proof = _recv_exactly(sock, TAG, deadline=deadline)
         except ConnectionError as e:
             raise ConnectionError(f"{session_id} refused the handshake (another secret?)") from e
         if not hmac.compare_digest(proof, _mac(key, b"server", mine, theirs)):
@@ -278,8 +347,23 @@ class _Client:
         return cls(sock, _mac(key, b"session", theirs, mine), session_id)
 
     def write(self, descs: Sequence[Desc], should_stop, deadline: float) -> None:
-        stopped = False
+        """Frames in flush groups, the flushes not waited for until the end (the listener writes
+        group k while group k + 1 is on the way); then every acknowledgement. On an error the
+        connection is reset, so the listener drops what it has not read yet."""
+        try:
+            self._write(descs, should_stop, deadline)
+        except TransferError:
+            raise
+        except BaseException:
+            self.reset()
+            raise
+
+    def _write(self, descs: Sequence[Desc], should_stop, deadline: float) -> None:
+        stopped, unflushed, flushes = False, 0, []
         for frame in _frames(descs):
+            if unflushed >= FLUSH_BYTES - MAX_FRAME_BYTES:  # the listener holds at most this
+                flushes.append(self._send_flush(deadline))
+                unflushed = 0
             if should_stop():
                 stopped = True
                 break
@@ -294,7 +378,10 @@ class _Client:
             sealed = self.aead.encrypt(_nonce(0, self.seq), payload, head + entries)
             self.sock.sendall(head + entries)
             self.sock.sendall(sealed)
-        self._flush(deadline)
+            unflushed += size
+        flushes.append(self._send_flush(deadline))
+        for seq in flushes:
+            self._read_ack(seq, deadline)
         if stopped:
             raise TransferError("stopped")
 
@@ -308,23 +395,35 @@ class _Client:
             off += n
         return memoryview(self._buf)[:size]
 
-    def _flush(self, deadline: float) -> None:
-        """Every frame sent has been written (or refused) once the peer acknowledges this."""
+    def _send_flush(self, deadline: float) -> int:
+        """Asks the listener to write what it holds; returns the flush's sequence number."""
         self._settimeout(deadline)
         self.seq += 1
         head = _FRAME.pack(FLUSH, self.seq, 0, 0)
         self.sock.sendall(head + self.aead.encrypt(_nonce(0, self.seq), b"", head))
-        ack = _recv_exactly(self.sock, _ACK.size + SEAL)
+        return self.seq
+
+    def _read_ack(self, flush_seq: int, deadline: float) -> None:
+        """Every frame before that flush has been written (or refused) once this arrives."""
+        ack = _recv_exactly(self.sock, _ACK.size + SEAL, deadline=deadline)
         kind, seq, status = _ACK.unpack(ack[: _ACK.size])
         try:
-            self.aead.decrypt(_nonce(1, self.seq), ack[_ACK.size :], ack[: _ACK.size])
+            self.aead.decrypt(_nonce(1, seq), ack[_ACK.size :], ack[: _ACK.size])
         except InvalidTag:
             raise ConnectionError("bad acknowledgement") from None
-        if kind != b"ACK_" or seq != self.seq:
+        if kind != b"ACK_" or seq != flush_seq:
             raise ConnectionError("bad acknowledgement")
         if status != OK:
             what = "a range outside its registered memory" if status == BAD_RANGE else "a frame"
             raise TransferError(f"{self.session_id} refused a write: {what}", self.session_id)
+
+    def reset(self) -> None:
+        """Closes with a reset (SO_LINGER 0): the listener's unread bytes are dropped."""
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        self.sock.close()
 
     def _settimeout(self, deadline: float) -> None:
         left = deadline - time.monotonic()
@@ -355,49 +454,48 @@ def _frames(descs: Sequence[Desc]):
 
 
 class _Server:
-    """The listener's side of one connection: frames in order, each checked whole, then written."""
+    """The listener's side of one connection: frames in order, each checked whole and held; a
+    flush writes what it holds (if every range is still registered) and answers for it."""
 
     def __init__(self, sock: socket.socket, key: bytes, regions: _Regions, engine):
         self.sock, self.aead, self.regions, self.engine = sock, AESGCM(key), regions, engine
         self.seq = 0
         self.failed = OK  # once a frame is refused, nothing more is written on this connection
         self._payload = bytearray()
+        self._held: list[tuple[list[tuple[int, int]], bytes]] = []  # (ranges, plaintext)
+        self._held_bytes = 0
 
     def run(self) -> None:
         while True:
             self.sock.settimeout(IDLE_TIMEOUT_S)
             first = self.sock.recv(1, socket.MSG_PEEK)
             if not first:
-                return
-            self.sock.settimeout(FRAME_TIMEOUT_S)
-            head = _recv_exactly(self.sock, _FRAME.size)
+                return  # the writer left: what it did not flush is dropped, never written
+            deadline = time.monotonic() + FRAME_TIMEOUT_S
+            head = _recv_exactly(self.sock, _FRAME.size, deadline=deadline)
             kind, seq, n, size = _FRAME.unpack(head)
             if seq != self.seq + 1 or kind not in (WRITE, FLUSH):
                 raise ValueError(f"frame out of order or of unknown kind {kind!r}")
             self.seq = seq
             if kind == FLUSH:
-                try:
-                    self.aead.decrypt(_nonce(0, seq), _recv_exactly(self.sock, SEAL), head)
-                except InvalidTag:
-                    raise ValueError("bad flush tag") from None
-                ack = _ACK.pack(b"ACK_", seq, self.failed)
-                self.sock.sendall(ack + self.aead.encrypt(_nonce(1, seq), b"", ack))
-                if self.failed != OK:
+                if not self._flush(head, seq, deadline):
                     return
                 continue
             if not (0 < n <= MAX_ENTRIES and 0 < size <= MAX_FRAME_BYTES):
                 raise ValueError(f"frame of {n} ranges, {size} bytes: over the bounds")
-            self._write_frame(head, n, size)
+            if self._held_bytes + size > FLUSH_BYTES:
+                raise ValueError(f"over {FLUSH_BYTES} bytes without a flush")
+            self._hold_frame(head, n, size, deadline)
 
-    def _write_frame(self, head: bytes, n: int, size: int) -> None:
-        entries = _recv_exactly(self.sock, n * _ENTRY.size)
+    def _hold_frame(self, head: bytes, n: int, size: int, deadline: float) -> None:
+        entries = _recv_exactly(self.sock, n * _ENTRY.size, deadline=deadline)
         ranges = [_ENTRY.unpack_from(entries, i * _ENTRY.size) for i in range(n)]
         if sum(r[1] for r in ranges) != size or any(r[1] == 0 for r in ranges):
             raise ValueError("frame ranges do not add up to its payload")
         if len(self._payload) < size + SEAL:
             self._payload = bytearray(size + SEAL)
         sealed = memoryview(self._payload)[: size + SEAL]
-        _recv_exactly(self.sock, size + SEAL, sealed)
+        _recv_exactly(self.sock, size + SEAL, sealed, deadline=deadline)
         try:
             payload = self.aead.decrypt(_nonce(0, self.seq), sealed, head + entries)
         except InvalidTag:
@@ -407,13 +505,37 @@ class _Server:
             return
         with self.regions.lock:
             if not all(self.regions.contains(addr, k) for addr, k in ranges):
-                self.failed = BAD_RANGE
+                self.failed = BAD_RANGE  # the whole write is refused: nothing of it lands
                 self.engine.refused += 1
+                self._held, self._held_bytes = [], 0
                 return
-            off, base = 0, ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p).value
-            for addr, k in ranges:  # from the decrypted bytes in place, no slice copies
-                ctypes.memmove(addr, base + off, k)
-                off += k
+        self._held.append((ranges, payload))
+        self._held_bytes += size
+
+    def _flush(self, head: bytes, seq: int, deadline: float) -> bool:
+        """Writes the held frames, answers; False once the connection is done."""
+        try:
+            self.aead.decrypt(
+                _nonce(0, seq), _recv_exactly(self.sock, SEAL, deadline=deadline), head
+            )
+        except InvalidTag:
+            raise ValueError("bad flush tag") from None
+        if self.failed == OK:
+            with self.regions.lock:  # checked again: a region may have gone since
+                if not all(self.regions.contains(a, k) for r, _ in self._held for a, k in r):
+                    self.failed = BAD_RANGE
+                    self.engine.refused += 1
+                else:
+                    for ranges, payload in self._held:
+                        off = 0
+                        base = ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p).value
+                        for addr, k in ranges:  # from the plaintext in place, no slice copies
+                            ctypes.memmove(addr, base + off, k)
+                            off += k
+        self._held, self._held_bytes = [], 0
+        ack = _ACK.pack(b"ACK_", seq, self.failed)
+        self.sock.sendall(ack + self.aead.encrypt(_nonce(1, seq), b"", ack))
+        return self.failed == OK
 
 
 def make_engine(host: str, protocol: str | None, device: str | None):
