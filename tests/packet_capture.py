@@ -124,3 +124,19 @@ def first_request(stream: bytes, start: bytes) -> bytes | None:
             length = int(value.strip())
     request = stream[i : end + 4 + length]
     return request if len(request) == len(head) + length else None
+
+
+def send_raw(addr: str, port: int, raw: bytes, read: bool = True) -> bytes:
+    """`raw` (say, a captured request) on a fresh connection; the whole answer, or b"" unread."""
+    with socket.create_connection((addr, port), timeout=30) as s:
+        s.sendall(raw)
+        if not read:
+            return b""
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except OSError:  # a reset after the answer
+            pass
+        return answer

@@ -16,14 +16,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
-import socket
 
 import pytest
 from cluster import ClusterAuth, node_args
 from host_cluster import generate, host_env, start, wait_workers
 from metrics_scrape import scrape, total
 from netns_hosts import Hosts, can_make_hosts
-from packet_capture import Capture, can_capture, encodings, first_request
+from packet_capture import Capture, can_capture, encodings, first_request, send_raw
 from reference import hf_greedy, load_hf
 
 from pdserve.infra.request_signing import SCHEME
@@ -133,21 +132,6 @@ def test_every_process_listens_on_its_host_only(cluster):
     assert not wide, "listening beyond the host's address:\n" + "\n".join(wide)
 
 
-def _send(addr: str, port: int, raw: bytes, read: bool = True) -> bytes:
-    with socket.create_connection((addr, port), timeout=10) as s:
-        s.sendall(raw)
-        if not read:
-            return b""
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        try:
-            while chunk := s.recv(65536):
-                answer += chunk
-        except OSError:
-            pass
-        return answer
-
-
 def test_a_signed_request_off_the_bridge_is_refused_replayed_and_changed(cluster):
     cap = cluster["capture"]
     decode = cluster["hosts"][2].addr
@@ -156,12 +140,12 @@ def test_a_signed_request_off_the_bridge_is_refused_replayed_and_changed(cluster
         None,
     )
     assert captured is not None and SCHEME.encode() in captured
-    replayed = _send(decode, DECODE_PORT, captured)
+    replayed = send_raw(decode, DECODE_PORT, captured)
     assert replayed.startswith(b"HTTP/1.1 401"), replayed[:300]
     head, body = captured.split(b"\r\n\r\n", 1)
     i = body.index(b"[") + 1
     changed = body[:i] + (b"9" if body[i : i + 1] != b"9" else b"8") + body[i + 1 :]
-    answer = _send(decode, DECODE_PORT, head + b"\r\n\r\n" + changed)
+    answer = send_raw(decode, DECODE_PORT, head + b"\r\n\r\n" + changed)
     assert answer.startswith(b"HTTP/1.1 401") and b"bad signature" in answer, answer[:300]
 
 
@@ -186,7 +170,7 @@ def test_a_hostile_host_changes_nothing(cluster, hf_ref):
                 continue  # loopback of that host: no other host reaches it
             for attack in attacks:
                 try:
-                    _send(ip, port, attack, read=False)
+                    send_raw(ip, port, attack, read=False)
                 except OSError:
                     pass
             ports += 1

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 
 import httpx
 import pytest
 from cluster import ClusterAuth, free_port, node_args, pdserve_up
-from packet_capture import Capture, can_capture, encodings, first_request
+from packet_capture import Capture, can_capture, encodings, first_request, send_raw
 
 from pdserve.infra.request_signing import SCHEME
 
@@ -24,12 +23,7 @@ PROMPTS = ["hello", "the prefill node computes the prompt's KV " * 12, "a b c d 
 
 def _send(port: int, raw: bytes) -> tuple[int, bytes]:
     """One raw HTTP/1.1 request on a fresh connection: (status, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(raw)
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
+    answer = send_raw("127.0.0.1", port, raw)
     head, _, body = answer.partition(b"\r\n\r\n")
     status = head.split(b" ", 2)[1:2]
     return (int(status[0]) if status and status[0].isdigit() else 0), body or answer

@@ -326,7 +326,7 @@ class _Client:
 
     def __init__(self, sock: socket.socket, key: bytes, session_id: str):
         self.sock, self.aead, self.seq, self.session_id = sock, AESGCM(key), 0, session_id
-        self.key = key
+        self.key = key  # the connection's key: tests seal their own frames with it
         self._buf = bytearray()  # one frame's payload, gathered
 
     @classmethod
