@@ -36,18 +36,21 @@ from collections.abc import Callable, Generator
 
 import httpx
 
+from pdserve.infra.channel_auth import channel_key
+
 SCHEME = "PDS1-HMAC-SHA256"
 SKEW_S = 30.0  # how far a signature's time may be from the receiver's clock, either way
 MAX_NONCES = 200_000  # replay window entries per receiving process (about 30 MB at most)
 MAX_SIGNED_BODY = 64 << 20  # a signed body is read whole before the route sees it
 BODY_TIMEOUT_S = 30.0  # to receive that body once the headers are in
 SCOPE_KEY = "pdserve.signed"  # set in the ASGI scope of a request whose signature held
-_KEY_LABEL = b"pdserve internal http v1"
+HTTP_CHANNEL = "internal-http"
 
 
 def signing_key(secret: str) -> bytes:
-    """The HMAC key for HTTP requests, derived from the cluster secret for this use alone."""
-    return hmac.new(secret.encode(), _KEY_LABEL, hashlib.sha256).digest()
+    """The HMAC key for HTTP requests, derived from the cluster secret for this use alone (as
+    each ZMQ channel's key is, infra/channel_auth.py)."""
+    return channel_key(HTTP_CHANNEL, secret)
 
 
 def _message(method: str, target: bytes, host: str, t: str, nonce: str, body: bytes) -> bytes:
