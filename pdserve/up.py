@@ -18,6 +18,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from pdserve.infra.cluster_secret import cluster_secret
 from pdserve.infra.internal_auth import is_loopback
 from pdserve.infra.logs import FORMAT_ENV, add_log_args, setup_logging
-from pdserve.infra.procs import die_with_parent, free_port, stop_processes
+from pdserve.infra.procs import die_with_parent, reserve_port, stop_processes
 from pdserve.infra.request_signing import signed_auth
 from pdserve.infra.tracing import add_tracing_arg
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
@@ -110,6 +111,9 @@ class Cluster:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nodes: list[tuple[str, str]] = []  # (name, url)
+        # the nodes' ports, held (reserve_port) until every node is up: free_port alone left a
+        # window in which another process took a bootstrap port (EADDRINUSE in a test run)
+        self._held_ports: list[socket.socket] = []
         self.zygote: Zygote | None = None
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
         # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
@@ -218,7 +222,7 @@ class Cluster:
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.prefill_nodes)):
             model = ["--model", path] if path else []
-            port, bport = free_port(), free_port()
+            port, bport = self._port(), self._port()
             self._spawn(
                 f"prefill-{i}",
                 [
@@ -248,7 +252,7 @@ class Cluster:
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
             model = ["--model", path] if path else []
-            port = free_port()
+            port = self._port()
             self._spawn(
                 f"decode-{i}",
                 [
@@ -283,6 +287,16 @@ class Cluster:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {p.returncode} during start-up")
 
+    def _port(self) -> int:
+        held = reserve_port()
+        self._held_ports.append(held)
+        return held.getsockname()[1]
+
+    def _release_ports(self) -> None:
+        for held in self._held_ports:
+            held.close()
+        self._held_ports.clear()
+
     def _wait_nodes(self) -> None:
         start = time.monotonic()
         deadline = start + self.args.startup_timeout
@@ -305,6 +319,7 @@ class Cluster:
                 say(f"still loading after {time.monotonic() - start:.0f} s: " + ", ".join(states))
                 next_note += STILL_LOADING_S
             if ready == len(self.nodes):
+                self._release_ports()  # every node listens on its ports now
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes not ready after {self.args.startup_timeout:.0f} s")
@@ -337,6 +352,7 @@ class Cluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        self._release_ports()
         self.http.close()
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)
