@@ -120,7 +120,9 @@ def test_inter_token_latency_is_one_sample_per_token_gap():
     and 0.1 (four samples for five tokens) and add up to last - first token, so the histogram's
     mean is the per-request mean (TPOT)."""
     m = NodeMetrics("n:1", "decode")
-    p = types.SimpleNamespace(t_start=9.0, t_first=10.0, t_last=None, prompt_tokens=3, token_ids=[])
+    p = types.SimpleNamespace(
+        t_start=9.0, t_first=10.0, t_last=None, prompt_tokens=3, token_ids=[], resumed=0
+    )
     for t, n in ((10.0, 1), (10.5, 3), (10.6, 1)):
         prev, p.t_last = p.t_last, t
         p.token_ids += [7] * n

@@ -192,6 +192,12 @@ def _add_fault_args(opt) -> None:
         help="seconds before an unpaired (prefill, decode) pair gets one request to try it again",
     )
     opt("--max-retries", T.max_retries, int, help="retries before the first byte")
+    opt(
+        "--max-migrations",
+        RouterConfig.max_migrations,
+        int,
+        help="times a stream may move to another decode node when its own fails (0: never)",
+    )
     opt("--retry-initial-backoff", T.initial_backoff_s, float, help="first backoff, seconds")
     opt("--retry-max-backoff", T.max_backoff_s, float, help="largest backoff, seconds")
 
@@ -287,6 +293,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout,
+        max_migrations=args.max_migrations,
         sse_keepalive_s=args.sse_keepalive,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,

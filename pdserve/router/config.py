@@ -130,6 +130,7 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 600.0  # non-streaming: whole answer; streaming: first event
     stream_idle_timeout_s: float = 300.0  # streaming: longest gap between two events
+    max_migrations: int = 3  # streaming: moves to another decode node (router/routing/migration.py)
     sse_keepalive_s: float = 5.0  # streaming: ': ping' this often until the first event
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
@@ -156,6 +157,8 @@ class RouterConfig:
             raise ValueError("the same worker URL is listed twice")
         if self.retry.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
         if (
             min(
                 self.health.failure_threshold,

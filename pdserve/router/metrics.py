@@ -143,6 +143,33 @@ class RouterMetrics:
             "Requests refused with 429 by admission control",
             registry=self.registry,
         )
+        self._migration_metrics()
+
+    def _migration_metrics(self) -> None:
+        """Streams moved to another decode node mid-stream (router/routing/migration.py)."""
+        self.migrations = Counter(
+            "pdserve_router_migrations_total",
+            "Streams whose decode node failed mid-stream, by cause, and whether the stream went on "
+            "(resumed), no decode node took it (failed) or it could not move (refused)",
+            ["cause", "outcome"],
+            registry=self.registry,
+        )
+        self.migrated_tokens = Counter(
+            "pdserve_router_migrated_tokens_total",
+            "Tokens a migrated stream's new decode node prefilled again after the prompt",
+            registry=self.registry,
+        )
+        self.migration_stall = Histogram(
+            "pdserve_router_migration_stall_seconds",
+            "The gap a client saw in a migrated stream: its last event before the break to the "
+            "new node's first",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def migration(self, cause: str, outcome: str, tokens: int = 0) -> None:
+        self.migrations.labels(cause=cause, outcome=outcome).inc()
+        self.migrated_tokens.inc(tokens)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

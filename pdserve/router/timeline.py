@@ -89,6 +89,13 @@ class RequestTrace:
         if span is not None:
             span.events.append(("first_token", now_ns()))
 
+    def migrated(self, rid: str, cause: str, tokens: int) -> None:
+        """The stream moved to attempt `rid` (router/routing/migration.py): an event on it."""
+        span = self.attempts.get(rid)
+        if span is not None:
+            span.attrs.update(migrated_from_cause=cause, resumed_tokens=tokens)
+            span.events.append(("migrated", now_ns()))
+
     def attempt_end(self, rid: str, ok: bool | None, finish_reason: str | None) -> None:
         span = self.attempts.pop(rid, None)
         if span is None:

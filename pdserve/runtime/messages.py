@@ -119,10 +119,15 @@ class AddRequest:
     params: dict[str, Any]
     # W3C trace context of the node's request span: the ranks record its stages (docs/TRACING.md)
     traceparent: str | None = field(default=None, kw_only=True)
+    # tokens another node generated before this one continues the request (a migrated stream):
+    # prefilled after the prompt, and counted as output by max_tokens, penalties, seeds, grammars
+    output_ids: list[int] = field(default_factory=list, kw_only=True)
 
     def validate(self) -> None:
         if not self.input_ids or min(self.input_ids) < 0:
             raise MessageError("AddRequest.input_ids: a non-empty list of token ids")
+        if self.output_ids and min(self.output_ids) < 0:
+            raise MessageError("AddRequest.output_ids: token ids are >= 0")
         if self.traceparent is not None and not valid_traceparent(self.traceparent):
             raise MessageError("AddRequest.traceparent: not a W3C traceparent")
 

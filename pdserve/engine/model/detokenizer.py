@@ -56,6 +56,15 @@ class IncrementalDetokenizer:
             return self.text()
         return self._streamed
 
+    def resume(self, token_ids: list[int], emitted: int) -> None:
+        """Continues a stream another node began: `token_ids` were generated there and the client
+        has the first `emitted` characters of their text (router/routing/migration.py). Raises
+        ValueError when `emitted` is more than their text has."""
+        full = self._extend(token_ids)
+        if not 0 <= emitted <= len(full):
+            raise ValueError(f"{emitted} characters sent, but the tokens' text has {len(full)}")
+        self.emitted = emitted
+
     def add(self, token_ids: list[int]) -> str:
         """Appends tokens; returns the new text that is safe to send now."""
         full = self._extend(token_ids)

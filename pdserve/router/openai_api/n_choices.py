@@ -87,7 +87,7 @@ async def open_choices(
     """Choice 0, then, once its first token arrived, choices 1..n-1 on its pair. Every attempt
     is open (streaming) on return; on any failure none is left open."""
     first = await router.open_watched(request, native, key, True, model, keepalive=False)
-    assert isinstance(first, Attempt)
+    assert not isinstance(first, asyncio.Task)  # keepalive=False: open or failed
     d = router.dispatcher
     tasks = [
         asyncio.create_task(d.open(choice_body(native, i), key, True, model, first.route))

@@ -19,11 +19,12 @@ _FINISH = {"stop": "stop", "length": "length"}
 
 
 class NodeAborted(Exception):
-    """The node ended the request with finish_reason `abort` or an error chunk."""
+    """The node ended the request with finish_reason `abort` or an error chunk. `code`: the
+    node's AbortReason (runtime/reasons.py), when it sent one."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, code: str | None = None):
         super().__init__(message)
-        self.message = message
+        self.message, self.code = message, code
 
 
 def finish_reason(meta: dict) -> str | None:
@@ -34,7 +35,10 @@ def finish_reason(meta: dict) -> str | None:
     kind = reason.get("type") if isinstance(reason, dict) else reason
     if kind == "abort":
         message = reason.get("message") if isinstance(reason, dict) else None
-        raise NodeAborted(message or "the node aborted the request")
+        code = reason.get("code") if isinstance(reason, dict) else None
+        raise NodeAborted(
+            message or "the node aborted the request", code if isinstance(code, str) else None
+        )
     return _FINISH.get(kind, "stop")
 
 
@@ -43,7 +47,10 @@ def check_event(event: dict) -> None:
     error = event.get("error")
     if error:
         message = error.get("message") if isinstance(error, dict) else str(error)
-        raise NodeAborted(message or "the node reported an error")
+        code = error.get("code") if isinstance(error, dict) else None
+        raise NodeAborted(
+            message or "the node reported an error", code if isinstance(code, str) else None
+        )
     finish_reason(event.get("meta_info") or {})
 
 

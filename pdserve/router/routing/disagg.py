@@ -44,6 +44,7 @@ DECODE_ONLY_REASONS = (
     "decode_prefix_hit",
     "prefill_queue",
     "pair_down",  # every prefill node's pair with this decode node is down (pair_health.py)
+    "migration",  # a stream moving from a failed decode node (router/routing/migration.py)
 )
 DISAGGREGATED_REASONS = ("default",)
 

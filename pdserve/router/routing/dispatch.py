@@ -25,6 +25,7 @@ from pdserve.router.errors import ApiError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing.attempt import Attempt, Failure, Route
 from pdserve.router.routing.disagg import Disaggregation
+from pdserve.router.routing.migration import ResumableStream
 from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.routing.pair_health import FAILURE_CODES_NOT_THE_LINK, PairHealth
 from pdserve.router.routing.policies import make_policy
@@ -78,6 +79,7 @@ class Dispatcher:
         model: str | None = None,
         prefill_failed: bool = False,
         body: dict | None = None,
+        migrating: bool = False,
     ) -> Route:
         """A PD pair serving `model` (both halves), or its decode node alone when the request is
         better prefilled there (router/routing/disagg.py), no prefill node can serve it or a prefill
@@ -93,6 +95,7 @@ class Dispatcher:
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
                     reason = "prefill_failed" if prefill_failed else "no_prefill"
+                    reason = "migration" if migrating else reason
                     if not prefill_failed and self.registry.serving(model, "prefill"):
                         reason = "pair_down"  # prefill nodes serve, none paired with this one
                 keep = prefill if path == "disaggregated" else None
@@ -157,18 +160,35 @@ class Dispatcher:
         stream: bool,
         model: str | None = None,
         follow: Route | None = None,
+    ) -> Attempt | ResumableStream:
+        """`open_attempt`; a stream comes back as a ResumableStream, which moves to another decode
+        node when its own fails mid-stream (router/routing/migration.py)."""
+        attempt = await self.open_attempt(body, key, stream, model, follow)
+        return ResumableStream(self, attempt, body, key, model) if stream else attempt
+
+    async def open_attempt(
+        self,
+        body: dict,
+        key: str,
+        stream: bool,
+        model: str | None = None,
+        follow: Route | None = None,
+        exclude: set[str] | None = None,
+        migrating: bool = False,
     ) -> Attempt:
         """Open an attempt on workers serving `model`, retrying on new pairs; raises ApiError when
         every try failed. `follow`: the first try's pair (an `n` > 1 choice goes where choice 0
-        went, whose prompt is in that node's prefix cache), if both its workers are eligible."""
-        exclude: set[str] = set()
-        n, last, prefill_failed = 0, None, False
+        went, whose prompt is in that node's prefix cache), if both its workers are eligible.
+        `exclude`: workers to avoid while others serve; `migrating`: a stream moving from a failed
+        decode node, which a decode node prefills alone (its body carries `resume`)."""
+        exclude = set(exclude or ())
+        n, last, prefill_failed = 0, None, migrating
         while True:
             try:
                 route = (
                     follow
                     if n == 0 and follow is not None and self._eligible(follow, model)
-                    else self.pick(key, exclude, model, prefill_failed, body)
+                    else self.pick(key, exclude, model, prefill_failed, body, migrating)
                 )
             except ApiError:
                 if last is None:

@@ -21,7 +21,8 @@ class Pending:
     params: SamplingParams
     detok: IncrementalDetokenizer
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output so far, resumed ones first
+    resumed: int = 0  # output tokens another node generated (a migrated stream's)
     logprobs: list[list[Any]] = field(default_factory=list)
     t_start: float = field(default_factory=time.monotonic)
     t_first: float | None = None
@@ -66,6 +67,8 @@ def finish_chunk(p: Pending, ev: FinishEvent) -> dict[str, Any]:
         reason["message"] = ev.message
     if ev.matched is not None:
         reason["matched"] = ev.matched
+    if ev.reason is not None:
+        reason["code"] = ev.reason  # an abort's AbortReason: the router migrates some
     tail = p.detok.finish(ev.matched if isinstance(ev.matched, str) else None)
     p.done = True
     meta = meta_info(p, reason, [])
@@ -84,9 +87,9 @@ def error_chunk(p: Pending, ev: ErrorEvent) -> dict[str, Any]:
             "message": ev.message,
             "type": "invalid_request_error" if ev.field else "server_error",
             "param": ev.field,
-            "code": None,
+            "code": ev.reason,
         },
-        "meta_info": meta_info(p, {"type": "abort", "message": ev.message}, []),
+        "meta_info": meta_info(p, {"type": "abort", "message": ev.message, "code": ev.reason}, []),
     }
 
 

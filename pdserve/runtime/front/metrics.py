@@ -238,12 +238,13 @@ class NodeMetrics:
         now = time.monotonic()
         self.requests.labels(*lv, finish).inc()
         self.prompt_tokens.labels(*lv).inc(p.prompt_tokens)
-        self.gen_tokens.labels(*lv).inc(len(p.token_ids))
+        made = len(p.token_ids) - p.resumed  # a migrated stream's earlier tokens: another node's
+        self.gen_tokens.labels(*lv).inc(made)
         self.e2e.labels(*lv).observe(now - p.t_start)
         if p.t_first is not None:
             self.ttft.labels(*lv).observe(p.t_first - p.t_start)
-            if len(p.token_ids) > 1 and p.t_last is not None:
-                self.tpot.labels(*lv).observe((p.t_last - p.t_first) / (len(p.token_ids) - 1))
+            if made > 1 and p.t_last is not None:
+                self.tpot.labels(*lv).observe((p.t_last - p.t_first) / (made - 1))
         if finish == "abort":
             self.aborted.labels(*lv, reason if reason in ABORT_REASONS else "client_abort").inc()
 

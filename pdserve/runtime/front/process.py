@@ -38,9 +38,11 @@ from pdserve.runtime.front.chat_template import tool_call_format
 from pdserve.runtime.front.metrics import MetricsExtension
 from pdserve.runtime.front.prompt import (
     RequestError,
+    Resume,
     check_context,
     prompt_ids,
     request_rid,
+    resume_point,
     sampling_params,
 )
 from pdserve.runtime.front.token_text import TokenBytes, TokenText
@@ -205,6 +207,7 @@ class NodeFront:
         if to_end:
             params = replace(params, max_tokens=self.tokens_left(len(ids)))
         check_context(len(ids), params.max_tokens, self.max_context)
+        resume = resume_point(body, self.vocab_size, params.max_tokens)
         rid = request_rid(body)
         if rid in self.pending:
             raise RequestError(400, f"request id {rid!r} is already in use", "rid")
@@ -214,16 +217,37 @@ class NodeFront:
                 409, f"request {rid!r} was aborted before it arrived", "rid", "aborted"
             )
         msg = self.add_request(rid, ids, params, body)
+        detok = IncrementalDetokenizer(self.tok, params.stop)
+        if resume is not None:
+            msg = self._resumed(msg, resume, detok)
         tp = self.tracing.begin(rid, traceparent) if traceparent else None
         if tp is not None:
             msg = replace(msg, traceparent=tp)
-        p = Pending(rid, len(ids), params, IncrementalDetokenizer(self.tok, params.stop))
+        resumed = list(resume.token_ids) if resume is not None else []
+        p = Pending(rid, len(ids), params, detok, token_ids=resumed, resumed=len(resumed))
         if params.logprobs:
             self.token_bytes = self.token_bytes or TokenBytes(self.tok)
             p.token_text = TokenText(self.token_bytes)
         self.pending[rid] = p
         self.send(msg)
         return p
+
+    @staticmethod
+    def _resumed(msg: AddRequest, resume: Resume, detok: IncrementalDetokenizer) -> AddRequest:
+        """The request continued from `resume`: its tokens go to the ranks as output, and the
+        detokenizer starts where the client's text ends."""
+        if type(msg) is not AddRequest:
+            raise RequestError(
+                400,
+                "'resume' is served by a node that prefills the request itself: send it without "
+                "bootstrap fields, to a decode or colocated node",
+                "resume",
+            )
+        try:
+            detok.resume(resume.token_ids, resume.text_chars)
+        except ValueError as e:
+            raise RequestError(400, f"'resume.text_chars': {e}", "resume.text_chars") from None
+        return replace(msg, output_ids=resume.token_ids)
 
     def tokens_left(self, prompt_len: int) -> int:
         """max_tokens for a request that sends null (an OpenAI chat without one): the rest of the

@@ -5,6 +5,7 @@ its client errors, and the SSE framing."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.core import ParamError, SamplingParams
@@ -96,3 +97,42 @@ def request_rid(body: dict[str, Any]) -> str:
     if not isinstance(rid, str) or len(rid) > RID_MAX:
         raise RequestError(400, f"'rid' must be a string of at most {RID_MAX} characters", "rid")
     return rid
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request continues when another node generated its start (a migrated stream,
+    router/routing/migration.py): the tokens generated there, and how many characters of their
+    text the client already has."""
+
+    token_ids: list[int]
+    text_chars: int
+
+
+def resume_point(body: dict[str, Any], vocab_size: int, max_tokens: int) -> Resume | None:
+    """The body's `resume` ({"token_ids": [...], "text_chars": n}), checked; None without one. At
+    least one token must be left to generate."""
+    r = body.get("resume")
+    if r is None:
+        return None
+    if not isinstance(r, dict) or set(r) != {"token_ids", "text_chars"}:
+        raise RequestError(
+            400, "'resume' must be an object with exactly 'token_ids' and 'text_chars'", "resume"
+        )
+    ids, chars = r["token_ids"], r["text_chars"]
+    if (
+        not isinstance(ids, list)
+        or not 0 < len(ids) < max_tokens
+        or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+        )
+    ):
+        raise RequestError(
+            400,
+            f"'resume.token_ids' must be 1 to max_tokens - 1 ({max_tokens - 1}) token ids in "
+            f"[0, {vocab_size})",
+            "resume.token_ids",
+        )
+    if not isinstance(chars, int) or isinstance(chars, bool) or chars < 0:
+        raise RequestError(400, "'resume.text_chars' must be an integer >= 0", "resume.text_chars")
+    return Resume(list(ids), chars)

@@ -220,7 +220,8 @@ class SlotLoop:
             return False
         self.spans.trace(msg.rid, msg.traceparent)
         try:
-            self.sched.add(Req(msg.rid, list(msg.input_ids), SamplingParams.from_dict(msg.params)))
+            params = SamplingParams.from_dict(msg.params)
+            self.sched.add(Req(msg.rid, list(msg.input_ids), params, output_ids=[*msg.output_ids]))
             self.mark_queued(msg.rid)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
