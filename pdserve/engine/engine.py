@@ -103,10 +103,16 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         rid: str | None = None,
+        resume: Sequence[int] = (),
     ) -> str:
+        """`resume`: tokens generated before (elsewhere) that the request continues from; they
+        are its first output tokens (router/routing/migration.py)."""
         params = (params or SamplingParams()).validate()
         rid = rid if rid is not None else f"req-{next(self._ids)}"
-        self.scheduler.add(Req(rid, self.encode(prompt), params))
+        output = list(resume)
+        if len(output) >= params.max_tokens:
+            raise ParamError("resume", "leaves no token to generate within max_tokens")
+        self.scheduler.add(Req(rid, self.encode(prompt), params, output_ids=output))
         return rid
 
     def abort(self, rid: str) -> bool:

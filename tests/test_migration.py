@@ -1,0 +1,312 @@
+"""Mid-stream migration (router/routing/migration.py) on real processes: 16 streams in flight over
+a router, a prefill node and two decode nodes (D1 with PP 2, D2 with PP 1), fp32, while D1 fails:
+its front SIGKILLed, one of its ranks SIGKILLed, one of its ranks SIGSTOPped past the router's
+--stream-idle-timeout. Every stream must end exactly as the same request undisturbed:
+- greedy /generate: transformers' tokens;
+- seeded sampling (/v1/completions, `seed`), a JSON-schema `response_format` and a forced tool
+  call (/v1/chat/completions): the answer of the same request before the fault.
+The router must count the migrations; afterwards a fresh D1 is taken back and nothing is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster import NODE_ARGS, free_port, group_members, start, wait_healthy
+from metrics_scrape import counter
+from one_thread import one_torch_thread
+from pd_cluster import FAST_TIMEOUTS, wait_pages_free
+from reference import hf_greedy, load_hf
+from tiny_model import QWEN25_TEMPLATE, build_tiny_model
+
+IDLE_S = 6.0  # the router's --stream-idle-timeout: a stalled rank's streams move after it
+MAX_NEW = 400
+PROMPTS = [[5 + i, 9, 13 + 2 * i, 22, 31, 40 + i, 41, 7] for i in range(4)]
+ARRAY = {  # long enough that a stream is still going when the fault hits
+    "type": "object",
+    "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "minItems": 24}},
+    "required": ["xs"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {"name": "record", "parameters": ARRAY},
+}
+# The breaker is kept shut: health probes alone take D1 out and back, so a fresh D1 gets its
+# share of streams at once (a half-open breaker would let one through at a time).
+ROUTER_ARGS = [
+    "--health-interval", "0.5", "--health-timeout", "2", "--health-failure-threshold", "2",
+    "--health-success-threshold", "2", "--decode-policy", "round_robin",
+    "--request-timeout", "60", "--stream-idle-timeout", str(IDLE_S),
+    "--cb-failure-threshold", "100000", "--disagg-min-prompt-tokens", "0", "--log-level", "warning",
+]  # fmt: skip
+
+
+def requests() -> list[tuple[str, str, dict]]:
+    """(kind, path, body) of the 16 streams."""
+    out = []
+    for i, ids in enumerate(PROMPTS):
+        sp = {"max_tokens": MAX_NEW, "ignore_eos": True}
+        out.append(("greedy", "/generate", {"input_ids": ids, "sampling_params": sp}))
+        out.append(
+            (
+                "seeded",
+                "/v1/completions",
+                {"model": "qwen", "prompt": ids, "max_tokens": MAX_NEW, "temperature": 1.0,
+                 "seed": 100 + i, "ignore_eos": True},
+            )
+        )  # fmt: skip
+        ask = [{"role": "user", "content": f"numbers please {i}"}]
+        out.append(
+            (
+                "json_schema",
+                "/v1/chat/completions",
+                {"model": "qwen", "messages": ask, "max_tokens": 400, "temperature": 0,
+                 "response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "xs", "schema": ARRAY}}},
+            )
+        )  # fmt: skip
+        out.append(
+            (
+                "tool_call",
+                "/v1/chat/completions",
+                {"model": "qwen", "messages": ask, "max_tokens": 400, "temperature": 0,
+                 "tools": [TOOL], "tool_choice": "required"},
+            )
+        )  # fmt: skip
+    return out
+
+
+class Stream:
+    """One streamed answer: what the client got, in order."""
+
+    def __init__(self, kind: str):
+        self.kind, self.tokens, self.text, self.tool_args = kind, [], [], []
+        self.finish, self.error, self.events = None, None, 0
+
+    def take(self, event: dict) -> None:
+        self.events += 1
+        if "error" in event:
+            self.error = event["error"].get("message")
+        if "choices" not in event:  # native
+            self.tokens.extend(event.get("token_ids") or [])
+            reason = (event.get("meta_info") or {}).get("finish_reason")
+            self.finish = (reason or {}).get("type") or self.finish
+            return
+        for c in event["choices"]:
+            self.finish = c.get("finish_reason") or self.finish
+            if "text" in c:
+                self.text.append(c["text"] or "")
+                continue
+            delta = c.get("delta") or {}
+            self.text.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or ():
+                self.tool_args.append((call.get("function") or {}).get("arguments") or "")
+
+    def answer(self):
+        if self.kind == "greedy":
+            return self.tokens
+        return "".join(self.text), "".join(self.tool_args)
+
+
+async def stream_one(c: httpx.AsyncClient, url: str, s: Stream, path: str, body: dict) -> Stream:
+    async with c.stream("POST", url + path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                s.take(json.loads(line[6:]))
+    return s
+
+
+def run_all(url: str, on_way=None) -> list[Stream]:
+    """The 16 streams at once; `on_way(streams)` runs in a thread once every one has its first
+    events (the fault)."""
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            reqs = requests()
+            streams = [Stream(kind) for kind, _, _ in reqs]
+            tasks = [
+                asyncio.create_task(stream_one(c, url, s, path, body))
+                for s, (_, path, body) in zip(streams, reqs, strict=True)
+            ]
+            if on_way is not None:
+                await asyncio.to_thread(on_way, streams)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())
+
+
+class Cluster:
+    def __init__(self, model: Path, tmp: Path):
+        self.model, self.tmp = model, tmp
+        self.ports = {n: free_port() for n in ("p", "d1", "d2", "router")}
+        self.bport = free_port()
+        self.pp = {"p": 1, "d1": 2, "d2": 1}
+        self.procs: dict = {}
+        self.stacks = {n: contextlib.ExitStack() for n in self.ports}
+        self.starts = dict.fromkeys(self.ports, 0)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def launch(self, name: str) -> None:
+        role = "prefill" if name == "p" else "decode"
+        cmd = [role, "--model", str(self.model), "--pp", str(self.pp[name])]
+        cmd += ["--port", str(self.ports[name]), *NODE_ARGS, "--max-context", "1024"]
+        if name == "p":
+            cmd += ["--bootstrap-port", str(self.bport)]
+        self.starts[name] += 1
+        log = self.tmp / f"{name}-{self.starts[name]}.log"
+        self.stacks[name] = contextlib.ExitStack()
+        _, self.procs[name] = self.stacks[name].enter_context(
+            start(cmd, self.ports[name], log, env=FAST_TIMEOUTS, wait=False)
+        )
+        self.logs = {**getattr(self, "logs", {}), name: log}
+
+    def __enter__(self) -> Cluster:
+        try:
+            for name in ("p", "d1", "d2"):
+                self.launch(name)
+            for name in ("p", "d1", "d2"):
+                wait_healthy(self.url(name), self.procs[name], 240, self.logs[name])
+            cmd = ["router", "--port", str(self.ports["router"])]
+            cmd += ["--prefill", self.url("p"), str(self.bport)]
+            cmd += ["--decode", self.url("d1"), "--decode", self.url("d2"), *ROUTER_ARGS]
+            self.stacks["router"].enter_context(
+                start(cmd, self.ports["router"], self.tmp / "router.log")
+            )
+            self.wait_all_healthy()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stack in self.stacks.values():  # the router first
+            stack.close()
+
+    def workers(self) -> dict[str, dict]:
+        got = httpx.get(self.url("router") + "/workers", timeout=10).json()["workers"]
+        return {w["url"]: w for w in got}
+
+    def wait_all_healthy(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(w["healthy"] for w in self.workers().values()):
+            assert time.monotonic() < deadline, f"not every worker healthy: {self.workers()}"
+            time.sleep(0.2)
+
+    def ranks(self, name: str) -> dict[int, int]:
+        out = {}
+        for pid, stat, comm in group_members(self.procs[name].pid):
+            m = re.fullmatch(r"decode-pp(\d+)", comm.strip())
+            if m and "Z" not in stat:
+                out[int(m.group(1))] = pid
+        return out
+
+    def restart(self, name: str, undisturbed: list) -> None:
+        """A fresh node on the same port; the router takes it back (its pair with the prefill node
+        closes again after one good request): a round of the streams, each exact."""
+        self.stacks[name].close()
+        self.launch(name)
+        wait_healthy(self.url(name), self.procs[name], 240, self.logs[name])
+        self.wait_all_healthy()
+        assert [s.answer() for s in run_all(self.url("router"))] == undisturbed
+
+    def d1_busy(self, streams: list[Stream], timeout: float = 60) -> None:
+        """Returns once every stream has its first events and the router has some open on D1 (a
+        fault before a stream's first token is a plain retry, not a migration)."""
+        deadline = time.monotonic() + timeout
+        while min(s.events for s in streams) < 3 or self.workers()[self.url("d1")]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "no stream on D1"
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("migration-model") / "qwen", num_layers=4, seed=3,
+        chat_template=QWEN25_TEMPLATE,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    with Cluster(model, tmp_path_factory.mktemp("migration")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster, model):
+    """The answers without a fault: greedy ones are transformers'."""
+    streams = run_all(cluster.url("router"))
+    with one_torch_thread():
+        want = hf_greedy(load_hf(model), PROMPTS, MAX_NEW)
+    greedy = [s.answer() for s in streams if s.kind == "greedy"]
+    assert greedy == want
+    for s in streams:
+        assert s.error is None and s.finish in ("length", "stop", "tool_calls"), vars(s)
+    return [s.answer() for s in streams]
+
+
+def moved(cluster: Cluster, cause: str) -> float:
+    return counter(
+        cluster.url("router"), "pdserve_router_migrations_total", cause=cause, outcome="resumed"
+    )
+
+
+def check_fault(cluster: Cluster, undisturbed: list, fault, causes: tuple[str, ...]) -> None:
+    before = sum(moved(cluster, c) for c in causes)
+    streams = run_all(cluster.url("router"), fault)
+    after = sum(moved(cluster, c) for c in causes)
+    for s, want in zip(streams, undisturbed, strict=True):
+        assert s.error is None, (s.kind, s.error)
+        assert s.answer() == want, s.kind
+    assert after > before, f"no stream moved for {causes}"
+
+
+def test_sigkill_of_a_decode_front(cluster, undisturbed):
+    def fault(streams):
+        cluster.d1_busy(streams)
+        os.kill(cluster.procs["d1"].pid, signal.SIGKILL)
+
+    check_fault(cluster, undisturbed, fault, ("connection", "stream_cut"))
+    cluster.restart("d1", undisturbed)
+
+
+def test_sigkill_of_a_decode_rank(cluster, undisturbed):
+    def fault(streams):
+        cluster.d1_busy(streams)
+        os.kill(cluster.ranks("d1")[1], signal.SIGKILL)
+
+    check_fault(cluster, undisturbed, fault, ("node_failure",))
+    cluster.restart("d1", undisturbed)
+
+
+def test_sigstop_of_a_decode_rank_past_the_idle_timeout(cluster, undisturbed):
+    stopped = []
+
+    def fault(streams):
+        cluster.d1_busy(streams)
+        pid = cluster.ranks("d1")[1]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        check_fault(cluster, undisturbed, fault, ("idle_timeout", "node_unhealthy"))
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    # D1 comes back by itself: the router's aborts reach its ranks, its pages are freed
+    cluster.wait_all_healthy(timeout=60)
+    left = wait_pages_free(cluster.url("d1"), cluster.url("d2"), timeout=30)
+    assert not any(any(v) for v in left.values()), left

@@ -1,0 +1,126 @@
+"""A request resumed from tokens generated before (a migrated stream, router/routing/migration.py)
+continues exactly as the undisturbed request did: the engine (greedy, seeded sampling with and
+without filters, penalties and logit_bias, stop strings, logprobs, a JSON-schema grammar), and the
+front's detokenizer (the text after any chunk boundary)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_engine import make
+
+from pdserve.engine.core import ParamError, SamplingParams
+from pdserve.engine.model.detokenizer import IncrementalDetokenizer
+
+PROMPT = [5, 9, 13, 22, 31, 40, 41, 7]
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "tag": {"enum": ["x", "yy", "zzz"]}},
+    "required": ["n", "tag"],
+    "additionalProperties": False,
+}
+CASES = {
+    "greedy": dict(max_tokens=24, ignore_eos=True),
+    "seeded": dict(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True),
+    "seeded_filtered": dict(
+        max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=11, ignore_eos=True
+    ),
+    "penalties": dict(
+        max_tokens=24,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        logit_bias={"7": 2.0, "11": -100.0},
+        ignore_eos=True,
+    ),
+    "logprobs": dict(max_tokens=16, logprobs=True, top_logprobs=3, ignore_eos=True),
+    "json_schema": dict(max_tokens=48, guide=["json_schema", json.dumps(SCHEMA)]),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return make(tiny_model)
+
+
+def run(engine, params: dict, resume: list[int] = ()):
+    """The request alone on the engine, to its end: its Req."""
+    rid = engine.add_request(PROMPT, SamplingParams.from_dict(params), resume=resume)
+    engine._done = {}
+    while rid not in engine._done:
+        engine.step()
+    return engine._done.pop(rid)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_resumed_request_continues_exactly(engine, case):
+    params = CASES[case]
+    whole = run(engine, params)
+    n = len(whole.output_ids)
+    assert n >= 4, whole.output_ids
+    for k in sorted({1, n // 2, n - 1}):
+        again = run(engine, params, whole.output_ids[:k])
+        assert again.output_ids == whole.output_ids, (case, k)
+        assert again.finish == whole.finish, (case, k)
+        if params.get("logprobs"):
+            # the resumed tokens' logprobs are the first node's; the rest are computed again
+            got, want = again.output_logprobs, whole.output_logprobs[k:]
+            assert got == pytest.approx(want, abs=1e-4), (case, k)
+            tops = [[t for t, _ in top] for top in again.output_top_logprobs]
+            assert tops == [[t for t, _ in top] for top in whole.output_top_logprobs[k:]]
+
+
+def test_a_stop_string_across_the_resume_point_still_ends_the_request(engine):
+    whole = run(engine, CASES["greedy"])
+    text = engine.tokenizer.decode(whole.output_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    params = {**CASES["greedy"], "stop": [stop]}
+    stopped = run(engine, params)
+    assert stopped.finish.kind == "stop" and stopped.finish.matched == stop
+    for k in range(1, len(stopped.output_ids)):  # every cut, the one inside the stop string too
+        again = run(engine, params, stopped.output_ids[:k])
+        assert again.output_ids == stopped.output_ids and again.finish == stopped.finish, k
+
+
+def test_a_resume_must_leave_a_token_to_generate(engine):
+    with pytest.raises(ParamError) as e:
+        engine.add_request(PROMPT, SamplingParams(max_tokens=3), resume=[1, 2, 3])
+    assert e.value.field == "resume"
+
+
+def _chunked(tok, ids: list[int], sizes: list[int], stop=()) -> tuple[list[str], list[int]]:
+    """The detokenizer's text per chunk, and the token count at each chunk's end."""
+    d, texts, ends, i = IncrementalDetokenizer(tok, stop), [], [], 0
+    for size in sizes:
+        texts.append(d.add(ids[i : i + size]))
+        i += size
+        ends.append(i)
+    texts.append(d.finish(None))
+    return texts, ends
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_the_detokenizer_resumes_at_any_chunk_boundary(engine, stop):
+    """Whatever the first node's chunks held back (an incomplete character, a possible stop
+    string), the new node's text after the boundary is exactly the rest of the undisturbed text."""
+    tok = engine.tokenizer
+    ids = tok("Grüße, 東京! zzz — naïve café 😀 ok", add_special_tokens=False)["input_ids"]
+    ids = ids + ids[::-1]
+    sizes = [1, 2, 1, 3, 1, 1, 2] * len(ids)
+    sizes = sizes[: next(i for i in range(len(sizes)) if sum(sizes[: i + 1]) >= len(ids)) + 1]
+    texts, ends = _chunked(tok, ids, sizes, stop)
+    whole = "".join(texts)
+    for j, end in enumerate(ends[:-1]):
+        sent = "".join(texts[: j + 1])
+        d = IncrementalDetokenizer(tok, stop)
+        d.resume(ids[:end], len(sent))
+        rest = [d.add(ids[a:b]) for a, b in zip(ends[j:-1], ends[j + 1 :], strict=True)]
+        assert sent + "".join(rest) + d.finish(None) == whole, j
+
+
+def test_the_detokenizer_refuses_more_text_than_the_tokens_have(engine):
+    d = IncrementalDetokenizer(engine.tokenizer)
+    with pytest.raises(ValueError):
+        d.resume(engine.tokenizer("ab", add_special_tokens=False)["input_ids"], 99)
