@@ -173,6 +173,7 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
                     "decode_prefix_hit",
                     "prefill_queue",
                     "pair_down",
+                    "migration",
                 )
             ),
         }

@@ -29,7 +29,7 @@ from reference import hf_greedy, load_hf
 from tiny_model import QWEN25_TEMPLATE, build_tiny_model
 
 IDLE_S = 6.0  # the router's --stream-idle-timeout: a stalled rank's streams move after it
-MAX_NEW = 400
+MAX_NEW = 200
 PROMPTS = [[5 + i, 9, 13 + 2 * i, 22, 31, 40 + i, 41, 7] for i in range(4)]
 ARRAY = {  # long enough that a stream is still going when the fault hits
     "type": "object",
@@ -41,13 +41,14 @@ TOOL = {
     "type": "function",
     "function": {"name": "record", "parameters": ARRAY},
 }
-# The breaker is kept shut: health probes alone take D1 out and back, so a fresh D1 gets its
-# share of streams at once (a half-open breaker would let one through at a time).
+# The breakers (the node's, the pair's) are kept shut: health probes alone take D1 out and back, so
+# a fresh D1 gets its share of streams at once (a half-open breaker lets one through at a time).
 ROUTER_ARGS = [
     "--health-interval", "0.5", "--health-timeout", "2", "--health-failure-threshold", "2",
     "--health-success-threshold", "2", "--decode-policy", "round_robin",
     "--request-timeout", "60", "--stream-idle-timeout", str(IDLE_S),
-    "--cb-failure-threshold", "100000", "--disagg-min-prompt-tokens", "0", "--log-level", "warning",
+    "--cb-failure-threshold", "100000", "--pair-failure-threshold", "100000",
+    "--disagg-min-prompt-tokens", "0", "--log-level", "warning",
 ]  # fmt: skip
 
 
@@ -213,14 +214,12 @@ class Cluster:
                 out[int(m.group(1))] = pid
         return out
 
-    def restart(self, name: str, undisturbed: list) -> None:
-        """A fresh node on the same port; the router takes it back (its pair with the prefill node
-        closes again after one good request): a round of the streams, each exact."""
+    def restart(self, name: str) -> None:
+        """A fresh node on the same port, back in the router."""
         self.stacks[name].close()
         self.launch(name)
         wait_healthy(self.url(name), self.procs[name], 240, self.logs[name])
         self.wait_all_healthy()
-        assert [s.answer() for s in run_all(self.url("router"))] == undisturbed
 
     def d1_busy(self, streams: list[Stream], timeout: float = 60) -> None:
         """Returns once every stream has its first events and the router has some open on D1 (a
@@ -280,7 +279,7 @@ def test_sigkill_of_a_decode_front(cluster, undisturbed):
         os.kill(cluster.procs["d1"].pid, signal.SIGKILL)
 
     check_fault(cluster, undisturbed, fault, ("connection", "stream_cut"))
-    cluster.restart("d1", undisturbed)
+    cluster.restart("d1")
 
 
 def test_sigkill_of_a_decode_rank(cluster, undisturbed):
@@ -289,7 +288,7 @@ def test_sigkill_of_a_decode_rank(cluster, undisturbed):
         os.kill(cluster.ranks("d1")[1], signal.SIGKILL)
 
     check_fault(cluster, undisturbed, fault, ("node_failure",))
-    cluster.restart("d1", undisturbed)
+    cluster.restart("d1")
 
 
 def test_sigstop_of_a_decode_rank_past_the_idle_timeout(cluster, undisturbed):
