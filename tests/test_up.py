@@ -541,6 +541,53 @@ def test_429_under_saturation(cluster):
     assert int(r429.headers["retry-after"]) >= 1
 
 
+async def _streams(url: str, n: int, max_new: int) -> list[list[int]]:
+    async def one(c: httpx.AsyncClient, i: int) -> list[int]:
+        body = {"input_ids": [3 + i, 7, 11 + i, 19], "stream": True,
+                "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}  # fmt: skip
+        toks = []
+        async with c.stream("POST", f"{url}/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    toks.extend(event["token_ids"])
+        return toks
+
+    async with httpx.AsyncClient(timeout=120) as c:
+        return await asyncio.gather(*(one(c, i) for i in range(n)))
+
+
+def test_the_zygote_killed_under_load_costs_no_rank(cluster):
+    """SIGKILL of the cluster's rank zygote (the one process that forked every rank) while six
+    streams run: no rank dies with it, every stream ends whole and exact, every node stays
+    healthy. The ranks die with their node instead (the test's teardown finds none left)."""
+    url, proc, _ = cluster
+    zygote = next(
+        c for c in psutil.Process(proc.pid).children() if "pdserve.infra.zygote" in c.cmdline()
+    )
+    ranks = [c for c in zygote.children() if c.is_running()]
+    assert ranks, "the zygote forked no rank"
+    want = asyncio.run(_streams(url, 6, 48))
+
+    async def during() -> list[list[int]]:
+        task = asyncio.create_task(_streams(url, 6, 48))
+        await asyncio.sleep(0.3)
+        zygote.send_signal(signal.SIGKILL)
+        return await task
+
+    assert asyncio.run(during()) == want
+    deadline = time.monotonic() + 10
+    while zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE:  # `up` reaps it at exit
+        assert time.monotonic() < deadline, "the zygote outlived its SIGKILL"
+        time.sleep(0.05)
+    assert all(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    for node in (n for urls in node_urls(url).values() for n in urls):
+        assert HTTP.get(f"{node}/health", auth=AUTH, timeout=5).status_code == 200, node
+    assert asyncio.run(_streams(url, 2, 8)) == [w[:8] for w in want[:2]]
+
+
 def test_one_decode_node_killed_requests_keep_succeeding(cluster):
     url, _, _ = cluster
     name = model_name(url)

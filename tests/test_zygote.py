@@ -4,6 +4,7 @@ back, and what the zygote refuses while it keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from pdserve.infra.zygote_client import Zygote
+from pdserve.infra.zygote_client import EXIT_UNKNOWN, Zygote
 from pdserve.runtime.rank_spec import RankSpec
 
 
@@ -38,7 +39,7 @@ def test_a_child_reports_its_exit_code_and_writes_to_the_requesters_stderr(rank_
 
 
 def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
-    rank_zygote, tiny6, tmp_path, monkeypatch
+    rank_zygote, tiny6, tmp_path, monkeypatch, capfd
 ):
     monkeypatch.chdir(tmp_path)
     child = rank_zygote.fork(
@@ -56,6 +57,8 @@ def test_a_rank_takes_the_requesters_cwd_and_stops_on_sigterm(
         assert child.poll() is None
         child.terminate()
         assert child.wait(timeout=60) == 0  # the rank's SIGTERM handler: a clean exit
+        # and it says who stopped it: this process signalled it (through its pidfd)
+        assert f"pp_rank 0 stops: SIGTERM from pid {os.getpid()}" in capfd.readouterr().err
     finally:
         if child.poll() is None:
             child.kill()
@@ -68,6 +71,35 @@ def test_sigkill_is_reported_as_on_popen(rank_zygote, tiny6, tmp_path):
     )
     child.kill()
     assert child.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_rank_outlives_the_zygote_that_forked_it(tiny6, tmp_path):
+    """A zygote that dies (SIGKILL) leaves its running children alone: the child goes on, the
+    requester still signals it through its pidfd and sees it end (its code unknown: only its
+    parent, gone, could read it)."""
+    zygote = Zygote.start(["pdserve.runtime.rank.process"])
+    child = None
+    try:
+        child = zygote.fork("pdserve.runtime.rank.process", ["--spec", _idle_rank(tiny6, tmp_path)])
+        pid = child.pid
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{pid}/comm").read_text().strip() != "colocated-pp0":  # in its main
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        zygote.proc.kill()
+        zygote.proc.wait(timeout=10)
+        time.sleep(1.0)  # a parent-death signal would have killed it by now
+        assert child.poll() is None and child.orphaned
+        assert "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        child.terminate()
+        assert child.wait(timeout=60) == EXIT_UNKNOWN
+        stat = Path(f"/proc/{pid}/stat")
+        with contextlib.suppress(FileNotFoundError):  # gone, or a zombie until init reaps it
+            assert stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        zygote.close()
 
 
 def test_a_module_it_did_not_preload_is_refused(rank_zygote, caplog):

@@ -10,6 +10,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,26 @@ def _socket(reuse: bool) -> socket.socket:
 
 
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+# True in a process a zygote forked (infra/zygote.py): it dies with the process that asked for it
+# (a pidfd watched by a thread), not with the zygote, its parent. A flag in memory, not in the
+# environment: what such a process starts in turn dies with its parent as usual.
+_forked_by_zygote = False
+
+
+def forked_by_zygote() -> None:
+    """Called in a zygote's child: its die_with_parent leaves the zygote out."""
+    global _forked_by_zygote
+    _forked_by_zygote = True
 
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies, so a crashed launcher leaves no orphans.
     A parent that died before this call is caught too (the signal would never come): a child
-    whose environment names its parent (PARENT_PID_ENV, as infra/zygote.py sets it) exits at once
-    when that is no longer its parent."""
+    whose environment names its parent (PARENT_PID_ENV) exits at once when that is no longer its
+    parent. A zygote's child does neither: its parent is the zygote, whose death must cost no
+    running rank; it dies with its node instead (forked_by_zygote)."""
+    if _forked_by_zygote:
+        return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -92,6 +106,47 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_PID_ENV, "")
     if parent.isdigit() and int(parent) != os.getppid():
         os._exit(1)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def exit_on_stop_signals(log: logging.Logger, what: str) -> None:
+    """SIGTERM and SIGHUP end this process as SystemExit(0) in its main thread, after a log line
+    that names the sender (pid, command name): a process that just exits 0 leaves no trace of who
+    stopped it. Call from the main thread before any other thread starts, since the signals are
+    blocked here and in every thread started later; a thread takes them with sigwaitinfo, which
+    (unlike a handler) gives the sender, and interrupts the main thread with SIGUSR1."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+
+    def stop(*_) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGUSR1, stop)
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def watch() -> None:
+        info = signal.sigwaitinfo(set(STOP_SIGNALS))
+        log.warning(
+            "%s stops: %s from pid %d (%s, uid %d)",
+            what,
+            signal.Signals(info.si_signo).name,
+            info.si_pid,
+            _comm(info.si_pid),
+            info.si_uid,
+        )
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "gone"
 
 
 def set_process_name(name: str) -> None:

@@ -9,7 +9,8 @@ its own uid only (SO_PEERCRED), forks only into the modules it preloaded (and th
 `ZYGOTE_PRELOAD`), and forks from one thread (it starts none, and checks). A child takes the
 requester's environment, working directory, stdout, stderr (passed as file descriptors), CPU
 affinity and process group (or a group of its own), and runs `MODULE.main(argv)`. It dies with its
-requester (a pidfd watched by a thread) and with the zygote (the rank's own parent-death signal).
+requester (a pidfd watched by a thread), and outlives the zygote: a zygote killed or crashed costs
+no running rank (the requester then learns a child's end from its pidfd, without the exit code).
 
 The client is infra/zygote_client.py. PDSERVE_RANK_ZYGOTE names a shared zygote (one per `pdserve
 up`, one per test worker); without it a node starts its own.
@@ -37,7 +38,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from pdserve.infra.procs import PARENT_PID_ENV, die_with_parent
+from pdserve.infra.procs import PARENT_PID_ENV, die_with_parent, forked_by_zygote
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,10 @@ class ZygoteServer:
         os.environ.clear()
         os.environ.update(req["env"])
         tempfile.tempdir = None  # the requester's TMPDIR, not the one this zygote found first
-        os.environ[PARENT_PID_ENV] = str(os.getppid())  # the rank's die_with_parent: this zygote
+        # the rank dies with its requester (the watch below), never with this zygote: a zygote
+        # that dies (killed, crashed) leaves the ranks it forked running
+        os.environ.pop(PARENT_PID_ENV, None)
+        forked_by_zygote()
         sys.argv = [req["module"], *req["argv"]]
         watch = threading.Thread(target=_die_with, args=(fds[2],), name="requester-watch")
         watch.daemon = True
@@ -309,6 +313,9 @@ def _exit_now(code: int) -> NoReturn:
 def _die_with(pidfd: int) -> None:
     """A forked rank's requester (its node) exited: so does the rank, as a spawned one would."""
     readable(pidfd, None)
+    log.warning("the process that started this one exited: stopping (SIGKILL)")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

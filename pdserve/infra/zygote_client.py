@@ -22,12 +22,15 @@ from pdserve.infra.zygote import ENV, START_TIMEOUT_S, peer_pid_uid, readable
 
 log = logging.getLogger(__name__)
 
+# the exit code of a child whose zygote died before it: the code was its parent's to read
+EXIT_UNKNOWN = 255
+
 
 class ZygoteChild:
     """A process forked for this one by a zygote; poll/wait/send_signal as on subprocess.Popen,
     safe from several threads (a node's watch thread polls while its main thread stops). Its exit
-    code comes from the zygote; a zygote that dies first takes its children along (their
-    parent-death signal), reported as -SIGKILL."""
+    code comes from the zygote. A zygote that dies first leaves the child running: its end is then
+    seen on its pidfd, and its code, which only its parent could read, is EXIT_UNKNOWN."""
 
     def __init__(self, conn: socket.socket, module: str):
         self.conn = conn
@@ -35,6 +38,7 @@ class ZygoteChild:
         self.returncode: int | None = None
         self._pid: int | None = None
         self._pidfd: int | None = None
+        self.orphaned = False  # the zygote is gone; the child may still run
         self._lock = threading.RLock()
 
     @property
@@ -53,22 +57,39 @@ class ZygoteChild:
 
     def _readable(self, timeout_s: float) -> None:
         with self._lock:
-            fd = self.conn.fileno() if self.returncode is None else -1
-        if fd >= 0:
+            fd = -1
+            if self.returncode is None:
+                fd = self._pidfd if self.orphaned else self.conn.fileno()
+        if fd is not None and fd >= 0:
             readable(fd, timeout_s)
 
     def poll(self) -> int | None:
         with self._lock:
-            while self.returncode is None and readable(self.conn.fileno(), 0):
+            while self.returncode is None and not self.orphaned and readable(self.conn.fileno(), 0):
                 self._take_message()
+            if self.returncode is None and self.orphaned and readable(self._pidfd, 0):
+                self._ended(EXIT_UNKNOWN)
             return self.returncode
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
+        self.conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def _take_message(self) -> None:
         try:
             raw, fds, _flags, _ = socket.recv_fds(self.conn, 4096, 1)
         except OSError:
             raw, fds = b"", []
-        msg = json.loads(raw) if raw else {"exit": -signal.SIGKILL}  # zygote gone: see above
+        if not raw and self._pidfd is not None:  # the zygote is gone, not the child
+            log.warning(
+                "the rank zygote exited; %s (pid %s) goes on without it", self.args, self._pid
+            )
+            self.orphaned = True
+            return
+        msg = json.loads(raw) if raw else {"exit": -signal.SIGKILL}  # gone before it forked
         if "error" in msg:
             log.error("the rank zygote refused %s: %s", self.args, msg["error"])
             msg = {"exit": 1}
@@ -79,11 +100,7 @@ class ZygoteChild:
             for fd in fds:
                 os.close(fd)
         if "exit" in msg:
-            self.returncode = int(msg["exit"])
-            self.conn.close()
-            if self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
+            self._ended(int(msg["exit"]))
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

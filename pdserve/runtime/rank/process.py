@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from pdserve.infra.logs import setup_logging
-from pdserve.infra.procs import die_with_parent, set_process_name
+from pdserve.infra.procs import die_with_parent, exit_on_stop_signals, set_process_name
 from pdserve.runtime.front.process import (
     EVT_CHANNEL,
     EVT_MAX_BYTES,
@@ -335,7 +334,7 @@ def _become_rank(spec: RankSpec) -> None:
     rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
     bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
     die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    exit_on_stop_signals(log, f"pp_rank {spec.pp_rank}")  # logs who stopped it
 
 
 def run_rank(
