@@ -3,6 +3,7 @@
 Every node is a `pdserve prefill|decode` process (which starts its own rank processes); the router
 is a `pdserve router` process. All of them die with this launcher (PR_SET_PDEATHSIG), and Ctrl-C
 or SIGTERM stops them in order: router first, then the nodes, each of which stops its ranks.
+SIGHUP restarts every node, one at a time, while the router serves (pdserve/rolling_restart.py).
 
 The cluster secret: the one in the environment (PDSERVE_INTERNAL_TOKEN or _FILE) if set, else a
 fresh random one per cluster. Every process gets it through its environment, never its command line,
@@ -37,6 +38,7 @@ from pdserve.infra.request_signing import signed_auth
 from pdserve.infra.tracing import add_tracing_arg
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
+from pdserve.rolling_restart import rolling_restart
 from pdserve.runtime.placement import bind_cores, plan_placement
 
 log = logging.getLogger("pdserve.up")
@@ -115,6 +117,11 @@ class Cluster:
         # window in which another process took a bootstrap port (EADDRINUSE in a test run)
         self._held_ports: list[socket.socket] = []
         self.zygote: Zygote | None = None
+        self.rank_modules = RANK_MODULES
+        self.commands: dict[str, list[str]] = {}  # each process's command, to start it again
+        self.env: dict[str, str] = {}  # the nodes' environment
+        self.router_url = ""
+        self.restart_requested = False  # SIGHUP: a rolling restart (pdserve/rolling_restart.py)
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
         # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
         # bundle, ~75 ms of CPU) per call, taken from the ranks that are starting
@@ -137,7 +144,17 @@ class Cluster:
 
         p = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *cmd], env=env, preexec_fn=start)
         self.procs.append((name, p))
+        self.commands[name] = cmd
         return p
+
+    def proc(self, name: str) -> subprocess.Popen:
+        return next(p for n, p in self.procs if n == name)
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """`name` started again with the command it had, and the environment now in `self.env`
+        (pdserve/rolling_restart.py)."""
+        self.procs = [(n, p) for n, p in self.procs if n != name]
+        return self._spawn(name, self.commands[name], self.env)
 
     def start(self) -> str:
         """Starts the nodes, waits until every rank has loaded, then starts the router; returns
@@ -147,6 +164,7 @@ class Cluster:
         self.zygote = Zygote.start(RANK_MODULES)
         env = dict(os.environ, **{SECRET_ENV: self.secret, ZYGOTE_ENV: self.zygote.path})
         env.pop(SECRET_FILE_ENV, None)
+        self.env = env
         self._host_cores = os.sched_getaffinity(0)
         cpus = self._plan_cores()
         logs = ["--log-level", a.log_level, "--log-format", a.log_format]
@@ -280,6 +298,7 @@ class Cluster:
         self._spawn("router", router_cmd + shlex.split(a.router_args), env)
         url = f"http://{a.host}:{a.port}"
         self._wait(url, "router")
+        self.router_url = url
         return url
 
     def _check_alive(self) -> None:
@@ -341,6 +360,12 @@ class Cluster:
         """Runs until the router exits; a node that dies is reported and routed around."""
         reported: set[str] = set()
         while True:
+            if self.restart_requested:
+                self.restart_requested = False
+                try:
+                    rolling_restart(self, say)
+                except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
+                    say(f"rolling restart stopped: {e}", True)
             for name, p in self.procs:
                 if p.poll() is None or name in reported:
                     continue
@@ -379,6 +404,8 @@ def up_main(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # SIGHUP: restart every node, one at a time, without a failed request (rolling_restart.py)
+    signal.signal(signal.SIGHUP, lambda *_: setattr(cluster, "restart_requested", True))
     try:
         url = cluster.start()
         key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""

@@ -29,6 +29,7 @@ from reference import hf_greedy, load_hf
 from tiny_model import QWEN25_TEMPLATE, build_tiny_model
 
 IDLE_S = 6.0  # the router's --stream-idle-timeout: a stalled rank's streams move after it
+DRAIN_GRACE_S = 1.0  # the nodes' --drain-grace: what a draining node still runs moves after it
 MAX_NEW = 200
 PROMPTS = [[5 + i, 9, 13 + 2 * i, 22, 31, 40 + i, 41, 7] for i in range(4)]
 ARRAY = {  # long enough that a stream is still going when the fault hits
@@ -164,6 +165,7 @@ class Cluster:
         role = "prefill" if name == "p" else "decode"
         cmd = [role, "--model", str(self.model), "--pp", str(self.pp[name])]
         cmd += ["--port", str(self.ports[name]), *NODE_ARGS, "--max-context", "1024"]
+        cmd += ["--drain-grace", str(DRAIN_GRACE_S)]
         if name == "p":
             cmd += ["--bootstrap-port", str(self.bport)]
         self.starts[name] += 1
@@ -309,3 +311,36 @@ def test_sigstop_of_a_decode_rank_past_the_idle_timeout(cluster, undisturbed):
     cluster.wait_all_healthy(timeout=60)
     left = wait_pages_free(cluster.url("d1"), cluster.url("d2"), timeout=30)
     assert not any(any(v) for v in left.values()), left
+
+
+def _drained(cluster: Cluster, undisturbed: list, stop) -> None:
+    """`stop()` drains D1 under the 16 streams: each ends exact (finished within the grace period
+    or moved), the router stops choosing D1 before it goes, and D1 exits 0."""
+    proc = cluster.procs["d1"]
+    seen = {}
+
+    def fault(streams):
+        cluster.d1_busy(streams)
+        stop()
+        deadline = time.monotonic() + 20
+        while not seen.get("draining"):
+            w = cluster.workers()[cluster.url("d1")]
+            seen["draining"] = w["draining"] and w["healthy"]  # chosen no more, not failed
+            assert time.monotonic() < deadline, "the router never saw D1 draining"
+            time.sleep(0.05)
+
+    check_fault(cluster, undisturbed, fault, ("node_draining",))
+    assert proc.wait(timeout=30) == 0
+    cluster.restart("d1")
+
+
+def test_post_drain_moves_what_is_left_after_the_grace_period(cluster, undisturbed):
+    def stop():
+        r = httpx.post(cluster.url("d1") + "/drain", json={"grace_s": 0.2}, timeout=10)
+        assert r.status_code == 200 and r.json()["draining"] is True, r.text
+
+    _drained(cluster, undisturbed, stop)
+
+
+def test_sigterm_drains_a_decode_node(cluster, undisturbed):
+    _drained(cluster, undisturbed, lambda: os.kill(cluster.procs["d1"].pid, signal.SIGTERM))

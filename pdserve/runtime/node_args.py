@@ -90,6 +90,13 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         "--running-timeout", type=float, default=0.0, help="abort requests alive longer (0: off)"
     )
     ap.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or POST /drain: seconds the requests in flight get to finish before they "
+        "move to another node (docs/RELIABILITY.md)",
+    )
+    ap.add_argument(
         "--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over"
     )
     ap.add_argument("--node-rank", type=int, default=0)

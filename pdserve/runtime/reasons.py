@@ -24,6 +24,7 @@ class AbortReason(StrEnum):
     BOOTSTRAP_FAILED = "bootstrap_failed"  # PD: the KV hand-shake failed before any KV moved
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD: the KV transfer itself failed
     NODE_FAILURE = "node_failure"  # a rank of this node exited
+    NODE_DRAINING = "node_draining"  # the node drains (runtime/front/drain.py): it moves on
 
 
 ABORT_REASONS: frozenset[str] = frozenset(r.value for r in AbortReason)
@@ -37,6 +38,7 @@ _TEXT = {
     AbortReason.BOOTSTRAP_FAILED: "KV bootstrap failed",
     AbortReason.KV_TRANSFER_FAILED: "KV transfer failed",
     AbortReason.NODE_FAILURE: "node failure",
+    AbortReason.NODE_DRAINING: "the node is draining: the request moves to another node",
 }
 
 

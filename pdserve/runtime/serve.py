@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from pdserve.infra.logs import setup_logging, uvicorn_level
 from pdserve.infra.procs import reserve_port, stop_processes
 from pdserve.infra.tracing import make_exporter
 from pdserve.infra.zygote_client import Zygote, ZygoteChild
+from pdserve.runtime.front.drain import Drain
 from pdserve.runtime.placement import (
     Placement,
     bind_cores,
@@ -82,6 +84,23 @@ def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(f"bad engine flags: {e}") from None
     return engine
+
+
+class DrainingServer(uvicorn.Server):
+    """The node's HTTP server: its first SIGTERM drains the node (runtime/front/drain.py), which
+    stops the server once the node has handed its work on; a second SIGTERM, or SIGINT, stops it
+    at once."""
+
+    drain: Drain | None = None
+    loops: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def handle_exit(self, sig: int, frame) -> None:
+        loop = self.loops.get("loop")
+        if sig == signal.SIGTERM and self.drain is not None and self.drain.task is None and loop:
+            log.warning("SIGTERM: draining (a second SIGTERM stops the node at once)")
+            loop.call_soon_threadsafe(self.drain.start)
+            return
+        super().handle_exit(sig, frame)
 
 
 class RankSet:
@@ -229,7 +248,7 @@ def run_node(
             spec_fields,
             dist_port=hold.getsockname()[1],
         )
-        server = uvicorn.Server(
+        server = DrainingServer(
             server_config(
                 app,
                 host=args.host,
@@ -238,7 +257,11 @@ def run_node(
                 timeout_graceful_shutdown=3,
             )
         )
+        server.drain = app.state.drain = Drain(
+            front, args.drain_grace, lambda: setattr(server, "should_exit", True)
+        )
         loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+        server.loops = loop_holder
 
         def on_rank_exit(why: str) -> None:
             loop = loop_holder.get("loop")

@@ -22,7 +22,8 @@ What breaks a stream, and is migrated (the `cause` label):
 - `node_unhealthy`: the worker's health probes failed while the stream waited (a stalled rank);
 - `idle_timeout`: no event for --stream-idle-timeout;
 - the node's own abort for a node fault: `node_failure` (a rank exited), `kv_transfer_failed`,
-  `bootstrap_failed`.
+  `bootstrap_failed`; or `node_draining`: the node drains (runtime/front/drain.py) and its grace
+  period ended.
 A client's error, a node's request timeout and the client going away are not migrated.
 """
 
@@ -47,7 +48,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
 # a node's abort codes (runtime/reasons.py) that say the node failed, not the request
-MIGRATED_ABORTS = frozenset({"node_failure", "kv_transfer_failed", "bootstrap_failed"})
+MIGRATED_ABORTS = frozenset(
+    {"node_failure", "node_draining", "kv_transfer_failed", "bootstrap_failed"}
+)
 HEALTH_POLL_S = 0.5  # how often a waiting stream looks at its decode worker's health
 _END = object()
 

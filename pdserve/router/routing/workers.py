@@ -41,6 +41,7 @@ class Worker:
     tool_format: str | None = None  # learnt from /server_info: its model's tool-call format
     prefix_cache: bool = True  # learnt from /server_info: it keeps finished prompts' KV
     healthy: bool = False
+    draining: bool = False  # its /health says so (runtime/front/drain.py): chosen no more
     ever_healthy: bool = False
     good_probes: int = 0  # consecutive
     bad_probes: int = 0  # consecutive
@@ -56,7 +57,7 @@ class Worker:
     def eligible(self) -> bool:
         if self.role == "prefill" and self.bootstrap_port is None:
             return False
-        return self.healthy and self.breaker.can_pass()
+        return self.healthy and not self.draining and self.breaker.can_pass()
 
     def describe(self) -> dict:
         return {
@@ -64,6 +65,7 @@ class Worker:
             "role": self.role,
             "model": self.model,
             "healthy": self.healthy,
+            "draining": self.draining,
             "circuit": self.breaker.state.name.lower(),
             "in_flight": self.in_flight,
             "queued_prompt_tokens": self.queued_prompt_tokens,
@@ -251,6 +253,13 @@ class WorkerRegistry:
             elif worker.role == "decode" and not await self.push_bootstrap_servers(worker, True):
                 return False
             resp = await client.get(f"{worker.url}/health", timeout=timeout)
+            if resp.status_code == 200:
+                draining = _says_draining(resp)
+                if draining != worker.draining:
+                    worker.draining = draining
+                    logger.warning(
+                        "worker %s: %s", "draining" if draining else "serving", worker.url
+                    )
             return resp.status_code == 200
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("probe of %s failed: %r", worker.url, exc)
@@ -301,3 +310,11 @@ class WorkerRegistry:
             await self.probe_all()
             for worker in self.all():  # breakers move open -> half-open with time
                 self.report(worker)
+
+
+def _says_draining(resp: httpx.Response) -> bool:
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("draining") is True

@@ -150,11 +150,28 @@ def add_status(app: FastAPI, front: NodeFront, check_internal: Callable) -> None
     async def health():
         ok, why = front.healthy()
         # dead: a rank exited and the node will not recover (a restart is needed); otherwise an
-        # unhealthy node is still starting or its ranks' stats are late
+        # unhealthy node is still starting or its ranks' stats are late. draining: healthy, but
+        # choose it no more (runtime/front/drain.py)
+        status = "unhealthy" if not ok else "draining" if front.draining else "ok"
         return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "detail": why, "dead": bool(front.dead)},
+            {"status": status, "detail": why, "dead": bool(front.dead), "draining": front.draining},
             status_code=200 if ok else 503,
         )
+
+    @app.post("/drain")
+    async def drain(request: Request):
+        """Stops the node gracefully (runtime/front/drain.py); optional body {"grace_s": n}."""
+        check_internal(request)
+        body = await read_json(request) if int(request.headers.get("content-length") or 0) else {}
+        grace = body.get("grace_s")
+        if grace is not None and (
+            not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace <= 3600
+        ):
+            raise RequestError(400, "'grace_s' must be a number of seconds in [0, 3600]", "grace_s")
+        drainer = getattr(request.app.state, "drain", None)
+        if drainer is None:
+            raise RequestError(503, "this node cannot drain yet: it is starting")
+        return drainer.start(grace)
 
     @app.get("/server_info")
     async def server_info(request: Request):

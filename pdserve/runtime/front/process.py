@@ -135,6 +135,7 @@ class NodeFront:
         self.rank_stats: dict[int, RankStats] = {}
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None  # why the node is unhealthy, once it is
+        self.draining = False  # runtime/front/drain.py: the router stops choosing the node
         self.max_pending = MAX_PENDING
         self.prefix_cache = True  # its ranks keep finished prompts' KV (not --no-prefix-cache)
         self.sampling_defaults: dict[
@@ -419,6 +420,7 @@ class NodeFront:
             "pp_size": self.pp_size,
             "healthy": ok,
             "status": why,
+            "draining": self.draining,
             "failed": self.dead or None,  # a rank exited: the node will not become healthy
             "load": {
                 "running": pp0.queues.get("running", 0) if pp0 else 0,
