@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "pdserve"
 
 # package below pdserve/ -> the pdserve packages it may import (besides itself and its own
-# sub-packages). pdserve's own modules (the command line, `pdserve up`, `pdserve bench`) sit on top
-# and may import any of them.
+# sub-packages). pdserve's own modules (the command line, `pdserve up` and its rolling restart,
+# `pdserve bench`) sit on top and may import any of them.
 ALLOWED = {
     "infra": set(),
     "consensus": {"infra"},
@@ -23,7 +23,13 @@ ALLOWED = {
     "decode_node": {"pd_common", "runtime", "engine", "kv_transfer", "consensus", "infra"},
     "router": {"infra"},
 }
-TOP_LEVEL = {"pdserve.cli", "pdserve.up", "pdserve.trace_cmd", "pdserve.bench"}
+TOP_LEVEL = {
+    "pdserve.cli",
+    "pdserve.up",
+    "pdserve.rolling_restart",
+    "pdserve.trace_cmd",
+    "pdserve.bench",
+}
 # Third-party modules the model-and-decisions package must not need.
 ENGINE_FORBIDDEN = {"zmq", "fastapi", "uvicorn", "starlette", "torch.distributed"}
 

@@ -94,7 +94,9 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{ include "pdserve.podCommon" $root }}
-terminationGracePeriodSeconds: 30
+# SIGTERM drains the node (docs/RELIABILITY.md): its requests get drain.graceSeconds, the streams
+# left then move to another node; the pod is given that and 30 s more before it is killed
+terminationGracePeriodSeconds: {{ add (int $root.Values.drain.graceSeconds) 30 }}
 containers:
   - name: {{ $role }}
     image: {{ include "pdserve.image" $root }}
@@ -130,6 +132,8 @@ containers:
       {{- end }}
       - --device
       - {{ $g.device | quote }}
+      - --drain-grace
+      - {{ $root.Values.drain.graceSeconds | quote }}
       {{- range $g.extraArgs }}
       - {{ . | quote }}
       {{- end }}
