@@ -391,6 +391,7 @@ def test_node_internal_endpoints_need_the_secret(nodes, kind):
         r = HTTP.post(f"{url}/generate", json=gen, **kw, timeout=10)
         assert r.status_code == 401, (kind, kw, r.text)
         assert HTTP.post(f"{url}/abort", json={"rid": "x"}, **kw, timeout=10).status_code == 401
+        assert HTTP.post(f"{url}/drain", json={}, **kw, timeout=10).status_code == 401
         assert HTTP.get(f"{url}/server_info", **kw, timeout=10).status_code == 401
         assert HTTP.get(f"{url}/debug/spans/x", **kw, timeout=10).status_code == 401
         for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
@@ -401,6 +402,9 @@ def test_node_internal_endpoints_need_the_secret(nodes, kind):
         >= 1
     )
     assert HTTP.post(f"{url}/abort", json={"rid": "x"}, auth=AUTH, timeout=10).status_code == 200
+    bad = HTTP.post(f"{url}/drain", json={"grace_s": -1}, auth=AUTH, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "grace_s", bad.text
+    assert not HTTP.get(f"{url}/health", timeout=10).json()["draining"]  # a bad call drains nothing
     # open on purpose: load balancer probes and Prometheus scrapers
     assert HTTP.get(f"{url}/health", timeout=10).status_code == 200
     assert HTTP.get(f"{url}/metrics", timeout=10).status_code == 200

@@ -334,13 +334,6 @@ def _drained(cluster: Cluster, undisturbed: list, stop) -> None:
     cluster.restart("d1")
 
 
-def test_post_drain_moves_what_is_left_after_the_grace_period(cluster, undisturbed):
-    def stop():
-        r = httpx.post(cluster.url("d1") + "/drain", json={"grace_s": 0.2}, timeout=10)
-        assert r.status_code == 200 and r.json()["draining"] is True, r.text
-
-    _drained(cluster, undisturbed, stop)
-
-
 def test_sigterm_drains_a_decode_node(cluster, undisturbed):
+    """(`POST /drain` does the same: the rolling restart drains every node with it.)"""
     _drained(cluster, undisturbed, lambda: os.kill(cluster.procs["d1"].pid, signal.SIGTERM))
