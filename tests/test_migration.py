@@ -45,7 +45,7 @@ TOOL = {
 # The breakers (the node's, the pair's) are kept shut: health probes alone take D1 out and back, so
 # a fresh D1 gets its share of streams at once (a half-open breaker lets one through at a time).
 ROUTER_ARGS = [
-    "--health-interval", "0.5", "--health-timeout", "2", "--health-failure-threshold", "2",
+    "--health-interval", "0.5", "--health-timeout", "5", "--health-failure-threshold", "3",
     "--health-success-threshold", "2", "--decode-policy", "round_robin",
     "--request-timeout", "60", "--stream-idle-timeout", str(IDLE_S),
     "--cb-failure-threshold", "100000", "--pair-failure-threshold", "100000",

@@ -295,3 +295,12 @@ def test_node_pools_share_one_tls_context():
             await clients.aclose()
 
     asyncio.run(main())
+
+
+def test_every_migration_cause_is_a_counted_label():
+    """pdserve_router_migrations_total has every cause the router can migrate for from start-up."""
+    from pdserve.router.metrics import MIGRATION_CAUSES
+    from pdserve.router.routing.migration import MIGRATED_ABORTS
+
+    broken = {"connection", "stream_cut", "node_unhealthy", "idle_timeout"}
+    assert set(MIGRATION_CAUSES) == broken | MIGRATED_ABORTS

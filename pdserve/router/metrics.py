@@ -44,6 +44,18 @@ ROUTE_DECISIONS = tuple(("disaggregated", r) for r in DISAGGREGATED_REASONS) + t
     ("decode_only", r) for r in DECODE_ONLY_REASONS
 )
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+# why a stream moved, and how (router/routing/migration.py): every pair exists at 0 from the start
+MIGRATION_CAUSES = (
+    "connection",
+    "stream_cut",
+    "node_unhealthy",
+    "idle_timeout",
+    "node_failure",
+    "node_draining",
+    "kv_transfer_failed",
+    "bootstrap_failed",
+)
+MIGRATION_OUTCOMES = ("resumed", "failed", "refused")
 CIRCUIT_STATES = (
     "closed",
     "open",
@@ -154,6 +166,9 @@ class RouterMetrics:
             ["cause", "outcome"],
             registry=self.registry,
         )
+        for cause in MIGRATION_CAUSES:
+            for outcome in MIGRATION_OUTCOMES:
+                self.migrations.labels(cause=cause, outcome=outcome)
         self.migrated_tokens = Counter(
             "pdserve_router_migrated_tokens_total",
             "Tokens a migrated stream's new decode node prefilled again after the prompt",

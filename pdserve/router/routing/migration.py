@@ -186,7 +186,8 @@ class ResumableStream:
         the break's error when it may not or cannot move."""
         old, cfg, metrics = self.attempt, self.d.cfg, self.d.metrics
         left = self._left()
-        fault = broken.cause not in ("idle_timeout",)  # a slow node is not a broken one
+        # a slow node, or one that drains, is not a broken one: its breaker does not count it
+        fault = broken.cause not in ("idle_timeout", "node_draining")
         old.close(False if fault else None, abort=True)
         if self.migrations >= cfg.max_migrations or (left is not None and left < 1):
             metrics.migration(broken.cause, "refused")
