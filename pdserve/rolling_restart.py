@@ -34,6 +34,8 @@ def rolling_restart(cluster: Cluster, say) -> None:
     old = cluster.zygote
     cluster.zygote = Zygote.start(cluster.rank_modules)
     cluster.env[ZYGOTE_ENV] = cluster.zygote.path
+    if old is not None:  # stopped with the cluster: ranks of nodes not restarted yet are its own
+        cluster.retired_zygotes.append(old)
     auth = signed_auth(cluster.secret)
     order = sorted(cluster.nodes, key=lambda n: not n[0].startswith("prefill"))
     t0 = time.monotonic()
@@ -51,7 +53,8 @@ def rolling_restart(cluster: Cluster, say) -> None:
         cluster.respawn(name)
         _wait_back(cluster, name, url, auth)
         say(f"rolling restart: {name} back (exited {code}; {time.monotonic() - t:.1f} s)")
-    if old is not None:
+    if old is not None:  # every rank it forked is gone with its node
+        cluster.retired_zygotes.remove(old)
         old.close()
     say(f"rolling restart done: {len(order)} nodes in {time.monotonic() - t0:.1f} s")
 

@@ -122,6 +122,7 @@ class Cluster:
         self.env: dict[str, str] = {}  # the nodes' environment
         self.router_url = ""
         self.restart_requested = False  # SIGHUP: a rolling restart (pdserve/rolling_restart.py)
+        self.retired_zygotes: list[Zygote] = []  # a stopped rolling restart's: closed at the end
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
         # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
         # bundle, ~75 ms of CPU) per call, taken from the ranks that are starting
@@ -382,8 +383,9 @@ class Cluster:
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)
         stop_processes([p for n, p in self.procs if n != "router"], grace_s=15)
-        if self.zygote is not None:  # after the nodes, which stop their ranks
-            self.zygote.close()
+        for zygote in [*self.retired_zygotes, self.zygote]:  # after the nodes and their ranks
+            if zygote is not None:
+                zygote.close()
         with contextlib.suppress(OSError):
             os.unlink(self.secret_file)
             os.rmdir(self._secret_dir)

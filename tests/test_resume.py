@@ -59,7 +59,7 @@ def test_a_resumed_request_continues_exactly(engine, case):
     whole = run(engine, params)
     n = len(whole.output_ids)
     assert n >= 4, whole.output_ids
-    for k in sorted({1, n // 2, n - 1}):
+    for k in sorted({1, n // 2, n - 1, n}):  # n: cut after the last token, before its finish
         again = run(engine, params, whole.output_ids[:k])
         assert again.output_ids == whole.output_ids, (case, k)
         assert again.finish == whole.finish, (case, k)
@@ -79,14 +79,14 @@ def test_a_stop_string_across_the_resume_point_still_ends_the_request(engine):
     params = {**CASES["greedy"], "stop": [stop]}
     stopped = run(engine, params)
     assert stopped.finish.kind == "stop" and stopped.finish.matched == stop
-    for k in range(1, len(stopped.output_ids)):  # every cut, the one inside the stop string too
+    for k in range(1, len(stopped.output_ids) + 1):  # every cut, inside the stop string too
         again = run(engine, params, stopped.output_ids[:k])
         assert again.output_ids == stopped.output_ids and again.finish == stopped.finish, k
 
 
-def test_a_resume_must_leave_a_token_to_generate(engine):
+def test_a_resume_longer_than_max_tokens_is_refused(engine):
     with pytest.raises(ParamError) as e:
-        engine.add_request(PROMPT, SamplingParams(max_tokens=3), resume=[1, 2, 3])
+        engine.add_request(PROMPT, SamplingParams(max_tokens=3), resume=[1, 2, 3, 4])
     assert e.value.field == "resume"
 
 

@@ -110,8 +110,8 @@ class Engine:
         params = (params or SamplingParams()).validate()
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         output = list(resume)
-        if len(output) >= params.max_tokens:
-            raise ParamError("resume", "leaves no token to generate within max_tokens")
+        if len(output) > params.max_tokens:
+            raise ParamError("resume", "has more tokens than max_tokens")
         self.scheduler.add(Req(rid, self.encode(prompt), params, output_ids=output))
         return rid
 

@@ -111,6 +111,12 @@ class Scheduler:
         req.arrival = self._arrivals
         req.status = ReqStatus.WAITING
         self.reqs[req.rid] = req
+        # a resumed request (output_ids given) whose output already ends it: its stream was cut
+        # after the stop token, or at max_tokens, before its finish chunk went out
+        reason = self._stop_reason(req) if req.output_ids else None
+        if reason is not None:
+            self._finish(req, reason)
+            return
         self.waiting.append(req)
 
     @rank_consensus("abort", args=lambda self, rid, message="": rid, result=lambda r: r is not None)
@@ -289,6 +295,12 @@ class Scheduler:
         req.prefix_node = self.cache.cache_prefix(req.input_ids, req.pages, full, req.prefix_node)
 
     def _check_stop(self, req: Req) -> None:
+        reason = self._stop_reason(req)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _stop_reason(self, req: Req) -> FinishReason | None:
+        """Why the request's last output token ends it, if it does."""
         p, tok = req.params, req.output_ids[-1]
         reason = None
         if tok in p.stop_token_ids or not p.ignore_eos and tok in self.eos_token_ids:
@@ -302,8 +314,7 @@ class Scheduler:
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.cfg.max_context
         ):
             reason = FinishReason("length")
-        if reason is not None:
-            self._finish(req, reason)
+        return reason
 
     @rank_consensus("finish", args=lambda self, req, reason: [req.rid, reason.kind, req.kv_len])
     def _finish(self, req: Req, reason: FinishReason) -> None:

@@ -46,6 +46,9 @@ ENV = "PDSERVE_RANK_ZYGOTE"
 MAX_MESSAGE = 1 << 20  # a request: the environment plus a rank spec, a few KiB in practice
 REQUEST_TIMEOUT_S = 10.0  # a queued request is complete when accepted; this bounds a slow peer
 START_TIMEOUT_S = 300.0  # a client's wait for its pid: the zygote may still be importing
+# blocked from the fork until the child has started its requester watch: that thread keeps them
+# blocked, so a rank's stop signals reach its own sigwaitinfo (procs.exit_on_stop_signals)
+_CHILD_BLOCKED = {signal.SIGTERM, signal.SIGHUP}
 
 
 def peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
@@ -170,7 +173,7 @@ class ZygoteServer:
         """Forks with SIGTERM blocked and set to the handler this process started with, so the
         child starts with that one (and coverage.py's fork hook chains to it, `make coverage`),
         never this zygote's own; the child unblocks it once it is set up (_become_child)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_BLOCK, _CHILD_BLOCKED)
         signal.signal(signal.SIGTERM, self._startup_sigterm)
         try:
             pid = os.fork()
@@ -181,7 +184,7 @@ class ZygoteServer:
                     _exit_now(1)
         finally:  # the zygote (a child never gets here)
             signal.signal(signal.SIGTERM, self._on_term)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_BLOCKED)
         return pid
 
     def _read_request(self, conn: socket.socket) -> tuple[dict, list[int], int]:
@@ -255,7 +258,7 @@ class ZygoteServer:
         watch = threading.Thread(target=_die_with, args=(fds[2],), name="requester-watch")
         watch.daemon = True
         watch.start()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _CHILD_BLOCKED)
 
     def _reap(self) -> None:
         while self.children:
@@ -313,9 +316,8 @@ def _exit_now(code: int) -> NoReturn:
 def _die_with(pidfd: int) -> None:
     """A forked rank's requester (its node) exited: so does the rank, as a spawned one would."""
     readable(pidfd, None)
-    log.warning("the process that started this one exited: stopping (SIGKILL)")
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    with contextlib.suppress(OSError):  # a plain write: the logging lock may be held elsewhere
+        os.write(2, f"pid {os.getpid()}: the process that started it exited: SIGKILL\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -190,4 +190,9 @@ def switched_off(env: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] != ["build"]:
         sys.exit("usage: python -m pdserve.engine.kernels.cpu_kernels build")
+    import signal
+
+    # a rank starts this with its stop signals blocked (infra/procs.py exit_on_stop_signals): a
+    # blocked mask survives exec, and this process must still stop on SIGTERM
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP})
     print(build())

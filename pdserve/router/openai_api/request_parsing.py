@@ -65,7 +65,8 @@ def parse_native(body: Any) -> dict[str, Any]:
     return {
         k: v
         for k, v in body.items()
-        if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+        # the router's own: `resume` is how it moves a stream (router/routing/migration.py)
+        if k not in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "resume")
     }
 
 

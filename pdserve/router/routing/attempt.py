@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
 PREFILL_GRACE_S = 5.0  # after decode finished, how long a still-open prefill call may take
+HEALTH_POLL_S = 0.5  # how often an attempt awaiting its first token looks at its nodes' health
 
 
 @dataclass
@@ -189,9 +190,12 @@ class Attempt:
             async with asyncio.timeout(cfg.request_timeout_s):
                 waiting = {t for t in (decode_task, self.prefill_task) if t is not None}
                 while not decode_task.done():
-                    done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    done, waiting = await asyncio.wait(
+                        waiting, timeout=HEALTH_POLL_S, return_when=asyncio.FIRST_COMPLETED
+                    )
                     if self.prefill_task in done:
                         self.prefill_task.result()  # raises the prefill's Failure
+                    self._check_health()
             decode_task.result()
         except TimeoutError:
             p = self.prefill_task
@@ -214,6 +218,24 @@ class Attempt:
             decode_task.cancel()
             self.close(None, abort=True)
             raise
+
+    def _check_health(self) -> None:
+        """A node of this attempt that turned unhealthy while its answer is awaited (a stalled
+        rank: its node's /health fails once the rank's stats are late) ends the attempt now, to be
+        retried elsewhere, not at --request-timeout."""
+        legs = [self.route.decode]
+        if self.prefill_task is not None and not self.prefill_task.done():
+            legs.append(self.route.prefill)
+        for w in legs:
+            if w is not None and not w.healthy:
+                raise Failure(
+                    502,
+                    f"{w.role} node {w.url} turned unhealthy before the first token",
+                    code=f"{w.role}_failed",
+                    retryable=True,
+                    culprit=w,
+                    node_fault=True,
+                )
 
     def _give_up(self, decode_task: asyncio.Task, failure: Failure) -> None:
         decode_task.cancel()

@@ -40,7 +40,7 @@ import httpx
 
 from pdserve.router.errors import ApiError
 from pdserve.router.openai_api.responses import NodeAborted
-from pdserve.router.routing.attempt import Attempt, Route
+from pdserve.router.routing.attempt import HEALTH_POLL_S, Attempt, Route
 
 if TYPE_CHECKING:
     from pdserve.router.routing.dispatch import Dispatcher
@@ -51,7 +51,6 @@ logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 MIGRATED_ABORTS = frozenset(
     {"node_failure", "node_draining", "kv_transfer_failed", "bootstrap_failed"}
 )
-HEALTH_POLL_S = 0.5  # how often a waiting stream looks at its decode worker's health
 _END = object()
 
 
@@ -89,6 +88,7 @@ class ResumableStream:
         self.migrations = 0
         self._first_cached: int | None = None  # the first attempt's prefix-cache hit
         self._pump: asyncio.Task | None = None
+        self._closed = False  # close() ran: nothing moves any more
 
     # --- the Attempt interface ------------------------------------------------------------
     @property
@@ -97,13 +97,14 @@ class ResumableStream:
 
     @property
     def closed(self) -> bool:
-        return self.attempt.closed
+        return self._closed
 
     @property
     def result(self) -> dict | None:
         return self.attempt.result
 
     def close(self, ok: bool | None, abort: bool = False) -> None:
+        self._closed = True
         if self._pump is not None:
             self._pump.cancel()
         self.attempt.close(ok, abort)
@@ -142,6 +143,8 @@ class ResumableStream:
                     async with asyncio.timeout(HEALTH_POLL_S):
                         item = await queue.get()
                 except TimeoutError:
+                    if self._closed:  # closed by its owner while nobody reads it
+                        return
                     if not worker.healthy:
                         raise StreamBroken(
                             "node_unhealthy", NodeAborted(f"decode node {worker.url} is unhealthy")
@@ -173,23 +176,14 @@ class ResumableStream:
         if isinstance(text, str):
             self.text_chars += len(text)
 
-    def _left(self) -> int | None:
-        """Tokens the request may still generate (None: unknown, the node's default)."""
-        sp = self.body.get("sampling_params")
-        limit = sp.get("max_tokens") if isinstance(sp, dict) else None
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit - len(self.token_ids)
-        return None
-
     async def _migrate(self, broken: StreamBroken, t_last: float) -> None:
         """Closes the broken attempt and opens the stream's next on another decode node; re-raises
         the break's error when it may not or cannot move."""
         old, cfg, metrics = self.attempt, self.d.cfg, self.d.metrics
-        left = self._left()
         # a slow node, or one that drains, is not a broken one: its breaker does not count it
         fault = broken.cause not in ("idle_timeout", "node_draining")
         old.close(False if fault else None, abort=True)
-        if self.migrations >= cfg.max_migrations or (left is not None and left < 1):
+        if self._closed or self.migrations >= cfg.max_migrations:
             metrics.migration(broken.cause, "refused")
             raise broken.error
         if self.migrations == 0 and old.prefill_task is not None and old.prefill_meta:
@@ -213,8 +207,11 @@ class ResumableStream:
             )
         except ApiError as exc:
             metrics.migration(broken.cause, "failed")
-            logger.warning("rid=%s no decode node took the stream: %s", self.rid, exc.message)
+            logger.warning("rid=%s no decode node took the stream: %s", self.rid, exc)
             raise broken.error from None
+        if self._closed:  # its owner closed it while the new attempt opened
+            self.attempt.close(None, abort=True)
+            raise broken.error
         metrics.migration(broken.cause, "resumed", len(self.token_ids))
         metrics.migration_stall.observe(time.monotonic() - t_last)
         if old.trace is not None:

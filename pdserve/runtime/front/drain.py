@@ -60,13 +60,17 @@ class Drain:
         assert self.deadline is not None
         while front.pending and time.monotonic() < self.deadline:
             await asyncio.sleep(POLL_S)
-        left = list(front.pending)
-        if left:
-            log.warning("draining: the grace period ended; %d requests move on", len(left))
-            for rid in left:
+        # from here a new request is refused (a retryable 503: the router sends it elsewhere), and
+        # whatever is still pending, late arrivals included, is aborted until nothing is
+        front.refusing = "the node is draining"
+        if front.pending:
+            log.warning("draining: the grace period ended; %d requests move on", len(front.pending))
+        aborted: set[str] = set()
+        end = time.monotonic() + ABORT_WAIT_S
+        while front.pending and time.monotonic() < end:
+            for rid in set(front.pending) - aborted:
                 front.abort(rid, AbortReason.NODE_DRAINING)
-            end = time.monotonic() + ABORT_WAIT_S
-            while front.pending and time.monotonic() < end:
-                await asyncio.sleep(POLL_S)
+                aborted.add(rid)
+            await asyncio.sleep(POLL_S)
         log.warning("drained: the node stops")
         self.stop_server()

@@ -136,6 +136,7 @@ class NodeFront:
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None  # why the node is unhealthy, once it is
         self.draining = False  # runtime/front/drain.py: the router stops choosing the node
+        self.refusing: str | None = None  # why new requests get a retryable 503 (a drain's end)
         self.max_pending = MAX_PENDING
         self.prefix_cache = True  # its ranks keep finished prompts' KV (not --no-prefix-cache)
         self.sampling_defaults: dict[
@@ -196,6 +197,8 @@ class NodeFront:
         `traceparent`: the caller's trace context (the request's stages are traced under it)."""
         if self.dead:
             raise RequestError(503, f"node is unhealthy: {self.dead}")
+        if self.refusing:
+            raise RequestError(503, self.refusing, code=OVERLOADED)
         if len(self.pending) >= self.max_pending:
             raise RequestError(
                 503,

@@ -110,8 +110,9 @@ class Resume:
 
 
 def resume_point(body: dict[str, Any], vocab_size: int, max_tokens: int) -> Resume | None:
-    """The body's `resume` ({"token_ids": [...], "text_chars": n}), checked; None without one. At
-    least one token must be left to generate."""
+    """The body's `resume` ({"token_ids": [...], "text_chars": n}), checked; None without one. A
+    resume that already ends the request (its last token a stop token, or max_tokens of them)
+    finishes at once: the client gets the finish it missed."""
     r = body.get("resume")
     if r is None:
         return None
@@ -122,14 +123,14 @@ def resume_point(body: dict[str, Any], vocab_size: int, max_tokens: int) -> Resu
     ids, chars = r["token_ids"], r["text_chars"]
     if (
         not isinstance(ids, list)
-        or not 0 < len(ids) < max_tokens
+        or not 0 < len(ids) <= max_tokens
         or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
         )
     ):
         raise RequestError(
             400,
-            f"'resume.token_ids' must be 1 to max_tokens - 1 ({max_tokens - 1}) token ids in "
+            f"'resume.token_ids' must be 1 to max_tokens ({max_tokens}) token ids in "
             f"[0, {vocab_size})",
             "resume.token_ids",
         )
