@@ -11,10 +11,13 @@ import signal
 import time
 
 import httpx
+import pytest
 from cluster import free_port, launched, node_args, secret_auth
 from one_thread import one_torch_thread
 from reference import hf_greedy, load_hf
 from tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.failover
 
 PROMPTS = [[4 + i, 9, 16 + 3 * i, 25, 36, 49 - i] for i in range(6)]
 MAX_NEW = 48
