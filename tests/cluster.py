@@ -119,10 +119,12 @@ def start(
     port: int,
     log_path: Path,
     env: dict | None = None,
-    timeout: float = 120.0,
+    timeout: float = 240.0,
     wait: bool = True,
 ):
     """Runs `pdserve <cmd>` in its own process group; yields (url, Popen); stops the whole group.
+    `timeout` bounds the start, it checks no speed: a fresh-clone CI run on a busy 2-core machine
+    once took more than 120 s to start a PP 2 node that starts in seconds alone.
     The group, not a session: the ranks that the test session's rank zygote (conftest.py) forks
     for the node join it, so stopping the group stops them too."""
     e = dict(os.environ, **(env or {}))
