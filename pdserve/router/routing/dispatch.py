@@ -94,8 +94,13 @@ class Dispatcher:
                     path, reason, tokens = d.path, d.reason, d.prompt_tokens
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
-                    reason = "prefill_failed" if prefill_failed else "no_prefill"
-                    reason = "migration" if migrating else reason
+                    reason = (
+                        "migration"
+                        if migrating
+                        else "prefill_failed"
+                        if prefill_failed
+                        else "no_prefill"
+                    )
                     if not prefill_failed and self.registry.serving(model, "prefill"):
                         reason = "pair_down"  # prefill nodes serve, none paired with this one
                 keep = prefill if path == "disaggregated" else None
