@@ -40,6 +40,9 @@ class EngineConfig:
     # where a weight is a GGUF grid, and oneDNN-reordered copies; faster small matmuls for about
     # twice the weight memory
     small_batch_weights: bool = True
+    # a token's bits do not depend on its batch (engine/model/llama.py add_small_batch_weights):
+    # bf16 on a CPU with AVX-512 BF16 only; costs prefill speed on an AMX CPU (docs/PERFORMANCE.md)
+    batch_invariant: bool = False
     threads: int = 0  # torch intra-op threads; 0 => all cores of this process
     # cores a helper thread may compute shares of prefill matmuls on (engine/kernels/spare_core.py):
     # the core plan's I/O cores, named by the node (runtime/serve.py); () => no helper
@@ -54,6 +57,8 @@ class EngineConfig:
                 f"max_total_tokens ({self.max_total_tokens}) must be >= page_size "
                 f"({self.page_size})"
             )
+        if self.batch_invariant and not self.small_batch_weights:
+            raise ValueError("batch_invariant needs the small-batch weights (its blocked copies)")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)

@@ -57,7 +57,8 @@ class Engine:
         matmuls = "plain weights only"
         if config.small_batch_weights:
             matmuls = model.add_small_batch_weights(
-                lambda: load_slice(path, 0, self.model_config.num_layers)  # fp32
+                lambda: load_slice(path, 0, self.model_config.num_layers),  # fp32
+                batch_invariant=config.batch_invariant,
             )
         helper = spare_core.start(
             config.spare_cores, self.threads, config.torch_dtype, blocked=model.blocked_matmuls()

@@ -15,6 +15,10 @@ call, with ONE gather per layer for K and one for V of the group's pages (whole 
 * with `one_extend_group` (the in-place extend kernel, which attends each item causally over its
   own pages with no padding and no mask) the extend items form one group in item order, described
   by `first_rows` and `num_new` instead of padded query rows and a mask.
+* with `one_token_group` (batch-invariant serving, engine/model/llama.py) every token of T is a
+  decode query of its own over its item's keys up to its position, in one group whose rows are T:
+  the decode kernel then computes a token's attention in the same order whether the token came in
+  a prefill chunk or a decode step, and whatever else the batch holds.
 * otherwise extend items (prefill chunks) with at least LONG_EXTEND new tokens run alone; when
   such an item starts at position 0 its attention is plain causal (`causal`, no mask, and SDPA
   skips the upper triangle). Short extend items are grouped while padding stays under 2x the real
@@ -93,9 +97,12 @@ def build_forward_batch(
     device="cpu",
     one_decode_group: bool = False,
     one_extend_group: bool = False,
+    one_token_group: bool = False,
 ) -> ForwardBatch:
     """`one_decode_group`: the decode items in one group, in item order (the in-place decode
-    kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel)."""
+    kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel);
+    `one_token_group`: every token a decode query, in one group (the decode kernel; it overrides
+    the other two)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
     offsets, positions, pages_of_tok, logit_rows = [], [], [], []
@@ -121,11 +128,14 @@ def build_forward_batch(
     pos_t = torch.tensor(positions, dtype=torch.long)
     out_pages = torch.tensor(pages_of_tok, dtype=torch.long)
     out_offs = pos_t % page_size
-    groups = [
-        _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device, row)
-        for g in _group_items(items, one_decode_group, one_extend_group)
-    ]
-    if one_extend_group:
+    if one_token_group:
+        groups = [_build_token_group(items, pos_t, page_size, device)]
+    else:
+        groups = [
+            _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device, row)
+            for g in _group_items(items, one_decode_group, one_extend_group)
+        ]
+    if one_extend_group and not one_token_group:
         extend = [b for b, it in enumerate(items) if it.num_new > 1]
         if extend:
             groups.append(
@@ -197,6 +207,30 @@ def _page_table(items: list[BatchItem], page_size: int) -> torch.Tensor:
         need = pages_needed(it.kv_len, page_size)
         table[r, :need] = torch.tensor(it.page_table[:need], dtype=torch.long)
     return table
+
+
+def _build_token_group(
+    items: list[BatchItem], positions: torch.Tensor, page_size: int, device
+) -> AttnGroup:
+    """Every token of T a one-row decode query: its item's pages, keys up to its own position."""
+    table = _page_table(items, page_size)
+    num_new = torch.tensor([it.num_new for it in items], dtype=torch.long)
+    tokens = positions.numel()
+    rows = torch.arange(tokens, dtype=torch.long, device=device)
+    return AttnGroup(
+        num_seqs=tokens,
+        max_q=1,
+        pages=table.shape[1],
+        kv_len=table.shape[1] * page_size,
+        kv_pages=table.repeat_interleave(num_new, dim=0).flatten().to(device),
+        seq_lens=(positions + 1).to(device),
+        q_rows=rows,
+        out_rows=rows,
+        out_sel=None,
+        mask=None,
+        causal=False,
+        rows_are_t=True,
+    )
 
 
 def _build_extend_group(

@@ -59,11 +59,13 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (not last slice) or logits [sampling entries, vocab] (last)."""
         items = [BatchItem(e.pages, e.start, e.num_new, e.need_logits) for e in batch.entries]
+        invariant = self.model.batch_invariant
         fb = build_forward_batch(
             items,
             self.pool.page_size,
             one_decode_group=self.model.choose_decode_attention(self.pool),
-            one_extend_group=self.model.choose_extend_attention(self.pool),
+            one_extend_group=not invariant and self.model.choose_extend_attention(self.pool),
+            one_token_group=invariant,
         )
         x = self.input_ids(batch) if self.is_first else hidden_in
         assert x is not None and x.shape[0] == batch.num_tokens, (

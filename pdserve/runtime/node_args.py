@@ -60,6 +60,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "batches then run their matmuls up to 3x slower (engine/model/linear.py)",
     )
     ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a token's output does not depend on the batch it runs in, so a migrated stream or "
+        "a request run again gets the same bits (bf16 on a CPU with AVX-512 BF16; slower "
+        "prefill on an AMX CPU; docs/ARCHITECTURE.md)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=int(os.environ.get("PDSERVE_THREADS", "0")),

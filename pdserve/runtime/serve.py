@@ -76,6 +76,7 @@ def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
         max_context=args.max_context,
         enable_prefix_cache=not args.no_prefix_cache,
         small_batch_weights=not args.no_small_batch_weights,
+        batch_invariant=args.batch_invariant,
         threads=threads,
         spare_cores=spare_cores(io_cores, threads),
     )

@@ -33,29 +33,31 @@ class BlockedWeight:
         return self.blocks.numel() * self.blocks.element_size()
 
 
-def why_not() -> str:
-    """Why bf16 matmuls do not take the blocked kernel here, or "" where they do. Never raises."""
+def why_not(batch_invariant: bool = False) -> str:
+    """Why bf16 matmuls do not take the blocked kernel here, or "" where they do. Never raises.
+    `batch_invariant`: take it on an AMX CPU too, where oneDNN is the faster choice, because its
+    rows do not depend on the rows beside them (engine/model/linear.py)."""
     off = cpu_kernels.switched_off(ENV_SWITCH) or cpu_kernels.why_not()
     if off or not cpu_kernels.load():
         return off or "the CPU kernels did not load"
     if not torch.ops.pdserve.bf16_linear_supported():
         return "the kernels were built without AVX-512 BF16"
-    if "amx_bf16" in cpu_kernels.cpu_flags().split():
+    if "amx_bf16" in cpu_kernels.cpu_flags().split() and not batch_invariant:
         # oneDNN's bf16 matmuls run on AMX there; this kernel was not measured against them
         return "this CPU has AMX, which oneDNN's bf16 matmuls use"
     return ""
 
 
-def available() -> bool:
-    return not why_not()
+def available(batch_invariant: bool = False) -> bool:
+    return not why_not(batch_invariant)
 
 
-def block(w: torch.Tensor) -> BlockedWeight | None:
+def block(w: torch.Tensor, batch_invariant: bool = False) -> BlockedWeight | None:
     """The blocked copy of bf16 weight `w` [out, in] on the CPU, or None where the kernel cannot
     take it (another dtype or device, an odd `in`, the kernel off or missing)."""
     if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
         return None
-    if not available():
+    if not available(batch_invariant):
         return None
     return BlockedWeight(torch.ops.pdserve.pack_bf16_linear(w.detach()), w.shape[0])
 

@@ -45,7 +45,7 @@ def why_not(slice_) -> str:
     if slice_.cfg.qk_norm:
         return "the layers have q/k norms"
     for name, ok in (
-        ("matmul kernel", bf16_linear.available()),
+        ("matmul kernel", bf16_linear.available(slice_.batch_invariant)),
         ("layer ops", layer_ops.load()),
         ("decode attention", paged_attention.load()),
     ):

@@ -83,10 +83,15 @@ def reorder(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def small_batch_weights(w: torch.Tensor, source: torch.Tensor | None = None) -> SmallWeights:
+def small_batch_weights(
+    w: torch.Tensor, source: torch.Tensor | None = None, batch_invariant: bool = False
+) -> SmallWeights:
     """The copies of `w` that small batches multiply against: its block codes where it is a grid
     and the kernel loads (a bf16 `w`: found in `source`, the fp32 weight it was rounded from), and
-    oneDNN's reordered copy where this torch makes one."""
+    oneDNN's reordered copy where this torch makes one. `batch_invariant`: the blocked bf16 copy
+    alone, for every row count (see `batch_invariant_why_not`)."""
+    if batch_invariant:
+        return SmallWeights(blocked=bf16_linear.block(w, batch_invariant=True))
     packed = None
     if w.device.type == "cpu" and w.dtype == torch.float32 and packed_linear.available():
         packed = packed_linear.pack(w)
@@ -95,6 +100,19 @@ def small_batch_weights(w: torch.Tensor, source: torch.Tensor | None = None) -> 
     blocked = bf16_linear.block(w)
     # the blocked copy serves every row count the reordered one would: one copy, not two
     return SmallWeights(packed, None if blocked is not None else reorder(w), blocked)
+
+
+def batch_invariant_why_not(dtype: torch.dtype) -> str:
+    """Why a slice of `dtype` cannot multiply batch-invariantly here, or "". Batch-invariant: a
+    row's product does not depend on the other rows of its batch nor on their number, so a token
+    gets the same bits in a prefill chunk as in a decode step of any batch. Only the blocked bf16
+    kernel promises that (each output is one fp32 sum in k order, engine/kernels/bf16_linear.py);
+    oneDNN and MKL pick their kernels and their sums' order by the number of rows, and the packed
+    codes multiply in fp32."""
+    if dtype != torch.bfloat16:
+        return f"it runs in {str(dtype).removeprefix('torch.')}, and only bf16 has the kernel"
+    why = bf16_linear.why_not(batch_invariant=True)
+    return f"the blocked bf16 matmul kernel is off: {why}" if why else ""
 
 
 def _onednn_linear(x, small, bias):

@@ -32,6 +32,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.linear import (
     SmallWeights,
     add_linear_,
+    batch_invariant_why_not,
     linear,
     packed_rows,
     small_batch_weights,
@@ -68,13 +69,16 @@ class DecoderLayer(torch.nn.Module):
         self.down_weight = _empty(h, inter, dtype=dtype)
         self.small: dict[str, SmallWeights] = {}  # engine/model/linear.py: small-batch copies
 
-    def add_small_batch_weights(self, source: DecoderLayer | None = None) -> None:
+    def add_small_batch_weights(
+        self, source: DecoderLayer | None = None, batch_invariant: bool = False
+    ) -> None:
         """Small-batch copies of the four matmul weights, for decode batches
         (engine/model/linear.py); `source`: the same layer in fp32, where a bf16 layer's codes are
         found."""
         for name in ("qkv", "o", "gate_up", "down"):
             fp32 = getattr(source, f"{name}_weight") if source is not None else None
-            self.small[name] = small_batch_weights(getattr(self, f"{name}_weight"), fp32)
+            w = getattr(self, f"{name}_weight")
+            self.small[name] = small_batch_weights(w, fp32, batch_invariant)
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
@@ -247,22 +251,49 @@ class ModelSlice(torch.nn.Module):
         self._extend_in_place: bool | None = None
         self._small_head: SmallWeights | None = None
         self._stack: decode_stack.StackWeights | None = None  # all-decode batches in one call
+        # every token of a forward attends as a decode query and every matmul takes the blocked
+        # kernel (`add_small_batch_weights(batch_invariant=True)`)
+        self.batch_invariant = False
 
-    def add_small_batch_weights(self, fp32: Callable[[], ModelSlice] | None = None) -> str:
+    def add_small_batch_weights(
+        self, fp32: Callable[[], ModelSlice] | None = None, batch_invariant: bool = False
+    ) -> str:
         """Small-batch copies of every matmul weight, LM head included (engine/model/linear.py):
         packed block codes where a weight is a grid, and oneDNN-reordered copies (about doubling the
         slice's weight memory). A bf16 slice finds its codes in the fp32 weights it was rounded
         from: `fp32` loads this slice in fp32 (once, dropped after). Returns what it made, for the
-        rank's ready line."""
+        rank's ready line.
+
+        `batch_invariant`: a token's logits and KV do not depend on the batch it is computed in
+        (a prefill chunk or a decode step, beside any other requests), so a stream resumed on
+        another node, or the same request run again, gets the same bits: the blocked bf16 copy
+        for every matmul at every row count, and every token attends through the decode kernel
+        over its own keys (engine/forward_batch.py, `one_token_group`). Raises ValueError where
+        this slice cannot (docs/ARCHITECTURE.md, "Batch-invariant serving")."""
+        if batch_invariant:
+            why = batch_invariant_why_not(self.dtype) or (
+                "" if paged_attention.load() else f"decode attention: {paged_attention.why_not()}"
+            )
+            if why:
+                raise ValueError(f"batch-invariant serving is not possible here: {why}")
         src = None
-        if fp32 is not None and self.dtype == torch.bfloat16 and packed_linear.bf16_available():
+        if (
+            fp32 is not None
+            and not batch_invariant
+            and self.dtype == torch.bfloat16
+            and packed_linear.bf16_available()
+        ):
             src = fp32()
         for i, layer in enumerate(self.layers):
-            layer.add_small_batch_weights(src.layers[i] if src is not None else None)
+            layer.add_small_batch_weights(src.layers[i] if src is not None else None, batch_invariant)
         if self.is_last:
             head = src.lm_head_weight if src is not None else None
-            self._small_head = small_batch_weights(self.lm_head_weight, head)
+            self._small_head = small_batch_weights(self.lm_head_weight, head, batch_invariant)
         del src
+        if batch_invariant and self.blocked_matmuls() != len(self._small_copies()):
+            odd = len(self._small_copies()) - self.blocked_matmuls()
+            raise ValueError(f"batch-invariant serving: {odd} matmuls have shapes the kernel refuses")
+        self.batch_invariant = batch_invariant
         stack_off = decode_stack.why_not(self)  # why all-decode steps do not run in one call, or ""
         self._stack = None if stack_off else decode_stack.stack_weights(self)
         copies = self._small_copies()
@@ -279,6 +310,8 @@ class ModelSlice(torch.nn.Module):
                 if stack_off
                 else "; decode steps in one call"
             )
+        if batch_invariant:
+            rest += "; batch-invariant (every token attends as a decode query)"
         if not packed:
             why = packed_linear.why_not() or "no weight is an exact 4- or 8-bit block grid"
             if not blocked and self.dtype == torch.bfloat16:

@@ -287,7 +287,8 @@ def build_rank(
     model = load_slice(path, start, end, cfg.torch_dtype)
     if cfg.small_batch_weights:
         about += ", " + model.add_small_batch_weights(
-            lambda: load_slice(path, start, end)  # fp32
+            lambda: load_slice(path, start, end),  # fp32
+            batch_invariant=cfg.batch_invariant,
         )
     helper = (
         spare_core.start(cfg.spare_cores, threads, cfg.torch_dtype, blocked=model.blocked_matmuls())
