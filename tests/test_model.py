@@ -16,10 +16,12 @@ import torch
 
 from pdserve.engine import forward_batch
 from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.kernels import paged_attention
 from pdserve.engine.kv_cache import KVLayout, KVPool, pages_needed
 from pdserve.engine.model import gguf_file
 from pdserve.engine.model.detokenizer import StopDetokenizer
 from pdserve.engine.model.gguf_file import gguf_cache_dir
+from pdserve.engine.model.linear import batch_invariant_why_not
 from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
 from pdserve.engine.model.tokenizer import load_tokenizer
 from tests.tiny_model import build_tiny_model
@@ -69,10 +71,12 @@ def run_plan(
     dtype=torch.float32,
     one_group=False,
     one_extend_group=False,
+    one_token_group=False,
 ):
     """Runs `plan` through the chained slices; returns {(request, position): logits row}.
     `one_group` / `one_extend_group`: the decode / extend items in one attention group, as the
-    runner asks for the in-place kernels."""
+    runner asks for the in-place kernels; `one_token_group`: every token a decode query (batch-
+    invariant serving)."""
     num_pages = sum(pages_needed(len(s), page_size) for s in seqs) + 3
     pools = [
         KVPool(
@@ -98,7 +102,11 @@ def run_plan(
             toks += seqs[r][done[r] : done[r] + n]
             done[r] += n
         fb = build_forward_batch(
-            items, page_size, one_decode_group=one_group, one_extend_group=one_extend_group
+            items,
+            page_size,
+            one_decode_group=one_group,
+            one_extend_group=one_extend_group,
+            one_token_group=one_token_group,
         )
         x = torch.tensor(toks)
         for s, pool in zip(slices, pools, strict=True):
@@ -215,6 +223,39 @@ def test_bf16(tiny_llama):
         [load_slice(path, 0, 4, dtype=torch.bfloat16)], cfg, seqs, PLAN[:3], dtype=torch.bfloat16
     )
     assert max_err(got, ref) < 0.1
+
+
+def test_every_token_a_decode_query_matches_hf(tiny_llama):
+    """Batch-invariant serving's attention (engine/forward_batch.py `one_token_group`): fp32
+    through the decode kernel, and bf16 with every matmul on the blocked kernel."""
+    if not paged_attention.load():
+        pytest.skip(f"no decode kernel here: {paged_attention.why_not()}")
+    path, cfg, seqs, ref = tiny_llama
+    s = [load_slice(path, 0, 2), load_slice(path, 2, 4)]
+    assert max_err(run_plan(s, cfg, seqs, PLAN, one_token_group=True), ref) < 1e-4
+    why = batch_invariant_why_not(torch.bfloat16)
+    if why:
+        pytest.skip(f"no batch-invariant bf16 here: {why}")
+    s = [load_slice(path, 0, 4, dtype=torch.bfloat16)]
+    s[0].add_small_batch_weights(batch_invariant=True)
+    assert s[0].batch_invariant and s[0].blocked_matmuls() == 4 * 4 + 1
+    got = run_plan(s, cfg, seqs, PLAN, dtype=torch.bfloat16, one_token_group=True)
+    assert max_err(got, ref) < 0.1
+
+
+def test_one_token_group_layout():
+    """Every token of T is a one-row query over its own item's pages, up to its own position."""
+    items = [
+        BatchItem([7, 3], 5, 2, True),
+        BatchItem([1], 0, 1, False),
+        BatchItem([4, 9], 2, 3, True),
+    ]
+    fb = build_forward_batch(items, page_size=4, one_token_group=True, one_extend_group=True)
+    (g,) = fb.groups
+    assert g.rows_are_t and g.max_q == 1 and g.num_seqs == fb.num_tokens == 6
+    assert g.seq_lens.tolist() == [6, 7, 1, 3, 4, 5]
+    assert g.kv_pages.view(6, 2).tolist() == [[7, 3], [7, 3], [1, 0], [4, 9], [4, 9], [4, 9]]
+    assert fb.logit_rows.tolist() == [1, 5]
 
 
 def test_forward_batch_layout():

@@ -1,17 +1,20 @@
 """A request resumed from tokens generated before (a migrated stream, router/routing/migration.py)
 continues exactly as the undisturbed request did: the engine (greedy, seeded sampling with and
-without filters, penalties and logit_bias, stop strings, logprobs, a JSON-schema grammar), and the
-front's detokenizer (the text after any chunk boundary)."""
+without filters, penalties and logit_bias, stop strings, logprobs, a JSON-schema grammar; in fp32,
+and in bf16 with batch-invariant serving), and the front's detokenizer (the text after any chunk
+boundary)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from test_engine import make
 
 from pdserve.engine.core import ParamError, SamplingParams
 from pdserve.engine.model.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model.linear import batch_invariant_why_not
 
 PROMPT = [5, 9, 13, 22, 31, 40, 41, 7]
 SCHEMA = {
@@ -53,22 +56,63 @@ def run(engine, params: dict, resume: list[int] = ()):
     return engine._done.pop(rid)
 
 
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_model):
+    why = batch_invariant_why_not(torch.bfloat16)
+    if why:
+        pytest.skip(f"no batch-invariant bf16 on this CPU: {why}")
+    return make(tiny_model, dtype="bfloat16", batch_invariant=True)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_resumed_request_continues_exactly(engine, case):
-    params = CASES[case]
+    check_resumes(engine, CASES[case], exact_logprobs=False)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_resumed_bf16_request_continues_exactly_when_batch_invariant(bf16_engine, case):
+    """The resume re-prefills prompt + tokens in chunks where the first run decoded them one at a
+    time: in bf16 only a batch-invariant engine gives those tokens the same bits."""
+    check_resumes(bf16_engine, CASES[case], exact_logprobs=True)
+
+
+def check_resumes(engine, params: dict, exact_logprobs: bool) -> None:
     whole = run(engine, params)
     n = len(whole.output_ids)
     assert n >= 4, whole.output_ids
     for k in sorted({1, n // 2, n - 1, n}):  # n: cut after the last token, before its finish
         again = run(engine, params, whole.output_ids[:k])
-        assert again.output_ids == whole.output_ids, (case, k)
-        assert again.finish == whole.finish, (case, k)
+        assert again.output_ids == whole.output_ids, k
+        assert again.finish == whole.finish, k
         if params.get("logprobs"):
             # the resumed tokens' logprobs are the first node's; the rest are computed again
             got, want = again.output_logprobs, whole.output_logprobs[k:]
-            assert got == pytest.approx(want, abs=1e-4), (case, k)
+            assert got == (want if exact_logprobs else pytest.approx(want, abs=1e-4)), k
             tops = [[t for t, _ in top] for top in again.output_top_logprobs]
             assert tops == [[t for t, _ in top] for top in whole.output_top_logprobs[k:]]
+
+
+def test_a_bf16_request_gets_the_same_bits_beside_any_batch_when_batch_invariant(bf16_engine):
+    """The same request alone, then beside others that arrive at other steps (their prefill chunks
+    and decodes share its forwards): the same tokens and bit-identical logprobs."""
+    params = SamplingParams.from_dict(CASES["logprobs"])
+    alone = run(bf16_engine, CASES["logprobs"])
+    others = [[3 + i, 17, 29 + 2 * i] * (2 + 3 * i) for i in range(5)]
+    engine = bf16_engine
+    engine._done = {}
+    rid = None
+    for step in range(200):
+        if step < len(others):
+            engine.add_request(others[step], SamplingParams(max_tokens=20 + step, ignore_eos=True))
+        if step == 2:
+            rid = engine.add_request(PROMPT, params)
+        engine.step()
+        if rid is not None and rid in engine._done and len(engine._done) == len(others) + 1:
+            break
+    beside = engine._done.pop(rid)
+    assert beside.output_ids == alone.output_ids
+    assert beside.output_logprobs == alone.output_logprobs  # bits, not approximately
+    assert beside.output_top_logprobs == alone.output_top_logprobs
 
 
 def test_a_stop_string_across_the_resume_point_still_ends_the_request(engine):
@@ -82,6 +126,11 @@ def test_a_stop_string_across_the_resume_point_still_ends_the_request(engine):
     for k in range(1, len(stopped.output_ids) + 1):  # every cut, inside the stop string too
         again = run(engine, params, stopped.output_ids[:k])
         assert again.output_ids == stopped.output_ids and again.finish == stopped.finish, k
+
+
+def test_batch_invariance_is_refused_where_no_kernel_gives_it(tiny_model):
+    with pytest.raises(ValueError, match="float32"):
+        make(tiny_model, dtype="float32", batch_invariant=True)
 
 
 def test_a_resume_longer_than_max_tokens_is_refused(engine):

@@ -285,14 +285,18 @@ class ModelSlice(torch.nn.Module):
         ):
             src = fp32()
         for i, layer in enumerate(self.layers):
-            layer.add_small_batch_weights(src.layers[i] if src is not None else None, batch_invariant)
+            layer.add_small_batch_weights(
+                src.layers[i] if src is not None else None, batch_invariant
+            )
         if self.is_last:
             head = src.lm_head_weight if src is not None else None
             self._small_head = small_batch_weights(self.lm_head_weight, head, batch_invariant)
         del src
         if batch_invariant and self.blocked_matmuls() != len(self._small_copies()):
             odd = len(self._small_copies()) - self.blocked_matmuls()
-            raise ValueError(f"batch-invariant serving: {odd} matmuls have shapes the kernel refuses")
+            raise ValueError(
+                f"batch-invariant serving: {odd} matmuls have shapes the kernel refuses"
+            )
         self.batch_invariant = batch_invariant
         stack_off = decode_stack.why_not(self)  # why all-decode steps do not run in one call, or ""
         self._stack = None if stack_off else decode_stack.stack_weights(self)
