@@ -491,15 +491,19 @@ class PDCluster(Cluster):
         max_new: int,
         room: int | None = None,
         sides: tuple[str, ...] = ("prefill", "decode"),
+        resume: list[int] = (),
         **params,
     ) -> int:
-        """What the router does: one request and room to both nodes (`sides`); returns the room."""
+        """What the router does: one request and room to both nodes (`sides`); returns the room.
+        `resume`: the tokens a migrated stream already sent (AddRequest.output_ids)."""
         room = room if room is not None else next(_ids) + 1000
         p = {"max_tokens": max_new, "ignore_eos": True, **params}
+        out = list(resume)
         if "prefill" in sides:
-            self.prefill.front.submit(PDAddRequest(rid, list(ids), p, room, ""))
+            self.prefill.front.submit(PDAddRequest(rid, list(ids), p, room, "", output_ids=out))
         if "decode" in sides:
-            self.decode.front.submit(PDAddRequest(rid, list(ids), p, room, self.fabric.address))
+            addr = self.fabric.address
+            self.decode.front.submit(PDAddRequest(rid, list(ids), p, room, addr, output_ids=out))
         return room
 
     def check_late_prefill_after_decode_abort(

@@ -121,6 +121,19 @@ def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_node():
     ).path == ("disaggregated")
 
 
+def test_a_migrated_streams_replay_counts_the_tokens_already_sent():
+    """A replay (router/routing/migration.py) prefills the prompt and the tokens sent: the rules
+    weigh both, so a short prompt with a long answer so far can go through a prefill node."""
+    resume = {"resume": {"token_ids": list(range(90)), "text_chars": 300}}
+    est = TokenEstimator(chars_per_token=4.0)
+    assert est.estimate({**ids(10), **resume}, "k") == 100
+    assert est.estimate(resume, "a" * 40) == 100
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=32, local_prefill_cost=0))
+    assert d.decide(ids(10), "k", P, D).reason == "short_prompt"
+    got = d.decide({**ids(10), **resume}, "k", P, D)
+    assert (got.path, got.prompt_tokens) == ("disaggregated", 100)
+
+
 def test_an_idle_decode_node_prefills_at_the_cost_of_what_it_computes():
     """With no request open on the decode node, its prefill delays no stream: the queue rule
     weighs its tokens 1, not the local cost, so the transfer overhead decides between equals (on
@@ -164,6 +177,7 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
         start = decisions(cluster)
         assert set(start) == {
             ("disaggregated", "default"),
+            ("disaggregated", "migration"),
             *(
                 ("decode_only", r)
                 for r in (

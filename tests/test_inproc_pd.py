@@ -189,6 +189,25 @@ def _abort_while_decoding(c, prompt, ref) -> None:
     assert 3 <= len(r.tokens) < 40 and r.tokens == ref[: len(r.tokens)]
 
 
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2)])
+def test_a_resumed_request_continues_exactly_through_a_prefill_node(ppp, dpp, tiny6, tiny6_greedy):
+    """A migrated stream replayed through a prefill node (router/routing/migration.py): the prefill
+    node prefills prompt + the tokens sent and samples the next, the decode node receives the KV of
+    both and goes on; the client gets exactly the rest of transformers' tokens."""
+    prompts, reference = tiny6_greedy
+    with running(lambda: PDCluster(tiny6, ppp, dpp)) as c:
+        cases = [(i, k) for i in (0, 3, 4) for k in (1, MAX_NEW // 2, MAX_NEW - 1)]
+        rids = {f"resume{i}-{k}": (i, k) for i, k in cases}
+        for rid, (i, k) in rids.items():
+            c.submit(rid, prompts[i], MAX_NEW, resume=reference[i][:k])
+        for rid, (i, k) in rids.items():
+            r = c.result(rid)
+            assert r.ok and isinstance(r.prefill, PrefillDoneEvent), (rid, r)
+            assert r.tokens == reference[i][k:MAX_NEW], rid
+            assert r.finish.kind == "length", rid
+        _all_settled(c.wait_settled())
+
+
 def test_aborts_at_every_stage(tiny6, tiny6_greedy):
     """An abort in each queue a request passes through, caught there by running the nodes turn by
     turn: every one ends with an answer on both sides, and nothing stays held."""

@@ -7,7 +7,9 @@ undisturbed:
 - greedy /generate: transformers' tokens in fp32, the undisturbed answer in bf16;
 - seeded sampling (/v1/completions, `seed`), a JSON-schema `response_format` and a forced tool
   call (/v1/chat/completions): the answer of the same request before the fault.
-The router must count the migrations; afterwards a fresh node is taken back and nothing is held.
+The router must count the migrations, each on the run's replay path (fp32: the new decode node
+prefills prompt + tokens sent itself; bf16: a prefill node does and moves the KV); afterwards a
+fresh node is taken back and nothing is held.
 """
 
 from __future__ import annotations
@@ -157,6 +159,13 @@ def run_all(url: str, on_way=None) -> list[Stream]:
 
 # fp32 is exact as it is; bf16 is exact only where a token's bits do not depend on its batch
 DTYPE_ARGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16", "--batch-invariant"]}
+# Each run takes one replay path for every migration, so both are tested every time: in fp32 the
+# new decode node prefills prompt + tokens sent itself (every prompt is "short"); in bf16 a prefill
+# node does and moves the KV (the queue rule off, and no prefix cache for the rules to weigh).
+REPLAY = {
+    "float32": ("decode_only", [], ["--disagg-min-prompt-tokens", "1000000"]),
+    "bfloat16": ("disaggregated", ["--no-prefix-cache"], ["--disagg-local-prefill-cost", "0"]),
+}
 
 
 class Cluster:
@@ -177,6 +186,7 @@ class Cluster:
         cmd = [role, "--model", str(self.model), "--pp", str(self.pp[name])]
         cmd += ["--port", str(self.ports[name]), *NODE_ARGS, "--max-context", "1024"]
         cmd += ["--drain-grace", str(DRAIN_GRACE_S), *DTYPE_ARGS[self.dtype]]
+        cmd += REPLAY[self.dtype][1]
         if name == "p":
             cmd += ["--bootstrap-port", str(self.bport)]
         self.starts[name] += 1
@@ -196,6 +206,7 @@ class Cluster:
             cmd = ["router", "--port", str(self.ports["router"])]
             cmd += ["--prefill", self.url("p"), str(self.bport)]
             cmd += ["--decode", self.url("d1"), "--decode", self.url("d2"), *ROUTER_ARGS]
+            cmd += REPLAY[self.dtype][2]
             self.stacks["router"].enter_context(
                 start(cmd, self.ports["router"], self.tmp / "router.log")
             )
@@ -293,14 +304,30 @@ def moved(cluster: Cluster, cause: str) -> float:
     )
 
 
+def replays(cluster: Cluster) -> dict[str, float]:
+    """Migrations by the path of their replay."""
+    return {
+        path: counter(
+            cluster.url("router"),
+            "pdserve_router_route_decisions_total",
+            path=path,
+            reason="migration",
+        )
+        for path in ("decode_only", "disaggregated")
+    }
+
+
 def check_fault(cluster: Cluster, undisturbed: list, fault, causes: tuple[str, ...]) -> None:
-    before = sum(moved(cluster, c) for c in causes)
+    before, paths = sum(moved(cluster, c) for c in causes), replays(cluster)
     streams = run_all(cluster.url("router"), fault)
-    after = sum(moved(cluster, c) for c in causes)
+    after, paths_after = sum(moved(cluster, c) for c in causes), replays(cluster)
     for s, want in zip(streams, undisturbed, strict=True):
         assert s.error is None, (s.kind, s.error)
         assert s.answer() == want, s.kind
     assert after > before, f"no stream moved for {causes}"
+    path = REPLAY[cluster.dtype][0]
+    grown = {p: paths_after[p] - paths[p] for p in paths}
+    assert grown[path] >= after - before and sum(grown.values()) == grown[path], grown
 
 
 def test_sigkill_of_a_decode_front(cluster, undisturbed):

@@ -3,7 +3,7 @@
 # driven by the same aiperf workload (run_aiperf_sweep.sh) with the client pinned to core 1.
 # Prefix caching is off on both sides: every level resends the same seeded prompts.
 # Usage (from the project checkout, which must have .venv): side_by_side.sh OUT_DIR [SYSTEMS]
-#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 pd_args pd_router colo colo1 colo2 colopp2" and
+#   SYSTEMS: space-separated subset of "vllm vllm_fp32 pd pd11 pd22 pd_fp32 pd_args pd_router colo colo1 colo2 colopp2 colo_args" and
 #   of the prefix-cache runs "vllm_cache vllm_fp32_cache pd_cache colo_cache" (default: vllm pd colo)
 #   vllm_fp32: vLLM in fp32 (on a CPU without bf16 units, the dtype pdserve's auto resolves to).
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
@@ -62,12 +62,14 @@ for S in $SYSTEMS; do
       PORT=8100
       wait_health http://127.0.0.1:8100 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }
       MODEL=$(served_model http://127.0.0.1:8100) ;;
-    colo|colo1|colo2|colopp2)
+    colo|colo1|colo2|colopp2|colo_args)
       # colo: `pdserve serve --pp 1` with its defaults (its plan: one compute core, one for I/O);
       # colo1 / colo2: --threads 1 / 2 named explicitly (colo2: both cores compute, nothing left for I/O)
       # colopp2: `pdserve serve --pp 2`, one rank per core, nothing left for I/O
+      # colo_args: colo with the node flags in COLO_NODE_ARGS (env), e.g. "--batch-invariant"
       th=(--pp 1); [ "$S" = colo1 ] && th+=(--threads 1); [ "$S" = colo2 ] && th+=(--threads 2)
       [ "$S" = colopp2 ] && th=(--pp 2)
+      [ "$S" = colo_args ] && th+=(${COLO_NODE_ARGS:-})
       setsid bash -c "'$PDS' serve ${th[*]} $cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8200
       wait_health http://127.0.0.1:8200 $PGID 300 || { echo "$S did not start"; stop_group $PGID; continue; }

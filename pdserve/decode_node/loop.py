@@ -84,7 +84,9 @@ class DecodeLoop(PDLoop):
     # --- a new request ----------------------------------------------------------------------------
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         receiver = self.kv_mgr.create_receiver(msg.room, msg.bootstrap_addr)
-        pd = PDReq(msg.rid, msg.room, Req(msg.rid, list(msg.input_ids), params), receiver)
+        # a migrated stream's tokens (`output_ids`) arrive as KV after the prompt's
+        req = Req(msg.rid, list(msg.input_ids), params, output_ids=list(msg.output_ids))
+        pd = PDReq(msg.rid, msg.room, req, receiver)
         self.prealloc.append(pd)
         self.spans.start(msg.rid, "first_token")
         return pd
@@ -143,7 +145,7 @@ class DecodeLoop(PDLoop):
             if not self.aux_free:
                 break  # first come first served
             held = self._hold_prefix(pd)  # locked first: the eviction below cannot take it
-            need = pages_needed(pd.req.prompt_len, ps) - len(held.pages)
+            need = pages_needed(pd.req.seq_len, ps) - len(held.pages)  # prompt + resumed tokens
             if not self.sched.free_pages_for(need + reserve):
                 release_prefix(self.sched, held)
                 break

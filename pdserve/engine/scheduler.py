@@ -358,13 +358,15 @@ class Scheduler:
     def add_prefilled(
         self, req: Req, pages: list[int], slot: int, cached_len: int = 0, prefix_node=None
     ) -> None:
-        """Decode side of PD: the prompt's KV is in `pages` (the first `cached_len` tokens' pages
-        from the prefix cache, locked by `prefix_node`, the rest transferred) and `req.output_ids`
-        holds the first token; the request joins `slot` as a running decode (it may finish at
-        once). The request owns the lock from here: it is unlocked at finish or retraction."""
+        """Decode side of PD: the KV of the prompt and of every output token but the last (a
+        migrated stream's resumed tokens) is in `pages` (the first `cached_len` tokens' pages from
+        the prefix cache, locked by `prefix_node`, the rest transferred), and the last output token
+        is the one the prefill node sampled; the request joins `slot` as a running decode (it may
+        finish at once). The request owns the lock from here: it is unlocked at finish or
+        retraction."""
         self._arrivals += 1
         req.arrival = self._arrivals
-        req.pages, req.kv_len, req.cached_len = list(pages), req.prompt_len, cached_len
+        req.pages, req.kv_len, req.cached_len = list(pages), req.seq_len - 1, cached_len
         req.prefix_node = prefix_node
         req.status = ReqStatus.RUNNING
         self.reqs[req.rid] = req

@@ -83,7 +83,10 @@ class PrefillLoop(PDLoop):
     # --- a new request ----------------------------------------------------------------------------
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         # The prefill side samples the first token only; the decode side continues the same params.
-        req = Req(msg.rid, list(msg.input_ids), replace(params, max_tokens=1, stop=()))
+        # A migrated stream's tokens (`output_ids`) are prefilled after the prompt, and the token
+        # after them is the one sampled here.
+        first = replace(params, max_tokens=len(msg.output_ids) + 1, stop=())
+        req = Req(msg.rid, list(msg.input_ids), first, output_ids=list(msg.output_ids))
         pd = PDReq(msg.rid, msg.room, req, self.kv_mgr.create_sender(msg.room))
         self.bootstrap.append(pd)
         self.spans.start(msg.rid, "bootstrap.wait_decode_alloc", parent="bootstrap")

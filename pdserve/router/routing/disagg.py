@@ -17,6 +17,10 @@ batch). The router sends a request there instead of to the pair, in this order o
                      open (its prefill would delay their streams) and at most
                      `idle_local_prefill_cost` (1) while it has none
 
+A stream that moves from a failed decode node (router/routing/migration.py) is decided by the same
+rules on its replay: the prompt and the tokens already sent, which either node prefills; both paths
+then count it under the reason `migration`.
+
 Both nodes' caches count. A prompt that both hold most of (one shared system prompt before every
 request) costs each node only the rest, so it stays disaggregated and its prefill stays off the
 decode streams' core: when only the decode node's cache counted, such a workload (512 shared tokens,
@@ -46,21 +50,24 @@ DECODE_ONLY_REASONS = (
     "pair_down",  # every prefill node's pair with this decode node is down (pair_health.py)
     "migration",  # a stream moving from a failed decode node (router/routing/migration.py)
 )
-DISAGGREGATED_REASONS = ("default",)
+DISAGGREGATED_REASONS = ("default", "migration")
 
 
 class TokenEstimator:
-    """Prompt tokens of a request: exact for `input_ids`, else characters / a learnt ratio."""
+    """Tokens a request's prefill computes: its prompt (exact for `input_ids`, else characters /
+    a learnt ratio) and, for a migrated stream, the tokens already sent (`resume`)."""
 
     def __init__(self, chars_per_token: float = 4.0, weight: float = 0.1):
         self.chars_per_token = chars_per_token
         self.weight = weight  # exponential moving average: recent answers count most
 
     def estimate(self, body: dict[str, Any], key: str) -> int:
+        resume = body.get("resume")
+        replay = len(resume["token_ids"]) if isinstance(resume, dict) else 0
         ids = body.get("input_ids")
         if isinstance(ids, list):
-            return len(ids)
-        return max(1, round(len(key) / self.chars_per_token))
+            return len(ids) + replay
+        return max(1, round(len(key) / self.chars_per_token)) + replay
 
     def learn(self, chars: int, tokens: Any) -> None:
         """One answer: `tokens` prompt tokens (a node's meta) for a prompt key of `chars`."""

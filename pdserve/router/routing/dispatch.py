@@ -92,6 +92,7 @@ class Dispatcher:
                 if prefill:
                     d = self.disagg.decide(body, key, prefill, decode)
                     path, reason, tokens = d.path, d.reason, d.prompt_tokens
+                    reason = "migration" if migrating else reason
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
                     reason = (
@@ -185,9 +186,11 @@ class Dispatcher:
         every try failed. `follow`: the first try's pair (an `n` > 1 choice goes where choice 0
         went, whose prompt is in that node's prefix cache), if both its workers are eligible.
         `exclude`: workers to avoid while others serve; `migrating`: a stream moving from a failed
-        decode node, which a decode node prefills alone (its body carries `resume`)."""
+        decode node (its body carries `resume`): the prompt and the tokens already sent are
+        prefilled by the new decode node alone or by a prefill node, whichever the router
+        predicts is faster (router/routing/disagg.py)."""
         exclude = set(exclude or ())
-        n, last, prefill_failed = 0, None, migrating
+        n, last, prefill_failed = 0, None, False
         while True:
             try:
                 route = (

@@ -3,9 +3,10 @@ decode node, and the client sees one stream, token for token.
 
 The router keeps, for each open stream, the token ids the client has and how many characters of
 their text it got. When the stream breaks, the router opens a new attempt on another decode node
-with the same body plus `resume` ({"token_ids", "text_chars"}). That node prefills the prompt and
-those tokens itself, counts them as its output, and generates from the next position. The
-continuation is the one the first node would have produced:
+with the same body plus `resume` ({"token_ids", "text_chars"}). That node, or a prefill node that
+moves the KV to it, whichever the router predicts is faster (router/routing/disagg.py, on the
+prompt and the tokens sent), prefills the prompt and those tokens, counts them as output, and
+generates from the next position. The continuation is the one the first node would have produced:
 - greedy decoding is a function of the tokens alone;
 - a seeded request draws from a generator seeded by (seed, position) (engine/sampling.py);
 - penalties, `logit_bias`, `max_tokens` and stop strings read the output tokens, the resumed ones
@@ -14,7 +15,9 @@ continuation is the one the first node would have produced:
   output and forced tool calls go on in the same state;
 - the new node's detokenizer starts where the client's text ends (IncrementalDetokenizer.resume).
 An unseeded sampled request continues with fresh draws: correct, but not the sequence the first
-node would have drawn.
+node would have drawn. In bf16 the continuation is exact where the nodes serve batch-invariantly
+(`--batch-invariant`): otherwise the replay's prefill rounds the tokens' KV differently from the
+decode steps that made them, and a later near-tie can go the other way.
 
 What breaks a stream, and is migrated (the `cause` label):
 - `connection`: the HTTP stream to the node failed (its front died, the link broke);

@@ -238,15 +238,9 @@ class NodeFront:
 
     @staticmethod
     def _resumed(msg: AddRequest, resume: Resume, detok: IncrementalDetokenizer) -> AddRequest:
-        """The request continued from `resume`: its tokens go to the ranks as output, and the
-        detokenizer starts where the client's text ends."""
-        if type(msg) is not AddRequest:
-            raise RequestError(
-                400,
-                "'resume' is served by a node that prefills the request itself: send it without "
-                "bootstrap fields, to a decode or colocated node",
-                "resume",
-            )
+        """The request continued from `resume`: its tokens go to the ranks as output (a prefill
+        node prefills them after the prompt and samples the next; a decode node of the same room
+        receives their KV), and the detokenizer starts where the client's text ends."""
         try:
             detok.resume(resume.token_ids, resume.text_chars)
         except ValueError as e:
