@@ -14,6 +14,7 @@ p50/p99 against the undisturbed ITL p50/p99, and how many streams kept exactly t
 tokens.
 
   .venv/bin/python bench/bench_migration.py [--streams 16] [--rounds 3] [--dtype float32]
+      [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--after", type=int, default=24, help="tokens every stream has at the kill")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-invariant", action="store_true", help="the nodes' flag (bf16)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/migration.md"))
     args = ap.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="bench_migration_"))
@@ -141,6 +143,7 @@ def main() -> int:
     prompts = [[rng.randrange(100, 20000) for _ in range(rng.randrange(40, 160))]
                for _ in range(args.streams)]  # fmt: skip
     node = ["--dtype", args.dtype, "--threads", "1"]
+    node += ["--batch-invariant"] if args.batch_invariant else []
     ports = {n: free_port() for n in ("p", "b", "d1", "d2", "r")}
     url = {n: f"http://127.0.0.1:{ports[n]}" for n in ports}
     procs: dict[str, Proc] = {}
@@ -200,7 +203,8 @@ def main() -> int:
         "",
         f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), load average at the end "
         f"{os.getloadavg()[0]:.1f}; whole script {time.perf_counter() - t_all:.0f} s. Router, one "
-        f"prefill node and two decode nodes (PP 1, dtype {args.dtype}, SmolLM2-135M-Instruct); "
+        f"prefill node and two decode nodes (PP 1, dtype {args.dtype}"
+        f"{', --batch-invariant' if args.batch_invariant else ''}, SmolLM2-135M-Instruct); "
         f"{args.streams} greedy streams of {args.max_new} tokens at once, prompts of 40 to 160 "
         f"tokens; {args.rounds} rounds, each a SIGKILL of the busier decode node's front once "
         f"every stream has {args.after} tokens. Logs: {logdir}.",
@@ -221,6 +225,7 @@ def main() -> int:
         "",
         "```",
         *[ln for ln in metrics.splitlines() if ln.startswith("pdserve_router_migrat")],
+        *[ln for ln in metrics.splitlines() if 'reason="migration"' in ln],
         "```",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -104,7 +104,14 @@ def test_a_healthy_start_and_ten_requests_log_only_the_start_up_lines(fresh):
             }
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
-    time.sleep(3)  # three health-probe rounds
+        # three more health-probe rounds of every worker, logged or not
+        probed = {w["url"]: w["good_probes"] for w in c.get("/workers").json()["workers"]}
+        deadline = time.monotonic() + 60
+        while any(
+            w["good_probes"] < probed[w["url"]] + 3 for w in c.get("/workers").json()["workers"]
+        ):
+            assert time.monotonic() < deadline, "the router stopped probing its workers"
+            time.sleep(0.1)
     text = log.read_text()
     noise = [ln for ln in text.splitlines() if NOISE.search(ln)]
     assert not noise, "\n".join(noise)

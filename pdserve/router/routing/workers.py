@@ -66,6 +66,8 @@ class Worker:
             "model": self.model,
             "healthy": self.healthy,
             "draining": self.draining,
+            "good_probes": self.good_probes,  # consecutive: how long it has been answering
+            "bad_probes": self.bad_probes,
             "circuit": self.breaker.state.name.lower(),
             "in_flight": self.in_flight,
             "queued_prompt_tokens": self.queued_prompt_tokens,
