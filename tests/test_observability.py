@@ -27,7 +27,7 @@ def fresh(tiny6, tmp_path_factory):
     args = ["--node-args", NODE_ARGS, "--router-args", "--health-interval 1"]
     with up(tiny6, log, args) as (url, _, auth):
         workers = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()["workers"]
-        yield url, {w["role"]: w["url"] for w in workers}, log
+        yield url, {w["role"]: w["url"] for w in workers}, log, auth
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -48,7 +48,7 @@ def labels_of(samples: list, name: str, key: str, **where) -> set[str]:
 
 
 def test_a_fresh_cluster_exports_every_dashboard_metric_before_any_request(fresh):
-    url, nodes, _ = fresh
+    url, nodes, _, _ = fresh
     families = {"router": scrape(url), **{role: scrape(u) for role, u in nodes.items()}}
     # with a series (a histogram: its buckets), not just a HELP line
     with_series = {name for fams in families.values() for name, s in fams.items() if s}
@@ -92,7 +92,7 @@ NOISE = re.compile(
 
 
 def test_a_healthy_start_and_ten_requests_log_only_the_start_up_lines(fresh):
-    url, nodes, log = fresh
+    url, nodes, log, auth = fresh
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     with httpx.Client(base_url=url, timeout=60) as c:
         for i in range(10):
@@ -104,12 +104,14 @@ def test_a_healthy_start_and_ten_requests_log_only_the_start_up_lines(fresh):
             }
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
+
         # three more health-probe rounds of every worker, logged or not
-        probed = {w["url"]: w["good_probes"] for w in c.get("/workers").json()["workers"]}
+        def workers() -> list[dict]:
+            return c.get("/workers", auth=auth).json()["workers"]
+
+        probed = {w["url"]: w["good_probes"] for w in workers()}
         deadline = time.monotonic() + 60
-        while any(
-            w["good_probes"] < probed[w["url"]] + 3 for w in c.get("/workers").json()["workers"]
-        ):
+        while any(w["good_probes"] < probed[w["url"]] + 3 for w in workers()):
             assert time.monotonic() < deadline, "the router stopped probing its workers"
             time.sleep(0.1)
     text = log.read_text()
