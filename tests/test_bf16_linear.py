@@ -1,6 +1,8 @@
-"""The blocked bf16 matmul (engine/kernels/csrc/bf16_linear.cpp): on a CPU with AVX-512 BF16 and no
-AMX, against fp32 products of the same bf16 inputs and against oneDNN's bf16 matmul, its bounds, and
-the model's use of it. Elsewhere the kernel is off and oneDNN's reordered copy serves."""
+"""The blocked bf16 matmul (engine/kernels/csrc/bf16_linear.cpp): on a CPU with AVX-512 BF16,
+against fp32 products of the same bf16 inputs and against oneDNN's bf16 matmul, its bounds, and the
+model's use of it. Without AMX it serves bf16 matmuls by default; with AMX (where oneDNN's copy
+serves by default) it serves batch-invariant slices only, and the tests take it that way. Without
+AVX-512 BF16 the kernel is off and these tests skip."""
 
 from __future__ import annotations
 
@@ -16,12 +18,15 @@ from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
 from tests.tiny_model import build_tiny_model
 
+# With AMX the blocked kernel is reached through batch-invariant serving only
+INVARIANT = "amx_bf16" in cpu_kernels.cpu_flags().split()
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     assert cpu_kernels.load(), cpu_kernels.why_not()
-    why = bf16_linear.why_not()
-    if "AVX-512 BF16" in why or "AMX" in why:
+    why = bf16_linear.why_not(batch_invariant=True)
+    if "AVX-512 BF16" in why:
         pytest.skip(f"the blocked bf16 kernel is off on this CPU: {why}")
     assert not why, why
 
@@ -35,7 +40,7 @@ def test_matches_fp32_products_and_onednn(n, k, threads):
     to oneDNN's bf16 matmul but where the two orders of sums round apart (under 1 % of outputs)."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
-    bw = bf16_linear.block(w)
+    bw = bf16_linear.block(w, INVARIANT)
     assert bw is not None and bw.blocks.shape == (-(-n // 32), k // 2, 32, 2)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -61,7 +66,7 @@ def test_rows_with_a_stride_and_every_row_count_of_a_decode_step():
     contiguous copy gives, bit for bit; so does every row count from 1 to 64."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
-    bw = bf16_linear.block(w)
+    bw = bf16_linear.block(w, INVARIANT)
     wide = torch.randn(70, 1000, generator=g).to(torch.bfloat16)
     x = wide[:, 100:676]
     assert x.stride(0) == 1000
@@ -73,11 +78,11 @@ def test_rows_with_a_stride_and_every_row_count_of_a_decode_step():
 
 def test_bad_shapes_are_refused():
     w = torch.randn(64, 63).to(torch.bfloat16)
-    assert bf16_linear.block(w) is None  # odd K: oneDNN's copy serves it
-    assert bf16_linear.block(w.float()) is None
+    assert bf16_linear.block(w, INVARIANT) is None  # odd K: oneDNN's copy serves it
+    assert bf16_linear.block(w.float(), INVARIANT) is None
     with pytest.raises(RuntimeError, match="even"):
         torch.ops.pdserve.pack_bf16_linear(w)
-    bw = bf16_linear.block(torch.randn(64, 64).to(torch.bfloat16))
+    bw = bf16_linear.block(torch.randn(64, 64).to(torch.bfloat16), INVARIANT)
     with pytest.raises(RuntimeError, match="columns"):
         bf16_linear.linear(torch.randn(2, 32).to(torch.bfloat16), bw)
     with pytest.raises(RuntimeError, match="blocks"):
@@ -88,15 +93,17 @@ def test_bad_shapes_are_refused():
 
 def test_small_batch_weights_take_it_in_place_of_the_reordered_copy(monkeypatch):
     w = torch.randn(96, 64).to(torch.bfloat16)
-    small = small_batch_weights(w)
+    small = small_batch_weights(w, batch_invariant=INVARIANT)
     assert small.blocked is not None and small.reordered is None  # one copy, not two
     x = torch.randn(5, 64).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
     assert torch.equal(linear(x, w, small, bias), bf16_linear.linear(x, small.blocked).add_(bias))
-    assert small_batch_weights(w.float()).blocked is None  # fp32 keeps its own paths
+    # fp32 keeps its own paths
+    assert small_batch_weights(w.float(), batch_invariant=INVARIANT).blocked is None
     monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
     off = small_batch_weights(w)
     assert off.blocked is None and off.reordered is not None
+    assert small_batch_weights(w, batch_invariant=True).blocked is None
     monkeypatch.delenv(bf16_linear.ENV_SWITCH)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : avx512_bf16 amx_bf16 amx_tile")
     assert "AMX" in bf16_linear.why_not() and small_batch_weights(w).blocked is None
@@ -125,7 +132,9 @@ def test_the_model_runs_its_bf16_matmuls_through_it(tiny, monkeypatch):
 
     monkeypatch.setattr(bf16_linear, "linear", counted)
     s = load_slice(path, 0, 4, dtype=torch.bfloat16)
-    assert "blocked bf16 weights with prefetch" in s.add_small_batch_weights()
+    assert "blocked bf16 weights with prefetch" in s.add_small_batch_weights(
+        batch_invariant=INVARIANT
+    )
     got = run_plan([s], cfg, seqs, PLAN, dtype=torch.bfloat16)
     assert len(calls) == len(PLAN) * (4 * cfg.num_layers + 1)
     monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")

@@ -17,7 +17,10 @@ from pdserve.engine.forward_batch import BatchItem, build_forward_batch
 from pdserve.engine.kernels import decode_stack
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model.loader import load_model_config, load_slice
-from tests.test_bf16_linear import kernel  # noqa: F401 (autouse: the blocked kernel, or skip)
+from tests.test_bf16_linear import (  # noqa: F401 (autouse: the blocked kernel, or skip)
+    INVARIANT,
+    kernel,
+)
 from tests.test_model import DECODE_STEPS, PLAN, TOTAL, run_plan
 from tests.tiny_model import build_tiny_model
 
@@ -41,7 +44,7 @@ def tiny(request, tmp_path_factory):
 
 def bf16_slice(path, start=0, end=4):
     s = load_slice(path, start, end, dtype=torch.bfloat16)
-    s.add_small_batch_weights()
+    s.add_small_batch_weights(batch_invariant=INVARIANT)
     return s
 
 
@@ -86,11 +89,14 @@ def test_the_engine_decodes_in_one_call_with_the_same_tokens(tiny, monkeypatch):
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
 
     def tokens():
-        eng = Engine(EngineConfig(model=str(path), dtype="bfloat16", threads=1))
+        cfg = EngineConfig(model=str(path), dtype="bfloat16", threads=1, batch_invariant=INVARIANT)
+        eng = Engine(cfg)
         return [c.token_ids for c in eng.generate([s[:20] for s in seqs], params)]
 
     on = tokens()
-    assert len(calls) >= 11 and max(calls) == len(seqs)
+    assert sum(c == len(seqs) for c in calls) >= 11  # the decode steps
+    # batch-invariant, the prefill runs in the call too: every token is a decode query there
+    assert max(calls) == (sum(min(20, len(s)) for s in seqs) if INVARIANT else len(seqs))
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
     calls.clear()
     assert tokens() == on and calls == []
@@ -102,17 +108,19 @@ def test_where_it_does_not_apply(tmp_path, monkeypatch):
     loop."""
     path = build_tiny_model(tmp_path / "llama", hidden=96, heads=3, kv_heads=1)
     s = load_slice(path, 0, 4, dtype=torch.bfloat16)
-    assert "decode steps in one call" in s.add_small_batch_weights()
+    assert "decode steps in one call" in s.add_small_batch_weights(batch_invariant=INVARIANT)
     fp32 = load_slice(path, 0, 4, dtype=torch.float32)
     fp32.add_small_batch_weights()
     assert fp32._stack is None and decode_stack.why_not(fp32) == "not a bf16 slice"
     qwen3 = build_tiny_model(tmp_path / "qwen3", hidden=96, heads=3, kv_heads=1, arch="qwen3")
     q3 = load_slice(qwen3, 0, 4, dtype=torch.bfloat16)
-    assert "per op (the layers have q/k norms)" in q3.add_small_batch_weights()
+    assert "per op (the layers have q/k norms)" in q3.add_small_batch_weights(
+        batch_invariant=INVARIANT
+    )
     assert q3._stack is None
     # packed block codes (the PDSERVE_PACKED_BF16 opt-in) would serve the loop's small batches
     packed = load_slice(path, 0, 4, dtype=torch.bfloat16)
-    packed.add_small_batch_weights()
+    packed.add_small_batch_weights(batch_invariant=INVARIANT)
     layer = packed.layers[2]
     layer.small["o"] = dataclasses.replace(layer.small["o"], packed=layer.small["o"].blocked)
     assert decode_stack.why_not(packed) == (
@@ -120,7 +128,9 @@ def test_where_it_does_not_apply(tmp_path, monkeypatch):
     )
     monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
     off = load_slice(path, 0, 4, dtype=torch.bfloat16)
-    assert f"per op ({decode_stack.ENV_SWITCH}=0)" in off.add_small_batch_weights()
+    assert f"per op ({decode_stack.ENV_SWITCH}=0)" in off.add_small_batch_weights(
+        batch_invariant=INVARIANT
+    )
     assert off._stack is None
     # a batch with a prefill chunk in it takes the loop even where the call is on
     calls = counted_calls(monkeypatch)
