@@ -149,3 +149,18 @@ def test_exporter_thread_and_socket_exist_when_on(traced):
         assert EXPORTER_THREAD in info["threads"], w["role"]
     outside = outside_connections(cluster_procs(proc))
     assert any(raddr.port == rx.port for _, raddr in outside), outside
+
+
+@pytest.mark.parametrize(
+    "missing", ["opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http.trace_exporter"]
+)
+def test_tracing_without_the_extra_says_what_to_install(monkeypatch, missing):
+    """The SDK and its exporter are the `tracing` extra: asked for without them, the exporter
+    says which extra to install."""
+    from pdserve.infra.tracing import make_exporter
+
+    for name in [m for m in sys.modules if m.startswith("opentelemetry")]:  # none imported yet
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
+    with pytest.raises(RuntimeError, match=r"pip install 'pdserve\[tracing\]'"):
+        make_exporter("http://127.0.0.1:1", "router")

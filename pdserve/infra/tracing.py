@@ -93,10 +93,10 @@ class Exporter:
     so no caller ever waits on the collector)."""
 
     def __init__(self, endpoint: str, service: str):
+        self._exporter = _otlp_exporter(endpoint)  # first: it says what to install when missing
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        self._exporter = _otlp_exporter(endpoint)
         self._processor = BatchSpanProcessor(self._exporter, schedule_delay_millis=500)
         self._resource = Resource.create({"service.name": f"pdserve-{service}"})
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -144,8 +144,8 @@ def _otlp_exporter(endpoint: str):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise RuntimeError(
-            "--otlp-traces-endpoint needs the OTLP exporter: "
-            "pip install 'pdserve[tracing]' (opentelemetry-exporter-otlp-proto-http)"
+            "--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP exporter: "
+            "pip install 'pdserve[tracing]'"
         ) from None
     url = endpoint.rstrip("/")
     if not url.startswith(("http://", "https://")):
