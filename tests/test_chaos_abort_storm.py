@@ -399,8 +399,10 @@ def node_urls(url: str) -> dict[str, str]:
 
 
 def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
-    """What must be zero on an idle cluster, per node:
-    KV per rank, queue lengths, front requests."""
+    """What must be zero on an idle cluster, per node: KV per rank (the metric, and the rank's own
+    count of held pages: every allocated page that is not an unlocked prefix-cache page, so a
+    leaked page shows too), prefix-cache pages a request still locks, queue lengths, front
+    requests."""
     got = {}
     for role, node in nodes.items():
         m = scrape(node)
@@ -418,6 +420,8 @@ def idle_state(nodes: dict[str, str]) -> dict[str, dict]:
                 if v
             },
             "quarantine": [r.get("quarantine", 0) for r in info["ranks"]],
+            "held_pages": [r["held_pages"] for r in info["ranks"]],
+            "locked_cached_pages": [r["locked_cached_pages"] for r in info["ranks"]],
             "front_pending": info["load"]["in_flight"],
             "ranks": len(info["ranks"]),
         }
@@ -430,6 +434,8 @@ def is_idle(state: dict[str, dict], pp: dict[str, int]) -> bool:
         and not any(s["kv_used_tokens"])
         and not s["queues"]
         and not any(s["quarantine"])
+        and not any(s["held_pages"])
+        and not any(s["locked_cached_pages"])
         and s["front_pending"] == 0
         for role, s in state.items()
     )
@@ -537,6 +543,8 @@ def test_kv_pools_and_queues_are_empty_on_every_rank(storm, cluster):
             s,
         )
         assert not s["queues"] and not any(s["quarantine"]), (role, s)
+        assert len(s["held_pages"]) == cluster.pp[role] and not any(s["held_pages"]), (role, s)
+        assert not any(s["locked_cached_pages"]), (role, s)  # an unlock missed on an abort path
         assert s["front_pending"] == 0, (role, s)
 
 
