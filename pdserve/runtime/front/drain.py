@@ -68,7 +68,7 @@ class Drain:
         aborted: set[str] = set()
         end = time.monotonic() + ABORT_WAIT_S
         while front.pending and time.monotonic() < end:
-            for rid in set(front.pending) - aborted:
+            for rid in [r for r in front.pending if r not in aborted]:  # arrival order
                 front.abort(rid, AbortReason.NODE_DRAINING)
                 aborted.add(rid)
             await asyncio.sleep(POLL_S)
