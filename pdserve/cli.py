@@ -86,8 +86,20 @@ def _light_trace():
     return add_trace_args, trace_main, "one request's stage timeline from the router"
 
 
+def _light_launch():
+    from pdserve.launch import add_launch_args, launch_main
+
+    return add_launch_args, launch_main, "one process of a deployment, its flags from the values"
+
+
 # Commands parsed and run without building every subcommand's parser (which imports torch).
-LIGHT = {"bench": _light_bench, "up": _light_up, "router": _light_router, "trace": _light_trace}
+LIGHT = {
+    "bench": _light_bench,
+    "up": _light_up,
+    "router": _light_router,
+    "trace": _light_trace,
+    "launch": _light_launch,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_args(sub.add_parser("bench", help="a load client for any OpenAI-compatible endpoint"))
 
+    from pdserve.launch import add_launch_args
+
+    add_launch_args(
+        sub.add_parser("launch", help="one process of a deployment, its flags from the values")
+    )
     sub.add_parser("version", help="print the version")
     sub.add_parser("trace", help="one request's stage timeline from the router (pdserve trace ID)")
     args = parser.parse_args(argv)

@@ -1,9 +1,11 @@
 """A pdserve cluster over network-namespace hosts (tests/netns_hosts.py): the environment its
-processes get, starting one command per host, waiting for the router's workers, and greedy
-answers through the router. Used by tests/test_multi_host*.py."""
+processes get, their command lines made by `pdserve launch` from the Helm chart's values (as the
+chart's and compose's are, pdserve/launch.py), starting one command per host, waiting for the
+router's workers, and greedy answers through the router. Used by tests/test_multi_host*.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -13,6 +15,8 @@ import httpx
 from netns_hosts import Hosts
 
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
+
+CHART_VALUES = Path(__file__).parents[1] / "deploy" / "helm" / "pdserve" / "values.yaml"
 
 
 def host_env(secret: str, api_key: str, kv_timeout_s: float) -> dict[str, str]:
@@ -25,6 +29,20 @@ def host_env(secret: str, api_key: str, kv_timeout_s: float) -> dict[str, str]:
     env |= {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_INTERNAL_TOKEN": secret}
     env["PDSERVE_API_KEY"] = api_key
     return env
+
+
+def launch_commands(
+    values: dict, tmp: Path, plan: list[tuple[str, int, int, str]]
+) -> list[list[str]]:
+    """`pdserve launch` per host, for plan = (role, node index, node-rank, host address) of each:
+    the chart's default values under `values` (a file in `tmp`), as `helm --set` would."""
+    override = tmp / "values.json"
+    override.write_text(json.dumps(values))  # JSON is YAML
+    files = ["--values", str(CHART_VALUES), "--values", str(override)]
+    return [
+        ["launch", role, *files, "--host", host, "--node-index", str(i), "--node-rank", str(r)]
+        for role, i, r, host in plan
+    ]
 
 
 def start(hosts: Hosts, commands: list[list[str]], logs: list[Path], env: dict[str, str]) -> None:

@@ -6,9 +6,9 @@ No Docker engine, helm binary or cluster is needed: files are parsed and cross-c
   values and rejects bad ones (jsonschema).
 - Every `.Values.x.y` path a template reads exists in values.yaml (or is read through `default`),
   and template blocks are balanced.
-- Commands (compose services, chart args) use only `pdserve` subcommands and flags that exist:
-  taken from `pdserve <sub> --help` when the subcommand is implemented, from pdserve.router.cli for
-  the router, else from CLI_CONTRACT below (the agreed CLI, for subcommands not implemented yet).
+- Compose services and chart pods start with `pdserve launch`, and the command lines it makes from
+  their values parse with the real subcommand parsers; the chart's launch values carry every key
+  pdserve/launch.py reads.
 - Ports agree between the CLI defaults, the Dockerfile's EXPOSE, compose, Prometheus and the chart.
 - The dashboard uses only metric families listed in deploy/metrics.txt; the metrics the code
   exports today are listed there; docs/METRICS.md documents each one.
@@ -33,46 +33,6 @@ DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "pdserve"
 DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
 
-# The agreed `pdserve` CLI. Used for subcommands the installed `pdserve` does not have yet; once a
-# subcommand exists its real `--help` is used instead (see cli_flags).
-CLI_CONTRACT: dict[str, set[str]] = {
-    "up": {"--model", "--prefill-pp", "--decode-pp", "--prefill-nodes", "--decode-nodes", "--port"},
-    "prefill": {
-        "--model",
-        "--pp",
-        "--host",
-        "--port",
-        "--bootstrap-port",
-        "--nnodes",
-        "--node-rank",
-        "--dist-init-addr",
-        "--insecure",
-        "--threads",
-        "--device",
-    },
-    "decode": {
-        "--model",
-        "--pp",
-        "--host",
-        "--port",
-        "--nnodes",
-        "--node-rank",
-        "--dist-init-addr",
-        "--insecure",
-        "--device",
-    },
-    "serve": {
-        "--model",
-        "--pp",
-        "--host",
-        "--port",
-        "--nnodes",
-        "--node-rank",
-        "--dist-init-addr",
-        "--insecure",
-        "--device",
-    },
-}
 DEFAULT_PORTS = {"up": 8000, "router": 8000, "prefill": 30000, "decode": 30001, "serve": 30000}
 BOOTSTRAP_PORT = 8998
 NODE_GROUPS = ("prefill", "decode")  # the roles templates/nodes.yaml ranges over
@@ -100,62 +60,6 @@ def exposed_ports() -> set[int]:
 
 def metrics_list() -> list[str]:
     return [ln.strip() for ln in (DEPLOY / "metrics.txt").read_text().splitlines() if ln.strip()]
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI flags
-
-
-def _flags_in(text: str) -> set[str]:
-    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
-
-
-@pytest.fixture(scope="module")
-def cli_flags() -> dict[str, tuple[set[str], str]]:
-    """subcommand -> (flags, where they came from). Runs the `--help`s concurrently."""
-    exe = Path(sys.executable).with_name("pdserve")
-    subs = ["prefill", "decode", "router"]  # the subcommands deploy/ runs
-    procs = (
-        {
-            s: subprocess.Popen(
-                [str(exe), s, "--help"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=ROOT,
-            )
-            for s in subs
-        }
-        if exe.exists()
-        else {}
-    )
-    out: dict[str, tuple[set[str], str]] = {}
-    for sub in subs:
-        text, rc = "", 1
-        if sub in procs:
-            text, _ = procs[sub].communicate(timeout=60)
-            rc = procs[sub].returncode
-        if rc == 0:
-            out[sub] = (_flags_in(text) - {"--help"}, f"`pdserve {sub} --help`")
-        elif sub == "router":
-            # Not wired into `pdserve` yet: the router's own parser is the source of truth.
-            import argparse
-
-            from pdserve.router.cli import add_router_args
-
-            parser = add_router_args(argparse.ArgumentParser(add_help=False))
-            out[sub] = (
-                {o for a in parser._actions for o in a.option_strings},
-                "pdserve.router.cli.add_router_args",
-            )
-        else:
-            # Explicit fallback: the subcommand is not implemented yet,
-            # so check the agreed contract.
-            out[sub] = (
-                CLI_CONTRACT[sub],
-                "CLI_CONTRACT in tests/test_deploy.py (not implemented yet)",
-            )
-    return out
 
 
 def split_command(cmd) -> list[str]:
@@ -373,19 +277,75 @@ def _template_args(text: str, start: str, stop: str) -> str:
     return text[i : text.index(stop, i)]
 
 
-def test_chart_commands_use_known_flags(cli_flags):
+def parsed(argv: list[str]):
+    """`pdserve <argv>` through that subcommand's own parser: unknown flags and bad values fail."""
+    import argparse
+
+    from pdserve.decode_node.serve import add_decode_args
+    from pdserve.prefill_node.serve import add_prefill_args
+    from pdserve.router.cli import add_router_args
+
+    add = {"prefill": add_prefill_args, "decode": add_decode_args, "router": add_router_args}
+    ap = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", exit_on_error=False)
+    add[argv[0]](ap)
+    try:
+        return ap.parse_args(argv[1:])
+    except SystemExit:  # argparse exits on some errors even with exit_on_error=False
+        raise AssertionError(f"`pdserve {shlex.join(argv)}` does not parse") from None
+
+
+def chart_launch_values() -> tuple[str, dict[str, set[str]]]:
+    """The chart's launch values (_helpers.tpl, pdserve.launchValues): the template, and the keys
+    it picks per group ("router", and "node" for prefill and decode)."""
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    block = _template_args(helpers, 'define "pdserve.launchValues"', "{{- end -}}\n\n")
+    picks = re.findall(r'set \$v (?:"(\w+)"|\$role) \(pick [^ ]+ ((?:"\w+" ?)+)\)', block)
+    return block, {g or "node": set(re.findall(r'"(\w+)"', ks)) for g, ks in picks}
+
+
+def test_chart_launch_values_carry_every_key_launch_reads():
+    """A key pdserve/launch.py reads that the chart's ConfigMap leaves out would make every pod's
+    command line silently fall back to a default (or fail): each one must be there."""
+    src = (ROOT / "pdserve" / "launch.py").read_text()
+    read = re.findall(r"(?:get|_str_list)\(values, f?[\"']([^\"']+)[\"']", src)
+    block, picks = chart_launch_values()
+    assert len(read) > 10 and set(picks) == {"node", "router"}
+    for dotted in read:
+        group, key = dotted.split(".", 1)
+        if group in ("{role}", "prefill", "decode", "router"):
+            assert key in picks["router" if group == "router" else "node"], dotted
+        else:
+            assert f'"{group}"' in block, f"{dotted}: the chart's launch values leave out {group}"
+
+
+@pytest.mark.parametrize("per_pod", [1, 2])
+@pytest.mark.parametrize("lws", [False, True])
+def test_chart_commands_parse(lws, per_pod, monkeypatch):
+    """Every pod's command line, as `pdserve launch` makes it from the chart's default values,
+    parses with the real subcommand parsers, and the chart's pods run `pdserve launch`."""
+    from pdserve import launch
+
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     node_args = _template_args(helpers, "args:", "env:")
-    assert "- pdserve" in node_args and "- {{ $role }}" in node_args
-    decode_args = re.sub(r'{{-? if eq \$role "prefill" }}.*?{{-? end }}', "", node_args, flags=re.S)
-    for role, text in (("prefill", node_args), ("decode", decode_args)):
-        flags, where = cli_flags[role]
-        unknown = _flags_in(text) - flags
-        assert not unknown, f"chart passes {sorted(unknown)} to `pdserve {role}`, not in {where}"
+    assert "- launch" in node_args and "- {{ $role }}" in node_args
+    assert "/etc/pdserve/values.json" in node_args
     router_args = _template_args((CHART / "templates" / "router.yaml").read_text(), "args:", "env:")
-    assert "- router" in router_args
-    flags, where = cli_flags["router"]
-    assert not _flags_in(router_args) - flags, f"router flags not in {where}"
+    assert "[pdserve, launch, router, --values, /etc/pdserve/values.json" in router_args
+    values = load_yaml(CHART / "values.yaml") | {"lws": {"enabled": lws}}
+    for role in NODE_GROUPS:
+        values[role]["ranksPerPod"] = per_pod
+    values["leaders"] = {"prefill": ["p-0-0.p"], "decode": ["d-0-0.d"]}
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "leader.lws")
+    for role in NODE_GROUPS:
+        for rank in range(launch.pods_per_node(values, role)):
+            args = parsed(launch.argv_for(values, role, 0, rank, "0.0.0.0"))
+            assert args.node_rank == rank and args.pp == values[role]["pp"]
+            host = "leader.lws" if lws else values["leaders"][role][0]
+            dist = f"{host}:{values[role]['distPort']}" if per_pod == 1 else None
+            assert args.dist_init_addr == dist and args.nnodes == 2 // per_pod
+    router = launch.argv_for(values, "router", 0, 0, "0.0.0.0")
+    parsed(router)
+    assert all_flag_values(router, "--prefill") == [["http://p-0-0.p:30000", str(BOOTSTRAP_PORT)]]
     assert "podManagementPolicy: Parallel" in (CHART / "templates" / "nodes.yaml").read_text(), (
         "OrderedReady would wait for node-rank 0 to be ready, which needs every rank: deadlock"
     )
@@ -537,11 +497,21 @@ def compose() -> dict:
 
 
 def pdserve_services(compose) -> dict[str, list[str]]:
-    return {
-        name: split_command(svc["command"])
-        for name, svc in compose["services"].items()
-        if svc.get("command") and split_command(svc["command"])[0] == "pdserve"
-    }
+    """service -> the `pdserve` command line it runs: `pdserve launch` resolved from the values
+    files the service mounts, as the container would (pdserve/launch.py)."""
+    from pdserve import launch
+
+    out = {}
+    for name, svc in compose["services"].items():
+        argv = split_command(svc.get("command") or [])
+        if argv[:1] != ["pdserve"]:
+            continue
+        assert argv[1] == "launch", f"{name}: start it with `pdserve launch` (one source of flags)"
+        mounts = dict(reversed(v.split(":")[:2]) for v in svc.get("volumes", []))
+        files = [DEPLOY / mounts[f] for f in all_flag_values(argv, "--values") for f in f]
+        values = launch.load_values(files)
+        out[name] = ["pdserve", *launch.argv_for(values, argv[2], 0, 0, flag_value(argv, "--host"))]
+    return out
 
 
 def test_compose_services_and_images(compose):
@@ -567,17 +537,11 @@ def test_compose_services_and_images(compose):
         )
 
 
-def test_compose_commands_use_known_flags(compose, cli_flags):
+def test_compose_commands_parse(compose):
     services = pdserve_services(compose)
     assert {"router", "prefill", "decode"} <= set(services)
-    for name, argv in services.items():
-        sub = argv[1]
-        assert sub in cli_flags, f"{name}: unknown subcommand `pdserve {sub}`"
-        flags, where = cli_flags[sub]
-        used = {a for a in argv[2:] if a.startswith("--")}
-        assert not used - flags, (
-            f"{name}: `pdserve {sub}` flags {sorted(used - flags)} not in {where}"
-        )
+    for argv in services.values():
+        parsed(argv[1:])
     from pdserve.router.routing.policies import POLICIES
 
     policy = flag_value(services["router"], "--policy")

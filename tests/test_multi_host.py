@@ -1,6 +1,7 @@
 """A cluster across five hosts (network namespaces on one bridge, tests/netns_hosts.py), started
-with the documented commands (docs/DEPLOY.md): a prefill node with PP 2 over two hosts
-(`--nnodes 2 --node-rank ...`), a decode node with PP 2 over two hosts, and a router on the fifth.
+with the chart's commands (`pdserve launch` from the chart's values, docs/DEPLOY.md): a prefill
+node with PP 2 over two hosts (`--nnodes 2 --node-rank ...`), a decode node with PP 2 over two
+hosts, and a router on the fifth.
 The test's own namespace is one more host on the bridge: the client, and the hostile peer.
 
 * fp32 greedy answers through the router, every prompt disaggregated, equal transformers';
@@ -19,7 +20,7 @@ import secrets
 
 import pytest
 from cluster import ClusterAuth, node_args
-from host_cluster import generate, host_env, start, wait_workers
+from host_cluster import generate, host_env, launch_commands, start, wait_workers
 from metrics_scrape import scrape, total
 from netns_hosts import Hosts, can_make_hosts
 from packet_capture import Capture, can_capture, encodings, first_request, send_raw
@@ -40,27 +41,25 @@ API_KEY = "sk-multi-host"
 PREFILL_PORT, BOOTSTRAP_PORT, DECODE_PORT, ROUTER_PORT = 30000, 8998, 30001, 8000
 
 
-def node_commands(model: str, hosts: list[str]) -> list[list[str]]:
-    """The documented multi-host commands (docs/DEPLOY.md, "A node over several hosts"), one per
-    host: prefill PP 2 over hosts 0-1, decode PP 2 over hosts 2-3, the router on host 4."""
+def node_commands(model: str, hosts: list[str], tmp) -> list[list[str]]:
+    """The deployment of docs/DEPLOY.md ("A node over several hosts"), its command lines made by
+    `pdserve launch` from the chart's values, as the chart's own are: prefill PP 2 over hosts 0-1,
+    decode PP 2 over hosts 2-3, the router on host 4."""
     p0, p1, d0, d1, r = hosts
-    common = ["--model", model, "--pp", "2", "--nnodes", "2", *node_args()]
-    prefill = ["prefill", *common, "--dist-init-addr", f"{p0}:29500"]
-    prefill += ["--port", str(PREFILL_PORT), "--bootstrap-port", str(BOOTSTRAP_PORT)]
-    decode = ["decode", *common, "--dist-init-addr", f"{d0}:29600", "--port", str(DECODE_PORT)]
-    router = ["router", "--host", r, "--port", str(ROUTER_PORT), "--health-interval", "1"]
-    router += ["--prefill", f"http://{p0}:{PREFILL_PORT}", str(BOOTSTRAP_PORT)]
-    router += ["--decode", f"http://{d0}:{DECODE_PORT}"]
+    node = {"ranksPerPod": 1, "extraArgs": node_args()}  # PP 2 over two hosts
     # every prompt through the pair, none prefilled on the decode node
-    router += ["--disagg-min-prompt-tokens", "0", "--disagg-decode-prefix-fraction", "2"]
-    router += ["--disagg-local-prefill-cost", "0"]
-    return [
-        [*prefill, "--node-rank", "0", "--host", p0],
-        [*prefill, "--node-rank", "1", "--host", p1],
-        [*decode, "--node-rank", "0", "--host", d0],
-        [*decode, "--node-rank", "1", "--host", d1],
-        router,
-    ]
+    disagg = ["--disagg-min-prompt-tokens", "0", "--disagg-decode-prefix-fraction", "2"]
+    values = {
+        "model": {"path": model},
+        "leaders": {"prefill": [p0], "decode": [d0]},
+        "prefill": {**node, "port": PREFILL_PORT, "bootstrapPort": BOOTSTRAP_PORT},
+        "decode": {**node, "port": DECODE_PORT, "distPort": 29600},
+        "router": {"port": ROUTER_PORT, "extraArgs": [
+            "--health-interval", "1", *disagg, "--disagg-local-prefill-cost", "0"]},
+    }  # fmt: skip
+    plan = [("prefill", 0, 0, p0), ("prefill", 0, 1, p1), ("decode", 0, 0, d0)]
+    plan += [("decode", 0, 1, d1), ("router", 0, 0, r)]
+    return launch_commands(values, tmp, plan)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +77,7 @@ def cluster(tiny6, tmp_path_factory):
         addrs = [h.addr for h in hosts.hosts]
         logs = [tmp / f"host{i}.log" for i in range(5)]
         with Capture(hosts.bridge, encodings(secret), {DECODE_PORT}) as cap:
-            start(hosts, node_commands(str(tiny6), addrs), logs, env)
+            start(hosts, node_commands(str(tiny6), addrs, tmp), logs, env)
             url = f"http://{addrs[4]}:{ROUTER_PORT}"
             auth = ClusterAuth(secret)
             wait_workers(url, auth, hosts, logs, count=2, timeout=400)

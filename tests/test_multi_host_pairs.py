@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from cluster import ClusterAuth, node_args
-from host_cluster import generate, host_env, start, wait_workers
+from host_cluster import generate, host_env, launch_commands, start, wait_workers
 from netns_hosts import Hosts, can_make_hosts
 from reference import hf_greedy, load_hf
 
@@ -29,26 +29,27 @@ API_KEY = "sk-pairs"
 OPEN_S = 5.0  # --pair-open-seconds
 
 
-def commands(model: str, addrs: list[str]) -> list[list[str]]:
+def commands(model: str, addrs: list[str], tmp) -> list[list[str]]:
+    """Two prefill and two decode nodes of PP 1 and the router, through `pdserve launch` from the
+    chart's values (as the chart starts them)."""
     p1, p2, d1, d2, r = addrs
-    node = ["--model", model, *node_args()]
-    router = ["router", "--host", r, "--port", "8000", "--health-interval", "1"]
-    for p in (p1, p2):
-        router += ["--prefill", f"http://{p}:30000", "8998"]
-    for d in (d1, d2):
-        router += ["--decode", f"http://{d}:30001"]
-    router += ["--disagg-min-prompt-tokens", "0", "--disagg-decode-prefix-fraction", "2"]
-    router += ["--disagg-local-prefill-cost", "0", "--pair-open-seconds", str(OPEN_S)]
+    node = {"replicas": 2, "pp": 1, "ranksPerPod": 1, "extraArgs": node_args()}
+    router = ["--health-interval", "1", "--disagg-min-prompt-tokens", "0"]
+    router += ["--disagg-decode-prefix-fraction", "2", "--disagg-local-prefill-cost", "0"]
+    router += ["--pair-open-seconds", str(OPEN_S)]
     # one failure unpairs (the default is 2); random choices try every pair, the cut one too
     router += ["--pair-failure-threshold", "1"]
     router += ["--prefill-policy", "random", "--decode-policy", "random"]
-    return [
-        ["prefill", *node, "--host", p1, "--port", "30000", "--bootstrap-port", "8998"],
-        ["prefill", *node, "--host", p2, "--port", "30000", "--bootstrap-port", "8998"],
-        ["decode", *node, "--host", d1, "--port", "30001"],
-        ["decode", *node, "--host", d2, "--port", "30001"],
-        router,
-    ]
+    values = {
+        "model": {"path": model},
+        "leaders": {"prefill": [p1, p2], "decode": [d1, d2]},
+        "prefill": node,
+        "decode": node,
+        "router": {"extraArgs": router},
+    }
+    plan = [("prefill", 0, 0, p1), ("prefill", 1, 0, p2), ("decode", 0, 0, d1)]
+    plan += [("decode", 1, 0, d2), ("router", 0, 0, r)]
+    return launch_commands(values, tmp, plan)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def cluster(tiny6, tmp_path_factory):
     with Hosts(5, net=1) as hosts:
         addrs = [h.addr for h in hosts.hosts]
         logs = [tmp / f"host{i}.log" for i in range(5)]
-        start(hosts, commands(str(tiny6), addrs), logs, env)
+        start(hosts, commands(str(tiny6), addrs, tmp), logs, env)
         url, auth = f"http://{addrs[4]}:8000", ClusterAuth("pairs-secret")
         wait_workers(url, auth, hosts, logs, count=4, timeout=300)
         yield {"url": url, "auth": auth, "hosts": hosts, "addrs": addrs}

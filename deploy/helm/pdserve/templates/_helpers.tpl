@@ -101,42 +101,18 @@ containers:
   - name: {{ $role }}
     image: {{ include "pdserve.image" $root }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    # the command line is made by `pdserve launch` from the launch values (pdserve/launch.py),
+    # as in docker-compose.yml and the multi-host tests; NODE_RANK below is the node-rank
     args:
       - pdserve
+      - launch
       - {{ $role }}
-      {{- if $root.Values.model.path }}
-      - --model
-      - {{ $root.Values.model.path | quote }}
-      {{- end }}
-      - --pp
-      - {{ $g.pp | quote }}
+      - --values
+      - /etc/pdserve/values.json
       - --host
       - 0.0.0.0
-      - --port
-      - {{ $g.port | quote }}
-      {{- if eq $role "prefill" }}
-      - --bootstrap-port
-      - {{ $g.bootstrapPort | quote }}
-      {{- end }}
-      {{- if gt $pods 1 }}
-      - --nnodes
-      - {{ $pods | quote }}
-      - --node-rank
-      - $(NODE_RANK)
-      - --dist-init-addr
-      {{- if $root.Values.lws.enabled }}
-      - {{ printf "$(LWS_LEADER_ADDRESS):%d" (int $g.distPort) | quote }}
-      {{- else }}
-      - {{ printf "%s:%d" (include "pdserve.leaderHost" .) (int $g.distPort) | quote }}
-      {{- end }}
-      {{- end }}
-      - --device
-      - {{ $g.device | quote }}
-      - --drain-grace
-      - {{ $root.Values.drain.graceSeconds | quote }}
-      {{- range $g.extraArgs }}
-      - {{ . | quote }}
-      {{- end }}
+      - --node-index
+      - {{ .index | quote }}
     env:
       - name: NODE_RANK
         valueFrom:
@@ -163,8 +139,6 @@ containers:
       - name: PDSERVE_TRANSFER_DEVICE
         value: {{ $root.Values.transfer.device | quote }}
       {{- end }}
-      - name: PDSERVE_THREADS
-        value: {{ $g.threads | quote }}
       - name: PDSERVE_LOG_LEVEL
         value: {{ $root.Values.logLevel | quote }}
       {{- with $g.extraEnv }}
@@ -271,9 +245,34 @@ affinity:
 {{- end -}}
 {{- end -}}
 
-{{/* Pod annotations: pods restart when the Secrets the chart renders change. */}}
+{{/* Pod annotations: pods restart when the Secrets the chart renders, or the launch values that
+make their command lines, change. */}}
 {{- define "pdserve.podAnnotations" -}}
 checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+checksum/launch: {{ include "pdserve.launchValues" . | sha256sum }}
+{{- end -}}
+
+{{/*
+The values `pdserve launch` makes every command line from (pdserve/launch.py): the keys it reads,
+no secrets, and the host of each node's node-rank 0 as `leaders`. Mounted at /etc/pdserve.
+*/}}
+{{- define "pdserve.launchValues" -}}
+{{- $leaders := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $hosts := list -}}
+{{- range $i := until (int (index $.Values $role).replicas) -}}
+{{- $hosts = append $hosts (include "pdserve.leaderHost" (dict "root" $ "role" $role "index" $i)) -}}
+{{- end -}}
+{{- $_ := set $leaders $role $hosts -}}
+{{- end -}}
+{{- $v := dict "model" (dict "path" .Values.model.path) "lws" .Values.lws "drain" .Values.drain -}}
+{{- $_ := set $v "router" (pick .Values.router "port" "policy" "extraArgs") -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $g := index $.Values $role -}}
+{{- $_ := set $v $role (pick $g "replicas" "pp" "ranksPerPod" "port" "bootstrapPort" "distPort" "device" "threads" "extraArgs") -}}
+{{- end -}}
+{{- $_ := set $v "leaders" $leaders -}}
+{{- $v | toJson -}}
 {{- end -}}
 
 {{/* The pod-level settings every pdserve pod shares. */}}
@@ -284,16 +283,23 @@ securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end -}}
 
-{{/* Writable paths under the read-only root filesystem (volumeMounts / volumes). */}}
+{{/* Writable paths under the read-only root filesystem, and the launch values (volumeMounts /
+volumes). */}}
 {{- define "pdserve.scratchMounts" -}}
 - name: tmp
   mountPath: /tmp
 - name: cache
   mountPath: /home/pdserve/.cache
+- name: launch
+  mountPath: /etc/pdserve
+  readOnly: true
 {{- end -}}
 {{- define "pdserve.scratchVolumes" -}}
 - name: tmp
   emptyDir: {}
 - name: cache
   emptyDir: {}
+- name: launch
+  configMap:
+    name: {{ include "pdserve.fullname" . }}-launch
 {{- end -}}
