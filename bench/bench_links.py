@@ -5,12 +5,20 @@ Three hosts on one bridge: a prefill node, a decode node, the router; the client
 one more host. Every request is disaggregated (the router's conditional rules are turned off), one
 at a time, with a prompt of --prompt-tokens tokens and --max-tokens streamed tokens. Conditions
 alternate round by round so that each sees the same machine: `none` (the veth link as it is),
-then each rate in --rates applied with tbf on both hosts' interfaces. Delay and loss need netem,
-which this machine's kernel lacks (sch_netem: "Specified qdisc kind is unknown"); the bench checks
-for it and adds --rtts rows where it exists.
+then each rate in --rates applied with tbf on both hosts' interfaces, each round-trip time in
+--rtts and each loss in --losses. Delay and loss use netem where the kernel has it; this machine's
+kernel has no sch_netem ("Specified qdisc kind is unknown"), so there each host delays what it
+receives from the other by half the round trip (iptables NFQUEUE and bench/delay_line.py; at the
+receiver, because a sender's packets held in a queue count against TCP small queues and throttle
+the stream, which netem avoids by orphaning them), and drops the given share of it (iptables
+statistic). Each row also reports the round trip measured between the two hosts (TCP ping-pong,
+p50), which includes the delay line's own overhead (about 0.1-0.4 ms here).
 
-    sudo .venv/bin/python bench/bench_links.py [--rates 10gbit,1gbit] [--rounds 2]
-        [--protocols tcp,mooncake-tcp] [--out bench/results/links.md]
+    sudo .venv/bin/python bench/bench_links.py [--rates 10gbit,1gbit] [--rtts 0.2ms,2ms,20ms]
+        [--losses 0.1%,1%] [--rounds 2] [--protocols tcp,mooncake-tcp]
+        [--out bench/results/links.md]
+
+iptables comes from `scripts/setup.sh --test` (`make setup-test`), the Debian package.
 
 With several --protocols, a cluster per KV transfer protocol runs the same conditions in turn; every
 row is a ratio to the first protocol's unshaped link.
@@ -44,21 +52,88 @@ def netem_available(host) -> bool:
     return r.returncode == 0
 
 
-def shape(hosts, condition: str) -> None:
-    """`none`, a tbf rate (`1gbit`), or with netem `rtt=2ms` / `rtt=2ms,1gbit`."""
-    for h in hosts:
-        h.run("tc", "qdisc", "del", "dev", "eth0", "root")
+class Link:
+    """The prefill<->decode link's condition: `none`, a tbf rate (`1gbit`), a round trip
+    (`rtt=2ms`) or a loss (`loss=1%`); netem for the last two where the kernel has it, else
+    iptables on each host's input from the other, through a delay line for the round trip."""
+
+    def __init__(self, hosts, log_dir: Path):
+        self.hosts, self.log_dir = hosts, log_dir
+        self.netem = netem_available(hosts[0])
+        self.delay_lines: list = []
+
+    def set(self, condition: str) -> None:
+        self.clear()
         if condition == "none":
-            continue
-        parts = dict(p.split("=") if "=" in p else ("rate", p) for p in condition.split(","))
-        if "rtt" in parts:  # each direction carries half the round trip
-            half = f"{float(parts['rtt'].rstrip('ms')) / 2}ms"
-            spec = ["netem", "delay", half] + (["rate", parts["rate"]] if "rate" in parts else [])
-        else:
-            spec = ["tbf", "rate", parts["rate"], "burst", "1mb", "latency", "100ms"]
-        r = h.run("tc", "qdisc", "add", "dev", "eth0", "root", *spec)
-        if r.returncode != 0:
-            raise RuntimeError(f"tc {' '.join(spec)}: {r.stderr.strip()}")
+            return
+        kind, _, value = condition.rpartition("=")
+        for h, peer in zip(self.hosts, self.hosts[::-1], strict=True):
+            if not kind:
+                spec = ["tbf", "rate", value, "burst", "1mb", "latency", "100ms"]
+            elif self.netem:  # each direction carries half the round trip
+                half = f"{float(value.rstrip('ms')) / 2}ms"
+                spec = ["netem", "delay", half] if kind == "rtt" else ["netem", "loss", value]
+            else:
+                self._iptables(h, peer, kind, value)
+                continue
+            _ok(h.run("tc", "qdisc", "add", "dev", "eth0", "root", *spec), "tc")
+        time.sleep(0.5)  # the delay lines bind their queues
+
+    def _iptables(self, h, peer, kind: str, value: str) -> None:
+        rule = ["iptables", "-A", "INPUT", "-s", peer.addr]
+        if kind == "loss":
+            p = float(value.rstrip("%")) / 100
+            _ok(h.run(*rule, "-m", "statistic", "--mode", "random", "--probability", str(p),
+                      "-j", "DROP"), "iptables")  # fmt: skip
+            return
+        # --queue-bypass: packets pass undelayed, not dropped, while no delay line listens
+        _ok(h.run(*rule, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass"), "iptables")
+        half_ms = float(value.rstrip("ms")) / 2
+        line = [sys.executable, str(ROOT / "bench/delay_line.py"), "--queue", "0"]
+        log = self.log_dir / f"delay-{h.addr}.log"
+        self.delay_lines.append(h.popen([*line, "--delay-ms", str(half_ms)], log, dict(os.environ)))
+
+    def clear(self) -> None:
+        for p in self.delay_lines:
+            p.terminate()
+            p.wait(10)
+        self.delay_lines = []
+        for h in self.hosts:
+            h.run("tc", "qdisc", "del", "dev", "eth0", "root")
+            if not self.netem:
+                h.run("iptables", "-F", "INPUT")
+
+
+def _ok(r, what: str) -> None:
+    if r.returncode != 0:
+        raise RuntimeError(f"{what}: {' '.join(map(str, r.args))}: {r.stderr.strip()}")
+
+
+ECHO_PORT = 5999
+ECHO_SERVER = (
+    "import socket\n"
+    "s = socket.create_server(('{addr}', {port}))\n"
+    "while True:\n"
+    "    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+    "    while d := c.recv(64): c.sendall(d)\n"
+)
+PING = (
+    "import socket, statistics, time\n"
+    "for _ in range(100):\n"  # until the echo server listens
+    "    try: s = socket.create_connection(('{addr}', {port}), timeout=10); break\n"
+    "    except ConnectionRefusedError: time.sleep(0.1)\n"
+    "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); r = []\n"
+    "for _ in range(50):\n"
+    "    t = time.perf_counter(); s.sendall(b'x'); s.recv(1); r.append(time.perf_counter() - t)\n"
+    "print(statistics.median(r) * 1e3)\n"
+)
+
+
+def measured_rtt_ms(src, dst) -> float:
+    """The round trip src -> dst -> src as the link is now: TCP ping-pong, p50 of 50."""
+    r = src.run(sys.executable, "-c", PING.format(addr=dst.addr, port=ECHO_PORT), timeout=60)
+    _ok(r, "ping-pong")
+    return float(r.stdout)
 
 
 def one_request(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -94,7 +169,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="default: the default model")
     ap.add_argument("--rates", default="10gbit,1gbit")
-    ap.add_argument("--rtts", default="0.2ms,2ms,20ms", help="used only where netem exists")
+    ap.add_argument("--rtts", default="0.2ms,2ms,20ms")
+    ap.add_argument("--losses", default="0.1%,1%")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=6, help="per condition and round")
@@ -103,14 +179,16 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/links.md"))
     args = ap.parse_args()
     res: dict[str, dict[str, list[float]]] = {}
+    mechanism = ""
     for protocol in args.protocols.split(","):
-        for cond, values in run_cluster(args, protocol).items():
+        values_by_cond, mechanism = run_cluster(args, protocol)
+        for cond, values in values_by_cond.items():
             res[f"{protocol}, {cond}"] = values
-    write_table(args, res, f"{args.protocols.split(',')[0]}, none")
+    write_table(args, res, f"{args.protocols.split(',')[0]}, none", mechanism)
     return 0
 
 
-def run_cluster(args, protocol: str) -> dict[str, dict[str, list[float]]]:
+def run_cluster(args, protocol: str) -> tuple[dict[str, dict[str, list[float]]], str]:
     """One cluster on one KV transfer protocol, every condition in alternating rounds."""
     if why := can_make_hosts():
         sys.exit(f"bench_links: {why}")
@@ -147,34 +225,49 @@ def run_cluster(args, protocol: str) -> dict[str, dict[str, list[float]]]:
                 sys.exit("bench_links: the cluster did not start (logs in /tmp/bench_links)")
             time.sleep(2)
         conditions = ["none", *args.rates.split(",")]
-        if netem_available(hosts[0]):
-            conditions += [f"rtt={x}" for x in args.rtts.split(",")]
-        shaped = hosts.hosts[:2]
+        conditions += [f"rtt={x}" for x in args.rtts.split(",") if x]
+        conditions += [f"loss={x}" for x in args.losses.split(",") if x]
+        link = Link(hosts.hosts[:2], log_dir)
+        echo = ECHO_SERVER.format(addr=d, port=ECHO_PORT)
+        hosts.hosts[1].popen([sys.executable, "-c", echo], log_dir / "echo.log", dict(os.environ))
         res: dict[str, dict[str, list[float]]] = {
-            c: {"ttft": [], "itl": [], "kv": []} for c in conditions
+            c: {"ttft": [], "itl": [], "kv": [], "rtt": []} for c in conditions
         }
         serial = 0  # every prompt of the run differs from every other
-        for rnd in range(args.rounds):
-            for cond in conditions:
-                shape(shaped, cond)
-                s0, c0 = kv_seconds(prefill_url)
-                for _ in range(args.requests):
-                    serial += 1
-                    prompt = [
-                        (serial * 7919 + j * 31) % 40000 + 100 for j in range(args.prompt_tokens)
-                    ]
-                    ttft, gaps = one_request(url, prompt, args.max_tokens)
-                    res[cond]["ttft"].append(ttft)
-                    res[cond]["itl"] += gaps
-                s1, c1 = kv_seconds(prefill_url)
-                res[cond]["kv"].append((s1 - s0) / max(1.0, c1 - c0))
-                ttft_ms = statistics.median(res[cond]["ttft"]) * 1e3
-                print(f"round {rnd} {cond}: TTFT p50 {ttft_ms:.0f} ms", flush=True)
-        shape(shaped, "none")
-    return res
+        try:
+            for rnd in range(args.rounds):
+                for cond in conditions:
+                    link.set(cond)
+                    res[cond]["rtt"].append(measured_rtt_ms(hosts.hosts[0], hosts.hosts[1]))
+                    s0, c0 = kv_seconds(prefill_url)
+                    for _ in range(args.requests):
+                        serial += 1
+                        prompt = [
+                            (serial * 7919 + j * 31) % 40000 + 100
+                            for j in range(args.prompt_tokens)
+                        ]
+                        ttft, gaps = one_request(url, prompt, args.max_tokens)
+                        res[cond]["ttft"].append(ttft)
+                        res[cond]["itl"] += gaps
+                    s1, c1 = kv_seconds(prefill_url)
+                    res[cond]["kv"].append((s1 - s0) / max(1.0, c1 - c0))
+                    ttft_ms = statistics.median(res[cond]["ttft"]) * 1e3
+                    rtt = res[cond]["rtt"][-1]
+                    print(f"round {rnd} {cond}: RTT {rtt:.2f} ms, TTFT p50 {ttft_ms:.0f} ms")
+        finally:
+            link.clear()
+    mechanism = (
+        "netem on both hosts' interfaces"
+        if link.netem
+        else "this kernel has no netem: iptables on each host's input from the other, half the "
+        "round trip through bench/delay_line.py (NFQUEUE), the loss by iptables statistic"
+    )
+    return res, mechanism
 
 
-def write_table(args, res: dict[str, dict[str, list[float]]], reference: str) -> None:
+def write_table(
+    args, res: dict[str, dict[str, list[float]]], reference: str, mechanism: str
+) -> None:
     base = res[reference]
 
     def pct(xs, q):
@@ -189,15 +282,18 @@ def write_table(args, res: dict[str, dict[str, list[float]]], reference: str) ->
         f"tokens, one request at a time, every one disaggregated; {args.requests} requests per "
         f"condition in each of {args.rounds} alternating rounds. Ratios to `{reference}` in the "
         "same run (a cluster per KV transfer protocol, in turn). Rates: tbf on both hosts' "
-        "interfaces. This kernel has no netem, so no RTT or loss rows.",
+        f"interfaces. Round trips and losses: {mechanism}. RTT: the round trip measured "
+        "between the prefill and decode hosts under the condition (TCP ping-pong, p50, ms).",
         "",
-        "| link | KV: first chunk sent to all landed | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
-        "|---|---|---|---|---|---|",
+        "| link | RTT | KV: first chunk sent to all landed | TTFT p50 | TTFT p99 | ITL p50 | "
+        "ITL p99 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for cond, c in res.items():
         ratios = [statistics.median(c["kv"]) / statistics.median(base["kv"])]
         ratios += [pct(c[k], q) / pct(base[k], q) for k in ("ttft", "itl") for q in (0.5, 0.99)]
-        lines.append(f"| {cond} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+        rtt = f"{statistics.median(c['rtt']):.2f}"
+        lines.append(f"| {cond} | {rtt} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     kv_ms = statistics.median(base["kv"]) * 1e3
     ttft_ms, itl_ms = pct(base["ttft"], 0.5) * 1e3, pct(base["itl"], 0.5) * 1e3
     lines += [

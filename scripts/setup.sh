@@ -43,10 +43,12 @@ if [ "${1:-}" = "--test" ] && ! { command -v spin >/dev/null && command -v cc >/
     apt_install spin gcc
 fi
 # Tests only: ip and tc (iproute2), which make the multi-host tests' hosts out of network
-# namespaces (tests/netns_hosts.py; they skip where namespaces cannot be made, e.g. without root).
-if [ "${1:-}" = "--test" ] && ! { command -v ip >/dev/null && command -v tc >/dev/null; }; then
-    say "installing iproute2 (network namespaces for the multi-host tests; tests only)"
-    apt_install iproute2
+# namespaces (tests/netns_hosts.py; they skip where namespaces cannot be made, e.g. without root),
+# and iptables, which delays and drops packets between hosts where the kernel has no netem
+# (bench/bench_links.py, bench/delay_line.py, tests/test_delay_line.py).
+if [ "${1:-}" = "--test" ] && ! { command -v ip >/dev/null && command -v tc >/dev/null && command -v iptables >/dev/null; }; then
+    say "installing iproute2 iptables (hosts of network namespaces and their links; tests only)"
+    apt_install iproute2 iptables
 fi
 # Tests only: a headless browser for the status page test (tests/test_up.py, selenium).
 if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
