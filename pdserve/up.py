@@ -72,8 +72,8 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
         help="router bind address",
     )
     ap.add_argument("--port", type=int, default=8000, help="router port")
-    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (docs/PERFORMANCE.md
-    # measures it against PP 2 + PP 2, which puts four ranks on two cores)
+    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (measured against
+    # PP 2 + PP 2, which puts four ranks on two cores: bench/results/HISTORY.md)
     ap.add_argument("--prefill-pp", type=int, default=1)
     ap.add_argument("--decode-pp", type=int, default=1)
     ap.add_argument("--prefill-nodes", type=int, default=1)
@@ -125,7 +125,7 @@ class Cluster:
         self.retired_zygotes: list[Zygote] = []  # a stopped rolling restart's: closed at the end
         self.secret = cluster_secret() or secrets.token_urlsafe(32)
         # one client for every start-up poll: httpx.get builds a client and a TLS context (the CA
-        # bundle, ~75 ms of CPU) per call, taken from the ranks that are starting
+        # bundle, tens of ms of CPU) per call, taken from the ranks that are starting
         self.http = httpx.Client(timeout=2)
         self._secret_dir = tempfile.mkdtemp(prefix="pdserve-")  # 0700
         self.secret_file = os.path.join(self._secret_dir, "internal_token")

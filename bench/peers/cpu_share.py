@@ -1,7 +1,7 @@
 """Who used the host's cores while aiperf measured: the client, the server, anything else.
 
 The side-by-side runs pin the client to core 1 and both servers compute on core 0, so how much of
-core 1 the client leaves is the most a server can gain from it (docs/PERFORMANCE.md, #16's goals).
+core 1 the client leaves is the most a server can gain from it (docs/PERFORMANCE.md section 1).
 
   cpu_share.py record OUT.jsonl [SECONDS]   samples /proc every 0.5 s until SIGTERM or SECONDS
                                             (default 3600)

@@ -147,8 +147,8 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 on its own bf16 instructions (AVX-512 BF16 or AMX on x86).
 
     oneDNN's own check (`torch.ops.mkldnn._is_mkldnn_bf16_supported`) is not that question: on x86
-    it is true on any AVX-512 CPU, where oneDNN emulates bf16 (measured on an Ice Lake core without
-    AVX-512 BF16: 23 GFLOP/s bf16 against 157 fp32 for 2048^3). On other architectures (aarch64) it
+    it is true on any AVX-512 CPU, where oneDNN emulates bf16 at a fraction of the fp32 rate
+    (measured on an Ice Lake core: bench/results/HISTORY.md). On other architectures (aarch64) it
     does check the CPU's bf16 extension, so it is kept there."""
     import platform
 

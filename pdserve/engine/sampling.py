@@ -11,9 +11,9 @@ A sampled row draws its token by the inverse of its distribution's CDF: one unif
 row's cumulative sums, and a binary search for the first token whose cumulative sum passes u times
 the total. That is exact categorical sampling for one uniform draw per row, and the rows without a
 top-k, top-p or min-p filter (an OpenAI client's defaults) are computed together. torch.multinomial
-draws one exponential number per vocabulary entry instead (the exponential race): 0.95 to 2.8 ms
-per row for SmolLM2's 49,152 tokens on one core (an EPYC's, an AMX Xeon's), so at 32 requests a
-decode step spent 31 to 88 ms sampling (bench/bench_sampling.py measures both).
+draws one exponential number per vocabulary entry instead (the exponential race), which cost a
+decode step of 32 requests a large share of its time (bench/bench_sampling.py measures both;
+bench/results/sampling.md).
 
 On the CPU, the greedy and unfiltered rows are chosen by one C++ op
 (engine/kernels/csrc/sampling.cpp): each row read once, straight from the forward's bf16 or fp32

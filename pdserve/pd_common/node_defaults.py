@@ -1,5 +1,5 @@
 """Engine defaults that PD nodes set apart from the colocated node's, with the measurement behind
-each (docs/PERFORMANCE.md, bench/results/side_by_side_icelake.md runs 6 and 7)."""
+each (bench/results/HISTORY.md, bench/results/side_by_side_icelake.md runs 6 and 7)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import argparse
 
 # New tokens per forward. 512, against the engine's 2048: a prefill iteration then holds one
 # 512-token chunk, so a prompt's release vote (and its answer to the router) waits for at most
-# that, and a decode step that also prefills a decode-only request carries at most 512 tokens. On
-# the 2-core machine, aiperf at c=1 / 8 / 32 in two same-run pairs (both orders) gave 1.20x, 1.20x /
-# 1.45x, 1.23x / 1.32x, 1.00x the output tok/s of 2048; matmuls of 512 rows run about as fast per
-# row as 2048 (bench/results/linear.md).
+# that, and a decode step that also prefills a decode-only request carries at most 512 tokens. It
+# served more tok/s than 2048 side by side, and matmuls of 512 rows run about as fast per row as
+# 2048 (bench/results/side_by_side_icelake.md, bench/results/linear.md).
 PD_MAX_BATCH_TOKENS = 512
 
 

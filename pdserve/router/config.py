@@ -88,12 +88,12 @@ class DisaggConfig:
 
     min_prompt_tokens: int = 64  # shorter prompts: decode-only (0: never for this reason)
     decode_prefix_fraction: float = 0.8  # held share of the prompt: decode-only (> 1: never)
-    # a decode-side prefill token vs a prefill-side one (0: no queue rule); 1.5 measured against 4
-    # on the side-by-side workload: TTFT p99 0.64-0.67x, ITL p99 0.98-1.07x (docs/ROUTER.md)
+    # a decode-side prefill token vs a prefill-side one (0: no queue rule); 1.5 measured against
+    # other values on the side-by-side workload (docs/ROUTER.md)
     local_prefill_cost: float = 1.5
     # the same while the decode node has no request open (no stream to delay; capped by the local
-    # cost): c=1 1.37-1.49x the tok/s with 0.40-0.45x the TTFT p99 (bench/results/
-    # pd_router_caches.md); set it to the local cost for the rule as it was
+    # cost; measured: bench/results/pd_router_caches.md); set it to the local cost for the rule
+    # as it was
     idle_local_prefill_cost: float = 1.0
     transfer_overhead_tokens: int = 16  # bootstrap + KV transfer, in prefill-token equivalents
     max_tree_chars: int = 4_000_000  # the estimate of what decode nodes hold, bounded

@@ -48,7 +48,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         default=d.mixed_prefill_tokens,
         help="prompt tokens in one forward while requests are decoding, so a stream's next "
         "token waits for at most this much prefill (default 0: no cap beyond "
-        "--max-batch-tokens; measured in docs/PERFORMANCE.md)",
+        "--max-batch-tokens; measured in bench/results/HISTORY.md)",
     )
     ap.add_argument("--max-running", type=int, default=d.max_running)
     ap.add_argument("--max-context", type=int, default=d.max_context)

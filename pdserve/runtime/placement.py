@@ -1,8 +1,8 @@
 """Which cores each rank's compute threads own, and which core the I/O processes use.
 
 Unbound OpenMP threads fall off a cliff under load: a rank with two threads on a 2-core host, next
-to one busy process, took a 64-token request from 2.4 s to 14.5 s, because every parallel region
-waits at a barrier for a thread that is descheduled (measured, docs/PERFORMANCE.md). So every rank
+to one busy process, took several times as long per request, because every parallel region waits
+at a barrier for a thread that is descheduled (measured: bench/results/HISTORY.md). So every rank
 binds its threads to cores no other rank's compute thread uses, and when cores are left over one
 of them is kept for the I/O processes (fronts, router, transfer threads float there), as vLLM keeps
 one for its API server. Only when there are more ranks than cores do ranks share a core, one

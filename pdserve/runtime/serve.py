@@ -174,8 +174,8 @@ def stats_port(args) -> int:
 def spare_cores(io_cores, threads: int) -> list[int]:
     """Where a rank's prefill helper may run (engine/kernels/spare_core.py): the plan's I/O cores,
     for a rank with one compute thread. Never another rank's core: on a 2-core `pdserve up` host
-    (no I/O core) a helper on the other node's core cost the decode rank's ITL p99 1.26x at
-    concurrency 32 (docs/PERFORMANCE.md)."""
+    (no I/O core) a helper on the other node's core raised the decode rank's ITL tail
+    (measured: bench/results/HISTORY.md)."""
     return sorted(io_cores) if threads == 1 else []
 
 

@@ -3,10 +3,10 @@ weight prefetched while the current one is multiplied (`engine/kernels/csrc/bf16
 
 A decode step streams every weight from memory; oneDNN's bf16 matmul on its reordered copy waits
 for each as it arrives. This copy serves every row count of a bf16 slice on a CPU with AVX-512
-BF16 and no AMX: all of SmolLM2's matmuls took 0.63-0.89x oneDNN's time at 1-64 rows, 0.87-0.95x
-at 128 and 0.98-1.00x at 512-2048 (`bench/bench_bf16_linear.py`), and one copy costs what the
-reordered one did, which it replaces. Outputs differ from oneDNN's in the last bit of about 3 in
-100,000 values (the order of fp32 sums). Off with `PDSERVE_BF16_LINEAR=0`; other CPUs, dtypes and
+BF16 and no AMX: faster than oneDNN at decode sizes and as fast at prefill sizes
+(`bench/bench_bf16_linear.py`, bench/results/bf16_linear_epyc.md), and one copy costs what the
+reordered one did, which it replaces. Outputs differ from oneDNN's in the last bit of a few values
+(the order of fp32 sums). Off with `PDSERVE_BF16_LINEAR=0`; other CPUs, dtypes and
 devices keep oneDNN's copy or the plain weight.
 """
 

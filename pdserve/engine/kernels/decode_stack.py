@@ -1,9 +1,9 @@
 """A bf16 layer slice's decode forward in one C++ call (`engine/kernels/csrc/decode_stack.cpp`).
 
 In a decode step of a few rows, the Python layer loop (engine/model/llama.py) costs: ten dispatched
-calls per layer through their Python wrappers, and the weight stream stalls between them. SmolLM2's
-decode step on one core took 0.76x / 0.91x / 0.94x the loop's time in one call at 1 / 8 / 32
-requests (bench/bench_decode_stack.py). The call runs the same kernels in the same order from C++,
+calls per layer through their Python wrappers, and the weight stream stalls between them; one call
+saves most at the fewest requests (bench/bench_decode_stack.py, bench/results/decode_stack_epyc.md).
+The call runs the same kernels in the same order from C++,
 so its results are bit for bit the loop's.
 
 It serves all-decode batches (one query row per request, the in-place decode kernel) of a bf16

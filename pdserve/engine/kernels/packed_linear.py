@@ -21,9 +21,9 @@ Two grids, those of GGML's Q4_1 and Q8_0:
 fp32 weights on the CPU, where the kernels load (engine/kernels/cpu_kernels.py); and, opted into
 with `PDSERVE_PACKED_BF16=1`, bf16 weights, packed from the fp32 values they were rounded from
 (`pack_bf16`): the kernel rounds each decoded weight to bf16, the very value of the bf16 weight,
-before its fp32 FMAs. Off by default: a decode step of 1 request took 0.65x the time, but the
-colocated node served 0.85x the tok/s at concurrency 32 with it (two alternating pairs,
-docs/PERFORMANCE.md), for reasons not found yet. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
+before its fp32 FMAs. Off by default: a one-request decode step was faster with it, but the
+colocated node served fewer tok/s at concurrency 32 (bench/results/HISTORY.md, "Logits stay in
+bf16"), for reasons not found yet. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ CPU kernels, engine/kernels/cpu_kernels.py):
 * decode: `engine/kernels/csrc/paged_attention.cpp`, fp32 or bf16, any CPU;
 * extend (prefill chunks, over a cached prefix or not):
   `engine/kernels/csrc/extend_attention.cpp`, bf16 on a CPU with AVX-512 BF16. SDPA's CPU flash
-  kernel, which the gather path calls, reached a fifth of the core's bf16 matmul rate here; the
-  kernel takes 0.14-0.24x its time (docs/PERFORMANCE.md).
+  kernel, which the gather path calls, reached a fraction of the core's bf16 matmul rate; the
+  kernel is several times faster (bench/results/extend_attention_epyc.md).
 
 The gather-then-SDPA path (engine/model/llama.py) copies every decode request's KV pages out of the
 pool for every layer; at 32 requests of ~350 tokens that copy moves about as many bytes per step as

@@ -31,10 +31,10 @@ import torch
 from pdserve.engine.kernels import bf16_linear, cpu_kernels
 
 ENV_SWITCH = "PDSERVE_SPARE_CORE"
-MIN_ROWS = 512  # smaller products: one MKL call (a split below 2 x 256 rows costs up to 10 %)
+MIN_ROWS = 512  # smaller products: one MKL call (a split below 2 x 256 rows costs; spare_core.md)
 BLOCK_ROWS = 256  # MKL loses next to nothing to a split into blocks of this many rows
 MAX_BLOCKS = 16
-BF16_BLOCK_ROWS = 64  # the blocked kernel at 64 rows: 0.96x its rate at 2048 (bf16_linear_epyc.md)
+BF16_BLOCK_ROWS = 64  # the blocked kernel at 64 rows: near its rate at 2048 (bench/results/)
 BF16_MAX_BLOCKS = 256
 NICE = 19
 

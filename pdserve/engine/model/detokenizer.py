@@ -96,7 +96,8 @@ class IncrementalDetokenizer:
 class StopDetokenizer:
     """`ids -> text` for stop-string checks on a rank, loaded on first use (most requests have no
     stop strings; a prefill rank never checks one). With a tokenizer.json (a HF folder, or a cached
-    GGUF tokenizer) it is the `tokenizers` library alone, ~50 ms and no transformers import, which
+    GGUF tokenizer) it is the `tokenizers` library alone, quick to load and no transformers import,
+    which
     decodes exactly like transformers' fast tokenizer unless the tokenizer asks for the clean-up
     of tokenization spaces; otherwise the transformers tokenizer."""
 

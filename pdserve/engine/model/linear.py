@@ -7,23 +7,20 @@ every batch in bf16):
   decode step reads about a fifth of the fp32 weight bytes.
 - **a copy that oneDNN reordered into its blocked layout**, for the rows the packed codes do not
   take (`reordered_rows`). In fp32, MKL's sgemm on a plain [out, in] weight is slow at a few rows:
-  on one Ice Lake core, SmolLM2's four layer matmuls through the reordered copy took 0.45–0.96x the
-  time of the plain ones at 4 to 128 rows, over two runs (`bench/bench_linear.py`,
-  bench/results/linear.md). At 1 to 3 rows the copy is slower there (1.09–1.22x), and from 256
-  rows on (prefill chunks) it gains nothing (0.97–1.18x), so those keep the plain weight. In bf16
-  on a core with AMX (torch's plain bf16 matmul reorders the weight on every call), the copy took
-  0.55–0.94x the plain time at every row count from 1 to 2048 (bench/results/linear_bf16.md), so
+  the reordered copy is faster from 4 to 128 rows, slower below and no faster from 256 rows on
+  (prefill chunks), which keep the plain weight (`bench/bench_linear.py`,
+  bench/results/linear.md). In bf16 on a core with AMX (torch's plain bf16 matmul reorders the
+  weight on every call) the copy is faster at every row count (bench/results/linear_bf16.md), so
   bf16 batches of any size take it. It costs the memory of the weights once more.
 - **a bf16 copy blocked for VDPBF16PS** (engine/kernels/bf16_linear.py), on a CPU with AVX-512
   BF16 and no AMX, in place of the reordered copy: its kernel prefetches the next block of the
-  weight while it multiplies the current one, 0.63–0.89x oneDNN's time at 1–64 rows with the weights
-  streamed from memory, as in a decode step, and 0.98–1.00x at 512–2048
-  (bench/results/bf16_linear_epyc.md).
+  weight while it multiplies the current one: faster than oneDNN at decode sizes with the weights
+  streamed from memory, and as fast at prefill sizes (bench/results/bf16_linear_epyc.md).
 
 fp32 prefill chunks take the plain weight (MKL), bf16 ones the blocked copy; both split with a
-helper thread on a spare core where the rank has one (engine/kernels/spare_core.py: in bf16 on the
-blocked kernel, the colocated node 1.10x / 1.06x its tok/s at concurrency 32 / 8 with it,
-alternating; on oneDNN's reordered copy it had cost 0.83x, docs/PERFORMANCE.md).
+helper thread on a spare core where the rank has one (engine/kernels/spare_core.py; in bf16 only
+on the blocked kernel: on oneDNN's reordered copy it cost throughput; bench/results/
+spare_core_bf16.md).
 `EngineConfig.small_batch_weights` (`--no-small-batch-weights`) turns the copies off. Only on the
 CPU: elsewhere there are no copies and every matmul takes the plain path.
 """
@@ -47,15 +44,12 @@ def reordered_rows(dtype: torch.dtype) -> tuple[int, float]:
     return (1, float("inf")) if dtype == torch.bfloat16 else (SMALL_MIN, SMALL_MAX)
 
 
-# All 30 layer matmuls of SmolLM2 on one Ice Lake core, packed / reordered weights: 0.24x / 0.33x /
-# 0.53x / 0.77x the time at 1 / 8 / 16 / 32 rows, 0.91x / 1.11x at 48 / 64 (past 32 rows the
-# kernel's arithmetic, not the bytes it reads, sets its pace, and the margin is small;
-# bench/results/packed_matmuls.md)
+# fp32: packed codes up to this many rows; past it the kernel's arithmetic, not the bytes it
+# reads, sets its pace, and it loses to the reordered copy (bench/results/packed_matmuls.md)
 PACKED_MAX = 32
 # bf16 (opted into, engine/kernels/packed_linear.py): packed codes up to this many rows, oneDNN
-# above. On an AMX core all 121 matmuls of the default model took 0.69x oneDNN's time at 1 row,
-# 0.94x at 4, 1.26x at 8: past a few rows the kernel's fp32 FMAs, not the bytes it reads, set its
-# pace, and oneDNN's bf16 units are faster
+# above: past a few rows the kernel's fp32 FMAs, not the bytes it reads, set its pace, and oneDNN's
+# bf16 units are faster (bench/results/packed_bf16_epyc.md)
 PACKED_MAX_BF16 = 3
 
 

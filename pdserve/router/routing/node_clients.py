@@ -1,8 +1,8 @@
 """HTTP connection pools to the nodes, sharded per node.
 
 httpcore's pool scans every connection it holds for each request it assigns, so one pool holding
-hundreds of connections spends most of the router's CPU there at high concurrency (measured: about
-60 % of router CPU at 256 concurrent requests). Each node therefore gets `shards` small pools, used
+hundreds of connections spends most of the router's CPU there at high concurrency (measured with
+`bench/bench_router.py`). Each node therefore gets `shards` small pools, used
 in turn; every pool keeps its connections alive across requests.
 """
 
@@ -38,7 +38,7 @@ class NodeClients:
         )
         self._shards = max(1, -(-max_concurrent // CONNECTIONS_PER_SHARD))
         # One TLS context for every pool: a client built without one loads the CA bundle itself
-        # (about 75 ms of CPU here), and a node's first request built 8 of them in the event loop.
+        # (tens of ms of CPU), and a node's first request built 8 of them in the event loop.
         self._ssl = httpx.create_ssl_context()
         self._pools: dict[str, tuple[list[httpx.AsyncClient], itertools.cycle]] = {}
 

@@ -1,11 +1,12 @@
 """How long PP0 waits for the front's next message when it has nothing to schedule.
 
 Each iteration wakes every rank of the node (the meta goes round the ring), so a node that polls
-fast for nothing pays for it on every rank. Measured on a 2-core host, a PP 2 node with one PD room
-waiting for its partner, polled every 5 ms, took half a core (docs/PERFORMANCE.md), a share that
-the other node's ranks on the same host lose. So the wait backs off:
+fast for nothing pays for it on every rank: a node with one PD room waiting for its partner,
+polling every 5 ms, took a large share of a core on a 2-core host (measured: bench/results/
+HISTORY.md, "What limits a 2-core machine"), which the other node's ranks there lose. So the wait
+backs off:
 - idle (no request at all): 5, 10, 20 ... up to 250 ms; a request still wakes PP0 at once, so
-  this costs no latency (an idle PP 2 node took 3.5 % of a core per rank at 100 ms);
+  this costs no latency;
 - only outstanding work (PD rooms in bootstrap, transfer, release or quarantine, which move by
   messages from outside the ring): 5, 10, then 20 ms while nothing changes, back to 5 ms when
   something does (`SlotLoop.outstanding`: a queue's size, or a room's transfer status, such as KV
