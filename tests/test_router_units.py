@@ -19,11 +19,11 @@ from pdserve.router.routing.policies import (
     CacheAware,
     LeastLoad,
     PowerOfTwo,
-    PrefixTree,
     Random,
     RoundRobin,
     make_policy,
 )
+from pdserve.router.routing.prefix_tree import PrefixTree
 
 
 @dataclass(eq=False)
@@ -99,13 +99,16 @@ def test_make_policy_lists_supported_names():
         make_policy("fastest")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.text("abc", max_size=12), st.sampled_from("xyz")), max_size=30),
-    st.text("abc", max_size=12),
+    st.lists(st.tuples(st.text("ab", max_size=14), st.sampled_from("xyz")), max_size=30),
+    st.text("ab", max_size=14),
 )
 def test_prefix_tree_match_is_longest_inserted_prefix(entries, query):
-    tree = PrefixTree(max_chars=10**9)
+    """Blocks of 4 characters here, so prefixes end inside blocks, on their edges and past
+    them: the match is still exact to the character, and its holders are every worker whose
+    prompt shares it."""
+    tree = PrefixTree(max_chars=10**9, block_chars=4)
     for text, url in entries:
         tree.insert(text, url)
     matched, holders = tree.match(query)
@@ -120,6 +123,18 @@ def _common(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+def test_prefix_tree_walks_a_prompt_once_per_block():
+    """A 4 MiB prompt is 65,536 blocks of 64 characters: one node each, hashed once for the
+    several walks a request makes (issue #45: it was one Python step per character)."""
+    tree = PrefixTree(max_chars=10**9)
+    text = "".join(chr(97 + (i * 7919) % 26) for i in range(1 << 22))
+    tree.insert(text, "w")
+    blocks = tree.blocks(text)
+    assert len(blocks) == len(tree.nodes) == (1 << 22) // 64
+    assert tree.match(text) == (len(text), {"w"}) and tree.blocks(text) is blocks
+    assert tree.match(text[: 64 * 10 + 5]) == (645, {"w"})
 
 
 def test_prefix_tree_evicts_to_its_budget():
@@ -215,6 +230,50 @@ def test_admission_queue_timeout_and_cancel_keep_counts():
         assert adm.waiting == 0
         adm.release()
         assert adm.running == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_admission_counts_a_request_with_n_choices_as_n():
+    """n choices are n node requests: with 4 units, an n=3 request and a plain one fill them, the
+    next plain one waits, and an n=16 request (capped at 4 so it can run alone) waits its turn in
+    arrival order without being passed by the small ones behind it."""
+
+    async def scenario():
+        adm = Admission(max_concurrent=4, max_queue=8, queue_timeout_s=5)
+        await adm.acquire(3)
+        await adm.acquire()
+        assert adm.running == 4
+        big = asyncio.create_task(adm.acquire(16))
+        small = asyncio.create_task(adm.acquire())
+        await asyncio.sleep(0)
+        assert adm.waiting == 2
+        adm.release()  # one unit free: the big one (4) does not fit, and the small one waits behind
+        await asyncio.sleep(0)
+        assert adm.running == 3 and adm.waiting == 2 and not small.done()
+        adm.release(3)  # all free: the big one takes all 4
+        await asyncio.wait_for(big, 1)
+        assert adm.running == 4 and not small.done()
+        adm.release(16)
+        await asyncio.wait_for(small, 1)
+        assert adm.running == 1 and adm.waiting == 0
+        adm.release()
+        assert adm.running == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_admission_a_large_waiter_that_gives_up_lets_the_rest_in():
+    async def scenario():
+        adm = Admission(max_concurrent=2, max_queue=8, queue_timeout_s=5)
+        await adm.acquire()
+        big = asyncio.create_task(adm.acquire(2))
+        small = asyncio.create_task(adm.acquire())
+        await asyncio.sleep(0)
+        big.cancel()
+        await asyncio.gather(big, return_exceptions=True)
+        await asyncio.wait_for(small, 1)  # it fits beside the one running, once nothing is ahead
+        assert adm.running == 2 and adm.waiting == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
 

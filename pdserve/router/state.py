@@ -106,10 +106,12 @@ class Router:
                 code="context_length_exceeded",
             )
 
-    async def admit(self) -> None:
+    async def admit(self, units: int = 1) -> None:
+        """Holds `units` of admission (a request's node requests: its `n`) or raises a typed 429;
+        the caller releases them (`admission.release(units)`) exactly once."""
         trace, t0 = CURRENT.get(), now_ns()
         try:
-            await self.admission.acquire()
+            await self.admission.acquire(units)
             if trace is not None:
                 trace.add("router.admission_queue", t0, now_ns())
         except Rejected as exc:

@@ -154,13 +154,19 @@ class Timeline:
             self.exporter.export(spans)
         if self.keep <= 0:
             return
+        # A client may send one traceparent with many requests: the newest keeps the trace id,
+        # and the one it replaces takes its attempts' rids along, or they would pile up forever
+        self._forget(self.traces.pop(trace.trace_id, None))
         self.traces[trace.trace_id] = trace
         for _, _, rid in trace.nodes:
             self.by_rid[rid] = trace.trace_id
         while len(self.traces) > self.keep:
-            _, old = self.traces.popitem(last=False)
-            for _, _, rid in old.nodes:
-                self.by_rid.pop(rid, None)
+            self._forget(self.traces.popitem(last=False)[1])
+
+    def _forget(self, old: RequestTrace | None) -> None:
+        for _, _, rid in old.nodes if old is not None else ():
+            if self.by_rid.get(rid) == old.trace_id:
+                del self.by_rid[rid]
 
     def find(self, ident: str) -> RequestTrace | None:
         """By trace id, attempt rid, or the response id a client saw (chatcmpl-RID, cmpl-RID)."""

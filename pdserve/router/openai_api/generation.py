@@ -177,6 +177,11 @@ async def tokenize(router: Router, request: Request, t0: float, path: str) -> Re
         if path == "/tokenize"
         else parse_request(tokenize_api.Detokenize, body)
     )
-    return await tokenize_api.forward(
-        router, path, router.default_model(req.model), tokenize_api.native(req)
-    )
+    # admitted like a generation: it takes a node's tokenizer pool, which /generate shares
+    await router.admit()
+    try:
+        return await tokenize_api.forward(
+            router, path, router.default_model(req.model), tokenize_api.native(req)
+        )
+    finally:
+        router.admission.release()

@@ -63,7 +63,7 @@ async def serve(
     shape: Callable[[str], Shape],
     route: str,
 ) -> Response:
-    await router.admit()
+    await router.admit(n)  # n node requests: n units of admission
     handed_over = False
     try:
         attempts = await open_choices(router, request, native, key, model, n)
@@ -78,7 +78,7 @@ async def serve(
         return JSONResponse(await whole_answer(router, request, attempts, s))
     finally:
         if not handed_over:
-            router.admission.release()
+            router.admission.release(n)
 
 
 async def open_choices(
@@ -183,7 +183,8 @@ async def stream_choices(
     router: Router, attempts: list[Attempt], shape: Shape, route: str, t0: float
 ) -> AsyncIterator[bytes]:
     """The choices' SSE chunks as they come, each with its `index`; then usage and [DONE]. Owns
-    the attempts and the admission slot (as router/openai_api/streams.py's generators do)."""
+    the attempts and their n units of admission (as router/openai_api/streams.py's generators
+    own their one)."""
     shapers = [StreamShaper(shape, i) for i in range(len(attempts))]
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, a, shapers[i], queue)) for i, a in enumerate(attempts)]
@@ -224,7 +225,7 @@ async def stream_choices(
             if not a.closed:
                 status = CLIENT_CLOSED
                 a.close(None, abort=True)
-        router.admission.release()
+        router.admission.release(len(attempts))  # the request's n units
         router.metrics.observe_request(route, status, time.perf_counter() - t0)
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.config import DisaggConfig
-from pdserve.router.routing.policies import PrefixTree
+from pdserve.router.routing.prefix_tree import PrefixTree
 
 DECODE_ONLY_REASONS = (
     "no_prefill",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import abc
 import random
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.router.config import CacheAwareConfig
+from pdserve.router.routing.prefix_tree import PrefixTree
 
 
 class Loaded(Protocol):
@@ -60,98 +60,6 @@ class PowerOfTwo(Policy):
             return workers[0]
         a, b = self._rng.sample(list(workers), 2)
         return a if a.in_flight <= b.in_flight else b
-
-
-class _Node:
-    __slots__ = ("edge", "children", "seen")
-
-    def __init__(self, edge: str):
-        self.edge = edge
-        self.children: dict[str, _Node] = {}
-        self.seen: dict[str, float] = {}  # worker url -> last time a prompt through here went there
-
-
-class PrefixTree:
-    """A character radix tree remembering which workers saw which prompt prefixes.
-
-    `insert(text, url)` marks every node on text's path with url; `match(text)` returns the length
-    of the longest stored prefix of text and the workers recorded at its end. When the tree holds
-    more than `max_chars` characters, the least recently used leaves are dropped.
-    """
-
-    def __init__(self, max_chars: int):
-        self.root = _Node("")
-        self.max_chars = max_chars
-        self.chars = 0
-        self.chars_by_worker: dict[str, int] = {}
-
-    def insert(self, text: str, url: str) -> None:
-        now = time.monotonic()
-        node, i = self.root, 0
-        node.seen[url] = now
-        while i < len(text):
-            child = node.children.get(text[i])
-            if child is None:
-                child = _Node(text[i:])
-                node.children[text[i]] = child
-                self.chars += len(child.edge)
-                self._credit(child, url, len(child.edge))
-                child.seen[url] = now
-                break
-            common = _common_len(child.edge, text, i)
-            if common < len(child.edge):  # split the edge at `common`
-                tail = _Node(child.edge[common:])
-                tail.children, tail.seen = child.children, dict(child.seen)
-                child.edge, child.children = child.edge[:common], {tail.edge[0]: tail}
-            if url not in child.seen:
-                self._credit(child, url, len(child.edge))
-            child.seen[url] = now
-            node, i = child, i + common
-        if self.chars > self.max_chars:
-            self._evict()
-
-    def match(self, text: str) -> tuple[int, set[str]]:
-        node, i = self.root, 0
-        while i < len(text):
-            child = node.children.get(text[i])
-            if child is None:
-                break
-            common = _common_len(child.edge, text, i)
-            i += common
-            node = child
-            if common < len(child.edge):
-                break
-        return i, set(node.seen)
-
-    def _credit(self, node: _Node, url: str, n: int) -> None:
-        self.chars_by_worker[url] = self.chars_by_worker.get(url, 0) + n
-
-    def _evict(self) -> None:
-        leaves: list[tuple[float, _Node, _Node]] = []
-        stack = [self.root]
-        while stack:
-            parent = stack.pop()
-            for child in parent.children.values():
-                if child.children:
-                    stack.append(child)
-                else:
-                    leaves.append((max(child.seen.values(), default=0.0), parent, child))
-        leaves.sort(key=lambda t: t[0])
-        for _, parent, leaf in leaves:
-            if self.chars <= self.max_chars * 0.9:
-                break
-            del parent.children[leaf.edge[0]]
-            self.chars -= len(leaf.edge)
-            for url in leaf.seen:
-                self.chars_by_worker[url] = self.chars_by_worker.get(url, 0) - len(leaf.edge)
-
-
-def _common_len(edge: str, text: str, start: int) -> int:
-    n = min(len(edge), len(text) - start)
-    k = 0
-    while k < n and edge[k] == text[start + k]:
-        k += 1
-    return k
 
 
 class CacheAware(Policy):
