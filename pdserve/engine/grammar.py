@@ -12,6 +12,14 @@ bitmask removes every token the grammar forbids. So nothing new travels between 
 retracted request resumes with the same state, and on a PD pair the decode side's matcher starts
 by feeding the first token the prefill side sampled under the same grammar.
 
+Compiling a grammar against the vocabulary takes from milliseconds to seconds (a JSON Schema of
+200 objects: about 1.7 s on one core). It never runs in a step: the sampling rank starts it on a
+thread of its own as soon as a guided request arrives (`GrammarSampler.prepare`, called by the
+loops as they apply the request), while the request waits, prefills or takes its KV, and the step
+that first samples it waits only for what is left. The front bounds it before that: a guide must
+compile within `--grammar-compile-timeout` on the front's own compiler, else a 400
+(runtime/front/guide_gate.py). Compiled guides are cached by their (kind, spec) on both.
+
 xgrammar (MLC) was chosen over llguidance and outlines-core: it is the engine vLLM and SGLang use by
 default, it ships CPU wheels with a torch bitmask kernel, and it compiles JSON Schema, EBNF, regex
 and structural tags (tool calls) in one API. Its per-token cost on this CPU is in bench/.
@@ -19,15 +27,19 @@ and structural tags (tool calls) in one API. Its per-token cost on this CPU is i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
+MAX_COMPILED = 256  # compiled guides a sampling rank keeps (the oldest goes first)
 
 
 class GrammarError(ValueError):
@@ -75,11 +87,20 @@ def check_guide(guide: Any) -> tuple[str, str]:
             and all(isinstance(c, str) and c for c in choices)
         ):
             raise GrammarError("choice: a JSON list of 1 to 256 non-empty strings")
+    if why := _parse_error(kind, spec):
+        raise GrammarError(why)
+    return kind, spec
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_error(kind: str, spec: str) -> str:
+    """Why the guide does not parse ("" if it does). Cached: every rank checks every request's
+    params as it applies it, and a large schema takes milliseconds to parse."""
     try:
         _grammar(kind, spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its reason
-        raise GrammarError(f"{kind} does not compile: {str(e).splitlines()[0][:200]}") from None
-    return kind, spec
+        return f"{kind} does not compile: {str(e).splitlines()[0][:200]}"
+    return ""
 
 
 @dataclass
@@ -99,8 +120,12 @@ class GrammarSampler:
     vocab_size: int
     stop_token_ids: tuple[int, ...]
     _compiler: Any = None
-    _compiled: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # guide -> its compile, done or under way on `_pool`; touched only by the rank's own thread
+    _compiled: OrderedDict[tuple[str, str], Future] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+    )
 
     def warm_up_in_background(self) -> None:
         """Builds the tokenizer info (seconds on a small CPU) off the rank's loop, so the first
@@ -120,13 +145,28 @@ class GrammarSampler:
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
+    def prepare(self, guide: tuple[str, str]) -> None:
+        """Starts compiling `guide` off the rank's thread, unless it is compiled or under way."""
+        if guide in self._compiled:
+            self._compiled.move_to_end(guide)
+            return
+        while len(self._compiled) >= MAX_COMPILED:  # a request whose compile goes redoes it
+            self._compiled.popitem(last=False)
+        self._compiled[guide] = self._pool.submit(self._build, guide)
+
+    def _build(self, guide: tuple[str, str]):
+        return self._compiler_ready().compile_grammar(_grammar(*guide))
+
     def _compile(self, guide: tuple[str, str]):
-        compiler = self._compiler or self._compiler_ready()
-        if guide not in self._compiled:
-            if len(self._compiled) >= 256:  # bounded: the oldest compiled guide goes first
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[guide] = compiler.compile_grammar(_grammar(*guide))
-        return self._compiled[guide]
+        """The compiled guide: waits for the rest of its compile (the loops prepared it when the
+        request arrived; a guide that left the cache since compiles again)."""
+        self.prepare(guide)
+        return self._compiled[guide].result()
+
+    def close(self) -> None:
+        """Stops the compile thread: a compile under way ends first (xgrammar cannot be
+        interrupted), queued ones are dropped."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def mask(self, logits, reqs: list) -> None:
         """Forbids, row by row, the tokens each guided request's grammar does not allow next."""

@@ -100,6 +100,7 @@ class PDLoop(SlotLoop):
         if params is not None:
             self._stage_start(msg.rid, self.first_queue)  # before open_room's child spans
             self.by_rid[msg.rid] = self.open_room(msg, params)
+            self.prepare_guide(params)
         else:
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
@@ -186,4 +187,5 @@ class PDLoop(SlotLoop):
         self._t_stage.pop(pd.rid, None)
 
     def close(self) -> None:
+        super().close()
         self.kv_mgr.close()

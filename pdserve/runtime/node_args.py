@@ -117,6 +117,13 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         default=4096,
         help="requests the node holds at once (queued or running); beyond: 503 with Retry-After",
     )
+    ap.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output guide may take to compile on the front; past it the "
+        "request gets a 400 (queued behind other guides past it: a 503); engine/grammar.py",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (NCCL between ranks)")
     ap.add_argument(
         "--pp-comm-stream",

@@ -353,6 +353,7 @@ def make_front(args, role: str, cls=None, **kw):
     )
     front.tracing.exporter = make_exporter(args.otlp_traces_endpoint, role)
     front.max_pending = args.max_pending
+    front.guide_gate.timeout_s = args.grammar_compile_timeout
     front.prefix_cache = not args.no_prefix_cache
     front.sampling_defaults = load_sampling_defaults(path)
     if front.sampling_defaults.get("unapplied"):

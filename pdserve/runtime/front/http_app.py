@@ -74,6 +74,9 @@ def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
     async def generate(request: Request):
         check_internal(request)
         body = await read_json(request)
+        sp = body.get("sampling_params")
+        if isinstance(sp, dict) and sp.get("guide") is not None:
+            await front.guide_gate.check(sp["guide"])  # compiles in time, or a 400 now
         ids = None
         if (
             not front.dead and len(front.pending) < front.max_pending

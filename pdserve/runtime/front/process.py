@@ -35,6 +35,7 @@ from pdserve.engine.model.detokenizer import IncrementalDetokenizer
 from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from pdserve.runtime.front.answer import Pending, error_chunk, finish_chunk, token_chunk
 from pdserve.runtime.front.chat_template import tool_call_format
+from pdserve.runtime.front.guide_gate import GuideGate
 from pdserve.runtime.front.metrics import MetricsExtension
 from pdserve.runtime.front.prompt import (
     RequestError,
@@ -145,6 +146,9 @@ class NodeFront:
         self.token_bytes: TokenBytes | None = None  # made at the first logprobs request
         self.metrics = None  # set by the app (runtime.metrics)
         self.tracing = NodeTracing(role, pp_size)  # inert unless a request brings a traceparent
+        eos = getattr(tokenizer, "eos_token_id", None)
+        # guides must compile in time before a rank sees them (serve.py sets the bound)
+        self.guide_gate = GuideGate(tokenizer, vocab_size, () if eos is None else (eos,), 10.0)
         self._tasks: list[asyncio.Task] = []
 
     @staticmethod
@@ -164,6 +168,7 @@ class NodeFront:
             t.cancel()
         self.ctx.destroy(linger=0)
         self.tracing.close()
+        self.guide_gate.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def mark_dead(self, why: str) -> None:

@@ -223,10 +223,17 @@ class SlotLoop:
             params = SamplingParams.from_dict(msg.params)
             self.sched.add(Req(msg.rid, list(msg.input_ids), params, output_ids=[*msg.output_ids]))
             self.mark_queued(msg.rid)
+            self.prepare_guide(params)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
+
+    def prepare_guide(self, params: SamplingParams) -> None:
+        """The sampling rank starts compiling a guided request's grammar now, off its thread, so
+        the step that first samples it need not (engine/grammar.py). Timing only: no decision."""
+        if params.guide is not None and self.runner.grammar is not None:
+            self.runner.grammar.prepare(params.guide)
 
     def observe(self, name: str, seconds: float) -> None:
         """Records a latency sample for the front's histograms (PP0 only, metrics only)."""
@@ -363,7 +370,10 @@ class SlotLoop:
         self._events = []
 
     def close(self) -> None:
-        """Releases what the loop owns (a PD loop closes its KV manager and store)."""
+        """Releases what the loop owns: the sampling rank's grammar compile thread (a PD loop
+        also closes its KV manager and store)."""
+        if self.runner.grammar is not None:
+            self.runner.grammar.close()
 
     def check_consensus(self, t: int) -> None:
         checker = rank_checker.checker()

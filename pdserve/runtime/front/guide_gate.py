@@ -1,0 +1,128 @@
+"""The front's bound on structured-output grammars: a guide must compile within a time limit, or
+the request gets a clear error before it reaches a rank (engine/grammar.py).
+
+A guide's spec is bounded in size already (engine/grammar.py MAX_SPEC); what it costs to compile
+against the vocabulary is not, and a sampling rank pays it for every distinct guide. So the front
+compiles each guide it has not seen on its own compiler, one at a time on a thread of its own,
+and remembers the outcome by the guide's SHA-256:
+- compiled within `timeout_s`: admitted, and the same guide is admitted at once from then on;
+- its own compile ran past `timeout_s`: 400 naming `guide`, now and whenever it comes again;
+- still queued behind other guides' compiles when `timeout_s` ran out: 503 with Retry-After (a
+  flood of distinct guides waits here, in the front's one compile thread, not in a rank's step).
+The front's compile is a check only; the sampling rank compiles the guide again on its own thread
+(a compiled grammar serialises to hundreds of MB for a large schema: cheaper to compile twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pdserve.runtime.front.prompt import RequestError
+
+KEPT = 4096  # outcomes remembered (a hash and a short string each)
+MAX_QUEUED = 32  # guides waiting for the compile thread; past it a new one is refused at once
+# the code of a node's retryable 503 (runtime/front/process.py OVERLOADED): the router tries
+# another node and counts no fault against this one (router/routing/attempt.py)
+BUSY = "node_overloaded"
+
+
+class GuideGate:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...], timeout_s: float
+    ):
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
+        self.timeout_s = timeout_s
+        self.outcomes: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" ok, else why not
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="guide-gate")
+        self._compiler: Any = None
+        self._started: dict[bytes, float] = {}  # digest -> when its compile began (pool thread)
+        self._lock = threading.Lock()  # outcomes and counts: the loop's thread and the pool's
+        self.queued = 0  # guides submitted and not yet started
+        self.compiles = 0  # guides compiled here (tests)
+
+    async def check(self, guide: Any) -> None:
+        """Returns once `guide` is known to compile in time; RequestError otherwise. A guide that
+        is not a well-formed [kind, spec] is left to the request's own validation."""
+        if not (isinstance(guide, list | tuple) and len(guide) == 2 and all(
+                isinstance(g, str) for g in guide)):  # fmt: skip
+            return
+        key = hashlib.sha256(f"{guide[0]}\0{guide[1]}".encode()).digest()
+        with self._lock:
+            why = self.outcomes.get(key)
+        if why is None:
+            why = await self._compile(key, (guide[0], guide[1]))
+        if why:
+            raise RequestError(400, f"guide: {why}", "guide")
+
+    async def _compile(self, key: bytes, guide: tuple[str, str]) -> str:
+        with self._lock:
+            if self.queued >= MAX_QUEUED:
+                raise self._busy("has too many guides queued")
+            self.queued += 1
+        job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, key, guide)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
+        except TimeoutError:
+            began = self._started.get(key)
+            if began is not None and time.monotonic() - began >= self.timeout_s * 0.999:
+                return self._remember(key, self._too_slow())
+            raise self._busy(f"did not start this guide within {self.timeout_s:g} s") from None
+
+    def _busy(self, what: str) -> RequestError:
+        return RequestError(503, f"the node's grammar compiler {what}: retry later", "guide", BUSY)
+
+    def _run(self, key: bytes, guide: tuple[str, str]) -> str:
+        """On the pool's thread: the guide's outcome, remembered."""
+        with self._lock:
+            self.queued -= 1
+            known = self.outcomes.get(key)
+        if known is not None:  # a duplicate queued behind the first
+            return known
+        from pdserve.engine.grammar import GrammarError, _grammar, check_guide
+
+        self._started[key] = t0 = time.monotonic()
+        try:
+            check_guide(guide)
+            self._compiler_ready().compile_grammar(_grammar(*guide))
+            why = "" if time.monotonic() - t0 < self.timeout_s else self._too_slow()
+        except GrammarError as e:
+            why = str(e)
+        except Exception as e:  # xgrammar's own errors: the guide cannot be compiled
+            why = f"{guide[0]} does not compile: {str(e).splitlines()[0][:200]}"
+        finally:
+            self._started.pop(key, None)
+        with self._lock:
+            self.compiles += 1
+        return self._remember(key, why)
+
+    def _too_slow(self) -> str:
+        return (
+            f"did not compile within {self.timeout_s:g} s (--grammar-compile-timeout): simplify it"
+        )
+
+    def _remember(self, key: bytes, why: str) -> str:
+        with self._lock:
+            self.outcomes[key] = why
+            while len(self.outcomes) > KEPT:
+                self.outcomes.popitem(last=False)
+        return why
+
+    def _compiler_ready(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_ids)
+            )
+            # one thread: the front's compiles are checks and must leave the ranks their cores
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

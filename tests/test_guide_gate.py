@@ -1,0 +1,113 @@
+"""Grammar compiles never run in a rank's step and never take unbounded time (issue #45):
+
+* the front's gate (runtime/front/guide_gate.py): a guide compiles within the bound or gets a 400
+  naming `guide` (remembered: a resend is refused without compiling again); a guide queued behind
+  other compiles past the bound gets a retryable 503, and the queue itself is bounded;
+* the sampling rank (engine/grammar.py): `prepare` compiles on the rank's compile thread, and the
+  step's `_compile` reuses that compile instead of running its own.
+No timing is asserted: the slow compile is a compile thread held busy by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from pdserve.engine.grammar import GrammarSampler
+from pdserve.engine.model.tokenizer import load_tokenizer
+from pdserve.runtime.front.guide_gate import MAX_QUEUED, GuideGate
+from pdserve.runtime.front.prompt import RequestError
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+
+def guide(i: int = 0) -> list[str]:
+    props = {f"f{i}_{k}": {"type": "string"} for k in range(3)}
+    return ["json_schema", json.dumps({"type": "object", "properties": props})]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+def gate(tok, timeout_s: float) -> GuideGate:
+    return GuideGate(tok, len(tok), (tok.eos_token_id,), timeout_s)
+
+
+def test_a_guide_that_compiles_in_time_passes_and_is_remembered(tok):
+    g = gate(tok, 30.0)
+    asyncio.run(g.check(["json_schema", SCHEMA]))
+    asyncio.run(g.check(["json_schema", SCHEMA]))
+    assert g.compiles == 1
+    g.close()
+
+
+def test_a_guide_past_the_bound_is_refused_and_then_a_400_without_compiling_again(tok):
+    g = gate(tok, 1e-9)  # any real compile takes longer
+    with pytest.raises(RequestError) as e:  # 400 if its compile began in time, else busy: 503
+        asyncio.run(g.check(["json_schema", SCHEMA]))
+    assert e.value.status in (400, 503) and e.value.param == "guide"
+    for _ in range(600):  # the compile goes on in the gate's thread, and its outcome is kept
+        if g.compiles:
+            break
+        threading.Event().wait(0.05)
+    for _ in range(2):
+        with pytest.raises(RequestError) as e:
+            asyncio.run(g.check(["json_schema", SCHEMA]))
+        assert e.value.status == 400 and e.value.param == "guide"
+        assert "did not compile within" in str(e.value)
+    assert g.compiles == 1
+    g.close()
+
+
+def test_a_bad_guide_is_a_400_naming_it(tok):
+    g = gate(tok, 30.0)
+    with pytest.raises(RequestError) as e:
+        asyncio.run(g.check(["regex", "(unclosed"]))
+    assert e.value.status == 400 and e.value.param == "guide" and "regex" in str(e.value)
+    g.close()
+
+
+def test_guides_queued_behind_a_busy_compiler_get_a_retryable_503_and_the_queue_is_bounded(tok):
+    g = gate(tok, 0.2)
+    held = threading.Event()
+    g._pool.submit(held.wait, 60)  # the compile thread is busy with someone else's guide
+
+    async def scenario():
+        with pytest.raises(RequestError) as e:  # queued past the bound: never started
+            await g.check(guide(0))
+        assert e.value.status == 503 and e.value.code == "node_overloaded"
+        g.timeout_s = 60.0
+        waiting = [asyncio.create_task(g.check(guide(i))) for i in range(1, MAX_QUEUED)]
+        await asyncio.sleep(0.05)
+        assert g.queued == MAX_QUEUED  # the first one's job is still queued too
+        with pytest.raises(RequestError) as e:
+            await g.check(guide(999))
+        assert e.value.status == 503 and "too many guides queued" in str(e.value)
+        held.set()
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        assert g.queued == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+    g.close()
+
+
+def test_the_sampling_rank_compiles_off_its_step_and_once(tok):
+    sampler = GrammarSampler(lambda: tok, len(tok), (tok.eos_token_id,))
+    threads: list[str] = []
+    build = sampler._build
+
+    def recorded(g):
+        threads.append(threading.current_thread().name)
+        return build(g)
+
+    sampler._build = recorded
+    g = ("json_schema", SCHEMA)
+    sampler.prepare(g)  # what a loop does as it applies the request
+    first = sampler._compile(g)  # what the step does when it first samples it
+    assert sampler._compile(g) is first
+    assert len(threads) == 1 and threads[0].startswith("grammar-compile")
+    sampler._pool.shutdown()
