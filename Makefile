@@ -2,7 +2,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup setup-test serve lint test test-hosts test-failover coverage bench soak clean verify-protocol chaos-campaign
+.PHONY: setup setup-test serve lint test test-hosts test-failover coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -40,6 +40,32 @@ test-failover: setup-test
 # About a minute; a CI step of its own (.ci/run). Without root they skip, saying why.
 test-hosts: setup-test
 	$(VENV)/bin/python -m pytest -q -m hosts $(PYTEST_ARGS)
+
+# The CPU kernels (pdserve/engine/kernels/csrc/) built with every warning an error, into a build of
+# their own (the flags are part of its key): a CI step (.ci/run). The normal build has -Wall.
+# Less the uninitialized-use warnings: GCC 12's AVX-512 headers set off hundreds of them in their
+# own `_mm512_undefined_*` (`__Y = __Y`, GCC bug 105593, fixed in GCC 13); the kernels had no
+# other warning with -Wall -Wextra.
+STRICT_FLAGS = -Wextra -Werror -Wno-uninitialized -Wno-maybe-uninitialized
+kernels-strict: setup-test
+	PDSERVE_KERNEL_CFLAGS="$(STRICT_FLAGS)" $(VENV)/bin/python -m pdserve.engine.kernels.cpu_kernels build
+
+# The kernels' tests on a build under AddressSanitizer and UBSan (any finding ends the run with an
+# error): the sanitizer runtimes are preloaded into the uninstrumented Python, leak checks are off
+# (Python's own allocations), and the build must load, or nothing would be checked. A CI step.
+SANITIZE_FLAGS = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g
+KERNEL_TESTS = tests/test_paged_attention.py tests/test_extend_attention.py tests/test_layer_ops.py \
+	tests/test_bf16_linear.py tests/test_packed_linear.py tests/test_decode_stack.py \
+	tests/test_sampling.py tests/test_spare_core.py tests/test_linear.py
+SANITIZE_ENV = PDSERVE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" \
+	LD_PRELOAD="$$(c++ -print-file-name=libasan.so) $$(c++ -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+test-sanitizers: setup-test
+	$(SANITIZE_ENV) $(VENV)/bin/python -m pdserve.engine.kernels.cpu_kernels build
+	$(SANITIZE_ENV) $(VENV)/bin/python -c \
+		"from pdserve.engine.kernels import cpu_kernels as k; assert k.load(), k.why_not()"
+	$(SANITIZE_ENV) $(VENV)/bin/python -m pytest -q -p no:cacheprovider --capture=sys \
+		$(KERNEL_TESTS) $(PYTEST_ARGS)
 
 # The suite under coverage.py (pyproject.toml [tool.coverage]): the test processes and every node,
 # rank and router process they start; prints the per-file table and the total line coverage.

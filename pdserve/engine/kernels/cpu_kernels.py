@@ -38,8 +38,20 @@ HEADERS = sorted(CSRC.glob("*.h"))  # part of the build's key, not compiled on t
 NAME = "pdserve_cpu_kernels"
 # -fopenmp: at::parallel_for splits a kernel's tasks over the rank's threads through the OpenMP
 # runtime torch already loaded (libgomp.so.1); without it, the loop runs on one thread
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall"]
 LDFLAGS = ["-fopenmp"]
+# More flags for this build, from CI's strict and sanitizer builds (Makefile `kernels-strict`,
+# `test-sanitizers`): "-Wextra -Werror", or "-fsanitize=address,undefined ...", which the link
+# gets too. Part of the build's key, so such a build never stands in for the normal one.
+FLAGS_ENV = "PDSERVE_KERNEL_CFLAGS"
+
+
+def cflags() -> list[str]:
+    return CFLAGS + os.environ.get(FLAGS_ENV, "").split()
+
+
+def ldflags() -> list[str]:
+    return LDFLAGS + [f for f in os.environ.get(FLAGS_ENV, "").split() if f.startswith("-fsan")]
 # Its own root, not PDSERVE_CACHE_DIR's: the tests give every session a fresh model cache, and
 # should load the build setup made, not compile the kernel again per session.
 ENV_DIR = "PDSERVE_EXT_DIR"
@@ -66,7 +78,7 @@ def build_dir() -> Path:
     library built for another CPU (-march=native) or another torch is never loaded."""
     parts = (
         *(s.read_text() for s in SOURCES + HEADERS),
-        " ".join(CFLAGS + LDFLAGS),
+        " ".join(cflags() + ldflags()),
         torch.__version__,
         platform.machine(),
     )
@@ -118,8 +130,8 @@ def build() -> Path:
         cpp_extension.load(
             name=NAME,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
+            extra_cflags=cflags(),
+            extra_ldflags=ldflags(),
             build_directory=str(d),
             is_python_module=False,
             verbose=False,
