@@ -52,6 +52,8 @@ def cflags() -> list[str]:
 
 def ldflags() -> list[str]:
     return LDFLAGS + [f for f in os.environ.get(FLAGS_ENV, "").split() if f.startswith("-fsan")]
+
+
 # Its own root, not PDSERVE_CACHE_DIR's: the tests give every session a fresh model cache, and
 # should load the build setup made, not compile the kernel again per session.
 ENV_DIR = "PDSERVE_EXT_DIR"
