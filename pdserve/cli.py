@@ -68,10 +68,11 @@ def _light_bench():
     return add_bench_args, bench_main, "a load client for any OpenAI-compatible endpoint"
 
 
-def _light_up():
-    from pdserve.up import add_up_args, up_main
+def _up(argv: list[str]) -> int:
+    from pdserve.up import up_main
+    from pdserve.up_args import parse_up_args
 
-    return add_up_args, up_main, "a whole local PD cluster: router + prefill + decode nodes"
+    return up_main(parse_up_args(argv))
 
 
 def _light_router():
@@ -95,15 +96,22 @@ def _light_launch():
 # Commands parsed and run without building every subcommand's parser (which imports torch).
 LIGHT = {
     "bench": _light_bench,
-    "up": _light_up,
     "router": _light_router,
     "trace": _light_trace,
     "launch": _light_launch,
 }
 
 
+def _version() -> str:
+    from pdserve.up_args import pdserve_version
+
+    return pdserve_version()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["up"]:  # its own parser: --config, flags passed through (pdserve/up_args.py)
+        return _up(argv[1:])
     if argv[:1] and argv[0] in LIGHT:
         # These need none of the model stack: skip importing torch (seconds before the first line).
         add_args, run, desc = LIGHT[argv[0]]()
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Prefill/decode-disaggregated LLM serving"
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="offline generation in this process")
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_router_args(sub.add_parser("router", help="the OpenAI-compatible PD router"))
 
-    from pdserve.up import add_up_args
+    from pdserve.up_args import add_up_args
 
     add_up_args(
         sub.add_parser("up", help="a whole local PD cluster: router + prefill + decode nodes")
@@ -171,10 +180,6 @@ def _run(args) -> int:
         from pdserve.runtime.serve import serve_main
 
         return serve_main(args)
-    if args.cmd == "up":
-        from pdserve.up import up_main
-
-        return up_main(args)
     if args.cmd == "prefill":
         from pdserve.prefill_node.serve import prefill_main
 
@@ -190,9 +195,7 @@ def _run(args) -> int:
 
         return bench_main(args)
     if args.cmd == "version":
-        from importlib.metadata import version
-
-        print(version("pdserve"))
+        print(_version())
     return 0
 
 

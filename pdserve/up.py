@@ -12,7 +12,6 @@ and it is also written to a 0600 file (printed at start) for an operator's calls
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -32,10 +31,9 @@ from pdserve.infra.cluster_secret import ENV as SECRET_ENV
 from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from pdserve.infra.cluster_secret import cluster_secret
 from pdserve.infra.internal_auth import is_loopback
-from pdserve.infra.logs import FORMAT_ENV, add_log_args, setup_logging
+from pdserve.infra.logs import FORMAT_ENV, setup_logging
 from pdserve.infra.procs import die_with_parent, reserve_port, stop_processes
 from pdserve.infra.request_signing import signed_auth
-from pdserve.infra.tracing import add_tracing_arg
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
 from pdserve.rolling_restart import rolling_restart
@@ -55,57 +53,6 @@ def say(msg: str, error: bool = False) -> None:
         (log.error if error else log.info)("%s", msg)
     else:
         print(f"[up] {msg}", file=sys.stderr if error else sys.stdout, flush=True)
-
-
-def add_up_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="GGUF file or Hugging Face folder (default: PDSERVE_MODEL, else "
-        "SmolLM2-135M-Instruct); repeat it to serve several models, each on its own "
-        "prefill and decode nodes behind the one router, which routes by model",
-    )
-    ap.add_argument(
-        "--host",
-        default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
-        help="router bind address",
-    )
-    ap.add_argument("--port", type=int, default=8000, help="router port")
-    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (measured against
-    # PP 2 + PP 2, which puts four ranks on two cores: bench/results/HISTORY.md)
-    ap.add_argument("--prefill-pp", type=int, default=1)
-    ap.add_argument("--decode-pp", type=int, default=1)
-    ap.add_argument("--prefill-nodes", type=int, default=1)
-    ap.add_argument("--decode-nodes", type=int, default=1)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
-        "when there are more cores than ranks); the plan is printed at start",
-    )
-    ap.add_argument(
-        "--policy",
-        default=None,
-        help="router policy (round_robin, random, power_of_two, least_load, cache_aware)",
-    )
-    ap.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    ap.add_argument(
-        "--node-args",
-        default="",
-        help="extra flags for every node, e.g. '--max-total-tokens 16384'",
-    )
-    ap.add_argument("--router-args", default="", help="extra flags for the router")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument(
-        "--insecure",
-        action="store_true",
-        help="let the router listen on a non-loopback --host without --api-key: anyone who can "
-        "reach it can then use the model",
-    )
-    add_log_args(ap)  # passed on to the router and every node
-    add_tracing_arg(ap)  # likewise
 
 
 class Cluster:
@@ -237,7 +184,7 @@ class Cluster:
     ) -> list[str]:
         """Spawns the prefill nodes; returns their flags for the router's command line."""
         a = self.args
-        extra = logs + shlex.split(a.node_args)
+        extra = logs + shlex.split(a.node_args) + shlex.split(a.prefill_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.prefill_nodes)):
             model = ["--model", path] if path else []
@@ -267,7 +214,7 @@ class Cluster:
     ) -> list[str]:
         """Spawns the decode nodes; returns their flags for the router's command line."""
         a = self.args
-        extra = logs + shlex.split(a.node_args)
+        extra = logs + shlex.split(a.node_args) + shlex.split(a.decode_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
             model = ["--model", path] if path else []
