@@ -118,6 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", description=desc)
         add_args(ap)
         return run(ap.parse_args(argv[1:]))
+    args = _full_parser().parse_args(argv)
+    from pdserve.engine.model.loader import ModelLoadError
+
+    try:
+        return _run(args)
+    except ModelLoadError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _full_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser (importing what they need: torch among it)."""
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Prefill/decode-disaggregated LLM serving"
     )
@@ -163,14 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("version", help="print the version")
     sub.add_parser("trace", help="one request's stage timeline from the router (pdserve trace ID)")
-    args = parser.parse_args(argv)
-    from pdserve.engine.model.loader import ModelLoadError
-
-    try:
-        return _run(args)
-    except ModelLoadError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _run(args) -> int:

@@ -64,7 +64,7 @@ def test_a_guide_past_the_bound_is_refused_and_then_a_400_without_compiling_agai
 
 
 def test_a_bad_guide_is_a_400_naming_it(tok):
-    g = gate(tok, 30.0)
+    g = GuideGate(tok, len(tok), None, 30.0)  # None: the tokenizer's EOS, read when it compiles
     with pytest.raises(RequestError) as e:
         asyncio.run(g.check(["regex", "(unclosed"]))
     assert e.value.status == 400 and e.value.param == "guide" and "regex" in str(e.value)

@@ -91,6 +91,18 @@ class ForwardBatch:
     max_position: int
 
 
+def _check_item(b: int, it: BatchItem, page_size: int) -> None:
+    if it.num_new < 1 or it.start < 0:
+        raise ValueError(
+            f"item {b}: num_new must be >= 1 and start >= 0, got {it.num_new}, {it.start}"
+        )
+    need = pages_needed(it.kv_len, page_size)
+    if len(it.page_table) < need:
+        raise ValueError(
+            f"item {b}: {it.kv_len} tokens need {need} pages, page table has {len(it.page_table)}"
+        )
+
+
 def build_forward_batch(
     items: list[BatchItem],
     page_size: int,
@@ -108,16 +120,7 @@ def build_forward_batch(
     offsets, positions, pages_of_tok, logit_rows = [], [], [], []
     row = 0
     for b, it in enumerate(items):
-        if it.num_new < 1 or it.start < 0:
-            raise ValueError(
-                f"item {b}: num_new must be >= 1 and start >= 0, got {it.num_new}, {it.start}"
-            )
-        need = pages_needed(it.kv_len, page_size)
-        if len(it.page_table) < need:
-            raise ValueError(
-                f"item {b}: {it.kv_len} tokens need {need} pages, page table has "
-                f"{len(it.page_table)}"
-            )
+        _check_item(b, it, page_size)
         offsets.append(row)
         pos = range(it.start, it.kv_len)
         positions.extend(pos)

@@ -179,9 +179,15 @@ def sample(
     elif len(argmaxed):
         tokens[argmaxed] = torch.argmax(logits.index_select(0, argmaxed).float(), dim=-1)
     token_ids = tokens.tolist()
-    want_lp = any(p.logprobs for p in params)
-    if not want_lp:
+    if not any(p.logprobs for p in params):
         return SampleOut(token_ids)
+    return _with_logprobs(logits, params, tokens, token_ids)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor, token_ids: list[int]
+) -> SampleOut:
+    """The chosen tokens' logprobs and each row's top alternatives, after every adjustment."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
     k = max(p.top_logprobs for p in params)

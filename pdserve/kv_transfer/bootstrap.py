@@ -170,6 +170,15 @@ async def read_json(request: Request):
     return json.loads(raw)
 
 
+def _heartbeat(body) -> tuple[str, list[str]]:
+    """A heartbeat's {session: str, peers: [str]}; ValueError, KeyError or TypeError if not."""
+    session, peers = body["session"], body["peers"]
+    names = peers if type(peers) is list else [None]
+    if type(session) is not str or any(type(p) is not str for p in names):
+        raise ValueError("bad heartbeat")
+    return session, peers
+
+
 def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
     def authorized(request: Request) -> bool:
         return is_signed(request, token)
@@ -202,14 +211,7 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
         if not authorized(request):
             return _error(401, "the request must be signed with the cluster secret")
         try:
-            body = await read_json(request)
-            session, peers = body["session"], body["peers"]
-            if (
-                type(session) is not str
-                or type(peers) is not list
-                or not all(type(p) is str for p in peers)
-            ):
-                raise ValueError
+            session, peers = _heartbeat(await read_json(request))
         except BodyTooLarge:
             return _error(413, f"body over {MAX_BODY} bytes")
         except (ValueError, KeyError, TypeError):

@@ -263,8 +263,7 @@ def _prefill_spec(values: list[str]) -> WorkerSpec:
     return WorkerSpec(url=values[0].rstrip("/"), role="prefill", bootstrap_port=port)
 
 
-def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """Raises ValueError with a message for the operator on inconsistent flags."""
+def _worker_specs(args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
     workers = [_prefill_spec(v) for v in args.prefill]
     workers += [WorkerSpec(url=u.rstrip("/"), role="decode") for u in args.decode]
     workers += [WorkerSpec(url=u.rstrip("/"), role="colocated") for u in args.worker]
@@ -272,34 +271,13 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise ValueError("--prefill needs at least one --decode")
     if args.decode and not args.prefill:
         raise ValueError("--decode needs at least one --prefill (use --worker for colocated nodes)")
-    secret = cluster_secret()
-    try:
-        refuse_unprotected_bind(args.host, secret, args.insecure, "pdserve router")
-    except SystemExit as exc:
-        raise ValueError(str(exc)) from None
-    return RouterConfig(
-        workers=tuple(workers),
-        host=args.host,
-        port=args.port,
-        prefill_policy=args.policy or args.prefill_policy,
-        decode_policy=args.policy or args.decode_policy,
-        api_key=args.api_key or None,
-        internal_token=secret,
-        served_model_name=args.served_model_name,
-        max_concurrent=args.max_concurrent,
-        max_queue=args.max_queue,
-        queue_timeout_s=args.queue_timeout,
-        retry_after_s=args.retry_after,
-        connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout,
-        stream_idle_timeout_s=args.stream_idle_timeout,
-        max_migrations=args.max_migrations,
-        sse_keepalive_s=args.sse_keepalive,
-        max_body_bytes=args.max_body_bytes,
-        log_level=args.log_level,
-        log_format=args.log_format,
-        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
-        debug_requests=args.debug_requests,
+    return tuple(workers)
+
+
+def _routing_configs(args: argparse.Namespace) -> dict:
+    """The routing parts of the config: health, breakers, retries, cache affinity, the
+    disaggregation rules."""
+    return dict(
         health=HealthConfig(
             args.health_interval,
             args.health_timeout,
@@ -325,6 +303,41 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             idle_local_prefill_cost=args.disagg_idle_local_prefill_cost,
             transfer_overhead_tokens=args.disagg_transfer_overhead_tokens,
         ),
+    )
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ValueError with a message for the operator on inconsistent flags."""
+    workers = _worker_specs(args)
+    secret = cluster_secret()
+    try:
+        refuse_unprotected_bind(args.host, secret, args.insecure, "pdserve router")
+    except SystemExit as exc:
+        raise ValueError(str(exc)) from None
+    return RouterConfig(
+        workers=workers,
+        host=args.host,
+        port=args.port,
+        prefill_policy=args.policy or args.prefill_policy,
+        decode_policy=args.policy or args.decode_policy,
+        api_key=args.api_key or None,
+        internal_token=secret,
+        served_model_name=args.served_model_name,
+        max_concurrent=args.max_concurrent,
+        max_queue=args.max_queue,
+        queue_timeout_s=args.queue_timeout,
+        retry_after_s=args.retry_after,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        max_migrations=args.max_migrations,
+        sse_keepalive_s=args.sse_keepalive,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        log_format=args.log_format,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        debug_requests=args.debug_requests,
+        **_routing_configs(args),
     )
 
 

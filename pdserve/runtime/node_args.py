@@ -79,6 +79,7 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     add_engine_args(ap)
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this node")
     ap.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     ap.add_argument("--port", type=int, default=default_port)
     ap.add_argument("--async-depth", type=int, default=0)
     ap.add_argument(
@@ -103,14 +104,7 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
         help="on SIGTERM or POST /drain: seconds the requests in flight get to finish before they "
         "move to another node (docs/RELIABILITY.md)",
     )
-    ap.add_argument(
-        "--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over"
-    )
-    ap.add_argument("--node-rank", type=int, default=0)
-    ap.add_argument(
-        "--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)"
-    )
-    ap.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
+    _add_placement_args(ap)
     ap.add_argument(
         "--max-pending",
         type=int,
@@ -132,6 +126,17 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     )
     add_log_args(ap)
     add_tracing_arg(ap)
+
+
+def _add_placement_args(ap: argparse.ArgumentParser) -> None:
+    """Where the node's ranks run: its hosts, the PP rendezvous, and its cores."""
+    ap.add_argument(
+        "--nnodes", type=int, default=1, help="hosts this node's PP ranks are spread over"
+    )
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument(
+        "--dist-init-addr", default=None, help="host:port of the PP rendezvous (multi-host)"
+    )
     ap.add_argument(
         "--cpus",
         default="",

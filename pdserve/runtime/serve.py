@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -26,6 +25,7 @@ from pdserve.infra.procs import reserve_port, stop_processes
 from pdserve.infra.tracing import make_exporter
 from pdserve.infra.zygote_client import Zygote, ZygoteChild
 from pdserve.runtime.front.drain import Drain
+from pdserve.runtime.front.tokenizer_loading import TokenizerLoading
 from pdserve.runtime.placement import (
     Placement,
     bind_cores,
@@ -226,6 +226,24 @@ def make_specs(
     ]
 
 
+def _draining_server(args, front, app) -> DrainingServer:
+    """The node's HTTP server, which a drain (SIGTERM, POST /drain) ends once it is over."""
+    server = DrainingServer(
+        server_config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=uvicorn_level(),
+            timeout_graceful_shutdown=3,
+        )
+    )
+    server.drain = app.state.drain = Drain(
+        front, args.drain_grace, lambda: setattr(server, "should_exit", True)
+    )
+    server.loops = {}
+    return server
+
+
 def run_node(
     args,
     front,
@@ -249,20 +267,8 @@ def run_node(
             spec_fields,
             dist_port=hold.getsockname()[1],
         )
-        server = DrainingServer(
-            server_config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level=uvicorn_level(),
-                timeout_graceful_shutdown=3,
-            )
-        )
-        server.drain = app.state.drain = Drain(
-            front, args.drain_grace, lambda: setattr(server, "should_exit", True)
-        )
-        loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
-        server.loops = loop_holder
+        server = _draining_server(args, front, app)
+        loop_holder: dict[str, asyncio.AbstractEventLoop] = server.loops
 
         def on_rank_exit(why: str) -> None:
             loop = loop_holder.get("loop")
@@ -295,28 +301,6 @@ def run_node(
             ranks.stop()
         hold.close()
     return 0
-
-
-class TokenizerLoading:
-    """The front's tokenizer, loading in a thread while the node starts its ranks: the ranks'
-    start-up (mostly importing torch) and the tokenizer's (importing transformers, reading the
-    files) overlap instead of running one after the other. Any use waits for the load."""
-
-    def __init__(self, path):
-        from pdserve.engine.model.tokenizer import load_tokenizer
-
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-load")
-        self._future = self._pool.submit(load_tokenizer, path)
-        self._pool.shutdown(wait=False)
-
-    def ready(self):
-        return self._future.result()
-
-    def __getattr__(self, name):
-        return getattr(self._future.result(), name)
-
-    def __call__(self, *args, **kwargs):
-        return self._future.result()(*args, **kwargs)
 
 
 def make_front(args, role: str, cls=None, **kw):

@@ -219,21 +219,26 @@ class Dispatcher:
                 log("rid=%s attempt %d failed: %s", attempt.rid, n, failure.message)
                 if not failure.retryable or n >= self.cfg.retry.max_retries:
                     raise failure.to_api_error() from None
-                if route.prefill is not None and failure.culprit is route.prefill:
-                    # The prefill leg failed: the decode side prefills the retry itself.
-                    prefill_failed = True
-                    exclude.add(route.prefill.url)
-                else:
-                    # A new pair, not just a new culprit: a decode node reports a failed handoff
-                    # (the prefill node's bootstrap server unreachable, its rank silent) as its own
-                    # abort, and cache_aware would send the retry to the same prefill node again.
-                    exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
+                prefill_failed |= self._exclude_after(route, failure, exclude)
             finally:
                 if pair is not None:
                     self.pairs.record(*pair, verdict)
             self.metrics.retries.inc()
             await asyncio.sleep(self.backoff(n))
             n += 1
+
+    @staticmethod
+    def _exclude_after(route: Route, failure: Failure, exclude: set[str]) -> bool:
+        """What a failed try rules out for the next; True when its prefill leg failed (the
+        decode side then prefills the retry itself)."""
+        if route.prefill is not None and failure.culprit is route.prefill:
+            exclude.add(route.prefill.url)
+            return True
+        # A new pair, not just a new culprit: a decode node reports a failed handoff (the prefill
+        # node's bootstrap server unreachable, its rank silent) as its own abort, and cache_aware
+        # would send the retry to the same prefill node again.
+        exclude.update(w.url for w in (route.prefill, route.decode) if w is not None)
+        return False
 
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -34,8 +34,10 @@ BUSY = "node_overloaded"
 
 class GuideGate:
     def __init__(
-        self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...], timeout_s: float
+        self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...] | None, timeout_s: float
     ):
+        """`stop_ids` None: the tokenizer's EOS, read at the first compile (a front's tokenizer
+        may still be loading when the gate is made)."""
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self.timeout_s = timeout_s
         self.outcomes: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" ok, else why not
@@ -117,8 +119,12 @@ class GuideGate:
         if self._compiler is None:
             import xgrammar as xgr
 
+            stop = self.stop_ids
+            if stop is None:
+                eos = getattr(self.tokenizer, "eos_token_id", None)
+                stop = () if eos is None else (eos,)
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_ids)
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop)
             )
             # one thread: the front's compiles are checks and must leave the ranks their cores
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

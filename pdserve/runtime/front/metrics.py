@@ -1,7 +1,7 @@
 """Prometheus metrics of a node front: request latencies observed here, pool and queues per rank.
 
-Every rank pushes its stats to the front (runtime.rank_process.StatsReporter), so one scrape of the
-front covers every rank of the node. Each app gets its own CollectorRegistry.
+Every rank pushes its stats to the front (runtime/rank/front_link.py StatsReporter), so one scrape
+of the front covers every rank of the node. Each app gets its own CollectorRegistry.
 
 Every series a dashboard reads exists from the first scrape after the ranks reported (docs/
 METRICS.md): labelled counters are created at 0 for every label value known in advance (finish

@@ -4,7 +4,7 @@ The front never schedules anything. It validates and tokenizes a request, hands 
 `AddRequest` (runtime/messages.py), and turns PP0's events (`TokenEvent`, `FinishEvent`,
 `ErrorEvent`) back into an HTTP answer. Only PP0 talks to the front, so every request gets exactly
 one answer. It also collects every rank's stats (pool and queues) for /health, /server_info and
-/metrics.
+/metrics (runtime/front/rank_reports.py).
 
 Every message on the three ZMQ channels (requests to PP0, PP0's events, every rank's stats) is
 sealed with the cluster secret (infra/channel_auth.py) and bounded in size (MAXMSGSIZE). The readers
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
@@ -46,6 +44,7 @@ from pdserve.runtime.front.prompt import (
     resume_point,
     sampling_params,
 )
+from pdserve.runtime.front.rank_reports import RankReports
 from pdserve.runtime.front.token_text import TokenBytes, TokenText
 from pdserve.runtime.front.tracing import NodeTracing
 from pdserve.runtime.messages import (
@@ -77,7 +76,7 @@ REQ_CHANNEL, EVT_CHANNEL, STATS_CHANNEL = "front-req", "front-evt", "front-stats
 REQ_MAX_BYTES, EVT_MAX_BYTES, STATS_MAX_BYTES = 32 << 20, 16 << 20, 16 << 20
 
 
-class NodeFront:
+class NodeFront(RankReports):
     # the finish reasons this front's metrics show from the first scrape (runtime/front/metrics.py),
     # and what a kind of node adds to them: a PD front names its own (prefill_done; the KV
     # transfer's)
@@ -101,6 +100,33 @@ class NodeFront:
         self.tool_call_format = tool_call_format(tokenizer)  # runtime/front/chat_template.py
         self.model_name, self.role, self.pp_size = model_name, role, pp_size
         self.max_context, self.vocab_size = max_context, vocab_size
+        self._open_link(host, stats_port)
+        self.pending: dict[str, Pending] = {}
+        # rids aborted before their /generate arrived (the router sends abort and generate on
+        # separate connections, so an abort can overtake its request): that request is refused when
+        # it comes, instead of waiting for a KV partner that already gave up (a bootstrap timeout
+        # later)
+        self.early_aborts: OrderedDict[str, float] = OrderedDict()
+        self.rank_stats: dict[int, RankStats] = {}
+        self.rank_seen: dict[int, float] = {}
+        self.dead: str | None = None  # why the node is unhealthy, once it is
+        self.draining = False  # runtime/front/drain.py: the router stops choosing the node
+        self.refusing: str | None = None  # why new requests get a retryable 503 (a drain's end)
+        self.max_pending = MAX_PENDING
+        self.prefix_cache = True  # its ranks keep finished prompts' KV (not --no-prefix-cache)
+        self.sampling_defaults: dict[
+            str, Any
+        ] = {}  # the model's (engine.loader.load_sampling_defaults)
+        self.token_bytes: TokenBytes | None = None  # made at the first logprobs request
+        self.metrics = None  # set by the app (runtime.metrics)
+        self.tracing = NodeTracing(role, pp_size)  # inert unless a request brings a traceparent
+        # guides must compile in time before a rank sees them (serve.py sets the bound); the
+        # tokenizer may still be loading (front/tokenizer_loading.py): the gate reads it when used
+        self.guide_gate = GuideGate(tokenizer, vocab_size, None, 10.0)
+        self._tasks: list[asyncio.Task] = []
+
+    def _open_link(self, host: str, stats_port: int) -> None:
+        """The ZMQ link to the ranks: requests to PP0, PP0's events, every rank's stats."""
         self.ctx = zmq.asyncio.Context()
         self.req_sock = self.ctx.socket(zmq.PUSH)
         self.req_sock.setsockopt(zmq.SNDHWM, 0)
@@ -127,29 +153,6 @@ class NodeFront:
             self.stats_addr = f"tcp://{host}:{stats_port}"
         else:
             self.stats_addr = self._bind(self.stats_sock, host)
-        self.pending: dict[str, Pending] = {}
-        # rids aborted before their /generate arrived (the router sends abort and generate on
-        # separate connections, so an abort can overtake its request): that request is refused when
-        # it comes, instead of waiting for a KV partner that already gave up (a bootstrap timeout
-        # later)
-        self.early_aborts: OrderedDict[str, float] = OrderedDict()
-        self.rank_stats: dict[int, RankStats] = {}
-        self.rank_seen: dict[int, float] = {}
-        self.dead: str | None = None  # why the node is unhealthy, once it is
-        self.draining = False  # runtime/front/drain.py: the router stops choosing the node
-        self.refusing: str | None = None  # why new requests get a retryable 503 (a drain's end)
-        self.max_pending = MAX_PENDING
-        self.prefix_cache = True  # its ranks keep finished prompts' KV (not --no-prefix-cache)
-        self.sampling_defaults: dict[
-            str, Any
-        ] = {}  # the model's (engine.loader.load_sampling_defaults)
-        self.token_bytes: TokenBytes | None = None  # made at the first logprobs request
-        self.metrics = None  # set by the app (runtime.metrics)
-        self.tracing = NodeTracing(role, pp_size)  # inert unless a request brings a traceparent
-        eos = getattr(tokenizer, "eos_token_id", None)
-        # guides must compile in time before a rank sees them (serve.py sets the bound)
-        self.guide_gate = GuideGate(tokenizer, vocab_size, () if eos is None else (eos,), 10.0)
-        self._tasks: list[asyncio.Task] = []
 
     @staticmethod
     def _bind(sock, host: str) -> str:
@@ -179,17 +182,6 @@ class NodeFront:
             p.events.put_nowait(
                 ErrorEvent(p.rid, f"node failure: {why}", None, AbortReason.NODE_FAILURE)
             )
-
-    def healthy(self, stale_s: float = 15.0) -> tuple[bool, str]:
-        if self.dead:
-            return False, self.dead
-        now = time.monotonic()
-        for r in range(self.pp_size):
-            if r not in self.rank_seen:
-                return False, f"pp_rank {r} is not ready yet"
-            if now - self.rank_seen[r] > stale_s:
-                return False, f"pp_rank {r} sent no stats for {now - self.rank_seen[r]:.0f} s"
-        return True, "ok"
 
     # --- requests ---------------------------------------------------------------------------------
     def tokenize(self, body: dict[str, Any]) -> list[int]:
@@ -374,65 +366,3 @@ class NodeFront:
                     self.tracing.end(
                         ev.rid, getattr(ev, "kind", None) or getattr(ev, "reason", ev.TAG)
                     )
-
-    async def _read_stats(self) -> None:
-        while True:
-            raw = await self.stats_sock.recv()
-            try:
-                self._on_stats(raw)
-            except AuthError as e:
-                self._drop(f"stats:{e.reason}", e)
-            except Exception as e:
-                self._drop("stats:malformed", e)
-
-    def _on_stats(self, raw: bytes) -> None:
-        sender, payload = self._stats_opener.open(raw)
-        good, bad = unpack(payload)
-        if bad or len(good) != 1 or not isinstance(good[0], RankStats):
-            raise ValueError(f"not one RankStats: {bad[0] if bad else len(good)}")
-        st = good[0]
-        r = st.pp_rank
-        if not 0 <= r < self.pp_size or sender != f"pp{r}":
-            raise ValueError(f"stats of pp_rank {r!r} from {sender}")
-        self.rank_stats[r] = st
-        self.rank_seen[r] = time.monotonic()
-        if st.spans:
-            self.tracing.ingest(r, st.spans)
-        if self.tracing.ending:
-            self.tracing.sweep()
-        if self.metrics is not None:
-            try:
-                self.metrics.ingest(st)
-            except (TypeError, ValueError, KeyError) as e:
-                log.warning("bad metric samples from pp_rank %d dropped: %s", r, e)
-
-    def server_info(self) -> dict[str, Any]:
-        ok, why = self.healthy()
-        pp0 = self.rank_stats.get(0)
-        return {
-            "model": self.model_name,
-            "role": self.role,
-            "max_context": self.max_context,
-            "tool_call_format": self.tool_call_format,
-            "prefix_cache": self.prefix_cache,
-            "pid": os.getpid(),
-            # where this front runs (its node's I/O cores): a router on this host follows it there
-            "front_cpus": sorted(os.sched_getaffinity(0)),
-            "sampling_defaults": self.sampling_defaults,
-            "pp_size": self.pp_size,
-            "healthy": ok,
-            "status": why,
-            "draining": self.draining,
-            "failed": self.dead or None,  # a rank exited: the node will not become healthy
-            "load": {
-                "running": pp0.queues.get("running", 0) if pp0 else 0,
-                "waiting": pp0.queues.get("waiting", 0) if pp0 else 0,
-                "in_flight": len(self.pending),
-            },
-            "ranks": [
-                st.to_json() if (st := self.rank_stats.get(r)) else None
-                for r in range(self.pp_size)
-            ],
-            "dropped_messages": dict(self.dropped),
-            "threads": sorted({t.name for t in threading.enumerate()}),  # an exporter shows here
-        }

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import msgpack
 import zmq
 
 from pdserve.consensus import rank_checker
@@ -33,19 +32,10 @@ from pdserve.engine.model.loader import load_model_config, load_slice, resolve_m
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
-from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
 from pdserve.infra.logs import setup_logging
 from pdserve.infra.procs import die_with_parent, exit_on_stop_signals, set_process_name
-from pdserve.runtime.front.process import (
-    EVT_CHANNEL,
-    EVT_MAX_BYTES,
-    REQ_CHANNEL,
-    REQ_MAX_BYTES,
-    STATS_CHANNEL,
-    STATS_MAX_BYTES,
-)
-from pdserve.runtime.messages import RankStats, StatsExtension, decode, pack
 from pdserve.runtime.placement import bind_cores
+from pdserve.runtime.rank.front_link import StatsReporter, ZmqFrontIO
 from pdserve.runtime.rank.pp_comm import PPComm
 from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
 from pdserve.runtime.rank_spec import RankSpec
@@ -55,117 +45,6 @@ from pdserve.runtime.rank_spec import RankSpec
 ZYGOTE_PRELOAD = ("xgrammar",)
 
 log = logging.getLogger("pdserve.rank")
-
-
-class ZmqFrontIO:
-    """PP0's end of the front link: requests in (PULL), events out (PUSH); both sealed with the
-    cluster secret (infra/channel_auth.py). Bad requests are dropped, counted and logged once."""
-
-    def __init__(self, ctx: zmq.Context, req_addr: str, evt_addr: str):
-        self.pull = ctx.socket(zmq.PULL)
-        limit_size(self.pull, REQ_MAX_BYTES)
-        self.pull.connect(req_addr)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.SNDHWM, 0)
-        limit_size(self.push, EVT_MAX_BYTES)
-        self.push.connect(evt_addr)
-        self._opener, self._sealer = Opener(REQ_CHANNEL), Sealer(EVT_CHANNEL, "pp0")
-        self.dropped: dict[str, int] = {}
-
-    def _drop(self, reason: str, err: object) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        if self.dropped[reason] == 1:
-            log.warning(
-                "message from the front dropped (%s): %s; further ones are only counted",
-                reason,
-                err,
-            )
-
-    def poll(self, timeout_ms: int) -> list[Any]:
-        out: list[Any] = []
-        if not self.pull.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                raw = self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            try:
-                msg = decode(msgpack.unpackb(self._opener.open(raw)[1], raw=False))
-            except AuthError as e:
-                self._drop(e.reason, e)
-                continue
-            except Exception as e:  # the front is ours, but never trust bytes from a socket
-                self._drop("malformed", e)
-                continue
-            out.append(msg)
-
-    def report(self, events: list[Any]) -> None:
-        self.push.send(self._sealer.seal(pack(events)))
-
-
-def rank_stats(
-    loop: SlotLoop, pp_rank: int, ext: StatsExtension | None = None, dtype: str = ""
-) -> RankStats:
-    """What one rank reports to the front (and the in-process tests read directly)."""
-    s, alloc = loop.sched, loop.sched.allocator
-    cache = s.cache
-    return RankStats(
-        pp_rank=pp_rank,
-        pid=os.getpid(),
-        iterations=loop.stats.iterations,
-        forwards=loop.stats.forwards,
-        held_pages=s.held_pages(),
-        used_tokens=s.used_tokens,
-        num_pages=alloc.num_pages,
-        free_pages=alloc.num_free,
-        page_size=s.cfg.page_size,
-        cached_pages=cache.num_cached_pages if cache else 0,
-        locked_cached_pages=cache.num_cached_pages - cache.evictable_pages if cache else 0,
-        prefix_hit_tokens=cache.hit_tokens_total if cache else 0,
-        retractions=s.num_retractions,
-        queues=loop.queue_sizes(),
-        samples=loop.drain_samples(),
-        front_dropped=dict(getattr(loop.front, "dropped", None) or {}),
-        ext=ext,
-        dtype=dtype,
-        spans=loop.spans.drain(),
-    )
-
-
-class StatsReporter:
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        addr: str,
-        spec: RankSpec,
-        loop: SlotLoop,
-        period_s: float = 0.5,
-        dtype: str = "",
-    ):
-        self.sock = ctx.socket(zmq.PUSH) if addr else None
-        if self.sock is not None:
-            self.sock.setsockopt(zmq.SNDHWM, 16)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            limit_size(self.sock, STATS_MAX_BYTES)
-            self.sock.connect(addr)
-            self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
-        self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
-        self._next = 0.0
-
-    def maybe_send(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.sock is None or (now < self._next and not force):
-            return
-        self._next = now + self.period
-        stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
-        self._send(stats)
-
-    def _send(self, stats: RankStats) -> None:
-        try:
-            self.sock.send(self._sealer.seal(pack([stats])), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
 
 
 def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
@@ -298,9 +177,8 @@ def build_rank(
     about += f", {helper}" if helper else ""
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
     if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
-        runner.grammar = GrammarSampler(
-            lambda: load_tokenizer(path), mcfg.vocab_size, mcfg.eos_token_ids
-        )
+        tok = lambda: load_tokenizer(path)  # noqa: E731  (loaded at the first guided request)
+        runner.grammar = GrammarSampler(tok, mcfg.vocab_size, mcfg.eos_token_ids)
         runner.grammar.warm_up_in_background()
     plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
@@ -310,18 +188,22 @@ def build_rank(
         waiting_timeout_s=spec.waiting_timeout_s,
         running_timeout_s=spec.running_timeout_s,
     )
+    sched = _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
+
+
+def _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish) -> Scheduler:
     sched_cfg = replace(
         cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
         max_context=min(cfg.max_context, mcfg.max_position_embeddings),
     )
-    sched = Scheduler(
+    return Scheduler(
         sched_cfg,
         runner.pool.allocator,
         mcfg.eos_token_ids,
         detokenize=StopDetokenizer(path),
         hold_kv_on_finish=hold_kv_on_finish,
     )
-    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
 
 
 def colocated_loop(parts: RankParts) -> SlotLoop:

@@ -3,7 +3,7 @@
 A request is traced when its AddRequest carries a traceparent; for any other request every call
 here is one dictionary lookup that finds nothing. Times come from the rank's own wall clock and are
 never read by a decision: the recorder only collects `SpanRecord`s, which the rank's stats push
-carries to the front (runtime/rank/process.py StatsReporter), which exports them. Nothing here
+carries to the front (runtime/rank/front_link.py StatsReporter), which exports them. Nothing here
 blocks, and the unsent records are bounded (the oldest are dropped and counted).
 """
 
