@@ -111,3 +111,15 @@ def test_the_sampling_rank_compiles_off_its_step_and_once(tok):
     assert sampler._compile(g) is first
     assert len(threads) == 1 and threads[0].startswith("grammar-compile")
     sampler._pool.shutdown()
+
+
+def test_the_gate_takes_a_front_tokenizer_that_is_still_loading(tok, tiny_model):
+    """A node front's tokenizer is TokenizerLoading's stand-in while it loads in the background;
+    xgrammar needs the tokenizer itself (CI caught the gate handing it the stand-in: every guided
+    request through a real node was a 400)."""
+    from pdserve.runtime.front.tokenizer_loading import TokenizerLoading
+
+    g = GuideGate(TokenizerLoading(tiny_model), len(tok), None, 30.0)
+    asyncio.run(g.check(["json_schema", SCHEMA]))
+    assert g.compiles == 1
+    g.close()

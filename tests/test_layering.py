@@ -26,6 +26,8 @@ ALLOWED = {
 TOP_LEVEL = {
     "pdserve.cli",
     "pdserve.up",
+    "pdserve.up_args",
+    "pdserve.launch",
     "pdserve.rolling_restart",
     "pdserve.trace_cmd",
     "pdserve.bench",

@@ -119,12 +119,15 @@ class GuideGate:
         if self._compiler is None:
             import xgrammar as xgr
 
+            # a front's tokenizer may be TokenizerLoading's stand-in: xgrammar needs the real one
+            ready = getattr(type(self.tokenizer), "ready", None)
+            tok = self.tokenizer.ready() if ready is not None else self.tokenizer
             stop = self.stop_ids
             if stop is None:
-                eos = getattr(self.tokenizer, "eos_token_id", None)
+                eos = getattr(tok, "eos_token_id", None)
                 stop = () if eos is None else (eos,)
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stop)
+                tok, vocab_size=self.vocab_size, stop_token_ids=list(stop)
             )
             # one thread: the front's compiles are checks and must leave the ranks their cores
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
