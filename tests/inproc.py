@@ -45,8 +45,9 @@ from pdserve.runtime.messages import (
     pack,
     unpack,
 )
+from pdserve.runtime.rank.front_link import rank_stats
 from pdserve.runtime.rank.pp_comm_memory import CommClosed, MemoryPPGroup
-from pdserve.runtime.rank.process import RankParts, build_rank, colocated_loop, rank_stats
+from pdserve.runtime.rank.process import RankParts, build_rank, colocated_loop
 from pdserve.runtime.rank.slot_loop import SlotLoop
 from pdserve.runtime.rank_spec import RankSpec
 
