@@ -41,8 +41,9 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def victim_prompt(i: int) -> list[dict]:
+    """A prompt no other one starts with (its number first), so no prefix cache holds it."""
     words = " ".join(f"w{(i * 7 + k) % 997}" for k in range(150))
-    return [{"role": "user", "content": f"Summarise in one line: {words}"}]
+    return [{"role": "user", "content": f"Request {i}. Summarise in one line: {words}"}]
 
 
 async def victim(client: httpx.AsyncClient, model: str, n: int, conc: int, seed: int) -> dict:
@@ -117,11 +118,13 @@ async def run(url: str, args) -> dict:
         await victim(client, model, 4, 2, seed=999)  # warm-up
         res = {c: {"ttft": [], "itl": [], "abuser": collections.Counter()} for c in CONDITIONS}
         for rnd in range(args.rounds):
-            for cond in CONDITIONS:
+            for ci, cond in enumerate(CONDITIONS):
                 stop = asyncio.Event()
                 abuse = asyncio.create_task(abuser(client, model, cond, stop))
                 await asyncio.sleep(2.0 if cond != "none" else 0)  # the abuse is under way
-                got = await victim(client, model, args.requests, args.concurrency, rnd * 10 + 1)
+                # prompts of its own per round and condition: none is in a prefix cache already
+                seed = 1 + rnd * len(CONDITIONS) + ci
+                got = await victim(client, model, args.requests, args.concurrency, seed)
                 stop.set()
                 res[cond]["abuser"].update(await abuse)
                 res[cond]["ttft"] += got["ttft"]
