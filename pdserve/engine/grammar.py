@@ -12,8 +12,8 @@ bitmask removes every token the grammar forbids. So nothing new travels between 
 retracted request resumes with the same state, and on a PD pair the decode side's matcher starts
 by feeding the first token the prefill side sampled under the same grammar.
 
-Compiling a grammar against the vocabulary takes from milliseconds to seconds (a JSON Schema of
-200 objects: about 1.7 s on one core). It never runs in a step: the sampling rank starts it on a
+Compiling a grammar against the vocabulary takes from milliseconds up to seconds for a large JSON
+Schema. It never runs in a step: the sampling rank starts it on a
 thread of its own as soon as a guided request arrives (`GrammarSampler.prepare`, called by the
 loops as they apply the request), while the request waits, prefills or takes its KV, and the step
 that first samples it waits only for what is left. The front bounds it before that: a guide must

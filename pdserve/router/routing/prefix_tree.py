@@ -6,9 +6,9 @@ The router has no tokenizer, so a prompt is its text (or its token ids as text).
 blocks of `BLOCK_CHARS` characters, like the nodes' KV pages, and each block is named by a hash
 chained over every block before it: a block's hash names the whole prefix up to its end. The tree
 is one dict from those hashes to nodes, so a walk costs one C-level string hash and one dict
-lookup per block, not a Python step per character (a walk over a prompt of a million characters
-was about 0.11 s character by character, issue #45, and a PD request walks its prompt about four
-times). The blocks of the last prompt are kept, so those walks hash it once.
+lookup per block, not a Python step per character, and a PD request walks its prompt several
+times (bench/bench_prefix_tree.py measures both trees). The blocks of the last prompt are
+kept, so those walks hash it once.
 
 A match is exact to the character: after the whole blocks, the next chunk is compared character
 by character with the blocks stored after them (one block's work per walk). Two prefixes whose

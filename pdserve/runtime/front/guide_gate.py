@@ -10,7 +10,8 @@ and remembers the outcome by the guide's SHA-256:
 - still queued behind other guides' compiles when `timeout_s` ran out: 503 with Retry-After (a
   flood of distinct guides waits here, in the front's one compile thread, not in a rank's step).
 The front's compile is a check only; the sampling rank compiles the guide again on its own thread
-(a compiled grammar serialises to hundreds of MB for a large schema: cheaper to compile twice).
+(a large schema's compiled grammar serialises to far more bytes, and takes longer to read back,
+than compiling it again).
 """
 
 from __future__ import annotations
