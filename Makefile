@@ -3,7 +3,7 @@ PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
 # `make constraints`: requirements/constraints.txt again from this venv (after a dependency change).
-.PHONY: constraints setup setup-test serve lint test test-hosts test-failover coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
+.PHONY: constraints setup setup-test serve lint test test-hosts test-failover test-models coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -16,10 +16,13 @@ setup-test:
 serve: setup
 	$(VENV)/bin/pdserve up
 
-# ruff (pyproject.toml [tool.ruff]): lint and format check; a finding fails `make test` and CI.
+# ruff (pyproject.toml [tool.ruff]): lint and format check; mypy (pyproject.toml [tool.mypy]): the
+# types of consensus/, kv_transfer/, runtime/ and engine/, and of what they import. A finding
+# fails `make test` and CI.
 lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The test suite (what CI runs): lint first, then pytest, its files spread over 2 workers
 # (pytest-xdist; a file's tests stay on one worker, since they share its module fixtures). The
@@ -28,7 +31,12 @@ lint: setup-test
 TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadfile -m "not hosts and not failover" $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadfile -m "not hosts and not failover and not models" $(PYTEST_ARGS)
+
+# Gemma 3 270M, the real file, against transformers in fp32 (tests/test_gemma3_real.py): a minute
+# or more of model loads (transformers' alone dequantizes the whole GGUF), so a CI step of its own.
+test-models: setup-test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m models $(PYTEST_ARGS)
 
 # Streams moved off failing, draining and restarting nodes (tests/test_migration.py,
 # tests/test_rolling_restart.py): about two minutes of whole clusters whose nodes are killed,

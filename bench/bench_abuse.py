@@ -12,11 +12,14 @@ client streams chat requests at a fixed concurrency while an *abuser* runs one o
   traceparent  small chat requests, 4 at a time, all with one `traceparent`
 
 It reports the victim's TTFT p50/p99 and ITL p99 under each condition as ratios to `none` in the
-same run, and what the abuser got (status codes). The tests assert the bounds on work and memory
+same run, and what the abuser got (status codes). By default both clients send no API key, so the
+router sees one tenant; with `--tenants` they send bearer tokens of their own (`victim`,
+`abuser`), two tenants, and `--router-args` can set the tenants' limits
+(`--tenant-max-concurrent N`). The tests assert the bounds on work and memory
 (tests/test_router_units.py, test_timeline_units.py, test_guide_gate.py); timings belong here.
 
     .venv/bin/python bench/bench_abuse.py [--model PATH] [--rounds 2] [--requests 24]
-        [--out bench/results/abuse.md]
+        [--tenants] [--router-args "..."] [--out bench/results/abuse.md]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import start_cluster, stop_cluster, wait_ready  # noqa: E402
+from soak import start_cluster, stop_cluster, up_args, wait_ready  # noqa: E402
 
 CONDITIONS = ("none", "tokenize", "huge_prompt", "schemas", "traceparent")
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -111,19 +114,31 @@ async def abuser(client: httpx.AsyncClient, model: str, kind: str, stop: asyncio
     return dict(codes)
 
 
+def bearer(args, who: str) -> dict:
+    return {"Authorization": f"Bearer {who}"} if args.tenants else {}
+
+
 async def run(url: str, args) -> dict:
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with (
+        httpx.AsyncClient(
+            base_url=url, timeout=600, limits=limits, headers=bearer(args, "victim")
+        ) as client,
+        httpx.AsyncClient(
+            base_url=url, timeout=600, limits=limits, headers=bearer(args, "abuser")
+        ) as abuser_client,
+    ):
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         await victim(client, model, 4, 2, seed=999)  # warm-up
-        res = {c: {"ttft": [], "itl": [], "abuser": collections.Counter()} for c in CONDITIONS}
+        conds = ["none", *(c for c in args.conditions.split(",") if c != "none")]
+        res = {c: {"ttft": [], "itl": [], "abuser": collections.Counter()} for c in conds}
         for rnd in range(args.rounds):
-            for ci, cond in enumerate(CONDITIONS):
+            for ci, cond in enumerate(conds):
                 stop = asyncio.Event()
-                abuse = asyncio.create_task(abuser(client, model, cond, stop))
+                abuse = asyncio.create_task(abuser(abuser_client, model, cond, stop))
                 await asyncio.sleep(2.0 if cond != "none" else 0)  # the abuse is under way
                 # prompts of its own per round and condition: none is in a prefix cache already
-                seed = 1 + rnd * len(CONDITIONS) + ci
+                seed = 1 + rnd * len(conds) + ci
                 got = await victim(client, model, args.requests, args.concurrency, seed)
                 stop.set()
                 res[cond]["abuser"].update(await abuse)
@@ -141,10 +156,12 @@ def pct(xs: list[float], q: float) -> float:
 
 def table(res: dict, args) -> str:
     base = res["none"]
+    setup = f"; router args: {args.router_args}" if args.router_args else ""
+    setup += "; the victim and the abuser are two tenants" if args.tenants else "; one tenant"
     lines = [
         "# One client abuses the cluster: the other clients' latency (bench/bench_abuse.py)",
         "",
-        f"`pdserve up` at its defaults; the victim streams {args.requests} chat requests "
+        f"`pdserve up` at its defaults{setup}; the victim streams {args.requests} chat requests "
         f"({args.concurrency} at a time, prompts of about 300 tokens, 32 output tokens) per "
         f"condition in each of {args.rounds} alternating rounds, while the abuser runs the "
         "condition (module docstring). Ratios to `none` in the same run.",
@@ -175,6 +192,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS), help="which to run (none too)")
+    ap.add_argument("--tenants", action="store_true", help="victim and abuser: two API keys")
+    ap.add_argument("--router-args", default="", help="passed to `pdserve up --router-args`")
     ap.add_argument("--out", default=str(ROOT / "bench/results/abuse.md"))
     args = ap.parse_args()
     from pdserve.infra.procs import free_port
@@ -184,7 +204,7 @@ def main() -> int:
     args.node_args = ""
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-abuse-")) / "up.log"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    proc = start_cluster(args, log_path)
+    proc = start_cluster(args.port, up_args(args), log_path)
     try:
         wait_ready(proc, log_path, args.startup_timeout)
         res = asyncio.run(run(f"http://127.0.0.1:{args.port}", args))

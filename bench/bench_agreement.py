@@ -1,8 +1,9 @@
 """Greedy agreement of the offline engine with Hugging Face transformers on the same weights,
-SmolLM2-135M-Instruct, in bf16 and in fp32.
+SmolLM2-135M-Instruct (or `--model`, e.g. gemma3-270m), in bf16 and in fp32.
 
 Workload: `--prompts` chat requests (the model's chat template around a user message of English
-text, uniform in [32, 512] tokens, from `--corpus`, seeded), `--max-tokens` greedy tokens each,
+text, uniform in [32, 512] tokens, from `--corpus`, seeded; the text alone for a model without a
+chat template), `--max-tokens` greedy tokens each,
 EOS not stopping either side (so every pair compares the same number of tokens).
   engine:        Engine.generate, one continuous batch, one thread, `--dtype` bfloat16 / float32;
   transformers:  AutoModelForCausalLM dequantized from the same GGUF, in fp32 and cast to bf16,
@@ -11,7 +12,7 @@ For each pair of runs: how many continuations are identical, the share of refere
 before the first difference, and where the first differences fall. After a first difference the
 two continuations follow different texts, so later positions are not compared.
 
-  .venv/bin/python bench/bench_agreement.py [--prompts 64] [--max-tokens 64]
+  .venv/bin/python bench/bench_agreement.py [--prompts 64] [--max-tokens 64] [--model NAME]
       [--corpus FILE] [--out bench/results/agreement.md]
 """
 
@@ -52,14 +53,19 @@ def make_prompts(tok, corpus: Path, n: int, seed: int = 0) -> list[list[int]]:
         k = rng.randint(32, 512)
         start = rng.randrange(0, len(words) - k)
         text = tok.decode(words[start : start + k])
+        if not tok.chat_template:  # a pretrained model: the text, after its BOS
+            prompts.append(tok.encode(text))
+            continue
         msgs = [{"role": "user", "content": text}]
         chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(chat, add_special_tokens=False))
     return prompts
 
 
-def engine_run(dtype: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
-    eng = Engine(EngineConfig(model=None, threads=1, dtype=dtype))
+def engine_run(
+    model: str | None, dtype: str, prompts: list[list[int]], max_new: int
+) -> tuple[list[list[int]], float]:
+    eng = Engine(EngineConfig(model=model, threads=1, dtype=dtype))
     t = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_tokens=max_new, ignore_eos=True))
     return [c.token_ids for c in outs], time.perf_counter() - t
@@ -92,15 +98,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--corpus", type=Path, default=CORPUS)
+    ap.add_argument("--model", default=None, help="a known name or path (default: SmolLM2)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agreement.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    path = resolve_model(None)
+    path = resolve_model(args.model)
     tok = load_tokenizer(path)
     prompts = make_prompts(tok, args.corpus, args.prompts)
     runs = {}
     for dtype in ("bfloat16", "float32"):
-        runs[f"engine {dtype}"], secs = engine_run(dtype, prompts, args.max_tokens)
+        runs[f"engine {dtype}"], secs = engine_run(args.model, dtype, prompts, args.max_tokens)
         print(f"engine {dtype}: {secs:.1f} s", flush=True)
     from transformers import AutoModelForCausalLM
 
@@ -120,12 +127,12 @@ def main() -> None:
     lines = [
         "# Greedy agreement with transformers",
         "",
-        f"`bench/bench_agreement.py --prompts {args.prompts} --max-tokens {args.max_tokens}`, "
+        f"`bench/bench_agreement.py --prompts {args.prompts} --max-tokens {args.max_tokens}"
+        f"{' --model ' + args.model if args.model else ''}`, "
         f"{platform.machine()}, torch {torch.__version__}, bf16 units: "
-        f"{'yes' if cpu_has_native_bf16() else 'no'}, SmolLM2-135M-Instruct (the GGUF, "
-        "dequantized), "
-        f"{len(prompts)} chat prompts of {min(lens)}-{max(lens)} tokens, {args.max_tokens} greedy "
-        "tokens each, EOS not stopping.",
+        f"{'yes' if cpu_has_native_bf16() else 'no'}, {path.name} (the GGUF, dequantized), "
+        f"{len(prompts)} {'chat ' if tok.chat_template else 'text '}prompts of "
+        f"{min(lens)}-{max(lens)} tokens, {args.max_tokens} greedy tokens each, EOS not stopping.",
         "",
         "| run / reference | identical continuations | reference tokens matched before the "
         "first difference | first difference at token |",

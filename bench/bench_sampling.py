@@ -9,8 +9,11 @@ bf16, one thread) at `--step-batch` requests of 70-534 token prompts at temperat
 rank's sampler swapped between the two, alternating runs of 48 output tokens: the median step over
 each run's last 40 (all decode).
 
+Then one filtered row (top-p, with top-k or min-p) for SmolLM2's and Gemma 3's vocabularies:
+the whole vocabulary sorted against the candidates above a floor (`--filtered-only`: that alone).
+
   .venv/bin/python bench/bench_sampling.py [--rows 1,8,32,64] [--reps 7] [--step-batch 32]
-      [--step-runs 2] [--out FILE.md]
+      [--step-runs 2] [--filtered-only] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -112,6 +115,60 @@ def step_table(batch: int, runs: int) -> list[str]:
     ]
 
 
+def full_sort_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """`_filtered_probs` with top-p by a (stable) sort of the whole vocabulary."""
+    x = logits / p.temperature
+    if p.top_k > 0:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    sorted_p, idx = torch.sort(probs, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    sorted_p = sorted_p.masked_fill((cum - sorted_p) > p.top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    return probs / probs.sum()
+
+
+def filtered_table(reps: int) -> list[str]:
+    """One top-p row: the whole vocabulary sorted, against the candidates above a floor
+    (engine/sampling.py `_nucleus`), for SmolLM2's and Gemma 3's vocabularies. A Zipf-like row
+    (a language model's shape: the nucleus is a few hundred tokens) and a flat one (the nucleus is
+    most of the vocabulary: every floor falls short, and the full sort serves after them)."""
+    filters = {
+        "top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+        "top_k 40, top_p 0.95": SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+        "min_p 0.05, top_p 0.9": SamplingParams(temperature=1.0, min_p=0.05, top_p=0.9),
+    }
+    lines = [
+        "",
+        f"One filtered row (fp32 logits), median of {reps}, the two alternating: ms per row.",
+        "",
+        "| vocabulary | row | filter | full sort ms | candidates ms | ratio |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    g = torch.Generator().manual_seed(5)
+    for vocab in (VOCAB, 262_144):
+        rank = torch.arange(1, vocab + 1, dtype=torch.float32)
+        rows = {
+            "Zipf-like": (-1.1 * rank.log() * 3)[torch.randperm(vocab, generator=g)],
+            "flat": torch.randn(vocab, generator=g),
+        }
+        for row_name, row in rows.items():
+            for name, p in filters.items():
+                a, b = [], []
+                for _ in range(reps):
+                    a.append(ms(lambda row=row, p=p: full_sort_filter(row, p), 1))
+                    b.append(ms(lambda row=row, p=p: _filtered_probs(row, p), 1))
+                full, cand = statistics.median(a), statistics.median(b)
+                lines.append(
+                    f"| {vocab} | {row_name} | {name} | {full:.2f} | {cand:.2f} | "
+                    f"{cand / full:.3f} |"
+                )
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32,64")
@@ -119,6 +176,9 @@ def main() -> int:
     ap.add_argument("--step-batch", type=int, default=32)
     ap.add_argument("--step-runs", type=int, default=2, help="0: no decode-step comparison")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--filtered-only", action="store_true", help="only the top-p table (full sort or not)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     assert cpu_kernels.load(), cpu_kernels.why_not()
@@ -135,12 +195,19 @@ def main() -> int:
         "| greedy (C++ op) ms |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for rows in (int(x) for x in args.rows.split(",")):
-        lines.append(table_row(rows, args.reps, g))
-        print(lines[-1], flush=True)
-    if args.step_runs:
+    if args.filtered_only:
+        lines = ["# Top-p without sorting the vocabulary", ""]
+        lines.append(f"Machine: {platform.machine()}, torch {torch.__version__}, 1 thread.")
+        lines += filtered_table(args.reps)
+    else:
+        for rows in (int(x) for x in args.rows.split(",")):
+            lines.append(table_row(rows, args.reps, g))
+            print(lines[-1], flush=True)
+        lines += filtered_table(args.reps)
+    if args.step_runs and not args.filtered_only:
         lines += step_table(args.step_batch, args.step_runs)
-    lines += ["", "Command: `.venv/bin/python bench/bench_sampling.py`", ""]
+    flag = " --filtered-only" if args.filtered_only else ""
+    lines += ["", f"Command: `.venv/bin/python bench/bench_sampling.py{flag}`", ""]
     text = "\n".join(lines)
     if args.out:
         Path(args.out).write_text(text)

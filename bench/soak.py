@@ -131,23 +131,18 @@ async def drive(
 # --- the cluster ----------------------------------------------------------------------------------
 
 
-def start_cluster(args, log_path: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "up",
-        "--port",
-        str(args.port),
-        "--prefill-pp",
-        str(args.prefill_pp),
-        "--decode-pp",
-        str(args.decode_pp),
-        "--node-args",
-        args.node_args,
-    ]
-    if args.model:
-        cmd += ["--model", args.model]
+def up_args(args) -> list[str]:
+    """`pdserve up`'s args from this script's (and bench_abuse.py's) own."""
+    out = ["--prefill-pp", str(args.prefill_pp), "--decode-pp", str(args.decode_pp)]
+    out += [f"--node-args={args.node_args}"] if args.node_args else []
+    out += [f"--router-args={args.router_args}"] if getattr(args, "router_args", "") else []
+    return out + (["--model", args.model] if args.model else [])
+
+
+def start_cluster(port: int, args: list[str], log_path: Path) -> subprocess.Popen:
+    """`pdserve up --port PORT ARGS...`, its output into `log_path`, in a session of its own (so
+    `stop_cluster` reaches every process it starts); Ctrl-C at its default in it."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), *args]
     with open(log_path, "wb") as f:
         return subprocess.Popen(
             cmd,
@@ -250,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # also when started with SIGINT ignored (a background job)
     log_path = Path(tempfile.mkdtemp(prefix="pdserve-soak-")) / "up.log"
     print(f"[soak] starting pdserve up (log {log_path})", flush=True)
-    proc = start_cluster(args, log_path)
+    proc = start_cluster(args.port, up_args(args), log_path)
     report: dict = {}
     leftovers: list[int] = []
     try:

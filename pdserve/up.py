@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import httpx
 
+from pdserve.engine.model.path import ModelLoadError, resolve_model
+from pdserve.engine.model.tokenizer import saved_chat_template
 from pdserve.infra.cluster_secret import ENV as SECRET_ENV
 from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from pdserve.infra.cluster_secret import cluster_secret
@@ -45,6 +47,20 @@ RANK_MODULES = [
     "pdserve.decode_node.rank",
 ]  # what the cluster's zygote preloads
 STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
+
+
+def example_request(url: str, key: str, model: str, chat: bool) -> str:
+    """The ready line's curl: a chat request, or a completion for a model without a chat template
+    (which answers chat with a 400)."""
+    if chat:
+        path = "chat/completions"
+        body = '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
+    else:
+        path, body = "completions", '"prompt": "The capital of France is"'
+    return (
+        f"  curl {url}/v1/{path} -H 'Content-Type: application/json'{key} \\\n"
+        f'    -d \'{{"model": "{model}", {body}, "max_tokens": 32, "temperature": 0}}\''
+    )
 
 
 def say(msg: str, error: bool = False) -> None:
@@ -123,6 +139,14 @@ class Cluster:
         router_cmd += self._start_decode_nodes(env, cpus, logs)
         self._wait_nodes()
         return self._start_router(router_cmd, env)
+
+    def first_model_chats(self) -> bool:
+        """Whether the first model has a chat template (a pretrained one, Gemma 3 270M, has none);
+        yes where its saved tokenizer cannot be read."""
+        try:
+            return saved_chat_template(resolve_model(self._models()[0])) is not False
+        except ModelLoadError:
+            return True
 
     def _models(self) -> list[str | None]:
         """The models to serve, each on its own prefill and decode nodes (None: the default)."""
@@ -353,6 +377,9 @@ def up_main(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C stops everything even where SIGINT came ignored (a script's background job: Python
+    # then installs no KeyboardInterrupt of its own, and the cluster would ignore it)
+    signal.signal(signal.SIGINT, on_signal)
     # SIGHUP: restart every node, one at a time, without a failed request (rolling_restart.py)
     signal.signal(signal.SIGHUP, lambda *_: setattr(cluster, "restart_requested", True))
     try:
@@ -368,9 +395,7 @@ def up_main(args) -> int:
         )
         say(
             f"ready: OpenAI-compatible API on {url}/v1  (Ctrl-C stops everything)\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
-            f'    -d \'{{"model": "{models[0]["id"]}", "messages": [{{"role": "user", "content": '
-            f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}\''
+            + example_request(url, key, models[0]["id"], cluster.first_model_chats())
         )
         return cluster.watch()
     except KeyboardInterrupt:

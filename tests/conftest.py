@@ -136,6 +136,24 @@ def tiny6(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma6(tmp_path_factory):
+    """A tiny random Gemma 3 of 6 layers (tests/tiny_model.py): a sliding window of 7 tokens on
+    four of them, GeGLU, four norms a layer, scaled embeddings, tied."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("gemma6"), num_layers=6, seed=1, arch="gemma3", tie=True
+    )
+
+
+@pytest.fixture(scope="session")
+def gemma6_greedy(gemma6, mixed_prompts):
+    """(prompts, transformers' greedy answers) on gemma6, as `tiny6_greedy`."""
+    from one_thread import hf_greedy_one_thread
+
+    prompts = [mixed_prompts[i] for i in INPROC_PROMPTS]
+    return prompts, hf_greedy_one_thread(gemma6, prompts, INPROC_MAX_NEW)
+
+
+@pytest.fixture(scope="session")
 def mixed_prompts():
     """16 prompts of mixed lengths; with chunk size 16 the long ones take more than two chunks."""
     rng = random.Random(7)

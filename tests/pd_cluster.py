@@ -143,24 +143,38 @@ async def pd_generate(
     ids,
     max_new: int,
     room: int | None = None,
+    share: dict | None = None,
 ) -> tuple[dict, dict]:
     """What the router does: the same request to both nodes at once; returns
-    (prefill, decode) JSON."""
+    (prefill, decode) JSON. `share`: its tenant fields (`tenant`, `tenant_weight`, `priority`)."""
     r = await client.put(f"{durl}/bootstrap_servers", json={"servers": [f"127.0.0.1:{bport}"]})
     assert r.status_code == 200, r.text
     room = room if room is not None else random.getrandbits(63)
-    b = body(ids, room, bport, max_new)
+    b = {**body(ids, room, bport, max_new), **(share or {})}
     p, d = await asyncio.gather(
         client.post(f"{purl}/generate", json=b), client.post(f"{durl}/generate", json=b)
     )
     return p.json(), d.json()
 
 
-def pd_generate_all(purl, durl, bport, prompts, max_new) -> list[list[int]]:
+def pd_generate_all(purl, durl, bport, prompts, max_new, shares=()) -> list[list[int]]:
+    """Every prompt at once; `shares`: tenant fields given to the prompts in turn."""
+
     async def run():
         async with httpx.AsyncClient(timeout=120) as c:
             res = await asyncio.gather(
-                *(pd_generate(c, purl, durl, bport, ids, max_new) for ids in prompts)
+                *(
+                    pd_generate(
+                        c,
+                        purl,
+                        durl,
+                        bport,
+                        ids,
+                        max_new,
+                        share=shares[i % len(shares)] if shares else None,
+                    )
+                    for i, ids in enumerate(prompts)
+                )
             )
         for p, d in res:
             assert "error" not in p, p

@@ -35,11 +35,11 @@ QUESTIONS = [
     "What does a CPU cache do?",
 ]
 MAX_NEW = 32
-# The share of transformers' tokens matched before the first difference, over the 8 prompts: 0.82
-# measured on an AMX core. The bound is what bf16 itself moves the model by: transformers in bf16
-# matched 64 % of transformers in fp32 on the bench's 64 x 64 (pdserve bf16: 68 % of transformers
-# bf16), so pdserve in bf16 must stay at least that close to transformers in bf16.
-MIN_SHARE = 0.6
+# The share of transformers' tokens matched before the first difference, over the 8 prompts: the
+# measured figure less one prompt's worth (1/8), since one near tie decided the other way changes a
+# whole continuation. The figure, and a perturbation that this bound catches and the earlier 0.6
+# did not, are in docs/PERFORMANCE.md section 3 ("The test's bound").
+MIN_SHARE = 0.65
 
 
 def test_bf16_greedy_agrees_with_transformers_bf16():

@@ -21,9 +21,15 @@ class W:
     queued_prompt_tokens: int = 0
     prefix_cache: bool = True
     in_flight: int = 0  # requests the router has open there
+    role: str = "decode"  # the latency model has a fit per role
 
 
-P, D = W("http://p"), W("http://d", in_flight=4)  # the decode node has streams running
+def Pn(queued: int = 0, **kw) -> W:
+    """A prefill node."""
+    return W("http://p", queued, role="prefill", **kw)
+
+
+P, D = Pn(), W("http://d", in_flight=4)  # the decode node has streams running
 
 
 def ids(n: int) -> dict:
@@ -92,9 +98,9 @@ def test_a_prompt_both_nodes_hold_stays_disaggregated():
     assert (dec.path, dec.reason) == ("disaggregated", "default")
     assert dec.prompt_tokens == n - held  # the prefill node's queue is charged only the rest
     # a prefill node started with --no-prefix-cache holds nothing: the decode node's hit counts
-    assert d.decide({}, later, W(P.url, prefix_cache=False), D).reason == "decode_prefix_hit"
+    assert d.decide({}, later, Pn(prefix_cache=False), D).reason == "decode_prefix_hit"
     # the prefill node's queue still counts: behind a deep one the decode node prefills it
-    assert d.decide({}, later, W(P.url, 10_000), D).reason == "prefill_queue"
+    assert d.decide({}, later, Pn(10_000), D).reason == "prefill_queue"
     # a request the decode node prefilled alone is not recorded as held by the prefill node
     other = "user\nsomething else entirely " * 20
     d.routed(other, D.url)
@@ -111,13 +117,13 @@ def test_a_deep_prefill_queue_sends_the_prompt_to_the_idle_decode_node():
     d = Disaggregation(cfg)
     body = ids(100)
     busy = dict(in_flight=2)  # streams decode there: a local prefill delays them
-    assert d.decide(body, "k", W("p", 0), W("d", 0, **busy)).path == "disaggregated"  # 164 < 400
+    assert d.decide(body, "k", Pn(0), W("d", 0, **busy)).path == "disaggregated"  # 164 < 400
     # 300 + 100 + 64 = 464 > 4 * 100
-    assert d.decide(body, "k", W("p", 300), W("d", 0, **busy)).reason == "prefill_queue"
+    assert d.decide(body, "k", Pn(300), W("d", 0, **busy)).reason == "prefill_queue"
     # the decode node's own local queue counts against it: 4 * (50 + 100) = 600
-    assert d.decide(body, "k", W("p", 300), W("d", 50, **busy)).path == "disaggregated"
+    assert d.decide(body, "k", Pn(300), W("d", 50, **busy)).path == "disaggregated"
     assert Disaggregation(DisaggConfig(local_prefill_cost=0)).decide(
-        body, "k", W("p", 10**6), W("d", 0)
+        body, "k", Pn(10**6), W("d", 0)
     ).path == ("disaggregated")
 
 
@@ -142,17 +148,17 @@ def test_an_idle_decode_node_prefills_at_the_cost_of_what_it_computes():
     d = Disaggregation(cfg)
     body = ids(300)
     idle, busy = W("d", 0, in_flight=0), W("d", 0, in_flight=1)
-    assert d.decide(body, "k", W("p", 0), idle).reason == "prefill_queue"  # 300 < 316
-    assert d.decide(body, "k", W("p", 0), busy).path == "disaggregated"  # 450 > 316
+    assert d.decide(body, "k", Pn(0), idle).reason == "prefill_queue"  # 300 < 316
+    assert d.decide(body, "k", Pn(0), busy).path == "disaggregated"  # 450 > 316
     # --disagg-idle-local-prefill-cost at the local cost: the rule as it was
     same = DisaggConfig(**{**cfg.__dict__, "idle_local_prefill_cost": 1.5})
-    assert Disaggregation(same).decide(body, "k", W("p", 0), idle).path == "disaggregated"
+    assert Disaggregation(same).decide(body, "k", Pn(0), idle).path == "disaggregated"
     with pytest.raises(ValueError):
         DisaggConfig(idle_local_prefill_cost=-1)
     # a cost below 1 stays as set
     low = Disaggregation(DisaggConfig(min_prompt_tokens=0, local_prefill_cost=0.5))
-    assert low.decide(ids(600), "k", W("p", 0), W("d", 700, in_flight=0)).path == "disaggregated"
-    assert low.decide(ids(600), "k", W("p", 0), W("d", 10, in_flight=0)).reason == "prefill_queue"
+    assert low.decide(ids(600), "k", Pn(0), W("d", 700, in_flight=0)).path == "disaggregated"
+    assert low.decide(ids(600), "k", Pn(0), W("d", 10, in_flight=0)).reason == "prefill_queue"
 
 
 def decisions(cluster) -> dict[tuple[str, str], float]:

@@ -123,3 +123,25 @@ def test_the_gate_takes_a_front_tokenizer_that_is_still_loading(tok, tiny_model)
     asyncio.run(g.check(["json_schema", SCHEMA]))
     assert g.compiles == 1
     g.close()
+
+
+def test_the_fronts_compiles_run_on_threads_of_lower_priority(tok):
+    """The front's check of a guide is one request's work: its thread yields the CPU to the
+    forward that every running stream waits on (COMPILE_NICE). The sampling rank's compile keeps
+    the rank's priority: the rank waits on it at the request's first sample."""
+    import os
+    import threading
+
+    from pdserve.engine.grammar import COMPILE_NICE
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice()
+    front = GuideGate(tok, len(tok), (tok.eos_token_id,), 30.0)
+    rank = GrammarSampler(lambda: tok, len(tok), (tok.eos_token_id,))
+    assert front._pool.submit(nice).result() == min(19, mine + COMPILE_NICE)
+    assert rank._pool.submit(nice).result() == mine
+    front._pool.shutdown()
+    rank._pool.shutdown()
+    assert nice() == mine  # the caller's own thread is left as it was

@@ -49,6 +49,18 @@ def test_every_layout_matches_transformers(ppp, dpp, tiny6, tiny6_greedy):
         assert sent == received > 0
 
 
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2)])
+def test_gemma3_layouts_match_transformers(ppp, dpp, gemma6, gemma6_greedy):
+    """A Gemma 3 (sliding windows of 7 tokens, shorter than most prompts) is token-identical to
+    transformers in the layouts of the issue, and leaves nothing held."""
+    prompts, reference = gemma6_greedy
+    with running(lambda: PDCluster(gemma6, ppp, dpp)) as c:
+        got = c.generate_all(prompts, len(reference[0]))
+        for i, (g, w) in enumerate(zip(got, reference, strict=True)):
+            assert g == w, f"prompt {i} (len {len(prompts[i])}) differs from transformers"
+        _all_settled(c.wait_settled())
+
+
 def test_different_page_sizes_match_transformers(tiny6, tiny6_greedy):
     """Prefill pages of 4 tokens, decode pages of 8: the descriptors cut per layer and token run."""
     prompts, reference = tiny6_greedy

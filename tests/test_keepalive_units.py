@@ -16,10 +16,11 @@ from pdserve.router.openai_api.keepalive import native_error, pinged_stream
 def test_client_leaving_during_pings_frees_the_slot():
     released, observed = [], []
 
+    ticket = types.SimpleNamespace(release=lambda: released.append(1))  # the admission's
+
     async def main():
         router = types.SimpleNamespace(
             cfg=types.SimpleNamespace(sse_keepalive_s=0.05),
-            admission=types.SimpleNamespace(release=lambda: released.append(1)),
             metrics=types.SimpleNamespace(observe_request=lambda *a: observed.append(a[1])),
         )
 
@@ -31,7 +32,7 @@ def test_client_leaving_during_pings_frees_the_slot():
 
         opening = asyncio.create_task(dispatch())
         resp = StreamingResponse(
-            pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error),
+            pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error, ticket),
             media_type="text/event-stream",
         )
         sent = []
@@ -61,14 +62,15 @@ def test_an_attempt_that_opens_as_the_client_leaves_is_aborted():
         def close(self, ok, abort=False):
             closed.append((ok, abort))
 
+    ticket = types.SimpleNamespace(release=lambda: released.append(1))  # the admission's
+
     async def main():
         router = types.SimpleNamespace(
             cfg=types.SimpleNamespace(sse_keepalive_s=0.05),
-            admission=types.SimpleNamespace(release=lambda: released.append(1)),
             metrics=types.SimpleNamespace(observe_request=lambda *a: None),
         )
         opening = asyncio.get_running_loop().create_future()
-        gen = pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error)
+        gen = pinged_stream(router, opening, "/generate", 0.0, lambda a: None, native_error, ticket)
         assert await gen.__anext__() == b": ping\n\n"
         nxt = asyncio.ensure_future(gen.__anext__())  # waiting in the ping loop
         await asyncio.sleep(0.01)

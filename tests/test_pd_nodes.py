@@ -45,10 +45,18 @@ QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TI
 # in-process (tests/test_inproc_pd.py, ranks as threads, the in-memory transfer); here, one layout
 # with real processes, gloo and Mooncake: the decode ranks' layers cut across the prefill ranks'
 # (2 against 3: decode PP1's layers [2, 4) come from both prefill ranks).
+# The prompts come from three tenants (one weighted, one of lower priority): the ranks order their
+# waiting queues and cap each tenant's prefill per forward by them (engine/fair_queue.py), with the
+# consensus checker on, and the answers stay exact. The cap is set below the longer prompts, so
+# that it binds.
+TENANTS = ({"tenant": "a"}, {"tenant": "b", "tenant_weight": 3.0}, {"tenant": "c", "priority": 1})
+
+
 @pytest.mark.parametrize("ppp,dpp", [(2, 3)])
 def test_pd_greedy_matches_transformers(ppp, dpp, tiny6, mixed_prompts, reference, tmp_path):
-    with pd_pair(tiny6, ppp, dpp, tmp_path, env=QUEUE_TIMEOUTS) as ((purl, bport, _), (durl, _)):
-        got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW)
+    cap = ["--fair-prefill-tokens", "24"]
+    with pd_pair(tiny6, ppp, dpp, tmp_path, cap, QUEUE_TIMEOUTS) as ((purl, bport, _), (durl, _)):
+        got = pd_generate_all(purl, durl, bport, mixed_prompts, MAX_NEW, TENANTS)
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
         left = wait_pages_free(purl, durl)

@@ -298,3 +298,6 @@ def test_status_page_is_open_and_its_data_needs_the_internal_token(pd):
     state = r.json()
     assert sorted(w["role"] for w in state["workers"]) == ["decode", "prefill"]
     assert state["router"]["running"] == 0 and state["router"]["max_concurrent"] > 0
+    model = state["router"]["latency_model"]
+    assert set(model) == {"fits", "predicted_over_actual", "calibration"}
+    assert state["router"]["admission"]["waiting"] == 0

@@ -1,4 +1,5 @@
-"""Router unit tests: policies, prefix tree, circuit breaker, admission, config/CLI parsing."""
+"""Router unit tests: policies, prefix tree, circuit breaker, config/CLI parsing (admission:
+tests/test_admission.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.router.admission import Admission, Rejected
 from pdserve.router.cli import add_router_args, router_config_from_args
 from pdserve.router.config import BreakerConfig, CacheAwareConfig, RouterConfig, WorkerSpec
 from pdserve.router.routing.circuit import CircuitBreaker, CircuitState
@@ -194,88 +194,6 @@ def test_breaker_success_resets_failure_count():
         cb.on_dispatch()
         cb.record(ok)
     assert cb.state is CircuitState.CLOSED
-
-
-# --- admission ------------------------------------------------------------------------------
-def test_admission_queue_and_reject():
-    async def scenario():
-        adm = Admission(max_concurrent=2, max_queue=1, queue_timeout_s=5)
-        await adm.acquire()
-        await adm.acquire()
-        queued = asyncio.create_task(adm.acquire())
-        await asyncio.sleep(0)
-        assert adm.waiting == 1
-        with pytest.raises(Rejected):
-            await adm.acquire()
-        adm.release()
-        await asyncio.wait_for(queued, 1)
-        assert adm.running == 2 and adm.waiting == 0
-        adm.release()
-        adm.release()
-        assert adm.running == 0
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
-
-
-def test_admission_queue_timeout_and_cancel_keep_counts():
-    async def scenario():
-        adm = Admission(max_concurrent=1, max_queue=4, queue_timeout_s=0.05)
-        await adm.acquire()
-        with pytest.raises(Rejected):
-            await adm.acquire()
-        waiter = asyncio.create_task(adm.acquire())
-        await asyncio.sleep(0)
-        waiter.cancel()
-        await asyncio.gather(waiter, return_exceptions=True)
-        assert adm.waiting == 0
-        adm.release()
-        assert adm.running == 0
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
-
-
-def test_admission_counts_a_request_with_n_choices_as_n():
-    """n choices are n node requests: with 4 units, an n=3 request and a plain one fill them, the
-    next plain one waits, and an n=16 request (capped at 4 so it can run alone) waits its turn in
-    arrival order without being passed by the small ones behind it."""
-
-    async def scenario():
-        adm = Admission(max_concurrent=4, max_queue=8, queue_timeout_s=5)
-        await adm.acquire(3)
-        await adm.acquire()
-        assert adm.running == 4
-        big = asyncio.create_task(adm.acquire(16))
-        small = asyncio.create_task(adm.acquire())
-        await asyncio.sleep(0)
-        assert adm.waiting == 2
-        adm.release()  # one unit free: the big one (4) does not fit, and the small one waits behind
-        await asyncio.sleep(0)
-        assert adm.running == 3 and adm.waiting == 2 and not small.done()
-        adm.release(3)  # all free: the big one takes all 4
-        await asyncio.wait_for(big, 1)
-        assert adm.running == 4 and not small.done()
-        adm.release(16)
-        await asyncio.wait_for(small, 1)
-        assert adm.running == 1 and adm.waiting == 0
-        adm.release()
-        assert adm.running == 0
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
-
-
-def test_admission_a_large_waiter_that_gives_up_lets_the_rest_in():
-    async def scenario():
-        adm = Admission(max_concurrent=2, max_queue=8, queue_timeout_s=5)
-        await adm.acquire()
-        big = asyncio.create_task(adm.acquire(2))
-        small = asyncio.create_task(adm.acquire())
-        await asyncio.sleep(0)
-        big.cancel()
-        await asyncio.gather(big, return_exceptions=True)
-        await asyncio.wait_for(small, 1)  # it fits beside the one running, once nothing is ahead
-        assert adm.running == 2 and adm.waiting == 0
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 # --- config and CLI -----------------------------------------------------------------------

@@ -139,3 +139,60 @@ def test_draws_are_the_exact_inverse_cdf_but_within_rounding_of_a_boundary(path)
         edge = cum[i, min(chosen[i], exact[i])].item()  # the boundary between the two
         assert abs(chosen[i] - exact[i]) == 1 and abs(edge - u[i].item()) < 1e-6, (i, path)
     assert len(differ) <= 5, (len(differ), path)
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p as the definition reads: the whole vocabulary sorted (ties by token id)."""
+    sorted_p, idx = torch.sort(probs, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    sorted_p = sorted_p.masked_fill((cum - sorted_p) > top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+
+
+def _rows(vocab: int) -> list[torch.Tensor]:
+    """Logit rows of every shape the candidates' floors meet: flat (the nucleus is most of the
+    vocabulary: every floor falls short, the full sort serves), peaked (a few candidates), a
+    Zipf-like language model's, and ties at the nucleus' edge."""
+    g = torch.Generator().manual_seed(11)
+    rank = torch.arange(1, vocab + 1, dtype=torch.float32)
+    rows = [torch.randn(vocab, generator=g) * s for s in (0.3, 1.0, 3.0, 8.0)]
+    rows.append((-1.1 * rank.log() * 3)[torch.randperm(vocab, generator=g)])
+    tied = torch.full((vocab,), -5.0)
+    tied[torch.randperm(vocab, generator=g)[:40]] = 2.0  # 40 equal tokens hold most of the mass
+    rows.append(tied)
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [49_152, 262_144])
+def test_top_p_without_a_full_sort_is_the_full_sorts_value_for_value(vocab):
+    """engine/sampling.py `_nucleus` sorts only the tokens above a floor: its filtered
+    distribution equals the full sort's exactly, with min-p (its floor) and top-k before it."""
+    cases = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.999),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+        SamplingParams(temperature=1.0, min_p=0.05, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.001, top_p=0.2),
+    ]
+    for row in _rows(vocab):
+        for p in cases:
+            got = sampling._filtered_probs(row, p)
+            x = row / p.temperature
+            if p.top_k > 0:
+                x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if p.min_p > 0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            want = _nucleus_by_full_sort(probs, p.top_p)
+            assert torch.equal(got, want / want.sum()), (vocab, p)
+
+
+def test_top_p_at_an_ulp_of_the_candidates_mass_keeps_what_the_full_sort_keeps():
+    """Two tokens whose float32 mass is float32(0.8), just above 0.8 as a double: the full sort
+    keeps a third token (its preceding mass is not above float32(0.8)), so the candidates above
+    the first floor must not be taken as the whole nucleus."""
+    probs = torch.tensor([0.5, 0.3] + [0.0005] * 400)
+    got = sampling._nucleus(probs, 0.8)
+    assert torch.equal(got, _nucleus_by_full_sort(probs, 0.8))
+    assert int((got > 0).sum()) == 3

@@ -106,9 +106,20 @@ def build_tokenizer(out: Path, vocab_size: int = 384, chat_template: str = CHAT_
     return fast
 
 
-def _arch_config(arch: str, common: dict, *, rope_scaling: dict | None, head_dim: int | None):
-    """The transformers config of `arch` ("llama", "qwen2" or "qwen3") with the `common` fields."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+GEMMA3_WINDOW = 7
+
+
+def _arch_config(
+    arch: str,
+    common: dict,
+    *,
+    rope_scaling: dict | None,
+    head_dim: int | None,
+    overrides: dict | None = None,
+):
+    """The transformers config of `arch` ("llama", "qwen2", "qwen3" or "gemma3") with the `common`
+    fields."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":
         return LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
@@ -118,6 +129,20 @@ def _arch_config(arch: str, common: dict, *, rope_scaling: dict | None, head_dim
         return Qwen3Config(
             rope_theta=10000.0, use_sliding_window=False, head_dim=head_dim or 32, **common
         )
+    elif arch == "gemma3":  # a window of 7 tokens (pages of 4 cut it) on three of four layers
+        types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+        n = common["num_hidden_layers"]
+        fields = dict(
+            head_dim=head_dim or 16,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=[types[i % len(types)] for i in range(n)],
+            query_pre_attn_scalar=24,  # not head_dim: the scale is the model's
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+        return Gemma3TextConfig(**{**fields, **(overrides or {})}, **common)
     else:
         raise ValueError(f"unknown arch {arch}")
 
@@ -150,8 +175,10 @@ def build_tiny_model(
     rope_scaling: dict | None = None,
     head_dim: int | None = None,
     chat_template: str = CHAT_TEMPLATE,
+    config_overrides: dict | None = None,
 ) -> Path:
-    """Writes config.json, model.safetensors and the tokenizer into `out` and returns it."""
+    """Writes config.json, model.safetensors and the tokenizer into `out` and returns it;
+    `config_overrides`: fields of the transformers config to set (Gemma 3's layer types, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -173,7 +200,9 @@ def build_tiny_model(
         eos_token_id=tok.eos_token_id,
         dtype="float32",
     )
-    cfg = _arch_config(arch, common, rope_scaling=rope_scaling, head_dim=head_dim)
+    cfg = _arch_config(
+        arch, common, rope_scaling=rope_scaling, head_dim=head_dim, overrides=config_overrides
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize_weights(model)

@@ -9,6 +9,8 @@
 #   *_cache: prefix caching on, and every request starts with one shared 512-token system prompt
 #   (run_aiperf_sweep.sh SYSPROMPT; each level draws its own user prompts).
 #   LEVELS (env): concurrency:requests pairs, default "1:16 8:48 32:64"
+#   PEER_MODEL (env): a Hugging Face folder every system serves (default: SmolLM2's, and
+#   pdserve's own default model); e.g. Gemma 3 from bench/peers/convert_gemma3.py
 #   TEMPERATURE (env): sent to both servers, default 1 (0: greedy, as runs before 25; run_aiperf_sweep.sh)
 # Writes OUT_DIR/summary.md (the aiperf table) and OUT_DIR/cpu_share.md (each core's busy share,
 # and the client's and the server's CPU, over each level's measured window: cpu_share.py).
@@ -46,14 +48,15 @@ for S in $SYSTEMS; do
     vllm|vllm_fp32)
       va=(); [ -n "$cache" ] && va=(--no-enable-prefix-caching); [ "$base" = vllm_fp32 ] && va+=(--dtype float32)
       setsid "$HERE/start_vllm.sh" 8011 "${va[@]}" || continue
-      PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="$PEER_DIR/smollm2-135m-hf" ;;
+      PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="${PEER_MODEL:-$PEER_DIR/smollm2-135m-hf}" ;;
     pd|pd11|pd22|pd_fp32|pd_args|pd_router)
       # pd: `pdserve up` with its defaults; pd11 / pd22: PP 1+1 / PP 2+2 named explicitly;
       # pd_args: pd with the node flags in PD_NODE_ARGS (env), e.g. "--max-batch-tokens 512";
       # pd_router: pd with the router flags in PD_ROUTER_ARGS (env), e.g. "--disagg-local-prefill-cost 0".
       # No prefix cache (but in pd_cache): the levels resend the same prompts, and vLLM runs with
       # its cache off too.
-      extra=(); case $S in pd11) extra=(--prefill-pp 1 --decode-pp 1);; pd22) extra=(--prefill-pp 2 --decode-pp 2);; esac
+      extra=(); [ -n "${PEER_MODEL:-}" ] && extra=(--model "$PEER_MODEL")
+      case $S in pd11) extra+=(--prefill-pp 1 --decode-pp 1);; pd22) extra+=(--prefill-pp 2 --decode-pp 2);; esac
       na="$cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
       [ "$S" = pd_args ] && na="$na ${PD_NODE_ARGS:-}"
       [ -n "${na// }" ] && extra+=("--node-args=$na")
@@ -67,8 +70,9 @@ for S in $SYSTEMS; do
       # colo1 / colo2: --threads 1 / 2 named explicitly (colo2: both cores compute, nothing left for I/O)
       # colopp2: `pdserve serve --pp 2`, one rank per core, nothing left for I/O
       # colo_args: colo with the node flags in COLO_NODE_ARGS (env), e.g. "--batch-invariant"
-      th=(--pp 1); [ "$S" = colo1 ] && th+=(--threads 1); [ "$S" = colo2 ] && th+=(--threads 2)
-      [ "$S" = colopp2 ] && th=(--pp 2)
+      th=(--pp 1); [ -n "${PEER_MODEL:-}" ] && th+=(--model "$PEER_MODEL")
+      [ "$S" = colo1 ] && th+=(--threads 1); [ "$S" = colo2 ] && th+=(--threads 2)
+      [ "$S" = colopp2 ] && th=(--pp 2 "${th[@]:2}")
       [ "$S" = colo_args ] && th+=(${COLO_NODE_ARGS:-})
       setsid bash -c "'$PDS' serve ${th[*]} $cache --port 8201 & '$PDS' router --port 8200 --worker http://127.0.0.1:8201 & wait" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8200
@@ -78,6 +82,8 @@ for S in $SYSTEMS; do
   echo "$S ready after $(echo "$(date +%s.%N) - $t0" | bc) s"
   # the served model id is what the client sends; the tokenizer is the same HF folder for all
   "$HERE/run_aiperf_sweep.sh" "$PORT" "$MODEL" "$OUT/$S" 1
+  # pdserve's router: its latency model's errors and its route decisions over the whole sweep
+  case $base in vllm*) ;; *) curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/$S-router-metrics.txt" || true;; esac
   stop_group $PGID
 done
 RUNS=$(for S in $SYSTEMS; do echo "$OUT/$S"; done)

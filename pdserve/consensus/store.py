@@ -37,6 +37,7 @@ import queue
 import sys
 import threading
 from collections.abc import Iterable, Iterator, MutableMapping
+from typing import TypeGuard, cast
 
 import msgpack
 import zmq
@@ -54,7 +55,7 @@ CHANNEL = "consensus-store"
 FLUSH_LINGER_MS = 2000
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -183,7 +184,8 @@ class PPConsensusStore(MutableMapping):
         if timeout_s > 0 and not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return 0
         n = 0
-        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # pyzmq types getsockopt as int | bytes; EVENTS is an int option
+        while cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._apply(self._sock.recv_multipart(zmq.NOBLOCK, copy=True))
             n += 1
         return n
@@ -260,6 +262,8 @@ class PPConsensusStore(MutableMapping):
 
     def _send_loop(self) -> None:
         try:
+            # the thread runs only on ranks > 0, which set both before starting it (__init__)
+            assert self._queue is not None and self._sock is not None
             while True:
                 item = self._queue.get()
                 if item is _STOP:
@@ -292,6 +296,7 @@ class PPConsensusStore(MutableMapping):
             return
         self._closed = True
         if self._thread is not None:
+            assert self._queue is not None  # set with the thread (__init__)
             self._queue.put(_STOP)
             self._thread.join(timeout=FLUSH_LINGER_MS / 1000 + 1)
         elif self._sock is not None:

@@ -197,9 +197,9 @@ class RingVote:
             # The verdict leaves at once; PP0 takes it when it harvests `slot` (L - 1 turns
             # later), so PP0 never waits for the last rank's current iteration and the pipeline
             # stays full.
-            self._kept[slot] = self._without_pending(slot, tally)
+            self._kept[slot] = kept = self._without_pending(slot, tally)
             if self.t.size > 1:
-                self.t.send_next(["v2", slot, _pack(self._kept[slot])])
+                self.t.send_next(["v2", slot, _pack(kept)])
         else:
             self.t.send_next(["v1", slot, _pack(tally)])
 
@@ -222,6 +222,7 @@ class RingVote:
             return {k: Verdict() for k in self.kinds}
         if self.t.is_last:
             kept = self._kept[slot]
+            assert kept is not None  # the last rank keeps a verdict whenever the slot voted (pass1)
             self._kept[slot] = None
         else:
             raw, kept = self._recv("v2", slot)

@@ -85,7 +85,9 @@ class DecodeLoop(PDLoop):
     def open_room(self, msg: PDAddRequest, params: SamplingParams) -> PDReq:
         receiver = self.kv_mgr.create_receiver(msg.room, msg.bootstrap_addr)
         # a migrated stream's tokens (`output_ids`) arrive as KV after the prompt's
-        req = Req(msg.rid, list(msg.input_ids), params, output_ids=list(msg.output_ids))
+        req = Req(
+            msg.rid, list(msg.input_ids), params, output_ids=list(msg.output_ids), share=msg.share
+        )
         pd = PDReq(msg.rid, msg.room, req, receiver)
         self.prealloc.append(pd)
         self.spans.start(msg.rid, "first_token")

@@ -24,6 +24,12 @@ _DTYPES = {
 }
 
 
+# A tenant's prefill per forward while another tenant has a request on the node: the other
+# tenant's next step (a decode, a vote of its KV hand-off) then waits for at most this much of it.
+# Measured in bench/results/fairness.md.
+FAIR_PREFILL_TOKENS = 128
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
@@ -33,6 +39,8 @@ class EngineConfig:
     chunk_size: int = 512
     max_batch_tokens: int = 2048
     mixed_prefill_tokens: int = 0  # prompt tokens in a forward while requests decode; 0: no cap
+    # prompt tokens of a tenant in a forward while another tenant has a request here; 0: no cap
+    fair_prefill_tokens: int = FAIR_PREFILL_TOKENS
     max_running: int = 64
     max_context: int = 2048
     enable_prefix_cache: bool = True
@@ -61,7 +69,12 @@ class EngineConfig:
             raise ValueError("batch_invariant needs the small-batch weights (its blocked copies)")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
+        check_batch_limits(
+            self.chunk_size,
+            self.max_batch_tokens,
+            self.mixed_prefill_tokens,
+            self.fair_prefill_tokens,
+        )
         object.__setattr__(self, "spare_cores", tuple(int(c) for c in self.spare_cores))
 
     @property
@@ -105,6 +118,7 @@ class EngineConfig:
             chunk_size=self.chunk_size,
             max_batch_tokens=self.max_batch_tokens,
             mixed_prefill_tokens=self.mixed_prefill_tokens,
+            fair_prefill_tokens=self.fair_prefill_tokens,
             max_running=self.max_running,
             max_context=self.max_context,
             num_slots=num_slots,
@@ -119,13 +133,19 @@ class EngineConfig:
         return cls(**{k: v for k, v in kw.items() if k in names})
 
 
-def check_batch_limits(chunk_size: int, max_batch_tokens: int, mixed_prefill_tokens: int) -> None:
+def check_batch_limits(
+    chunk_size: int, max_batch_tokens: int, mixed_prefill_tokens: int, fair_prefill_tokens: int = 0
+) -> None:
     """Raises ValueError, naming the fields, where the scheduler could not plan a forward."""
     for name, v in (("chunk_size", chunk_size), ("max_batch_tokens", max_batch_tokens)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    if mixed_prefill_tokens < 0:
-        raise ValueError(f"mixed_prefill_tokens must be >= 0, got {mixed_prefill_tokens}")
+    for name, v in (
+        ("mixed_prefill_tokens", mixed_prefill_tokens),
+        ("fair_prefill_tokens", fair_prefill_tokens),
+    ):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
     if chunk_size > max_batch_tokens:
         raise ValueError(
             f"chunk_size ({chunk_size}) must be <= max_batch_tokens ({max_batch_tokens})"

@@ -264,6 +264,36 @@ class FinishReason:
         return d
 
 
+MAX_TENANT_CHARS = 128
+MAX_WEIGHT = 1e6
+PRIORITY_RANGE = (-(2**31), 2**31)  # the router's `priority` field (vLLM's range)
+
+
+@dataclass(frozen=True)
+class Share:
+    """Whose request this is, for the fair order of a node's waiting queue (engine/fair_queue.py):
+    the router's tenant for it, the tenant's weight, and the request's priority (lower first). The
+    router sets it on every request it sends; a request without one is the anonymous tenant's."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    priority: int = 0
+
+    def check(self) -> None:
+        """Raises ParamError naming the bad field (the wire codec and the node front call it)."""
+        _need(len(self.tenant) <= MAX_TENANT_CHARS, "tenant", f"at most {MAX_TENANT_CHARS} chars")
+        _need(
+            math.isfinite(self.weight) and 0 < self.weight <= MAX_WEIGHT,
+            "tenant_weight",
+            f"must be in (0, {MAX_WEIGHT:g}]",
+        )
+        lo, hi = PRIORITY_RANGE
+        _need(lo <= self.priority < hi, "priority", f"must be in [{lo}, {hi})")
+
+
+ANONYMOUS_SHARE = Share()
+
+
 @dataclass(eq=False)  # identity hash, so a Req can live in a set
 class Req:
     rid: str
@@ -282,6 +312,8 @@ class Req:
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
     guide_state: Any = None  # sampling rank only: the grammar matcher (engine/grammar.py)
+    share: Share = ANONYMOUS_SHARE  # its tenant's place in the waiting queue's fair order
+    fair_key: tuple = ()  # (priority, finish tag, arrival): its place in that order (fair_queue.py)
 
     @property
     def prompt_len(self) -> int:

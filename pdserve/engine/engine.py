@@ -168,6 +168,7 @@ class Engine:
                         return
 
     def _completion(self, req: Req) -> Completion:
+        assert req.finish is not None  # `_done` holds finished requests only
         ids = req.output_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if req.finish.kind == "stop" and isinstance(req.finish.matched, str):

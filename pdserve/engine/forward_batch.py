@@ -76,6 +76,9 @@ class AttnGroup:
     # its new tokens; q_rows, out_rows and mask are then unused (empty, None)
     first_rows: torch.Tensor | None = None
     num_new: torch.Tensor | None = None
+    # the sliding-window layers' mask (`window` > 0), bool like `mask`: also key > position -
+    # window; None where the window cuts no key of the group (then `mask` and `causal` serve)
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ class ForwardBatch:
     groups: list[AttnGroup]
     logit_rows: torch.Tensor  # [n] rows of T whose logits are returned, in item order
     max_position: int
+    window: int = 0  # the sliding layers' window the groups' `window_mask` holds; 0: none
 
 
 def _check_item(b: int, it: BatchItem, page_size: int) -> None:
@@ -110,14 +114,22 @@ def build_forward_batch(
     one_decode_group: bool = False,
     one_extend_group: bool = False,
     one_token_group: bool = False,
+    window: int = 0,
 ) -> ForwardBatch:
     """`one_decode_group`: the decode items in one group, in item order (the in-place decode
     kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel);
     `one_token_group`: every token a decode query, in one group (the decode kernel; it overrides
-    the other two)."""
+    the other two). `window` > 0: the gathered groups also carry the sliding-window layers'
+    masks; the decode and extend kernels take the window themselves (one-token groups take
+    none yet)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
-    offsets, positions, pages_of_tok, logit_rows = [], [], [], []
+    if window < 0 or (window and one_token_group):
+        raise ValueError(f"a window ({window}) is not for one-token groups")
+    offsets: list[int] = []
+    positions: list[int] = []
+    pages_of_tok: list[int] = []
+    logit_rows: list[int] = []
     row = 0
     for b, it in enumerate(items):
         _check_item(b, it, page_size)
@@ -135,7 +147,15 @@ def build_forward_batch(
         groups = [_build_token_group(items, pos_t, page_size, device)]
     else:
         groups = [
-            _build_group([items[b] for b in g], [offsets[b] for b in g], page_size, device, row)
+            _build_group(
+                [items[b] for b in g],
+                [offsets[b] for b in g],
+                page_size,
+                device,
+                row,
+                # the decode kernel takes the window itself: no mask built for its group
+                0 if one_decode_group and all(items[b].num_new == 1 for b in g) else window,
+            )
             for g in _group_items(items, one_decode_group, one_extend_group)
         ]
     if one_extend_group and not one_token_group:
@@ -156,6 +176,7 @@ def build_forward_batch(
         groups=groups,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         max_position=max(it.kv_len for it in items) - 1,
+        window=window,
     )
 
 
@@ -260,7 +281,12 @@ def _build_extend_group(
 
 
 def _build_group(
-    items: list[BatchItem], offsets: list[int], page_size: int, device, num_tokens: int
+    items: list[BatchItem],
+    offsets: list[int],
+    page_size: int,
+    device,
+    num_tokens: int,
+    window: int = 0,
 ) -> AttnGroup:
     bg = len(items)
     max_q = max(it.num_new for it in items)
@@ -278,16 +304,24 @@ def _build_group(
     out_rows = q_rows.flatten()[out_sel]
     all_real = bool(real.all())
     causal = bg == 1 and items[0].start == 0 and max_q > 1
+    start = torch.tensor([it.start for it in items], dtype=torch.long)
+    key = torch.arange(kv_len)
+    pos = start[:, None] + q_idx[None, :]  # [Bg, max_q] each query row's position
     mask = None
     if not causal:
-        start = torch.tensor([it.start for it in items], dtype=torch.long)
-        key = torch.arange(kv_len)
-        mask = key[None, None, :] <= (
-            start[:, None, None] + q_idx[None, :, None]
-        )  # [Bg, max_q, kv_len]
+        mask = key[None, None, :] <= pos[:, :, None]  # [Bg, max_q, kv_len]
         if not all_real:
             mask = torch.where(real[:, :, None], mask, key[None, None, :] == 0)
         mask = None if bool(mask.all()) else mask[:, None].to(device)
+    window_mask = None
+    # a window cuts keys only for positions at or past it (key > position - window for all keys
+    # from 0 up otherwise)
+    if window and max(it.kv_len for it in items) > window:
+        seen = (key[None, None, :] <= pos[:, :, None]) & (
+            key[None, None, :] > pos[:, :, None] - window
+        )
+        seen = torch.where(real[:, :, None], seen, key[None, None, :] == 0)
+        window_mask = seen[:, None].to(device)
     return AttnGroup(
         num_seqs=bg,
         max_q=max_q,
@@ -301,4 +335,5 @@ def _build_group(
         mask=mask,
         causal=causal,
         rows_are_t=max_q == 1 and offsets == list(range(num_tokens)),
+        window_mask=window_mask,
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,22 @@ log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
 MAX_COMPILED = 256  # compiled guides a sampling rank keeps (the oldest goes first)
+# The niceness added to the node front's guide-checking threads (runtime/front/guide_gate.py): that
+# compile is work one request asked for, and nothing but that request waits on it, so it must not
+# take the CPU from the forward that every running stream waits on. Linux schedules threads by
+# their own nice value. Not the sampling rank's compile: the rank waits on it at the request's
+# first sample, and with it every stream of the node.
+COMPILE_NICE = 10
+
+
+def lower_this_threads_priority(nice: int = COMPILE_NICE) -> None:
+    """Adds `nice` to the calling thread's niceness (a ThreadPoolExecutor initializer). Raising
+    one's own niceness needs no privilege; where the OS refuses anyway, the thread runs as is."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 class GrammarError(ValueError):

@@ -66,6 +66,7 @@ class ModelRunner:
             one_decode_group=self.model.choose_decode_attention(self.pool),
             one_extend_group=not invariant and self.model.choose_extend_attention(self.pool),
             one_token_group=invariant,
+            window=self.model.window,
         )
         x = self.input_ids(batch) if self.is_first else hidden_in
         assert x is not None and x.shape[0] == batch.num_tokens, (

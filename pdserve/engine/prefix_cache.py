@@ -80,13 +80,13 @@ class PrefixCache:
         return pages, node
 
     def lock(self, handle: _Node) -> None:
-        node = handle
+        node: _Node | None = handle
         while node is not None:
             node.refs += 1
             node = node.parent
 
     def unlock(self, handle: _Node) -> None:
-        node = handle
+        node: _Node | None = handle
         while node is not None:
             node.refs -= 1
             assert node.refs >= 0, "prefix-cache node unlocked more often than locked"
@@ -165,7 +165,7 @@ class PrefixCache:
             (n.last_use, n.page, n) for n in self._iter_nodes() if n.refs == 0 and not n.children
         ]
         heapq.heapify(heap)
-        freed = []
+        freed: list[int] = []
         while heap and len(freed) < num_pages:
             _, _, n = heapq.heappop(heap)
             parent = n.parent

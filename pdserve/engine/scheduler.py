@@ -18,14 +18,15 @@ when its slot is harvested. All three happen at the same logical moment on every
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.engine.batch import BatchEntry, SampleOut, ScheduledBatch
 from pdserve.engine.config import check_batch_limits
-from pdserve.engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams
+from pdserve.engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams, Share
+from pdserve.engine.fair_queue import FairQueue
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import PrefixCache
 
@@ -38,6 +39,9 @@ class SchedulerConfig:
     # max prompt tokens in a forward while any request decodes (0: max_batch_tokens): a running
     # stream's next token then waits for at most this much prefill
     mixed_prefill_tokens: int = 0
+    # max prompt tokens of one tenant in a forward while another tenant has a request on the node
+    # (0: no cap): a flood's prefill delays the other tenants' next step by at most this much
+    fair_prefill_tokens: int = 0
     max_running: int = 64  # admitted requests across all slots
     max_context: int = 2048  # prompt + output tokens of one request
     enable_prefix_cache: bool = True
@@ -47,7 +51,30 @@ class SchedulerConfig:
         for name in ("page_size", "max_running", "max_context", "num_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_batch_limits(self.chunk_size, self.max_batch_tokens, self.mixed_prefill_tokens)
+        check_batch_limits(
+            self.chunk_size,
+            self.max_batch_tokens,
+            self.mixed_prefill_tokens,
+            self.fair_prefill_tokens,
+        )
+
+
+class PrefillShares:
+    """The prompt tokens each tenant computes in one forward, against the fair cap (0: none):
+    another tenant's next step then waits for at most `cap` tokens of a tenant's prefill."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.used: dict[str, int] = {}  # tenant -> prompt tokens this forward
+
+    def left(self, req: Req) -> int:
+        if not self.cap:
+            return 1 << 62
+        return self.cap - self.used.get(req.share.tenant, 0)
+
+    def take(self, req: Req, n: int) -> None:
+        if self.cap:
+            self.used[req.share.tenant] = self.used.get(req.share.tenant, 0) + n
 
 
 def _batch_digest(b: ScheduledBatch) -> list:
@@ -71,7 +98,7 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.cache = PrefixCache(allocator, cfg.page_size) if cfg.enable_prefix_cache else None
-        self.waiting: list[Req] = []  # sorted by arrival
+        self.waiting = FairQueue()  # in fair order between tenants (engine/fair_queue.py)
         self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
         self.reqs: dict[str, Req] = {}  # live requests, insertion ordered
         self.just_finished: list[Req] = []  # drained by the caller
@@ -81,6 +108,9 @@ class Scheduler:
         # still be on the wire (even after an abort, a transfer thread may be reading them).
         self.hold_kv_on_finish = hold_kv_on_finish
         self.kept_kv: dict[str, Req] = {}  # finished, KV kept until `release` (hold_kv_on_finish)
+        # the shares of the requests a PD loop holds before they reach this scheduler (rooms in
+        # bootstrap, in prealloc or in transfer): they count for `fair_prefill_tokens`
+        self.held_elsewhere: Callable[[], Iterable[Share]] = tuple
 
     # --- inputs -----------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
@@ -102,7 +132,10 @@ class Scheduler:
                 f"({self.allocator.num_pages * self.cfg.page_size} tokens)",
             )
 
-    @rank_consensus("add", args=lambda self, req: [req.rid, len(req.input_ids)])
+    @rank_consensus(
+        "add",
+        args=lambda self, req: [req.rid, len(req.input_ids), *dataclasses.astuple(req.share)],
+    )
     def add(self, req: Req) -> None:
         if req.rid in self.reqs:
             raise ParamError("rid", f"duplicate request id {req.rid!r}")
@@ -117,7 +150,7 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason)
             return
-        self.waiting.append(req)
+        self.waiting.push(req, req.arrival)
 
     @rank_consensus("abort", args=lambda self, rid, message="": rid, result=lambda r: r is not None)
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
@@ -180,27 +213,52 @@ class Scheduler:
         budget -= len(batch.entries)
         if self.cfg.mixed_prefill_tokens and self._any_decoding():
             budget = min(budget, self.cfg.mixed_prefill_tokens)
-        # 2. Prefill chunks of requests already admitted to this slot (their pages are allocated).
-        for r in members:
-            if budget <= 0:
+        # 2. Prefill chunks, in fair order (engine/fair_queue.py) across the prompts admitted to
+        #    this slot and the waiting queue's head: a prompt that waits goes before admitted ones
+        #    with later tags, so another tenant's flood, once admitted, does not hold the budget
+        #    until its prompts end. With one tenant the admitted go first, then admissions: first
+        #    come first served. A head that does not fit blocks the queue behind it.
+        prefilling = sorted(
+            (r for r in members if r.seq_len - r.kv_len > 1), key=lambda r: r.fair_key
+        )
+        share = PrefillShares(self._fair_cap())
+        blocked, i = False, 0
+        while budget > 0:
+            nxt = prefilling[i] if i < len(prefilling) else None
+            if (
+                not blocked
+                and self.waiting
+                and self.num_running < self.cfg.max_running
+                and (nxt is None or self.waiting.head().fair_key < nxt.fair_key)
+            ):
+                req = self.waiting.head()
+                if not (share.left(req) and self._admit(req, reserve=self.num_running)):
+                    blocked = True
+                    continue
+                self.waiting.pop_head()
+                members.append(req)
+                nxt = req
+            elif nxt is None:
                 break
-            left = r.seq_len - r.kv_len
-            if left > 1:
-                n = min(left, self.cfg.chunk_size, budget)
-                self._place(batch, r, n)
+            else:
+                i += 1
+            n = min(nxt.seq_len - nxt.kv_len, self.cfg.chunk_size, budget, share.left(nxt))
+            if n:
+                share.take(nxt, n)
+                self._place(batch, nxt, n)
                 budget -= n
-        # 3. Admissions, first come first served (a request that does not fit blocks the later
-        #    ones).
-        while self.waiting and budget > 0 and self.num_running < self.cfg.max_running:
-            req = self.waiting[0]
-            if not self._admit(req, reserve=self.num_running):
-                break
-            self.waiting.pop(0)
-            members.append(req)
-            n = min(req.seq_len - req.kv_len, self.cfg.chunk_size, budget)
-            self._place(batch, req, n)
-            budget -= n
         return batch
+
+    def _fair_cap(self) -> int:
+        """`fair_prefill_tokens` while requests of more than one tenant are on the node (here, or
+        in a PD loop's queues: `held_elsewhere`); else 0, no cap."""
+        cap = self.cfg.fair_prefill_tokens
+        if cap:
+            tenants = {r.share.tenant for r in self.reqs.values()}
+            tenants.update(sh.tenant for sh in self.held_elsewhere())
+            if len(tenants) < 2:
+                return 0
+        return cap
 
     def _any_decoding(self) -> bool:
         """Whether a request of any slot is past its prompt and not re-prefilling: its next token
@@ -209,13 +267,15 @@ class Scheduler:
 
     def _admit(self, req: Req, reserve: int) -> bool:
         """Locks the cached prefix and allocates pages for every token the request has."""
-        pages, handle = [], None
+        pages: list[int] = []
+        handle = None
         if self.cache is not None:
             pages, handle = self.cache.match(req.all_ids, req.seq_len - 1)
             self.cache.lock(handle)
         need = pages_needed(req.seq_len, self.cfg.page_size) - len(pages)
         if not self.free_pages_for(need + reserve):
             if handle is not None:
+                assert self.cache is not None  # a handle comes only from the cache
                 self.cache.unlock(handle)
             return False
         req.pages = pages + self.allocator.alloc(need)
@@ -241,7 +301,7 @@ class Scheduler:
         self._release_kv(req)
         req.status = ReqStatus.RETRACTED
         req.kv_len = req.cached_len = 0
-        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+        self.waiting.requeue(req)
         self.num_retractions += 1
 
     def _slot_of(self, req: Req) -> int:

@@ -54,7 +54,8 @@ def _base_protocol() -> type:
         return H11Protocol
 
 
-class _Bounded(_base_protocol()):
+# the base is picked at import time (httptools or h11): no static type for mypy
+class _Bounded(_base_protocol()):  # type: ignore[misc]
     """A uvicorn HTTP protocol with the header and write timeouts described above."""
 
     def connection_made(self, transport) -> None:

@@ -33,7 +33,9 @@ def is_loopback(host: str, resolve: bool = True) -> bool:
     if not resolve:
         return False
     try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        # the address is a str for AF_INET and AF_INET6 (typeshed adds (int, bytes) for a Python
+        # built without IPv6); str() of a str is the same str
+        addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,23 @@ def set_process_name(name: str) -> None:
         f.write(name[:15])
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+class StoppableProcess(Protocol):
+    """The part of `subprocess.Popen` that stop_processes uses (infra/zygote_client.ZygoteChild
+    has it too)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def stop_processes(procs: Sequence[StoppableProcess], grace_s: float = 5.0) -> None:
     """SIGTERM, wait up to `grace_s`, then SIGKILL; always waits so nothing is left as a zombie."""
     for p in procs:
         if p.poll() is None:

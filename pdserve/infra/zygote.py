@@ -110,7 +110,8 @@ class ZygoteServer:
         zygote = os.getpid()
         try:
             while not self.stopping:
-                ready, _, _ = select.select([self.listener, self._wake_r], [], [], 5.0)
+                watched: list[socket.socket | int] = [self.listener, self._wake_r]
+                ready, _, _ = select.select(watched, [], [], 5.0)
                 self._drain_wakeups()
                 if self.listener in ready and not self.stopping:
                     self._accept()

@@ -57,7 +57,7 @@ class ZygoteChild:
 
     def _readable(self, timeout_s: float) -> None:
         with self._lock:
-            fd = -1
+            fd: int | None = -1
             if self.returncode is None:
                 fd = self._pidfd if self.orphaned else self.conn.fileno()
         if fd is not None and fd >= 0:
@@ -67,8 +67,11 @@ class ZygoteChild:
         with self._lock:
             while self.returncode is None and not self.orphaned and readable(self.conn.fileno(), 0):
                 self._take_message()
-            if self.returncode is None and self.orphaned and readable(self._pidfd, 0):
-                self._ended(EXIT_UNKNOWN)
+            if self.returncode is None and self.orphaned:
+                # orphaned is set only while a pidfd is held; _ended clears it with returncode
+                assert self._pidfd is not None
+                if readable(self._pidfd, 0):
+                    self._ended(EXIT_UNKNOWN)
             return self.returncode
 
     def _ended(self, code: int) -> None:

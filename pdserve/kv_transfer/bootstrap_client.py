@@ -86,7 +86,11 @@ class BootstrapClient:
         """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until the
         deadline."""
         delay = 0.05
-        params = {"layer_start": layer_start, "layer_end": layer_end, "session": session}
+        params: dict[str, str | int] = {
+            "layer_start": layer_start,
+            "layer_end": layer_end,
+            "session": session,
+        }
         while True:
             try:
                 r = self._http.get("/route", params=params)

@@ -147,6 +147,7 @@ class InMemoryFabric:
         both pools hold (a wrong descriptor fails the room here instead of corrupting memory)."""
         layers = intersect(src.layers, dst.layers)
         for s, d, n in descs:
+            assert layers is not None  # build_descriptors makes none for pools with no common layer
             _check_inside(src, set(src_pages), layers, s, n, "reads")
             _check_inside(dst, set(dst_pages), layers, d, n, "writes")
         for s, d, n in descs:

@@ -89,6 +89,7 @@ class InMemoryKVReceiver(BaseKVReceiver):
                 return False
             if set(self._route) <= self._quiet:
                 return True
+            assert self._failed_at is not None  # _fail sets it with the Failed status
             return time.monotonic() - self._failed_at > grace_s
 
     # --- under the fabric's lock ------------------------------------------------------------------

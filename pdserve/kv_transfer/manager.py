@@ -89,7 +89,7 @@ class TransferConfig:
     @classmethod
     def from_env(cls, **overrides) -> TransferConfig:
         """Defaults, then PDSERVE_KV_* environment variables, then `overrides` (flags)."""
-        env = {}
+        env: dict[str, bool | float] = {}
         if "PDSERVE_KV_CHECKSUM" in os.environ:
             env["checksum"] = os.environ["PDSERVE_KV_CHECKSUM"] not in ("", "0", "false")
         for f in fields(cls):

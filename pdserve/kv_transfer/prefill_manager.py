@@ -142,11 +142,11 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
                 self._registered_at.move_to_end(msg.session_id)
                 if len(self._registered_at) > KNOWN_PEERS_KEPT:
                     self._registered_at.popitem(last=False)
-                sender = self._senders.get(msg.room)
-                if sender is None:
+                kv_sender = self._senders.get(msg.room)
+                if kv_sender is None:
                     self._pending.setdefault(msg.room, []).append((time.monotonic(), msg))
                     return
-            sender.on_register(msg)
+            kv_sender.on_register(msg)
         elif isinstance(msg, KVAbort) and msg.side == "decode":
             with self._lock:
                 room = self._senders.get(msg.room)

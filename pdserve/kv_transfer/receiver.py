@@ -170,6 +170,7 @@ class KVReceiver(BaseKVReceiver):
                 return False
             if self._route is not None and {r.pp_rank for r in self._route} <= self._quiet:
                 return True
+            assert self.finished_at is not None  # _fail sets it with the Failed status
             return time.monotonic() - self.finished_at > grace_s
 
     def on_status(self, msg: KVStatus) -> None:
@@ -192,7 +193,13 @@ class KVReceiver(BaseKVReceiver):
         """Success once every prefill rank reported it and the aux slot holds this room's data."""
         mgr = self._mgr
         with self._lock:
-            if self._status != KVPoll.WaitingForInput or len(self._done) != len(self._route):
+            if self._status != KVPoll.WaitingForInput:
+                return
+            # _maybe_send_registration sets WaitingForInput only once the route, the page table and
+            # registered_at are known; none of them is unset again
+            assert self._route is not None and self._page_ids is not None
+            assert self.registered_at is not None
+            if len(self._done) != len(self._route):
                 return
             done, route, pages, slot = dict(self._done), self._route, self._page_ids, self._aux_slot
         aux = None
@@ -208,6 +215,7 @@ class KVReceiver(BaseKVReceiver):
             for r in route:
                 want = done[r.pp_rank].checksum
                 layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
+                assert layers is not None  # on_route keeps only ranks whose layers overlap
                 got = kv_checksum(
                     mgr.pool,
                     pages,
@@ -220,11 +228,14 @@ class KVReceiver(BaseKVReceiver):
                     return self._fail("checksum_mismatch", detail=f"prefill rank {r.pp_rank}")
         num_tokens = max(s.num_tokens for s in done.values())
         per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
-        received = sum(
-            (hi - lo) * 2 * max(0, done[r.pp_rank].num_tokens - held) * mgr.pool.token_bytes
-            for r in route
-            for lo, hi in [intersect((r.layer_start, r.layer_end), mgr.pool.layers)]
-        )
+        received = 0
+        for r in route:
+            layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
+            assert layers is not None  # on_route keeps only ranks whose layers overlap
+            lo, hi = layers
+            received += (
+                (hi - lo) * 2 * max(0, done[r.pp_rank].num_tokens - held) * mgr.pool.token_bytes
+            )
         with self._lock:
             if self._status != KVPoll.WaitingForInput:
                 return
@@ -263,7 +274,10 @@ class KVReceiver(BaseKVReceiver):
                 return
             self._status, self.reason = KVPoll.Failed, reason
             self.finished_at = time.monotonic()
-            tell = [r for r in self._route if r.pp_rank not in self._quiet] if self._sent else []
+            tell: list[PrefillRankInfo] = []
+            if self._sent:
+                assert self._route is not None  # _sent is set only once the route is known
+                tell = [r for r in self._route if r.pp_rank not in self._quiet]
         mgr = self._mgr
         mgr.stats.add_failure(reason.split(":")[0])
         say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine

@@ -58,6 +58,7 @@ class KVSender(BaseKVSender):
         )
         self._last_queued = False
         now = time.monotonic()
+        self._inflight_since: float | None
         self.created_at, self._progress_at, self._inflight_since = now, now, None
         self._first_chunk_at: float | None = None
         self.finished_at: float | None = None
@@ -245,13 +246,13 @@ class KVSender(BaseKVSender):
                 if self._status == KVPoll.Failed or not self._chunks:
                     self._busy = False
                     deferred, self._deferred = self._deferred, None
-                    peers = list(self._peers.values())
+                    to_tell = list(self._peers.values())
                     done = True
                 else:
                     done = False
             if done:
                 if deferred is not None:
-                    self._notify(peers, *deferred)
+                    self._notify(to_tell, *deferred)
                 return
             with self._lock:
                 chunk = self._chunks.popleft()
@@ -304,10 +305,12 @@ class KVSender(BaseKVSender):
         sums = {}
         if cfg.checksum:
             for _, p in peers:
+                layers = intersect(mgr.pool.layers, p.pool.layers)
+                assert layers is not None  # on_register accepts only peers overlapping this rank
                 sums[p.dst_rank] = kv_checksum(
                     mgr.pool,
                     chunk.page_ids,
-                    intersect(mgr.pool.layers, p.pool.layers),
+                    layers,
                     chunk.token_end,
                     token_start=p.prefix_tokens,
                 )
@@ -330,6 +333,7 @@ class KVSender(BaseKVSender):
                     sums.get(p.dst_rank),
                 ),
             )
+        assert self._first_chunk_at is not None  # _drain sets it before it sends a chunk
         mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
         mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
 

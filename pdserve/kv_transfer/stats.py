@@ -137,9 +137,10 @@ def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int,
     """(tokens moved, tokens skipped, bytes skipped) of a room of `num_tokens` prompt tokens on the
     prefill rank of `pool`, its decode `peers` (every one with the same `prefix_tokens`)."""
     skipped = min(peers[0].prefix_tokens, num_tokens) if peers else 0
-    per_token = sum(
-        (hi - lo) * 2 * pool.token_bytes
-        for p in peers
-        for lo, hi in [intersect(pool.layers, p.pool.layers)]
-    )
+    per_token = 0
+    for p in peers:
+        layers = intersect(pool.layers, p.pool.layers)
+        assert layers is not None  # a room's decode peers are the ranks whose layers overlap
+        lo, hi = layers
+        per_token += (hi - lo) * 2 * pool.token_bytes
     return num_tokens - skipped, skipped, skipped * per_token

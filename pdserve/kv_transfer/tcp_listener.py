@@ -110,6 +110,7 @@ class _Server:
                     for ranges, payload in self._held:
                         off = 0
                         base = ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p).value
+                        assert base is not None  # a bytes object's buffer is never NULL
                         for addr, k in ranges:  # from the plaintext in place, no slice copies
                             ctypes.memmove(addr, base + off, k)
                             off += k

@@ -74,7 +74,7 @@ def _recv_exactly(
 class _Regions:
     """The memory this process registered; a write must lie inside one region."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()  # held while a frame is written, and by unregister
         self._regions: dict[int, int] = {}  # start -> length
 

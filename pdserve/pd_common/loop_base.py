@@ -16,13 +16,13 @@ from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from pdserve.pd_common.messages import KVRankStats, PDAddRequest
 from pdserve.runtime.messages import ErrorEvent
-from pdserve.runtime.rank.pp_comm import Msg, PPComm
+from pdserve.runtime.rank.pp_comm import Msg, PPLink
 from pdserve.runtime.rank.process import RankParts
 from pdserve.runtime.rank.slot_loop import SlotLoop
 from pdserve.runtime.reasons import AbortReason, describe
 
 
-def vote_transport(comm: PPComm | None, num_slots: int) -> RingTransport:
+def vote_transport(comm: PPLink | None, num_slots: int) -> RingTransport:
     """The consensus ring (votes, leader sync) over the PP group, as VOTE-typed messages.
 
     Sends are committed `num_slots + 1` turns later: PP0 takes the last rank's verdict when it
@@ -84,6 +84,8 @@ class PDLoop(SlotLoop):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
         self.kv_mgr = kv_mgr  # this rank's KV manager: the sender/receiver factory and its stats
         self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues
+        # they count as the node's requests for the fair prefill cap (engine/scheduler.py)
+        self.sched.held_elsewhere = lambda: [pd.req.share for pd in self.by_rid.values()]
         self._t_stage: dict[str, float] = {}  # metrics only: when the request entered its queue
         self._t_cast: dict[int, float] = {}  # metrics only: slot -> when its votes were cast
         self._kv_latencies_seen = 0  # transfers whose latency a stats push carried already

@@ -86,7 +86,9 @@ class PrefillLoop(PDLoop):
         # A migrated stream's tokens (`output_ids`) are prefilled after the prompt, and the token
         # after them is the one sampled here.
         first = replace(params, max_tokens=len(msg.output_ids) + 1, stop=())
-        req = Req(msg.rid, list(msg.input_ids), first, output_ids=list(msg.output_ids))
+        req = Req(
+            msg.rid, list(msg.input_ids), first, output_ids=list(msg.output_ids), share=msg.share
+        )
         pd = PDReq(msg.rid, msg.room, req, self.kv_mgr.create_sender(msg.room))
         self.bootstrap.append(pd)
         self.spans.start(msg.rid, "bootstrap.wait_decode_alloc", parent="bootstrap")

@@ -44,6 +44,7 @@ async def remove_worker(router, request: Request, t0: float) -> Response:
     try:
         worker = router.registry.remove(url)
         router.dispatcher.pairs.forget(url)
+        router.dispatcher.disagg.model.forget(url)  # a node added back later is measured anew
     except KeyError:
         raise ApiError(404, f"no worker {url} is registered", param="url") from None
     return JSONResponse({"removed": worker.describe()})
@@ -60,7 +61,7 @@ async def list_workers(router: Router, request: Request, t0: float) -> Response:
 
 
 async def models(router: Router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.api_key, "API key")
+    router.check_api_key(request)
     data = [
         {
             "id": m,
@@ -75,12 +76,12 @@ async def models(router: Router, request: Request, t0: float) -> Response:
 
 
 async def openapi(router: Router, request: Request, t0: float) -> Response:
-    router.check_bearer(request, router.cfg.api_key, "API key")
+    router.check_api_key(request)
     return JSONResponse(
         openapi_document(
             router.registry.models(),
             router.registry.max_context(),
-            auth=bool(router.cfg.api_key),
+            auth=router.tenants.required,
             tools=any(w.tool_format for w in router.registry.all()),
         )
     )

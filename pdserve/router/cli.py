@@ -24,9 +24,11 @@ from pdserve.router.config import (
     BreakerConfig,
     CacheAwareConfig,
     DisaggConfig,
+    FairnessConfig,
     HealthConfig,
     RetryConfig,
     RouterConfig,
+    SloConfig,
     WorkerSpec,
 )
 from pdserve.router.routing.policies import POLICIES
@@ -117,6 +119,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, opt) -> None:
     opt("--max-queue", R.max_queue, int, help="requests waiting for a slot; beyond: 429")
     opt("--queue-timeout", R.queue_timeout_s, float, help="seconds a request may wait queued")
     opt("--retry-after", R.retry_after_s, int, help="Retry-After seconds on 429")
+    _add_slo_args(opt)
     opt("--connect-timeout", R.connect_timeout_s, float, help="seconds to connect to a node")
     opt(
         "--request-timeout",
@@ -250,6 +253,23 @@ def _add_routing_args(opt) -> None:
         int,
         help="PD: bootstrap + KV transfer cost in prefill-token equivalents, for the queue rule",
     )
+    opt(
+        "--disagg-fixed-costs",
+        False,
+        _flag,
+        help="PD: route by the cost flags above alone, as before the latency model; it still "
+        "measures its errors (true/false)",
+        nargs="?",
+        const=True,
+    )
+
+
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
 
 
 def _prefill_spec(values: list[str]) -> WorkerSpec:
@@ -302,7 +322,47 @@ def _routing_configs(args: argparse.Namespace) -> dict:
             local_prefill_cost=args.disagg_local_prefill_cost,
             idle_local_prefill_cost=args.disagg_idle_local_prefill_cost,
             transfer_overhead_tokens=args.disagg_transfer_overhead_tokens,
+            fixed_costs=args.disagg_fixed_costs,
         ),
+    )
+
+
+def _add_slo_args(opt) -> None:
+    S, F = SloConfig, FairnessConfig
+    opt(
+        "--ttft-slo-ms",
+        S.ttft_ms,
+        float,
+        help="time to first token a request must be predicted to meet, else 429 "
+        "slo_unattainable at once (0: none; docs/ROUTER.md)",
+    )
+    opt("--itl-slo-ms", S.itl_ms, float, help="the same for the mean time between tokens")
+    opt(
+        "--tenant-max-concurrent",
+        F.tenant_max_concurrent,
+        int,
+        help="requests one tenant (API key) may have dispatched at once; more wait (0: no limit)",
+    )
+    opt(
+        "--max-queued-prompt-tokens",
+        F.max_queued_prompt_tokens,
+        int,
+        help="hold requests in the router's fair queue while the nodes' queued prompt tokens "
+        "reach this (0: never)",
+    )
+    opt(
+        "--tenant-keys",
+        F.tenant_keys_file,
+        help="file of lines 'NAME KEY [WEIGHT]': the API keys accepted and the tenant each is",
+    )
+    opt(
+        "--priority-scheduling",
+        False,
+        _flag,
+        help="order the admission queue by requests' `priority` (lower first), as vLLM's "
+        "--scheduling-policy priority; off: a priority other than 0 is a 400 (true/false)",
+        nargs="?",
+        const=True,
     )
 
 
@@ -337,6 +397,13 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         log_format=args.log_format,
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
         debug_requests=args.debug_requests,
+        slo=SloConfig(args.ttft_slo_ms, args.itl_slo_ms),
+        fairness=FairnessConfig(
+            args.tenant_max_concurrent,
+            args.max_queued_prompt_tokens,
+            args.tenant_keys,
+            args.priority_scheduling,
+        ),
         **_routing_configs(args),
     )
 

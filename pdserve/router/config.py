@@ -97,6 +97,7 @@ class DisaggConfig:
     idle_local_prefill_cost: float = 1.0
     transfer_overhead_tokens: int = 16  # bootstrap + KV transfer, in prefill-token equivalents
     max_tree_chars: int = 4_000_000  # the estimate of what decode nodes hold, bounded
+    fixed_costs: bool = False  # route by the priors alone: the latency model does not learn
 
     def __post_init__(self) -> None:
         if self.min_prompt_tokens < 0 or self.transfer_overhead_tokens < 0:
@@ -111,6 +112,33 @@ class DisaggConfig:
 ALWAYS_DISAGGREGATE = DisaggConfig(
     min_prompt_tokens=0, decode_prefix_fraction=2.0, local_prefill_cost=0.0
 )
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Opt-in latency targets (router/slo.py): a request predicted to miss one is refused at once
+    with 429 `slo_unattainable`, and a request answered within them counts as goodput. 0: none."""
+
+    ttft_ms: float = 0.0  # from arrival at the router to the first token
+    itl_ms: float = 0.0  # mean time between two tokens of a stream
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms < 0 or self.itl_ms < 0:
+            raise ValueError("SLOs must be >= 0 ms (0: none)")
+
+
+@dataclass(frozen=True)
+class FairnessConfig:
+    """Sharing the cluster between tenants (router/admission.py, router/tenants.py)."""
+
+    tenant_max_concurrent: int = 0  # units one tenant may hold (0: no limit)
+    max_queued_prompt_tokens: int = 0  # nodes' queued prompt tokens that hold requests here (0: no)
+    tenant_keys_file: str | None = None  # lines "NAME KEY [WEIGHT]": API keys and their tenants
+    priority_scheduling: bool = False  # honour requests' `priority` (else non-zero is a 400)
+
+    def __post_init__(self) -> None:
+        if self.tenant_max_concurrent < 0 or self.max_queued_prompt_tokens < 0:
+            raise ValueError("tenant and queue limits must be >= 0 (0: none)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +172,8 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:

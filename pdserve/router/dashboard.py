@@ -45,6 +45,9 @@ async def state(router, request: Request, t0: float) -> Response:
                 "running": router.admission.running,
                 "waiting": router.admission.waiting,
                 "max_concurrent": router.cfg.max_concurrent,
+                "admission": router.admission.describe(),
+                "slo": {"ttft_ms": router.cfg.slo.ttft_ms, "itl_ms": router.cfg.slo.itl_ms},
+                "latency_model": router.dispatcher.disagg.model.describe(),
             },
             "workers": [
                 {**w.describe(), "ranks": _ranks(info)}

@@ -156,6 +156,35 @@ class RouterMetrics:
             registry=self.registry,
         )
         self._migration_metrics()
+        self._slo_metrics()
+
+    def _slo_metrics(self) -> None:
+        """The latency model's errors, SLO refusals and goodput (router/slo.py)."""
+        self.prediction_ratio = Histogram(
+            "pdserve_router_ttft_prediction_ratio",
+            "Predicted over measured time from dispatch to first token, per route path "
+            "(router/routing/latency_model.py)",
+            ["path"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=self.registry,
+        )
+        for path in ("disaggregated", "decode_only", "colocated"):
+            self.prediction_ratio.labels(path=path)
+        self.slo_rejections = Counter(
+            "pdserve_router_slo_rejections_total",
+            "Requests refused with 429 slo_unattainable: predicted to miss --ttft-slo-ms or "
+            "--itl-slo-ms",
+            ["slo"],
+            registry=self.registry,
+        )
+        for slo in ("ttft", "itl"):
+            self.slo_rejections.labels(slo=slo)
+        self.goodput = Counter(
+            "pdserve_router_goodput_requests_total",
+            "Generation requests answered in full that met every SLO set (--ttft-slo-ms, "
+            "--itl-slo-ms; with none set, every one answered in full)",
+            registry=self.registry,
+        )
 
     def _migration_metrics(self) -> None:
         """Streams moved to another decode node mid-stream (router/routing/migration.py)."""

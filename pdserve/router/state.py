@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.infra.internal_auth import bearer_ok
 from pdserve.infra.request_signing import is_signed, signed_auth
 from pdserve.infra.tracing import make_exporter
-from pdserve.router.admission import Admission, Rejected
+from pdserve.router.admission import ADMITTED, Admission, Demand, Rejected, Ticket
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ApiError
 from pdserve.router.metrics import RouterMetrics
@@ -24,6 +24,8 @@ from pdserve.router.routing.attempt import Attempt, Route
 from pdserve.router.routing.dispatch import Dispatcher
 from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.routing.workers import WorkerRegistry
+from pdserve.router.slo import Slo
+from pdserve.router.tenants import Tenants, read_tenant_keys
 from pdserve.router.timeline import CURRENT, RequestTrace, Timeline, now_ns
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
@@ -43,7 +45,21 @@ class Router:
             self.registry.add(spec)
         self.dispatcher = Dispatcher(cfg, self.registry, self.clients, self.metrics)
         self.dispatcher.pairs.track(self.registry.all())
-        self.admission = Admission(cfg.max_concurrent, cfg.max_queue, cfg.queue_timeout_s)
+        fair = cfg.fairness
+        keys = read_tenant_keys(fair.tenant_keys_file) if fair.tenant_keys_file else ()
+        self.tenants = Tenants(cfg.api_key, keys)
+        self.admission = Admission(
+            cfg.max_concurrent,
+            cfg.max_queue,
+            cfg.queue_timeout_s,
+            fair.tenant_max_concurrent,
+            self.tenants.weights,
+            fair.max_queued_prompt_tokens,
+            self.registry.queued_prompt_tokens,
+        )
+        # a prompt that leaves a node's queue may let a request held for the backlog through
+        self.dispatcher.on_prefilled = self.admission.poke
+        self.slo = Slo(cfg.slo, self.dispatcher)
         self.timeline = Timeline(
             cfg.debug_requests, make_exporter(cfg.otlp_traces_endpoint, "router")
         )
@@ -106,18 +122,63 @@ class Router:
                 code="context_length_exceeded",
             )
 
-    async def admit(self, units: int = 1) -> None:
-        """Holds `units` of admission (a request's node requests: its `n`) or raises a typed 429;
-        the caller releases them (`admission.release(units)`) exactly once."""
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs priority scheduling turned on."""
+        if priority and not self.cfg.fairness.priority_scheduling:
+            raise ApiError(
+                400,
+                "priority: priority scheduling is off on this router (--priority-scheduling)",
+                param="priority",
+                code="invalid_value",
+            )
+
+    def check_api_key(self, request: Request) -> str:
+        """The request's tenant (router/tenants.py), or 401 when it lacks a key that is required."""
+        tenant = self.tenants.identify(request.headers.get("authorization"))
+        if tenant is None:
+            raise ApiError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer ...')",
+                code="invalid_api_key",
+            )
+        return tenant
+
+    async def admit(
+        self,
+        tenant: str,
+        body: dict | None = None,
+        key: str = "",
+        model: str | None = None,
+        units: int = 1,
+        priority: int = 0,
+        generation: bool = True,
+    ) -> Ticket:
+        """Holds `units` of admission (a request's node requests: its `n`) or raises a typed 429
+        (the queue is full, or the request is predicted to miss its SLO, router/slo.py); the caller
+        releases the ticket exactly once. `generation` False (/tokenize, /detokenize): no SLO, and
+        nothing charged to the nodes' prefill queues."""
         trace, t0 = CURRENT.get(), now_ns()
+        self.check_priority(priority)
+        prompt = self.dispatcher.disagg.tokens.estimate(body or {}, key)
+        limit = self.registry.max_context(model) or 1 << 20
+        output = min(_max_new_tokens(body or {}), limit)
+        cost = min(prompt, limit) + units * output
+        demand = Demand(units, tenant, priority, cost, prompt if generation else 0)
         try:
-            await self.admission.acquire(units)
+            if self.slo.active and generation:
+                waiting = self.admission.queued_prompt_tokens(priority)
+                self.slo.check(model, prompt, waiting, key, self.admission.running)
+            ticket = await self.admission.acquire(demand)
+            ADMITTED.set(ticket)  # the dispatch's tasks copy it (router/routing/attempt.py)
             if trace is not None:
                 trace.add("router.admission_queue", t0, now_ns())
-        except Rejected as exc:
+            return ticket
+        except (Rejected, ApiError) as exc:
             if trace is not None:
                 trace.add("router.admission_queue", t0, now_ns(), rejected=str(exc))
             self.metrics.rejected.inc()
+            if isinstance(exc, ApiError):
+                raise
             raise ApiError(
                 429,
                 f"the router is at capacity ({exc}); retry later",
@@ -221,6 +282,15 @@ class Router:
             for role in ("prefill", "decode", "colocated")
         }
         return JSONResponse({"status": status, "workers": roles}, status_code=code)
+
+
+def _max_new_tokens(body: dict, default: int = 256) -> int:
+    """The output tokens a native body asks for (its cost to the decode pool); `default` when it
+    leaves them to the context."""
+    params = body.get("sampling_params")
+    value = params.get("max_tokens") if isinstance(params, dict) else None
+    good = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if good else default
 
 
 async def wait_disconnect(request: Request) -> None:

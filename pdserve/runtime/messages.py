@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from pdserve.engine.core import ANONYMOUS_SHARE, ParamError, Share
 from pdserve.infra.tracing import valid_traceparent
 from pdserve.runtime.message_checks import MessageError, build
 from pdserve.runtime.reasons import check_reason
@@ -122,10 +123,16 @@ class AddRequest:
     # tokens another node generated before this one continues the request (a migrated stream):
     # prefilled after the prompt, and counted as output by max_tokens, penalties, seeds, grammars
     output_ids: list[int] = field(default_factory=list, kw_only=True)
+    # its tenant, weight and priority, for the waiting queue's fair order (engine/fair_queue.py)
+    share: Share = field(default=ANONYMOUS_SHARE, kw_only=True)
 
     def validate(self) -> None:
         if not self.input_ids or min(self.input_ids) < 0:
             raise MessageError("AddRequest.input_ids: a non-empty list of token ids")
+        try:
+            self.share.check()
+        except ParamError as e:
+            raise MessageError(f"AddRequest.share.{e}") from None
         if self.output_ids and min(self.output_ids) < 0:
             raise MessageError("AddRequest.output_ids: token ids are >= 0")
         if self.traceparent is not None and not valid_traceparent(self.traceparent):
@@ -276,7 +283,7 @@ class RankStats:
         d.pop("spans")  # the front's tracing takes them
         d.update(d.pop("queues"))
         ext = d.pop("ext")  # shown under its own key (a PD rank's: "kv")
-        if ext is not None:
+        if self.ext is not None:  # `ext` is its asdict
             d[self.ext.key] = ext
         return d
 

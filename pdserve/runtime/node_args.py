@@ -50,6 +50,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "token waits for at most this much prefill (default 0: no cap beyond "
         "--max-batch-tokens; measured in bench/results/HISTORY.md)",
     )
+    ap.add_argument(
+        "--fair-prefill-tokens",
+        type=int,
+        default=d.fair_prefill_tokens,
+        help="prompt tokens of one tenant's requests in one forward while another tenant has a "
+        "request on the node, so a tenant's flood of prompts delays the others' next step by at "
+        "most this much (default %(default)s; 0: no cap; docs/ROUTER.md, tenants)",
+    )
     ap.add_argument("--max-running", type=int, default=d.max_running)
     ap.add_argument("--max-context", type=int, default=d.max_context)
     ap.add_argument("--no-prefix-cache", action="store_true")

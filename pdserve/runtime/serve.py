@@ -72,6 +72,7 @@ def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
         chunk_size=args.chunk_size,
         max_batch_tokens=args.max_batch_tokens,
         mixed_prefill_tokens=args.mixed_prefill_tokens,
+        fair_prefill_tokens=args.fair_prefill_tokens,
         max_running=args.max_running,
         max_context=args.max_context,
         enable_prefix_cache=not args.no_prefix_cache,
@@ -363,7 +364,12 @@ def run_remote_ranks(
     host0 = args.dist_init_addr.rsplit(":", 1)[0]
     specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, spec_cls, spec_fields)
     stopped = threading.Event()
-    ranks = RankSet(specs, lambda why: (log.error("%s; stopping", why), stopped.set()), module)
+
+    def on_exit(why: str) -> None:
+        log.error("%s; stopping", why)
+        stopped.set()
+
+    ranks = RankSet(specs, on_exit, module)
     try:
         while not stopped.wait(0.5):
             pass

@@ -44,6 +44,8 @@ def why_not(slice_) -> str:
         return "not a bf16 slice"
     if slice_.cfg.qk_norm:
         return "the layers have q/k norms"
+    if slice_.cfg.sandwich_norms or slice_.cfg.mlp_act != "silu" or slice_.window:
+        return "the layers are not Llama's (Gemma 3)"
     for name, ok in (
         ("matmul kernel", bf16_linear.available(slice_.batch_invariant)),
         ("layer ops", layer_ops.load()),

@@ -41,12 +41,15 @@ def decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, heads, head_dim], heads and head_dim contiguous, any stride between requests (a
     decode batch's rows of the fused QKV output); kv a layer's pool view [pages, 2, page_size,
-    kv_heads, head_dim]; page_table int64 [B, max_pages]; seq_lens int64 [B] (keys per request).
-    Returns a contiguous [B, heads, head_dim] in q's dtype. Call `load()` first."""
-    return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, seq_lens, scale)
+    kv_heads, head_dim]; page_table int64 [B, max_pages]; seq_lens int64 [B] (keys per request);
+    `window` > 0: each request attends to its last `window` keys only (a sliding-window layer),
+    and its pages before them are not read. Returns a contiguous [B, heads, head_dim] in q's
+    dtype. Call `load()` first."""
+    return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, seq_lens, scale, window)
 
 
 def extend_why_not(group: int, head_dim: int, page_size: int) -> str:
@@ -71,12 +74,14 @@ def extend_attention_(
     num_new: torch.Tensor,
     first_rows: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Causal attention of B extend items over their cached and new keys, bf16: item b's num_new[b]
     tokens are rows first_rows[b].. of q [T, heads, head_dim] (heads and head_dim contiguous, any
     row stride) and of out (contiguous, q's shape), which receives them; its seq_lens[b] keys
     (start + num_new) lie in the pool pages page_table[b] ([B, max_pages] int64). Other rows of
-    out are left as they are. Check `extend_why_not()` first."""
+    out are left as they are. `window` > 0: a token attends to its last `window` positions only
+    (a sliding-window layer). Check `extend_why_not()` first."""
     torch.ops.pdserve.paged_extend_attention_(
-        out, q, kv, page_table, seq_lens, num_new, first_rows, scale
+        out, q, kv, page_table, seq_lens, num_new, first_rows, scale, window
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -28,7 +28,27 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: str = "float32"  # the weights' own dtype: what `--dtype auto` serves in
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before RoPE
+    # Gemma 3 (engine/model/decoder_layer.py). Sliding-window attention: a token on one of
+    # `sliding_layers` (global indices) attends to the last `sliding_window` positions only, its
+    # own included, with RoPE of base `rope_local_theta`; the other layers attend to everything.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0  # attention scores scaled by its -1/2; 0: head_dim's
+    embed_scale: float = 1.0  # the embedding rows multiplied by it (Gemma: sqrt(hidden_size))
+    mlp_act: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # RMSNorms on the attention's and the MLP's outputs too, before they join the residual
+    sandwich_norms: bool = False
+    # stored norm weights are an offset from this (Gemma: x * (1 + w)); added once at load
+    norm_weight_offset: float = 0.0
+
+    def __post_init__(self):
+        # a tuple whatever it came as (a JSON cache gives lists): hashable, and the same on every
+        # rank
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        if self.mlp_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}")
 
     @property
     def q_size(self) -> int:
@@ -37,6 +57,18 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether global layer `layer` attends through the sliding window."""
+        return self.sliding_window > 0 and layer in self.sliding_layers
+
+    def window_of(self, layer: int) -> int:
+        """The window of global layer `layer`, in positions; 0: all of them."""
+        return self.sliding_window if self.is_sliding(layer) else 0
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

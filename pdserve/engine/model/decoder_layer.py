@@ -1,7 +1,8 @@
 """One decoder layer of a Llama-family model (engine/model/llama.py): its weights, and its
 forward over a batch of the paged KV pool: norm, fused QKV, RoPE and the KV store, attention by
 groups (the in-place decode and extend kernels, or gather + SDPA), the output projection and the
-SwiGLU MLP."""
+SwiGLU MLP. Gemma 3's layers add norms on both outputs (`sandwich_norms`) and a GeGLU MLP; which
+RoPE table and masks a layer gets (a sliding window or none) is the slice's choice."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def norm_weight(w: Mapping[str, torch.Tensor], name: str, cfg: ModelConfig) -> torch.Tensor:
+    """An RMSNorm's weight as the norm multiplies by it: Gemma stores it as an offset from 1,
+    added here in fp32 as transformers adds it."""
+    t = w[name]
+    return t.float() + cfg.norm_weight_offset if cfg.norm_weight_offset else t
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] along the last dim (Gemma's GeGLU)."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
+
+
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -53,7 +67,10 @@ class DecoderLayer(torch.nn.Module):
         self.o_weight = empty_parameter(h, cfg.q_size, dtype=dtype)
         self.q_norm_weight = empty_parameter(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
         self.k_norm_weight = empty_parameter(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.post_norm_weight = empty_parameter(h, dtype=dtype)
+        self.post_norm_weight = empty_parameter(h, dtype=dtype)  # the MLP's input norm
+        # Gemma 3: norms on the attention's and the MLP's outputs, before the residual adds them
+        self.attn_out_norm_weight = empty_parameter(h, dtype=dtype) if cfg.sandwich_norms else None
+        self.mlp_out_norm_weight = empty_parameter(h, dtype=dtype) if cfg.sandwich_norms else None
         self.gate_up_weight = empty_parameter(2 * inter, h, dtype=dtype)
         self.down_weight = empty_parameter(h, inter, dtype=dtype)
         self.small: dict[str, SmallWeights] = {}  # engine/model/linear.py: small-batch copies
@@ -75,8 +92,21 @@ class DecoderLayer(torch.nn.Module):
         a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
         parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         with torch.no_grad():
-            self.input_norm_weight.copy_(w[prefix + "input_layernorm.weight"])
-            self.post_norm_weight.copy_(w[prefix + "post_attention_layernorm.weight"])
+            self.input_norm_weight.copy_(norm_weight(w, prefix + "input_layernorm.weight", cfg))
+            if cfg.sandwich_norms:  # Gemma's names: post_attention_layernorm is on the output
+                assert (
+                    self.attn_out_norm_weight is not None and self.mlp_out_norm_weight is not None
+                )
+                for param, name in (
+                    (self.attn_out_norm_weight, "post_attention_layernorm"),
+                    (self.post_norm_weight, "pre_feedforward_layernorm"),
+                    (self.mlp_out_norm_weight, "post_feedforward_layernorm"),
+                ):
+                    param.copy_(norm_weight(w, f"{prefix}{name}.weight", cfg))
+            else:
+                self.post_norm_weight.copy_(
+                    norm_weight(w, prefix + "post_attention_layernorm.weight", cfg)
+                )
             off = 0
             for p, n in parts:
                 self.qkv_weight[off : off + n].copy_(w[a + f"{p}_proj.weight"])
@@ -85,8 +115,10 @@ class DecoderLayer(torch.nn.Module):
                 off += n
             self.o_weight.copy_(w[a + "o_proj.weight"])
             if cfg.qk_norm:
-                self.q_norm_weight.copy_(w[a + "q_norm.weight"])
-                self.k_norm_weight.copy_(w[a + "k_norm.weight"])
+                # both made in __init__ when cfg.qk_norm
+                assert self.q_norm_weight is not None and self.k_norm_weight is not None
+                self.q_norm_weight.copy_(norm_weight(w, a + "q_norm.weight", cfg))
+                self.k_norm_weight.copy_(norm_weight(w, a + "k_norm.weight", cfg))
             inter = cfg.intermediate_size
             self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
             self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
@@ -101,18 +133,28 @@ class DecoderLayer(torch.nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         masks: list,
         ws: torch.Tensor,
+        window: int = 0,
     ) -> None:
-        """Updates the residual stream `h` [T, hidden] in place."""
+        """Updates the residual stream `h` [T, hidden] in place; `window` > 0: a sliding-window
+        layer (its masks are the window's, and the decode kernel is told)."""
         cfg = self.cfg
         x = layer_ops.rms_norm(h, self.input_norm_weight, cfg.rms_norm_eps)
         small = self.small
         qkv = linear(x, self.qkv_weight, small.get("qkv"), self.qkv_bias)
-        attn = self._attention(qkv, layer, fb, pool, rope, masks, ws)
-        add_linear_(h, attn, self.o_weight, small.get("o"))
+        attn = self._attention(qkv, layer, fb, pool, rope, masks, ws, window)
+        if self.attn_out_norm_weight is None:
+            add_linear_(h, attn, self.o_weight, small.get("o"))
+        else:
+            o = linear(attn, self.o_weight, small.get("o"))
+            h.add_(layer_ops.rms_norm(o, self.attn_out_norm_weight, cfg.rms_norm_eps))
         x = layer_ops.rms_norm(h, self.post_norm_weight, cfg.rms_norm_eps)
         gate_up = linear(x, self.gate_up_weight, small.get("gate_up"))
-        act = layer_ops.silu_mul(gate_up)
-        add_linear_(h, act, self.down_weight, small.get("down"))
+        act = layer_ops.silu_mul(gate_up) if cfg.mlp_act == "silu" else gelu_tanh_mul(gate_up)
+        if self.mlp_out_norm_weight is None:
+            add_linear_(h, act, self.down_weight, small.get("down"))
+        else:
+            down = linear(act, self.down_weight, small.get("down"))
+            h.add_(layer_ops.rms_norm(down, self.mlp_out_norm_weight, cfg.rms_norm_eps))
 
     def _rope_store_kv(self, qkv, rope, kv, fb: ForwardBatch) -> torch.Tensor:
         """layer_ops.rope_store_kv_ in torch ops (other devices and dtypes; q/k norms first), into
@@ -135,7 +177,7 @@ class DecoderLayer(torch.nn.Module):
         kv[fb.out_pages, 1, fb.out_offs] = v.to(kv.dtype)
         return qk[:, :nh]
 
-    def _attention(self, qkv, layer, fb, pool, rope, masks, ws) -> torch.Tensor:
+    def _attention(self, qkv, layer, fb, pool, rope, masks, ws, window: int) -> torch.Tensor:
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
@@ -156,7 +198,8 @@ class DecoderLayer(torch.nn.Module):
                     g.seq_lens,
                     g.num_new,
                     g.first_rows,
-                    d**-0.5,
+                    cfg.attn_scale,
+                    window,
                 )
                 continue
             if mask is IN_PLACE:
@@ -166,7 +209,8 @@ class DecoderLayer(torch.nn.Module):
                     kv,
                     g.kv_pages.view(g.num_seqs, g.pages),
                     g.seq_lens,
-                    d**-0.5,
+                    cfg.attn_scale,
+                    window,
                 )
                 if g.rows_are_t:  # an all-decode batch: the kernel's output is the layer's
                     return o.view(t, cfg.q_size)
@@ -188,16 +232,24 @@ class DecoderLayer(torch.nn.Module):
         keys = kbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
         vals = vbuf.view(g.num_seqs, g.kv_len, nkv, d).transpose(1, 2).to(q.dtype)
         qg = q.index_select(0, g.q_rows)
+        # SDPA's own 1/sqrt(head_dim) unless the model names another (the same float as before)
+        scale = cfg.attn_scale if cfg.query_pre_attn_scalar else None
         if g.max_q == 1:
             # Decode: the `group` query heads sharing a KV head become query rows of that head.
             o = F.scaled_dot_product_attention(
-                qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask
+                qg.view(g.num_seqs, nkv, group, d), keys, vals, attn_mask=mask, scale=scale
             )
             out.index_copy_(0, g.out_rows, o.reshape(g.num_seqs, cfg.q_size))
             return
         qg = qg.view(g.num_seqs, g.max_q, nh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            qg, keys, vals, attn_mask=mask, is_causal=g.causal, enable_gqa=group > 1
+            qg,
+            keys,
+            vals,
+            attn_mask=mask,
+            is_causal=g.causal and mask is None,
+            enable_gqa=group > 1,
+            scale=scale,
         )
         o = o.transpose(1, 2).reshape(g.num_seqs * g.max_q, cfg.q_size)
         if g.out_sel is not None:

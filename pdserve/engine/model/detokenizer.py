@@ -46,6 +46,7 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         if self._stream is None:
             return self.text()
+        assert self._backend is not None  # the stream is made only where there is a backend
         try:
             for t in token_ids:
                 piece = self._stream.step(self._backend, t)

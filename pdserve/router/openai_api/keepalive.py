@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from pdserve.infra.sse import sse
+from pdserve.router.admission import Ticket
 from pdserve.router.errors import ApiError
 from pdserve.router.openai_api.responses import StreamShaper
 from pdserve.router.routing.attempt import Attempt
@@ -33,6 +34,7 @@ async def pinged_stream(
     t0: float,
     stream: Callable[[Attempt], AsyncIterator[bytes]],
     error: Callable[[ApiError], list[bytes]],
+    ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     """Pings until `opening` (the dispatch) ends, then the attempt's `stream` (which owns the
     admission slot from its first step) or `error`'s events. If the client leaves first, the
@@ -65,17 +67,17 @@ async def pinged_stream(
             # released. The dispatch's own cancellation clean-up closes what it opened; an attempt
             # it still returns is aborted by the callback.
             status = 499
-            opening.add_done_callback(_abort_opened)
+            opening.add_done_callback(abort_opened)
             opening.cancel()
         elif not handed_over and not opening.cancelled() and opening.exception() is None:
             status = 499  # it opened just as the client left: nobody streams it
-            _abort_opened(opening)
+            abort_opened(opening)
         if not handed_over:
-            router.admission.release()
+            ticket.release()
             router.metrics.observe_request(route, status, time.perf_counter() - t0)
 
 
-def _abort_opened(opening: asyncio.Task) -> None:
+def abort_opened(opening: asyncio.Task) -> None:
     if not opening.cancelled() and opening.exception() is None:
         opening.result().close(None, abort=True)
 

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from pdserve.router.admission import Ticket
 from pdserve.router.errors import ApiError
+from pdserve.router.openai_api.owned_stream import OwnedStream, abandon
 from pdserve.router.openai_api.responses import (
     NodeAborted,
     Shape,
@@ -35,7 +37,7 @@ from pdserve.router.openai_api.responses import (
     check_event,
     completion,
 )
-from pdserve.router.openai_api.streams import CLIENT_CLOSED
+from pdserve.router.openai_api.streams import CLIENT_CLOSED, StreamClock
 from pdserve.router.routing.attempt import PREFILL_GRACE_S, Attempt
 from pdserve.router.state import wait_disconnect
 
@@ -62,23 +64,29 @@ async def serve(
     stream: bool,
     shape: Callable[[str], Shape],
     route: str,
+    tenant: str,
+    priority: int = 0,
 ) -> Response:
-    await router.admit(n)  # n node requests: n units of admission
+    # n node requests: n units of admission
+    ticket = await router.admit(tenant, native, key, model, n, priority)
     handed_over = False
     try:
         attempts = await open_choices(router, request, native, key, model, n)
         s = shape(attempts[0].rid)
         if stream:
             handed_over = True
-            return StreamingResponse(
-                stream_choices(router, attempts, s, route, t0),
-                media_type="text/event-stream",
+            return OwnedStream(
+                stream_choices(router, attempts, s, route, t0, ticket),
+                abandon(router, route, t0, ticket, attempts),
                 headers={"Cache-Control": "no-cache"},
             )
-        return JSONResponse(await whole_answer(router, request, attempts, s))
+        answer, longest = await whole_answer(router, request, attempts, s)
+        # the choices ran at once: the whole answer took as long as its longest one
+        router.slo.finished_whole(time.perf_counter() - t0, longest)
+        return JSONResponse(answer)
     finally:
         if not handed_over:
-            router.admission.release(n)
+            ticket.release()
 
 
 async def open_choices(
@@ -141,8 +149,9 @@ def _summed(metas: list[dict]) -> dict[str, int]:
 
 async def whole_answer(
     router: Router, request: Request, attempts: list[Attempt], shape: Shape
-) -> dict[str, Any]:
-    """Every choice collected into one chat.completion / text_completion."""
+) -> tuple[dict[str, Any], int]:
+    """Every choice collected into one chat.completion / text_completion; and the completion
+    tokens of the longest choice."""
     gather = asyncio.gather(*(_collect(a) for a in attempts))
     watcher = asyncio.create_task(wait_disconnect(request))
     ok: bool | None = None
@@ -171,7 +180,8 @@ async def whole_answer(
             a.close(ok, abort=ok is not True)
     choices = [answer_choice(shape, native, i) for i, native in enumerate(natives)]
     total = {"meta_info": _summed([x["meta_info"] for x in natives])}
-    return completion(shape, total, cached, choices)
+    longest = max(int(x["meta_info"].get("completion_tokens") or 0) for x in natives)
+    return completion(shape, total, cached, choices), longest
 
 
 def _failed(attempt: Attempt, message: str, code: str) -> ApiError:
@@ -180,17 +190,24 @@ def _failed(attempt: Attempt, message: str, code: str) -> ApiError:
 
 
 async def stream_choices(
-    router: Router, attempts: list[Attempt], shape: Shape, route: str, t0: float
+    router: Router,
+    attempts: list[Attempt],
+    shape: Shape,
+    route: str,
+    t0: float,
+    ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     """The choices' SSE chunks as they come, each with its `index`; then usage and [DONE]. Owns
     the attempts and their n units of admission (as router/openai_api/streams.py's generators
     own their one)."""
     shapers = [StreamShaper(shape, i) for i in range(len(attempts))]
+    clocks = [StreamClock(t0) for _ in attempts]  # goodput: each choice's own gaps
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, a, shapers[i], queue)) for i, a in enumerate(attempts)]
     status, left, cached = 200, len(attempts), None
     try:
-        router.metrics.observe_ttft(time.perf_counter() - t0)  # choice 0's first token is in
+        first_token_s = time.perf_counter() - t0  # choice 0's first token is in
+        router.metrics.observe_ttft(first_token_s)
         while left:
             try:
                 async with asyncio.timeout(router.cfg.stream_idle_timeout_s + PREFILL_GRACE_S):
@@ -198,6 +215,8 @@ async def stream_choices(
             except TimeoutError as exc:  # a pump died without a word
                 i, item = -1, exc
             if isinstance(item, list):
+                if item:
+                    clocks[i].event()
                 for chunk in item:
                     yield chunk
                 continue
@@ -216,6 +235,9 @@ async def stream_choices(
                 yield chunk
             return
         shapers[0].meta = _summed([s.meta for s in shapers])
+        # goodput: choice 0's first token (the stream started on it), and the slowest choice's gaps
+        gaps = [g for g in (c.itl_s() for c in clocks) if g is not None]
+        router.slo.finished(first_token_s, max(gaps, default=None))
         for chunk in shapers[0].tail(cached):
             yield chunk
     finally:
@@ -225,7 +247,7 @@ async def stream_choices(
             if not a.closed:
                 status = CLIENT_CLOSED
                 a.close(None, abort=True)
-        router.admission.release(len(attempts))  # the request's n units
+        ticket.release()  # the request's n units
         router.metrics.observe_request(route, status, time.perf_counter() - t0)
 
 

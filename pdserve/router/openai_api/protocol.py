@@ -66,6 +66,8 @@ class _Common(StrictModel):
     # Accepted and not used, as by vLLM: end-user ids for a provider's abuse monitoring.
     user: StrictStr | None = Field(None, description="accepted, not used")
     safety_identifier: StrictStr | None = Field(None, description="accepted, not used")
+    # vLLM's: lower runs earlier; the router's admission queue orders by it (router/admission.py)
+    priority: StrictInt | None = Field(None, ge=-(2**31), lt=2**31, description="lower first")
     # Extensions that nodes understand (vLLM's and SGLang's names).
     top_k: Int64 | None = Field(
         None,

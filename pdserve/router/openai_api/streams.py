@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdserve.infra.sse import sse
+from pdserve.router.admission import Ticket
 from pdserve.router.openai_api.responses import NodeAborted, StreamShaper
 from pdserve.router.routing.attempt import Attempt
 
@@ -24,22 +25,46 @@ if TYPE_CHECKING:
 CLIENT_CLOSED = 499
 
 
+class StreamClock:
+    """A stream's TTFT (from the request's arrival, `t0`) and mean gap between its events."""
+
+    def __init__(self, t0: float):
+        self.t0, self.ttft_s, self.events, self._first, self._last = t0, 0.0, 0, 0.0, 0.0
+
+    def event(self) -> bool:
+        """Records one event; True for the first."""
+        now = time.perf_counter()
+        self.events += 1
+        if self.events == 1:
+            self._first, self.ttft_s = now, now - self.t0
+        self._last = now
+        return self.events == 1
+
+    def itl_s(self) -> float | None:
+        return (self._last - self._first) / (self.events - 1) if self.events > 1 else None
+
+
 async def openai_stream(
-    router: Router, attempt: Attempt, shaper: StreamShaper, route: str, t0: float
+    router: Router,
+    attempt: Attempt,
+    shaper: StreamShaper,
+    route: str,
+    t0: float,
+    ticket: Ticket,
 ) -> AsyncIterator[bytes]:
     status = 200
+    clock = StreamClock(t0)
     try:
-        first = True
         try:
             async for event in attempt.events():
                 chunks = shaper.chunks(event)
-                if first:
-                    router.metrics.observe_ttft(time.perf_counter() - t0)
-                    first = False
+                if clock.event():
+                    router.metrics.observe_ttft(clock.ttft_s)
                 for chunk in chunks:
                     yield chunk
             cached = await attempt.cached_tokens()
             attempt.close(True)
+            router.slo.finished(clock.ttft_s, clock.itl_s())
             for chunk in shaper.tail(cached):
                 yield chunk
         except NodeAborted as exc:
@@ -60,26 +85,27 @@ async def openai_stream(
         if not attempt.closed:
             status = CLIENT_CLOSED
             attempt.close(None, abort=True)
-        router.admission.release()
+        ticket.release()
         router.metrics.observe_request(route, status, time.perf_counter() - t0)
 
 
 async def native_stream(
-    router: Router, attempt: Attempt, route: str, t0: float
+    router: Router, attempt: Attempt, route: str, t0: float, ticket: Ticket
 ) -> AsyncIterator[bytes]:
     status = 200
+    clock = StreamClock(t0)
     try:
-        first = True
         try:
             async for event in attempt.events():
-                if first:
-                    router.metrics.observe_ttft(time.perf_counter() - t0)
-                    first = False
+                if clock.event():
+                    router.metrics.observe_ttft(clock.ttft_s)
                 yield sse(event)
                 if event.get("error"):
                     status = 502
                     break
             attempt.close(True if status == 200 else None, abort=status != 200)
+            if status == 200:
+                router.slo.finished(clock.ttft_s, clock.itl_s())
         except NodeAborted as exc:
             status = 502
             attempt.close(None, abort=True)
@@ -111,5 +137,5 @@ async def native_stream(
         if not attempt.closed:
             status = CLIENT_CLOSED
             attempt.close(None, abort=True)
-        router.admission.release()
+        ticket.release()
         router.metrics.observe_request(route, status, time.perf_counter() - t0)

@@ -38,7 +38,6 @@ COMMON: dict[str, tuple] = {
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
-    "priority": (0,),
     "request_id": (),
     "logits_processors": (),
     "cache_salt": (),

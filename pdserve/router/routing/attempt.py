@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from pdserve.router.admission import ADMITTED, Ticket
 from pdserve.router.errors import ApiError
 from pdserve.router.openai_api.responses import NodeAborted, check_event, parse_sse_line
 from pdserve.router.routing.workers import Worker
@@ -44,6 +46,8 @@ class Route:
     decode: Worker
     prompt_tokens: int = 0  # estimated tokens to prefill, charged to the worker that prefills
     key_chars: int = 0  # the prompt key's length, to learn characters per token (0: ids prompt)
+    path: str = "colocated"  # "disaggregated" | "decode_only" | "colocated"
+    predicted_ttft_s: float | None = None  # the latency model's (latency_model.py)
 
 
 class Failure(Exception):
@@ -139,11 +143,19 @@ def aborted(worker: Worker, exc: NodeAborted) -> Failure:
     )
 
 
+def node_share(ticket: Ticket | None) -> dict:
+    """The fields that place the request in a node's fair queue (engine/fair_queue.py): always
+    set, so that nothing a client put in its body under these names reaches a node."""
+    if ticket is None:  # admitted without a ticket (in-process callers, tests)
+        return {"tenant": "", "tenant_weight": 1.0, "priority": 0}
+    return {"tenant": ticket.tenant, "tenant_weight": ticket.weight, "priority": ticket.priority}
+
+
 class Attempt:
     def __init__(self, dispatcher: Dispatcher, route: Route, body: dict, stream: bool):
         self.d, self.route, self.stream = dispatcher, route, stream
         self.rid = uuid.uuid4().hex
-        self.payload = {**body, "rid": self.rid, "stream": stream}
+        self.payload = {**body, "rid": self.rid, "stream": stream, **node_share(ADMITTED.get())}
         if route.prefill is not None:
             self.payload.update(
                 bootstrap_host=route.prefill.bootstrap_host,
@@ -162,17 +174,28 @@ class Attempt:
         self.headers = dispatcher.node_headers
         # the worker whose prefill queue this attempt's prompt is charged to, until it is prefilled
         self._charged: Worker | None = route.prefill or route.decode
+        self.timing = Timing()  # what the latency model learns from (latency_model.py)
 
     def _prefilled(self) -> None:
         """The prompt left its prefill queue (or the attempt ended): uncharge it, once."""
         if self._charged is not None:
+            self.d.disagg.model.closed(self._charged.url, id(self))
             self._charged.queued_prompt_tokens -= self.route.prompt_tokens
             self._charged = None
+            self.d.on_prefilled()
 
     async def start(self) -> None:
         route, cfg = self.route, self.d.cfg
+        self.timing.sent(route)
+        if self._charged is not None:
+            model = self.d.disagg.model
+            predicted = model.fit_prefill_s(self._charged, route.prompt_tokens)
+            model.opened(self._charged.url, id(self), predicted)
         if self._charged is not None:
             self._charged.queued_prompt_tokens += route.prompt_tokens
+        ticket = ADMITTED.get()
+        if ticket is not None:
+            ticket.charged()
         if self.trace is not None:
             nodes = [(w.role, w.url) for w in (route.prefill, route.decode) if w is not None]
             traceparent = self.trace.attempt_start(self.rid, nodes)
@@ -257,6 +280,7 @@ class Attempt:
             check_event(answer)
             self.prefill_meta = answer.get("meta_info") or {}
             verdict = True
+            self.timing.prefilled(self.d, self.route)
         except httpx.HTTPError as exc:
             verdict = False
             raise unreachable(worker, exc) from None
@@ -288,6 +312,7 @@ class Attempt:
                     raise NodeAborted("the stream ended before any data")
                 check_event(first)
                 self.first = first
+                self.timing.first_token(self.d, self.route)
                 if self.trace is not None:
                     self.trace.first_token(self.rid)
             else:
@@ -331,6 +356,7 @@ class Attempt:
                 return
             async with asyncio.timeout(self.d.cfg.stream_idle_timeout_s):
                 event = await self._next_event()
+            self.timing.token()
         raise NodeAborted("the decode node ended the stream without a finish_reason")
 
     async def cached_tokens(self) -> int | None:
@@ -353,6 +379,7 @@ class Attempt:
         self._prefilled()
         meta = self.prefill_meta or (self.result or {}).get("meta_info") or self.last_meta
         self.d.disagg.tokens.learn(self.route.key_chars, meta.get("prompt_tokens"))
+        self.timing.ended(self.d, self.route)
         if self.trace is not None:
             self.trace.attempt_end(self.rid, ok, self._finish_type())
         decode = self.route.decode
@@ -375,6 +402,65 @@ class Attempt:
         meta = self.last_meta or (self.result or {}).get("meta_info") or {}
         reason = meta.get("finish_reason") if isinstance(meta, dict) else None
         return reason.get("type") if isinstance(reason, dict) else None
+
+
+class Timing:
+    """An attempt's times (monotonic seconds), and what the latency model learns from them: the
+    prefill's duration against the tokens its node computed before it ended, the handoff, the
+    seconds between tokens against the decode node's open streams."""
+
+    def __init__(self) -> None:
+        self.t_sent = self.t_prefilled = self.t_first = self.t_last = 0.0
+        self.queue_ahead = 0  # prompt tokens queued at the prefilling worker when sent
+        self.busy = False  # the prefilling worker had requests open when sent
+        self.streams = 0  # requests open on the decode node at the first token
+        self.tokens = 0  # stream events after the first
+        self.handoff_learnt = False
+
+    def sent(self, route: Route) -> None:
+        worker = route.prefill or route.decode
+        self.t_sent = time.monotonic()
+        self.queue_ahead = worker.queued_prompt_tokens
+        self.busy = worker.in_flight > 0
+
+    def prefilled(self, d: Dispatcher, route: Route) -> None:
+        self.t_prefilled = time.monotonic()
+        assert route.prefill is not None
+        work = self.queue_ahead + route.prompt_tokens
+        d.disagg.model.observe_prefill(
+            route.prefill.url, "prefill", False, work, self.t_prefilled - self.t_sent
+        )
+        self._handoff(d, route)
+
+    def first_token(self, d: Dispatcher, route: Route) -> None:
+        self.t_first = self.t_last = time.monotonic()
+        self.streams = route.decode.in_flight
+        ttft = self.t_first - self.t_sent
+        model = d.disagg.model
+        if route.prefill is None:
+            work = self.queue_ahead + route.prompt_tokens
+            model.observe_prefill(route.decode.url, route.decode.role, self.busy, work, ttft)
+        self._handoff(d, route)
+        if route.predicted_ttft_s is not None:
+            ratio = model.record_error(route.path, route.predicted_ttft_s, ttft)
+            if ratio is not None:
+                d.metrics.prediction_ratio.labels(path=route.path).observe(ratio)
+
+    def _handoff(self, d: Dispatcher, route: Route) -> None:
+        """Once both the prefill's answer and the first token came (in either order)."""
+        if self.t_prefilled and self.t_first and not self.handoff_learnt:
+            self.handoff_learnt = True
+            gap = self.t_first - self.t_prefilled
+            d.disagg.model.observe_handoff(route.decode.url, route.prompt_tokens, gap)
+
+    def token(self) -> None:
+        self.t_last = time.monotonic()
+        self.tokens += 1
+
+    def ended(self, d: Dispatcher, route: Route) -> None:
+        if self.tokens >= 2:
+            step = (self.t_last - self.t_first) / self.tokens
+            d.disagg.model.observe_step(route.decode.url, self.streams, step)
 
 
 async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: str) -> None:

@@ -10,12 +10,16 @@ batch). The router sends a request there instead of to the pair, in this order o
                      prompt in its prefix cache, and more of it than the prefill node (it served an
                      earlier turn of the conversation that the prefill node did not): it computes
                      only the rest
-  prefill_queue      the prefill node's queued prompt tokens predict a later first token than
-                     prefilling on the decode node would: P's queue + the prompt P does not hold +
-                     the transfer overhead > cost x (D's local queue + the prompt D does not hold),
-                     where the cost is `local_prefill_cost` while the decode node has requests
-                     open (its prefill would delay their streams) and at most
-                     `idle_local_prefill_cost` (1) while it has none
+  prefill_queue      the latency model (latency_model.py) predicts an earlier first token from
+                     prefilling on the decode node than from the pair: the prefill node's time
+                     for its queue and the prompt it does not hold, plus the handoff (KV transfer
+                     and first step), against the decode node's time for its local queue and the
+                     prompt it does not hold, at its rate with streams open (its prefill shares
+                     their steps) or idle. The rates are learnt from the requests served; the
+                     flags `local_prefill_cost`, `idle_local_prefill_cost` and
+                     `transfer_overhead_tokens` are only their priors (a local prefill token
+                     costs that many prefill tokens until measured), and `local_prefill_cost` 0
+                     turns the rule off
 
 A stream that moves from a failed decode node (router/routing/migration.py) is decided by the same
 rules on its replay: the prompt and the tokens already sent, which either node prefills; both paths
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.config import DisaggConfig
+from pdserve.router.routing.latency_model import LatencyModel
 from pdserve.router.routing.prefix_tree import PrefixTree
 
 DECODE_ONLY_REASONS = (
@@ -81,6 +86,7 @@ class Decision:
     path: str  # "disaggregated" | "decode_only"
     reason: str
     prompt_tokens: int  # the estimate, charged to the queue it joins
+    predicted_ttft_s: float  # the latency model's, for this path (latency_model.py)
 
 
 class Disaggregation:
@@ -89,6 +95,7 @@ class Disaggregation:
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
         self.tokens = TokenEstimator()
+        self.model = LatencyModel(cfg)
         self.decode_cache = PrefixTree(cfg.max_tree_chars)
         self.prefill_cache = PrefixTree(cfg.max_tree_chars)
 
@@ -97,7 +104,7 @@ class Disaggregation:
         `queued_prompt_tokens`, `prefix_cache` and `in_flight`)."""
         cfg, n = self.cfg, self.tokens.estimate(body, key)
         if n < cfg.min_prompt_tokens:
-            return Decision("decode_only", "short_prompt", n)
+            return self._decision("decode_only", "short_prompt", n, decode)
         # a node started with --no-prefix-cache keeps no prompt, whatever it was sent
         held = self.held_tokens(self.decode_cache, key, decode, n)
         held_p = self.held_tokens(self.prefill_cache, key, prefill, n)
@@ -106,17 +113,19 @@ class Disaggregation:
             and held >= cfg.decode_prefix_fraction * n
             and held > held_p
         ):
-            return Decision("decode_only", "decode_prefix_hit", n - held)
+            return self._decision("decode_only", "decode_prefix_hit", n - held, decode)
+        pd = self.model.pd_ttft(prefill, decode, n - held_p, n)
         if cfg.local_prefill_cost > 0:
-            pd = prefill.queued_prompt_tokens + n - held_p + cfg.transfer_overhead_tokens
-            # an idle decode node's prefill delays no stream: it costs what it computes
-            cost = cfg.local_prefill_cost
-            if not decode.in_flight:
-                cost = min(cfg.idle_local_prefill_cost, cost)
-            local = cost * (decode.queued_prompt_tokens + n - held)
+            local = self.model.local_ttft(decode, n - held)
             if local < pd:
-                return Decision("decode_only", "prefill_queue", n - held)
-        return Decision("disaggregated", "default", n - held_p)
+                self.model.taken("decode_only")
+                return Decision("decode_only", "prefill_queue", n - held, local)
+        self.model.taken("disaggregated")
+        return Decision("disaggregated", "default", n - held_p, pd)
+
+    def _decision(self, path: str, reason: str, tokens: int, decode: Any) -> Decision:
+        self.model.taken(path)
+        return Decision(path, reason, tokens, self.model.local_ttft(decode, tokens))
 
     @staticmethod
     def held_tokens(cache: PrefixTree, key: str, worker: Any, n: int) -> int:

@@ -56,6 +56,7 @@ class Dispatcher:
         self.pairs = PairHealth(cfg.pair_breaker, metrics)
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task] = set()
+        self.on_prefilled: Callable[[], None] = lambda: None  # a prompt left a node's queue
 
     # --- choosing -------------------------------------------------------------------------
     def _choose(
@@ -92,9 +93,11 @@ class Dispatcher:
                 if prefill:
                     d = self.disagg.decide(body, key, prefill, decode)
                     path, reason, tokens = d.path, d.reason, d.prompt_tokens
+                    predicted = d.predicted_ttft_s
                     reason = "migration" if migrating else reason
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
+                    predicted = self.disagg.model.local_ttft(decode, tokens)
                     reason = (
                         "migration"
                         if migrating
@@ -107,10 +110,13 @@ class Dispatcher:
                 keep = prefill if path == "disaggregated" else None
                 self.disagg.routed(key, decode.url, keep.url if keep else None)
                 self.metrics.route_decision(path, reason)
-                return Route(keep, decode, tokens, chars)
+                return Route(keep, decode, tokens, chars, path, predicted)
         colocated = self._choose("colocated", key, exclude, model)
         if colocated:
-            return Route(None, colocated)
+            tokens = self.disagg.tokens.estimate(body or {}, key)
+            chars = 0 if isinstance((body or {}).get("input_ids"), list) else len(key)
+            predicted = self.disagg.model.local_ttft(colocated, tokens)
+            return Route(None, colocated, tokens, chars, "colocated", predicted)
         counts = ", ".join(
             f"{role}: {len(self.registry.serving(model, role))} of "
             f"{sum(w.role == role for w in self.registry.all())}"

@@ -118,6 +118,10 @@ class WorkerRegistry:
     def all(self) -> list[Worker]:
         return list(self._workers.values())
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens sent to the workers and not yet prefilled (the router's estimate)."""
+        return sum(w.queued_prompt_tokens for w in self._workers.values())
+
     def eligible(self, role: str) -> list[Worker]:
         return [w for w in self._workers.values() if w.role == role and w.eligible()]
 

@@ -94,7 +94,7 @@ def error_chunk(p: Pending, ev: ErrorEvent) -> dict[str, Any]:
 
 
 def meta_info(p: Pending, reason: dict[str, Any] | None, lps: list) -> dict[str, Any]:
-    m = {
+    m: dict[str, Any] = {
         "prompt_tokens": p.prompt_tokens,
         "completion_tokens": len(p.token_ids),
         "finish_reason": reason,

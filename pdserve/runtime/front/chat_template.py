@@ -132,6 +132,10 @@ def render(tok: Any, body: dict[str, Any], add_generation_prompt: bool = True) -
     from jinja2 import TemplateError
 
     msgs, tools = check_messages(body), check_tools(tok, body)
+    if not tok.chat_template:  # a pretrained model (Gemma 3 270M): it has no chat format
+        raise RequestError(
+            400, "the model has no chat template: send its prompts to /v1/completions", "messages"
+        )
     try:
         return tok.apply_chat_template(
             msgs, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt

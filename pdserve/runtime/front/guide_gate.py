@@ -24,6 +24,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pdserve.engine.grammar import lower_this_threads_priority
 from pdserve.runtime.front.prompt import RequestError
 
 KEPT = 4096  # outcomes remembered (a hash and a short string each)
@@ -42,7 +43,9 @@ class GuideGate:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self.timeout_s = timeout_s
         self.outcomes: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" ok, else why not
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="guide-gate")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="guide-gate", initializer=lower_this_threads_priority
+        )
         self._compiler: Any = None
         self._started: dict[bytes, float] = {}  # digest -> when its compile began (pool thread)
         self._lock = threading.Lock()  # outcomes and counts: the loop's thread and the pool's

@@ -102,6 +102,7 @@ def add_generate(app: FastAPI, front: NodeFront, check_internal: Callable) -> No
         async for chunk in front.events(p):
             text.append(chunk["text"])
             last = chunk
+        assert last is not None  # events() always ends with a finish or an error chunk
         if "error" in last:
             status = 400 if last["error"]["param"] else 503
             return JSONResponse({"error": last["error"]}, status_code=status)

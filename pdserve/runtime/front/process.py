@@ -41,6 +41,7 @@ from pdserve.runtime.front.prompt import (
     check_context,
     prompt_ids,
     request_rid,
+    request_share,
     resume_point,
     sampling_params,
 )
@@ -217,7 +218,7 @@ class NodeFront(RankReports):
             raise RequestError(
                 409, f"request {rid!r} was aborted before it arrived", "rid", "aborted"
             )
-        msg = self.add_request(rid, ids, params, body)
+        msg = replace(self.add_request(rid, ids, params, body), share=request_share(body))
         detok = IncrementalDetokenizer(self.tok, params.stop)
         if resume is not None:
             msg = self._resumed(msg, resume, detok)

@@ -1,6 +1,6 @@
 """What a node front checks and builds from a request body before anything reaches a rank: the
 prompt's token ids (text, chat messages or ids), the sampling params, the context limit, the rid,
-its client errors, and the SSE framing."""
+its tenant's share, its client errors, and the SSE framing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.core import ParamError, SamplingParams
+from pdserve.engine.core import ANONYMOUS_SHARE, ParamError, SamplingParams, Share
 
 RID_MAX = 256  # characters of a request id
 
@@ -66,7 +66,7 @@ def prompt_ids(tok: Any, body: dict[str, Any], vocab_size: int) -> list[int]:
 def sampling_params(body: dict[str, Any], defaults: dict[str, Any]) -> tuple[SamplingParams, bool]:
     """The body's sampling params over the model's `defaults`, and whether it asks for the rest
     of the context (`max_tokens: null`: max_tokens is then 1 until the prompt's length is known)."""
-    sp = body.get("sampling_params")
+    sp: Any = body.get("sampling_params")  # the client's JSON: from_dict checks it
     to_end = (
         isinstance(sp, dict) and "max_tokens" in sp and sp["max_tokens"] is None
     )  # rest of context
@@ -107,6 +107,27 @@ class Resume:
 
     token_ids: list[int]
     text_chars: int
+
+
+def request_share(body: dict[str, Any]) -> Share:
+    """The request's `tenant`, `tenant_weight` and `priority`, for the node's fair queue
+    (engine/fair_queue.py). The router sets all three on every request it sends, over whatever
+    its client put there; a caller that sets none is the anonymous tenant."""
+    tenant, weight, priority = (body.get(k) for k in ("tenant", "tenant_weight", "priority"))
+    if tenant is None and weight is None and priority is None:
+        return ANONYMOUS_SHARE
+    if tenant is not None and not isinstance(tenant, str):
+        raise RequestError(400, "'tenant' must be a string", "tenant")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+        raise RequestError(400, "'tenant_weight' must be a number", "tenant_weight")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise RequestError(400, "'priority' must be an integer", "priority")
+    share = Share(tenant or "", float(1.0 if weight is None else weight), priority or 0)
+    try:
+        share.check()
+    except ParamError as e:
+        raise RequestError(400, str(e), e.field) from None
+    return share
 
 
 def resume_point(body: dict[str, Any], vocab_size: int, max_tokens: int) -> Resume | None:

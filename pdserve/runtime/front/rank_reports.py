@@ -9,15 +9,45 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pdserve.infra.channel_auth import AuthError
 from pdserve.runtime.messages import RankStats, unpack
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+    from pdserve.infra.channel_auth import Opener
+    from pdserve.runtime.front.answer import Pending
+    from pdserve.runtime.front.metrics import NodeMetrics
+    from pdserve.runtime.front.tracing import NodeTracing
 
 log = logging.getLogger("pdserve.front")
 
 
 class RankReports:
+    # the state of NodeFront (runtime/front/process.py) that this mixin reads; NodeFront sets it
+    model_name: str
+    role: str
+    pp_size: int
+    max_context: int
+    tool_call_format: str | None
+    prefix_cache: bool
+    sampling_defaults: dict[str, Any]
+    pending: dict[str, Pending]
+    rank_stats: dict[int, RankStats]
+    rank_seen: dict[int, float]
+    dead: str | None
+    draining: bool
+    metrics: NodeMetrics | None
+    tracing: NodeTracing
+    stats_sock: zmq.asyncio.Socket
+    _stats_opener: Opener
+    dropped: Counter[str]
+    _drop: Callable[[str, Exception], None]
+
     def healthy(self, stale_s: float = 15.0) -> tuple[bool, str]:
         if self.dead:
             return False, self.dead

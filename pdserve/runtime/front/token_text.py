@@ -42,7 +42,7 @@ _BYTE_LEVEL = _byte_level_alphabet()
 class TokenBytes:
     """Raw bytes per token id of one tokenizer (cached; shared by the requests of a node)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -134,6 +134,7 @@ class StatsReporter:
         self._send(stats)
 
     def _send(self, stats: RankStats) -> None:
+        assert self.sock is not None  # maybe_send sends only with a socket
         try:
             self.sock.send(self._sealer.seal(pack([stats])), zmq.NOBLOCK)
         except zmq.Again:

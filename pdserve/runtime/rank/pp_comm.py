@@ -96,7 +96,94 @@ def rendezvous_store(
         raise
 
 
-class PPComm:
+class PPLink:
+    """What a PP rank's end of its links does above the wire, the same for the real group
+    (`PPComm`) and the in-process one of the tests (runtime/rank/pp_comm_memory.py): the ring's
+    neighbours, the inbox that parks a message of another kind until it is asked for, and the
+    turns of `commit`. A subclass is only the wire: it sends (appending `(turn due, handle)` to
+    `_sends`), receives one message (`_recv_one`), and waits until a send was received
+    (`_wait_sent`)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.turn = 0
+        self.bytes_sent = 0
+        self._sends: deque[tuple[int, Any]] = deque()  # (turn due, the wire's handle of a send)
+        self._inbox: dict[tuple[int, int], deque] = defaultdict(deque)
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    # --- the wire ---------------------------------------------------------------------------------
+    def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
+        """`commit_after`: turns until the receiver surely took it (ring's last hop: pp_size)."""
+        raise NotImplementedError
+
+    def send_tensor(self, dst: int, t: torch.Tensor, kind: Msg = Msg.HIDDEN) -> None:
+        raise NotImplementedError
+
+    def _recv_one(self, src: int) -> tuple[int, Any]:
+        """The next message from `src`, whatever its kind: (kind, value); blocks, bounded."""
+        raise NotImplementedError
+
+    def _wait_sent(self, handle: Any) -> None:
+        """Returns once the send of `handle` was received (bounded)."""
+        raise NotImplementedError
+
+    def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
+        raise NotImplementedError
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # --- above the wire ---------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Starts a turn: waits for the sends due by now, then releases their buffers.
+
+        A gloo send completes when the peer receives it. Hidden states and meta are received in the
+        same iteration, so they are due one turn later. PP0 receives the last rank's outputs up to
+        pp_size - 1 turns after they were sent; waiting for them sooner would tie the last rank to
+        PP0's progress and, with a collective in between (the consensus checker), deadlock.
+        """
+        self.turn += 1
+        keep: deque[tuple[int, Any]] = deque()
+        while self._sends:
+            due, handle = self._sends.popleft()
+            if due <= self.turn:
+                self._wait_sent(handle)
+            else:
+                keep.append((due, handle))
+        self._sends = keep
+
+    def flush(self) -> None:
+        """Waits for every send so far (shutdown)."""
+        while self._sends:
+            _, handle = self._sends.popleft()
+            self._wait_sent(handle)
+
+    def recv(self, src: int, kind: Msg) -> Any:
+        """Blocks until a message of `kind` from `src` is there; parks other kinds in the inbox."""
+        box = self._inbox[(src, int(kind))]
+        if box:
+            return box.popleft()
+        while True:
+            k, val = self._recv_one(src)
+            if k == kind:
+                return val
+            self._inbox[(src, k)].append(val)
+
+
+class PPComm(PPLink):
+    """The PP group of a node's rank processes (module docstring)."""
+
     def __init__(
         self,
         rank: int,
@@ -109,7 +196,7 @@ class PPComm:
         comm_stream: bool = False,
         host: str = "127.0.0.1",
     ):
-        self.rank, self.size = rank, size
+        super().__init__(rank, size)
         use_interface_of(host)
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -126,21 +213,10 @@ class PPComm:
         # Collectives (start-up agreement, consensus checker) get a group of their own: on a shared
         # gloo group they can interleave with the point-to-point stream and stall it.
         self.coll_group = dist.new_group(backend="gloo")
-        self._sends: deque[tuple[int, tuple[Any, ...]]] = deque()  # (turn due, handles + buffers)
-        self.turn = 0
-        self._inbox: dict[tuple[int, int], deque] = defaultdict(deque)
+        # a send's handle in `_sends`: its two works (header, payload) and the buffers they read
         self.stream = None
         if comm_stream and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
-        self.bytes_sent = 0
-
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.size
-
-    @property
-    def next(self) -> int:
-        return (self.rank + 1) % self.size
 
     # --- sending ----------------------------------------------------------------------------------
     def _header(self, kind: Msg, t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +228,6 @@ class PPComm:
         return h
 
     def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
-        """`commit_after`: turns until the receiver surely took it (ring's last hop: pp_size)."""
         payload = torch.frombuffer(
             bytearray(msgpack.packb(obj, use_bin_type=True)), dtype=torch.uint8
         )
@@ -183,31 +258,9 @@ class PPComm:
         self._sends.append((self.turn + 1, (hw, tw, h, t)))
         self.bytes_sent += t.numel() * t.element_size()
 
-    def commit(self) -> None:
-        """Starts a turn: waits for the sends due by now, then releases their buffers.
-
-        A gloo send completes when the peer receives it. Hidden states and meta are received in the
-        same iteration, so they are due one turn later. PP0 receives the last rank's outputs up to
-        pp_size - 1 turns after they were sent; waiting for them sooner would tie the last rank to
-        PP0's progress and, with a collective in between (the consensus checker), deadlock.
-        """
-        self.turn += 1
-        keep: deque = deque()
-        while self._sends:
-            due, item = self._sends.popleft()
-            if due <= self.turn:
-                for w in item[:2]:
-                    if w is not None:
-                        w.wait()
-            else:
-                keep.append((due, item))
-        self._sends = keep
-
-    def flush(self) -> None:
-        """Waits for every send so far (shutdown)."""
-        while self._sends:
-            _, item = self._sends.popleft()
-            for w in item[:2]:
+    def _wait_sent(self, handle: tuple[Any, ...]) -> None:
+        for w in handle[:2]:
+            if w is not None:
                 w.wait()
 
     # --- receiving --------------------------------------------------------------------------------
@@ -228,17 +281,6 @@ class PPComm:
         buf = torch.empty(shape, dtype=dt)
         dist.recv(buf, src, group=self.cpu_group)
         return kind, msgpack.unpackb(buf.numpy().tobytes(), raw=False, strict_map_key=False)
-
-    def recv(self, src: int, kind: Msg) -> Any:
-        """Blocks until a message of `kind` from `src` is there; parks other kinds in the inbox."""
-        box = self._inbox[(src, int(kind))]
-        if box:
-            return box.popleft()
-        while True:
-            k, val = self._recv_one(src)
-            if k == kind:
-                return val
-            self._inbox[(src, k)].append(val)
 
     # --- collectives (start-up agreement and the consensus checker) -------------------------------
     def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:

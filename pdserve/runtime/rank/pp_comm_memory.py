@@ -1,8 +1,9 @@
 """The PP group of one node with its ranks as threads of one process (tests only; no production
 path imports this, tests/test_layering.py checks it).
 
-`MemoryPPGroup(size).comm(rank)` has the interface of runtime/rank/pp_comm.py `PPComm` as the loops
-use it, with its semantics:
+`MemoryPPGroup(size).comm(rank)` is a `PPLink` (runtime/rank/pp_comm.py), as `PPComm` is: the inbox,
+the turns of `commit` and the ring are that class's own code, and this module is only the wire,
+with the real one's semantics:
 
 * objects are msgpack-packed on send and unpacked on receive, so what could not cross the wire
   cannot cross here; tensors are copied on send;
@@ -25,14 +26,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import torch
 
-from pdserve.runtime.rank.pp_comm import Msg
+from pdserve.runtime.rank.pp_comm import Msg, PPLink
 
 
 class CommClosed(RuntimeError):
@@ -56,7 +57,7 @@ class MemoryPPGroup:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size, self.timeout_s = size, timeout_s
-        self._links = {
+        self._links: dict[tuple[int, int], queue.SimpleQueue[_Item]] = {
             (s, d): queue.SimpleQueue() for s in range(size) for d in range(size) if s != d
         }
         self.closed = threading.Event()
@@ -94,37 +95,26 @@ class MemoryPPGroup:
             self._read[n] += 1
             if self._read[n] == self.size:
                 del self._rounds[n], self._read[n]
-            return list(got)
+            return cast(list[bytes], list(got))  # the wait above ended with every value in
 
 
-class MemoryPPComm:
+class MemoryPPComm(PPLink):
     """One rank's end of a MemoryPPGroup (see the module docstring)."""
 
     def __init__(self, group: MemoryPPGroup, rank: int):
         if not 0 <= rank < group.size:
             raise ValueError(f"rank {rank} outside [0, {group.size})")
-        self.group, self.rank, self.size = group, rank, group.size
+        super().__init__(rank, group.size)
+        self.group = group
         self.device = torch.device("cpu")
-        self.turn = 0
-        self.bytes_sent = 0
-        self._sends: deque[tuple[int, int, _Item]] = deque()  # (turn due, dst, item)
-        self._inbox: dict[tuple[int, int], deque] = defaultdict(deque)
         self._collectives = 0
-
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.size
-
-    @property
-    def next(self) -> int:
-        return (self.rank + 1) % self.size
 
     # --- sending ----------------------------------------------------------------------------------
     def _put(self, dst: int, item: _Item, due: int) -> None:
         if self.group.closed.is_set():
             raise CommClosed(f"pp_rank {self.rank}: group closed")
         self.group._links[(self.rank, dst)].put(item)
-        self._sends.append((due, dst, item))
+        self._sends.append((due, (dst, item)))
 
     def send_obj(self, dst: int, obj: Any, kind: Msg = Msg.META, commit_after: int = 1) -> None:
         data = msgpack.packb(obj, use_bin_type=True)
@@ -136,7 +126,8 @@ class MemoryPPComm:
         self._put(dst, _Item(int(kind), t), self.turn + 1)
         self.bytes_sent += t.numel() * t.element_size()
 
-    def _wait_taken(self, dst: int, item: _Item) -> None:
+    def _wait_sent(self, handle: tuple[int, _Item]) -> None:
+        dst, item = handle
         deadline = time.monotonic() + self.group.timeout_s
         while not item.taken.wait(0.05):
             if self.group.closed.is_set():
@@ -146,27 +137,6 @@ class MemoryPPComm:
                     f"pp_rank {self.rank}: a {Msg(item.kind).name} send to {dst} was not "
                     f"received within {self.group.timeout_s:g} s"
                 )
-
-    def commit(self) -> None:
-        """Starts a turn: waits until the sends due by now were received (PPComm.commit)."""
-        self.turn += 1
-        keep: deque = deque()
-        while self._sends:
-            due, dst, item = self._sends.popleft()
-            if due <= self.turn:
-                self._wait_taken(dst, item)
-            else:
-                keep.append((due, dst, item))
-        self._sends = keep
-
-    def flush(self) -> None:
-        """Waits until every send so far was received."""
-        while self._sends:
-            _, dst, item = self._sends.popleft()
-            self._wait_taken(dst, item)
-
-    def fence_reused_output(self) -> None:
-        """Nothing to fence on the CPU."""
 
     # --- receiving --------------------------------------------------------------------------------
     def _recv_one(self, src: int) -> tuple[int, Any]:
@@ -184,17 +154,6 @@ class MemoryPPComm:
         if isinstance(item.payload, torch.Tensor):
             return item.kind, item.payload
         return item.kind, msgpack.unpackb(item.payload, raw=False, strict_map_key=False)
-
-    def recv(self, src: int, kind: Msg) -> Any:
-        """Blocks until a message of `kind` from `src` is there; parks other kinds in the inbox."""
-        box = self._inbox[(src, int(kind))]
-        if box:
-            return box.popleft()
-        while True:
-            k, val = self._recv_one(src)
-            if k == kind:
-                return val
-            self._inbox[(src, k)].append(val)
 
     # --- collectives ------------------------------------------------------------------------------
     def _collective(self, values: list[int]) -> list[list[int]]:

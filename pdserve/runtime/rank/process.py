@@ -107,6 +107,7 @@ def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
             cfg.chunk_size,
             cfg.max_batch_tokens,
             cfg.mixed_prefill_tokens,
+            cfg.fair_prefill_tokens,
         ]
     )
     return replace(
@@ -116,6 +117,7 @@ def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
         chunk_size=lo[2],
         max_batch_tokens=lo[3],
         mixed_prefill_tokens=lo[4],
+        fair_prefill_tokens=lo[5],
     )
 
 

@@ -45,7 +45,7 @@ from pdserve.runtime.messages import (
     out_to_wire,
 )
 from pdserve.runtime.rank.idle_wait import IdleWait
-from pdserve.runtime.rank.pp_comm import Msg, PPComm
+from pdserve.runtime.rank.pp_comm import Msg, PPLink
 from pdserve.runtime.rank.request_timeouts import RequestTimeouts
 from pdserve.runtime.rank.spans import RankSpans
 from pdserve.runtime.reasons import AbortReason, finish_message
@@ -95,7 +95,7 @@ class SlotLoop:
     def __init__(
         self,
         cfg: LoopConfig,
-        comm: PPComm | None,
+        comm: PPLink | None,
         runner: ModelRunner,
         scheduler: Scheduler,
         front: FrontIO | None,
@@ -121,6 +121,13 @@ class SlotLoop:
         self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
         self._t_running: dict[str, float] = {}  # rid -> first scheduled
         self._idle = IdleWait(cfg.idle_wait_ms, cfg.idle_max_wait_ms, cfg.outstanding_max_wait_ms)
+
+    @property
+    def _pp(self) -> PPLink:
+        """The PP link, for the code that runs only where there is one (every rank of a pipeline
+        of pp_size > 1 has it; a lone rank may not)."""
+        assert self.comm is not None, "this rank has no PP link"
+        return self.comm
 
     @property
     def is_first(self) -> bool:
@@ -194,7 +201,7 @@ class SlotLoop:
             meta.extend(self.timeout_aborts(meta))
         else:
             # PP0 decoded and checked every message; a failure here is a bug, and it stops the rank.
-            meta = [decode(m) for m in self.comm.recv(self.comm.prev, Msg.META)]
+            meta = [decode(m) for m in self._pp.recv(self._pp.prev, Msg.META)]
         if self.comm and not self.is_last:
             self.comm.send_obj(self.comm.next, [encode(m) for m in meta], Msg.META)
         return meta
@@ -221,7 +228,10 @@ class SlotLoop:
         self.spans.trace(msg.rid, msg.traceparent)
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.sched.add(Req(msg.rid, list(msg.input_ids), params, output_ids=[*msg.output_ids]))
+            req = Req(
+                msg.rid, list(msg.input_ids), params, output_ids=[*msg.output_ids], share=msg.share
+            )
+            self.sched.add(req)
             self.mark_queued(msg.rid)
             self.prepare_guide(params)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
@@ -248,7 +258,7 @@ class SlotLoop:
     sample_names: tuple[str, ...] = ("queue:waiting", "queue:running")
 
     def drain_samples(self) -> dict[str, list[float]]:
-        out = {n: [] for n in self.sample_names}
+        out: dict[str, list[float]] = {n: [] for n in self.sample_names}
         out.update(self.samples)
         self.samples = {}
         return out
@@ -283,7 +293,7 @@ class SlotLoop:
                 self.last_outputs[batch.slot] = None
                 self.send_queue.append((batch.slot, None))
             return None
-        hidden_in = self.comm.recv(self.comm.prev, Msg.HIDDEN) if not self.is_first else None
+        hidden_in = self._pp.recv(self._pp.prev, Msg.HIDDEN) if not self.is_first else None
         y = self.runner.forward(batch, hidden_in)
         self.stats.forwards += 1
         if self.is_last:
@@ -301,14 +311,14 @@ class SlotLoop:
         harvest_slot = (t + 1) % self.cfg.num_slots
         harvest_batch = self.batches[harvest_slot] if t + 1 >= self.cfg.num_slots else None
         send_hidden = (
-            (lambda: self.comm.send_tensor(self.comm.next, y, Msg.HIDDEN))
+            (lambda: self._pp.send_tensor(self._pp.next, y, Msg.HIDDEN))
             if (self.comm and not self.is_last and batch.entries)
             else None
         )
         recv_ring = None
         if self.size > 1 and not self.is_last and self._needs_ring(harvest_batch):
-            src = self.size - 1 if self.is_first else self.comm.prev
-            recv_ring = lambda: self.comm.recv(src, Msg.OUTPUT)  # noqa: E731
+            src = self.size - 1 if self.is_first else self._pp.prev
+            recv_ring = lambda: self._pp.recv(src, Msg.OUTPUT)  # noqa: E731
         wire = None
         # Even ranks send-then-receive, odd ranks receive-then-send: no cycle of blocking sends.
         if self.rank % 2 == 0:
@@ -325,11 +335,11 @@ class SlotLoop:
             while len(self.send_queue) > self.cfg.async_depth:
                 sent, out = self.send_queue.popleft()
                 if self._needs_ring(self.batches[sent]):
-                    self.comm.send_obj(0, out_to_wire(out), Msg.OUTPUT, commit_after=self.size)
+                    self._pp.send_obj(0, out_to_wire(out), Msg.OUTPUT, commit_after=self.size)
         elif self.is_last:
             self.send_queue.clear()
         if recv_ring and self.rank + 1 < self.size - 1:
-            self.comm.send_obj(self.comm.next, wire, Msg.OUTPUT)
+            self._pp.send_obj(self._pp.next, wire, Msg.OUTPUT)
         if harvest_batch is not None:
             out = self.last_outputs.pop(harvest_slot, None) if self.is_last else out_from_wire(wire)
             self.harvest(harvest_batch, out)
@@ -359,7 +369,9 @@ class SlotLoop:
                 self.observe("queue:running", time.monotonic() - t0)
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
-                f, (msg, code) = req.finish, finish_message(req.finish)
+                f = req.finish
+                assert f is not None  # drain_finished gives finished requests only
+                msg, code = finish_message(f)
                 n, cached = req.prompt_len, req.cached_len
                 out = len(req.output_ids)
                 self._events.append(
@@ -377,9 +389,9 @@ class SlotLoop:
 
     def check_consensus(self, t: int) -> None:
         checker = rank_checker.checker()
-        lo, hi = self.comm.all_min_max([checker.digest63()])
+        lo, hi = self._pp.all_min_max([checker.digest63()])
         if lo[0] != hi[0]:
-            where = checker.describe_first_divergence(self.comm.all_gather(checker.window()))
+            where = checker.describe_first_divergence(self._pp.all_gather(checker.window()))
             log.error(
                 "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where
             )

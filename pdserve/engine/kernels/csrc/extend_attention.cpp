@@ -19,13 +19,16 @@
 // same pair, and only the keys the new block adds are repacked.
 //
 // Op: pdserve::paged_extend_attention_(out, q, kv, page_table, seq_lens, num_new, first_rows,
-//                                      scale) -> ()
+//                                      scale, window=0) -> ()
 //   out        [T, num_heads, head_dim] bf16, contiguous: rows of the items' tokens are written
 //   q          [T, num_heads, head_dim] bf16, heads and head_dim contiguous, any row stride
 //   kv         [pages, 2, page_size, kv_heads, head_dim] bf16, a layer's pool view, head_dim
 //              contiguous, page_size 16
 //   page_table [B, max_pages] int64 contiguous;  seq_lens [B] keys per item (start + num_new);
 //   num_new [B] new tokens per item;  first_rows [B] row of T (of q and out) of its first new token
+//   window     > 0: a token at position t attends to keys t - window + 1 .. t only (a sliding-window
+//              layer, as transformers' kv_idx > q_idx - window); chunks of keys wholly before
+//              every row's window are skipped, the others masked
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -173,7 +176,8 @@ inline void rows_values(const uint16_t* pb, const uint16_t* vt, int pairs, const
 // One task: rows [0, rows) of a block, row r = token t0 + r / G, query head h * G + r % G.
 template <int G, int D>
 void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride, int64_t h,
-                 int64_t start, int64_t t0, int64_t bq, const Packed<D>& pk, float sc) {
+                 int64_t start, int64_t t0, int64_t bq, const Packed<D>& pk, float sc,
+                 int64_t window) {
   constexpr int RV = D == 64 ? 4 : 2;  // rows per values step: RV * D / 16 = 16 accumulators
   const int rows = static_cast<int>(bq) * G;
   alignas(64) float s[kTile * kChunk];
@@ -181,6 +185,7 @@ void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
   alignas(64) float o[kTile * D];
   float m[kTile], l[kTile], corr[kTile];
   int64_t lim[kTile];  // keys row r may attend: start + its token + 1
+  int64_t low[kTile];  // its first key: 0, or its window's
   for (int r0 = 0; r0 < rows; r0 += kTile) {
     const uint16_t* qr[kTile];
     for (int r = 0; r < kTile; ++r) {  // rows past the block repeat its last (not written)
@@ -188,23 +193,25 @@ void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
       const int64_t t = t0 + rr / G;
       qr[r] = q + t * q_stride + (h * G + rr % G) * D;
       lim[r] = start + t + 1;
+      low[r] = window > 0 ? std::max<int64_t>(0, lim[r] - window) : 0;
       m[r] = -std::numeric_limits<float>::infinity();
       l[r] = 0.0f;
     }
     std::fill(o, o + kTile * D, 0.0f);
-    int64_t keys = 0;
-    for (int r = 0; r < kTile; ++r) keys = std::max(keys, lim[r]);
-    for (int64_t c0 = 0; c0 < keys; c0 += kChunk) {
+    int64_t keys = 0, first = lim[0];
+    for (int r = 0; r < kTile; ++r) keys = std::max(keys, lim[r]), first = std::min(first, low[r]);
+    for (int64_t c0 = first / kChunk * kChunk; c0 < keys; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, keys - c0));
       tile_scores<D>(qr, pk.kt.data() + (c0 / 16) * (D / 2) * 16, (n + 15) / 16, s);
       const int nv = (n + 15) / 16;
       for (int r = 0; r < kTile; ++r) {
         const int valid = static_cast<int>(std::clamp<int64_t>(lim[r] - c0, 0, n));
+        const int below = static_cast<int>(std::clamp<int64_t>(low[r] - c0, 0, n));
         float* sr = s + r * kChunk;
         const __m512 scv = _mm512_set1_ps(sc);
         __m512 mv = _mm512_set1_ps(m[r]);
         for (int v = 0; v < nv; ++v) {
-          const __mmask16 live = lanes(valid - v * 16);
+          const __mmask16 live = lanes(valid - v * 16) & ~lanes(below - v * 16);
           const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + v * 16), scv);
           _mm512_storeu_ps(sr + v * 16, x);
           mv = _mm512_mask_max_ps(mv, live, mv, x);
@@ -217,7 +224,7 @@ void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
         __m512 sum = _mm512_setzero_ps();
         uint16_t* pr = pb + r * kChunk;
         for (int v = 0; v < nv; ++v) {
-          const __mmask16 live = lanes(valid - v * 16);
+          const __mmask16 live = lanes(valid - v * 16) & ~lanes(below - v * 16);
           const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + v * 16), mxv)));
           sum = _mm512_add_ps(sum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
@@ -244,7 +251,8 @@ void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
 template <int G, int D>
 void extend_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                    const at::Tensor& page_table, const at::Tensor& seq_lens,
-                   const at::Tensor& num_new, const at::Tensor& first_rows, double scale) {
+                   const at::Tensor& num_new, const at::Tensor& first_rows, double scale,
+                   int64_t window) {
   const int64_t B = seq_lens.size(0), nkv = kv.size(3), ps = kv.size(2);
   const int64_t max_pages = page_table.size(1), out_stride = out.stride(0);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -273,7 +281,7 @@ void extend_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
         pk.extend(base + h * kv.stride(3), pt + b * max_pages, ps, kv.stride(0), kv.stride(1),
                   kv.stride(2), keys);
       extend_task<G, D>(qp + firsts[b] * q.stride(0), q.stride(0), op + firsts[b] * out_stride,
-                        out_stride, h, start, t0, bq, pk, sc);
+                        out_stride, h, start, t0, bq, pk, sc, window);
     }
   });
 }
@@ -291,8 +299,9 @@ bool available() {
 void paged_extend_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                              const at::Tensor& page_table, const at::Tensor& seq_lens,
                              const at::Tensor& num_new, const at::Tensor& first_rows,
-                             double scale) {
+                             double scale, int64_t window) {
   TORCH_CHECK(available(), "paged_extend_attention_: needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu(),
               "paged_extend_attention_: CPU only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16 &&
@@ -339,9 +348,12 @@ void paged_extend_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
 #if defined(PDSERVE_EXTEND_BF16)
 #define PDSERVE_CASE(g, d)                                                                  \
   if (G == g && D == d)                                                                     \
-    return extend_kernel<g, d>(out, q, kv, page_table, seq_lens, num_new, first_rows, scale);
+    return extend_kernel<g, d>(out, q, kv, page_table, seq_lens, num_new, first_rows, scale, \
+                               window);
   PDSERVE_CASE(1, 64) PDSERVE_CASE(2, 64) PDSERVE_CASE(3, 64) PDSERVE_CASE(4, 64)
   PDSERVE_CASE(1, 128) PDSERVE_CASE(2, 128) PDSERVE_CASE(4, 128)
+  // No head size 256 (Gemma 3): built with one row per values step, it was slower than gathering
+  // pages for SDPA on an AMX CPU (docs/MODELS.md, bench/results/gemma3_decode.md)
 #undef PDSERVE_CASE
 #endif
   TORCH_CHECK(false, "paged_extend_attention_: no kernel for ", G, " query heads per KV head of ",
@@ -361,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("extend_attention_supports(int group, int head_dim, int page_size) -> bool",
         &extend_attention_supports);
   m.def("paged_extend_attention_(Tensor(a!) out, Tensor q, Tensor kv, Tensor page_table, "
-        "Tensor seq_lens, Tensor num_new, Tensor first_rows, float scale) -> ()");
+        "Tensor seq_lens, Tensor num_new, Tensor first_rows, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_extend_attention_", &paged_extend_attention_); }

@@ -17,7 +17,7 @@ void rope_store_kv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
                                   const at::Tensor& page_table, const at::Tensor& seq_lens,
-                                  double scale);
+                                  double scale, int64_t window = 0);
 // bf16_linear.cpp
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 // whether `packed` is a weight [n, k] blocked by pack_bf16_linear: what bf16_linear checks

@@ -12,13 +12,16 @@
 // time in registers, and the next page is prefetched a few lines at a time while this one is
 // computed (HeadRowStream). Other CPUs take the plain loops.
 //
-// Op: pdserve::paged_decode_attention(q, kv, page_table, seq_lens, scale) -> out
+// Op: pdserve::paged_decode_attention(q, kv, page_table, seq_lens, scale, window=0) -> out
 //   q          [B, num_heads, head_dim]        heads and head_dim contiguous; any request stride
 //              (a decode batch's rows of the fused QKV output pass as they are)
 //   kv         [pages, 2, page_size, kv_heads, head_dim]   a layer's view of the pool: any strides,
 //              but head_dim contiguous
 //   page_table [B, max_pages] int64            contiguous; only the first ceil(len / page_size) used
 //   seq_lens   [B] int64                       keys per request (>= 1)
+//   window     > 0: a request attends to its last `window` keys only (a sliding-window layer's
+//              query at position len - 1 sees keys len - window .. len - 1, as transformers'
+//              kv_idx > q_idx - window); the pages before them are not read
 //   out        [B, num_heads, head_dim]        q's dtype, contiguous
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,6 +41,11 @@
 namespace {
 
 inline float to_f(float v) { return v; }
+
+// The first key a request of `len` keys attends to: 0, or the window's first.
+inline int64_t first_key(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
 inline float to_f(at::BFloat16 v) { return pdserve_vec::bf16_bits_to_f32(v.x); }
 
 // The generic kernel's prefetch of the next page of one KV head (or the next task's first): its
@@ -252,9 +260,9 @@ inline __m512 widen_bf16(const uint16_t* p) {  // 16 bf16 -> fp32: the bits in t
 // of the request computed after this one (nullptr if none), prefetched during this one's last.
 template <int G, int D>
 void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const int64_t* table,
-                      int64_t len, int64_t ps, int64_t s_page, int64_t s_half, int64_t s_tok,
-                      int64_t s_head, float sc, const uint16_t* zeros, float* state,
-                      uint16_t* out, const uint16_t* next_first) {
+                      int64_t len, int64_t lo, int64_t ps, int64_t s_page, int64_t s_half,
+                      int64_t s_tok, int64_t s_head, float sc, const uint16_t* zeros,
+                      float* state, uint16_t* out, const uint16_t* next_first) {
   constexpr int Q = D / 32, C = D / 16;
   float* accs = state;               // [H, G, D]
   // [H, G, 16] running sums, one per key lane (64-byte aligned: `state` is, and D is a multiple
@@ -267,14 +275,16 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
   std::fill(accs, accs + H * G * D, 0.0f);
   const int64_t page_bytes = (ps - 1) * s_tok * 2 + H * s_head * 2;  // one half, all heads
   PageStream next;
-  for (int64_t p = 0; p * ps < len; ++p) {
+  const int64_t p0 = lo / ps;  // keys lo.. (the window's): pages before p0 are not read
+  for (int64_t p = p0; p * ps < len; ++p) {
     const int64_t n = std::min(ps, len - p * ps);
+    const int64_t skip = p == p0 ? lo - p * ps : 0;  // the first page's keys before the window
     const uint16_t* Kp = base + table[p] * s_page;
     // a step per query head and per value row below: H * (G + ps) steps of 4 lines (228 for
     // SmolLM2) cover a page's 2 * page_bytes / 64 (192)
     next.start((p + 1) * ps < len ? base + table[p + 1] * s_page : next_first, s_half * 2,
                page_bytes);
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const __mmask16 live = static_cast<__mmask16>(((1u << n) - 1u) & ~((1u << skip) - 1u));
     for (int64_t h = 0; h < H; ++h) {
       const uint16_t* K = Kp + h * s_head;
       const uint16_t* V = K + s_half;
@@ -288,8 +298,8 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
         __m512bh qv[Q];
         for (int j = 0; j < Q; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qg + j * 32);
         __m512 part[16];
-        for (int t = 0; t < 16; ++t) {  // rows past the page's last token read zeros
-          const uint16_t* k = t < n ? K + t * s_tok : zeros;
+        for (int t = 0; t < 16; ++t) {  // rows outside [skip, n) read zeros
+          const uint16_t* k = t < n && t >= skip ? K + t * s_tok : zeros;
           __m512 a = _mm512_setzero_ps();
           for (int j = 0; j < Q; ++j)
             a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(k + j * 32));
@@ -303,11 +313,11 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
       // one head after the other, each head's exp waited for its max and held up the next head.
 #pragma omp simd
       for (int i = 0; i < G * 16; ++i)
-        w[i] = (i & 15) < n ? pdserve_vec::exp_f32(w[i]) : 0.0f;
+        w[i] = (i & 15) < n && (i & 15) >= skip ? pdserve_vec::exp_f32(w[i]) : 0.0f;
       // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
       float corr[G];
 #pragma omp simd
-      for (int g = 0; g < G; ++g) corr[g] = p == 0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx[g]);
+      for (int g = 0; g < G; ++g) corr[g] = p == p0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx[g]);
       for (int g = 0; g < G; ++g) {
         float* lg = ls + (h * G + g) * 16;
         const __m512 cv = _mm512_set1_ps(corr[g]);
@@ -316,7 +326,7 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
         for (int c = 0; c < C; ++c)
           acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(accs + (h * G + g) * D + c * 16), cv);
       }
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = skip; t < n; ++t) {  // never a value before the window (weight 0, any bits)
         next.step();
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = widen_bf16(V + t * s_tok + c * 16);
@@ -340,7 +350,7 @@ void bf16_dot_request(const uint16_t* q, int64_t H, const uint16_t* base, const 
 
 template <int G, int D>
 void bf16_dot_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                     const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), nh = q.size(1), nkv = kv.size(3), ps = kv.size(2);
   const int64_t max_pages = page_table.size(1);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -354,24 +364,32 @@ void bf16_dot_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor
     std::vector<float> buf(nkv * G * (D + 16 + 1) + 16);  // bf16_dot_request's, 64-byte aligned
     float* state =
         reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-    for (int64_t b = begin; b < end; ++b)
-      bf16_dot_request<G, D>(qp + b * q.stride(0), nkv, base, pt + b * max_pages, lens[b], ps,
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t lo = first_key(lens[b], window);
+      // the next request's first page read (its window's), prefetched during this one's last
+      const uint16_t* next_first =
+          b + 1 < end
+              ? base + pt[(b + 1) * max_pages + first_key(lens[b + 1], window) / ps] * kv.stride(0)
+              : nullptr;
+      bf16_dot_request<G, D>(qp + b * q.stride(0), nkv, base, pt + b * max_pages, lens[b], lo, ps,
                              kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), sc, zeros,
-                             state, op + b * nh * D,
-                             b + 1 < end ? base + pt[(b + 1) * max_pages] * kv.stride(0) : nullptr);
+                             state, op + b * nh * D, next_first);
+    }
   });
 }
 
 // Whether the shapes have a bf16_dot_kernel (G query heads per KV head, head size D, pages of at
 // most 16 tokens), and if so runs it.
 bool bf16_dot(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-              const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+              const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t G = q.size(1) / kv.size(3), D = q.size(2);
   if (kv.size(2) > 16) return false;
 #define PDSERVE_CASE(g, d) \
-  if (G == g && D == d) return bf16_dot_kernel<g, d>(q, kv, page_table, seq_lens, scale, out), true;
+  if (G == g && D == d)                                                                         \
+    return bf16_dot_kernel<g, d>(q, kv, page_table, seq_lens, scale, window, out), true;
   PDSERVE_CASE(1, 64) PDSERVE_CASE(2, 64) PDSERVE_CASE(3, 64) PDSERVE_CASE(4, 64)
   PDSERVE_CASE(1, 128) PDSERVE_CASE(2, 128)
+  PDSERVE_CASE(1, 256) PDSERVE_CASE(2, 256) PDSERVE_CASE(4, 256)
 #undef PDSERVE_CASE
   return false;
 }
@@ -379,7 +397,7 @@ bool bf16_dot(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_
 
 template <typename T, typename KV>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), nh = q.size(1), d = q.size(2);
   const int64_t ps = kv.size(2), nkv = kv.size(3), group = nh / nkv;
   const int64_t s_page = kv.stride(0), s_half = kv.stride(1), s_tok = kv.stride(2),
@@ -399,7 +417,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
     HeadRowStream next;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nkv, h = task % nkv;
-      const int64_t len = lens[b];
+      const int64_t len = lens[b], lo = first_key(len, window), p0 = lo / ps;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * q.stride(0) + (h * group + g) * d;
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(src[i]) * sc;
@@ -407,15 +425,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t p = 0; p * ps < len; ++p) {
+      for (int64_t p = p0; p * ps < len; ++p) {  // pages before the window's are not read
         const int64_t page = pt[b * max_pages + p];
-        const int64_t n = std::min(ps, len - p * ps);
-        const KV* kpage = base + page * s_page + h * s_head;
+        // on the window's first page, its keys from lo on: the ones before are never read
+        const int64_t skip = p == p0 ? lo - p * ps : 0;
+        const int64_t n = std::min(ps, len - p * ps) - skip;
+        const KV* kpage = base + page * s_page + h * s_head + skip * s_tok;
         // the next page of this head, or the next task's first (its request's, its head's)
+        const int64_t nb = (task + 1) / nkv;
         const KV* nk = (p + 1) * ps < len ? base + pt[b * max_pages + p + 1] * s_page + h * s_head
-                       : task + 1 < end   ? base + pt[(task + 1) / nkv * max_pages] * s_page +
-                                              (task + 1) % nkv * s_head
-                                          : nullptr;
+                       : task + 1 < end
+                           ? base + pt[nb * max_pages + first_key(lens[nb], window) / ps] * s_page +
+                                 (task + 1) % nkv * s_head
+                           : nullptr;
         next.start(nk, s_half * kv_size, ps, d * kv_size, s_tok * kv_size);
         int64_t ks = 0, vs = 0;
         const float* K = as_f32(kpage, s_tok, n, d, kbuf.data(), &ks);
@@ -426,7 +448,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           float mx = m[g];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
           // 0 on the first page (nothing to rescale); never exp(-inf - -inf) = exp(NaN)
-          corr[g] = p == 0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx);
+          corr[g] = p == p0 ? 0.0f : pdserve_vec::exp_f32(m[g] - mx);
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = 0; t < n; ++t) {
@@ -453,7 +475,7 @@ namespace pdserve_ops {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
                                   const at::Tensor& page_table, const at::Tensor& seq_lens,
-                                  double scale) {
+                                  double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "paged_decode_attention: CPU only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [B, heads, head_dim] with heads and head_dim contiguous");
@@ -468,12 +490,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) &&
                   seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
               "seq_lens must be contiguous int64 [B]");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t ps = kv.size(2), max_pages = page_table.size(1), pages = kv.size(0);
   const int64_t* pt = page_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {  // bounds: a bad table must fail, never read past
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_pages * ps, "seq_lens[", b, "] out of range");
-    for (int64_t p = 0; p * ps < lens[b]; ++p) {
+    for (int64_t p = first_key(lens[b], window) / ps; p * ps < lens[b]; ++p) {
       const int64_t page = pt[b * max_pages + p];
       TORCH_CHECK(page >= 0 && page < pages, "page_table[", b, ", ", p, "] out of range");
     }
@@ -481,14 +504,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
   auto out = at::empty(q.sizes(), q.options());
   const auto qt = q.scalar_type(), kt = kv.scalar_type();
   if (qt == at::kFloat && kt == at::kFloat) {
-    decode_kernel<float, float>(q, kv, page_table, seq_lens, scale, out);
+    decode_kernel<float, float>(q, kv, page_table, seq_lens, scale, window, out);
   } else if (qt == at::kBFloat16 && kt == at::kBFloat16) {
 #if defined(PDSERVE_BF16_DOT)
-    if (bf16_dot(q, kv, page_table, seq_lens, scale, out)) return out;
+    if (bf16_dot(q, kv, page_table, seq_lens, scale, window, out)) return out;
 #endif
-    decode_kernel<at::BFloat16, at::BFloat16>(q, kv, page_table, seq_lens, scale, out);
+    decode_kernel<at::BFloat16, at::BFloat16>(q, kv, page_table, seq_lens, scale, window, out);
   } else if (qt == at::kFloat && kt == at::kBFloat16) {
-    decode_kernel<float, at::BFloat16>(q, kv, page_table, seq_lens, scale, out);
+    decode_kernel<float, at::BFloat16>(q, kv, page_table, seq_lens, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: unsupported dtypes ", qt, " / ", kt);
   }
@@ -499,7 +522,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv,
 
 TORCH_LIBRARY(pdserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -1,0 +1,233 @@
+"""What the router predicts a route to cost, learnt online from what the nodes are measured to do.
+
+Per worker, by exponentially weighted least squares (`LinearFit`: recent requests count most):
+
+  prefill      seconds from sending a request to the end of its prefill (the prefill node's
+               answer, or a decode or colocated node's first token), against the prompt tokens
+               that node computes before then: its queue when the request was sent plus the
+               request's own. A decode node has two fits: with streams open (its prefill shares
+               steps with them, each step slower) and idle.
+  handoff      per decode node, seconds from the prefill node's answer to the first token: the
+               KV pages' transfer and the first decode step, against the prompt's tokens (pages).
+  decode step  per decode or colocated node, seconds between two tokens of a stream, against
+               the node's open streams.
+
+Each fit starts from a prior made of the fixed cost flags (`DisaggConfig`: a decode-side prefill
+token costs `local_prefill_cost` prefill tokens, the handoff `transfer_overhead_tokens`), over a
+base rate. The prior's two pseudo-observations never fade, so a fit with few requests stays near
+it; measured requests outweigh it after a few dozen.
+
+The fits learn from prefills that ended. A node slower than its fit says so sooner through the
+prefills it has open: a prediction is scaled by the largest age over predicted time among them
+(`overdue`), which reacts inside a burst, before any of its requests has ended. The fits see each
+node alone; what they miss (a node slowing as its load grows, a burst that
+lands before any fit has data) shows in the errors. So each path's predictions are calibrated:
+scaled by exp(b), where b follows the log of measured over predicted (`BIAS_RATE` per attempt),
+and a path the router stops taking drifts back to b = 0 (`BIAS_FORGET` per decision), so a slow
+path that became fast again is tried again.
+
+The router predicts a route's TTFT (time from dispatch to first token) with it, routes to the
+route predicted first (router/routing/disagg.py), refuses at admission what is predicted to miss
+an SLO (router/slo.py), and records each prediction over what was measured (`errors`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+from pdserve.router.config import DisaggConfig
+
+BASE_S_PER_TOKEN = 0.5e-3  # prior prefill rate of one node, before any request is measured
+BASE_OVERHEAD_S = 0.01  # prior fixed cost of a request (HTTP, scheduling, the first step)
+BASE_STEP_S = 0.02  # prior decode step at batch 1
+BASE_STEP_PER_STREAM_S = 1e-3
+DECAY = 0.98  # each new observation multiplies the weight of the earlier ones by this
+PRIOR_WEIGHT = 0.1  # of each of the prior's two points
+PRIOR_SPAN = 1024.0  # x of the prior's second point (tokens or streams)
+ERRORS_KEPT = 2048  # predicted / actual ratios kept for the quantiles
+BIAS_RATE = 0.1  # how far one measured error moves a path's calibration (in log space)
+BIAS_FORGET = 0.99  # a path not taken drifts back towards no correction, so it is tried again
+BIAS_LIMIT = 3.0  # |log| of the largest correction (20x)
+
+
+class LinearFit:
+    """y = a + b·x by weighted least squares over decaying observations and a fixed prior."""
+
+    def __init__(self, intercept: float, slope: float, span: float = PRIOR_SPAN):
+        w = PRIOR_WEIGHT
+        y0, y1 = intercept, intercept + slope * span
+        self._prior = (2 * w, w * span, w * (y0 + y1), w * span * span, w * span * y1)
+        self._data = [0.0] * 5  # sums of weight, x, y, x², xy
+        self.observations = 0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self._data
+        for i in range(5):
+            d[i] *= DECAY
+        d[0] += 1.0
+        d[1] += x
+        d[2] += y
+        d[3] += x * x
+        d[4] += x * y
+        self.observations += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        sw, sx, sy, sxx, sxy = (p + d for p, d in zip(self._prior, self._data, strict=True))
+        var = sw * sxx - sx * sx
+        slope = (sw * sxy - sx * sy) / var if var > 1e-12 else 0.0
+        slope = max(0.0, slope)  # more work never takes less time
+        intercept = max(0.0, (sy - slope * sx) / sw)
+        return intercept, slope
+
+    def predict(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * max(0.0, x)
+
+
+class LatencyModel:
+    """The fits of every worker, keyed by URL, made from the priors on first use."""
+
+    def __init__(self, cfg: DisaggConfig):
+        self.cfg = cfg
+        self._fits: dict[tuple[str, str], LinearFit] = {}
+        self.errors: dict[str, collections.deque[float]] = {}
+        self.bias: dict[str, float] = {}  # path -> log of its calibration
+        self._open: dict[str, dict[int, tuple[float, float]]] = {}  # url -> (sent, predicted)
+
+    def _fit(self, kind: str, url: str) -> LinearFit:
+        fit = self._fits.get((kind, url))
+        if fit is None:
+            fit = self._fits[(kind, url)] = self._prior(kind)
+        return fit
+
+    def _prior(self, kind: str) -> LinearFit:
+        cfg, rate = self.cfg, BASE_S_PER_TOKEN
+        if kind == "step":
+            return LinearFit(BASE_STEP_S, BASE_STEP_PER_STREAM_S, span=64.0)
+        if kind == "handoff":
+            # the prefill fits hold the fixed cost already
+            return LinearFit(cfg.transfer_overhead_tokens * rate, 0.0)
+        cost = {
+            "prefill": 1.0,
+            "local_busy": cfg.local_prefill_cost,
+            "local_idle": min(cfg.idle_local_prefill_cost, cfg.local_prefill_cost),
+        }[kind]
+        return LinearFit(BASE_OVERHEAD_S, cost * rate)
+
+    @staticmethod
+    def _prefill_kind(role: str, busy: bool) -> str:
+        return "prefill" if role == "prefill" else "local_busy" if busy else "local_idle"
+
+    # --- predicting -------------------------------------------------------------------------
+    def prefill_s(self, worker, tokens: float) -> float:
+        """Seconds until a prompt of `tokens` (to compute) sent to `worker` now ends its prefill,
+        behind the worker's queue; scaled up by how far its open prefills are past theirs."""
+        raw = self.fit_prefill_s(worker, tokens)
+        return raw * self.overdue(worker.url, time.monotonic())
+
+    def fit_prefill_s(self, worker, tokens: float) -> float:
+        """The fit's prediction alone."""
+        kind = self._prefill_kind(worker.role, worker.in_flight > 0)
+        return self._fit(kind, worker.url).predict(worker.queued_prompt_tokens + tokens)
+
+    # --- prefills not ended yet -------------------------------------------------------------
+    def opened(self, url: str, key: int, predicted_s: float) -> None:
+        """A prefill sent to `url` now, predicted (by its fit) to end in `predicted_s`."""
+        self._open.setdefault(url, {})[key] = (time.monotonic(), max(predicted_s, 1e-3))
+
+    def closed(self, url: str, key: int) -> None:
+        open_ = self._open.get(url)
+        if open_ is not None:
+            open_.pop(key, None)
+            if not open_:
+                del self._open[url]
+
+    def overdue(self, url: str, now: float) -> float:
+        """How far behind its fit a worker is now: the largest age over predicted time of the
+        prefills it has open (1 while none is late). It reacts before any of them ends: in a
+        burst, the first requests sent to a node slower than its fit say so while they wait."""
+        open_ = self._open.get(url)
+        if not open_:
+            return 1.0
+        return max(1.0, max((now - t) / p for t, p in open_.values()))
+
+    def handoff_s(self, decode, prompt_tokens: float) -> float:
+        return self._fit("handoff", decode.url).predict(prompt_tokens)
+
+    def step_s(self, worker, streams: float) -> float:
+        return self._fit("step", worker.url).predict(streams)
+
+    def pd_ttft(self, prefill, decode, compute_tokens: float, prompt_tokens: float) -> float:
+        raw = self.prefill_s(prefill, compute_tokens) + self.handoff_s(decode, prompt_tokens)
+        return self.calibrated("disaggregated", raw)
+
+    def local_ttft(self, worker, tokens: float) -> float:
+        """A decode-only (or colocated) route's TTFT: the worker prefills the prompt itself."""
+        path = "colocated" if worker.role == "colocated" else "decode_only"
+        return self.calibrated(path, self.prefill_s(worker, tokens))
+
+    def calibrated(self, path: str, seconds: float) -> float:
+        return seconds * math.exp(self.bias.get(path, 0.0))
+
+    def taken(self, path: str) -> None:
+        """A route decision: the paths not taken drift back towards no correction."""
+        for other in self.bias:
+            if other != path:
+                self.bias[other] *= BIAS_FORGET
+
+    # --- learning ---------------------------------------------------------------------------
+    def observe_prefill(self, url: str, role: str, busy: bool, tokens: int, seconds: float):
+        if not self.cfg.fixed_costs:
+            self._fit(self._prefill_kind(role, busy), url).observe(tokens, seconds)
+
+    def observe_handoff(self, url: str, prompt_tokens: int, seconds: float) -> None:
+        if not self.cfg.fixed_costs:
+            self._fit("handoff", url).observe(prompt_tokens, max(0.0, seconds))
+
+    def observe_step(self, url: str, streams: int, seconds: float) -> None:
+        if not self.cfg.fixed_costs:
+            self._fit("step", url).observe(streams, seconds)
+
+    def record_error(self, path: str, predicted_s: float, actual_s: float) -> float | None:
+        """Keeps predicted / actual TTFT for the status page's quantiles; returns it."""
+        if actual_s <= 0 or predicted_s <= 0:
+            return None
+        ratio = predicted_s / actual_s
+        if not self.cfg.fixed_costs:
+            b = self.bias.get(path, 0.0) - BIAS_RATE * math.log(ratio)
+            self.bias[path] = max(-BIAS_LIMIT, min(BIAS_LIMIT, b))
+        self.errors.setdefault(path, collections.deque(maxlen=ERRORS_KEPT)).append(ratio)
+        return ratio
+
+    def forget(self, url: str) -> None:
+        for key in [k for k in self._fits if k[1] == url]:
+            del self._fits[key]
+        self._open.pop(url, None)
+
+    # --- reporting --------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """Each fit's coefficients, and the error quantiles per path (the status page)."""
+        fits = {}
+        for (kind, url), fit in sorted(self._fits.items()):
+            a, b = fit.coefficients()
+            fits.setdefault(url, {})[kind] = {
+                "intercept_ms": round(a * 1e3, 3),
+                "ms_per_unit": round(b * 1e3, 5),
+                "observations": fit.observations,
+            }
+        errors = {path: quantiles(list(v)) for path, v in sorted(self.errors.items())}
+        calibration = {path: round(math.exp(b), 3) for path, b in sorted(self.bias.items())}
+        return {"fits": fits, "predicted_over_actual": errors, "calibration": calibration}
+
+
+def quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"count": 0}
+    values = sorted(values)
+
+    def q(p: float) -> float:
+        return round(values[min(len(values) - 1, int(p * len(values)))], 3)
+
+    return {"count": len(values), "p10": q(0.1), "p50": q(0.5), "p90": q(0.9)}

@@ -1,0 +1,278 @@
+"""The router's latency model (router/routing/latency_model.py), its SLO admission and goodput
+(router/slo.py), and tenants (router/tenants.py): the fits on their own, then through a router in
+front of stub nodes whose delays are set (tests/stub_node.py)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from stub_node import Cluster
+
+from pdserve.router.config import DisaggConfig, FairnessConfig, SloConfig
+from pdserve.router.routing.disagg import Disaggregation
+from pdserve.router.routing.latency_model import LatencyModel, LinearFit
+from pdserve.router.tenants import Tenants, read_tenant_keys
+
+
+@dataclass
+class W:
+    url: str
+    queued_prompt_tokens: int = 0
+    prefix_cache: bool = True
+    in_flight: int = 0
+    role: str = "decode"
+
+
+def test_a_fit_starts_at_its_prior_and_follows_what_is_measured():
+    fit = LinearFit(0.01, 0.001)
+    assert fit.predict(100) == pytest.approx(0.11)
+    rng = random.Random(1)
+    for _ in range(100):  # the node is measured 3x slower, with 50 ms fixed
+        x = rng.randrange(2000)
+        fit.observe(x, 0.05 + 0.003 * x)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.05, rel=0.25) and b == pytest.approx(0.003, rel=0.02)
+    for _ in range(200):  # then all at one size: the slope keeps what the spread taught it
+        fit.observe(500, 0.05 + 0.003 * 500)
+    assert fit.predict(500) == pytest.approx(1.55, rel=0.02)
+    assert fit.coefficients()[1] >= 0
+
+
+def test_a_fit_never_predicts_less_time_for_more_work():
+    fit = LinearFit(0.01, 0.001)
+    for x in range(100):  # noise that slopes down
+        fit.observe(x * 10, 1.0 - x * 0.001)
+    assert fit.coefficients()[1] == 0.0 and fit.predict(0) > 0
+
+
+def test_routes_follow_the_measured_rates_not_the_priors():
+    """The priors (local prefill 1.5x a prefill node's) send a 300-token prompt to the pair while
+    the decode node has streams; once the decode node is measured to prefill it 4x faster than
+    the prefill node, the same request goes decode-only; measured slower, back to the pair."""
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
+    p, dec, body = W("p", role="prefill"), W("d", in_flight=2), {"input_ids": list(range(300))}
+    assert d.decide(body, "k", p, dec).path == "disaggregated"
+    m = d.model
+    for x in range(50, 1000, 10):
+        m.observe_prefill("p", "prefill", False, x, 0.004 * x)
+        m.observe_prefill("d", "decode", True, x, 0.001 * x)
+        m.observe_handoff("d", x, 0.005)
+    got = d.decide(body, "k", p, dec)
+    assert (got.path, got.reason) == ("decode_only", "prefill_queue")
+    assert got.predicted_ttft_s == pytest.approx(0.3, rel=0.1)
+    for x in range(50, 1000, 10):
+        m.observe_prefill("d", "decode", True, x, 0.02 * x)
+    assert d.decide(body, "k", p, dec).path == "disaggregated"
+
+
+def test_prediction_errors_are_kept_bounded_and_summarised():
+    m = LatencyModel(DisaggConfig())
+    for i in range(5000):
+        m.record_error("decode_only", 1.0 + (i % 10) / 10, 1.0)
+    assert m.record_error("decode_only", 1.0, 0.0) is None
+    summary = m.describe()["predicted_over_actual"]["decode_only"]
+    assert summary["count"] == 2048 and 1.0 <= summary["p10"] <= summary["p50"] <= summary["p90"]
+    m.observe_step("http://d", 3, 0.05)
+    m.observe_prefill("http://p", "prefill", False, 10, 0.1)
+    m.forget("http://d")  # a worker removed: its fits go
+    assert set(m.describe()["fits"]) == {"http://p"}
+
+
+def slo_rejections(cluster) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(cluster.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(("pdserve_router_slo_rejections_total{", "pdserve_router_goodput")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def stream(cluster, n: int = 50) -> httpx.Response:
+    body = {"input_ids": list(range(n)), "sampling_params": {"max_tokens": 4}, "stream": True}
+    return httpx.post(cluster.url + "/generate", json=body, timeout=10)
+
+
+def under_load(cluster, until) -> tuple[list[int], list[tuple[httpx.Response, float]]]:
+    """Requests one after another while a second thread keeps sending too (so something is
+    running when each is checked), until `until(response)`; the other thread's statuses and this
+    one's (response, seconds) in order."""
+    stop, other, mine = threading.Event(), [], []
+
+    def load() -> None:
+        while not stop.is_set():
+            other.append(stream(cluster).status_code)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        for _ in range(80):
+            t0 = time.perf_counter()
+            r = stream(cluster)
+            mine.append((r, time.perf_counter() - t0))
+            if until(r):
+                break
+    finally:
+        stop.set()
+        thread.join(30)
+    return other, mine
+
+
+def test_a_request_predicted_to_miss_the_ttft_slo_gets_a_typed_429_at_once():
+    """The node answers its first token after 150 ms; under a 60 ms SLO the first requests pass
+    (the prior predicts well under it), the model learns the node's time from them, and then a
+    request is refused at once with 429 slo_unattainable and Retry-After, never reaching the
+    node. With nothing running, a request is let through whatever the prediction (else a model
+    that predicts too much could refuse everything for good). Requests that passed count as
+    goodput only when they met the SLO."""
+    node_kw = {"first_token_delay_s": 0.15}
+    slo = SloConfig(ttft_ms=60)
+    with Cluster(prefill=0, decode=0, colocated=1, node_kw=node_kw, slo=slo) as cluster:
+        node = cluster.colocated[0]
+        other, mine = under_load(cluster, lambda r: r.status_code == 429)
+        r, elapsed = mine[-1]
+        assert mine[0][0].status_code == 200 and r.status_code == 429, [m[0] for m in mine]
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_error", "slo_unattainable")
+        assert "ttft predicted" in err["message"] and int(r.headers["retry-after"]) >= 1
+        assert elapsed < node_kw["first_token_delay_s"]  # refused before any node could answer
+        admitted = other.count(200) + sum(m[0].status_code == 200 for m in mine)
+        assert node.stats.generate == admitted  # no refused request reached the node
+        assert stream(cluster).status_code == 200  # nothing running: let through
+        metrics = slo_rejections(cluster)
+        assert metrics['pdserve_router_slo_rejections_total{slo="ttft"}'] >= 1
+        assert metrics["pdserve_router_goodput_requests_total"] == 0  # none met 60 ms
+
+
+def test_without_an_slo_nothing_is_refused_and_every_answer_is_goodput():
+    with Cluster(prefill=0, decode=0, colocated=1, node_kw={"first_token_delay_s": 0.05}) as c:
+        assert [stream(c).status_code for _ in range(12)] == [200] * 12
+        metrics = slo_rejections(c)
+        assert metrics["pdserve_router_goodput_requests_total"] == 12
+        assert metrics['pdserve_router_slo_rejections_total{slo="ttft"}'] == 0
+
+
+def test_the_itl_slo_refuses_by_the_decode_step_it_measured():
+    node_kw = {"token_delay_s": 0.05, "natural_tokens": 6}
+    with Cluster(prefill=0, decode=0, colocated=1, node_kw=node_kw, slo=SloConfig(itl_ms=30)) as c:
+        _, mine = under_load(c, lambda r: r.status_code == 429)
+        r = mine[-1][0]
+        assert mine[0][0].status_code == 200 and r.status_code == 429
+        assert "itl predicted" in r.json()["error"]["message"]
+
+
+def test_priority_needs_priority_scheduling():
+    body = {"model": "stub-model", "prompt": "hi", "max_tokens": 2, "priority": -5}
+    with Cluster(prefill=0, decode=0, colocated=1) as c:
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        assert (
+            httpx.post(c.url + "/v1/completions", json={**body, "priority": 0}).status_code == 200
+        )
+    with Cluster(
+        prefill=0, decode=0, colocated=1, fairness=FairnessConfig(priority_scheduling=True)
+    ) as c:
+        assert httpx.post(c.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_tenants_are_api_keys(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# name key weight\nalpha k-alpha 2\nbeta k-beta\n\n")
+    keys = read_tenant_keys(str(path))
+    t = Tenants(None, keys)
+    assert t.required and t.weights == {"alpha": 2.0, "beta": 1.0}
+    assert t.identify("Bearer k-alpha") == "alpha" and t.identify("Bearer k-beta") == "beta"
+    assert t.identify("Bearer other") is None and t.identify(None) is None
+    both = Tenants("main", keys)
+    assert both.identify("Bearer main").startswith("key-") and both.identify("Bearer x") is None
+    open_ = Tenants(None)
+    assert not open_.required and open_.identify(None) == "anonymous"
+    assert open_.identify("Bearer a") != open_.identify("Bearer b")
+    for bad, why in (("a", "NAME KEY"), ("a k 0", "weight"), ("a k x", "not a number")):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=why):
+            read_tenant_keys(str(path))
+    path.write_text("a k1\na k2\n")
+    with pytest.raises(ValueError, match="twice"):
+        read_tenant_keys(str(path))
+
+
+def test_fixed_costs_route_by_the_priors_and_the_flags_parse():
+    import argparse
+
+    from pdserve.router.cli import add_router_args, router_config_from_args
+
+    def parse(*argv):
+        return router_config_from_args(add_router_args(argparse.ArgumentParser()).parse_args(argv))
+
+    cfg = parse("--disagg-fixed-costs", "--ttft-slo-ms", "800", "--tenant-max-concurrent", "4")
+    assert cfg.disagg.fixed_costs and cfg.slo.ttft_ms == 800
+    assert cfg.fairness.tenant_max_concurrent == 4 and not parse().disagg.fixed_costs
+    m = LatencyModel(cfg.disagg)
+    before = m.prefill_s(W("d"), 300)
+    m.observe_prefill("d", "decode", False, 300, 30.0)
+    assert m.prefill_s(W("d"), 300) == before
+
+
+def test_a_path_measured_slower_than_predicted_is_calibrated_then_tried_again():
+    """The fits say the pair is faster; the pair's requests keep taking 3x their prediction
+    (its node slows under load, which no fit of one request sees), so its predictions are scaled
+    up until the decode node wins. Decisions that do not take the pair let its correction fade,
+    so it is tried again."""
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
+    p, dec, body = W("p", role="prefill"), W("d", in_flight=2), {"input_ids": list(range(300))}
+    first = d.decide(body, "k", p, dec)
+    assert first.path == "disaggregated"
+    actual = 3 * first.predicted_ttft_s
+    for _ in range(60):  # each attempt predicted with the calibration so far
+        d.model.record_error("disaggregated", d.model.pd_ttft(p, dec, 300, 300), actual)
+    assert d.model.describe()["calibration"]["disaggregated"] == pytest.approx(3.0, rel=0.1)
+    assert d.decide(body, "k", p, dec).path == "decode_only"
+    for _ in range(200):
+        if d.decide(body, "k", p, dec).path == "disaggregated":
+            break
+    else:
+        raise AssertionError("the pair was never tried again")
+
+
+def test_a_node_behind_its_fit_says_so_while_its_prefills_wait():
+    """In a burst nothing has ended yet, so the fits still hold their priors; a prefill open on
+    the prefill node for 5x its predicted time scales that node's predictions 5x or more, and the
+    next request goes to the decode node. Once the prefill ends, the correction goes."""
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
+    p, dec, body = W("p", role="prefill"), W("d", in_flight=2), {"input_ids": list(range(300))}
+    assert d.decide(body, "k", p, dec).path == "disaggregated"
+    d.model.opened("p", 1, 0.01)
+    time.sleep(0.05)
+    assert d.model.overdue("p", time.monotonic()) >= 5
+    assert d.decide(body, "k", p, dec).path == "decode_only"
+    d.model.closed("p", 1)
+    assert d.model.overdue("p", time.monotonic()) == 1.0
+    assert d.decide(body, "k", p, dec).path == "disaggregated"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_count_as_goodput_by_their_slowest_choice(stream):
+    """With n > 1, one request is one unit of goodput: counted when choice 0's first token and
+    every choice's gaps (streamed), or the whole answer by its longest choice, met the SLO."""
+    import openai
+
+    node_kw = {"token_delay_s": 0.05, "natural_tokens": 6}
+    for slo_ms, counted in ((5000, 1), (10, 0)):  # each token takes 50 ms
+        slo = SloConfig(ttft_ms=slo_ms, itl_ms=slo_ms)
+        with Cluster(prefill=0, decode=0, colocated=1, node_kw=node_kw, slo=slo) as c:
+            client = openai.OpenAI(base_url=c.url + "/v1", api_key="x", timeout=10, max_retries=0)
+            chat = {"model": "stub-model", "messages": [{"role": "user", "content": "a b c d"}]}
+            out = client.chat.completions.create(**chat, max_tokens=5, n=3, stream=stream)
+            texts = ["", "", ""]
+            for chunk in out if stream else ():
+                for ch in chunk.choices:
+                    texts[ch.index] += ch.delta.content or ""
+            if not stream:
+                texts = [ch.message.content for ch in out.choices]
+            assert all(texts), texts
+            assert slo_rejections(c)["pdserve_router_goodput_requests_total"] == counted, slo_ms
