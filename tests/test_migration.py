@@ -103,6 +103,7 @@ class Stream:
     def __init__(self, kind: str):
         self.kind, self.tokens, self.text, self.tool_args = kind, [], [], []
         self.finish, self.error, self.events = None, None, 0
+        self.failed = ""  # the client's own failure (no answer, a broken stream)
 
     def take(self, event: dict) -> None:
         self.events += 1
@@ -130,11 +131,15 @@ class Stream:
 
 
 async def stream_one(c: httpx.AsyncClient, url: str, s: Stream, path: str, body: dict) -> Stream:
-    async with c.stream("POST", url + path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                s.take(json.loads(line[6:]))
+    try:
+        async with c.stream("POST", url + path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    s.take(json.loads(line[6:]))
+    except BaseException as e:  # seen by the fault's thread, which would otherwise wait it out
+        s.failed = f"{type(e).__name__}: {e}"[:500]
+        raise
     return s
 
 
@@ -253,12 +258,16 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             load = {n: self.workers()[self.url(n)]["in_flight"] for n in ("d1", "d2")}
+            failed = [(s.kind, s.failed) for s in streams if s.failed]
+            assert not failed, f"a stream failed before the fault: {failed}"
             # a stream that already finished counts as started (a busy machine sends many
             # tokens per event, so a short answer may have fewer than 3)
             started = all(s.events >= 3 or s.finish for s in streams)
             if started and max(load.values()) >= 1:
                 return max(load, key=load.get)
-            assert time.monotonic() < deadline, f"no stream on a decode node: {load}"
+            states = [(s.kind, s.events, s.finish) for s in streams]
+            assert not all(s.finish for s in streams), f"every stream ended unhit: {states}"
+            assert time.monotonic() < deadline, f"no stream on a decode node: {load}, {states}"
             time.sleep(0.01)
 
     def last_rank(self, name: str) -> int:

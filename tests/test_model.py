@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine import forward_batch
 from pdserve.engine.forward_batch import BatchItem, build_forward_batch
-from pdserve.engine.kernels import paged_attention
+from pdserve.engine.kernels import layer_ops, paged_attention
 from pdserve.engine.kv_cache import KVLayout, KVPool, pages_needed
 from pdserve.engine.model import gguf_file
 from pdserve.engine.model.detokenizer import StopDetokenizer
@@ -226,6 +226,32 @@ def test_bf16(tiny_llama):
         [load_slice(path, 0, 4, dtype=torch.bfloat16)], cfg, seqs, PLAN[:3], dtype=torch.bfloat16
     )
     assert max_err(got, ref) < 0.1
+
+
+def test_gemma_norms_round_once_as_transformers(build_variant):
+    """Gemma's RMSNorm computes in fp32 and rounds once (transformers' Gemma3RMSNorm): a bf16 slice
+    keeps those weights in fp32, offset added, and its norm is transformers' bit for bit. With
+    1 + w rounded to bf16 (as before), every row of this batch differed, in a third of its
+    values."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    path, cfg, _, _ = build_variant("gemma3")
+    s = load_slice(path, 0, 4, dtype=torch.bfloat16)
+    norms = [s.norm_weight] + [
+        w for layer in s.layers for w in (layer.input_norm_weight, layer.q_norm_weight)
+    ]
+    assert all(w is not None and w.dtype == torch.float32 for w in norms)
+    assert s.layers[0].qkv_weight.dtype == torch.bfloat16
+    torch.manual_seed(0)
+    hf = Gemma3RMSNorm(640, eps=1e-6).to(torch.bfloat16)
+    hf.weight.data = (torch.randn(640) * 0.5).to(torch.bfloat16)
+    x = (torch.randn(64, 640) * 3).to(torch.bfloat16)
+    want = hf(x)
+    assert torch.equal(layer_ops.rms_norm(x, hf.weight.float() + 1.0, 1e-6), want)
+    q = x.view(64, 10, 64)  # a q/k norm: heads of 64 values
+    hf_q = Gemma3RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    hf_q.weight.data = hf.weight.data[:64].clone()
+    assert torch.equal(layer_ops.rms_norm(q, hf_q.weight.float() + 1.0, 1e-6), hf_q(q))
 
 
 def test_every_token_a_decode_query_matches_hf(tiny_llama):

@@ -100,6 +100,13 @@ def add_node_args(ap: argparse.ArgumentParser, default_port: int) -> None:
     )
     ap.add_argument("--pp-timeout", type=float, default=60.0, help="PP receive timeout (seconds)")
     ap.add_argument(
+        "--load-timeout",
+        type=float,
+        default=600.0,
+        help="how long a rank that loaded its slice waits for the other ranks of its node to load "
+        "theirs before any PP message (seconds)",
+    )
+    ap.add_argument(
         "--waiting-timeout", type=float, default=0.0, help="abort requests queued longer (0: off)"
     )
     ap.add_argument(

@@ -28,6 +28,7 @@ class RankSpec:
     skip_pure_chunk_comm: bool = True
     watchdog_s: float = 120.0
     pp_timeout_s: float = 60.0
+    load_timeout_s: float = 600.0  # how long a rank waits for its peers to load their slices
     backend: str = "gloo"
     device: str = "cpu"
     role: str = "colocated"

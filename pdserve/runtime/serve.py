@@ -215,6 +215,7 @@ def make_specs(
             skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm,
             watchdog_s=args.watchdog,
             pp_timeout_s=args.pp_timeout,
+            load_timeout_s=args.load_timeout,
             role=role,
             device=args.device,
             backend="nccl" if args.device.startswith("cuda") else "gloo",

@@ -35,7 +35,12 @@ def _takes(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * w over the last dim of x."""
+    """x / sqrt(mean(x^2, -1) + eps) * w over the last dim of x. With x in the dtype it is kept in
+    and the normalised x rounded to that dtype before the product (Llama's norm in transformers);
+    with an fp32 `w` and a narrower x, all in fp32 and one rounding at the end (Gemma's)."""
+    if w.dtype == torch.float32 and x.dtype != torch.float32:
+        xf = x.float()  # transformers' Gemma3RMSNorm, op for op
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
     if _takes(x) and w.dtype == x.dtype and w.dim() == 1 and w.is_contiguous() and load():
         return torch.ops.pdserve.rms_norm(x, w, eps)
     return F.rms_norm(x, (x.shape[-1],), w, eps)

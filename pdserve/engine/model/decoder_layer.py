@@ -46,6 +46,14 @@ def norm_weight(w: Mapping[str, torch.Tensor], name: str, cfg: ModelConfig) -> t
     return t.float() + cfg.norm_weight_offset if cfg.norm_weight_offset else t
 
 
+def norm_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a slice keeps its norm weights in. Gemma's stay in fp32, offset added: its norm
+    computes in fp32 and rounds once (layer_ops.rms_norm), as transformers' Gemma3RMSNorm does.
+    Rounded to bf16, 1 + w moves by up to half a bf16 step (2^-8 near 1): a change in every norm's
+    output that transformers does not make."""
+    return torch.float32 if cfg.norm_weight_offset else dtype
+
+
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for gate_up = [gate | up] along the last dim (Gemma's GeGLU)."""
     inter = gate_up.shape[-1] // 2
@@ -57,7 +65,8 @@ class DecoderLayer(torch.nn.Module):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.cfg = cfg
-        self.input_norm_weight = empty_parameter(h, dtype=dtype)
+        nd = norm_dtype(cfg, dtype)
+        self.input_norm_weight = empty_parameter(h, dtype=nd)
         self.qkv_weight = empty_parameter(cfg.q_size + 2 * cfg.kv_size, h, dtype=dtype)
         self.qkv_bias = (
             empty_parameter(cfg.q_size + 2 * cfg.kv_size, dtype=dtype)
@@ -65,12 +74,12 @@ class DecoderLayer(torch.nn.Module):
             else None
         )
         self.o_weight = empty_parameter(h, cfg.q_size, dtype=dtype)
-        self.q_norm_weight = empty_parameter(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm_weight = empty_parameter(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.post_norm_weight = empty_parameter(h, dtype=dtype)  # the MLP's input norm
+        self.q_norm_weight = empty_parameter(cfg.head_dim, dtype=nd) if cfg.qk_norm else None
+        self.k_norm_weight = empty_parameter(cfg.head_dim, dtype=nd) if cfg.qk_norm else None
+        self.post_norm_weight = empty_parameter(h, dtype=nd)  # the MLP's input norm
         # Gemma 3: norms on the attention's and the MLP's outputs, before the residual adds them
-        self.attn_out_norm_weight = empty_parameter(h, dtype=dtype) if cfg.sandwich_norms else None
-        self.mlp_out_norm_weight = empty_parameter(h, dtype=dtype) if cfg.sandwich_norms else None
+        self.attn_out_norm_weight = empty_parameter(h, dtype=nd) if cfg.sandwich_norms else None
+        self.mlp_out_norm_weight = empty_parameter(h, dtype=nd) if cfg.sandwich_norms else None
         self.gate_up_weight = empty_parameter(2 * inter, h, dtype=dtype)
         self.down_weight = empty_parameter(h, inter, dtype=dtype)
         self.small: dict[str, SmallWeights] = {}  # engine/model/linear.py: small-batch copies
@@ -164,10 +173,11 @@ class DecoderLayer(torch.nn.Module):
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, nh + nkv, d)
         if cfg.qk_norm:
             eps = cfg.rms_norm_eps
+            assert self.q_norm_weight is not None and self.k_norm_weight is not None
             qk = torch.cat(
                 (
-                    F.rms_norm(qk[:, :nh], (d,), self.q_norm_weight, eps),
-                    F.rms_norm(qk[:, nh:], (d,), self.k_norm_weight, eps),
+                    layer_ops.rms_norm(qk[:, :nh], self.q_norm_weight, eps),
+                    layer_ops.rms_norm(qk[:, nh:], self.k_norm_weight, eps),
                 ),
                 dim=1,
             )

@@ -35,6 +35,7 @@ from pdserve.engine.model.decoder_layer import (
     IN_PLACE,
     DecoderLayer,
     empty_parameter,
+    norm_dtype,
     norm_weight,
 )
 from pdserve.engine.model.linear import (
@@ -72,7 +73,9 @@ class ModelSlice(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end)
         )
-        self.norm_weight = empty_parameter(cfg.hidden_size, dtype=dtype) if self.is_last else None
+        self.norm_weight = (
+            empty_parameter(cfg.hidden_size, dtype=norm_dtype(cfg, dtype)) if self.is_last else None
+        )
         self.lm_head_weight = None
         if self.is_last:  # tied and the whole model in one slice: one matrix, not two copies
             share = self.is_first and cfg.tie_word_embeddings

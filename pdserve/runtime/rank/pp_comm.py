@@ -138,6 +138,11 @@ class PPLink:
     def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
         raise NotImplementedError
 
+    def wait_for_peers(self, label: str, timeout_s: float) -> None:
+        """Says this rank reached `label` and waits, at most `timeout_s`, until every rank did.
+        Raises TimeoutError naming the ranks that did not."""
+        raise NotImplementedError
+
     def all_gather(self, values: list[int]) -> list[list[int]]:
         raise NotImplementedError
 
@@ -200,9 +205,10 @@ class PPComm(PPLink):
         use_interface_of(host)
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = rendezvous_store(init_method, rank, size, timeout)
         dist.init_process_group(
             backend,
-            store=rendezvous_store(init_method, rank, size, timeout),
+            store=self._store,
             rank=rank,
             world_size=size,
             timeout=timeout,
@@ -295,6 +301,26 @@ class PPComm(PPLink):
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t, group=self.coll_group)
         return [o.tolist() for o in out]
+
+    def wait_for_peers(self, label: str, timeout_s: float) -> None:
+        # on the rendezvous store, not the group: a gloo collective waits only the group's
+        # timeout, and this wait is for work (a slice's load) far longer than one message
+        keys = [f"{label}/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], "1")
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # torch's DistStoreError (a timeout), or the store's host gone
+            missing = [r for r, k in enumerate(keys) if not self._safe_check(k)]
+            raise TimeoutError(
+                f"pp_rank {self.rank}: ranks {missing} did not reach {label!r} within "
+                f"{timeout_s:g} s ({type(e).__name__})"
+            ) from None
+
+    def _safe_check(self, key: str) -> bool:
+        try:
+            return bool(self._store.check([key]))
+        except Exception:  # the store is gone: nothing can be said of that rank
+            return False
 
     def close(self) -> None:
         try:

@@ -76,8 +76,11 @@ class MemoryPPGroup:
         with self._cond:
             self._cond.notify_all()
 
-    def _exchange(self, rank: int, n: int, value: bytes) -> list[bytes]:
-        deadline = time.monotonic() + self.timeout_s
+    def _exchange(
+        self, rank: int, n: int, value: bytes, timeout_s: float | None = None
+    ) -> list[bytes]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             got = self._rounds.setdefault(n, [None] * self.size)
             got[rank] = value
@@ -89,7 +92,7 @@ class MemoryPPGroup:
                 if left <= 0:
                     missing = [r for r, v in enumerate(got) if v is None]
                     raise TimeoutError(
-                        f"pp_rank {rank}: collective {n} waited {self.timeout_s:g} s for {missing}"
+                        f"pp_rank {rank}: collective {n} waited {timeout_s:g} s for {missing}"
                     )
                 self._cond.wait(left)
             self._read[n] += 1
@@ -156,10 +159,13 @@ class MemoryPPComm(PPLink):
         return item.kind, msgpack.unpackb(item.payload, raw=False, strict_map_key=False)
 
     # --- collectives ------------------------------------------------------------------------------
-    def _collective(self, values: list[int]) -> list[list[int]]:
+    def _collective(self, values: list[int], timeout_s: float | None = None) -> list[list[int]]:
         n, self._collectives = self._collectives, self._collectives + 1
         data = msgpack.packb([int(v) for v in values])
-        return [msgpack.unpackb(v) for v in self.group._exchange(self.rank, n, data)]
+        return [msgpack.unpackb(v) for v in self.group._exchange(self.rank, n, data, timeout_s)]
+
+    def wait_for_peers(self, label: str, timeout_s: float) -> None:
+        self._collective([], timeout_s)
 
     def all_min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
         every = self._collective(values)

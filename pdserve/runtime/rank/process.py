@@ -25,7 +25,7 @@ import zmq
 from pdserve.consensus import rank_checker
 from pdserve.engine.config import EngineConfig, apply_threads
 from pdserve.engine.grammar import GrammarSampler
-from pdserve.engine.kernels import spare_core
+from pdserve.engine.kernels import cpu_kernels, spare_core
 from pdserve.engine.model.config import split_layers
 from pdserve.engine.model.detokenizer import StopDetokenizer
 from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
@@ -48,6 +48,8 @@ log = logging.getLogger("pdserve.rank")
 
 
 def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
+    loop.stats.last_progress = time.monotonic()  # counted from here, not from the loop's build
+
     def watch():
         while True:
             time.sleep(min(1.0, timeout_s / 4))
@@ -191,6 +193,12 @@ def build_rank(
         running_timeout_s=spec.running_timeout_s,
     )
     sched = _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish)
+    if comm is not None:
+        if spec.device == "cpu":
+            cpu_kernels.load()  # a first build (minutes on a slow machine) belongs to the load too
+        # No rank sends a PP message before every slice is loaded: a receive waits --pp-timeout
+        # for one message, and a peer dequantising a big file can take longer than that.
+        comm.wait_for_peers("loaded", spec.load_timeout_s)
     return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
 
 
