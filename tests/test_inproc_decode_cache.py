@@ -219,3 +219,69 @@ def test_retraction_of_a_request_with_a_cached_prefix(tiny6, hf6):
             for s in ranks:
                 assert settled(s), f"{node} pp{s.pp_rank}: {s}"
         assert all(s.retractions > 0 for s in stats["decode"])
+
+
+def _window_bytes(loop, held: int, num_tokens: int) -> int:
+    """KV bytes a decode rank's sliding layers skip for a room of `num_tokens` after `held`
+    cached ones: their tokens before the window's start, which is rounded down to a page."""
+    pool = loop.kv_mgr.pool
+    start = max(0, num_tokens - pool.window) // PS * PS
+    return len(pool.sliding) * 2 * pool.token_bytes * max(0, start - held)
+
+
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3)])
+def test_gemma_moves_only_the_window_and_the_cache_reuses_only_whole_windows(
+    ppp, dpp, gemma6, gemma6_greedy
+):
+    """A Gemma 3 (a window of 7 tokens on 4 of its 6 layers, pages of 4):
+    - A, through PD, 41 prompt tokens: its sliding layers move only tokens 32.. (the window of its
+      end, rounded down to a page); both sides count the bytes spared alike, and the answer is
+      transformers'.
+    - B, computed on the decode node itself, shares A's first 24 tokens: the decode cache holds
+      them, but without their sliding layers' KV, which B's first new tokens read; so B matches
+      nothing and computes them again. Its answer is transformers'. (With the match not cut
+      short, B read A's missing sliding KV and its answer differed.)
+    - C, through PD, continues A's conversation: the cached window of A's end is whole, so C
+      holds all 48 cached tokens and moves only what follows."""
+    from one_thread import hf_greedy_one_thread
+
+    rng = random.Random(5)
+    a = [rng.randrange(3, 380) for _ in range(41)]
+    (want_a,) = hf_greedy_one_thread(gemma6, [a], MAX_NEW)
+    b = a[:24] + [rng.randrange(3, 380) for _ in range(10)]
+    c_prompt = a + want_a + [rng.randrange(3, 380) for _ in range(6)]
+    want_b, want_c = hf_greedy_one_thread(gemma6, [b, c_prompt], MAX_NEW)
+    with running(lambda: PDCluster(gemma6, ppp, dpp)) as c:
+        before_p, before_d = _kv(c.prefill.loops), _kv(c.decode.loops)
+        assert c.generate_all([a], MAX_NEW) == [want_a]
+        c.wait_settled()
+        with c.paused():
+            after_p, after_d = _kv(c.prefill.loops), _kv(c.decode.loops)
+            hits_a = [loop.sched.cache.hit_tokens_total for loop in c.decode.loops]
+        spared = [_window_bytes(loop, 0, len(a)) for loop in c.decode.loops]
+        assert sum(spared) > 0
+        for d in range(dpp):
+            assert (
+                after_d[d]["window_skipped_bytes"] - before_d[d]["window_skipped_bytes"]
+                == (spared[d])
+            )
+        assert _delta(after_p, before_p, "window_skipped_bytes") == sum(spared)
+        assert _delta(after_p, before_p, "bytes_sent") == _delta(
+            after_d, before_d, "bytes_received"
+        )
+
+        c.submit_local("b", b, MAX_NEW)
+        assert c.result("b", sides=("decode",)).tokens == want_b
+        c.wait_settled()
+        with c.paused():
+            hits_b = [loop.sched.cache.hit_tokens_total for loop in c.decode.loops]
+        assert hits_b == hits_a, "B reused pages without their sliding layers' KV"
+
+        assert c.generate_all([c_prompt], MAX_NEW) == [want_c]
+        stats = c.wait_settled()
+        kept = (len(a) + MAX_NEW - 1) // PS * PS
+        hits_c = [s.prefix_hit_tokens - h for s, h in zip(stats["decode"], hits_b, strict=True)]
+        assert hits_c == [kept] * dpp
+        for node, ranks in stats.items():
+            for s in ranks:
+                assert settled(s), f"{node} pp{s.pp_rank}: {s}"

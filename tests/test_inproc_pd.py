@@ -61,13 +61,18 @@ def test_gemma3_layouts_match_transformers(ppp, dpp, gemma6, gemma6_greedy):
         _all_settled(c.wait_settled())
 
 
-def test_different_page_sizes_match_transformers(tiny6, tiny6_greedy):
-    """Prefill pages of 4 tokens, decode pages of 8: the descriptors cut per layer and token run."""
-    prompts, reference = tiny6_greedy
+@pytest.mark.parametrize("model", ["tiny6", "gemma6"])
+def test_different_page_sizes_match_transformers(model, request):
+    """Prefill pages of 4 tokens, decode pages of 8: the descriptors cut per layer and token run
+    (for Gemma's sliding layers, from the window's start, a decode page boundary, on)."""
+    path = request.getfixturevalue(model)
+    prompts, reference = request.getfixturevalue(f"{model}_greedy")
     decode = {"page_size": 8}
-    with running(lambda: PDCluster(tiny6, 2, 3, decode_engine=decode)) as c:
+    with running(lambda: PDCluster(path, 2, 3, decode_engine=decode)) as c:
         assert c.generate_all(prompts, MAX_NEW) == [r[:MAX_NEW] for r in reference]
         _all_settled(c.wait_settled())
+        spared = sum(lp.kv_mgr.stats.snapshot()["window_skipped_bytes"] for lp in c.decode.loops)
+        assert (spared > 0) == (model == "gemma6")
 
 
 def _loops_all(node, pred) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -24,13 +25,18 @@ from pdserve.kv_transfer.bootstrap_client import (
     REQUEST_TIMEOUT_S,
     BootstrapClient,
 )
+from pdserve.kv_transfer.checksum import kv_checksum
 from pdserve.kv_transfer.layout import (
     PoolDesc,
     build_descriptors,
+    check_compatible,
+    chunk_descriptors,
     coalesce,
     intersect,
+    kv_bytes,
     overlapping,
     pages_for,
+    window_start,
 )
 from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.kv_transfer.messages import (
@@ -149,6 +155,67 @@ def test_descriptors_after_a_held_prefix(p_ps, d_ps):
         build_descriptors(src, dst, sp, dp[:-1], held, n, first)
 
 
+@pytest.mark.parametrize("p_ps,d_ps", [(4, 4), (4, 8), (8, 4), (3, 5)])
+def test_sliding_layers_move_only_the_window(p_ps, d_ps):
+    """A window of 7 on layers 1, 2, 4 and 5 of [0, 6): the full layers move every token, the
+    sliding ones exactly the tokens from window_start on (a decode page boundary) and nothing
+    before, over chunks; the checksum of both sides covers the same tokens; kv_bytes counts the
+    bytes moved and spared."""
+    rng = random.Random(p_ps * 7 + d_ps)
+    sliding = (1, 2, 4, 5)
+    src = PoolDesc(4096, 16, p_ps, 0, 6, TB, "float32", window=7, sliding=sliding)
+    dst = PoolDesc(1 << 20, 16, d_ps, 0, 6, TB, "float32", window=7, sliding=sliding)
+    n = 29
+    start = window_start(n, 7, d_ps)
+    assert start == (29 - 7) // d_ps * d_ps and start > 0
+    sp = rng.sample(range(16), pages_for(n, p_ps))
+    dp = rng.sample(range(16), pages_for(n, d_ps))
+    descs = chunk_descriptors(src, dst, sp, dp, (0, 11), 0, n)
+    descs += chunk_descriptors(src, dst, sp, dp, (11, n), 0, n)
+    ms, md = _replay(src, dst, descs)
+    for layer in range(6):
+        for kv in (0, 1):
+            for t in range(n):
+                s = src.addr(sp[t // p_ps], layer, kv, t % p_ps) - src.base_ptr
+                d = dst.addr(dp[t // d_ps], layer, kv, t % d_ps) - dst.base_ptr
+                if layer in sliding and t < start:
+                    assert md[d : d + TB] == bytes(TB), (layer, kv, t)  # never written
+                else:
+                    assert md[d : d + TB] == ms[s : s + TB], (layer, kv, t)
+    moved, spared = kv_bytes(dst, (0, 6), 0, n, start)
+    assert spared == len(sliding) * start * 2 * TB
+    assert moved + spared == 6 * n * 2 * TB
+    with pytest.raises(ValueError, match="page boundary"):
+        build_descriptors(src, dst, sp, dp, 0, n, 0, start + 1)
+    with pytest.raises(ValueError, match="sliding windows differ"):
+        check_compatible(src, PoolDesc(1 << 20, 16, d_ps, 0, 6, TB, "float32"))
+    # a pool with only full layers on the shared run agrees with any sliding set outside it
+    check_compatible(
+        PoolDesc(0, 16, 4, 3, 4, TB, "float32", window=7),
+        PoolDesc(0, 16, 4, 0, 6, TB, "float32", window=7, sliding=sliding),
+    )
+
+
+def test_sliding_layers_checksum_what_moved():
+    """kv_checksum over the window's tokens of the sliding layers is the same on both sides
+    after the transfer, whatever the bytes before the window on the decode side."""
+    import ctypes
+
+    sliding = (1, 2)
+    n, ps = 29, 4
+    buf_src = ctypes.create_string_buffer(random.Random(3).randbytes(16 * 3 * 2 * ps * TB))
+    buf_dst = ctypes.create_string_buffer(random.Random(4).randbytes(16 * 3 * 2 * ps * TB))
+    src = PoolDesc(ctypes.addressof(buf_src), 16, ps, 0, 3, TB, "float32", 7, sliding)
+    dst = PoolDesc(ctypes.addressof(buf_dst), 16, ps, 0, 3, TB, "float32", 7, sliding)
+    pages = list(range(pages_for(n, ps)))
+    for s, d, length in chunk_descriptors(src, dst, pages, pages, (0, n), 0, n):
+        ctypes.memmove(d, s, length)
+    start = window_start(n, 7, ps)
+    want = kv_checksum(src, pages, (0, 3), n, slide_from=start)
+    assert kv_checksum(dst, pages, (0, 3), n, slide_from=start) == want
+    assert kv_checksum(dst, pages, (0, 3), n) != kv_checksum(src, pages, (0, 3), n)
+
+
 def test_descriptors_reject_bad_tables():
     src, dst = pool(0, 8, 4, 0, 2), pool(1 << 20, 8, 4, 0, 2)
     with pytest.raises(ValueError):
@@ -183,9 +250,14 @@ def test_codec_round_trip_and_strictness():
         KVStatus(5, 2, int(KVPoll.Success), "", 100, 12, 0xDEAD),
         KVStatus(5, 2, int(KVPoll.Failed), "transfer_error", 0, 0, None),
         KVAbort(5, "decode", 0, "aborted"),
+        replace(
+            _register(),
+            pool=PoolDesc(1 << 30, 64, 16, 15, 30, TB, "bfloat16", window=512, sliding=(15, 16)),
+        ),
     ):
         assert decode_message(encode_message(msg)) == msg
     good = msgpack.unpackb(encode_message(_register()))
+    sliding_pool = {**good["pool"], "window": 512, "sliding": [15, 16]}
     bad = [
         b"\xc1garbage",
         b"",
@@ -200,6 +272,10 @@ def test_codec_round_trip_and_strictness():
         msgpack.packb({k: v for k, v in good.items() if k != "aux_ptr"}),
         msgpack.packb({**good, "dst_slices": [[5, 3]]}),
         msgpack.packb({**good, "pool": {"base_ptr": 1}}),
+        msgpack.packb({**good, "pool": {**sliding_pool, "sliding": [16, 15]}}),  # out of order
+        msgpack.packb({**good, "pool": {**sliding_pool, "sliding": [3]}}),  # outside the slice
+        msgpack.packb({**good, "pool": {**sliding_pool, "sliding": ["15"]}}),
+        msgpack.packb({**good, "pool": {**sliding_pool, "window": 0}}),  # sliding, no window
         msgpack.packb({**good, "ctrl_port": 0}),
         msgpack.packb({**good, "prefix_tokens": -4}),
         msgpack.packb({**good, "prefix_tokens": "8"}),

@@ -191,6 +191,32 @@ def test_prefix_cache_evicts_lru_deterministically():
     assert c.match([1, 2, 3, 4], 4)[0].__len__() == 1 and len(c.match([7, 8], 2)[0]) == 1
 
 
+def test_prefix_cache_matches_only_up_to_a_whole_window():
+    """Pages without their sliding layers' KV (a PD transfer's, before the window) are cached,
+    but a match ends where such a page lies within the window before its end: pages of 2 tokens,
+    a window of 3 (engine/prefix_cache.py)."""
+    a = PageAllocator(16)
+    c = PrefixCache(a, 2, window=3)
+    toks = list(range(1, 13))  # 6 pages; the first 3 partial
+    pages = a.alloc(6)
+    assert c.insert(toks, pages, 12, 0, partial_pages=3) == []
+    c.check_integrity()
+    # a match of k pages reads sliding keys from token 2k - 3 on: whole from page 3 on, so k >= 5
+    for k, want in [(6, 6), (5, 5), (4, 0), (3, 0), (1, 0)]:
+        got, handle = c.match(toks[: 2 * k] + [99], 2 * k)
+        assert len(got) == want and got == pages[:want], (k, got)
+        assert want or handle is c.root
+    # a twin's whole copy does not replace a partial node: its page goes back to the pool
+    twin = a.alloc(6)
+    assert c.insert(toks, twin, 12, 0) == twin
+    assert len(c.match(toks[:8] + [99], 8)[0]) == 0
+    # without a window every cached page is whole to the model: the flags do not cut a match
+    plain = PrefixCache(PageAllocator(8), 2)
+    plain_pages = plain.allocator.alloc(3)
+    plain.insert(toks[:6], plain_pages, 6, 0, partial_pages=3)
+    assert plain.match(toks[:6], 6)[0] == plain_pages
+
+
 def test_unfit_requests_are_rejected_with_the_field_named():
     s = make(num_pages=4, page=4)
     with pytest.raises(ParamError) as e:

@@ -35,6 +35,7 @@ from pdserve.decode_node.prefix import HeldPrefix, hold_prefix, release_prefix
 from pdserve.engine.core import Req, SamplingParams
 from pdserve.engine.kv_cache import pages_needed
 from pdserve.kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
+from pdserve.kv_transfer.layout import window_start
 from pdserve.pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
 from pdserve.pd_common.messages import PDAddRequest
 from pdserve.runtime.messages import TokenEvent
@@ -256,7 +257,12 @@ class DecodeLoop(PDLoop):
             )
         )
         held, pd.held = pd.held or HeldPrefix(), None  # the scheduler's request owns the lock now
-        self.sched.add_prefilled(req, held.pages + pd.pages, slot, held.tokens, held.handle)
+        # the prompt's pages before the window came without their sliding layers' KV
+        pool = self.kv_mgr.pool
+        moved_from = window_start(req.seq_len - 1, pool.window, pool.page_size)
+        self.sched.add_prefilled(
+            req, held.pages + pd.pages, slot, held.tokens, held.handle, moved_from // pool.page_size
+        )
         if self.spans.on(pd.rid):
             self.spans.end(pd.rid, "first_token", token=tok)
             self.spans.start(pd.rid, "decode")

@@ -307,6 +307,9 @@ class Req:
     pages: list[int] = field(default_factory=list)  # page table: logical page i -> pool page
     kv_len: int = 0
     cached_len: int = 0
+    # the first pages of `pages` that hold no sliding layer's KV: a PD decode request's prompt
+    # pages before the window, which the transfer skipped (engine/prefix_cache.py)
+    partial_pages: int = 0
     finish: FinishReason | None = None
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested

@@ -21,6 +21,13 @@ Page ownership, for one request (P = page_size):
     tree already has (a twin request inserted it first) and the partial last page go back to the
     pool. A page `cache_prefix` already put in the tree is found there with the same page id and
     stays.
+
+Sliding windows: a PD decode rank receives a sliding layer's KV only from the window of the
+prompt's end on (kv_transfer/layout.window_start), so the prompt's pages before it hold only the
+full-attention layers' KV. Such a page is a `partial` node. A request that continues from a
+cached prefix of M tokens reads sliding keys back to M - window, so a match ends where no partial
+page lies within `window` tokens before its end (`_usable`); pages past that are computed again.
+A node keeps the flag of the page it was made with: a twin's whole copy goes back to the pool.
 """
 
 from __future__ import annotations
@@ -39,14 +46,16 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     refs: int = 0
     last_use: int = 0
+    partial: bool = False  # the page holds no sliding layer's KV (module docstring)
 
 
 class PrefixCache:
     """Shares page-aligned prompt prefixes. All state changes go through the methods below."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, window: int = 0):
         self.allocator = allocator
         self.page_size = page_size
+        self.window = window  # the model's sliding window (0: none)
         self.root = _Node(key=(), page=-1, parent=None, refs=1)
         self._clock = 0
         self.num_cached_pages = 0  # pages owned by the tree
@@ -69,15 +78,33 @@ class PrefixCache:
         `unlock(handle)` when done; an unlocked match may be evicted by the next `evict`.
         """
         now = self._tick()
-        node, pages = self.root, []
+        path: list[_Node] = []
+        node = self.root
         for key in self._chunks(tokens, max(0, max_tokens) // self.page_size):
             child = node.children.get(key)
             if child is None:
                 break
             child.last_use = now
-            pages.append(child.page)
+            path.append(child)
             node = child
-        return pages, node
+        path = path[: self._usable(path)]
+        return [n.page for n in path], path[-1] if path else self.root
+
+    def _usable(self, path: list[_Node]) -> int:
+        """How many pages of a matched `path` a request can continue from: the most k such that
+        no partial page lies in the window before token k * page_size."""
+        if not self.window or not any(n.partial for n in path):
+            return len(path)
+        P = self.page_size
+        last_partial = -1  # the last partial page index below k
+        best = 0
+        for k in range(1, len(path) + 1):
+            if path[k - 1].partial:
+                last_partial = k - 1
+            # pages holding tokens [k * P - window, k * P): from this index on
+            if last_partial < max(0, k * P - self.window) // P:
+                best = k
+        return best
 
     def lock(self, handle: _Node) -> None:
         node: _Node | None = handle
@@ -94,12 +121,18 @@ class PrefixCache:
 
     # --- insertion --------------------------------------------------------------------------------
     def insert(
-        self, tokens: list[int], pages: list[int], num_tokens: int, cached_pages: int
+        self,
+        tokens: list[int],
+        pages: list[int],
+        num_tokens: int,
+        cached_pages: int,
+        partial_pages: int = 0,
     ) -> list[int]:
         """Gives a finished request's pages to the tree; returns the pages to free to the pool.
 
         `tokens[:num_tokens]` have KV in `pages`; the first `cached_pages` pages came from `match`
-        (tree-owned, skipped). Full pages with a new chunk become tree nodes; the rest are returned.
+        (tree-owned, skipped); the first `partial_pages` hold no sliding layer's KV. Full pages
+        with a new chunk become tree nodes; the rest are returned.
         """
         now = self._tick()
         full = num_tokens // self.page_size
@@ -111,7 +144,7 @@ class PrefixCache:
                     "cached prefix changed under a lock"
                 )
             elif child is None:
-                child = _Node(key=key, page=pages[i], parent=node)
+                child = _Node(key=key, page=pages[i], parent=node, partial=i < partial_pages)
                 node.children[key] = child
                 self.num_cached_pages += 1
             elif child.page != pages[i]:
@@ -122,7 +155,12 @@ class PrefixCache:
         return to_free
 
     def cache_prefix(
-        self, tokens: list[int], pages: list[int], num_pages: int, handle: _Node
+        self,
+        tokens: list[int],
+        pages: list[int],
+        num_pages: int,
+        handle: _Node,
+        partial_pages: int = 0,
     ) -> _Node:
         """Puts the first `num_pages` full pages of a running request into the tree (SGLang's
         "cache unfinished request"); returns its new lock handle, locked (`handle` is unlocked).
@@ -135,7 +173,7 @@ class PrefixCache:
         for i, key in enumerate(self._chunks(tokens, num_pages)):
             child = node.children.get(key)
             if child is None:
-                child = _Node(key=key, page=pages[i], parent=node)
+                child = _Node(key=key, page=pages[i], parent=node, partial=i < partial_pages)
                 node.children[key] = child
                 self.num_cached_pages += 1
             child.last_use = now

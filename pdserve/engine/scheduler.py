@@ -46,6 +46,7 @@ class SchedulerConfig:
     max_context: int = 2048  # prompt + output tokens of one request
     enable_prefix_cache: bool = True
     num_slots: int = 1  # microbatch slots (pp_size + async_depth)
+    window: int = 0  # the model's sliding window: how far back a cached prefix must be whole
 
     def __post_init__(self):
         for name in ("page_size", "max_running", "max_context", "num_slots"):
@@ -97,7 +98,9 @@ class Scheduler:
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
-        self.cache = PrefixCache(allocator, cfg.page_size) if cfg.enable_prefix_cache else None
+        self.cache = (
+            PrefixCache(allocator, cfg.page_size, cfg.window) if cfg.enable_prefix_cache else None
+        )
         self.waiting = FairQueue()  # in fair order between tenants (engine/fair_queue.py)
         self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
         self.reqs: dict[str, Req] = {}  # live requests, insertion ordered
@@ -300,7 +303,7 @@ class Scheduler:
         self.slots[self._slot_of(req)].remove(req)
         self._release_kv(req)
         req.status = ReqStatus.RETRACTED
-        req.kv_len = req.cached_len = 0
+        req.kv_len = req.cached_len = req.partial_pages = 0  # resumed, it computes its own KV
         self.waiting.requeue(req)
         self.num_retractions += 1
 
@@ -352,7 +355,9 @@ class Scheduler:
             or full <= req.cached_len // self.cfg.page_size
         ):
             return
-        req.prefix_node = self.cache.cache_prefix(req.input_ids, req.pages, full, req.prefix_node)
+        req.prefix_node = self.cache.cache_prefix(
+            req.input_ids, req.pages, full, req.prefix_node, req.partial_pages
+        )
 
     def _check_stop(self, req: Req) -> None:
         reason = self._stop_reason(req)
@@ -392,7 +397,11 @@ class Scheduler:
     def _release_kv(self, req: Req) -> None:
         if self.cache is not None:
             free = self.cache.insert(
-                req.all_ids, req.pages, req.kv_len, req.cached_len // self.cfg.page_size
+                req.all_ids,
+                req.pages,
+                req.kv_len,
+                req.cached_len // self.cfg.page_size,
+                req.partial_pages,
             )
             self.cache.unlock(req.prefix_node)
             req.prefix_node = None
@@ -408,25 +417,34 @@ class Scheduler:
 
     @rank_consensus(
         "add_prefilled",
-        args=lambda self, req, pages, slot, cached_len=0, prefix_node=None: [
+        args=lambda self, req, pages, slot, cached_len=0, prefix_node=None, partial_pages=0: [
             req.rid,
             list(pages),
             slot,
             cached_len,
+            partial_pages,
         ],
     )
     def add_prefilled(
-        self, req: Req, pages: list[int], slot: int, cached_len: int = 0, prefix_node=None
+        self,
+        req: Req,
+        pages: list[int],
+        slot: int,
+        cached_len: int = 0,
+        prefix_node=None,
+        partial_pages: int = 0,
     ) -> None:
         """Decode side of PD: the KV of the prompt and of every output token but the last (a
         migrated stream's resumed tokens) is in `pages` (the first `cached_len` tokens' pages from
-        the prefix cache, locked by `prefix_node`, the rest transferred), and the last output token
+        the prefix cache, locked by `prefix_node`, the rest transferred; the first
+        `partial_pages` without their sliding layers' KV), and the last output token
         is the one the prefill node sampled; the request joins `slot` as a running decode (it may
         finish at once). The request owns the lock from here: it is unlocked at finish or
         retraction."""
         self._arrivals += 1
         req.arrival = self._arrivals
         req.pages, req.kv_len, req.cached_len = list(pages), req.seq_len - 1, cached_len
+        req.partial_pages = partial_pages
         req.prefix_node = prefix_node
         req.status = ReqStatus.RUNNING
         self.reqs[req.rid] = req

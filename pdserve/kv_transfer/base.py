@@ -16,6 +16,7 @@ import abc
 from collections.abc import Sequence
 
 from pdserve.consensus.kvpoll import KVPoll
+from pdserve.kv_transfer.layout import PoolDesc
 from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.kv_transfer.stats import TransferStats
 
@@ -45,9 +46,13 @@ class BaseKVSender(abc.ABC):
         token_end: int,
         last: bool = False,
         aux: bytes | None = None,
+        total_tokens: int = 0,
     ) -> None:
         """Hands tokens [token_start, token_end) over; `page_ids` is this rank's page table of the
-        request from token 0. Chunks move in the order given; on the `last` one `aux` (the first
+        request from token 0. `total_tokens`: the tokens the whole transfer moves (the last
+        chunk's end), by which a sliding layer skips what decode never reads
+        (layout.window_start); 0 moves every layer's tokens whole. Chunks move in the order
+        given; on the `last` one `aux` (the first
         token and its logprobs) lands after the KV and before Success. The pages must stay
         unchanged until the sender is terminal (the prefill loop holds them until the release
         vote). Ignored once Failed; ValueError for a chunk after the last or a bad range."""
@@ -106,6 +111,7 @@ class BaseKVManager(abc.ABC):
 
     config: TransferConfig
     stats: TransferStats  # `snapshot()` feeds the rank's stats and metrics
+    pool: PoolDesc  # this rank's KV pool
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -20,14 +20,16 @@ def kv_checksum(
     num_tokens: int,
     token_start: int = 0,
     first_page: int = 0,
+    slide_from: int = 0,
 ) -> int:
-    """crc32 of tokens [token_start, num_tokens); `page_ids[0]` is the request's page `first_page`
-    (a decode table after a cached prefix)."""
+    """crc32 of tokens [token_start, num_tokens), from `slide_from` on for a sliding layer (what
+    the transfer moved: layout.build_descriptors); `page_ids[0]` is the request's page
+    `first_page` (a decode table after a cached prefix)."""
     ps, tb = pool.page_size, pool.token_bytes
     crc = 0
     for layer in range(*layers):
         for kv in (0, 1):
-            t = token_start
+            t = max(token_start, slide_from) if layer in pool.sliding else token_start
             while t < num_tokens:
                 page, off = divmod(t, ps)
                 n = min(ps - off, num_tokens - t)

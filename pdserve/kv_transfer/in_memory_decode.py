@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from pdserve.kv_transfer.in_memory import Registration
-from pdserve.kv_transfer.layout import PoolDesc
+from pdserve.kv_transfer.layout import PoolDesc, kv_bytes, window_start
 from pdserve.kv_transfer.manager import AUX_HEADER, TransferConfig, read_aux, write_aux
 from pdserve.kv_transfer.stats import TransferStats
 
@@ -124,8 +124,12 @@ class InMemoryKVReceiver(BaseKVReceiver):
         mgr.stats.add_received(self._received)
         mgr.stats.add_success(self.room, 0.0)
         per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
+        slide_from = window_start(self._num_tokens, mgr.pool.window, mgr.pool.page_size)
         mgr.stats.add_room_tokens(
-            max(0, self._num_tokens - self._prefix), self._prefix, self._prefix * per_token
+            max(0, self._num_tokens - self._prefix),
+            self._prefix,
+            self._prefix * per_token,
+            kv_bytes(mgr.pool, mgr.pool.layers, self._prefix, self._num_tokens, slide_from)[1],
         )
 
     def _fail(self, reason: str, detail: str = "") -> None:

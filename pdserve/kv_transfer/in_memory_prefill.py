@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseKVSender, BasePrefillKVManager
 from pdserve.kv_transfer.in_memory import Registration
-from pdserve.kv_transfer.layout import PoolDesc, build_descriptors, check_compatible, overlapping
+from pdserve.kv_transfer.layout import PoolDesc, check_compatible, chunk_descriptors, overlapping
 from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.kv_transfer.mooncake import TransferError
 from pdserve.kv_transfer.stats import TransferStats, room_tokens
@@ -29,6 +29,7 @@ class _Chunk:
     token_end: int
     last: bool
     aux: bytes | None
+    total_tokens: int = 0
 
 
 class InMemoryKVSender(BaseKVSender):
@@ -45,7 +46,9 @@ class InMemoryKVSender(BaseKVSender):
     def poll(self) -> KVPoll:
         return self._status
 
-    def send_chunk(self, page_ids, token_start, token_end, last=False, aux=None) -> None:
+    def send_chunk(
+        self, page_ids, token_start, token_end, last=False, aux=None, total_tokens=0
+    ) -> None:
         if self._last_queued:
             raise ValueError(f"room {self.room}: chunk after the last one")
         if not 0 <= token_start <= token_end:
@@ -54,7 +57,9 @@ class InMemoryKVSender(BaseKVSender):
             if self._status == KVPoll.Failed:
                 return
             self._chunks.append(
-                _Chunk(tuple(int(p) for p in page_ids), token_start, token_end, last, aux)
+                _Chunk(
+                    tuple(int(p) for p in page_ids), token_start, token_end, last, aux, total_tokens
+                )
             )
             self._last_queued = last
             self._drain()
@@ -129,14 +134,14 @@ class InMemoryKVSender(BaseKVSender):
             raise TransferError(f"injected write failure (room {self.room})")
         peers = sorted(self._peers.items())
         for rank, p in peers:
-            descs = build_descriptors(
+            descs = chunk_descriptors(
                 mgr.pool,
                 p.pool,
                 chunk.page_ids,
                 p.page_ids,
-                max(chunk.token_start, p.prefix_tokens),  # the decode rank holds the prefix
-                chunk.token_end,
-                p.prefix_tokens // p.pool.page_size,
+                (chunk.token_start, chunk.token_end),
+                p.prefix_tokens,
+                chunk.total_tokens,
             )
             moved = fabric.copy(mgr.pool, p.pool, descs, chunk.page_ids, p.page_ids)
             self._moved[rank] = self._moved.get(rank, 0) + moved

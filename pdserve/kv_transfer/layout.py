@@ -14,6 +14,11 @@ Page tables: `page_ids[i]` is the page holding tokens [i * page_size, (i + 1) * 
 request, on either side. A decode table may start later (`dst_first_page`): a decode rank that holds
 the first pages of the prompt in its prefix cache registers only the pages after them, so no
 descriptor can name a cached page.
+
+Sliding windows (a model with `window` > 0, its `sliding` layers): decode never reads a sliding
+layer's keys more than `window` positions back, so those layers move only the tokens from
+`window_start(prompt tokens, window, decode page size)` on, and a page wholly before it moves only
+its full-attention layers. Both sides compute the same `window_start`.
 """
 
 from __future__ import annotations
@@ -37,12 +42,24 @@ class PoolDesc:
     layer_end: int
     token_bytes: int  # one token's K (or V) of one layer: kv_heads * head_dim * element size
     dtype: str
+    window: int = 0  # the model's sliding window in positions (0: none)
+    sliding: tuple[int, ...] = ()  # this slice's layers that slide (global indices, ascending)
 
     def __post_init__(self):
         if not (0 <= self.layer_start < self.layer_end):
             raise ValueError(f"bad layer slice [{self.layer_start}, {self.layer_end})")
         if self.num_pages < 1 or self.page_size < 1 or self.token_bytes < 1 or self.base_ptr < 0:
             raise ValueError(f"bad pool geometry {self}")
+        object.__setattr__(self, "sliding", tuple(self.sliding))
+        if self.window < 0 or (self.sliding and not self.window):
+            raise ValueError(f"bad window {self.window} for sliding layers {self.sliding}")
+        if list(self.sliding) != sorted(set(self.sliding)) or not all(
+            self.layer_start <= x < self.layer_end for x in self.sliding
+        ):
+            raise ValueError(
+                f"sliding layers {self.sliding} not in [{self.layer_start}, "
+                f"{self.layer_end}) in order"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -102,12 +119,45 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def window_start(num_tokens: int, window: int, page_size: int) -> int:
+    """The first token a sliding layer moves for a prompt of `num_tokens` (0: all of them): the
+    first decode step, at position `num_tokens`, reads keys from `num_tokens - window + 1` on;
+    one more is kept, and the start is rounded down to a decode page, so that every decode page
+    either has its sliding layers' KV whole or has none of it (engine/prefix_cache.py)."""
+    if window <= 0:
+        return 0
+    return max(0, num_tokens - window) // page_size * page_size
+
+
 def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
     if src.token_bytes != dst.token_bytes or src.dtype != dst.dtype:
         raise ValueError(
             f"KV formats differ: prefill {src.dtype}/{src.token_bytes} B per token, "
             f"decode {dst.dtype}/{dst.token_bytes} B per token"
         )
+    shared = intersect(src.layers, dst.layers)
+    if shared is not None and (
+        src.window != dst.window
+        or [x for x in src.sliding if shared[0] <= x < shared[1]]
+        != [x for x in dst.sliding if shared[0] <= x < shared[1]]
+    ):
+        raise ValueError(
+            f"sliding windows differ: prefill {src.window} on {src.sliding}, decode "
+            f"{dst.window} on {dst.sliding}"
+        )
+
+
+def layer_runs(lo: int, hi: int, skip: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """The runs of consecutive layers of [lo, hi) that are not in `skip`."""
+    runs: list[tuple[int, int]] = []
+    for layer in range(lo, hi):
+        if layer in skip:
+            continue
+        if runs and runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], layer + 1)
+        else:
+            runs.append((layer, layer + 1))
+    return runs
 
 
 def _check_table(
@@ -131,8 +181,11 @@ def build_descriptors(
     token_start: int,
     token_end: int,
     dst_first_page: int = 0,
+    slide_from: int = 0,
 ) -> list[Desc]:
-    """Descriptors moving tokens [token_start, token_end) of the layers both pools hold.
+    """Descriptors moving tokens [token_start, token_end) of the layers both pools hold, and of
+    the sliding layers only those from `slide_from` on (a multiple of the decode page size:
+    `window_start`).
 
     `dst_pages[0]` is the decode page `dst_first_page` of the request (the pages before it are the
     decode rank's cached prefix); a range starting before that page is refused.
@@ -154,14 +207,19 @@ def build_descriptors(
         )
     _check_table(src, src_pages, token_end, "prefill")
     _check_table(dst, dst_pages, token_end, "decode", dst_first_page)
+    if slide_from % dst.page_size or slide_from < 0:
+        raise ValueError(f"sliding layers from token {slide_from}: not a decode page boundary")
     dst_pages = [-1] * dst_first_page + list(dst_pages)  # never read below dst_first_page
     lo, hi = layers
+    sliding = tuple(x for x in src.sliding if lo <= x < hi) if slide_from else ()
+    every, full_only = [(lo, hi)], layer_runs(lo, hi, sliding)
     out: list[Desc] = []
     if src.page_size == dst.page_size:
         ps = src.page_size
-        length = (hi - lo) * src.layer_bytes
         for i in range(token_start // ps, pages_for(token_end, ps)):
-            out.append((src.addr(src_pages[i], lo), dst.addr(dst_pages[i], lo), length))
+            for a, b in every if (i + 1) * ps > slide_from else full_only:
+                src_at, dst_at = src.addr(src_pages[i], a), dst.addr(dst_pages[i], a)
+                out.append((src_at, dst_at, (b - a) * src.layer_bytes))
         return coalesce(out)
     tb = src.token_bytes
     t = token_start
@@ -170,6 +228,8 @@ def build_descriptors(
         d_page, d_off = divmod(t, dst.page_size)
         u = min(token_end, t + src.page_size - s_off, t + dst.page_size - d_off)
         for layer in range(lo, hi):
+            if layer in sliding and u <= slide_from:  # a run never straddles it (a decode page)
+                continue
             for kv in (0, 1):
                 out.append(
                     (
@@ -182,6 +242,29 @@ def build_descriptors(
     return coalesce(out)
 
 
+def chunk_descriptors(
+    src: PoolDesc,
+    dst: PoolDesc,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    chunk: tuple[int, int],
+    prefix_tokens: int,
+    total_tokens: int,
+) -> list[Desc]:
+    """A sender's descriptors for tokens [chunk) to a decode rank that holds the first
+    `prefix_tokens` (its table starts after them), of a transfer of `total_tokens` in all."""
+    return build_descriptors(
+        src,
+        dst,
+        src_pages,
+        dst_pages,
+        max(chunk[0], prefix_tokens),
+        chunk[1],
+        prefix_tokens // dst.page_size,
+        window_start(total_tokens, dst.window, dst.page_size),
+    )
+
+
 def coalesce(descs: Iterable[Desc]) -> list[Desc]:
     """Merges each descriptor into the previous one when its source and destination follow on."""
     out: list[Desc] = []
@@ -192,3 +275,18 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
         else:
             out.append((s, d, n))
     return out
+
+
+def kv_bytes(
+    pool: PoolDesc, layers: tuple[int, int], token_start: int, num_tokens: int, slide_from: int
+) -> tuple[int, int]:
+    """(bytes moved, bytes a sliding window spared) for tokens [token_start, num_tokens) of
+    `layers` of `pool`, counted by token (the whole pages a transfer writes are not)."""
+    moved = spared = 0
+    for layer in range(*layers):
+        start = token_start
+        if layer in pool.sliding:
+            start = max(token_start, slide_from)
+            spared += max(0, min(slide_from, num_tokens) - token_start)
+        moved += max(0, num_tokens - start)
+    return moved * 2 * pool.token_bytes, spared * 2 * pool.token_bytes

@@ -111,9 +111,10 @@ def _pool(v) -> PoolDesc:
     names = set(PoolDesc.__dataclass_fields__)
     if type(v) is not dict or set(v) != names:
         raise MessageError("bad pool description")
-    for k in names - {"dtype"}:
+    for k in names - {"dtype", "sliding"}:
         _int(v[k])
     _str(v["dtype"])
+    v = {**v, "sliding": _ints(v["sliding"])}
     try:
         return PoolDesc.from_wire(v)
     except ValueError as e:

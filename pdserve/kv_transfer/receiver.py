@@ -25,7 +25,7 @@ from pdserve.kv_transfer.base import BaseKVReceiver
 from pdserve.kv_transfer.bootstrap import PrefillRankInfo
 from pdserve.kv_transfer.bootstrap_client import BootstrapTimeout
 from pdserve.kv_transfer.checksum import kv_checksum
-from pdserve.kv_transfer.layout import intersect
+from pdserve.kv_transfer.layout import intersect, kv_bytes, window_start
 from pdserve.kv_transfer.manager import read_aux, sender_id
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus
 
@@ -211,6 +211,8 @@ class KVReceiver(BaseKVReceiver):
                 # Not landed yet (cannot happen over a completed write); the reaper retries.
                 return
         held = self._prefix
+        num_tokens = max(s.num_tokens for s in done.values())
+        slide_from = window_start(num_tokens, mgr.pool.window, mgr.pool.page_size)
         if mgr.config.checksum:
             for r in route:
                 want = done[r.pp_rank].checksum
@@ -223,19 +225,19 @@ class KVReceiver(BaseKVReceiver):
                     done[r.pp_rank].num_tokens,
                     token_start=held,
                     first_page=held // mgr.pool.page_size,
+                    slide_from=slide_from,
                 )
                 if want is None or got != want:
                     return self._fail("checksum_mismatch", detail=f"prefill rank {r.pp_rank}")
-        num_tokens = max(s.num_tokens for s in done.values())
         per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
-        received = 0
+        received = spared = 0
         for r in route:
             layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
             assert layers is not None  # on_route keeps only ranks whose layers overlap
-            lo, hi = layers
-            received += (
-                (hi - lo) * 2 * max(0, done[r.pp_rank].num_tokens - held) * mgr.pool.token_bytes
+            moved, window_bytes = kv_bytes(
+                mgr.pool, layers, held, done[r.pp_rank].num_tokens, slide_from
             )
+            received, spared = received + moved, spared + window_bytes
         with self._lock:
             if self._status != KVPoll.WaitingForInput:
                 return
@@ -244,7 +246,7 @@ class KVReceiver(BaseKVReceiver):
             self.finished_at = time.monotonic()
         mgr.stats.add_received(received)
         mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
-        mgr.stats.add_room_tokens(max(0, num_tokens - held), held, held * per_token)
+        mgr.stats.add_room_tokens(max(0, num_tokens - held), held, held * per_token, spared)
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseKVSender
 from pdserve.kv_transfer.checksum import kv_checksum
-from pdserve.kv_transfer.layout import build_descriptors, check_compatible, intersect, overlapping
+from pdserve.kv_transfer.layout import (
+    check_compatible,
+    chunk_descriptors,
+    intersect,
+    overlapping,
+    window_start,
+)
 from pdserve.kv_transfer.manager import sender_id
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus
 from pdserve.kv_transfer.mooncake import TransferError
@@ -40,6 +46,7 @@ class Chunk:
     token_end: int
     last: bool
     aux: bytes | None
+    total_tokens: int = 0  # the whole transfer's tokens (0: unknown, no window skip)
 
 
 class KVSender(BaseKVSender):
@@ -81,10 +88,12 @@ class KVSender(BaseKVSender):
         token_end: int,
         last: bool = False,
         aux: bytes | None = None,
+        total_tokens: int = 0,
     ) -> None:
         """Queues tokens [token_start, token_end) for all decode peers (page_ids: this rank's page
-        table of the request from token 0). On the last chunk, `aux` (the first token and its
-        logprobs) is written after the KV and before Success."""
+        table of the request from token 0; `total_tokens`: BaseKVSender.send_chunk). On the last
+        chunk, `aux` (the first token and its logprobs) is written after the KV and before
+        Success."""
         if self._last_queued:
             raise ValueError(f"room {self.room}: chunk after the last one")
         if not 0 <= token_start <= token_end:
@@ -93,7 +102,9 @@ class KVSender(BaseKVSender):
             if self._status == KVPoll.Failed:
                 return
             self._chunks.append(
-                Chunk(tuple(int(p) for p in page_ids), token_start, token_end, last, aux)
+                Chunk(
+                    tuple(int(p) for p in page_ids), token_start, token_end, last, aux, total_tokens
+                )
             )
             self._last_queued = last
         self._kick()
@@ -282,14 +293,14 @@ class KVSender(BaseKVSender):
                 # holding a transfer thread (and the healthy peers' rooms queued behind it) in
                 # another write.
                 raise TransferError(f"session {p.session_id} failed before", p.session_id)
-            descs = build_descriptors(
+            descs = chunk_descriptors(
                 mgr.pool,
                 p.pool,
                 chunk.page_ids,
                 p.page_ids,
-                max(chunk.token_start, p.prefix_tokens),  # the decode rank holds the prefix
-                chunk.token_end,
-                p.prefix_tokens // p.pool.page_size,
+                (chunk.token_start, chunk.token_end),
+                p.prefix_tokens,
+                chunk.total_tokens,
             )
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
@@ -313,6 +324,7 @@ class KVSender(BaseKVSender):
                     layers,
                     chunk.token_end,
                     token_start=p.prefix_tokens,
+                    slide_from=window_start(chunk.token_end, p.pool.window, p.pool.page_size),
                 )
         with self._lock:
             if self._status == KVPoll.Failed:

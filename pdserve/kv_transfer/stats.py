@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 
-from pdserve.kv_transfer.layout import PoolDesc, intersect
+from pdserve.kv_transfer.layout import PoolDesc, intersect, kv_bytes, window_start
 
 # Why a room ended Failed on one rank: the fixed, snake_case set `add_failure` counts (a detail
 # after ":" is dropped) and the `reason` label of pdserve_kv_transfer_failures_total. A prefill
@@ -78,6 +78,8 @@ class TransferStats:
         self.tokens = 0
         self.skipped_tokens = 0
         self.skipped_bytes = 0
+        # KV a sliding window spared: sliding layers' tokens before the window, never moved
+        self.window_skipped_bytes = 0
 
     def add_write(self, num_descriptors: int, num_bytes: int) -> None:
         with self._lock:
@@ -97,13 +99,17 @@ class TransferStats:
             self.latencies.append((room, latency_s))
             self.room_bytes.append(num_bytes)
 
-    def add_room_tokens(self, moved: int, skipped: int, skipped_bytes: int) -> None:
+    def add_room_tokens(
+        self, moved: int, skipped: int, skipped_bytes: int, window_skipped_bytes: int = 0
+    ) -> None:
         """A room that succeeded: prompt tokens whose KV moved, tokens (and the KV bytes of them)
-        skipped because the decode rank held them already."""
+        skipped because the decode rank held them already, and the sliding layers' KV bytes
+        before the window, which moved for none of them."""
         with self._lock:
             self.tokens += moved
             self.skipped_tokens += skipped
             self.skipped_bytes += skipped_bytes
+            self.window_skipped_bytes += window_skipped_bytes
 
     def add_failure(self, reason: str) -> None:
         """`reason`: one of FAILURE_REASONS, optionally followed by ":" and a detail."""
@@ -123,6 +129,7 @@ class TransferStats:
                 "tokens": self.tokens,
                 "skipped_tokens": self.skipped_tokens,
                 "skipped_bytes": self.skipped_bytes,
+                "window_skipped_bytes": self.window_skipped_bytes,
                 "rooms_succeeded": self.rooms_succeeded,
                 "failures": dict(self.failures),
                 "dropped": dict(self.dropped),
@@ -133,14 +140,17 @@ class TransferStats:
             }
 
 
-def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int, int]:
-    """(tokens moved, tokens skipped, bytes skipped) of a room of `num_tokens` prompt tokens on the
-    prefill rank of `pool`, its decode `peers` (every one with the same `prefix_tokens`)."""
+def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int, int, int]:
+    """(tokens moved, tokens skipped, bytes skipped, bytes a window spared) of a room of
+    `num_tokens` prompt tokens on the prefill rank of `pool`, its decode `peers` (every one with
+    the same `prefix_tokens`)."""
     skipped = min(peers[0].prefix_tokens, num_tokens) if peers else 0
-    per_token = 0
+    per_token = spared = 0
     for p in peers:
         layers = intersect(pool.layers, p.pool.layers)
         assert layers is not None  # a room's decode peers are the ranks whose layers overlap
         lo, hi = layers
         per_token += (hi - lo) * 2 * pool.token_bytes
-    return num_tokens - skipped, skipped, skipped * per_token
+        slide_from = window_start(num_tokens, p.pool.window, p.pool.page_size)
+        spared += kv_bytes(pool, layers, skipped, num_tokens, slide_from)[1]
+    return num_tokens - skipped, skipped, skipped * per_token, spared

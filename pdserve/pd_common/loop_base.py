@@ -146,6 +146,7 @@ class PDLoop(SlotLoop):
             tokens=kv["tokens"],
             skipped_tokens=kv["skipped_tokens"],
             skipped_bytes=kv["skipped_bytes"],
+            window_skipped_bytes=kv["window_skipped_bytes"],
         )
 
     def describe(self) -> str:

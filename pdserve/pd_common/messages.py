@@ -66,6 +66,7 @@ class KVRankStats(StatsExtension):
     tokens: int = 0  # prompt tokens whose KV moved (rooms that succeeded)
     skipped_tokens: int = 0  # prompt tokens the decode rank held already, so not moved
     skipped_bytes: int = 0  # the KV bytes of those
+    window_skipped_bytes: int = 0  # sliding layers' KV before the window, not moved
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ class KVMetrics(MetricsExtension):
                 "pdserve_kv_transfer_skipped_bytes",
                 "KV bytes of the skipped tokens (not transferred)",
             ),
+            "kv_window_bytes": rank_counter(
+                "pdserve_kv_transfer_window_skipped_bytes",
+                "KV bytes of sliding-window layers before the window of the prompt's end: "
+                "never read by decode, so not transferred",
+            ),
             "kv_fail": rank_counter(
                 "pdserve_kv_transfer_failures", "rooms whose KV transfer failed", ("reason",)
             ),
@@ -69,6 +74,7 @@ class KVMetrics(MetricsExtension):
         fam["kv_tokens"].add_metric(lv, kv.tokens)
         fam["kv_skip_tokens"].add_metric(lv, kv.skipped_tokens)
         fam["kv_skip_bytes"].add_metric(lv, kv.skipped_bytes)
+        fam["kv_window_bytes"].add_metric(lv, kv.window_skipped_bytes)
         for reason, n in sorted((dict.fromkeys(self.failure_reasons, 0) | kv.failures).items()):
             fam["kv_fail"].add_metric(lv + [reason], n)
         for reason, n in sorted((dict.fromkeys(DROP_REASONS, 0) | kv.dropped).items()):

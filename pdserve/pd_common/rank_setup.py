@@ -13,6 +13,7 @@ def pool_desc(parts: RankParts) -> PoolDesc:
     """This rank's KV pool as the transfer sees it: addresses and shapes, no tensors."""
     pool = parts.runner.pool
     lay = pool.layout
+    sliding = tuple(x for x in range(lay.layer_start, lay.layer_end) if parts.mcfg.is_sliding(x))
     return PoolDesc(
         pool.data_ptr,
         lay.num_pages,
@@ -21,6 +22,8 @@ def pool_desc(parts: RankParts) -> PoolDesc:
         lay.layer_end,
         lay.token_bytes,
         str(lay.dtype).removeprefix("torch."),
+        window=parts.mcfg.sliding_window,
+        sliding=sliding,
     )
 
 

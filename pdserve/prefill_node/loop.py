@@ -187,7 +187,9 @@ class PrefillLoop(PDLoop):
             pd = self.by_rid.get(e.req.rid)
             if pd is not None and not pd.aborted:
                 end = e.start + e.num_new
-                pd.transfer.send_chunk(e.pages, pd.sent_upto, end, last=False)
+                # seq_len: every token this prefill computes (nothing is sampled before the last)
+                total = e.req.seq_len
+                pd.transfer.send_chunk(e.pages, pd.sent_upto, end, last=False, total_tokens=total)
                 pd.sent_upto = end
 
     def on_finished(self, req: Req) -> None:
@@ -211,6 +213,7 @@ class PrefillLoop(PDLoop):
             req.kv_len,
             last=True,
             aux=pack_aux(req.output_ids[-1], lp, top),
+            total_tokens=req.kv_len,
         )
         self.inflight[pd.room] = pd
         self._stage_start(pd.rid, "inflight")

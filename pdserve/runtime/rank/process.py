@@ -206,6 +206,7 @@ def _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finis
     sched_cfg = replace(
         cfg.scheduler_config(num_slots=loop_cfg.num_slots, enable_prefix_cache=prefix_cache),
         max_context=min(cfg.max_context, mcfg.max_position_embeddings),
+        window=mcfg.sliding_window,
     )
     return Scheduler(
         sched_cfg,
