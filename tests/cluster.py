@@ -27,6 +27,10 @@ _NODE_FLAGS = {
     "max_total_tokens": 8192,
     "max_running": 32,
     "threads": 1,
+    # A node's first structured-output guide compiles on a low-priority thread (importing
+    # xgrammar first); on a 2-core machine that the suite keeps busy, 10 s (the default) is not
+    # always enough, and a guide past it is refused for good (runtime/front/guide_gate.py).
+    "grammar_compile_timeout": 120,
 }
 
 

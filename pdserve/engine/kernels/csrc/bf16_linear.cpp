@@ -36,7 +36,7 @@ namespace {
 
 constexpr int64_t kN = 32;  // output columns per block: two vectors of 16 fp32 sums
 
-void check_packed(const at::Tensor& packed) {
+[[maybe_unused]] void check_packed(const at::Tensor& packed) {  // unused without AVX-512 BF16
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 &&
                   packed.dim() == 4 && packed.size(2) == kN && packed.size(3) == 2 &&
                   packed.is_contiguous(),
@@ -128,7 +128,9 @@ bool blocked_for(const at::Tensor& packed, int64_t k, int64_t n) {
          n <= packed.size(0) * kN;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+// the parameters are unused in a build without AVX-512 BF16, which only refuses the call
+at::Tensor bf16_linear([[maybe_unused]] const at::Tensor& x,
+                       [[maybe_unused]] const at::Tensor& packed, [[maybe_unused]] int64_t n) {
 #ifndef PDSERVE_BF16_LINEAR
   TORCH_CHECK(false, "bf16_linear: built without AVX-512 BF16");
 #else

@@ -299,7 +299,7 @@ bool available() {
 void paged_extend_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                              const at::Tensor& page_table, const at::Tensor& seq_lens,
                              const at::Tensor& num_new, const at::Tensor& first_rows,
-                             double scale, int64_t window) {
+                             [[maybe_unused]] double scale, int64_t window) {
   TORCH_CHECK(available(), "paged_extend_attention_: needs a CPU with AVX-512 BF16");
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu() && out.device().is_cpu(),
