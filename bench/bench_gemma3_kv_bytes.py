@@ -48,6 +48,7 @@ from pdserve.infra.request_signing import SignedAuth  # noqa: E402
 
 MOVED = "pdserve_kv_transfer_bytes_total"
 SPARED = "pdserve_kv_transfer_window_skipped_bytes_total"
+TOKENS = "pdserve_kv_transfer_tokens_total"  # grows at a room's success, with SPARED
 PAGE = 16  # the nodes' default page size
 FP32 = 4
 
@@ -88,13 +89,20 @@ def measure(tree: Path, prompts: dict[int, list[int]], args, log: Path) -> dict[
         (prefill,) = [w["url"] for w in workers["workers"] if w["role"] == "prefill"]
         out = {}
         for n, ids in prompts.items():
-            before = {k: counter(prefill, k) for k in (MOVED, SPARED)}
+            before = {k: counter(prefill, k) for k in (MOVED, SPARED, TOKENS)}
             t0 = time.monotonic()
             body = {"input_ids": ids, "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
             r = httpx.post(f"{url}/generate", json=body, timeout=args.request_timeout)
             r.raise_for_status()
+            seconds = time.monotonic() - t0
+            # the ranks push their counters to the front every so often: wait for this room's
+            deadline = time.monotonic() + 60
+            while counter(prefill, TOKENS) - before[TOKENS] < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the room of {n} tokens never counted as moved")
+                time.sleep(0.25)
             out[n] = {k: counter(prefill, k) - before[k] for k in (MOVED, SPARED)}
-            out[n]["seconds"] = time.monotonic() - t0
+            out[n]["seconds"] = seconds
             print(f"{tree.name}: {n} tokens: {out[n]}", flush=True)
         return out
     finally:
@@ -156,7 +164,13 @@ def report(lengths, new, base, args) -> str:
     return "\n".join(lines)
 
 
+def interrupt(_signum, _frame) -> None:
+    """SIGTERM ends the run as Ctrl-C does: the `finally` stops the cluster."""
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tree", type=Path, default=ROOT)
     ap.add_argument("--baseline-tree", type=Path, required=True)
