@@ -25,8 +25,9 @@ Page ownership, for one request (P = page_size):
 Sliding windows: a PD decode rank receives a sliding layer's KV only from the window of the
 prompt's end on (kv_transfer/layout.window_start), so the prompt's pages before it hold only the
 full-attention layers' KV. Such a page is a `partial` node. A request that continues from a
-cached prefix of M tokens reads sliding keys back to M - window, so a match ends where no partial
-page lies within `window` tokens before its end (`_usable`); pages past that are computed again.
+cached prefix of M tokens reads sliding keys back to M - window, so a match is cut back to its
+longest prefix with no partial page within `window` tokens before the end (`_usable`); the pages
+past the cut are computed (or received) again.
 A node keeps the flag of the page it was made with: a twin's whole copy goes back to the pool.
 """
 
