@@ -18,7 +18,6 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,18 +30,10 @@ from pdserve.engine.kv_cache import KVLayout, KVPool  # noqa: E402
 from pdserve.engine.model.linear import linear  # noqa: E402
 from pdserve.engine.model.loader import load_slice  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_sampling import ms as median_ms  # noqa: E402  (median ms of calls, after one untimed)
+
 PAGE = 16
-
-
-def median_ms(fn, reps: int) -> float:
-    """Median ms of `reps` calls of `fn`, after one not timed."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def step_ms(s, pool, items, in_place: bool, reps: int) -> float:

@@ -70,6 +70,18 @@ def _gguf_start(hf_dir, out, arch):
     return c, load_file(str(hf_dir / "model.safetensors")), g
 
 
+# llama.cpp's names of a layer's projections (the same for Llama and Gemma 3)
+PROJ_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
 def write_gguf(hf_dir, out, arch="llama"):
     """The HF tiny model as an F32 GGUF file, with llama.cpp's names and Q/K permutation."""
     import gguf
@@ -86,17 +98,7 @@ def write_gguf(hf_dir, out, arch="llama"):
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
-    parts = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", **PROJ_NAMES}
     for name, t in w.items():
         a = t.float().numpy()
         if name.startswith("model.layers."):
@@ -157,13 +159,7 @@ def write_gemma3_gguf(hf_dir, out):
         "post_feedforward_layernorm": "post_ffw_norm",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
+        **PROJ_NAMES,
     }
     for name, t in w.items():
         a = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
