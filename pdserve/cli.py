@@ -19,6 +19,8 @@ ZYGOTE_PRELOAD = (
     "pdserve.prefill_node.front",
     "pdserve.decode_node.serve",
     "pdserve.decode_node.front",
+    "pdserve.elastic_node.serve",
+    "pdserve.elastic_node.front",
     "pdserve.router.cli",
     "pdserve.router.app",
     "pdserve.infra.tracing",
@@ -185,6 +187,10 @@ def _run(args) -> int:
         from pdserve.runtime.serve import serve_main
 
         return serve_main(args)
+    if args.cmd in ("prefill", "decode") and args.elastic:
+        from pdserve.elastic_node.serve import elastic_main
+
+        return elastic_main(args, args.cmd)
     if args.cmd == "prefill":
         from pdserve.prefill_node.serve import prefill_main
 

@@ -44,6 +44,7 @@ from pdserve.runtime.placement import bind_cores, plan_placement
 log = logging.getLogger("pdserve.up")
 RANK_MODULES = [
     "pdserve.prefill_node.rank",
+    "pdserve.elastic_node.rank",
     "pdserve.decode_node.rank",
 ]  # what the cluster's zygote preloads
 STILL_LOADING_S = 30.0  # while nodes load, a progress line this often (else: none)
@@ -225,6 +226,7 @@ class Cluster:
                     "--bootstrap-port",
                     str(bport),
                     *cpus("prefill", a.prefill_pp),
+                    *(["--elastic"] if a.elastic else []),
                     *extra,
                 ],
                 env,
@@ -243,6 +245,8 @@ class Cluster:
         for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
             model = ["--model", path] if path else []
             port = self._port()
+            # elastic: a bootstrap server too, for when it becomes a prefill node
+            elastic = ["--elastic", "--bootstrap-port", str(self._port())] if a.elastic else []
             self._spawn(
                 f"decode-{i}",
                 [
@@ -253,6 +257,7 @@ class Cluster:
                     "--port",
                     str(port),
                     *cpus("decode", a.decode_pp),
+                    *elastic,
                     *extra,
                 ],
                 env,

@@ -61,6 +61,12 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill-pp", type=int, default=1)
     ap.add_argument("--decode-pp", type=int, default=1)
     ap.add_argument("--prefill-nodes", type=int, default=1)
+    ap.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic nodes: each may change role at runtime (the router's POST /workers/role; "
+        "docs/ROUTER.md)",
+    )
     ap.add_argument("--decode-nodes", type=int, default=1)
     ap.add_argument(
         "--threads",

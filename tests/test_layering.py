@@ -21,6 +21,16 @@ ALLOWED = {
     "pd_common": {"runtime", "engine", "kv_transfer", "consensus", "infra"},
     "prefill_node": {"pd_common", "runtime", "engine", "kv_transfer", "consensus", "infra"},
     "decode_node": {"pd_common", "runtime", "engine", "kv_transfer", "consensus", "infra"},
+    "elastic_node": {
+        "prefill_node",
+        "decode_node",
+        "pd_common",
+        "runtime",
+        "engine",
+        "kv_transfer",
+        "consensus",
+        "infra",
+    },
     "router": {"infra"},
 }
 TOP_LEVEL = {

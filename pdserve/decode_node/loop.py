@@ -36,7 +36,7 @@ from pdserve.engine.core import Req, SamplingParams
 from pdserve.engine.kv_cache import pages_needed
 from pdserve.kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from pdserve.kv_transfer.layout import window_start
-from pdserve.pd_common.loop_base import PDLoop, PDReq, unpack_aux, vote_transport
+from pdserve.pd_common.loop_base import PDLoop, PDReq, unpack_aux
 from pdserve.pd_common.messages import PDAddRequest
 from pdserve.runtime.messages import TokenEvent
 from pdserve.runtime.rank.process import RankParts
@@ -47,6 +47,8 @@ log = logging.getLogger("pdserve.decode")
 
 class DecodeLoop(PDLoop):
     first_queue = "prealloc"
+    role = "decode"
+    vote_kinds = (PREALLOC, TRANSFERRED, RELEASE)
     sample_names = (
         "queue:running",
         "queue:prealloc",
@@ -55,17 +57,24 @@ class DecodeLoop(PDLoop):
         "consensus:decode_votes",
     )
 
-    def __init__(self, parts: RankParts, kv_mgr: BaseDecodeKVManager, aux_slots: int):
-        super().__init__(parts, kv_mgr)
+    def __init__(
+        self,
+        parts: RankParts,
+        kv_mgr: BaseDecodeKVManager,
+        aux_slots: int,
+        vote: RingVote | None = None,
+    ):
+        super().__init__(parts, kv_mgr, vote)
         self.spans.role = "decode"
         self._traced_status: dict[str, str] = {}  # decoding traced rid -> last status (traces)
-        ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
-        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(PREALLOC, TRANSFERRED, RELEASE))
         self.prealloc: list[PDReq] = []  # arrival order, the same on every rank
         self.transfer: dict[int, PDReq] = {}  # room -> admitted request whose KV is arriving
         # failed rooms whose pages a late write could still hit
         self.quarantine: dict[int, PDReq] = {}
         self.aux_free = list(range(aux_slots))  # a heap: lowest free slot first, like the pages
+
+    def drained(self) -> bool:
+        return super().drained() and not self.quarantine
 
     def waiting_ends(self) -> list[BaseKVReceiver]:
         return [*super().waiting_ends(), *(pd.transfer for pd in self.quarantine.values())]

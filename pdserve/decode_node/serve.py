@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.pd_common.node_defaults import set_pd_defaults
+from pdserve.pd_common.node_defaults import add_elastic_args, set_pd_defaults
 from pdserve.runtime.node_args import add_node_args
 from pdserve.runtime.serve import advertise_host, make_front, run_node, run_remote_ranks
 
@@ -12,6 +12,7 @@ from pdserve.runtime.serve import advertise_host, make_front, run_node, run_remo
 def add_decode_args(ap: argparse.ArgumentParser) -> None:
     add_node_args(ap, default_port=30001)
     set_pd_defaults(ap)
+    add_elastic_args(ap, bootstrap_port=True)
 
 
 def decode_main(args) -> int:

@@ -17,6 +17,7 @@ from pdserve.kv_transfer.manager import AUX_HEADER, KVManagerBase, TransferConfi
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, Message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
 from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.tcp_transport import TcpTransferEngine
 
 
 class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
@@ -31,7 +32,7 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
         pp_rank: int,
         dst_slices,
         aux_slots: int = 256,
-        engine: MooncakeEngine | None = None,
+        engine: MooncakeEngine | TcpTransferEngine | None = None,
     ):
         super().__init__(config, pool, pp_rank, aux_slots=aux_slots, engine=engine)
         self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)

@@ -225,7 +225,11 @@ class InMemoryPrefillKVManager(BasePrefillKVManager):
             r.receiver.on_failed(self.pp_rank, "aborted_by_decode")
 
     def close(self) -> None:
-        """Nothing runs in the background."""
+        """Nothing runs in the background; the rank leaves the fabric (an elastic rank that
+        becomes a prefill rank again joins it anew)."""
+        with self.fabric.lock:
+            if self.fabric.prefill.get(self.pp_rank) is self:
+                del self.fabric.prefill[self.pp_rank]
 
 
 # --- decode side ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pdserve.kv_transfer.manager import (
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, Message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
 from pdserve.kv_transfer.sender import KVSender, _status
+from pdserve.kv_transfer.tcp_transport import TcpTransferEngine
 
 KNOWN_PEERS_KEPT = 4096  # decode managers whose registered pool a prefill rank remembers
 
@@ -41,7 +42,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         pp_rank: int,
         pp_size: int,
         bootstrap_addr: str,
-        engine: MooncakeEngine | None = None,
+        engine: MooncakeEngine | TcpTransferEngine | None = None,
     ):
         super().__init__(config, pool, pp_rank, aux_slots=config.transfer_threads, engine=engine)
         self.pp_size = pp_size

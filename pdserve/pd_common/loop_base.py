@@ -11,11 +11,13 @@ from typing import Any
 
 import msgpack
 
+from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
+from pdserve.consensus.vote import RingVote
 from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
-from pdserve.pd_common.messages import KVRankStats, PDAddRequest
-from pdserve.runtime.messages import ErrorEvent
+from pdserve.pd_common.messages import KVRankStats, PDAddRequest, SetRole
+from pdserve.runtime.messages import AddRequest, ErrorEvent
 from pdserve.runtime.rank.pp_comm import Msg, PPLink
 from pdserve.runtime.rank.process import RankParts
 from pdserve.runtime.rank.slot_loop import SlotLoop
@@ -79,10 +81,22 @@ class PDLoop(SlotLoop):
     of the transfer, and waits in the subclass's own queues around the engine's scheduler."""
 
     first_queue = ""  # the queue a new request enters (its timer and span start with it)
+    role = ""  # "prefill" or "decode"
+    vote_kinds: tuple[str, ...] = ()  # the kinds of its ring vote
 
-    def __init__(self, parts: RankParts, kv_mgr: BaseKVManager):
+    def __init__(self, parts: RankParts, kv_mgr: BaseKVManager, vote: RingVote | None = None):
         super().__init__(parts.loop_cfg, parts.comm, parts.runner, parts.sched, parts.front)
         self.kv_mgr = kv_mgr  # this rank's KV manager: the sender/receiver factory and its stats
+        # An elastic node's loops of both roles share one vote (its messages in flight outlive a
+        # flip, elastic_node/loop.py); a fixed node's loop makes its own.
+        self.vote = vote or RingVote(
+            vote_transport(parts.comm, parts.loop_cfg.num_slots),
+            parts.loop_cfg.num_slots,
+            kinds=self.vote_kinds,
+        )
+        # Told to become another role (SetRole): it admits no new request and drains; the flip
+        # itself is the elastic rank's (elastic_node/loop.py). None: it serves its role.
+        self.leaving_for: str | None = None
         self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues
         # they count as the node's requests for the fair prefill cap (engine/scheduler.py)
         self.sched.held_elsewhere = lambda: [pd.req.share for pd in self.by_rid.values()]
@@ -95,6 +109,14 @@ class PDLoop(SlotLoop):
         raise NotImplementedError
 
     def apply_message(self, msg: Any) -> bool:
+        if isinstance(msg, SetRole):
+            self._set_role(msg.role)
+            return True
+        if self.leaving_for is not None and isinstance(msg, AddRequest):
+            # every rank refuses it at the same place in the meta stream; PP0 answers
+            why = AbortReason.ROLE_CHANGE
+            self.emit(ErrorEvent(msg.rid, describe(why), None, why))
+            return True
         if not isinstance(msg, PDAddRequest):
             return super().apply_message(msg)
         self.spans.trace(msg.rid, msg.traceparent)
@@ -106,6 +128,21 @@ class PDLoop(SlotLoop):
         else:
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
+
+    @rank_consensus("pd_set_role", args=lambda self, role: [self.role, role])
+    def _set_role(self, role: str) -> None:
+        """Leave this role for `role` (the same role again: stay, a drain under way stops)."""
+        self.leaving_for = None if role == self.role else role
+
+    def drained(self) -> bool:
+        """Nothing of this role is left on this rank: no request in any queue, none held, no batch
+        with entries unharvested. A pure function of replicated state: the same on every rank."""
+        return (
+            not self.by_rid
+            and not self.sched.reqs
+            and not self.sched.kept_kv
+            and not any(b is not None and b.entries for b in self.batches)
+        )
 
     def _admissible(self, msg: PDAddRequest) -> SamplingParams | None:
         """Validates a PD request the same way on every rank; PP0 reports a rejection."""
@@ -147,6 +184,8 @@ class PDLoop(SlotLoop):
             skipped_tokens=kv["skipped_tokens"],
             skipped_bytes=kv["skipped_bytes"],
             window_skipped_bytes=kv["window_skipped_bytes"],
+            role=self.role,
+            leaving=self.leaving_for is not None,
         )
 
     def describe(self) -> str:
@@ -189,6 +228,11 @@ class PDLoop(SlotLoop):
         self.by_rid.pop(pd.rid, None)
         self._t_stage.pop(pd.rid, None)
 
+    def close_transfer(self) -> None:
+        """Closes what this role owns beyond the engine (its KV manager); an elastic rank calls
+        it alone at a flip, since the model and the grammar thread stay."""
+        self.kv_mgr.close()
+
     def close(self) -> None:
         super().close()
-        self.kv_mgr.close()
+        self.close_transfer()

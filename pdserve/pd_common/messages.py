@@ -9,6 +9,7 @@ from pdserve.runtime.front.prompt import RequestError
 from pdserve.runtime.messages import AddRequest, Event, MessageError, StatsExtension, message
 from pdserve.runtime.rank_spec import RankSpec
 
+PD_ROLES = ("prefill", "decode")  # what an elastic node (elastic_node/) can be
 ROOM_MAX = (1 << 63) - 1  # the router draws rooms in [0, 2^63): the same bound on every channel
 
 
@@ -40,6 +41,19 @@ class PDAddRequest(AddRequest):
             raise MessageError(f"PDAddRequest.room: not in [0, {ROOM_MAX}]")
 
 
+@message("set_role")
+@dataclass(frozen=True)
+class SetRole:
+    """Front -> every rank, in the meta stream: become `role` (docs/ARCHITECTURE.md section 14).
+    The ranks stop admitting requests of their old role, drain, and flip together."""
+
+    role: str
+
+    def validate(self) -> None:
+        if self.role not in PD_ROLES:
+            raise MessageError(f"SetRole.role: one of {PD_ROLES}")
+
+
 @message("prefill_done")
 @dataclass(frozen=True)
 class PrefillDoneEvent(Event):
@@ -67,6 +81,8 @@ class KVRankStats(StatsExtension):
     skipped_tokens: int = 0  # prompt tokens the decode rank held already, so not moved
     skipped_bytes: int = 0  # the KV bytes of those
     window_skipped_bytes: int = 0  # sliding layers' KV before the window, not moved
+    role: str = ""  # the role the rank serves now (an elastic node's flips: elastic_node/)
+    leaving: bool = False  # it was told to change role and drains its old one
 
 
 @dataclass(frozen=True)

@@ -15,3 +15,22 @@ PD_MAX_BATCH_TOKENS = 512
 
 def set_pd_defaults(ap: argparse.ArgumentParser) -> None:
     ap.set_defaults(max_batch_tokens=PD_MAX_BATCH_TOKENS)
+
+
+def add_elastic_args(ap: argparse.ArgumentParser, bootstrap_port: bool) -> None:
+    """`--elastic`: the node may change role at runtime (POST /role, docs/ARCHITECTURE.md
+    section 14); it then hosts a bootstrap server in either role (`bootstrap_port`: add the flag,
+    which a prefill node has already)."""
+    ap.add_argument(
+        "--elastic",
+        action="store_true",
+        help="an elastic node: starts in this role and changes role on POST /role "
+        "(needs --bootstrap-port)",
+    )
+    if bootstrap_port:
+        ap.add_argument(
+            "--bootstrap-port",
+            type=int,
+            default=None,
+            help="with --elastic: port of the KV bootstrap server it serves as a prefill node",
+        )

@@ -34,33 +34,7 @@ class PrefillFront(NodeFront):
         return PDAddRequest(rid, ids, params.to_dict(), check_room(body), "")
 
     async def answer(self, p: Pending) -> dict[str, Any]:
-        """The hand-off result: once the prompt's KV reached the decode node, or its failure."""
-        try:
-            while True:
-                ev = await p.events.get()
-                if isinstance(ev, PrefillDoneEvent):
-                    p.done = True
-                    p.t_first = time.monotonic()
-                    self._observe(p, "prefill_done")
-                    return {
-                        "rid": p.rid,
-                        "text": "",
-                        "token_ids": [],
-                        "meta_info": {
-                            "prompt_tokens": p.prompt_tokens,
-                            "cached_tokens": ev.cached_len,
-                            "finish_reason": {"type": "prefill_done"},
-                        },
-                    }
-                if isinstance(ev, ErrorEvent):
-                    p.done = True
-                    self._observe(p, "abort", ev.reason)
-                    code = None if ev.field else "prefill_failed"
-                    raise RequestError(400 if ev.field else 502, ev.message, ev.field, code)
-        except asyncio.CancelledError:
-            if not p.done and p.rid in self.pending:
-                self.disconnected(p)
-            raise
+        return await prefill_answer(self, p)
 
     def describe(self) -> str:
         return f"KV bootstrap server on port {self.bootstrap_port}"
@@ -69,3 +43,34 @@ class PrefillFront(NodeFront):
         info = super().server_info()
         info["bootstrap_port"] = self.bootstrap_port
         return info
+
+
+async def prefill_answer(front: NodeFront, p: Pending) -> dict[str, Any]:
+    """A prefill request's answer (the hand-off): once the prompt's KV reached the decode node, or
+    its failure."""
+    try:
+        while True:
+            ev = await p.events.get()
+            if isinstance(ev, PrefillDoneEvent):
+                p.done = True
+                p.t_first = time.monotonic()
+                front._observe(p, "prefill_done")
+                return {
+                    "rid": p.rid,
+                    "text": "",
+                    "token_ids": [],
+                    "meta_info": {
+                        "prompt_tokens": p.prompt_tokens,
+                        "cached_tokens": ev.cached_len,
+                        "finish_reason": {"type": "prefill_done"},
+                    },
+                }
+            if isinstance(ev, ErrorEvent):
+                p.done = True
+                front._observe(p, "abort", ev.reason)
+                code = None if ev.field else "prefill_failed"
+                raise RequestError(400 if ev.field else 502, ev.message, ev.field, code)
+    except asyncio.CancelledError:
+        if not p.done and p.rid in front.pending:
+            front.disconnected(p)
+        raise

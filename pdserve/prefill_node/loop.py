@@ -33,7 +33,7 @@ from pdserve.consensus.vote import RELEASE, Ballot, RingVote
 from pdserve.engine.batch import ScheduledBatch
 from pdserve.engine.core import Req, SamplingParams
 from pdserve.kv_transfer.base import BasePrefillKVManager
-from pdserve.pd_common.loop_base import PDLoop, PDReq, pack_aux, vote_transport
+from pdserve.pd_common.loop_base import PDLoop, PDReq, pack_aux
 from pdserve.pd_common.messages import PDAddRequest, PrefillDoneEvent
 from pdserve.runtime.rank.process import RankParts
 from pdserve.runtime.rank.spans import now_ns
@@ -44,6 +44,8 @@ log = logging.getLogger("pdserve.prefill")
 
 class PrefillLoop(PDLoop):
     first_queue = "bootstrap"
+    role = "prefill"
+    vote_kinds = (RELEASE,)
     sample_names = (
         "queue:bootstrap",
         "queue:waiting",
@@ -55,15 +57,17 @@ class PrefillLoop(PDLoop):
     )
 
     def __init__(
-        self, parts: RankParts, kv_mgr: BasePrefillKVManager, store: PPConsensusStore | None
+        self,
+        parts: RankParts,
+        kv_mgr: BasePrefillKVManager,
+        store: PPConsensusStore | None,
+        vote: RingVote | None = None,
     ):
-        super().__init__(parts, kv_mgr)
+        super().__init__(parts, kv_mgr, vote)
         self.spans.role = "prefill"
         self.stream_tokens = False  # the front hears PrefillDoneEvent or ErrorEvent only
         self.store = store
-        ring = vote_transport(parts.comm, parts.loop_cfg.num_slots)
-        self.vote = RingVote(ring, parts.loop_cfg.num_slots, kinds=(RELEASE,))
-        self.sync = LeaderSync(ring) if parts.comm else None
+        self.sync = LeaderSync(self.vote.t) if parts.comm else None
         self.bootstrap: list[PDReq] = []  # queue order is arrival order, the same on every rank
         self.inflight: dict[int, PDReq] = {}  # room -> request whose KV is on the wire
 
@@ -272,7 +276,7 @@ class PrefillLoop(PDLoop):
         if self.store is not None:
             self.store.pop(pd.room, None)
 
-    def close(self) -> None:
-        super().close()
+    def close_transfer(self) -> None:
+        super().close_transfer()
         if self.store is not None:
             self.store.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.pd_common.node_defaults import set_pd_defaults
+from pdserve.pd_common.node_defaults import add_elastic_args, set_pd_defaults
 from pdserve.runtime.node_args import add_node_args
 from pdserve.runtime.serve import advertise_host, make_front, run_node, run_remote_ranks
 
@@ -15,6 +15,7 @@ def add_prefill_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--bootstrap-port", type=int, default=8998, help="port of the KV bootstrap server"
     )
+    add_elastic_args(ap, bootstrap_port=False)
 
 
 def prefill_main(args) -> int:

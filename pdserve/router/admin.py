@@ -50,6 +50,41 @@ async def remove_worker(router, request: Request, t0: float) -> Response:
     return JSONResponse({"removed": worker.describe()})
 
 
+ROLE_CHANGE_TIMEOUT_S = 600.0  # default bound of a role change; its drain waits for streams
+
+
+async def change_role(router: Router, request: Request, t0: float) -> Response:
+    """POST /workers/role {"url", "role", "timeout_s"}: an elastic worker changes role (its
+    requests finish first); answered once it serves the new role."""
+    router.check_internal(request)
+    body = await router.read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        raise ApiError(400, 'send {"url": ..., "role": prefill|decode}', param="url")
+    role = body.get("role")
+    if role not in ("prefill", "decode"):
+        raise ApiError(400, "'role' must be prefill or decode", param="role")
+    timeout_s = body.get("timeout_s", ROLE_CHANGE_TIMEOUT_S)
+    if not isinstance(timeout_s, (int, float)) or not 1 <= timeout_s <= 3600:
+        raise ApiError(400, "'timeout_s' must be seconds in [1, 3600]", param="timeout_s")
+    worker = router.registry.get(body["url"])
+    if worker is None:
+        raise ApiError(404, f"no worker {body['url']} is registered", param="url")
+    if not worker.elastic:
+        raise ApiError(409, f"{worker.url} is not an elastic node (--elastic)", param="url")
+    if worker.role == "decode" and not [
+        w for w in router.registry.serving(worker.model, "decode") if w is not worker
+    ]:
+        # prefill without decode serves nothing; decode alone prefills its own prompts
+        raise ApiError(409, f"{worker.url} is the last decode node of its model", param="url")
+    if worker.role != role:
+        try:
+            await router.registry.change_role(worker, role, float(timeout_s))
+        except (RuntimeError, TimeoutError) as exc:
+            raise ApiError(409 if isinstance(exc, RuntimeError) else 504, str(exc)) from None
+        router.dispatcher.pairs.track(router.registry.all())
+    return JSONResponse({"worker": worker.describe()})
+
+
 async def list_workers(router: Router, request: Request, t0: float) -> Response:
     router.check_internal(request)
     return JSONResponse(

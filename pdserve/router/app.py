@@ -35,6 +35,7 @@ ENDPOINTS = (
     ("GET", "/workers", admin.list_workers),
     ("POST", "/workers", admin.add_worker),
     ("DELETE", "/workers", admin.remove_worker),
+    ("POST", "/workers/role", admin.change_role),
     ("GET", "/debug/requests", timeline.list_requests),
     ("GET", "/debug/requests/{id}", timeline.show_request),
     ("GET", "/dashboard", dashboard.page),

@@ -25,6 +25,7 @@ class AbortReason(StrEnum):
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD: the KV transfer itself failed
     NODE_FAILURE = "node_failure"  # a rank of this node exited
     NODE_DRAINING = "node_draining"  # the node drains (runtime/front/drain.py): it moves on
+    ROLE_CHANGE = "role_change"  # an elastic node leaves the role the request needs (SetRole)
 
 
 ABORT_REASONS: frozenset[str] = frozenset(r.value for r in AbortReason)
@@ -39,6 +40,7 @@ _TEXT = {
     AbortReason.KV_TRANSFER_FAILED: "KV transfer failed",
     AbortReason.NODE_FAILURE: "node failure",
     AbortReason.NODE_DRAINING: "the node is draining: the request moves to another node",
+    AbortReason.ROLE_CHANGE: "the node is changing role: the request moves to another node",
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -28,6 +29,7 @@ from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.tools.parsers import FORMATS
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+ROLE_POLL_S = 0.2  # how often a role change asks the node whether its ranks flipped
 
 
 @dataclass(eq=False)
@@ -50,6 +52,8 @@ class Worker:
     bootstrap_host: str = field(init=False)
     pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    elastic: bool = False  # learnt from /server_info: it can change role (POST /workers/role)
+    changing_to: str | None = None  # a role change under way: chosen for neither role meanwhile
 
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
@@ -57,7 +61,12 @@ class Worker:
     def eligible(self) -> bool:
         if self.role == "prefill" and self.bootstrap_port is None:
             return False
-        return self.healthy and not self.draining and self.breaker.can_pass()
+        return (
+            self.healthy
+            and not self.draining
+            and self.changing_to is None
+            and self.breaker.can_pass()
+        )
 
     def describe(self) -> dict:
         return {
@@ -74,6 +83,8 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "max_context": self.max_context,
             "prefix_cache": self.prefix_cache,
+            "elastic": self.elastic,
+            "changing_to": self.changing_to,
         }
 
 
@@ -284,13 +295,53 @@ class WorkerRegistry:
         fmt = info.get("tool_call_format")
         worker.tool_format = fmt if isinstance(fmt, str) and fmt in FORMATS else None
         port = info.get("bootstrap_port")
-        if worker.role == "prefill" and worker.bootstrap_port is None and isinstance(port, int):
-            worker.bootstrap_port = port
+        if worker.bootstrap_port is None and isinstance(port, int):
+            worker.bootstrap_port = port  # an elastic decode node's too: for when it is prefill
+        worker.elastic = info.get("elastic") is True
         role = info.get("role")
-        if isinstance(role, str) and role != worker.role:
+        if isinstance(role, str) and role != worker.role and not worker.elastic:
             logger.warning(
                 "worker %s registered as %s reports role %s", worker.url, worker.role, role
             )
+
+    # --- role changes of elastic workers (docs/ROUTER.md "Elastic nodes") --------------------
+    async def change_role(self, worker: Worker, role: str, timeout_s: float) -> None:
+        """Makes the elastic `worker` serve `role`: chosen for no request from now, it is asked
+        (POST /role), and once every one of its ranks serves `role` (its /server_info says so) it
+        is chosen again, in that role. The requests it held finish first, on the node. Raises
+        RuntimeError if the node refuses, TimeoutError after `timeout_s`."""
+        if worker.changing_to is not None:
+            raise RuntimeError(f"{worker.url} is changing role to {worker.changing_to} already")
+        old = worker.role
+        worker.changing_to = role
+        self.report(worker)
+        client = self._clients.get(worker.url)
+        timeout = self._cfg.health.timeout_s
+        try:
+            resp = await client.post(f"{worker.url}/role", json={"role": role}, timeout=timeout)
+            if resp.status_code != 200:
+                raise RuntimeError(f"{worker.url} refused the role change: {resp.text[:200]}")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    info = (await client.get(f"{worker.url}/server_info", timeout=timeout)).json()
+                except (httpx.HTTPError, ValueError):
+                    info = {}
+                if info.get("role") == role and info.get("changing_to") is None:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{worker.url} did not become {role} in {timeout_s:g} s")
+                await asyncio.sleep(ROLE_POLL_S)
+            self._metrics.forget_worker(worker.url, old)
+            worker.role = role
+            logger.warning("worker %s: role %s -> %s", worker.url, old, role)
+        finally:
+            worker.changing_to = None
+            self.report(worker)
+        # the allowlist changed: a prefill node came or went; a new decode node needs it whole
+        await self._push_to_decodes()
+        if role == "decode":
+            await self.push_bootstrap_servers(worker, True)
 
     async def probe_all(self) -> None:
         workers = self.all()

@@ -23,7 +23,7 @@ from pdserve.runtime.front.process import (
     STATS_MAX_BYTES,
 )
 from pdserve.runtime.messages import RankStats, StatsExtension, decode, pack
-from pdserve.runtime.rank.slot_loop import SlotLoop
+from pdserve.runtime.rank.slot_loop import RankLoop
 from pdserve.runtime.rank_spec import RankSpec
 
 log = logging.getLogger("pdserve.rank")
@@ -77,7 +77,7 @@ class ZmqFrontIO:
 
 
 def rank_stats(
-    loop: SlotLoop, pp_rank: int, ext: StatsExtension | None = None, dtype: str = ""
+    loop: RankLoop, pp_rank: int, ext: StatsExtension | None = None, dtype: str = ""
 ) -> RankStats:
     """What one rank reports to the front (and the in-process tests read directly)."""
     s, alloc = loop.sched, loop.sched.allocator
@@ -111,7 +111,7 @@ class StatsReporter:
         ctx: zmq.Context,
         addr: str,
         spec: RankSpec,
-        loop: SlotLoop,
+        loop: RankLoop,
         period_s: float = 0.5,
         dtype: str = "",
     ):

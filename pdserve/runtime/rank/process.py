@@ -37,7 +37,7 @@ from pdserve.infra.procs import die_with_parent, exit_on_stop_signals, set_proce
 from pdserve.runtime.placement import bind_cores
 from pdserve.runtime.rank.front_link import StatsReporter, ZmqFrontIO
 from pdserve.runtime.rank.pp_comm import PPComm
-from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
+from pdserve.runtime.rank.slot_loop import LoopConfig, RankLoop, SlotLoop
 from pdserve.runtime.rank_spec import RankSpec
 
 # What a rank imports lazily and a rank zygote (infra/zygote.py) imports once for all its children:
@@ -47,7 +47,7 @@ ZYGOTE_PRELOAD = ("xgrammar",)
 log = logging.getLogger("pdserve.rank")
 
 
-def start_watchdog(loop: SlotLoop, timeout_s: float) -> None:
+def start_watchdog(loop: RankLoop, timeout_s: float) -> None:
     loop.stats.last_progress = time.monotonic()  # counted from here, not from the loop's build
 
     def watch():
@@ -233,7 +233,7 @@ def _become_rank(spec: RankSpec) -> None:
 
 def run_rank(
     argv: list[str] | None,
-    make_loop: Callable[[RankParts], SlotLoop] = colocated_loop,
+    make_loop: Callable[[RankParts], RankLoop] = colocated_loop,
     build_kwargs: dict[str, Any] | None = None,
     spec_cls: type[RankSpec] = RankSpec,
 ) -> int:

@@ -1,0 +1,119 @@
+"""The elastic node's front: a decode front (streams, the bootstrap allowlist, decode-local
+requests) that also hosts the node's bootstrap server and answers prefill requests while its
+ranks serve the prefill role, and takes `POST /role` (cluster secret) to change role.
+
+The role it serves is the one every rank reports in its stats (`KVRankStats.role`): a flip is
+the ranks' decision (elastic_node/loop.py), and the front only asks for it. From the ask until
+every rank reports the new role the front refuses new requests with 503 `role_change` (the
+router sends them elsewhere), while the requests it admitted before finish."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from pdserve.decode_node.front import DecodeFront
+from pdserve.engine.core import SamplingParams
+from pdserve.kv_transfer.stats import RECEIVER_FAILURES, SENDER_FAILURES
+from pdserve.pd_common.messages import PD_ROLES, KVRankStats, PDAddRequest, SetRole, check_room
+from pdserve.pd_common.metrics import DecodeMetrics
+from pdserve.prefill_node.front import prefill_answer
+from pdserve.runtime.front.answer import Pending
+from pdserve.runtime.front.http_app import read_json
+from pdserve.runtime.front.prompt import RequestError
+from pdserve.runtime.messages import AddRequest
+
+ROLE_CHANGE = "role_change"
+
+
+class ElasticMetrics(DecodeMetrics):
+    """Both sides' transfer failures: the node sends KV in one role and receives it in the other."""
+
+    failure_reasons = tuple(dict.fromkeys((*SENDER_FAILURES, *RECEIVER_FAILURES)))
+
+
+class ElasticFront(DecodeFront):
+    finish_reasons = ("stop", "length", "abort", "prefill_done")
+    metrics_extension = ElasticMetrics
+
+    def __init__(self, *a, bootstrap_port: int, start_role: str, **kw):
+        super().__init__(*a, **kw)
+        self.bootstrap_port = bootstrap_port
+        self._start_role = start_role
+        self.asked: str | None = None  # the role asked for by POST /role, until the ranks have it
+        self._prefill_rids: set[str] = set()  # admitted as prefill requests: answered as such
+
+    @property
+    def serving(self) -> str:
+        """The role every rank reports now (before the first reports: the start role); "" while
+        the ranks disagree, which they do only between the stats pushes around a flip."""
+        roles = {
+            st.ext.role
+            for st in self.rank_stats.values()
+            if isinstance(st.ext, KVRankStats) and st.ext.role
+        }
+        if not roles:
+            return self._start_role
+        return roles.pop() if len(roles) == 1 else ""
+
+    def changing_to(self) -> str | None:
+        """The role the node is becoming, or None once every rank serves the one asked for."""
+        if self.asked is not None and self.serving == self.asked:
+            self.asked = None
+        return self.asked
+
+    def set_role(self, body: dict[str, Any]) -> dict[str, Any]:
+        role = body.get("role")
+        if role not in PD_ROLES:
+            raise RequestError(400, f"'role' must be one of {list(PD_ROLES)}", "role")
+        if role != (self.changing_to() or self.serving):
+            self.asked = role if role != self.serving else None
+            self.send(SetRole(role))  # after every request admitted so far: those finish
+        return self.role_status()
+
+    def role_status(self) -> dict[str, Any]:
+        return {"role": self.serving, "changing_to": self.changing_to(), "elastic": True}
+
+    def add_routes(self, app: Any, check_internal: Any) -> None:
+        super().add_routes(app, check_internal)
+
+        @app.post("/role")
+        async def role(request: Request):
+            """Become `role` ("prefill" or "decode"): new requests are refused from now until
+            every rank serves it; those admitted before finish first."""
+            check_internal(request)
+            return self.set_role(await read_json(request))
+
+    def add_request(
+        self, rid: str, ids: list[int], params: SamplingParams, body: dict[str, Any]
+    ) -> AddRequest:
+        changing = self.changing_to()
+        serving = self.serving
+        if changing is not None or not serving:
+            raise RequestError(
+                503,
+                f"node is changing role from {serving or '?'} to {changing}",
+                code=ROLE_CHANGE,
+            )
+        if serving == "prefill":
+            msg = PDAddRequest(rid, ids, params.to_dict(), check_room(body), "")
+            self._prefill_rids.add(rid)
+            return msg
+        return super().add_request(rid, ids, params, body)
+
+    async def answer(self, p: Pending) -> dict[str, Any] | None:
+        if p.rid not in self._prefill_rids:
+            return await super().answer(p)
+        try:
+            return await prefill_answer(self, p)
+        finally:
+            self._prefill_rids.discard(p.rid)
+
+    def describe(self) -> str:
+        return f"elastic, KV bootstrap server on port {self.bootstrap_port}"
+
+    def server_info(self) -> dict[str, Any]:
+        info = super().server_info()
+        info.update(self.role_status(), bootstrap_port=self.bootstrap_port)
+        return info

@@ -1,0 +1,82 @@
+"""Elastic nodes as real processes: `pdserve up --elastic` (a prefill node at PP 2 and a decode
+node, both elastic) serves a steady load while the router turns the prefill node into a decode
+node and back (POST /workers/role). No request fails, every answer is the same greedy text for
+the same prompt, and the node's ranks flip together with the rank consensus checker on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from cluster import NODE_ARGS, up
+
+PROMPTS = [f"Count to {n}:" for n in range(3, 9)]
+
+
+def _complete(url: str, model: str, prompt: str) -> tuple[int, str]:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        timeout=120,
+    )
+    return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+
+
+def test_elastic_prefill_node_becomes_decode_and_back_under_load(tiny_model, tmp_path):
+    log = tmp_path / "up.log"
+    args = ["--elastic", "--prefill-pp", "2", "--node-args", " ".join(NODE_ARGS)]
+    with up(tiny_model, log, args, timeout=420) as (url, _proc, auth):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        results: list[tuple[str, int, str]] = []
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            k = i
+            while not stop.is_set():
+                prompt = PROMPTS[k % len(PROMPTS)]
+                results.append((prompt, *_complete(url, model, prompt)))
+                k += 1
+
+        workers = httpx.get(f"{url}/workers", auth=auth).json()["workers"]
+        prefill = next(w for w in workers if w["role"] == "prefill")
+        decode = next(w for w in workers if w["role"] == "decode")
+        assert prefill["elastic"] and decode["elastic"], workers
+        threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(2)
+            flips = []
+            for role in ("decode", "prefill"):
+                r = httpx.post(
+                    f"{url}/workers/role",
+                    json={"url": prefill["url"], "role": role, "timeout_s": 300},
+                    auth=auth,
+                    timeout=320,
+                )
+                assert r.status_code == 200, r.text
+                assert r.json()["worker"]["role"] == role
+                flips.append(len(results))
+                time.sleep(2)
+            # the last decode node may not leave its role
+            r = httpx.post(
+                f"{url}/workers/role",
+                json={"url": decode["url"], "role": "prefill"},
+                auth=auth,
+                timeout=30,
+            )
+            assert r.status_code == 409, r.text
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=150)
+        failed = [x for x in results if x[1] != 200]
+        assert not failed, failed[:5]
+        assert flips[0] > 0 and len(results) > flips[1], (flips, len(results))
+        answers: dict[str, set[str]] = {}
+        for prompt, _, text in results:
+            answers.setdefault(prompt, set()).add(text)
+        assert all(len(texts) == 1 for texts in answers.values()), answers
+        info = httpx.get(f"{prefill['url']}/server_info", auth=auth).json()
+        assert info["role"] == "prefill" and info["changing_to"] is None
