@@ -136,6 +136,8 @@ class Cluster:
         if a.otlp_traces_endpoint:  # the router and every node export their spans
             logs += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         router_cmd = ["router", "--host", a.host, "--port", str(a.port), *logs]
+        if a.elastic:
+            router_cmd.append("--elastic")
         router_cmd += self._start_prefill_nodes(env, cpus, logs)
         router_cmd += self._start_decode_nodes(env, cpus, logs)
         self._wait_nodes()

@@ -25,7 +25,9 @@ def _complete(url: str, model: str, prompt: str) -> tuple[int, str]:
 
 def test_elastic_prefill_node_becomes_decode_and_back_under_load(tiny_model, tmp_path):
     log = tmp_path / "up.log"
-    args = ["--elastic", "--prefill-pp", "2", "--node-args", " ".join(NODE_ARGS)]
+    # elastic nodes, the controller off: this test moves the node itself
+    args = ["--elastic", "--prefill-pp", "2", "--router-args", "--elastic false"]
+    args += ["--node-args", " ".join(NODE_ARGS)]
     with up(tiny_model, log, args, timeout=420) as (url, _proc, auth):
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         results: list[tuple[str, int, str]] = []

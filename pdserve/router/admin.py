@@ -91,6 +91,8 @@ async def list_workers(router: Router, request: Request, t0: float) -> Response:
         {
             "workers": [w.describe() for w in router.registry.all()],
             "pairs": router.dispatcher.pairs.describe(),  # router/routing/pair_health.py
+            # the elastic controller's targets, last look and moves (router/routing/elastic.py)
+            "elastic": router.elastic.describe() if router.elastic is not None else None,
         }
     )
 

@@ -24,6 +24,7 @@ from pdserve.router.config import (
     BreakerConfig,
     CacheAwareConfig,
     DisaggConfig,
+    ElasticConfig,
     FairnessConfig,
     HealthConfig,
     RetryConfig,
@@ -120,6 +121,7 @@ def _add_serving_args(parser: argparse.ArgumentParser, opt) -> None:
     opt("--queue-timeout", R.queue_timeout_s, float, help="seconds a request may wait queued")
     opt("--retry-after", R.retry_after_s, int, help="Retry-After seconds on 429")
     _add_slo_args(opt)
+    _add_elastic_args(opt)
     opt("--connect-timeout", R.connect_timeout_s, float, help="seconds to connect to a node")
     opt(
         "--request-timeout",
@@ -327,6 +329,33 @@ def _routing_configs(args: argparse.Namespace) -> dict:
     )
 
 
+def _add_elastic_args(opt) -> None:
+    E = ElasticConfig
+    opt(
+        "--elastic",
+        False,
+        _flag,
+        help="move elastic nodes between prefill and decode as the load shifts "
+        "(router/routing/elastic.py, docs/ROUTER.md 'Elastic nodes'; true/false)",
+        nargs="?",
+        const=True,
+    )
+    opt(
+        "--elastic-ttft-target-ms",
+        E.ttft_target_ms,
+        float,
+        help="the prefill wait the controller keeps under (0: --ttft-slo-ms, else 2000)",
+    )
+    opt(
+        "--elastic-itl-target-ms",
+        E.itl_target_ms,
+        float,
+        help="the decode step it keeps under (0: --itl-slo-ms, else 100)",
+    )
+    opt("--elastic-sustain", E.sustain_s, float, help="seconds a shortage lasts before a move")
+    opt("--elastic-dwell", E.dwell_s, float, help="seconds between two moves, at least")
+
+
 def _add_slo_args(opt) -> None:
     S, F = SloConfig, FairnessConfig
     opt(
@@ -398,6 +427,13 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
         debug_requests=args.debug_requests,
         slo=SloConfig(args.ttft_slo_ms, args.itl_slo_ms),
+        elastic=ElasticConfig(
+            enabled=args.elastic,
+            ttft_target_ms=args.elastic_ttft_target_ms,
+            itl_target_ms=args.elastic_itl_target_ms,
+            sustain_s=args.elastic_sustain,
+            dwell_s=args.elastic_dwell,
+        ),
         fairness=FairnessConfig(
             args.tenant_max_concurrent,
             args.max_queued_prompt_tokens,

@@ -142,6 +142,29 @@ class FairnessConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """The elastic controller (router/routing/elastic.py): off unless `enabled`."""
+
+    enabled: bool = False
+    interval_s: float = 1.0
+    ttft_target_ms: float = 0.0  # 0: the router's TTFT SLO, else DEFAULT_TTFT_TARGET_MS
+    itl_target_ms: float = 0.0  # 0: the router's ITL SLO, else DEFAULT_ITL_TARGET_MS
+    high: float = 0.8  # a role is short past high x its target
+    low: float = 0.5  # a role can spare a node if it stays under low x its target without it
+    sustain_s: float = 3.0
+    dwell_s: float = 20.0
+    flip_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low < self.high:
+            raise ValueError("elastic thresholds need 0 < low < high")
+        if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
+            raise ValueError("elastic intervals must be > 0 s")
+        if self.ttft_target_ms < 0 or self.itl_target_ms < 0:
+            raise ValueError("elastic targets must be >= 0 ms (0: the SLO or the default)")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     host: str = "127.0.0.1"
@@ -174,6 +197,7 @@ class RouterConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:

@@ -86,6 +86,24 @@ class RouterMetrics:
             self.requests.labels(route=route, status="200")
             self.duration.labels(route=route)
         self.ttft.labels(role="router")
+        self._elastic_metrics()
+
+    def _elastic_metrics(self) -> None:
+        """The elastic controller's moves and its per-role node estimate (routing/elastic.py)."""
+        self.role_flips = Counter(
+            "pdserve_router_role_flips",
+            "Elastic nodes the controller moved to another role, by the role, the shortage that "
+            "asked for it (prefill_short, decode_short) and the outcome (done, failed)",
+            ["to", "reason", "outcome"],
+            registry=self.registry,
+        )
+        self.role_replicas_needed = Gauge(
+            "pdserve_router_role_replicas_needed",
+            "Nodes each role needs for the elastic targets (TTFT for prefill, ITL for decode): "
+            "its node count scaled by its predicted latency over its target; for autoscalers",
+            ["role"],
+            registry=self.registry,
+        )
 
     def _request_metrics(self) -> None:
         """Requests answered, their duration, and the route each attempt took."""

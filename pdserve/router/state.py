@@ -22,6 +22,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_api.json_body import read_json_body
 from pdserve.router.routing.attempt import Attempt, Route
 from pdserve.router.routing.dispatch import Dispatcher
+from pdserve.router.routing.elastic import ElasticController
 from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.routing.workers import WorkerRegistry
 from pdserve.router.slo import Slo
@@ -60,6 +61,13 @@ class Router:
         # a prompt that leaves a node's queue may let a request held for the backlog through
         self.dispatcher.on_prefilled = self.admission.poke
         self.slo = Slo(cfg.slo, self.dispatcher)
+        self.elastic = (
+            ElasticController(
+                cfg.elastic, cfg.slo, self.registry, self.dispatcher.disagg.model, self.metrics
+            )
+            if cfg.elastic.enabled
+            else None
+        )
         self.timeline = Timeline(
             cfg.debug_requests, make_exporter(cfg.otlp_traces_endpoint, "router")
         )
@@ -68,12 +76,16 @@ class Router:
     async def lifespan(self, app: FastAPI):
         await self.registry.probe_all()
         self.registry.start()
+        if self.elastic is not None:
+            self.elastic.start()
         logger.info(
             "router ready: %d workers, models %s", len(self.registry.all()), self.registry.models()
         )
         try:
             yield
         finally:
+            if self.elastic is not None:
+                await self.elastic.stop()
             await self.registry.stop()
             await self.dispatcher.drain()
             await self.clients.aclose()

@@ -120,6 +120,15 @@ class LatencyModel:
     def _prefill_kind(role: str, busy: bool) -> str:
         return "prefill" if role == "prefill" else "local_busy" if busy else "local_idle"
 
+    def prefill_fit(self, worker) -> LinearFit:
+        """The fit of `worker`'s prefill time against its queued tokens (a decode node's: of its
+        own prefills with streams open)."""
+        return self._fit(self._prefill_kind(worker.role, True), worker.url)
+
+    def step_fit(self, url: str) -> LinearFit:
+        """The fit of a decode node's step time against its open streams."""
+        return self._fit("step", url)
+
     # --- predicting -------------------------------------------------------------------------
     def prefill_s(self, worker, tokens: float) -> float:
         """Seconds until a prompt of `tokens` (to compute) sent to `worker` now ends its prefill,

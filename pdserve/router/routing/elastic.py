@@ -1,0 +1,267 @@
+"""The elastic controller (opt-in: `pdserve router --elastic`, `pdserve up --elastic`): it moves
+elastic nodes between the prefill and the decode role as the load shifts (docs/ROUTER.md "Elastic
+nodes"; the flip itself is docs/ARCHITECTURE.md section 14).
+
+Every `interval_s` it reads the load the router already predicts from (router/routing/
+latency_model.py), per role, over the eligible nodes:
+
+    ttft   the prefill wait a new prompt would see: the smallest predicted time for the prefill
+           nodes to finish what is queued on them (decode nodes' own queues when no prefill node
+           is up, since decode nodes then prefill)
+    itl    the decode step time: the largest predicted step of a decode node at the streams it
+           has open
+
+A role is short when its number passes `high` x its target. The controller moves a node to it from
+the other role only where the other role can spare one: its number, predicted again with the work
+spread over one node less, stays under `low` x its target (low < high: the band between them is the
+hysteresis, so the move it makes does not make the opposite move true). A shortage must last
+`sustain_s`, and no move comes within `dwell_s` of the last one. A decode node is never taken from
+the last one of its model's decode nodes; the last prefill node may go, because decode nodes
+prefill the prompts themselves when none is left.
+
+The decision is a pure function of a load snapshot (`decide`), so it is tested on numbers; the
+controller only times it, runs the flip (`WorkerRegistry.change_role`), and reports every move with
+its reason in the log, the metrics (`pdserve_router_role_flips_total`) and `GET /workers`. For
+autoscalers, `replicas_needed` (gauge `pdserve_router_role_replicas_needed`) scales each role's
+node count by how far its number is from its target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pdserve.router.config import ElasticConfig
+
+logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
+
+DEFAULT_TTFT_TARGET_MS = 2000.0  # without --ttft-slo-ms or --elastic-ttft-target-ms
+DEFAULT_ITL_TARGET_MS = 100.0  # without --itl-slo-ms or --elastic-itl-target-ms
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """One eligible node, as the latency model predicts it now."""
+
+    url: str
+    role: str  # prefill or decode
+    elastic: bool
+    queued_tokens: int  # prompt tokens sent to it and not yet prefilled
+    streams: int  # requests the router has open on it
+    wait_s: float  # predicted time to prefill what is queued on it
+    wait_per_token_s: float  # the fit's slope: the wait one more queued token adds
+    step_s: float  # predicted decode step at `streams` (decode nodes)
+    step_per_stream_s: float  # the fit's slope: the step one more stream adds
+
+
+@dataclass(frozen=True)
+class Move:
+    url: str
+    to: str  # the role it becomes
+    reason: str  # prefill_short or decode_short
+    ttft_s: float
+    itl_s: float
+
+
+def ttft_of(nodes: list[NodeLoad]) -> float:
+    """The prefill wait a new prompt sees: the least loaded node that prefills (prefill nodes;
+    decode nodes when none is up)."""
+    pre = [n for n in nodes if n.role == "prefill"] or [n for n in nodes if n.role == "decode"]
+    return min((n.wait_s for n in pre), default=0.0)
+
+
+def itl_of(nodes: list[NodeLoad]) -> float:
+    return max((n.step_s for n in nodes if n.role == "decode"), default=0.0)
+
+
+def _without(nodes: list[NodeLoad], gone: NodeLoad) -> list[NodeLoad]:
+    """The same load over the role's other nodes: `gone`'s queue or streams spread evenly."""
+    rest = [n for n in nodes if n.role == gone.role and n is not gone]
+    if not rest:
+        return [n for n in nodes if n is not gone]
+    extra_q, extra_s = gone.queued_tokens / len(rest), gone.streams / len(rest)
+    spread = [
+        NodeLoad(
+            n.url,
+            n.role,
+            n.elastic,
+            n.queued_tokens,
+            n.streams,
+            n.wait_s + extra_q * n.wait_per_token_s,
+            n.wait_per_token_s,
+            n.step_s + extra_s * n.step_per_stream_s,
+            n.step_per_stream_s,
+        )
+        for n in rest
+    ]
+    return [n for n in nodes if n.role != gone.role] + spread
+
+
+def decide(nodes: list[NodeLoad], cfg: ElasticConfig, ttft_target_s: float, itl_target_s: float):
+    """The move the load asks for now, or None. `nodes`: the eligible nodes of one model."""
+    ttft, itl = ttft_of(nodes), itl_of(nodes)
+    decodes = [n for n in nodes if n.role == "decode"]
+    # the least loaded elastic node of the giving role, ties by URL: the same choice every time
+    if ttft > cfg.high * ttft_target_s and len(decodes) > 1:
+        for n in sorted((n for n in decodes if n.elastic), key=lambda n: (n.streams, n.url)):
+            if itl_of(_without(nodes, n)) < cfg.low * itl_target_s:
+                return Move(n.url, "prefill", "prefill_short", ttft, itl)
+            break
+    prefills = [n for n in nodes if n.role == "prefill"]
+    if itl > cfg.high * itl_target_s and prefills:
+        for n in sorted((n for n in prefills if n.elastic), key=lambda n: (n.queued_tokens, n.url)):
+            after = _without(nodes, n)
+            if ttft_of(after) < cfg.low * ttft_target_s:
+                return Move(n.url, "decode", "decode_short", ttft, itl)
+            break
+    return None
+
+
+def replicas_needed(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: float):
+    """Nodes each role needs for its targets: its node count scaled by its number over its
+    target (at least one decode node; prefill may need none, decode nodes prefill then)."""
+    prefills = sum(n.role == "prefill" for n in nodes)
+    decodes = sum(n.role == "decode" for n in nodes)
+    ttft, itl = ttft_of(nodes), itl_of(nodes)
+    pre = math.ceil(max(prefills, 1) * ttft / ttft_target_s) if ttft_target_s > 0 else prefills
+    dec = math.ceil(max(decodes, 1) * itl / itl_target_s) if itl_target_s > 0 else decodes
+    return {"prefill": pre, "decode": max(dec, 1)}
+
+
+class ElasticController:
+    """Runs `decide` every `interval_s` on the router's event loop and makes the moves."""
+
+    def __init__(self, cfg: ElasticConfig, slo, registry, model, metrics):
+        self.cfg, self.registry, self.model, self.metrics = cfg, registry, model, metrics
+        self.ttft_target_s = (cfg.ttft_target_ms or slo.ttft_ms or DEFAULT_TTFT_TARGET_MS) / 1e3
+        self.itl_target_s = (cfg.itl_target_ms or slo.itl_ms or DEFAULT_ITL_TARGET_MS) / 1e3
+        self._task: asyncio.Task | None = None
+        self._short_since: dict[tuple[str, str], float] = {}  # (url, to) -> first seen
+        self._last_move = -math.inf
+        self.flipping: str | None = None
+        self.moves: deque[dict] = deque(maxlen=32)  # the last moves, for GET /workers
+        self.last: dict = {}
+
+    def loads(self) -> dict[str | None, list[NodeLoad]]:
+        """The eligible PD nodes' loads, per model."""
+        out: dict[str | None, list[NodeLoad]] = {}
+        for w in self.registry.all():
+            if w.role not in ("prefill", "decode") or not w.eligible():
+                continue
+            wait_fit, step_fit = self.model.prefill_fit(w), self.model.step_fit(w.url)
+            out.setdefault(w.model, []).append(
+                NodeLoad(
+                    w.url,
+                    w.role,
+                    w.elastic,
+                    w.queued_prompt_tokens,
+                    w.in_flight,
+                    wait_fit.predict(w.queued_prompt_tokens) if w.queued_prompt_tokens else 0.0,
+                    wait_fit.coefficients()[1],
+                    step_fit.predict(w.in_flight),
+                    step_fit.coefficients()[1],
+                )
+            )
+        return out
+
+    def tick(self, now: float) -> Move | None:
+        """One look at the load: the gauges, and the move that is due now, if any."""
+        due = None
+        seen = set()
+        for model, nodes in sorted(self.loads().items(), key=lambda kv: str(kv[0])):
+            need = replicas_needed(nodes, self.ttft_target_s, self.itl_target_s)
+            for role, n in need.items():
+                self.metrics.role_replicas_needed.labels(role=role).set(n)
+            self.last = {
+                "model": model,
+                "ttft_s": round(ttft_of(nodes), 4),
+                "itl_s": round(itl_of(nodes), 4),
+                "replicas_needed": need,
+            }
+            move = decide(nodes, self.cfg, self.ttft_target_s, self.itl_target_s)
+            if move is None:
+                continue
+            key = (move.url, move.to)
+            seen.add(key)
+            since = self._short_since.setdefault(key, now)
+            if now - since >= self.cfg.sustain_s and now - self._last_move >= self.cfg.dwell_s:
+                due = due or move
+        self._short_since = {k: v for k, v in self._short_since.items() if k in seen}
+        return None if self.flipping else due
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                move = self.tick(time.monotonic())
+                if move is not None:
+                    await self.make(move)
+            except Exception:  # never stop controlling on one bad look
+                logger.exception("elastic controller: a tick failed")
+
+    async def make(self, move: Move) -> None:
+        worker = self.registry.get(move.url)
+        if worker is None:
+            return
+        old = worker.role
+        self.flipping = move.url
+        t0 = time.monotonic()
+        logger.warning(
+            "elastic: %s %s -> %s (%s: predicted ttft %.3f s, itl %.4f s)",
+            move.url,
+            old,
+            move.to,
+            move.reason,
+            move.ttft_s,
+            move.itl_s,
+        )
+        outcome = "done"
+        try:
+            await self.registry.change_role(worker, move.to, self.cfg.flip_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            outcome = "failed"
+            logger.error("elastic: %s did not become %s: %s", move.url, move.to, exc)
+        finally:
+            self.flipping = None
+            self._last_move = time.monotonic()
+            self._short_since.clear()
+        self.metrics.role_flips.labels(to=move.to, reason=move.reason, outcome=outcome).inc()
+        self.moves.append(
+            {
+                "url": move.url,
+                "from": old,
+                "to": move.to,
+                "reason": move.reason,
+                "ttft_s": round(move.ttft_s, 4),
+                "itl_s": round(move.itl_s, 4),
+                "seconds": round(time.monotonic() - t0, 3),
+                "outcome": outcome,
+            }
+        )
+
+    def describe(self) -> dict:
+        return {
+            "ttft_target_s": self.ttft_target_s,
+            "itl_target_s": self.itl_target_s,
+            "flipping": self.flipping,
+            "last": self.last,
+            "moves": list(self.moves),
+        }
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="router-elastic")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

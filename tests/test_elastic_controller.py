@@ -1,0 +1,156 @@
+"""The elastic controller's decisions (router/routing/elastic.py) on load snapshots: which node
+moves to which role, and when not; the sustain and dwell times; the per-role node estimate."""
+
+from __future__ import annotations
+
+from pdserve.router.config import ElasticConfig, SloConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.routing.elastic import (
+    ElasticController,
+    NodeLoad,
+    decide,
+    itl_of,
+    replicas_needed,
+    ttft_of,
+)
+
+CFG = ElasticConfig(enabled=True)
+TTFT, ITL = 2.0, 0.1  # targets, seconds
+
+
+def node(url, role, queued=0, streams=0, elastic=True, per_token=1e-3, per_stream=2e-3):
+    return NodeLoad(
+        url,
+        role,
+        elastic,
+        queued,
+        streams,
+        queued * per_token,
+        per_token,
+        0.01 + streams * per_stream,
+        per_stream,
+    )
+
+
+def test_a_long_prefill_queue_takes_the_least_busy_decode_node():
+    nodes = [
+        node("p0", "prefill", queued=4000),  # 4 s of prefill queued: past 0.8 x 2 s
+        node("d0", "decode", streams=8),
+        node("d1", "decode", streams=2),
+    ]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and (move.url, move.to, move.reason) == (
+        "d1",
+        "prefill",
+        "prefill_short",
+    )
+
+
+def test_slow_decode_steps_take_the_least_queued_prefill_node():
+    nodes = [
+        node("p0", "prefill", queued=300),
+        node("p1", "prefill", queued=100),
+        node("d0", "decode", streams=60),  # a 0.13 s step: past 0.8 x 0.1 s
+    ]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and (move.url, move.to, move.reason) == ("p1", "decode", "decode_short")
+
+
+def test_no_move_where_the_other_role_cannot_spare_a_node():
+    # prefill is short, but the decode nodes' streams over one node less pass low x ITL
+    nodes = [
+        node("p0", "prefill", queued=4000),
+        *(node(f"d{i}", "decode", streams=20) for i in range(2)),
+    ]
+    assert itl_of(nodes) < CFG.high * ITL
+    assert decide(nodes, CFG, TTFT, ITL) is None
+    # decode is short, and the prefill queue moved to the other prefill node would pass low x TTFT
+    nodes = [
+        node("p0", "prefill", queued=900),
+        node("p1", "prefill", queued=900),
+        node("d0", "decode", streams=60),
+    ]
+    assert decide(nodes, CFG, TTFT, ITL) is None
+
+
+def test_the_last_decode_node_and_fixed_nodes_never_move():
+    nodes = [node("p0", "prefill", queued=9000), node("d0", "decode", streams=0)]
+    assert decide(nodes, CFG, TTFT, ITL) is None
+    nodes = [
+        node("p0", "prefill", queued=9000),
+        node("d0", "decode", elastic=False),
+        node("d1", "decode", elastic=False),
+    ]
+    assert decide(nodes, CFG, TTFT, ITL) is None
+    # the last prefill node may go: decode nodes prefill when none is left
+    nodes = [node("p0", "prefill", queued=0), node("d0", "decode", streams=60)]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and move.to == "decode"
+
+
+def test_a_move_does_not_ask_for_the_opposite_move():
+    """The band between low and high: after a decode node became a prefill node (its streams
+    moved to the other decode nodes), the decode side is still under `high`."""
+    nodes = [
+        node("p0", "prefill", queued=4000),
+        node("d0", "decode", streams=6),
+        node("d1", "decode", streams=4),
+        node("d2", "decode", streams=2),
+    ]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and move.url == "d2"
+    after = [
+        node("p0", "prefill", queued=2000),
+        node("d2", "prefill"),
+        node("d0", "decode", streams=7),
+        node("d1", "decode", streams=5),
+    ]
+    assert itl_of(after) < CFG.high * ITL
+    assert decide(after, CFG, TTFT, ITL) is None or decide(after, CFG, TTFT, ITL).to != "decode"
+
+
+def test_replicas_needed_scale_with_the_predicted_latency():
+    nodes = [
+        node("p0", "prefill", queued=5000),
+        node("d0", "decode", streams=60),
+        node("d1", "decode"),
+    ]
+    assert ttft_of(nodes) == 5.0 and abs(itl_of(nodes) - 0.13) < 1e-9
+    assert replicas_needed(nodes, TTFT, ITL) == {"prefill": 3, "decode": 3}
+    assert replicas_needed([node("d0", "decode")], TTFT, ITL) == {"prefill": 0, "decode": 1}
+
+
+class FakeRegistry:
+    def all(self):
+        return []
+
+
+def _controller(loads):
+    c = ElasticController(
+        ElasticConfig(enabled=True, sustain_s=3, dwell_s=20),
+        SloConfig(),
+        FakeRegistry(),
+        None,
+        RouterMetrics(),
+    )
+    c.loads = lambda: {"m": loads}  # the snapshot under test
+    return c
+
+
+def test_a_shortage_must_last_and_moves_keep_their_distance():
+    loads = [
+        node("p0", "prefill", queued=4000),
+        node("d0", "decode", streams=8),
+        node("d1", "decode", streams=2),
+    ]
+    c = _controller(loads)
+    assert c.tick(100.0) is None  # first seen
+    assert c.tick(102.0) is None  # not for 3 s yet
+    move = c.tick(103.0)
+    assert move is not None and move.url == "d1"
+    c._last_move, c._short_since = 103.0, {}  # what make() leaves
+    assert c.tick(110.0) is None and c.tick(120.0) is None  # within the dwell time
+    assert c.tick(123.5) is not None
+    c.flipping = "d1"
+    assert c.tick(130.0) is None  # one move at a time
+    assert c.last["replicas_needed"] == {"prefill": 2, "decode": 1}
