@@ -1,0 +1,216 @@
+"""Elastic prefill:decode under a phase-shift workload (issue #46): goodput at a TTFT and ITL SLO
+of an elastic cluster against the static splits, all in one run.
+
+Every cluster has 3 nodes (`pdserve up`, PP 1 each, the default model and dtype). The workload is
+closed-loop, `--concurrency` streamed chat requests at a time, in phases that follow each other
+without a pause, each `--phase-seconds` long:
+
+  prefill   long prompts (`--long-words` random words), `--short-tokens` output tokens
+  decode    short prompts (`--short-words`), `--long-tokens` output tokens
+  prefill   again
+
+Clusters (each started, measured and stopped in turn):
+
+  2P+1D pd     2 prefill + 1 decode nodes, every request disaggregated
+  1P+2D pd     1 prefill + 2 decode nodes, every request disaggregated
+  2P+1D cond   the same split with conditional disaggregation (the router's default)
+  1P+2D cond
+  elastic      `pdserve up --elastic`: 2 prefill + 1 decode elastic nodes to start with, the
+               router's controller on (its targets: the SLOs below), conditional disaggregation
+
+Goodput of a phase: requests that started in it, were answered 200, and met TTFT <= `--slo-ttft-ms`
+and mean ITL <= `--slo-itl-ms`, per second of the phase. Also each phase's completed requests,
+TTFT and ITL p50/p99, failures, and (elastic) the controller's moves with their times.
+
+Every cluster it starts is stopped, also on Ctrl-C or SIGTERM. Writes `--out` and prints it.
+
+    .venv/bin/python bench/bench_elastic_phases.py [--phase-seconds 90] [--concurrency 8]
+        [--slo-ttft-ms 4000] [--slo-itl-ms 250] [--clusters elastic,2P+1D pd,...]
+        [--out bench/results/elastic_phases.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pd_routes import ALWAYS  # noqa: E402  (every request disaggregated)
+from bench_slo import chat, cluster, new_rec, pct, stream_one  # noqa: E402
+
+from pdserve.infra.cluster_secret import ENV as SECRET_ENV  # noqa: E402
+from pdserve.infra.cluster_secret import cluster_secret  # noqa: E402
+from pdserve.infra.request_signing import SignedAuth  # noqa: E402
+
+CLUSTERS = {
+    "2P+1D pd": f"--prefill-nodes 2 --decode-nodes 1 --router-args '{' '.join(ALWAYS)}'",
+    "1P+2D pd": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(ALWAYS)}'",
+    "2P+1D cond": "--prefill-nodes 2 --decode-nodes 1",
+    "1P+2D cond": "--prefill-nodes 1 --decode-nodes 2",
+    "elastic": "--prefill-nodes 2 --decode-nodes 1 --elastic",
+}
+PHASES = ("prefill", "decode", "prefill")
+
+
+async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
+    """The phases on the cluster at `url`: one record per request (with its phase and start), and
+    the controller's moves (from GET /workers) with their times since the first phase began."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(600, connect=30)
+    secret = cluster_secret()
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        warm = [new_rec() for _ in range(4)]
+        await asyncio.gather(
+            *(stream_one(client, chat(model, 900_000 + i, 50, 8, 0), r) for i, r in enumerate(warm))
+        )
+        recs: list[dict] = []
+        serial = iter(range(10**9))
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while True:
+                now = time.perf_counter() - t0
+                k = int(now // args.phase_seconds)
+                if k >= len(PHASES):
+                    return
+                phase = PHASES[k]
+                words, tokens = (
+                    (args.long_words, args.short_tokens)
+                    if phase == "prefill"
+                    else (args.short_words, args.long_tokens)
+                )
+                rec = {**new_rec(), "phase": k, "start": now}
+                recs.append(rec)
+                await stream_one(client, chat(model, next(serial), words, tokens, args.seed), rec)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        moves = []
+        if secret:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+                got = await client.get("/workers", auth=SignedAuth(secret))
+                moves = (got.json().get("elastic") or {}).get("moves") or []
+        return recs, moves
+
+
+def phase_stats(recs: list[dict], k: int, args) -> dict:
+    mine = [r for r in recs if r["phase"] == k]
+    done = [r for r in mine if r["status"] == 200 and r["done"] and r["ttft"] is not None]
+    itls = [sum(r["gaps"]) / len(r["gaps"]) for r in done if r["gaps"]]
+
+    def good(r: dict) -> bool:
+        itl = sum(r["gaps"]) / len(r["gaps"]) if r["gaps"] else 0.0
+        return r["ttft"] * 1e3 <= args.slo_ttft_ms and itl * 1e3 <= args.slo_itl_ms
+
+    return {
+        "sent": len(mine),
+        "completed": len(done),
+        "failed": len(mine) - len(done),
+        "goodput": sum(good(r) for r in done) / args.phase_seconds,
+        "ttft_p50": pct([r["ttft"] for r in done], 0.5),
+        "ttft_p99": pct([r["ttft"] for r in done], 0.99),
+        "itl_p50": pct(itls, 0.5),
+        "itl_p99": pct(itls, 0.99),
+    }
+
+
+def report(results: dict, args, meta: dict) -> str:
+    lines = [
+        "# Elastic prefill:decode under a phase-shift workload",
+        "",
+        f"`bench/bench_elastic_phases.py`, {meta['when']}, {meta['host']}, {os.cpu_count()} cores; "
+        f"model {meta.get('model', 'default')}, 3 nodes at PP 1 each. Phases of "
+        f"{args.phase_seconds:g} s: prefill ({args.long_words} words, {args.short_tokens} tokens "
+        f"out), decode ({args.short_words} words, {args.long_tokens} tokens out), prefill; "
+        f"{args.concurrency} streams at a time. Goodput: requests per second that met TTFT <= "
+        f"{args.slo_ttft_ms:g} ms and mean ITL <= {args.slo_itl_ms:g} ms.",
+        "",
+        "| cluster | phase | goodput (req/s) | completed | failed | TTFT p50 / p99 (s) "
+        "| ITL p50 / p99 (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, res in results.items():
+        for k, st in enumerate(res["phases"]):
+            lines.append(
+                f"| {name} | {k + 1} {PHASES[k]} | {st['goodput']:.3f} | {st['completed']} | "
+                f"{st['failed']} | {st['ttft_p50']:.2f} / {st['ttft_p99']:.2f} | "
+                f"{st['itl_p50'] * 1e3:.0f} / {st['itl_p99'] * 1e3:.0f} |"
+            )
+    lines += ["", "Goodput over the whole run, and each phase's ratio to the best static cluster:"]
+    lines += ["", "| cluster | whole run (req/s) | " + " | ".join(
+        f"phase {k + 1} / best static" for k in range(len(PHASES))) + " |"]  # fmt: skip
+    lines.append("|---|---:|" + "---:|" * len(PHASES))
+    static = [n for n in results if n != "elastic"]
+    for name, res in results.items():
+        whole = sum(st["goodput"] for st in res["phases"]) / len(PHASES)
+        cells = []
+        for k, st in enumerate(res["phases"]):
+            best = max((results[n]["phases"][k]["goodput"] for n in static), default=0.0)
+            cells.append(f"{st['goodput'] / best:.2f}x" if best > 0 else "n/a")
+        lines.append(f"| {name} | {whole:.3f} | " + " | ".join(cells) + " |")
+    moves = results.get("elastic", {}).get("moves") or []
+    if moves:
+        lines += ["", "The controller's moves (elastic):", ""]
+        lines += [f"- {json.dumps(m)}" for m in moves]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--clusters", default=",".join(CLUSTERS), help="names, comma-separated")
+    ap.add_argument("--phase-seconds", type=float, default=90.0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--long-words", type=int, default=600)
+    ap.add_argument("--short-words", type=int, default=20)
+    ap.add_argument("--long-tokens", type=int, default=128)
+    ap.add_argument("--short-tokens", type=int, default=4)
+    ap.add_argument("--slo-ttft-ms", type=float, default=4000.0)
+    ap.add_argument("--slo-itl-ms", type=float, default=250.0)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default="bench/results/elastic_phases.md")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    # one secret for every cluster of the run (pdserve up takes it from the environment), so this
+    # script can read the router's GET /workers, signed
+    os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node()}
+    results: dict[str, dict] = {}
+    for name in args.clusters.split(","):
+        up_args = CLUSTERS[name]
+        router = ""
+        if name == "elastic":  # the controller keeps each role under the bench's SLOs
+            router = f"--elastic-ttft-target-ms {args.slo_ttft_ms} "
+            router += f"--elastic-itl-target-ms {args.slo_itl_ms}"
+            up_args += f" --router-args '{router}'"
+        with cluster(args, "", up_args) as url:
+            recs, moves = asyncio.run(run_phases(url, args))
+        results[name] = {
+            "phases": [phase_stats(recs, k, args) for k in range(len(PHASES))],
+            "moves": moves,
+        }
+        print(f"[elastic] {name}: {results[name]['phases']}", flush=True)
+    text = report(results, args, meta)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
