@@ -82,3 +82,55 @@ def test_elastic_prefill_node_becomes_decode_and_back_under_load(tiny_model, tmp
         assert all(len(texts) == 1 for texts in answers.values()), answers
         info = httpx.get(f"{prefill['url']}/server_info", auth=auth).json()
         assert info["role"] == "prefill" and info["changing_to"] is None
+
+
+def test_the_controller_moves_a_decode_node_to_prefill_when_prompts_queue(tiny_model, tmp_path):
+    """`pdserve up --elastic` with 1 prefill and 2 decode nodes, and a prefill-wait target any
+    queued prompt passes: the router's controller moves the least busy decode node to prefill,
+    says so in GET /workers, the status page and its metrics, and no request fails. The last
+    decode node stays."""
+    log = tmp_path / "up.log"
+    router = "--elastic-ttft-target-ms 1 --elastic-itl-target-ms 100000 "
+    router += "--elastic-sustain 0.5 --elastic-dwell 1"
+    args = ["--elastic", "--decode-nodes", "2", "--router-args", router]
+    args += ["--node-args", " ".join(NODE_ARGS)]
+    with up(tiny_model, log, args, timeout=420) as (url, _proc, auth):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        results: list[tuple[int, str]] = []
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            k = i
+            while not stop.is_set():
+                results.append(_complete(url, model, PROMPTS[k % len(PROMPTS)] * 60))
+                k += 1
+
+        threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                got = httpx.get(f"{url}/workers", auth=auth).json()
+                moves = got["elastic"]["moves"]
+                if moves or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            time.sleep(2)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=150)
+        assert moves, got
+        assert moves[0]["to"] == "prefill" and moves[0]["reason"] == "prefill_short", moves
+        assert moves[0]["outcome"] == "done", moves
+        assert len(moves) == 1, "the last decode node moved too"
+        roles = sorted(w["role"] for w in httpx.get(f"{url}/workers", auth=auth).json()["workers"])
+        assert roles == ["decode", "prefill", "prefill"], roles
+        failed = [r for r in results if r[0] != 200]
+        assert not failed and results, failed[:5]
+        state = httpx.get(f"{url}/dashboard/state", auth=auth, timeout=30).json()
+        assert state["router"]["elastic"]["moves"] == moves  # the status page shows it
+        metrics = httpx.get(f"{url}/metrics").text
+        labels = 'outcome="done",reason="prefill_short",to="prefill"'
+        assert f"pdserve_router_role_flips_total{{{labels}}} 1.0" in metrics

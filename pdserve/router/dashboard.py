@@ -48,6 +48,8 @@ async def state(router, request: Request, t0: float) -> Response:
                 "admission": router.admission.describe(),
                 "slo": {"ttft_ms": router.cfg.slo.ttft_ms, "itl_ms": router.cfg.slo.itl_ms},
                 "latency_model": router.dispatcher.disagg.model.describe(),
+                # the elastic controller's targets, last look and moves (routing/elastic.py)
+                "elastic": router.elastic.describe() if router.elastic is not None else None,
             },
             "workers": [
                 {**w.describe(), "ranks": _ranks(info)}
