@@ -3,7 +3,7 @@ PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
 # `make constraints`: requirements/constraints.txt again from this venv (after a dependency change).
-.PHONY: constraints setup setup-test serve lint test test-hosts test-failover test-models coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
+.PHONY: constraints setup setup-test serve lint test test-elastic test-hosts test-failover test-models coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -31,7 +31,7 @@ lint: setup-test
 TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadfile -m "not hosts and not failover and not models" $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadfile -m "not hosts and not failover and not models and not elastic" $(PYTEST_ARGS)
 
 # Gemma 3 270M, the real file, against transformers in fp32 (tests/test_gemma3_real.py): a minute
 # or more of model loads (transformers' alone dequantizes the whole GGUF), so a CI step of its own.
@@ -43,6 +43,11 @@ test-models: setup-test
 # stalled, drained and restarted; a CI step of its own (.ci/run), so `make test` stays within 10.
 test-failover: setup-test
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m failover $(PYTEST_ARGS)
+
+# Elastic nodes as real processes (tests/test_elastic_nodes.py): two `pdserve up --elastic`
+# clusters under load whose nodes change role, by hand and by the router's controller.
+test-elastic: setup-test
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m elastic $(PYTEST_ARGS)
 
 # Clusters over hosts made of network namespaces (tests/netns_hosts.py; root): five hosts with
 # HF-exact answers, listeners, the bridge's frames, a hostile host, a cut prefill->decode link.

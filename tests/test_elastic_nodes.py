@@ -9,7 +9,10 @@ import threading
 import time
 
 import httpx
+import pytest
 from cluster import NODE_ARGS, up
+
+pytestmark = pytest.mark.elastic  # `make test-elastic`, a CI step of its own
 
 PROMPTS = [f"Count to {n}:" for n in range(3, 9)]
 
