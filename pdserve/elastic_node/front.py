@@ -97,6 +97,13 @@ class ElasticFront(DecodeFront):
                 code=ROLE_CHANGE,
             )
         if serving == "prefill":
+            port = body.get("bootstrap_port")
+            if body.get("bootstrap_room") is None or (
+                port is not None and port != self.bootstrap_port
+            ):
+                # a decode request (decode-local, or naming another prefill node) sent on a role
+                # this node left: the router retries it on a node of that role
+                raise RequestError(503, "node serves the prefill role now", code=ROLE_CHANGE)
             msg = PDAddRequest(rid, ids, params.to_dict(), check_room(body), "")
             self._prefill_rids.add(rid)
             return msg
