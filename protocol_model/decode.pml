@@ -98,30 +98,71 @@ inline free_page(k, x, r) {
     }
 }
 
+#ifdef FLIP
+/* At the flip of rank k: it holds no page, no request is in any of its queues (quarantine
+   included) or in a batch (the drained-at-flip property). */
+inline nothing_held(k) {
+    heldnow = 0;
+    for (i : 0 .. NP - 1) { heldnow = heldnow || owner[k * NP + i] != 0 };
+    for (r : 0 .. NREQ - 1) {
+        x = k * NREQ + r;
+        heldnow = heldnow || (q[x] != Q_NONE && q[x] != Q_GONE) || in_flight[x] || page[x] != NOPAGE
+    };
+    for (i : 0 .. L - 1) { heldnow = heldnow || batch[k * L + i] != 0 };
+#ifdef P_DRAINED
+    assert(!heldnow);
+#endif
+    heldnow = 0
+}
+#endif
+
 proctype Rank(byte k) {
     byte mb, hb, addm, abm, r, x, i, j, m, pend, nfree, reserve, nrun, nseen;
     byte rg[NK], rb[NK], tg[NK], tb[NK], bg[NK], bb[NK], ba[NK], vg[NK], vb[NK], xv[6];
     byte sq[L + 1], sqn;
     bool sqneed[L], busy, hneeds, alldone;
     mtype tag;
+#ifdef FLIP
+    byte ctl;
+    bool hbusy, dr, heldnow, nrseen;
+#endif
     /* One iteration is one atomic step, interrupted only where a receive blocks: the transfer
        threads (Peer) act between steps. Scratch variables are zeroed at its end. */
     do
     :: atomic {
         /* the node has nothing left: every rank sees the same, so all stop in the same turn */
+#ifdef FLIP
+        /* (and it is not leaving; after a flip, the new role's request came) */
+        alldone = (nseen == NREQ || role[k]) && !leaving[k] && (!role[k] || nrseen);
+        for (r : 0 .. NREQ - 1) { alldone = alldone && (q[k * NREQ + r] == Q_GONE || q[k * NREQ + r] == Q_NONE) };
+#else
         alldone = (nseen == NREQ);
         for (r : 0 .. NREQ - 1) { alldone = alldone && (q[k * NREQ + r] == Q_GONE) };
+#endif
         if :: alldone -> break :: else fi;
 
         /* ingest + apply meta (SlotLoop.apply_meta, DecodeLoop._on_meta / abort_elsewhere) */
         ingest_meta(k, addm, abm);
+#ifdef FLIP
+        if :: (ctl & C_ROLE) && (ctl & C_ROLE_FIRST) -> set_role(k) :: else fi;
+#endif
         for (r : 0 .. NREQ - 1) {
             if
+#ifdef FLIP
+            :: (addm & (1 << r)) && (leaving[k] || role[k]) ->     /* refused: role_change */
+                decide(k, FWHAT(r, K_ADMIT, 0)); q[k * NREQ + r] = Q_GONE; nseen++; emit_end(k, r)
+            :: (addm & (1 << r)) && !leaving[k] && !role[k] ->
+#else
             :: addm & (1 << r) ->       /* the route look-up is not modelled: known at once */
+#endif
                 q[k * NREQ + r] = Q_PREALLOC; rcv[k * NREQ + r] = BOOTSTRAPPING; rcv_route[k * NREQ + r] = 1; nseen++
             :: else
             fi
         };
+#ifdef FLIP
+        if :: (ctl & C_ROLE) && !(ctl & C_ROLE_FIRST) -> set_role(k) :: else fi;
+        new_role_request(k);
+#endif
         for (r : 0 .. NREQ - 1) {
             x = k * NREQ + r;
             if
@@ -212,6 +253,9 @@ proctype Rank(byte k) {
         /* harvest slot hb */
         if
         :: bvalid[k * L + hb] ->
+#ifdef FLIP
+            hbusy = (batch[k * L + hb] != 0);
+#endif
             for (r : 0 .. NREQ - 1) {
                 x = k * NREQ + r;
                 if
@@ -229,6 +273,11 @@ proctype Rank(byte k) {
 
         /* after_harvest: the three verdicts, applied on every rank in this iteration */
         vote_pass2(k, hb);
+#if defined(FLIP) && defined(P_DRAINED)
+        /* after a flip the shared vote hands the new role's loop the verdicts still in flight:
+           none may name a room of the old role (the new role's rooms are not modelled) */
+        heldnow = role[k] && (vg[0] | vb[0] | vg[1] | vb[1] | vg[2] | vb[2]) != 0; assert(!heldnow); heldnow = 0;
+#endif
         for (r : 0 .. NREQ - 1) {          /* _apply_prealloc */
             x = k * NREQ + r;
             if
@@ -262,6 +311,14 @@ proctype Rank(byte k) {
             :: else
             fi
         };
+#ifdef FLIP
+        /* DecodeLoop.drained: no request in prealloc, transfer, the scheduler or quarantine, no
+           batch with entries, and the batch harvested now was empty; then ElasticLoop's count */
+        dr = !hbusy;
+        for (r : 0 .. NREQ - 1) { dr = dr && (q[k * NREQ + r] == Q_NONE || q[k * NREQ + r] == Q_GONE) };
+        for (i : 0 .. L - 1) { dr = dr && batch[k * L + i] == 0 };
+        flip_end(k);
+#endif
         mb = (mb + 1) % L;
         busy = 0; hneeds = 0; hb = 0;
         scrub()
@@ -291,7 +348,14 @@ inline TERMINAL(x) {
 
 proctype Peer(byte k; byte r) {
     byte x = k * NREQ + r;
+#ifdef FLIP
+    if
+    :: rcv[x] != NONE
+    :: rcv[x] == NONE && (q[x] == Q_GONE || role[k]) -> goto gone   /* refused, or never comes */
+    fi;
+#else
     rcv[x] != NONE;
+#endif
     do
     :: atomic { rcv[x] == BOOTSTRAPPING && FAULT -> /* bootstrap timeout (route look-up) */
         faults++; rcv_fail(x, NOTIFY_OWN) }
@@ -325,6 +389,9 @@ proctype Peer(byte k; byte r) {
 #endif
     :: (peer[x] == W_DONE || peer[x] == W_DEAD || !rcv_sent[x] && rcv[x] == FAILED) && q[x] == Q_GONE -> break
     od
+#ifdef FLIP
+    ; gone: skip
+#endif
 }
 
 init {

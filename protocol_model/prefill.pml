@@ -71,26 +71,69 @@ inline free_page(k, x, r) {
     }
 }
 
+#ifdef FLIP
+/* At the flip of rank k: it holds no page, no request is in any of its queues, in a batch or
+   finished and unreported (the drained-at-flip property). */
+inline nothing_held(k) {
+    heldnow = 0;
+    for (i : 0 .. NP - 1) { heldnow = heldnow || owner[k * NP + i] != 0 };
+    for (r : 0 .. NREQ - 1) {
+        x = k * NREQ + r;
+        heldnow = heldnow || (q[x] != Q_NONE && q[x] != Q_GONE) || in_flight[x] || held[x] || fin[x] || page[x] != NOPAGE
+    };
+    for (i : 0 .. L - 1) { heldnow = heldnow || batch[k * L + i] != 0 };
+#ifdef P_DRAINED
+    assert(!heldnow);
+#endif
+    heldnow = 0
+}
+#endif
+
 proctype Rank(byte k) {
     byte mb, hb, addm, abm, r, x, i, j, m, pend, nseen, fm, rm;
     byte rg[NK], rb[NK], tg[NK], tb[NK], bg[NK], bb[NK], ba[NK], vg[NK], vb[NK], xv[6];
     byte sq[L + 1], sqn;
     bool sqneed[L], busy, hneeds, alldone, sampling;
     mtype tag;
+#ifdef FLIP
+    byte ctl;
+    bool hbusy, dr, heldnow, nrseen;
+#endif
     /* One iteration is one atomic step, interrupted only where a receive blocks. */
     do
     :: atomic {
+#ifdef FLIP
+        /* every request of the start role came (or none comes any more: flipped), none left,
+           not leaving, and after a flip the new role's request came */
+        alldone = (nseen == NREQ || role[k]) && !leaving[k] && (!role[k] || nrseen);
+        for (r : 0 .. NREQ - 1) { alldone = alldone && (q[k * NREQ + r] == Q_GONE || q[k * NREQ + r] == Q_NONE) };
+#else
         alldone = (nseen == NREQ);
         for (r : 0 .. NREQ - 1) { alldone = alldone && (q[k * NREQ + r] == Q_GONE) };
+#endif
         if :: alldone -> break :: else fi;
 
         ingest_meta(k, addm, abm);
+#ifdef FLIP
+        if :: (ctl & C_ROLE) && (ctl & C_ROLE_FIRST) -> set_role(k) :: else fi;
+#endif
         for (r : 0 .. NREQ - 1) {
             if
+#ifdef FLIP
+            :: (addm & (1 << r)) && (leaving[k] || role[k]) ->     /* refused: role_change */
+                decide(k, FWHAT(r, K_ADMIT, 0)); q[k * NREQ + r] = Q_GONE; nseen++; emit_end(k, r)
+            :: (addm & (1 << r)) && !leaving[k] && !role[k] ->
+                q[k * NREQ + r] = Q_BOOT; snd[k * NREQ + r] = BOOTSTRAPPING; nseen++
+#else
             :: addm & (1 << r) -> q[k * NREQ + r] = Q_BOOT; snd[k * NREQ + r] = BOOTSTRAPPING; nseen++
+#endif
             :: else
             fi
         };
+#ifdef FLIP
+        if :: (ctl & C_ROLE) && !(ctl & C_ROLE_FIRST) -> set_role(k) :: else fi;
+        new_role_request(k);
+#endif
         for (r : 0 .. NREQ - 1) {
             x = k * NREQ + r;
             if
@@ -211,6 +254,9 @@ proctype Rank(byte k) {
         /* harvest slot hb: the last chunk's first token finishes the request (max_tokens 1) */
         if
         :: bvalid[k * L + hb] ->
+#ifdef FLIP
+            hbusy = (batch[k * L + hb] != 0);
+#endif
             for (r : 0 .. NREQ - 1) {
                 x = k * NREQ + r;
                 if
@@ -230,6 +276,11 @@ proctype Rank(byte k) {
 
         /* after_harvest: the release verdict frees the pages on every rank in this iteration */
         vote_pass2(k, hb);
+#if defined(FLIP) && defined(P_DRAINED)
+        /* after a flip the shared vote hands the new role's loop the verdicts still in flight:
+           none may name a room of the old role (the new role's rooms are not modelled) */
+        heldnow = role[k] && (vg[0] | vb[0]) != 0; assert(!heldnow); heldnow = 0;
+#endif
         for (r : 0 .. NREQ - 1) {
             x = k * NREQ + r;
             if
@@ -266,6 +317,14 @@ proctype Rank(byte k) {
             :: else
             fi
         };
+#ifdef FLIP
+        /* PDLoop.drained: no request in bootstrap, the scheduler or inflight, no batch with
+           entries, and the batch harvested now was empty; then ElasticLoop's quiet count */
+        dr = !hbusy;
+        for (r : 0 .. NREQ - 1) { dr = dr && (q[k * NREQ + r] == Q_NONE || q[k * NREQ + r] == Q_GONE) };
+        for (i : 0 .. L - 1) { dr = dr && batch[k * L + i] == 0 };
+        flip_end(k);
+#endif
         mb = (mb + 1) % L;
         busy = 0; hneeds = 0; hb = 0; sampling = 0; fm = 0; rm = 0;
         scrub()
@@ -282,7 +341,14 @@ proctype Rank(byte k) {
    and the faults the manager's threads report (timeouts, a dead or aborting decode peer). */
 proctype Sender(byte k; byte r) {
     byte x = k * NREQ + r;
+#ifdef FLIP
+    if
+    :: snd[x] != NONE
+    :: snd[x] == NONE && (q[x] == Q_GONE || role[k]) -> goto gone   /* refused, or never comes */
+    fi;
+#else
     snd[x] != NONE;
+#endif
     do
     :: atomic { snd[x] == BOOTSTRAPPING -> snd[x] = WAITING }            /* every decode rank registered */
     :: atomic { snd[x] == BOOTSTRAPPING && FAULT -> faults++; snd_fail(x) }  /* bootstrap timeout */
@@ -303,6 +369,9 @@ proctype Sender(byte k; byte r) {
                                            flight still returns later: _busy, the notice is deferred) */
     :: !reading[x] && q[x] == Q_GONE -> break
     od
+#ifdef FLIP
+    ; gone: skip
+#endif
 }
 
 init {

@@ -26,7 +26,11 @@
 #define LAST (PP - 1)
 #define NK 3            /* vote kinds on the wire (the prefill node uses kind 0 only) */
 #define NOPAGE 255
+#ifdef FLIP
+#define NLOG (NREQ * 4 + 3)   /* + SetRole, the flip, the new role's request */
+#else
 #define NLOG (NREQ * 4)
+#endif
 
 /* KVPoll (consensus/kvpoll.py); NONE = no sender/receiver yet */
 #define FAILED 0
@@ -40,7 +44,11 @@ mtype = { V1, V2, LEAD };
 
 /* PPComm links (engine/pp_comm.py), indexed by the receiving rank. isend does not block until
    `commit_after` turns later: a buffered channel of about that capacity; recv blocks. */
+#ifdef FLIP
+chan meta_in[PP] = [1] of { byte, byte, byte };  /* Msg.META from k-1: add mask, abort mask, ctl */
+#else
 chan meta_in[PP] = [1] of { byte, byte };        /* Msg.META from k-1: add mask, abort mask */
+#endif
 chan hidden_in[PP] = [1] of { byte };            /* Msg.HIDDEN from k-1: the slot */
 chan output_in[PP] = [PP] of { byte };           /* Msg.OUTPUT: into 0 from LAST, into k from k-1 */
 chan ring_in[PP] = [2 * L + 2] of { mtype, byte, byte, byte, byte, byte, byte, byte };  /* Msg.VOTE */
@@ -71,11 +79,41 @@ byte nab;                           /* PP0: aborts the front delivered so far */
 bool abort_sent[NREQ];
 byte faults;                        /* transfer faults used (bounded by MAXF) */
 
+#ifdef FLIP
+/* The role flip of an elastic node (elastic_node/loop.py ElasticLoop; pd_common/loop_base.py
+   PDLoop._set_role, the refusal in apply_message, drained). Role 0 is the node's role at start
+   (the model's prefill or decode loop), role 1 the other one, modelled abstractly: after the flip
+   PP0 may deliver one request of the new role, which every rank must admit. */
+#define C_ROLE 1            /* meta ctl: SetRole(the other role) is in the list */
+#define C_ROLE_FIRST 2      /*   ... before the list's new request (which is then refused) */
+#define C_NEWREQ 4          /* meta ctl: a request of the new role */
+#define C_ROLE0 8           /* property only: PP0's role in this iteration, carried with the meta */
+#define K_ADMIT 6           /* WHAT(r, K_ADMIT, 0): old-role request r refused (role_change);
+                               WHAT(NREQ, K_ADMIT, v): the new role's request admitted (v 1) or not */
+#define K_ROLE 7            /* WHAT(0, K_ROLE, 0): SetRole applied (pd_set_role); v 1: the flip (pd_role_flip) */
+#define FWHAT(r, kind, v) (((r) << 4) | ((kind) << 1) | (v))
+bool role[PP];              /* the rank's role: loop.role (0: the start role, 1: the other) */
+bool leaving[PP];           /* loop.leaving_for is not None */
+byte quiet[PP];             /* ElasticLoop.quiet: iterations in a row drained while leaving */
+bool role_sent;             /* PP0: the front delivered SetRole (at most once a run) */
+bool nr_sent;               /* PP0: the front delivered the new role's request */
+/* ElasticLoop.iteration: the flip once quiet >= num_slots. The mutant M_FLIP_EARLY flips the
+   last rank one iteration early. */
+#ifdef M_FLIP_EARLY
+#define FLIP_AFTER(k) ((k) == LAST -> L - 1 : L)
+#else
+#define FLIP_AFTER(k) L
+#endif
+#endif
+
 /* Zeroes a rank's scratch variables at the end of an atomic phase, so they do not split states. */
 inline scrub() {
     i = 0; j = 0; m = 0; pend = 0; r = 0; x = 0; addm = 0; abm = 0; tag = 0;
     for (i : 0 .. NK - 1) { rg[i] = 0; rb[i] = 0; tg[i] = 0; tb[i] = 0; bg[i] = 0; bb[i] = 0; ba[i] = 0; vg[i] = 0; vb[i] = 0 };
     for (i : 0 .. 5) { xv[i] = 0 };
+#ifdef FLIP
+    ctl = 0; hbusy = 0; dr = 0; heldnow = 0;
+#endif
     i = 0
 }
 
@@ -105,13 +143,19 @@ inline emit_end(k, r) {
 }
 
 /* SlotLoop.ingest_meta: PP0 polls the front (a new request, an abort), the others receive PP0's
-   list; forwarded unchanged down the chain, even when empty. */
+   list; forwarded unchanged down the chain, even when empty. With FLIP the list also carries the
+   ROLE item and the new role's request (`ctl`, declared by the model's Rank under FLIP). */
 inline ingest_meta(k, addm, abm) {
     addm = 0; abm = 0;
     if
     :: k == 0 ->
         if
+#ifdef FLIP
+        :: nadd < NREQ && !role[0] -> d_step { addm = 1 << nadd; added[nadd] = 1; pending++; nadd++ }
+        :: role[0] && !nr_sent -> d_step { ctl = C_NEWREQ; nr_sent = 1; pending++ }
+#else
         :: nadd < NREQ -> d_step { addm = 1 << nadd; added[nadd] = 1; pending++; nadd++ }
+#endif
         :: true
         fi;
         if
@@ -123,13 +167,74 @@ inline ingest_meta(k, addm, abm) {
             fi
         :: true
         fi
+#ifdef FLIP
+        ;
+        if      /* SetRole, at most once; after the list's new request or before it */
+        :: !role[0] && !role_sent -> role_sent = 1; ctl = ctl | C_ROLE;
+            if :: addm != 0 -> ctl = ctl | C_ROLE_FIRST :: true fi
+        :: true
+        fi;
+        if :: role[0] -> ctl = ctl | C_ROLE0 :: else fi
+    :: else -> meta_in[k] ? addm, abm, ctl
+#else
     :: else -> meta_in[k] ? addm, abm
+#endif
     fi;
+#if defined(FLIP) && defined(P_ROLE)
+    /* every rank has PP0's role in every iteration (at its start: a flip ends an iteration) */
+    assert(((ctl & C_ROLE0) != 0) == role[k]);
+#endif
     if
+#ifdef FLIP
+    :: k != LAST -> meta_in[k + 1] ! addm, abm, ctl
+#else
     :: k != LAST -> meta_in[k + 1] ! addm, abm
+#endif
     :: else
     fi
 }
+
+#ifdef FLIP
+/* ElasticLoop._flip: the role becomes the other one; the vote (its messages in flight, voted[],
+   the last rank's _kept) is the same object, so nothing of it changes. `nothing_held(k)` is the
+   model's: the drained-at-flip property. */
+inline do_flip(k) {
+    nothing_held(k);
+    decide(k, FWHAT(0, K_ROLE, 1));
+    role[k] = 1; leaving[k] = 0; quiet[k] = 0
+}
+
+/* PDLoop._set_role: from here this rank refuses new requests of its role */
+inline set_role(k) {
+    decide(k, FWHAT(0, K_ROLE, 0));
+    leaving[k] = 1
+#ifdef M_FLIP_UNDRAINED
+    ; if :: k == LAST -> do_flip(k) :: else fi      /* mutant: the last rank flips at once */
+#endif
+}
+
+/* ElasticLoop.iteration, after the loop's iteration: `dr` is the model's drained() */
+inline flip_end(k) {
+    if
+    :: leaving[k] ->
+        if :: dr -> quiet[k]++ :: else -> quiet[k] = 0 fi;
+        if :: quiet[k] >= FLIP_AFTER(k) -> do_flip(k) :: else fi
+    :: else
+    fi
+}
+
+/* The new role's request (abstract): admitted by a rank that serves the new role, refused
+   (role_change) otherwise; answered by PP0 at once. */
+inline new_role_request(k) {
+    if
+    :: ctl & C_NEWREQ ->
+        nrseen = 1;
+        decide(k, FWHAT(NREQ, K_ADMIT, role[k] && !leaving[k]));
+        if :: k == 0 -> pending-- :: else fi
+    :: else
+    fi
+}
+#endif
 
 /* RingVote.pass1 (with Ballot.resolved and merge): ballots in bg/bb/ba, per kind. */
 inline vote_pass1(k, mb) {

@@ -8,7 +8,9 @@ One line per (property, configuration): states explored and time. Exit status 1 
 fails (or a mutant passes). Each check is spin -a, gcc pan.c, ./pan in a temporary directory.
 The safety properties (agreement, safety, no double free / no leak, deadlock freedom) are checked
 by one exhaustive run per configuration with all their assertions on; liveness is a separate
-acceptance-cycle run under weak fairness (-a -f) against the model's LTL formula.
+acceptance-cycle run under weak fairness (-a -f) against the model's LTL formula. The role flip
+of an elastic node (-DFLIP) is checked in its own PP 2 configurations, with two more properties:
+every rank has the same role in every iteration, and nothing is held at a flip.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SAFETY_PROPS = ("agreement", "safety", "no-double-free-no-leak", "deadlock-freedom")
+# with the role flip (-DFLIP): every rank's role is PP0's in every iteration; at a flip the rank
+# holds no page and no request
+FLIP_PROPS = (*SAFETY_PROPS, "role-agreement", "drained-at-flip")
 PROP_MACROS = {
     "agreement": "P_AGREEMENT",
     "safety": "P_SAFETY",
     "no-double-free-no-leak": "P_NOLEAK",
+    "role-agreement": "P_ROLE",
+    "drained-at-flip": "P_DRAINED",
 }
 
 # Bounded scenarios (see docs/PROTOCOL_MODEL.md): faults and aborts multiply the state space, so
@@ -38,6 +45,11 @@ SCENARIOS = {
     "reuse": dict(NREQ=2, MAXF=1, MAXAB=0),  # a fault in room 0, room 1 reuses its pages
     # room 0 aborted at any point, room 1 runs
     "aborts": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1),
+    # the role flip (SetRole in the meta at any iteration, the drain, the flip, one request of the
+    # new role): it multiplies the state space by about 20, so one request and PP 2 only
+    "flip": dict(NREQ=1, MAXF=1, MAXAB=1, FLIP=1),  # a fault and an abort around the drain
+    "flip-fault": dict(NREQ=1, MAXF=1, MAXAB=0, FLIP=1),  # decode: a fault, the quarantine drains
+    "flip-abort-async1": dict(NREQ=1, MAXF=0, MAXAB=1, ASYNC=1, FLIP=1),  # L = 3 slots
 }
 
 
@@ -85,6 +97,19 @@ def properties_checks() -> list[Check]:
             continue
         fx = FIXED.get(model, {})
         out += _finding_checks(model) + _pp2_checks(model, fx) + _pp3_checks(model, fx)
+        out += _flip_checks(model, fx)
+    return out
+
+
+def _flip_checks(model: str, fx: dict) -> list[Check]:
+    """The role flip of an elastic node (-DFLIP), PP 2, exhaustive: the safety properties and the
+    two of the flip in one run, liveness in another. Prefill with async_depth 0 and 1; decode
+    with a fault (its quarantine must drain before the flip)."""
+    scs = ["flip", "flip-abort-async1"] if model == "prefill" else ["flip-fault"]
+    out = [Check(f"{model}-pp2-{sc}", model, 2, sc, "safety", FLIP_PROPS, extra=fx) for sc in scs]
+    out.append(
+        Check(f"{model}-pp2-{scs[0]}-live", model, 2, scs[0], "liveness", ("liveness",), extra=fx)
+    )
     return out
 
 
@@ -172,6 +197,14 @@ def mutant_checks() -> list[Check]:
             ("M_FREE_AT_ABORT", "prefill", "faults", "no-double-free-no-leak"),
             ("M_SKIP_ABORT", "prefill", "faults", "deadlock-freedom"),
         ]
+    m += [
+        # the role flip: the last rank flips one iteration early / at SetRole, without the drain
+        ("M_FLIP_EARLY", "prefill", "flip", "role-agreement"),
+        ("M_FLIP_EARLY", "decode", "flip-fault", "role-agreement"),
+        ("M_FLIP_UNDRAINED", "prefill", "flip", "drained-at-flip"),
+        ("M_FLIP_UNDRAINED", "decode", "flip-fault", "drained-at-flip"),
+    ]
+    m = [x for x in m if (HERE / f"{x[1]}.pml").exists()]
     out = [_mutant(mac, model, 2, sc, prop) for mac, model, sc, prop in m]
     # and the PP 3 partial search finds them too (one per property class it runs)
     out.append(_mutant("M_NO_PASS2", "decode", 3, "faults", "agreement", bitstate=BITS3))
@@ -283,6 +316,10 @@ def classify(what: str) -> str:
     """The property a spin error breaks, from the assertion's text (see the model's asserts)."""
     if "invalid end state" in what:
         return "deadlock-freedom"
+    if "role[k]" in what:
+        return "role-agreement"  # a rank's role is not PP0's in this iteration (P_ROLE)
+    if "heldnow" in what:
+        return "drained-at-flip"  # a rank flipped while it held something (P_DRAINED)
     if "acceptance cycle" in what:
         return "liveness"
     if "log_what" in what:
