@@ -78,7 +78,7 @@ async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
         )
         recs: list[dict] = []
         serial = iter(range(10**9))
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
 
         async def worker() -> None:
             while True:
@@ -102,6 +102,8 @@ async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 got = await client.get("/workers", auth=SignedAuth(secret))
                 moves = (got.json().get("elastic") or {}).get("moves") or []
+        for m in moves:  # seconds since the first phase began
+            m["at"] = round(m["at"] - wall0, 1)
         return recs, moves
 
 

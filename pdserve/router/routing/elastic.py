@@ -233,6 +233,7 @@ class ElasticController:
         self.metrics.role_flips.labels(to=move.to, reason=move.reason, outcome=outcome).inc()
         self.moves.append(
             {
+                "at": round(time.time(), 3),  # wall clock, for reading it against a bench's load
                 "url": move.url,
                 "from": old,
                 "to": move.to,
