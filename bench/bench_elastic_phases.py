@@ -15,8 +15,10 @@ Clusters (each started, measured and stopped in turn):
   1P+2D pd     1 prefill + 2 decode nodes, every request disaggregated
   2P+1D cond   the same split with conditional disaggregation (the router's default)
   1P+2D cond
-  elastic      `pdserve up --elastic`: 2 prefill + 1 decode elastic nodes to start with, the
-               router's controller on (its targets: the SLOs below), conditional disaggregation
+  elastic cond `pdserve up --elastic`: 2 prefill + 1 decode elastic nodes to start with, the
+               router's controller on (targets `--elastic-ttft-ms`, `--elastic-itl-ms`),
+               conditional disaggregation
+  elastic pd   the same, every request disaggregated
 
 Goodput of a phase: requests that started in it, were answered 200, and met TTFT <= `--slo-ttft-ms`
 and mean ITL <= `--slo-itl-ms`, per second of the phase. Also each phase's completed requests,
@@ -59,8 +61,10 @@ CLUSTERS = {
     "1P+2D pd": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(ALWAYS)}'",
     "2P+1D cond": "--prefill-nodes 2 --decode-nodes 1",
     "1P+2D cond": "--prefill-nodes 1 --decode-nodes 2",
-    "elastic": "--prefill-nodes 2 --decode-nodes 1 --elastic",
+    "elastic cond": "--prefill-nodes 2 --decode-nodes 1 --elastic",
+    "elastic pd": "--prefill-nodes 2 --decode-nodes 1 --elastic",
 }
+ELASTIC = ("elastic cond", "elastic pd")
 PHASES = ("prefill", "decode", "prefill")
 
 
@@ -154,7 +158,7 @@ def report(results: dict, args, meta: dict) -> str:
     lines += ["", "| cluster | whole run (req/s) | " + " | ".join(
         f"phase {k + 1} / best static" for k in range(len(PHASES))) + " |"]  # fmt: skip
     lines.append("|---|---:|" + "---:|" * len(PHASES))
-    static = [n for n in results if n != "elastic"]
+    static = [n for n in results if n not in ELASTIC]
     for name, res in results.items():
         whole = sum(st["goodput"] for st in res["phases"]) / len(PHASES)
         cells = []
@@ -162,10 +166,11 @@ def report(results: dict, args, meta: dict) -> str:
             best = max((results[n]["phases"][k]["goodput"] for n in static), default=0.0)
             cells.append(f"{st['goodput'] / best:.2f}x" if best > 0 else "n/a")
         lines.append(f"| {name} | {whole:.3f} | " + " | ".join(cells) + " |")
-    moves = results.get("elastic", {}).get("moves") or []
-    if moves:
-        lines += ["", "The controller's moves (elastic):", ""]
-        lines += [f"- {json.dumps(m)}" for m in moves]
+    for name in ELASTIC:
+        moves = results.get(name, {}).get("moves") or []
+        if moves:
+            lines += ["", f"The controller's moves ({name}; `at`: seconds into the run):", ""]
+            lines += [f"- {json.dumps(m)}" for m in moves]
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +185,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--short-tokens", type=int, default=4)
     ap.add_argument("--slo-ttft-ms", type=float, default=4000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=250.0)
+    ap.add_argument(
+        "--elastic-ttft-ms",
+        type=float,
+        default=2000.0,
+        help="the controller's prefill-wait target (--elastic-ttft-target-ms)",
+    )
+    ap.add_argument(
+        "--elastic-itl-ms",
+        type=float,
+        default=60.0,
+        help="the controller's decode-step target (--elastic-itl-target-ms)",
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -196,10 +213,10 @@ def main() -> int:
     results: dict[str, dict] = {}
     for name in args.clusters.split(","):
         up_args = CLUSTERS[name]
-        router = ""
-        if name == "elastic":  # the controller keeps each role under the bench's SLOs
-            router = f"--elastic-ttft-target-ms {args.slo_ttft_ms} "
-            router += f"--elastic-itl-target-ms {args.slo_itl_ms}"
+        if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
+            router = f"--elastic-ttft-target-ms {args.elastic_ttft_ms} "
+            router += f"--elastic-itl-target-ms {args.elastic_itl_ms}"
+            router += " " + " ".join(ALWAYS) if name == "elastic pd" else ""
             up_args += f" --router-args '{router}'"
         with cluster(args, "", up_args) as url:
             recs, moves = asyncio.run(run_phases(url, args))

@@ -50,20 +50,18 @@ class ElasticCluster(Cluster):
             parts = build_rank(_spec(model, "prefill", EPP, rank, {}), comm=comm)
             parts.front = front
 
-            def make(role, parts, vote):
+            def make_kv(role, parts):
                 if role == "prefill":
-                    kv = self.e_fabric.prefill_manager(pool_desc(parts), rank, transfer)
-                else:
-                    kv = self.p_fabric.decode_manager(
-                        pool_desc(parts),
-                        rank,
-                        decode_rank.dst_slices(parts),
-                        decode_rank.AUX_SLOTS,
-                        transfer,
-                    )
-                return elastic_rank.role_loop(role, parts, vote, kv)
+                    return self.e_fabric.prefill_manager(pool_desc(parts), rank, transfer)
+                return self.p_fabric.decode_manager(
+                    pool_desc(parts),
+                    rank,
+                    decode_rank.dst_slices(parts),
+                    decode_rank.AUX_SLOTS,
+                    transfer,
+                )
 
-            return ElasticLoop(parts, "prefill", make)
+            return ElasticLoop(parts, "prefill", elastic_rank.TransferEnds(make_kv))
 
         def build_decode(rank, comm, front):
             parts = build_rank(_spec(model, "decode", DPP, rank, {}), comm=comm)
@@ -147,3 +145,9 @@ def test_elastic_node_flips_both_ways_under_load_at_pp2(tiny6, tiny6_greedy):
             for s in ranks:
                 assert settled(s), f"{node} pp{s.pp_rank}: {s}"
         assert [t.loop.flips for t in e.ranks] == [2] * EPP
+        for t in e.ranks:  # one manager per role, kept across the flips; one set of counters
+            ends = t.loop.ends
+            assert sorted(ends.kv) == ["decode", "prefill"]
+            assert ends.kv["prefill"].stats is ends.kv["decode"].stats
+            kv = ends.kv["prefill"].stats.snapshot()
+            assert kv["bytes_sent"] > 0 and kv["bytes_received"] > 0

@@ -57,9 +57,15 @@ class ElasticFront(DecodeFront):
             return self._start_role
         return roles.pop() if len(roles) == 1 else ""
 
+    def _ranks_leaving(self) -> bool:
+        return any(
+            isinstance(st.ext, KVRankStats) and st.ext.leaving for st in self.rank_stats.values()
+        )
+
     def changing_to(self) -> str | None:
-        """The role the node is becoming, or None once every rank serves the one asked for."""
-        if self.asked is not None and self.serving == self.asked:
+        """The role the node is becoming, or None once every rank serves the one asked for and
+        none of them drains any more (the stats lag the ranks by up to a push)."""
+        if self.asked is not None and self.serving == self.asked and not self._ranks_leaving():
             self.asked = None
         return self.asked
 
@@ -67,8 +73,10 @@ class ElasticFront(DecodeFront):
         role = body.get("role")
         if role not in PD_ROLES:
             raise RequestError(400, f"'role' must be one of {list(PD_ROLES)}", "role")
-        if role != (self.changing_to() or self.serving):
-            self.asked = role if role != self.serving else None
+        changing = self.changing_to()
+        if role != (changing or self.serving) or (changing is None and self._ranks_leaving()):
+            # the ranks act on the last SetRole (back to the role they serve: the drain stops)
+            self.asked = role
             self.send(SetRole(role))  # after every request admitted so far: those finish
         return self.role_status()
 
@@ -91,11 +99,8 @@ class ElasticFront(DecodeFront):
         changing = self.changing_to()
         serving = self.serving
         if changing is not None or not serving:
-            raise RequestError(
-                503,
-                f"node is changing role from {serving or '?'} to {changing}",
-                code=ROLE_CHANGE,
-            )
+            to = f" to {changing}" if changing else ""
+            raise RequestError(503, f"node is changing role{to}", code=ROLE_CHANGE)
         if serving == "prefill":
             port = body.get("bootstrap_port")
             if body.get("bootstrap_room") is None or (
@@ -108,6 +113,16 @@ class ElasticFront(DecodeFront):
             self._prefill_rids.add(rid)
             return msg
         return super().add_request(rid, ids, params, body)
+
+    def admit(
+        self, body: dict[str, Any], ids: list[int] | None = None, traceparent: str | None = None
+    ) -> Pending:
+        try:
+            return super().admit(body, ids, traceparent)
+        except BaseException:
+            # refused after add_request: no answer will take it out of the prefill set
+            self._prefill_rids.discard(str(body.get("rid")))
+            raise
 
     async def answer(self, p: Pending) -> dict[str, Any] | None:
         if p.rid not in self._prefill_rids:

@@ -9,8 +9,8 @@ section 14).
                     vote, decode streams to their end, failed rooms through quarantine
     flip            at the end of an iteration where the loop is drained (`PDLoop.drained`, a pure
                     function of replicated state) for the L-th iteration in a row, every rank
-                    closes the old role's transfer and builds the new role's loop over the same
-                    model, pool, scheduler and PP link. The weights are not reloaded.
+                    builds the new role's loop over the same model, pool, scheduler and PP link,
+                    and that role's transfer end (`RoleEnds`). The weights are not reloaded.
 
 Why L quiet iterations (L = pp_size + async_depth, the slots): a batch scheduled in iteration t
 is harvested in t + L - 1, and a vote cast in t is applied then. After L iterations with nothing
@@ -18,12 +18,17 @@ held and every batch empty, no output, hidden state or verdict that names a requ
 link. What is still in flight is the vote ring's metronome: the empty verdicts of the last L - 1
 slots. Both roles' loops therefore share one `RingVote` over the kinds of both, so the new loop
 takes those verdicts exactly where the old one left them.
+
+A rank keeps each role's transfer end for its life once made (`RoleEnds`): its KV manager (control
+port, aux buffer, Mooncake session, bootstrap registration: what peers have cached about it) and
+the prefill consensus store stay open, idle while the other role serves, and one set of transfer
+counters covers both, so the node's counters never go back at a flip.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.vote import KINDS, RingVote
@@ -37,16 +42,26 @@ from pdserve.runtime.rank.spans import RankSpans
 
 log = logging.getLogger("pdserve.elastic")
 
-# (role, the rank's parts, the shared vote) -> that role's loop, its transfer open
-MakeLoop = Callable[[str, RankParts, RingVote], PDLoop]
+
+class RoleEnds(Protocol):
+    """Each role's transfer end, made at the role's first use and kept for the rank's life."""
+
+    def loop(self, role: str, parts: RankParts, vote: RingVote) -> PDLoop:
+        """`role`'s loop over the rank's parts, the shared vote and the role's transfer end (a
+        loop that does not own it: `PDLoop.owns_transfer` False)."""
+        ...
+
+    def close(self) -> None:
+        """Closes every transfer end made."""
+        ...
 
 
 class ElasticLoop:
     """One rank of an elastic node: runs its current role's loop, and flips it (see above). It
     offers what the rank's process, its stats reporter and its watchdog use of a loop."""
 
-    def __init__(self, parts: RankParts, role: str, make: MakeLoop):
-        self.parts, self._make = parts, make
+    def __init__(self, parts: RankParts, role: str, ends: RoleEnds):
+        self.parts, self.ends = parts, ends
         slots = parts.loop_cfg.num_slots
         self.vote = RingVote(vote_transport(parts.comm, slots), slots, kinds=KINDS)
         self.loop = self._build(role)
@@ -56,7 +71,7 @@ class ElasticLoop:
     def _build(self, role: str) -> PDLoop:
         # a prefill rank keeps a finished prompt's pages until its transfer was released
         self.parts.sched.hold_kv_on_finish = role == "prefill"
-        return self._make(role, self.parts, self.vote)
+        return self.ends.loop(role, self.parts, self.vote)
 
     @property
     def role(self) -> str:
@@ -75,11 +90,11 @@ class ElasticLoop:
     @rank_consensus("pd_role_flip", args=lambda self, role, t: [self.loop.role, role, t])
     def _flip(self, role: str, t: int) -> None:
         old = self.loop
-        old.close_transfer()
         new = self._build(role)
         # what the rank's process and its stats push read across the flip
         new.stats, new.samples, new.spans = old.stats, old.samples, old.spans
         new.spans.role = role
+        new._kv_latencies_seen = old._kv_latencies_seen  # the counters are the rank's
         self.loop, self.quiet = new, 0
         self.flips += 1
         log.info("pp_rank %d: %s -> %s after iteration %d", new.rank, old.role, role, t)
@@ -123,3 +138,4 @@ class ElasticLoop:
 
     def close(self) -> None:
         self.loop.close()
+        self.ends.close()

@@ -5,7 +5,9 @@ when the front sends `SetRole` (elastic_node/loop.py)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
+from pdserve.consensus.store import PPConsensusStore
 from pdserve.consensus.vote import RingVote
 from pdserve.decode_node import rank as decode_rank
 from pdserve.decode_node.loop import DecodeLoop
@@ -23,19 +25,43 @@ from pdserve.runtime.rank.process import ZYGOTE_PRELOAD, RankParts, run_rank
 
 __all__ = ["ZYGOTE_PRELOAD", "main"]  # ZYGOTE_PRELOAD: for a rank zygote (infra/zygote.py)
 
+KVManager = BasePrefillKVManager | BaseDecodeKVManager
 
-def role_loop(
-    role: str,
-    parts: RankParts,
-    vote: RingVote,
-    kv: BasePrefillKVManager | BaseDecodeKVManager,
-) -> PDLoop:
-    """`role`'s loop over the rank's parts, its transfer `kv` and the node's shared vote."""
-    if role == "prefill":
-        assert isinstance(kv, BasePrefillKVManager)
-        return PrefillLoop(parts, kv, consensus_store(parts), vote)
-    assert isinstance(kv, BaseDecodeKVManager)
-    return DecodeLoop(parts, kv, decode_rank.AUX_SLOTS, vote)
+
+class TransferEnds:
+    """The rank's transfer end of each role (elastic_node/loop.py `RoleEnds`): the KV manager
+    `make_kv(role, parts)` gives, made at the role's first use and kept, with one set of transfer
+    counters for both; the prefill consensus store likewise."""
+
+    def __init__(self, make_kv: Callable[[str, RankParts], KVManager]):
+        self._make_kv = make_kv
+        self.kv: dict[str, KVManager] = {}
+        self.store: PPConsensusStore | None = None
+        self._store_made = False
+
+    def loop(self, role: str, parts: RankParts, vote: RingVote) -> PDLoop:
+        kv = self.kv.get(role)
+        if kv is None:
+            kv = self.kv[role] = self._make_kv(role, parts)
+            first = next(iter(self.kv.values()))
+            kv.stats = first.stats  # before it made any room: the rank's counters go on
+        loop: PDLoop
+        if role == "prefill":
+            assert isinstance(kv, BasePrefillKVManager)
+            if not self._store_made:  # every rank makes it at the same flip (Msg.SYNC)
+                self.store, self._store_made = consensus_store(parts), True
+            loop = PrefillLoop(parts, kv, self.store, vote)
+        else:
+            assert isinstance(kv, BaseDecodeKVManager)
+            loop = DecodeLoop(parts, kv, decode_rank.AUX_SLOTS, vote)
+        loop.owns_transfer = False
+        return loop
+
+    def close(self) -> None:
+        for kv in self.kv.values():
+            kv.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def make_loop(parts: RankParts) -> ElasticLoop:
@@ -45,10 +71,9 @@ def make_loop(parts: RankParts) -> ElasticLoop:
     # one transfer engine for the rank's life: each role's manager registers the pool on it
     engine = make_engine(config.host, config.protocol, config.device)
 
-    def make(role: str, parts: RankParts, vote: RingVote) -> PDLoop:
-        kv: BasePrefillKVManager | BaseDecodeKVManager
+    def make_kv(role: str, parts: RankParts) -> KVManager:
         if role == "prefill":
-            kv = PrefillKVManager(
+            return PrefillKVManager(
                 config,
                 pool_desc(parts),
                 spec.pp_rank,
@@ -56,18 +81,16 @@ def make_loop(parts: RankParts) -> ElasticLoop:
                 spec.bootstrap_addr,
                 engine=engine,
             )
-        else:
-            kv = DecodeKVManager(
-                config,
-                pool_desc(parts),
-                spec.pp_rank,
-                decode_rank.dst_slices(parts),
-                aux_slots=decode_rank.AUX_SLOTS,
-                engine=engine,
-            )
-        return role_loop(role, parts, vote, kv)
+        return DecodeKVManager(
+            config,
+            pool_desc(parts),
+            spec.pp_rank,
+            decode_rank.dst_slices(parts),
+            aux_slots=decode_rank.AUX_SLOTS,
+            engine=engine,
+        )
 
-    return ElasticLoop(parts, spec.role, make)
+    return ElasticLoop(parts, spec.role, TransferEnds(make_kv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,8 @@ class MooncakeEngine:
             threading.Lock()
         )  # the first write to a peer opens its segment: one at a time
         self._opened: set[str] = set()
+        self._registered: dict[int, int] = {}  # registered start -> managers that registered it
+        self._reg_lock = threading.Lock()
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
         logger.debug(
             "KV transfer engine: protocol %s%s, session %s",
@@ -133,11 +135,24 @@ class MooncakeEngine:
         )
 
     def register(self, ptr: int, length: int) -> None:
-        rc = self._te.register_memory(ptr, length)
-        if rc != 0:
-            raise TransferError(f"register_memory({ptr:#x}, {length}) returned {rc}")
+        # KV managers sharing the engine may register one pool (an elastic rank's two roles):
+        # Mooncake sees it once, and it stays until the last of them unregisters it
+        with self._reg_lock:
+            if ptr in self._registered:
+                self._registered[ptr] += 1
+                return
+            rc = self._te.register_memory(ptr, length)
+            if rc != 0:
+                raise TransferError(f"register_memory({ptr:#x}, {length}) returned {rc}")
+            self._registered[ptr] = 1
 
     def unregister(self, ptr: int) -> None:
+        with self._reg_lock:
+            left = self._registered.get(ptr, 0) - 1
+            if left > 0:
+                self._registered[ptr] = left
+                return
+            self._registered.pop(ptr, None)
         self._te.unregister_memory(ptr)
 
     def write(

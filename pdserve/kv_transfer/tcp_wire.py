@@ -77,15 +77,26 @@ class _Regions:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held while a frame is written, and by unregister
         self._regions: dict[int, int] = {}  # start -> length
+        # registrations of each start: KV managers sharing the engine may register one pool
+        # (an elastic rank's two roles); it stays until the last of them unregisters it
+        self._count: dict[int, int] = {}
 
     def add(self, ptr: int, length: int) -> None:
         if ptr <= 0 or length <= 0:
             raise ValueError(f"bad region {ptr:#x} + {length}")
         with self.lock:
+            if ptr in self._regions and self._regions[ptr] != length:
+                raise ValueError(f"region {ptr:#x} registered with another length")
             self._regions[ptr] = length
+            self._count[ptr] = self._count.get(ptr, 0) + 1
 
     def remove(self, ptr: int) -> None:
         with self.lock:
+            left = self._count.get(ptr, 0) - 1
+            if left > 0:
+                self._count[ptr] = left
+                return
+            self._count.pop(ptr, None)
             self._regions.pop(ptr, None)
 
     def contains(self, addr: int, length: int) -> bool:

@@ -97,6 +97,8 @@ class PDLoop(SlotLoop):
         # Told to become another role (SetRole): it admits no new request and drains; the flip
         # itself is the elastic rank's (elastic_node/loop.py). None: it serves its role.
         self.leaving_for: str | None = None
+        # False: the KV manager (and store) outlive the loop: an elastic rank keeps them
+        self.owns_transfer = True
         self.by_rid: dict[str, PDReq] = {}  # requests in this loop's own queues
         # they count as the node's requests for the fair prefill cap (engine/scheduler.py)
         self.sched.held_elsewhere = lambda: [pd.req.share for pd in self.by_rid.values()]
@@ -229,10 +231,10 @@ class PDLoop(SlotLoop):
         self._t_stage.pop(pd.rid, None)
 
     def close_transfer(self) -> None:
-        """Closes what this role owns beyond the engine (its KV manager); an elastic rank calls
-        it alone at a flip, since the model and the grammar thread stay."""
+        """Closes what this role owns beyond the engine: its KV manager."""
         self.kv_mgr.close()
 
     def close(self) -> None:
         super().close()
-        self.close_transfer()
+        if self.owns_transfer:
+            self.close_transfer()

@@ -17,6 +17,7 @@ from pdserve.runtime.front.answer import Pending
 from pdserve.runtime.front.process import NodeFront
 from pdserve.runtime.front.prompt import RequestError
 from pdserve.runtime.messages import ErrorEvent
+from pdserve.runtime.reasons import AbortReason
 
 
 class PrefillFront(NodeFront):
@@ -68,6 +69,8 @@ async def prefill_answer(front: NodeFront, p: Pending) -> dict[str, Any]:
             if isinstance(ev, ErrorEvent):
                 p.done = True
                 front._observe(p, "abort", ev.reason)
+                if ev.reason == AbortReason.ROLE_CHANGE:  # an elastic node's: retried elsewhere
+                    raise RequestError(503, ev.message, None, "role_change")
                 code = None if ev.field else "prefill_failed"
                 raise RequestError(400 if ev.field else 502, ev.message, ev.field, code)
     except asyncio.CancelledError:

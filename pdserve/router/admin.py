@@ -64,23 +64,29 @@ async def change_role(router: Router, request: Request, t0: float) -> Response:
     if role not in ("prefill", "decode"):
         raise ApiError(400, "'role' must be prefill or decode", param="role")
     timeout_s = body.get("timeout_s", ROLE_CHANGE_TIMEOUT_S)
-    if not isinstance(timeout_s, (int, float)) or not 1 <= timeout_s <= 3600:
+    if (
+        not isinstance(timeout_s, (int, float))
+        or isinstance(timeout_s, bool)
+        or not 1 <= timeout_s <= 3600
+    ):
         raise ApiError(400, "'timeout_s' must be seconds in [1, 3600]", param="timeout_s")
     worker = router.registry.get(body["url"])
     if worker is None:
         raise ApiError(404, f"no worker {body['url']} is registered", param="url")
     if not worker.elastic:
         raise ApiError(409, f"{worker.url} is not an elastic node (--elastic)", param="url")
+    if worker.role == role and worker.changing_to is None:
+        return JSONResponse({"worker": worker.describe()})  # nothing to do
     if worker.role == "decode" and not [
         w for w in router.registry.serving(worker.model, "decode") if w is not worker
     ]:
         # prefill without decode serves nothing; decode alone prefills its own prompts
         raise ApiError(409, f"{worker.url} is the last decode node of its model", param="url")
-    if worker.role != role:
-        try:
-            await router.registry.change_role(worker, role, float(timeout_s))
-        except (RuntimeError, TimeoutError) as exc:
-            raise ApiError(409 if isinstance(exc, RuntimeError) else 504, str(exc)) from None
+    try:
+        await router.registry.change_role(worker, role, float(timeout_s))
+    except (RuntimeError, TimeoutError) as exc:
+        raise ApiError(409 if isinstance(exc, RuntimeError) else 504, str(exc)) from None
+    finally:
         router.dispatcher.pairs.track(router.registry.all())
     return JSONResponse({"worker": worker.describe()})
 

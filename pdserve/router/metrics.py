@@ -101,7 +101,7 @@ class RouterMetrics:
             "pdserve_router_role_replicas_needed",
             "Nodes each role needs for the elastic targets (TTFT for prefill, ITL for decode): "
             "its node count scaled by its predicted latency over its target; for autoscalers",
-            ["role"],
+            ["model", "role"],
             registry=self.registry,
         )
 

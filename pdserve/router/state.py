@@ -63,7 +63,12 @@ class Router:
         self.slo = Slo(cfg.slo, self.dispatcher)
         self.elastic = (
             ElasticController(
-                cfg.elastic, cfg.slo, self.registry, self.dispatcher.disagg.model, self.metrics
+                cfg.elastic,
+                cfg.slo,
+                self.registry,
+                self.dispatcher.disagg.model,
+                self.metrics,
+                on_moved=lambda: self.dispatcher.pairs.track(self.registry.all()),
             )
             if cfg.elastic.enabled
             else None

@@ -87,8 +87,8 @@ def node_failure(worker: Worker, resp: httpx.Response, body: bytes) -> Failure:
         status == 503
         and isinstance(parsed, dict)
         and isinstance(parsed.get("error"), dict)
-        and parsed["error"].get("code") == "node_overloaded"
-    )
+        and parsed["error"].get("code") in ("node_overloaded", "role_change")
+    )  # role_change: an elastic node leaving the role this leg needs (docs/ROUTER.md)
     if status in (408, 429) or overloaded:
         return Failure(
             503, text, code="node_busy", retryable=True, culprit=worker, node_fault=False

@@ -136,8 +136,9 @@ def replicas_needed(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: f
 class ElasticController:
     """Runs `decide` every `interval_s` on the router's event loop and makes the moves."""
 
-    def __init__(self, cfg: ElasticConfig, slo, registry, model, metrics):
+    def __init__(self, cfg: ElasticConfig, slo, registry, model, metrics, on_moved=lambda: None):
         self.cfg, self.registry, self.model, self.metrics = cfg, registry, model, metrics
+        self.on_moved = on_moved  # the router's pairs follow the roles
         self.ttft_target_s = (cfg.ttft_target_ms or slo.ttft_ms or DEFAULT_TTFT_TARGET_MS) / 1e3
         self.itl_target_s = (cfg.itl_target_ms or slo.itl_ms or DEFAULT_ITL_TARGET_MS) / 1e3
         self._task: asyncio.Task | None = None
@@ -176,7 +177,7 @@ class ElasticController:
         for model, nodes in sorted(self.loads().items(), key=lambda kv: str(kv[0])):
             need = replicas_needed(nodes, self.ttft_target_s, self.itl_target_s)
             for role, n in need.items():
-                self.metrics.role_replicas_needed.labels(role=role).set(n)
+                self.metrics.role_replicas_needed.labels(model=str(model or ""), role=role).set(n)
             self.last = {
                 "model": model,
                 "ttft_s": round(ttft_of(nodes), 4),
@@ -230,6 +231,7 @@ class ElasticController:
             self.flipping = None
             self._last_move = time.monotonic()
             self._short_since.clear()
+            self.on_moved()
         self.metrics.role_flips.labels(to=move.to, reason=move.reason, outcome=outcome).inc()
         self.moves.append(
             {

@@ -54,6 +54,7 @@ class Worker:
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     elastic: bool = False  # learnt from /server_info: it can change role (POST /workers/role)
     changing_to: str | None = None  # a role change under way: chosen for neither role meanwhile
+    changed_by_router: bool = False  # this router's change_role runs (the probes leave it be)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
@@ -257,11 +258,17 @@ class WorkerRegistry:
         timeout = self._cfg.health.timeout_s
         client = self._clients.get(worker.url)
         try:
-            if worker.model is None or (worker.role == "prefill" and worker.bootstrap_port is None):
+            if (
+                worker.model is None
+                or worker.elastic  # its role can change: it follows the node's (`_follow`)
+                or (worker.role == "prefill" and worker.bootstrap_port is None)
+            ):
                 resp = await client.get(f"{worker.url}/server_info", timeout=timeout)
                 if resp.status_code == 200:
                     info = resp.json()
                     self._learn(worker, info)
+                    if isinstance(info, dict):
+                        await self._follow(worker, info)
                     # a worker removed while its answer was on the way must not pin the router
                     if isinstance(info, dict) and self._workers.get(worker.url) is worker:
                         self.cores.learn(worker.url, info.get("front_cpus"))
@@ -308,40 +315,72 @@ class WorkerRegistry:
     async def change_role(self, worker: Worker, role: str, timeout_s: float) -> None:
         """Makes the elastic `worker` serve `role`: chosen for no request from now, it is asked
         (POST /role), and once every one of its ranks serves `role` (its /server_info says so) it
-        is chosen again, in that role. The requests it held finish first, on the node. Raises
-        RuntimeError if the node refuses, TimeoutError after `timeout_s`."""
+        takes the role, the decode nodes get the new allowlist, and it is chosen again. The
+        requests it held finish first, on the node. Raises RuntimeError if the node cannot be
+        asked, refuses, or the worker is removed meanwhile; TimeoutError after `timeout_s`. After
+        a failure the probes follow what the node reports (`_follow`)."""
         if worker.changing_to is not None:
             raise RuntimeError(f"{worker.url} is changing role to {worker.changing_to} already")
-        old = worker.role
-        worker.changing_to = role
+        worker.changing_to, worker.changed_by_router = role, True
         self.report(worker)
         client = self._clients.get(worker.url)
         timeout = self._cfg.health.timeout_s
         try:
-            resp = await client.post(f"{worker.url}/role", json={"role": role}, timeout=timeout)
+            try:
+                resp = await client.post(f"{worker.url}/role", json={"role": role}, timeout=timeout)
+            except httpx.HTTPError as exc:
+                raise RuntimeError(f"{worker.url} could not be asked: {exc!r}") from None
             if resp.status_code != 200:
                 raise RuntimeError(f"{worker.url} refused the role change: {resp.text[:200]}")
             deadline = time.monotonic() + timeout_s
             while True:
-                try:
-                    info = (await client.get(f"{worker.url}/server_info", timeout=timeout)).json()
-                except (httpx.HTTPError, ValueError):
-                    info = {}
+                if self._workers.get(worker.url) is not worker:
+                    raise RuntimeError(f"{worker.url} was removed during its role change")
+                info = await self._server_info(worker, timeout)
                 if info.get("role") == role and info.get("changing_to") is None:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{worker.url} did not become {role} in {timeout_s:g} s")
                 await asyncio.sleep(ROLE_POLL_S)
-            self._metrics.forget_worker(worker.url, old)
-            worker.role = role
-            logger.warning("worker %s: role %s -> %s", worker.url, old, role)
+            await self._adopt_role(worker, role)  # before it is eligible again
         finally:
-            worker.changing_to = None
+            worker.changing_to, worker.changed_by_router = None, False
             self.report(worker)
-        # the allowlist changed: a prefill node came or went; a new decode node needs it whole
+
+    async def _server_info(self, worker: Worker, timeout: float) -> dict:
+        """The worker's /server_info, or {} when it does not answer with a JSON object."""
+        try:
+            resp = await self._clients.get(worker.url).get(
+                f"{worker.url}/server_info", timeout=timeout
+            )
+            info = resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    async def _adopt_role(self, worker: Worker, role: str) -> None:
+        """The elastic `worker` serves `role` now: its gauges move, and the bootstrap allowlists
+        follow (a prefill node came or went; a decode node needs the list whole)."""
+        if role == worker.role:
+            return
+        old = worker.role
+        self._metrics.forget_worker(worker.url, old)
+        worker.role = role
+        logger.warning("worker %s: role %s -> %s", worker.url, old, role)
         await self._push_to_decodes()
         if role == "decode":
             await self.push_bootstrap_servers(worker, True)
+
+    async def _follow(self, worker: Worker, info: dict) -> None:
+        """A probe of an elastic worker takes its role and any change under way from what the
+        node reports, unless this router is changing it: after a change that failed here but went
+        on at the node, or one asked of the node by someone else, or after a router restart."""
+        if not worker.elastic or worker.changed_by_router:
+            return
+        changing, role = info.get("changing_to"), info.get("role")
+        worker.changing_to = changing if changing in ("prefill", "decode") else None
+        if worker.changing_to is None and role in ("prefill", "decode"):
+            await self._adopt_role(worker, role)
 
     async def probe_all(self) -> None:
         workers = self.all()
