@@ -194,7 +194,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--elastic-itl-ms",
         type=float,
-        default=60.0,
+        default=100.0,
         help="the controller's decode-step target (--elastic-itl-target-ms)",
     )
     ap.add_argument("--model", default=None)

@@ -154,3 +154,23 @@ def test_a_shortage_must_last_and_moves_keep_their_distance():
     c.flipping = "d1"
     assert c.tick(130.0) is None  # one move at a time
     assert c.last["replicas_needed"] == {"prefill": 2, "decode": 1}
+
+
+def test_an_idle_role_gives_a_node_to_a_busy_one_and_keeps_one():
+    """Under its targets a closed loop still waits on the busy role: a role under `idle` x its
+    target beside one over `busy` x its own gives it a node, but never its last one."""
+    nodes = [
+        node("p0", "prefill", queued=10),  # a 0.01 s wait: idle against 2 s
+        node("p1", "prefill", queued=0),
+        node("d0", "decode", streams=12),  # a 0.034 s step: over 0.3 x 0.1 s
+    ]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and (move.url, move.to, move.reason) == ("p1", "decode", "decode_busy")
+    assert decide([n for n in nodes if n.url != "p1"], CFG, TTFT, ITL) is None  # the last one
+    nodes = [
+        node("p0", "prefill", queued=1000),  # 1 s: over 0.3 x 2 s
+        node("d0", "decode", streams=0),
+        node("d1", "decode", streams=0),
+    ]
+    move = decide(nodes, CFG, TTFT, 0.2)  # idle steps: 0.01 s against 0.2 s
+    assert move is not None and (move.to, move.reason) == ("prefill", "prefill_busy")

@@ -151,13 +151,15 @@ class ElasticConfig:
     itl_target_ms: float = 0.0  # 0: the router's ITL SLO, else DEFAULT_ITL_TARGET_MS
     high: float = 0.8  # a role is short past high x its target
     low: float = 0.5  # a role can spare a node if it stays under low x its target without it
+    idle: float = 0.1  # a role under idle x its target, beside one over busy x its own, gives a
+    busy: float = 0.3  # node to it (kept: at least one node of each role)
     sustain_s: float = 3.0
     dwell_s: float = 20.0
     flip_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.low < self.high:
-            raise ValueError("elastic thresholds need 0 < low < high")
+        if not 0 < self.low < self.high or not 0 < self.idle < self.busy:
+            raise ValueError("elastic thresholds need 0 < low < high and 0 < idle < busy")
         if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
             raise ValueError("elastic intervals must be > 0 s")
         if self.ttft_target_ms < 0 or self.itl_target_ms < 0:

@@ -92,8 +92,9 @@ class RouterMetrics:
         """The elastic controller's moves and its per-role node estimate (routing/elastic.py)."""
         self.role_flips = Counter(
             "pdserve_router_role_flips",
-            "Elastic nodes the controller moved to another role, by the role, the shortage that "
-            "asked for it (prefill_short, decode_short) and the outcome (done, failed)",
+            "Elastic nodes the controller moved to another role, by the role, the load that asked "
+            "for it (prefill_short, decode_short, prefill_busy, decode_busy) and the outcome "
+            "(done, failed)",
             ["to", "reason", "outcome"],
             registry=self.registry,
         )

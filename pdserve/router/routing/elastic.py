@@ -11,8 +11,10 @@ latency_model.py), per role, over the eligible nodes:
     itl    the decode step time: the largest predicted step of a decode node at the streams it
            has open
 
-A role is short when its number passes `high` x its target. The controller moves a node to it from
-the other role only where the other role can spare one: its number, predicted again with the work
+A role is short when its number passes `high` x its target, and busy when it passes `busy` x its
+target while the other role's stays under `idle` x its own (the capacity a closed loop of clients
+waits on, under the targets). The controller moves a node to it from the other role only where
+the other role can spare one (a busy role never takes the other's last node): its number, predicted again with the work
 spread over one node less, stays under `low` x its target (low < high: the band between them is the
 hysteresis, so the move it makes does not make the opposite move true). A shortage must last
 `sustain_s`, and no move comes within `dwell_s` of the last one. A decode node is never taken from
@@ -105,21 +107,35 @@ def _without(nodes: list[NodeLoad], gone: NodeLoad) -> list[NodeLoad]:
 def decide(nodes: list[NodeLoad], cfg: ElasticConfig, ttft_target_s: float, itl_target_s: float):
     """The move the load asks for now, or None. `nodes`: the eligible nodes of one model."""
     ttft, itl = ttft_of(nodes), itl_of(nodes)
+    p_pre, p_dec = ttft / ttft_target_s, itl / itl_target_s  # each role's number over its target
     decodes = [n for n in nodes if n.role == "decode"]
-    # the least loaded elastic node of the giving role, ties by URL: the same choice every time
-    if ttft > cfg.high * ttft_target_s and len(decodes) > 1:
-        for n in sorted((n for n in decodes if n.elastic), key=lambda n: (n.streams, n.url)):
-            if itl_of(_without(nodes, n)) < cfg.low * itl_target_s:
-                return Move(n.url, "prefill", "prefill_short", ttft, itl)
-            break
     prefills = [n for n in nodes if n.role == "prefill"]
-    if itl > cfg.high * itl_target_s and prefills:
-        for n in sorted((n for n in prefills if n.elastic), key=lambda n: (n.queued_tokens, n.url)):
-            after = _without(nodes, n)
-            if ttft_of(after) < cfg.low * ttft_target_s:
-                return Move(n.url, "decode", "decode_short", ttft, itl)
-            break
+    # a shortage; or an idle role beside a busy one (the capacity a closed loop waits on), which
+    # keeps one node of each role
+    to_prefill = ("prefill_short", 1) if p_pre > cfg.high else None
+    if to_prefill is None and p_dec < cfg.idle and p_pre > cfg.busy:
+        to_prefill = ("prefill_busy", 2)
+    if to_prefill is not None and len(decodes) >= to_prefill[1]:
+        n = _least_loaded(decodes, lambda n: n.streams)
+        if n is not None and itl_of(_without(nodes, n)) < cfg.low * itl_target_s:
+            return Move(n.url, "prefill", to_prefill[0], ttft, itl)
+    to_decode = ("decode_short", 1) if p_dec > cfg.high else None
+    if to_decode is None and p_pre < cfg.idle and p_dec > cfg.busy:
+        to_decode = ("decode_busy", 2)
+    if to_decode is not None and len(prefills) >= to_decode[1]:
+        n = _least_loaded(prefills, lambda n: n.queued_tokens)
+        if n is not None and ttft_of(_without(nodes, n)) < cfg.low * ttft_target_s:
+            return Move(n.url, "decode", to_decode[0], ttft, itl)
     return None
+
+
+def _least_loaded(role_nodes: list[NodeLoad], load) -> NodeLoad | None:
+    """The elastic node of a role that would give the least work away, ties by URL (the same
+    choice every time); None if that role has one node only or no elastic one."""
+    if len(role_nodes) < 2 and role_nodes and role_nodes[0].role == "decode":
+        return None  # the last decode node never goes
+    candidates = sorted((n for n in role_nodes if n.elastic), key=lambda n: (load(n), n.url))
+    return candidates[0] if candidates else None
 
 
 def replicas_needed(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: float):
