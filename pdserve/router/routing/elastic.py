@@ -14,9 +14,10 @@ latency_model.py), per role, over the eligible nodes:
 A role is short when its number passes `high` x its target, and busy when it passes `busy` x its
 target while the other role's stays under `idle` x its own (the capacity a closed loop of clients
 waits on, under the targets). The controller moves a node to it from the other role only where
-the other role can spare one (a busy role never takes the other's last node): its number, predicted again with the work
-spread over one node less, stays under `low` x its target (low < high: the band between them is the
-hysteresis, so the move it makes does not make the opposite move true). A shortage must last
+the other role can spare one (a busy role never takes the other's last node): its number,
+predicted again with the work spread over one node less, stays under `low` x its target (low <
+high: the band between them is the hysteresis, so the move it makes does not make the opposite
+move true). A shortage must last
 `sustain_s`, and no move comes within `dwell_s` of the last one. A decode node is never taken from
 the last one of its model's decode nodes; the last prefill node may go, because decode nodes
 prefill the prompts themselves when none is left.
