@@ -89,7 +89,8 @@ class RouterMetrics:
         self._elastic_metrics()
 
     def _elastic_metrics(self) -> None:
-        """The elastic controller's moves and its per-role node estimate (routing/elastic.py)."""
+        """The elastic controller's moves and its per-role node estimate (routing/elastic.py);
+        every series exists from the start (0 while the controller is off)."""
         self.role_flips = Counter(
             "pdserve_router_role_flips",
             "Elastic nodes the controller moved to another role, by the role, the load that asked "
@@ -98,13 +99,20 @@ class RouterMetrics:
             ["to", "reason", "outcome"],
             registry=self.registry,
         )
+        for to in ("prefill", "decode"):
+            for why in ("short", "busy"):
+                for outcome in ("done", "failed"):
+                    self.role_flips.labels(to=to, reason=f"{to}_{why}", outcome=outcome)
         self.role_replicas_needed = Gauge(
             "pdserve_router_role_replicas_needed",
             "Nodes each role needs for the elastic targets (TTFT for prefill, ITL for decode): "
-            "its node count scaled by its predicted latency over its target; for autoscalers",
-            ["model", "role"],
+            "its node count scaled by its predicted latency over its target, summed over the "
+            "models; for autoscalers (0 while the controller is off)",
+            ["role"],
             registry=self.registry,
         )
+        for role in ("prefill", "decode"):
+            self.role_replicas_needed.labels(role=role)
 
     def _request_metrics(self) -> None:
         """Requests answered, their duration, and the route each attempt took."""

@@ -191,10 +191,11 @@ class ElasticController:
         """One look at the load: the gauges, and the move that is due now, if any."""
         due = None
         seen = set()
+        total = {"prefill": 0, "decode": 0}
         for model, nodes in sorted(self.loads().items(), key=lambda kv: str(kv[0])):
             need = replicas_needed(nodes, self.ttft_target_s, self.itl_target_s)
             for role, n in need.items():
-                self.metrics.role_replicas_needed.labels(model=str(model or ""), role=role).set(n)
+                total[role] += n
             self.last = {
                 "model": model,
                 "ttft_s": round(ttft_of(nodes), 4),
@@ -209,6 +210,8 @@ class ElasticController:
             since = self._short_since.setdefault(key, now)
             if now - since >= self.cfg.sustain_s and now - self._last_move >= self.cfg.dwell_s:
                 due = due or move
+        for role, n in total.items():
+            self.metrics.role_replicas_needed.labels(role=role).set(n)
         self._short_since = {k: v for k, v in self._short_since.items() if k in seen}
         return None if self.flipping else due
 
