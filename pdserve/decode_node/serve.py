@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pdserve.pd_common.node_defaults import add_elastic_args, set_pd_defaults
 from pdserve.runtime.node_args import add_node_args
@@ -19,6 +20,9 @@ def decode_main(args) -> int:
     from pdserve.decode_node.front import DecodeFront
     from pdserve.pd_common.messages import PDRankSpec
 
+    if args.bootstrap_port is not None:  # only an elastic decode node serves a bootstrap server
+        print("pdserve decode: --bootstrap-port needs --elastic", file=sys.stderr)
+        return 2
     transfer = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
         return run_remote_ranks(args, "decode", "pdserve.decode_node.rank", PDRankSpec, transfer)

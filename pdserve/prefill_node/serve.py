@@ -19,23 +19,25 @@ def add_prefill_args(ap: argparse.ArgumentParser) -> None:
 
 
 def prefill_main(args) -> int:
+    from pdserve.prefill_node.front import PrefillFront
+
+    return serve_with_bootstrap(args, "prefill", "pdserve.prefill_node.rank", PrefillFront)
+
+
+def serve_with_bootstrap(args, role: str, module: str, front_cls, **front_kw) -> int:
+    """A node whose front hosts the KV bootstrap server on --bootstrap-port (a prefill node; an
+    elastic node in either role): its front, server and ranks (`module`), until stopped; on a
+    node-rank > 0 host, its ranks only."""
+    from pdserve.infra.cluster_secret import cluster_secret
     from pdserve.kv_transfer.bootstrap import BootstrapServer
     from pdserve.pd_common.messages import PDRankSpec
-    from pdserve.prefill_node.front import PrefillFront
 
     transfer = {"transfer_host": advertise_host(args)}
     if args.node_rank > 0:
         host0 = args.dist_init_addr.rsplit(":", 1)[0]
-        return run_remote_ranks(
-            args,
-            "prefill",
-            "pdserve.prefill_node.rank",
-            PDRankSpec,
-            {**transfer, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"},
-        )
-    from pdserve.infra.cluster_secret import cluster_secret
-
-    front, app = make_front(args, "prefill", PrefillFront, bootstrap_port=args.bootstrap_port)
+        fields = {**transfer, "bootstrap_addr": f"{host0}:{args.bootstrap_port}"}
+        return run_remote_ranks(args, role, module, PDRankSpec, fields)
+    front, app = make_front(args, role, front_cls, bootstrap_port=args.bootstrap_port, **front_kw)
     server = BootstrapServer(
         host=args.host, port=args.bootstrap_port, token=cluster_secret()
     ).start()
@@ -44,9 +46,9 @@ def prefill_main(args) -> int:
             args,
             front,
             app,
-            "prefill",
+            role,
             {**transfer, "bootstrap_addr": f"{advertise_host(args)}:{args.bootstrap_port}"},
-            module="pdserve.prefill_node.rank",
+            module=module,
         )
     finally:
         server.stop()
