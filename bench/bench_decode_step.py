@@ -2,11 +2,12 @@
 (engine/kernels/packed_linear.py), SmolLM2-135M-Instruct, fp32 or bf16 (`--dtype`), in one process,
 alternating.
 
-Both engines load the same model; one with `PDSERVE_PACKED_WEIGHTS=0` (its small batches take the
-oneDNN-reordered copies), one with packed codes. For each batch size B: B seeded prompts of 300-400
-random token ids, then per engine and repetition the time of a run of S + 1 output tokens minus
-that of a 1-token run (the prefix cache holds the prompts, so both runs prefill about nothing),
-over S: the time of one decode step of B requests. Repetitions alternate the engines, so a
+Both engines load the same model; one with packed weights switched off (`EngineConfig(kernels=
+KernelSwitches(packed_weights=False))`, a node's `--no-kernel-packed-weights`: its small batches
+take the oneDNN-reordered copies), one with packed codes. For each batch size B: B seeded prompts
+of 300-400 random token ids, then per engine and repetition the time of a run of S + 1 output
+tokens minus that of a 1-token run (the prefix cache holds the prompts, so both runs prefill about
+nothing), over S: the time of one decode step of B requests. Repetitions alternate the engines, so a
 machine that slows down slows both.
 
   .venv/bin/python bench/bench_decode_step.py [--batches 1 8 32 64] [--steps 32] [--reps 3]
@@ -33,14 +34,16 @@ sys.path.insert(0, str(ROOT))
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
-from pdserve.engine.kernels.packed_linear import ENV_SWITCH  # noqa: E402
+from pdserve.engine.kernels.switches import KernelSwitches  # noqa: E402
 
 
 def engines(threads: int, dtype: str) -> dict[str, Engine]:
     out = {}
-    for name, switch in (("reordered", "0"), ("packed", "1")):
-        os.environ[ENV_SWITCH] = switch  # read when the weights are packed, at load
-        out[name] = Engine(EngineConfig(model=None, threads=threads, dtype=dtype))
+    for name, packed in (("reordered", False), ("packed", True)):
+        # the switch decides at load which weights are packed: each engine keeps its own
+        kernels = KernelSwitches(packed_weights=packed)
+        cfg = EngineConfig(model=None, threads=threads, dtype=dtype, kernels=kernels)
+        out[name] = Engine(cfg)
     return out
 
 

@@ -197,17 +197,16 @@ def run_cluster(args, protocol: str) -> tuple[dict[str, dict[str, list[float]]],
     env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
     env |= {"PDSERVE_INTERNAL_TOKEN": SECRET, "PDSERVE_API_KEY": API_KEY}
     env["PDSERVE_LOG_LEVEL"] = "WARNING"
-    env["PDSERVE_TRANSFER_PROTOCOL"] = protocol
     model = ["--model", args.model] if args.model else []
+    # no prefix caches: every request prefills and moves its whole prompt
+    node = [*model, "--no-prefix-cache", "--transfer-protocol", protocol]
     log_dir = Path("/tmp/bench_links")
     log_dir.mkdir(exist_ok=True)
     with Hosts(3, net=3) as hosts:
         p, d, r = (h.addr for h in hosts.hosts)
         cmds = [
-            # no prefix caches: every request prefills and moves its whole prompt
-            ["prefill", *model, "--no-prefix-cache", "--host", p, "--port", "30000"]
-            + ["--bootstrap-port", "8998"],
-            ["decode", *model, "--no-prefix-cache", "--host", d, "--port", "30001"],
+            ["prefill", *node, "--host", p, "--port", "30000", "--bootstrap-port", "8998"],
+            ["decode", *node, "--host", d, "--port", "30001"],
             ["router", "--host", r, "--port", "8000", "--prefill", f"http://{p}:30000", "8998"]
             + ["--decode", f"http://{d}:30001", "--disagg-min-prompt-tokens", "0"]
             + ["--disagg-decode-prefix-fraction", "2", "--disagg-local-prefill-cost", "0"],

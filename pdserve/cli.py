@@ -28,16 +28,15 @@ ZYGOTE_PRELOAD = (
 )
 
 
-def _generate(args) -> int:
+def _generate(cfg, prompts: list[str] | None, max_tokens: int, level: str) -> int:
     """Offline generation with the engine in this process (a smoke test of a model)."""
-    from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import SamplingParams
     from pdserve.engine.engine import Engine
     from pdserve.infra.logs import setup_logging
 
-    setup_logging("[generate]", args.log_level)
-    eng = Engine(EngineConfig(model=args.model, threads=args.threads, max_total_tokens=8192))
-    prompts = args.prompt or ["What is the capital of France?", "Write a haiku about pipelines."]
+    setup_logging("[generate]", level)
+    eng = Engine(cfg)
+    prompts = prompts or ["What is the capital of France?", "Write a haiku about pipelines."]
     msgs = [
         eng.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
@@ -45,7 +44,7 @@ def _generate(args) -> int:
         for p in prompts
     ]
     ids = [eng.tokenizer(m, add_special_tokens=False)["input_ids"] for m in msgs]
-    outs = eng.generate(ids, SamplingParams(max_tokens=args.max_tokens))
+    outs = eng.generate(ids, SamplingParams(max_tokens=max_tokens))
     for p, o in zip(prompts, outs, strict=True):
         n, finish = len(o.token_ids), o.finish_reason.kind
         print(f"### {p}\n{o.text.strip()}\n[{n} tokens, finish={finish}]\n")
@@ -138,17 +137,18 @@ def _full_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="offline generation in this process")
-    g.add_argument("--model", default=None)
-    g.add_argument("--prompt", action="append")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--threads", type=int, default=0)
-    g.add_argument("--log-level", default="WARNING")
+    from pdserve.engine.config import EngineConfig
+    from pdserve.infra.config_flags import add_flags
+    from pdserve.runtime.node_config import NodeConfig, add_node_flags
 
-    from pdserve.runtime.node_args import add_node_args
+    g = sub.add_parser("generate", help="offline generation in this process")
+    add_flags(g, EngineConfig, defaults={"max_total_tokens": 8192})
+    g.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    g.add_argument("--log-level", default="WARNING", help="this process's log level")
 
     s = sub.add_parser("serve", help="a colocated PP node (no disaggregation)")
-    add_node_args(s, default_port=30000)
+    add_node_flags(s, NodeConfig, port=30000)
 
     from pdserve.prefill_node.serve import add_prefill_args
 
@@ -180,25 +180,46 @@ def _full_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_config(args):
+    """The edge of `pdserve serve`, `prefill` and `decode`: their flags as the node's config."""
+    from pdserve.pd_common.node_config import PDNodeConfig
+    from pdserve.runtime.node_config import NodeConfig, node_config
+
+    return node_config(NodeConfig if args.cmd == "serve" else PDNodeConfig, args)
+
+
 def _run(args) -> int:
+    if args.cmd in ("generate", "serve", "prefill", "decode"):
+        from pdserve.engine.config import EngineConfig
+        from pdserve.infra.config_flags import config_from_args
+
+        try:
+            cfg = (
+                config_from_args(EngineConfig, args)
+                if args.cmd == "generate"
+                else _node_config(args)
+            )
+        except ValueError as e:
+            print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "generate":
-        return _generate(args)
+        return _generate(cfg, args.prompt, args.max_tokens, args.log_level)
     if args.cmd == "serve":
         from pdserve.runtime.serve import serve_main
 
-        return serve_main(args)
-    if args.cmd in ("prefill", "decode") and args.elastic:
+        return serve_main(cfg)
+    if args.cmd in ("prefill", "decode") and cfg.elastic:
         from pdserve.elastic_node.serve import elastic_main
 
-        return elastic_main(args, args.cmd)
+        return elastic_main(cfg, args.cmd)
     if args.cmd == "prefill":
         from pdserve.prefill_node.serve import prefill_main
 
-        return prefill_main(args)
+        return prefill_main(cfg)
     if args.cmd == "decode":
         from pdserve.decode_node.serve import decode_main
 
-        return decode_main(args)
+        return decode_main(cfg)
     if args.cmd == "router":
         return _router(args)
     if args.cmd == "bench":

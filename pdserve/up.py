@@ -40,6 +40,7 @@ from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
 from pdserve.rolling_restart import rolling_restart
 from pdserve.runtime.placement import bind_cores, plan_placement
+from pdserve.up_args import UpConfig
 
 log = logging.getLogger("pdserve.up")
 RANK_MODULES = [
@@ -73,8 +74,8 @@ def say(msg: str, error: bool = False) -> None:
 
 
 class Cluster:
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, cfg: UpConfig):
+        self.cfg = cfg
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.nodes: list[tuple[str, str]] = []  # (name, url)
         # the nodes' ports, held (reserve_port) until every node is up: free_port alone left a
@@ -124,7 +125,7 @@ class Cluster:
     def start(self) -> str:
         """Starts the nodes, waits until every rank has loaded, then starts the router; returns
         the router's URL."""
-        a = self.args
+        a = self.cfg
         # every rank of every node is forked from one zygote: one torch import, not one per rank
         self.zygote = Zygote.start(RANK_MODULES)
         env = dict(os.environ, **{SECRET_ENV: self.secret, ZYGOTE_ENV: self.zygote.path})
@@ -153,10 +154,10 @@ class Cluster:
 
     def _models(self) -> list[str | None]:
         """The models to serve, each on its own prefill and decode nodes (None: the default)."""
-        return self.args.model or [os.environ.get("PDSERVE_MODEL") or None]
+        return list(self.cfg.model) or [os.environ.get("PDSERVE_MODEL") or None]
 
     def _num_ranks(self) -> int:
-        a = self.args
+        a = self.cfg
         per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
         return per_model * len(self._models())
 
@@ -170,7 +171,7 @@ class Cluster:
         I/O whenever it can, and the one vLLM-CPU reserves), bound there, and a prefill rank there
         loses only throughput, while a decode rank would add their scheduling delay to each
         token."""
-        a = self.args
+        a = self.cfg
         plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
         m = len(self._models())
         ranks = {
@@ -210,7 +211,7 @@ class Cluster:
         self, env: dict[str, str], cpus: Callable[[str, int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the prefill nodes; returns their flags for the router's command line."""
-        a = self.args
+        a = self.cfg
         extra = logs + shlex.split(a.node_args) + shlex.split(a.prefill_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.prefill_nodes)):
@@ -241,7 +242,7 @@ class Cluster:
         self, env: dict[str, str], cpus: Callable[[str, int], list[str]], logs: list[str]
     ) -> list[str]:
         """Spawns the decode nodes; returns their flags for the router's command line."""
-        a = self.args
+        a = self.cfg
         extra = logs + shlex.split(a.node_args) + shlex.split(a.decode_args)
         router_flags = []
         for i, path in enumerate(p for p in self._models() for _ in range(a.decode_nodes)):
@@ -269,7 +270,7 @@ class Cluster:
         return router_flags
 
     def _start_router(self, router_cmd: list[str], env: dict[str, str]) -> str:
-        a = self.args
+        a = self.cfg
         if a.policy:
             router_cmd += ["--policy", a.policy]
         if a.api_key:
@@ -297,7 +298,7 @@ class Cluster:
 
     def _wait_nodes(self) -> None:
         start = time.monotonic()
-        deadline = start + self.args.startup_timeout
+        deadline = start + self.cfg.startup_timeout
         next_note = start + STILL_LOADING_S
         while True:
             self._check_alive()
@@ -320,7 +321,7 @@ class Cluster:
                 self._release_ports()  # every node listens on its ports now
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes not ready after {self.args.startup_timeout:.0f} s")
+                raise TimeoutError(f"nodes not ready after {self.cfg.startup_timeout:.0f} s")
             time.sleep(0.5)
 
     def _wait(self, url: str, name: str) -> None:
@@ -369,16 +370,16 @@ class Cluster:
             os.rmdir(self._secret_dir)
 
 
-def up_main(args) -> int:
-    setup_logging("[up]", args.log_level, args.log_format)
-    if not (args.api_key or args.insecure or is_loopback(args.host)):
+def up_main(cfg: UpConfig) -> int:
+    setup_logging("[up]", cfg.log_level, cfg.log_format)
+    if not (cfg.api_key or cfg.insecure or is_loopback(cfg.host)):
         say(
-            f"error: refusing to serve on {args.host} without an API key; set PDSERVE_API_KEY "
+            f"error: refusing to serve on {cfg.host} without an API key; set PDSERVE_API_KEY "
             f"(or --api-key), or pass --insecure",
             True,
         )
         return 2
-    cluster = Cluster(args)
+    cluster = Cluster(cfg)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
@@ -391,8 +392,8 @@ def up_main(args) -> int:
     signal.signal(signal.SIGHUP, lambda *_: setattr(cluster, "restart_requested", True))
     try:
         url = cluster.start()
-        key = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        key = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+        auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json().get("data") or [
             {"id": "default"}
         ]

@@ -13,15 +13,15 @@ through to the nodes and the router.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import tomllib
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from pdserve.infra.logs import add_log_args
-from pdserve.infra.tracing import add_tracing_arg
+from pdserve.infra.config_flags import add_flags, config_from_args, setting
+from pdserve.infra.logs import FORMAT_ENV, FORMATS, LEVEL_ENV
 
 PASS_THROUGH = ("--node-args", "--prefill-args", "--decode-args", "--router-args")
 DESCRIPTION = "a whole local PD cluster: router + prefill + decode nodes"
@@ -34,6 +34,73 @@ def pdserve_version() -> str:
         return "unknown"
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    """`pdserve up`'s settings; each is a flag (infra/config_flags.py) and a --config key."""
+
+    model: tuple[str, ...] = setting(
+        (),
+        help="GGUF file or Hugging Face folder (default: PDSERVE_MODEL, else "
+        "SmolLM2-135M-Instruct); repeat it to serve several models, each on its own prefill and "
+        "decode nodes behind the one router, which routes by model",
+    )
+    host: str = setting("127.0.0.1", env="PDSERVE_ROUTER_HOST", help="router bind address")
+    port: int = setting(8000, help="router port")
+    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (measured against
+    # PP 2 + PP 2, which puts four ranks on two cores: bench/results/HISTORY.md)
+    prefill_pp: int = setting(1, help="pipeline-parallel size of each prefill node")
+    decode_pp: int = setting(1, help="pipeline-parallel size of each decode node")
+    prefill_nodes: int = setting(1, help="prefill nodes per model")
+    decode_nodes: int = setting(1, help="decode nodes per model")
+    elastic: bool = setting(
+        False,
+        help="elastic nodes: each may change role at runtime (the router's POST /workers/role; "
+        "docs/ROUTER.md)",
+    )
+    threads: int = setting(
+        0,
+        help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
+        "when there are more cores than ranks); the plan is printed at start",
+    )
+    policy: str | None = setting(
+        None,
+        help="router policy (round_robin, random, power_of_two, least_load, cache_aware)",
+    )
+    api_key: str | None = setting(
+        None,
+        env="PDSERVE_API_KEY",
+        secret=True,
+        help="clients must send 'Authorization: Bearer KEY'",
+    )
+    node_args: str = setting(
+        "", help="extra flags for every node, e.g. --node-args '--max-total-tokens 16384'"
+    )
+    prefill_args: str = setting("", help="extra flags for the prefill nodes")
+    decode_args: str = setting("", help="extra flags for the decode nodes")
+    router_args: str = setting("", help="extra flags for the router")
+    startup_timeout: float = setting(600.0, help="seconds the nodes and router get to start")
+    insecure: bool = setting(
+        False,
+        help="let the router listen on a non-loopback --host without --api-key: anyone who can "
+        "reach it can then use the model",
+    )
+    # passed on to the router and every node
+    log_level: str = setting(
+        "INFO", env=LEVEL_ENV, help="INFO, or DEBUG (the router's and every node's)"
+    )
+    log_format: str = setting(
+        "text",
+        env=FORMAT_ENV,
+        choices=FORMATS,
+        help="json: one JSON object per line, with rid and trace_id (every process)",
+    )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        help="export OpenTelemetry traces of the router and every node over OTLP/HTTP to this "
+        "collector (docs/TRACING.md)",
+    )
+
+
 def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--version", action="version", version=f"pdserve {pdserve_version()}")
     ap.add_argument(
@@ -42,65 +109,11 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
         help="a TOML (or .yaml) file of these flags by name, e.g. `prefill-pp = 2`; the command "
         "line wins over it",
     )
-    ap.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="GGUF file or Hugging Face folder (default: PDSERVE_MODEL, else "
-        "SmolLM2-135M-Instruct); repeat it to serve several models, each on its own "
-        "prefill and decode nodes behind the one router, which routes by model",
-    )
-    ap.add_argument(
-        "--host",
-        default=os.environ.get("PDSERVE_ROUTER_HOST", "127.0.0.1"),
-        help="router bind address",
-    )
-    ap.add_argument("--port", type=int, default=8000, help="router port")
-    # PP 1 + PP 1 by default: on a small host every rank gets a core of its own (measured against
-    # PP 2 + PP 2, which puts four ranks on two cores: bench/results/HISTORY.md)
-    ap.add_argument("--prefill-pp", type=int, default=1)
-    ap.add_argument("--decode-pp", type=int, default=1)
-    ap.add_argument("--prefill-nodes", type=int, default=1)
-    ap.add_argument(
-        "--elastic",
-        action="store_true",
-        help="elastic nodes: each may change role at runtime (the router's POST /workers/role; "
-        "docs/ROUTER.md)",
-    )
-    ap.add_argument("--decode-nodes", type=int, default=1)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="cores per rank (0: split the host's cores between all ranks, one kept for I/O "
-        "when there are more cores than ranks); the plan is printed at start",
-    )
-    ap.add_argument(
-        "--policy",
-        default=None,
-        help="router policy (round_robin, random, power_of_two, least_load, cache_aware)",
-    )
-    ap.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    ap.add_argument(
-        "--node-args",
-        default="",
-        help="extra flags for every node, e.g. --node-args '--max-total-tokens 16384'",
-    )
-    ap.add_argument("--prefill-args", default="", help="extra flags for the prefill nodes")
-    ap.add_argument("--decode-args", default="", help="extra flags for the decode nodes")
-    ap.add_argument("--router-args", default="", help="extra flags for the router")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument(
-        "--insecure",
-        action="store_true",
-        help="let the router listen on a non-loopback --host without --api-key: anyone who can "
-        "reach it can then use the model",
-    )
-    add_log_args(ap)  # passed on to the router and every node
-    add_tracing_arg(ap)  # likewise
+    add_flags(ap, UpConfig)
 
 
-def parse_up_args(argv: list[str]) -> argparse.Namespace:
+def parse_up_args(argv: list[str]) -> UpConfig:
+    """The edge: the command line, over the --config file, as an UpConfig."""
     ap = argparse.ArgumentParser(prog="pdserve up", description=DESCRIPTION)
     add_up_args(ap)
     argv = joined_pass_through(argv)
@@ -112,7 +125,10 @@ def parse_up_args(argv: list[str]) -> argparse.Namespace:
             ap.set_defaults(**config_defaults(Path(path), ap))
         except (OSError, ValueError, tomllib.TOMLDecodeError) as e:
             ap.error(f"--config {path}: {e}")
-    return ap.parse_args(argv)
+    try:
+        return config_from_args(UpConfig, ap.parse_args(argv))
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def joined_pass_through(argv: list[str]) -> list[str]:

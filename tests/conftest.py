@@ -205,3 +205,30 @@ SLOWEST_FILES = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _kernel_switches_restored():
+    """The kernel switches (engine/kernels/switches.py) are the process's: whatever a test sets,
+    itself or by building an Engine with EngineConfig(kernels=...), the next test starts from the
+    defaults."""
+    from pdserve.engine.kernels import switches
+
+    yield
+    switches.use(switches.KernelSwitches())
+
+
+@pytest.fixture
+def kernel_switches():
+    """`kernel_switches(paged_attention=False)`: the current switches with these changed, for this
+    test (the autouse fixture above puts the defaults back)."""
+    import dataclasses
+
+    from pdserve.engine.kernels import switches
+
+    def change(**changes: bool):
+        now = dataclasses.replace(switches.current(), **changes)
+        switches.use(now)
+        return now
+
+    return change

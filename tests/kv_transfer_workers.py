@@ -21,11 +21,11 @@ def ref_bytes(room: int, layer: int, kv: int, num_tokens: int, token_bytes: int)
 
 
 class Host:
-    def __init__(self):
+    def __init__(self, protocol: str = "auto"):
         from pdserve.kv_transfer.tcp_transport import make_engine
 
-        # PDSERVE_TRANSFER_PROTOCOL, as a rank reads it: pdserve's TCP transport by default
-        self.engine = make_engine("127.0.0.1", None, None)
+        # TransferConfig.protocol, as a rank gets it: auto is pdserve's TCP transport without RDMA
+        self.engine = make_engine("127.0.0.1", protocol, None)
         self.mgrs, self.buffers, self.rooms = {}, {}, {}
 
     def _pool(self, name, num_pages, page_size, layers, token_bytes):
@@ -154,10 +154,10 @@ class Host:
         return m.sender_id, m.pool.to_wire(), m.aux_base, m.aux_slots * m.config.aux_slot_bytes
 
 
-def worker_main(conn) -> None:
+def worker_main(conn, protocol: str = "auto") -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog INFO/WARNING lines
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    host = Host()
+    host = Host(protocol)
     conn.send(("ok", host.engine.session_id))
     while True:
         try:
@@ -176,10 +176,10 @@ def worker_main(conn) -> None:
 class RankProcess:
     """The test's handle on one worker process: `call(cmd, *args)` runs `Host.cmd` there."""
 
-    def __init__(self, ctx, name: str, start_timeout: float = 60.0):
+    def __init__(self, ctx, name: str, start_timeout: float = 60.0, protocol: str = "auto"):
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child,), name=name, daemon=True)
+        self.proc = ctx.Process(target=worker_main, args=(child, protocol), name=name, daemon=True)
         self.proc.start()
         child.close()
         self.session_id = self._reply(start_timeout)

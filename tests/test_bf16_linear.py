@@ -91,7 +91,7 @@ def test_bad_shapes_are_refused():
         torch.ops.pdserve.bf16_linear(torch.randn(2, 64), bw.blocks, 64)
 
 
-def test_small_batch_weights_take_it_in_place_of_the_reordered_copy(monkeypatch):
+def test_small_batch_weights_take_it_in_place_of_the_reordered_copy(monkeypatch, kernel_switches):
     w = torch.randn(96, 64).to(torch.bfloat16)
     small = small_batch_weights(w, batch_invariant=INVARIANT)
     assert small.blocked is not None and small.reordered is None  # one copy, not two
@@ -100,11 +100,12 @@ def test_small_batch_weights_take_it_in_place_of_the_reordered_copy(monkeypatch)
     assert torch.equal(linear(x, w, small, bias), bf16_linear.linear(x, small.blocked).add_(bias))
     # fp32 keeps its own paths
     assert small_batch_weights(w.float(), batch_invariant=INVARIANT).blocked is None
-    monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
+    kernel_switches(bf16_linear=False)
+    assert bf16_linear.why_not() == "switched off: --no-kernel-bf16-linear"
     off = small_batch_weights(w)
     assert off.blocked is None and off.reordered is not None
     assert small_batch_weights(w, batch_invariant=True).blocked is None
-    monkeypatch.delenv(bf16_linear.ENV_SWITCH)
+    kernel_switches(bf16_linear=True)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : avx512_bf16 amx_bf16 amx_tile")
     assert "AMX" in bf16_linear.why_not() and small_batch_weights(w).blocked is None
 
@@ -118,7 +119,7 @@ def tiny(tmp_path_factory):
     return path, cfg, seqs, hf_logits(path, seqs)
 
 
-def test_the_model_runs_its_bf16_matmuls_through_it(tiny, monkeypatch):
+def test_the_model_runs_its_bf16_matmuls_through_it(tiny, monkeypatch, kernel_switches):
     """A bf16 slice with its matmul copies multiplies through the blocked kernel (counted: every
     layer matmul and the LM head of every forward) and agrees with transformers in fp32 as closely
     as the same slice on oneDNN's copies."""
@@ -137,7 +138,7 @@ def test_the_model_runs_its_bf16_matmuls_through_it(tiny, monkeypatch):
     )
     got = run_plan([s], cfg, seqs, PLAN, dtype=torch.bfloat16)
     assert len(calls) == len(PLAN) * (4 * cfg.num_layers + 1)
-    monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
+    kernel_switches(bf16_linear=False)
     onednn = load_slice(path, 0, 4, dtype=torch.bfloat16)
     assert "oneDNN-reordered" in onednn.add_small_batch_weights()
     calls.clear()

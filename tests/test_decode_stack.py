@@ -15,6 +15,7 @@ from pdserve.engine.core import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.forward_batch import BatchItem, build_forward_batch
 from pdserve.engine.kernels import decode_stack
+from pdserve.engine.kernels.switches import KernelSwitches
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_bf16_linear import (  # noqa: F401 (autouse: the blocked kernel, or skip)
@@ -81,15 +82,21 @@ def test_one_call_is_bit_identical_to_the_layer_loop(tiny, monkeypatch):
         assert torch.equal(got[key], want[key]), key
 
 
-def test_the_engine_decodes_in_one_call_with_the_same_tokens(tiny, monkeypatch):
+def test_the_engine_decodes_in_one_call_with_the_same_tokens(tiny, monkeypatch, kernel_switches):
     """Served end to end (the runner's one decode group, sampling at temperature 1 with a seed):
-    the same tokens with the call on and off."""
+    the same tokens with the call on and off (an engine whose config switches it off)."""
     path, _, seqs = tiny
     calls = counted_calls(monkeypatch)
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
 
-    def tokens():
-        cfg = EngineConfig(model=str(path), dtype="bfloat16", threads=1, batch_invariant=INVARIANT)
+    def tokens(kernels=KernelSwitches()):
+        cfg = EngineConfig(
+            model=str(path),
+            dtype="bfloat16",
+            threads=1,
+            batch_invariant=INVARIANT,
+            kernels=kernels,
+        )
         eng = Engine(cfg)
         return [c.token_ids for c in eng.generate([s[:20] for s in seqs], params)]
 
@@ -97,12 +104,11 @@ def test_the_engine_decodes_in_one_call_with_the_same_tokens(tiny, monkeypatch):
     assert sum(c == len(seqs) for c in calls) >= 11  # the decode steps
     # batch-invariant, the prefill runs in the call too: every token is a decode query there
     assert max(calls) == (sum(min(20, len(s)) for s in seqs) if INVARIANT else len(seqs))
-    monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
     calls.clear()
-    assert tokens() == on and calls == []
+    assert tokens(KernelSwitches(decode_stack=False)) == on and calls == []
 
 
-def test_where_it_does_not_apply(tmp_path, monkeypatch):
+def test_where_it_does_not_apply(tmp_path, monkeypatch, kernel_switches):
     """Off by its switch, for fp32 slices, for layers with q/k norms and where packed codes serve
     small batches, and the ready line says which way decode steps run; a mixed batch takes the
     loop."""
@@ -118,17 +124,17 @@ def test_where_it_does_not_apply(tmp_path, monkeypatch):
         batch_invariant=INVARIANT
     )
     assert q3._stack is None
-    # packed block codes (the PDSERVE_PACKED_BF16 opt-in) would serve the loop's small batches
+    # packed block codes (the --kernel-packed-bf16 opt-in) would serve the loop's small batches
     packed = load_slice(path, 0, 4, dtype=torch.bfloat16)
     packed.add_small_batch_weights(batch_invariant=INVARIANT)
     layer = packed.layers[2]
     layer.small["o"] = dataclasses.replace(layer.small["o"], packed=layer.small["o"].blocked)
     assert decode_stack.why_not(packed) == (
-        "small batches take packed block codes (PDSERVE_PACKED_BF16)"
+        "small batches take packed block codes (--kernel-packed-bf16)"
     )
-    monkeypatch.setenv(decode_stack.ENV_SWITCH, "0")
+    kernel_switches(decode_stack=False)
     off = load_slice(path, 0, 4, dtype=torch.bfloat16)
-    assert f"per op ({decode_stack.ENV_SWITCH}=0)" in off.add_small_batch_weights(
+    assert "per op (switched off: --no-kernel-decode-stack)" in off.add_small_batch_weights(
         batch_invariant=INVARIANT
     )
     assert off._stack is None

@@ -29,10 +29,8 @@ def ranks(request):
     ctx = mp.get_context("spawn")
     procs: dict[str, RankProcess] = {}
     try:
-        with pytest.MonkeyPatch.context() as mp_env:  # what the spawned ranks read at start
-            mp_env.setenv("PDSERVE_TRANSFER_PROTOCOL", request.param)
-            for name in ["P0", "P1", "P2", "D0", "D1", "D2", "D3", "D4"]:
-                procs[name] = RankProcess(ctx, name)
+        for name in ["P0", "P1", "P2", "D0", "D1", "D2", "D3", "D4"]:
+            procs[name] = RankProcess(ctx, name, protocol=request.param)
         yield procs
     finally:
         for p in procs.values():

@@ -390,18 +390,20 @@ def test_bootstrap_app_refuses_oversized_bodies():
 
 
 def test_protocol_choice(monkeypatch):
-    monkeypatch.delenv("PDSERVE_TRANSFER_PROTOCOL", raising=False)
-    monkeypatch.delenv("PDSERVE_TRANSFER_DEVICE", raising=False)
+    # the node's command line reads PDSERVE_TRANSFER_PROTOCOL / _DEVICE (--transfer-protocol,
+    # --transfer-device): past it, only the config decides
+    monkeypatch.setenv("PDSERVE_TRANSFER_PROTOCOL", "rdma")
+    monkeypatch.setenv("PDSERVE_TRANSFER_DEVICE", "mlx5_9")
     assert resolve_protocol(None, None, found_devices=[]) == ("tcp", "")
+    assert resolve_protocol("auto", None, found_devices=[]) == ("tcp", "")
     assert resolve_protocol(None, None, found_devices=["mlx5_0", "mlx5_1"]) == (
         "rdma",
         "mlx5_0,mlx5_1",
     )
     assert resolve_protocol("tcp", None, found_devices=["mlx5_0"]) == ("tcp", "")
-    monkeypatch.setenv("PDSERVE_TRANSFER_PROTOCOL", "rdma")
-    assert resolve_protocol(None, "mlx5_3", found_devices=[]) == ("rdma", "mlx5_3")
-    with pytest.raises(ValueError):
-        resolve_protocol(None, None, found_devices=[])
+    assert resolve_protocol("rdma", "mlx5_3", found_devices=[]) == ("rdma", "mlx5_3")
+    with pytest.raises(ValueError, match="--transfer-device"):
+        resolve_protocol("rdma", None, found_devices=[])
     with pytest.raises(ValueError):
         resolve_protocol("efa", None, found_devices=[])
 

@@ -123,23 +123,26 @@ def test_other_dtypes_take_the_torch_ops():
     assert not layer_ops.rope_store_kv_(qkv, rope, pool[:, 0], pages, offs, 9, 3)
 
 
-def test_the_model_runs_them_and_matches_transformers(tmp_path):
+def test_the_model_runs_them_and_matches_transformers(tmp_path, kernel_switches):
     """The tiny model over a plan of prefill chunks and decodes: the ops run (profiled), the logits
-    match transformers, and match the torch ops' within float rounding."""
+    match transformers, and match the torch ops' within float rounding; switched off
+    (`--no-kernel-layer-ops`), none of them runs."""
     path = build_tiny_model(tmp_path)
     cfg = load_model_config(path)
     rng = random.Random(1)
     seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in TOTAL]
     ref = hf_logits(path, seqs)
     slices = [load_slice(path, 0, 3), load_slice(path, 3, 4)]
+    ops = {"pdserve::rms_norm", "pdserve::silu_mul", "pdserve::rope_store_kv_"}
     with torch.profiler.profile() as prof:
         got = run_plan(slices, cfg, seqs, PLAN)
-    ran = {e.key for e in prof.key_averages()}
-    assert {"pdserve::rms_norm", "pdserve::silu_mul", "pdserve::rope_store_kv_"} <= ran
+    assert ops <= {e.key for e in prof.key_averages()}
     assert max_err(got, ref) < 1e-4
-    layer_ops._on = False
-    try:
+    kernel_switches(layer_ops=False)
+    assert not layer_ops.load() and layer_ops.why_not() == "switched off: --no-kernel-layer-ops"
+    with torch.profiler.profile() as prof:
         torch_ops = run_plan(slices, cfg, seqs, PLAN)
-    finally:
-        layer_ops._on = None
+    assert not ops & {e.key for e in prof.key_averages()}
+    kernel_switches(layer_ops=True)
+    assert layer_ops.load()  # decided again under the switches in use
     assert max((got[k] - torch_ops[k]).abs().max() / torch_ops[k].abs().max() for k in got) < 1e-5

@@ -15,7 +15,7 @@ PKG = ROOT / "pdserve"
 ALLOWED = {
     "infra": set(),
     "consensus": {"infra"},
-    "engine": {"consensus"},
+    "engine": {"consensus", "infra"},
     "kv_transfer": {"consensus", "infra"},
     "runtime": {"engine", "consensus", "infra"},
     "pd_common": {"runtime", "engine", "kv_transfer", "consensus", "infra"},

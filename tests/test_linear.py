@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import bf16_linear
 from pdserve.engine.model import linear as lin
 from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
@@ -65,12 +64,12 @@ def test_the_small_path_is_taken_for_small_batches_only(monkeypatch):
     assert calls == []
 
 
-def test_bf16_batches_of_every_size_take_the_reordered_copy(monkeypatch):
+def test_bf16_batches_of_every_size_take_the_reordered_copy(monkeypatch, kernel_switches):
     """In bf16 the reordered copy was faster at every row count measured (1 to 2048 on an AMX
     core, bench/results/linear_bf16.md); fp32 keeps SMALL_MIN..SMALL_MAX (above). Where the
     blocked bf16 kernel serves (AVX-512 BF16 without AMX, tests/test_bf16_linear.py), it takes
     the reordered copy's place: switched off here."""
-    monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
+    kernel_switches(bf16_linear=False)
     w = torch.randn(64, 32).to(torch.bfloat16)
     small = lin.small_batch_weights(w)
     assert small.packed is None and small.reordered is not None

@@ -17,8 +17,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.kernels import bf16_linear
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import SamplingParams
+from pdserve.engine.engine import Engine
+from pdserve.engine.kernels import bf16_linear, switches
 from pdserve.engine.kernels import packed_linear as pl
+from pdserve.engine.kernels.switches import KernelSwitches
 from pdserve.engine.model import linear as lin
 from pdserve.engine.model.loader import load_model_config, load_slice
 from tests.test_model import PLAN, TOTAL, hf_logits, max_err, run_plan
@@ -96,11 +100,11 @@ def test_the_packed_product_is_the_fp32_product(qtype, bias):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
-def test_a_bf16_weight_packs_from_its_fp32_source(qtype, monkeypatch):
+def test_a_bf16_weight_packs_from_its_fp32_source(qtype, kernel_switches):
     """A bf16 weight's codes come from the fp32 weight it was rounded from, only when that rounds
     to it exactly; the product multiplies by the bf16 weight's own values (exact products, fp32
     sums, one rounding to bf16), for every remainder of the row tiles."""
-    monkeypatch.setenv(pl.BF16_SWITCH, "1")
+    kernel_switches(packed_bf16=True)
     g = torch.Generator().manual_seed(1)
     w = torch.from_numpy(
         gguf_grid(np.random.default_rng(5).standard_normal((208, 96)) * 0.05, qtype)
@@ -120,14 +124,14 @@ def test_a_bf16_weight_packs_from_its_fp32_source(qtype, monkeypatch):
 
 
 @pytest.mark.parametrize("blocked", [False, True])
-def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch, blocked):
+def test_bf16_batches_take_the_codes_up_to_a_few_rows(monkeypatch, kernel_switches, blocked):
     """Then the blocked bf16 copy where its kernel serves (AVX-512 BF16 without AMX), else the
     reordered one."""
-    monkeypatch.setenv(pl.BF16_SWITCH, "1")
+    kernel_switches(packed_bf16=True)
     if blocked and not bf16_linear.available():
         pytest.skip(f"the blocked bf16 kernel is off here: {bf16_linear.why_not()}")
     if not blocked:
-        monkeypatch.setenv(bf16_linear.ENV_SWITCH, "0")
+        kernel_switches(bf16_linear=False)
     w = torch.from_numpy(gguf_grid(np.random.default_rng(6).standard_normal((64, 32)), Q.Q4_1))
     small = lin.small_batch_weights(w.bfloat16(), w)
     packed, reordered = spy(monkeypatch, "_packed_linear"), spy(monkeypatch, "_onednn_linear")
@@ -158,12 +162,42 @@ def test_packed_codes_for_decode_batches_then_the_reordered_copy(monkeypatch):
     assert reordered == list(range(lin.PACKED_MAX + 1, lin.SMALL_MAX + 1))
 
 
-def test_the_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv(pl.ENV_SWITCH, "0")
-    assert not pl.available() and pl.ENV_SWITCH in pl.why_not()
+def test_the_switch_turns_it_off(monkeypatch, kernel_switches):
+    """`--no-kernel-packed-weights`: nothing packs (bf16 opted in or not), the kernel is never
+    called, and the product is the fp32 matmul's."""
+    kernel_switches(packed_weights=False, packed_bf16=True)
+    assert not pl.available() and not pl.bf16_available()
+    assert pl.why_not() == "switched off: --no-kernel-packed-weights"
     w = torch.from_numpy(gguf_grid(np.random.default_rng(4).standard_normal((64, 32)), Q.Q4_1))
     small = lin.small_batch_weights(w)
     assert small.packed is None and small.reordered is not None  # the oneDNN copy alone
+    assert lin.small_batch_weights(w.bfloat16(), w).packed is None
+    packed = spy(monkeypatch, "_packed_linear")
+    for m in (1, 4, 16):
+        x = torch.randn(m, 32)
+        torch.testing.assert_close(lin.linear(x, w, small), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert packed == []
+
+
+def test_a_grid_model_switched_off_serves_the_same_tokens(tiny_grid, kernel_switches):
+    """An engine whose config switches packed weights off (EngineConfig.kernels, as a node's
+    `--no-kernel-packed-weights`) packs no weight and greedily serves the tokens the packed one
+    serves."""
+    path, _, seqs, _ = tiny_grid
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def serve(kernels: KernelSwitches) -> tuple[str, list[list[int]]]:
+        eng = Engine(EngineConfig(model=str(path), dtype="float32", threads=1, kernels=kernels))
+        layers = eng.runner.model.layers
+        packed = sum(v.packed is not None for layer in layers for v in layer.small.values())
+        return f"{packed} packed", [c.token_ids for c in eng.generate(seqs, params)]
+
+    on, off = serve(KernelSwitches()), serve(KernelSwitches(packed_weights=False))
+    assert on[0] != "0 packed" and off[0] == "0 packed"
+    assert switches.current() == KernelSwitches(
+        packed_weights=False
+    )  # the engine's, until teardown
+    assert off[1] == on[1]
 
 
 def grid_model(path):
@@ -217,16 +251,16 @@ def test_the_default_model_is_packed_whole():
     assert torch.equal(decode(head), s.lm_head_weight)
 
 
-def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights(monkeypatch):
-    """Opted in (`PDSERVE_PACKED_BF16=1`), the codes come from the fp32 slice the bf16 one was
+def test_the_default_model_in_bf16_is_packed_from_its_fp32_weights(kernel_switches):
+    """Opted in (`--kernel-packed-bf16`), the codes come from the fp32 slice the bf16 one was
     rounded from: every matrix of the last layer and the LM head packs, and its codes round to the
     bf16 weights. By default a bf16 slice does not pack (nor load itself in fp32)."""
-    monkeypatch.delenv(pl.BF16_SWITCH, raising=False)
+    kernel_switches(packed_bf16=False)
     s = load_slice(None, 29, 30, torch.bfloat16)
     loads = []
     about = s.add_small_batch_weights(lambda: loads.append(1))
     assert about.startswith("matmuls on ") and "no packed codes" in about and loads == [], about
-    monkeypatch.setenv(pl.BF16_SWITCH, "1")
+    kernel_switches(packed_bf16=True)
     s = load_slice(None, 29, 30, torch.bfloat16)
     about = s.add_small_batch_weights(lambda: load_slice(None, 29, 30))
     assert about.startswith("decode matmuls on packed block codes: 5 of 5 "), about

@@ -217,6 +217,28 @@ def test_the_model_decodes_with_it(tiny_llama, monkeypatch):
     )
 
 
+def test_switched_off_the_model_gathers_and_matches(tiny_llama, monkeypatch, kernel_switches):
+    """`--no-kernel-paged-attention`: the kernels say they are off and why, a slice loaded then
+    gathers its pages, the kernel is never called, and the logits are the kernel's within
+    rounding; `--no-kernel-extend-attention` turns off the extend kernel alone."""
+    path, cfg, seqs, ref = tiny_llama
+    on = run_plan([load_slice(path, 0, 4)], cfg, seqs, PLAN)
+    kernel_switches(paged_attention=False)
+    off_why = "switched off: --no-kernel-paged-attention"
+    assert not paged_attention.load() and paged_attention.why_not() == off_why
+    assert paged_attention.extend_why_not(3, 64, 16) == off_why
+    calls = []
+    monkeypatch.setattr(paged_attention, "decode_attention", lambda *a: calls.append(a))
+    s = load_slice(path, 0, 4)
+    off = run_plan([s], cfg, seqs, PLAN)
+    assert calls == [] and s._in_place is False
+    assert max_err(off, ref) < 1e-4
+    assert max((on[k] - off[k]).abs().max().item() / off[k].abs().max().item() for k in on) < 1e-5
+    kernel_switches(paged_attention=True, extend_attention=False)
+    assert paged_attention.load() and not paged_attention.why_not()
+    assert paged_attention.extend_why_not(3, 64, 16) == "switched off: --no-kernel-extend-attention"
+
+
 def cfg_layers(slices):
     return [layer for s in slices for layer in s.layers]
 

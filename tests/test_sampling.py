@@ -15,16 +15,29 @@ import torch
 
 from pdserve.engine import sampling
 from pdserve.engine.core import SamplingParams
-from pdserve.engine.kernels import cpu_kernels
 from pdserve.engine.sampling import sample
 
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
-def path(request, monkeypatch):
+def path(request, kernel_switches):
+    """The C++ op, or the torch path (`--no-kernel-sampling`)."""
+    kernel_switches(sampling=request.param == "kernel")
     if request.param == "kernel":
-        assert cpu_kernels.load(), cpu_kernels.why_not()
-    monkeypatch.setattr(sampling, "_kernel_on", request.param == "kernel")
+        assert sampling.kernel_on(), sampling.why_kernel_off()
+    else:
+        assert sampling.why_kernel_off() == "switched off: --no-kernel-sampling"
     return request.param
+
+
+def test_the_op_chooses_only_where_switched_on(path):
+    """Greedy and temperature rows go through the C++ op on the kernel path and never with
+    `--no-kernel-sampling`; greedy rows take the argmax either way."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams()] * 3 + [SamplingParams(temperature=0.8, seed=1)] * 3
+    with torch.profiler.profile() as prof:
+        out = sample(logits, params, [0] * 6, torch.Generator())
+    assert ("pdserve::sample_rows" in {e.key for e in prof.key_averages()}) == (path == "kernel")
+    assert list(out.token_ids[:3]) == logits[:3].argmax(-1).tolist()
 
 
 # Tokens 0 and 5 (the first and the last) have probability 0: the inverse CDF's edges.

@@ -8,11 +8,17 @@ import argparse
 
 import pytest
 
+from pdserve.decode_node.serve import add_decode_args
+from pdserve.pd_common.node_config import PDNodeConfig
+from pdserve.runtime.node_config import NodeConfig, node_config
 from pdserve.runtime.serve import refuse_unprotected
 
 
-def args(host: str, insecure: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(host=host, insecure=insecure)
+def args(host: str, insecure: bool = False) -> NodeConfig:
+    """The config `pdserve decode --host HOST [--insecure]` starts with, PDSERVE_ADVERTISE_HOST
+    read from the environment as the command line's edge reads it."""
+    argv = ["--host", host] + (["--insecure"] if insecure else [])
+    return node_config(PDNodeConfig, add_decode_args(argparse.ArgumentParser()).parse_args(argv))
 
 
 @pytest.fixture(autouse=True)

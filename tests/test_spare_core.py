@@ -22,6 +22,7 @@ from pdserve.engine.core import SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import bf16_linear, cpu_kernels
 from pdserve.engine.kernels import spare_core as sc
+from pdserve.engine.kernels.switches import KernelSwitches
 from pdserve.engine.model import linear as lin
 from pdserve.runtime.serve import spare_cores
 
@@ -148,10 +149,11 @@ def test_bf16_blocks_the_helper_computed_are_placed_with_the_unsplit_bits(spare)
     assert sc.counts()["helper"] > before, "the helper never finished a block"
 
 
-def long_prompt_engine(model, dtype: str, cores) -> Engine:
+def long_prompt_engine(model, dtype: str, cores, kernels=KernelSwitches()) -> Engine:
     """A one-thread engine whose forwards take up to 1024 prompt tokens, so that prompts of
     520-900 tokens make prefill-sized products."""
     cfg = EngineConfig(
+        kernels=kernels,
         model=str(model),
         chunk_size=1024,
         max_batch_tokens=1024,
@@ -175,6 +177,27 @@ def test_a_model_served_with_the_helper_matches_transformers(spare, tiny_model):
         outs = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
         assert sum(sc.counts().values()) > before
     finally:
+        torch.set_num_threads(threads)
+    assert [o.token_ids for o in outs] == hf_greedy(load_hf(tiny_model), prompts, 8)
+
+
+def test_switched_off_an_engine_serves_without_the_helper(spare, tiny_model, kernel_switches):
+    """An engine whose config has the helper switched off (`--no-kernel-spare-core`) offers it no
+    product, though it is given the spare core and the helper runs, and serves transformers'
+    tokens."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (520, 700)]
+    threads = torch.get_num_threads()
+    try:
+        eng = long_prompt_engine(tiny_model, "float32", spare, KernelSwitches(spare_core=False))
+        assert not sc.active()
+        said = sc.start(spare, 1, torch.float32, blocked=0)
+        assert said == "no prefill helper (switched off: --no-kernel-spare-core)"
+        before = sc.counts()
+        outs = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert sc.counts() == before
+    finally:
+        sc._cores = spare
         torch.set_num_threads(threads)
     assert [o.token_ids for o in outs] == hf_greedy(load_hf(tiny_model), prompts, 8)
 

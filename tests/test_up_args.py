@@ -29,7 +29,7 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
         'node-args = ["--max-total-tokens", "16384"]\nlog-level = "DEBUG"\n'
     )
     a = parse_up_args(["--config", str(cfg), "--decode-nodes", "1"])
-    assert (a.prefill_pp, a.decode_nodes, a.model, a.insecure) == (2, 1, ["a.gguf", "b.gguf"], True)
+    assert (a.prefill_pp, a.decode_nodes, a.model, a.insecure) == (2, 1, ("a.gguf", "b.gguf"), True)
     assert a.node_args == "--max-total-tokens 16384" and a.log_level == "DEBUG"
     yml = tmp_path / "up.yaml"
     yml.write_text("prefill-pp: 4\n")

@@ -5,26 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.pd_common.node_defaults import add_elastic_args, set_pd_defaults
-from pdserve.runtime.node_args import add_node_args
+from pdserve.pd_common.node_config import PDNodeConfig, add_pd_node_flags
 from pdserve.runtime.serve import advertise_host, make_front, run_node, run_remote_ranks
 
 
-def add_decode_args(ap: argparse.ArgumentParser) -> None:
-    add_node_args(ap, default_port=30001)
-    set_pd_defaults(ap)
-    add_elastic_args(ap, bootstrap_port=True)
+def add_decode_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    # no bootstrap server unless elastic: then it serves one in either role
+    return add_pd_node_flags(ap, port=30001, bootstrap_port=None)
 
 
-def decode_main(args) -> int:
+def decode_main(cfg: PDNodeConfig) -> int:
     from pdserve.decode_node.front import DecodeFront
     from pdserve.pd_common.messages import PDRankSpec
 
-    if args.bootstrap_port is not None:  # only an elastic decode node serves a bootstrap server
+    if cfg.bootstrap_port is not None:  # only an elastic decode node serves a bootstrap server
         print("pdserve decode: --bootstrap-port needs --elastic", file=sys.stderr)
         return 2
-    transfer = {"transfer_host": advertise_host(args)}
-    if args.node_rank > 0:
-        return run_remote_ranks(args, "decode", "pdserve.decode_node.rank", PDRankSpec, transfer)
-    front, app = make_front(args, "decode", DecodeFront)
-    return run_node(args, front, app, "decode", transfer, module="pdserve.decode_node.rank")
+    transfer = {"transfer_host": advertise_host(cfg), "transfer": cfg.transfer.to_spec()}
+    if cfg.node_rank > 0:
+        return run_remote_ranks(cfg, "decode", "pdserve.decode_node.rank", PDRankSpec, transfer)
+    front, app = make_front(cfg, "decode", DecodeFront)
+    return run_node(cfg, front, app, "decode", transfer, module="pdserve.decode_node.rank")

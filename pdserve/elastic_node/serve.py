@@ -4,17 +4,14 @@ server, where its ranks register from the moment they become prefill ranks."""
 
 from __future__ import annotations
 
-import sys
-
+from pdserve.pd_common.node_config import PDNodeConfig
 from pdserve.prefill_node.serve import serve_with_bootstrap
 
 RANK_MODULE = "pdserve.elastic_node.rank"
 
 
-def elastic_main(args, start_role: str) -> int:
+def elastic_main(cfg: PDNodeConfig, start_role: str) -> int:
+    """`cfg.bootstrap_port` is set: PDNodeConfig refuses an elastic node without one."""
     from pdserve.elastic_node.front import ElasticFront
 
-    if args.bootstrap_port is None:
-        print("pdserve: an elastic node needs --bootstrap-port", file=sys.stderr)
-        return 2
-    return serve_with_bootstrap(args, start_role, RANK_MODULE, ElasticFront, start_role=start_role)
+    return serve_with_bootstrap(cfg, start_role, RANK_MODULE, ElasticFront, start_role=start_role)

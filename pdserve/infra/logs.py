@@ -77,23 +77,6 @@ def uvicorn_level() -> str:
     return "info" if is_debug() else "warning"
 
 
-def add_log_args(ap) -> None:
-    """`--log-level` and `--log-format` of a launcher (a node, `pdserve up`)."""
-    ap.add_argument(
-        "--log-level",
-        default=os.environ.get(LEVEL_ENV, "INFO"),
-        help="INFO: a start-up line per node and rank, then warnings and errors; DEBUG adds "
-        "HTTP client and access lines and Mooncake's own log",
-    )
-    ap.add_argument(
-        "--log-format",
-        default=os.environ.get(FORMAT_ENV, "text"),
-        choices=FORMATS,
-        help="json: one JSON object per line, with rid and trace_id (this process and the "
-        "ones it starts)",
-    )
-
-
 def setup_logging(prefix: str, level: str | None = None, fmt: str | None = None) -> None:
     """`prefix`: which process, e.g. "[prefill pp0]" (text lines start with it)."""
     level = log_level(level)

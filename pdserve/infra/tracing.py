@@ -162,12 +162,3 @@ def make_exporter(endpoint: str | None, service: str) -> Exporter | None:
     exp = Exporter(endpoint, service)
     log.info("tracing: exporting spans to %s", exp.endpoint)
     return exp
-
-
-def add_tracing_arg(ap) -> None:
-    ap.add_argument(
-        "--otlp-traces-endpoint",
-        default=None,
-        help="export OpenTelemetry traces over OTLP/HTTP to this collector (e.g. "
-        "http://127.0.0.1:4318); off by default (docs/TRACING.md)",
-    )

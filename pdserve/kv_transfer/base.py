@@ -16,8 +16,8 @@ import abc
 from collections.abc import Sequence
 
 from pdserve.consensus.kvpoll import KVPoll
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolDesc
-from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.kv_transfer.stats import TransferStats
 
 

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import Desc, PoolDesc, intersect, overlapping
-from pdserve.kv_transfer.manager import TransferConfig
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.in_memory_decode import InMemoryDecodeKVManager, InMemoryKVReceiver

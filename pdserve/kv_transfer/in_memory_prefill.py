@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseKVSender, BasePrefillKVManager
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.in_memory import Registration
 from pdserve.kv_transfer.layout import PoolDesc, check_compatible, chunk_descriptors, overlapping
-from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.kv_transfer.mooncake import TransferError
 from pdserve.kv_transfer.stats import TransferStats, room_tokens
 

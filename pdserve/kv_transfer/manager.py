@@ -15,15 +15,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass, fields
 
 import zmq
 
 from pdserve.infra.channel_auth import AuthError, Opener, Sealer, limit_size
+from pdserve.kv_transfer.config import AUX_HEADER, TransferConfig
 from pdserve.kv_transfer.layout import PoolDesc
 from pdserve.kv_transfer.messages import Message, MessageError, decode_message, encode_message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
@@ -32,71 +31,8 @@ from pdserve.kv_transfer.tcp_transport import TcpTransferEngine, make_engine
 
 logger = logging.getLogger(__name__)
 
-AUX_HEADER = struct.Struct("<QII")  # room, payload length, crc32 of the payload
 MAX_CONTROL_BYTES = 8 << 20  # a KVRegister of ~900k page ids; anything larger is not ours
 CHANNEL = "kv-control"
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    host: str = "127.0.0.1"  # address this rank's engine and control socket use
-    protocol: str | None = None  # tcp | rdma | auto; None: PDSERVE_TRANSFER_PROTOCOL, else auto
-    device: str | None = None  # RDMA device(s); None: PDSERVE_TRANSFER_DEVICE, else all found
-    ctrl_port: int = 0  # 0: a free port
-    bootstrap_timeout_s: float = 30.0
-    # registered, no KV yet: a room queued behind a burst at a busy prefill node waits here (a
-    # burst of 32 prompts on one shared core took over 60 s, and the retry prefilled them again);
-    # a dead prefill is found by the heartbeat, a failed one says so, so this is the last resort
-    waiting_timeout_s: float = 300.0
-    transfer_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_misses: int = (
-        3  # bootstrap server unreachable this many beats in a row => its ranks are dead
-    )
-    max_inflight_descriptors: int = (
-        64  # outstanding Mooncake writes per peer write; far under its queue
-    )
-    transfer_threads: int = 2  # per rank; more threads thrash a small CPU over TCP (see bench)
-    aux_slot_bytes: int = 4096
-    checksum: bool = False  # debug: decode verifies a crc32 of what it received
-    auth_token: str | None = None  # bearer token of the bootstrap server
-    terminal_ttl_s: float = 60.0  # finished rooms are kept this long to answer late messages
-    quarantine_s: float = 45.0  # decode: pages of a failed room without every peer's final word
-    # wait this long (beyond the engine's write timeout) before reuse
-    tick_s: float = 0.05
-
-    def __post_init__(self):
-        for f in (
-            "bootstrap_timeout_s",
-            "waiting_timeout_s",
-            "transfer_timeout_s",
-            "heartbeat_interval_s",
-            "tick_s",
-        ):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be > 0")
-        if (
-            self.max_inflight_descriptors < 1
-            or self.transfer_threads < 1
-            or self.heartbeat_misses < 1
-        ):
-            raise ValueError(
-                "max_inflight_descriptors, transfer_threads and heartbeat_misses must be >= 1"
-            )
-        if self.aux_slot_bytes <= AUX_HEADER.size:
-            raise ValueError(f"aux_slot_bytes must exceed the {AUX_HEADER.size}-byte header")
-
-    @classmethod
-    def from_env(cls, **overrides) -> TransferConfig:
-        """Defaults, then PDSERVE_KV_* environment variables, then `overrides` (flags)."""
-        env: dict[str, bool | float] = {}
-        if "PDSERVE_KV_CHECKSUM" in os.environ:
-            env["checksum"] = os.environ["PDSERVE_KV_CHECKSUM"] not in ("", "0", "false")
-        for f in fields(cls):
-            key = "PDSERVE_KV_" + f.name.upper()
-            if f.type == "float" and key in os.environ:
-                env[f.name] = float(os.environ[key])
-        return cls(**{**env, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def write_aux(ptr: int, room: int, payload: bytes) -> int:

@@ -21,14 +21,11 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdserve.infra.logs import native_log
+from pdserve.kv_transfer.config import PROTOCOLS
 from pdserve.kv_transfer.layout import Desc
 
 logger = logging.getLogger(__name__)
 
-# "tcp": pdserve's authenticated transport (kv_transfer/tcp_transport.py); "mooncake-tcp":
-# Mooncake's own TCP transport, which listens on every interface without authentication
-# (docs/SECURITY.md), for comparison runs only.
-PROTOCOLS = ("auto", "tcp", "rdma", "mooncake-tcp")
 POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # sleep between status polls: doubles while nothing completes
 DRAIN_TIMEOUT_S = 30.0  # after a failure or stop: how long outstanding writes may take to end
 WRITE_TIMEOUT_S = 30.0  # a whole write: this plus 1 s per GB (Mooncake's own sync bound)
@@ -54,10 +51,10 @@ def rdma_devices(sysfs: str = RDMA_SYSFS) -> list[str]:
 def resolve_protocol(
     protocol: str | None, device: str | None, found_devices: Sequence[str] | None = None
 ) -> tuple[str, str]:
-    """(protocol, device) from the flags, else PDSERVE_TRANSFER_PROTOCOL / _DEVICE, else auto:
-    RDMA when an RDMA device is present, TCP otherwise."""
-    protocol = (protocol or os.environ.get("PDSERVE_TRANSFER_PROTOCOL") or "auto").lower()
-    device = device or os.environ.get("PDSERVE_TRANSFER_DEVICE") or ""
+    """(protocol, device) from the node's settings (TransferConfig: --transfer-protocol,
+    --transfer-device); auto (or None): RDMA when an RDMA device is present, TCP otherwise."""
+    protocol = (protocol or "auto").lower()
+    device = device or ""
     if protocol not in PROTOCOLS:
         raise ValueError(
             f"unknown transfer protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}"
@@ -68,8 +65,8 @@ def resolve_protocol(
     if protocol == "rdma" and not device:
         if not found:
             raise ValueError(
-                "protocol rdma asked for, but no RDMA device found; use tcp or set "
-                "PDSERVE_TRANSFER_DEVICE"
+                "protocol rdma asked for, but no RDMA device found; use tcp or name one with "
+                "--transfer-device (PDSERVE_TRANSFER_DEVICE)"
             )
         device = ",".join(found)
     if protocol in ("tcp", "mooncake-tcp"):

@@ -30,7 +30,7 @@ RECEIVER_FAILURES = (
     "bootstrap_error",  # the bootstrap server's answer was unusable
     "bootstrap_lost",  # the prefill node's bootstrap server stopped answering heartbeats
     "bootstrap_timeout",  # no route from the bootstrap server in time
-    "checksum_mismatch",  # PDSERVE_KV_CHECKSUM=1 and the KV received differs
+    "checksum_mismatch",  # --kv-checksum (PDSERVE_KV_CHECKSUM=1) and the KV received differs
     "incompatible",  # the prefill ranks' KV format differs from this rank's
     "peer_dead",  # a prefill rank's session went silent
     "prefill_failed",  # a prefill rank reported Failed (its reason is the detail)

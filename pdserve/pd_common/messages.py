@@ -87,9 +87,11 @@ class KVRankStats(StatsExtension):
 
 @dataclass(frozen=True)
 class PDRankSpec(RankSpec):
-    """A PD rank's spec: where its KV transfer endpoint listens, and (prefill) the node's bootstrap
-    server that decode ranks look rooms up in."""
+    """A PD rank's spec: where its KV transfer endpoint listens, the node's transfer settings, and
+    (prefill) the node's bootstrap server that decode ranks look rooms up in."""
 
     ranks_listen = True
     transfer_host: str = "127.0.0.1"
     bootstrap_addr: str = ""
+    # TransferConfig fields but the rank's own (TransferConfig.to_spec; from_spec on the rank)
+    transfer: dict[str, Any] = field(default_factory=dict)

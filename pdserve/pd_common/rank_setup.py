@@ -1,11 +1,12 @@
 """What both PD rank entry points build the same way: the KV pool's description for the transfer,
-and the transfer configuration."""
+and the transfer configuration (the node's settings, from the rank's spec)."""
 
 from __future__ import annotations
 
 from pdserve.infra.cluster_secret import cluster_secret
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolDesc
-from pdserve.kv_transfer.manager import TransferConfig
+from pdserve.pd_common.messages import PDRankSpec
 from pdserve.runtime.rank.process import RankParts
 
 
@@ -28,4 +29,8 @@ def pool_desc(parts: RankParts) -> PoolDesc:
 
 
 def transfer_config(parts: RankParts) -> TransferConfig:
-    return TransferConfig.from_env(host=parts.spec.transfer_host, auth_token=cluster_secret())
+    """The node's transfer settings (PDRankSpec.transfer), at this rank's address, with the
+    cluster secret; ValueError names a setting that is wrong."""
+    spec = parts.spec
+    assert isinstance(spec, PDRankSpec)
+    return TransferConfig.from_spec(spec.transfer, spec.transfer_host, cluster_secret())

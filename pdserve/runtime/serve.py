@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import asdict, replace
 from typing import Any
 
 import uvicorn
@@ -26,6 +27,7 @@ from pdserve.infra.tracing import make_exporter
 from pdserve.infra.zygote_client import Zygote, ZygoteChild
 from pdserve.runtime.front.drain import Drain
 from pdserve.runtime.front.tokenizer_loading import TokenizerLoading
+from pdserve.runtime.node_config import NodeConfig
 from pdserve.runtime.placement import (
     Placement,
     bind_cores,
@@ -38,54 +40,34 @@ from pdserve.runtime.rank_spec import RankSpec
 log = logging.getLogger("pdserve.serve")
 
 
-def local_ranks(args) -> list[int]:
-    if args.pp % args.nnodes:
-        raise SystemExit(f"--pp {args.pp} must be a multiple of --nnodes {args.nnodes}")
-    per = args.pp // args.nnodes
-    return list(range(args.node_rank * per, (args.node_rank + 1) * per))
+def local_ranks(cfg: NodeConfig) -> list[int]:
+    per = cfg.pp // cfg.nnodes  # NodeConfig checked that it divides
+    return list(range(cfg.node_rank * per, (cfg.node_rank + 1) * per))
 
 
-def node_placement(args, n_local: int) -> Placement:
+def node_placement(cfg: NodeConfig, n_local: int) -> Placement:
     """This node's rank cores: `--cpus` as given (from `pdserve up`'s host-wide plan), else planned
     over the cores this process may use."""
     try:
-        if args.cpus:
-            io = parse_io_cpus(args.io_cpus) if args.io_cpus else ()
-            return Placement(parse_cpus(args.cpus, n_local), io)
-        plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), args.threads)
+        if cfg.cpus:
+            io = parse_io_cpus(cfg.io_cpus) if cfg.io_cpus else ()
+            return Placement(parse_cpus(cfg.cpus, n_local), io)
+        plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), cfg.engine.threads)
         return (
-            plan
-            if args.io_cpus is None
-            else Placement(plan.rank_cores, parse_io_cpus(args.io_cpus))
+            plan if cfg.io_cpus is None else Placement(plan.rank_cores, parse_io_cpus(cfg.io_cpus))
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
 
-def engine_dict(args, threads: int, io_cores=()) -> dict[str, Any]:
-    """The engine settings every rank gets, checked here: a setting a rank would refuse stops the
-    node before any rank starts, with the reason."""
-    engine = dict(
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        chunk_size=args.chunk_size,
-        max_batch_tokens=args.max_batch_tokens,
-        mixed_prefill_tokens=args.mixed_prefill_tokens,
-        fair_prefill_tokens=args.fair_prefill_tokens,
-        max_running=args.max_running,
-        max_context=args.max_context,
-        enable_prefix_cache=not args.no_prefix_cache,
-        small_batch_weights=not args.no_small_batch_weights,
-        batch_invariant=args.batch_invariant,
-        threads=threads,
-        spare_cores=spare_cores(io_cores, threads),
+def engine_dict(engine: EngineConfig, threads: int, io_cores=()) -> dict[str, Any]:
+    """The engine settings every rank gets (EngineConfig.from_kwargs on the rank), with the
+    threads and helper cores of this host's plan; the model travels in RankSpec.model."""
+    out = asdict(
+        replace(engine, threads=threads, spare_cores=tuple(spare_cores(io_cores, threads)))
     )
-    try:
-        EngineConfig.from_kwargs(**engine)
-    except ValueError as e:
-        raise SystemExit(f"bad engine flags: {e}") from None
-    return engine
+    del out["model"]
+    return out
 
 
 class DrainingServer(uvicorn.Server):
@@ -137,38 +119,34 @@ class RankSet:
         self.zygote.close()
 
 
-def advertise_host(args) -> str:
+def advertise_host(cfg: NodeConfig) -> str:
     """The address other hosts reach this one at (Mooncake, control sockets, stats)."""
-    host = os.environ.get("PDSERVE_ADVERTISE_HOST") or args.host
+    host = cfg.advertise_host or cfg.host
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
-def refuse_unprotected(args, role: str, ranks_listen: bool) -> str | None:
+def refuse_unprotected(cfg: NodeConfig, role: str, ranks_listen: bool) -> str | None:
     """The cluster secret; stops the process when this host's part of the node would listen beyond
     loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks listen
     (RankSpec.ranks_listen: the PD nodes' KV control sockets), the host they advertise
-    (PDSERVE_ADVERTISE_HOST)."""
+    (--advertise-host)."""
     from pdserve.infra.cluster_secret import cluster_secret
 
     secret = cluster_secret()
-    hosts = [args.host] + ([advertise_host(args)] if ranks_listen else [])
+    hosts = [cfg.host] + ([advertise_host(cfg)] if ranks_listen else [])
     for host in dict.fromkeys(hosts):
-        refuse_unprotected_bind(host, secret, args.insecure, f"pdserve {role}")
+        refuse_unprotected_bind(host, secret, cfg.insecure, f"pdserve {role}")
     return secret
 
 
-def front_host(args) -> str:
-    return args.host if args.nnodes > 1 else "127.0.0.1"
+def front_host(cfg: NodeConfig) -> str:
+    return cfg.host if cfg.nnodes > 1 else "127.0.0.1"
 
 
-def stats_port(args) -> int:
+def stats_port(cfg: NodeConfig) -> int:
     """Multi-host: the front takes its ranks' stats on the rendezvous port + 1."""
-    if args.nnodes > 1:
-        if not args.dist_init_addr:
-            raise SystemExit(
-                "--nnodes > 1 needs --dist-init-addr HOST:PORT (the host of --node-rank 0)"
-            )
-        return int(args.dist_init_addr.rsplit(":", 1)[1]) + 1
+    if cfg.nnodes > 1 and cfg.dist_init_addr:
+        return int(cfg.dist_init_addr.rsplit(":", 1)[1]) + 1
     return 0
 
 
@@ -181,7 +159,7 @@ def spare_cores(io_cores, threads: int) -> list[int]:
 
 
 def make_specs(
-    args,
+    cfg: NodeConfig,
     role: str,
     front_addrs: dict[str, str],
     spec_cls: type[RankSpec] = RankSpec,
@@ -191,63 +169,63 @@ def make_specs(
     """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
     (PDRankSpec: where its transfer listens); `dist_port`: where pp_rank 0 hosts the PP group's
     rendezvous on a single host (a port the caller holds with reserve_port)."""
-    ranks = local_ranks(args)
-    if not args.dist_init_addr and dist_port is None:
+    ranks = local_ranks(cfg)
+    if not cfg.dist_init_addr and dist_port is None:
         raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
-    dist = f"tcp://{args.dist_init_addr}" if args.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
-    plan = node_placement(args, len(ranks))
+    dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
+    plan = node_placement(cfg, len(ranks))
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
     # the front; each rank binds itself to its own cores
-    bind_cores(parse_io_cpus(args.front_cpus) if args.front_cpus else plan.io_cores)
+    bind_cores(parse_io_cpus(cfg.front_cpus) if cfg.front_cpus else plan.io_cores)
     return [
         spec_cls(
-            model=args.model,
-            engine=engine_dict(args, args.threads or len(cores), plan.io_cores),
-            pp_size=args.pp,
+            model=cfg.engine.model,
+            engine=engine_dict(cfg.engine, cfg.engine.threads or len(cores), plan.io_cores),
+            pp_size=cfg.pp,
             pp_rank=r,
             cpus=list(cores),
             dist_init=dist,
-            host=advertise_host(args) if args.nnodes > 1 else "127.0.0.1",
+            host=advertise_host(cfg) if cfg.nnodes > 1 else "127.0.0.1",
             req_addr=front_addrs.get("req", ""),
             evt_addr=front_addrs.get("evt", ""),
             stats_addr=front_addrs.get("stats", ""),
-            async_depth=args.async_depth,
-            skip_pure_chunk_comm=not args.no_skip_pure_chunk_comm,
-            watchdog_s=args.watchdog,
-            pp_timeout_s=args.pp_timeout,
-            load_timeout_s=args.load_timeout,
+            async_depth=cfg.async_depth,
+            skip_pure_chunk_comm=cfg.skip_pure_chunk_comm,
+            watchdog_s=cfg.watchdog,
+            pp_timeout_s=cfg.pp_timeout,
+            load_timeout_s=cfg.load_timeout,
             role=role,
-            device=args.device,
-            backend="nccl" if args.device.startswith("cuda") else "gloo",
-            waiting_timeout_s=args.waiting_timeout,
-            running_timeout_s=args.running_timeout,
-            comm_stream=args.pp_comm_stream,
+            device=cfg.device,
+            backend="nccl" if cfg.device.startswith("cuda") else "gloo",
+            waiting_timeout_s=cfg.waiting_timeout,
+            running_timeout_s=cfg.running_timeout,
+            comm_stream=cfg.pp_comm_stream,
             **(spec_fields or {}),
         )
         for r, cores in zip(ranks, plan.rank_cores, strict=True)
     ]
 
 
-def _draining_server(args, front, app) -> DrainingServer:
+def _draining_server(cfg: NodeConfig, front, app) -> DrainingServer:
     """The node's HTTP server, which a drain (SIGTERM, POST /drain) ends once it is over."""
     server = DrainingServer(
         server_config(
             app,
-            host=args.host,
-            port=args.port,
+            host=cfg.host,
+            port=cfg.port,
             log_level=uvicorn_level(),
             timeout_graceful_shutdown=3,
         )
     )
     server.drain = app.state.drain = Drain(
-        front, args.drain_grace, lambda: setattr(server, "should_exit", True)
+        front, cfg.drain_grace, lambda: setattr(server, "should_exit", True)
     )
     server.loops = {}
     return server
 
 
 def run_node(
-    args,
+    cfg: NodeConfig,
     front,
     app,
     role: str,
@@ -262,14 +240,14 @@ def run_node(
     ranks = None
     try:
         specs = make_specs(
-            args,
+            cfg,
             role,
             {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
             front.rank_spec,
             spec_fields,
             dist_port=hold.getsockname()[1],
         )
-        server = _draining_server(args, front, app)
+        server = _draining_server(cfg, front, app)
         loop_holder: dict[str, asyncio.AbstractEventLoop] = server.loops
 
         def on_rank_exit(why: str) -> None:
@@ -289,9 +267,9 @@ def run_node(
             log.info(
                 "%s node front on http://%s:%d (pp=%d)%s",
                 role,
-                args.host,
-                args.port,
-                args.pp,
+                cfg.host,
+                cfg.port,
+                cfg.pp,
                 f", {more}" if more else "",
             )
 
@@ -305,42 +283,42 @@ def run_node(
     return 0
 
 
-def make_front(args, role: str, cls=None, **kw):
+def make_front(cfg: NodeConfig, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
     from pdserve.engine.model.loader import load_model_config, load_sampling_defaults, resolve_model
     from pdserve.runtime.front.http_app import build_app
     from pdserve.runtime.front.metrics import NodeMetrics
     from pdserve.runtime.front.process import NodeFront
 
-    setup_logging(f"[{role} front]", args.log_level, args.log_format)
+    setup_logging(f"[{role} front]", cfg.log_level, cfg.log_format)
     cls = cls or NodeFront
     # the ranks read the secret too: children inherit the environment
-    secret = refuse_unprotected(args, role, cls.rank_spec.ranks_listen)
+    secret = refuse_unprotected(cfg, role, cls.rank_spec.ranks_listen)
     if not secret:
         log.warning(
             "no cluster secret (PDSERVE_INTERNAL_TOKEN): internal endpoints are open to local users"
         )
-    path = resolve_model(args.model)
+    path = resolve_model(cfg.engine.model)
     mcfg = load_model_config(path)
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name  # SmolLM2-135M-Instruct
     front = cls(
         TokenizerLoading(path),
         model_name=name,
         role=role,
-        pp_size=args.pp,
-        max_context=min(args.max_context, mcfg.max_position_embeddings),
+        pp_size=cfg.pp,
+        max_context=min(cfg.engine.max_context, mcfg.max_position_embeddings),
         vocab_size=mcfg.vocab_size,
-        host=front_host(args),
-        stats_port=stats_port(args),
+        host=front_host(cfg),
+        stats_port=stats_port(cfg),
         **kw,
     )
     front.metrics = NodeMetrics(
-        f"{args.host}:{args.port}", role, front.finish_reasons, cls.metrics_extension
+        f"{cfg.host}:{cfg.port}", role, front.finish_reasons, cls.metrics_extension
     )
-    front.tracing.exporter = make_exporter(args.otlp_traces_endpoint, role)
-    front.max_pending = args.max_pending
-    front.guide_gate.timeout_s = args.grammar_compile_timeout
-    front.prefix_cache = not args.no_prefix_cache
+    front.tracing.exporter = make_exporter(cfg.otlp_traces_endpoint, role)
+    front.max_pending = cfg.max_pending
+    front.guide_gate.timeout_s = cfg.grammar_compile_timeout
+    front.prefix_cache = cfg.engine.enable_prefix_cache
     front.sampling_defaults = load_sampling_defaults(path)
     if front.sampling_defaults.get("unapplied"):
         log.warning(
@@ -351,19 +329,19 @@ def make_front(args, role: str, cls=None, **kw):
 
 
 def run_remote_ranks(
-    args,
+    cfg: NodeConfig,
     role: str,
     module: str,
     spec_cls: type[RankSpec] = RankSpec,
     spec_fields: dict[str, Any] | None = None,
 ) -> int:
     """--node-rank > 0: this host runs its share of the node's ranks; the front is on rank 0."""
-    setup_logging(f"[{role} node-rank {args.node_rank}]", args.log_level, args.log_format)
+    setup_logging(f"[{role} node-rank {cfg.node_rank}]", cfg.log_level, cfg.log_format)
     # these ranks' sockets are as reachable as node-rank 0's
-    refuse_unprotected(args, role, spec_cls.ranks_listen)
-    port = stats_port(args)
-    host0 = args.dist_init_addr.rsplit(":", 1)[0]
-    specs = make_specs(args, role, {"stats": f"tcp://{host0}:{port}"}, spec_cls, spec_fields)
+    refuse_unprotected(cfg, role, spec_cls.ranks_listen)
+    port = stats_port(cfg)
+    host0 = cfg.rendezvous_host()
+    specs = make_specs(cfg, role, {"stats": f"tcp://{host0}:{port}"}, spec_cls, spec_fields)
     stopped = threading.Event()
 
     def on_exit(why: str) -> None:
@@ -381,8 +359,8 @@ def run_remote_ranks(
     return 1 if stopped.is_set() else 0
 
 
-def serve_main(args) -> int:
-    if args.node_rank > 0:
-        return run_remote_ranks(args, "colocated", "pdserve.runtime.rank.process")
-    front, app = make_front(args, "colocated")
-    return run_node(args, front, app, "colocated")
+def serve_main(cfg: NodeConfig) -> int:
+    if cfg.node_rank > 0:
+        return run_remote_ranks(cfg, "colocated", "pdserve.runtime.rank.process")
+    front, app = make_front(cfg, "colocated")
+    return run_node(cfg, front, app, "colocated")

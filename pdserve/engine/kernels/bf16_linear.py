@@ -6,8 +6,8 @@ for each as it arrives. This copy serves every row count of a bf16 slice on a CP
 BF16 and no AMX: faster than oneDNN at decode sizes and as fast at prefill sizes
 (`bench/bench_bf16_linear.py`, bench/results/bf16_linear_epyc.md), and one copy costs what the
 reordered one did, which it replaces. Outputs differ from oneDNN's in the last bit of a few values
-(the order of fp32 sums). Off with `PDSERVE_BF16_LINEAR=0`; other CPUs, dtypes and
-devices keep oneDNN's copy or the plain weight.
+(the order of fp32 sums). Off with `--no-kernel-bf16-linear` (engine/kernels/switches.py); other
+CPUs, dtypes and devices keep oneDNN's copy or the plain weight.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kernels import cpu_kernels
-
-ENV_SWITCH = "PDSERVE_BF16_LINEAR"
+from pdserve.engine.kernels import cpu_kernels, switches
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ def why_not(batch_invariant: bool = False) -> str:
     """Why bf16 matmuls do not take the blocked kernel here, or "" where they do. Never raises.
     `batch_invariant`: take it on an AMX CPU too, where oneDNN is the faster choice, because its
     rows do not depend on the rows beside them (engine/model/linear.py)."""
-    off = cpu_kernels.switched_off(ENV_SWITCH) or cpu_kernels.why_not()
+    off = switches.why_off("bf16_linear") or cpu_kernels.why_not()
     if off or not cpu_kernels.load():
         return off or "the CPU kernels did not load"
     if not torch.ops.pdserve.bf16_linear_supported():

@@ -210,12 +210,6 @@ def why_not() -> str:
     return _why_not
 
 
-def switched_off(env: str) -> str:
-    """Why a kernel's switch `env` (on unless 0/false/off/no) turns it off, or ""."""
-    value = os.environ.get(env, "1")
-    return f"{env}={value}" if value.strip().lower() in ("0", "false", "off", "no") else ""
-
-
 if __name__ == "__main__":
     if sys.argv[1:] != ["build"]:
         sys.exit("usage: python -m pdserve.engine.kernels.cpu_kernels build")

@@ -8,9 +8,9 @@ so its results are bit for bit the loop's.
 
 It serves all-decode batches (one query row per request, the in-place decode kernel) of a bf16
 slice whose every matmul has a blocked weight (engine/kernels/bf16_linear.py) and none packed block
-codes (the opt-in `PDSERVE_PACKED_BF16`, which small batches would take in the loop), and whose
+codes (the opt-in `--kernel-packed-bf16`, which small batches would take in the loop), and whose
 layers have no q/k norms; other batches, dtypes, devices and models take the loop. Off with
-`PDSERVE_DECODE_STACK=0`.
+`--no-kernel-decode-stack` (engine/kernels/switches.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kernels import bf16_linear, cpu_kernels, layer_ops, paged_attention
+from pdserve.engine.kernels import bf16_linear, layer_ops, paged_attention, switches
 
-ENV_SWITCH = "PDSERVE_DECODE_STACK"
 _MATMULS = ("qkv", "o", "gate_up", "down")
 
 
@@ -37,7 +36,7 @@ class StackWeights:
 def why_not(slice_) -> str:
     """Why `slice_` (an engine.model.ModelSlice with its small-batch weights made) does not run
     its decode steps as one call, or "". Never raises."""
-    off = cpu_kernels.switched_off(ENV_SWITCH)
+    off = switches.why_off("decode_stack")
     if off:
         return off
     if slice_.dtype != torch.bfloat16:
@@ -59,7 +58,7 @@ def why_not(slice_) -> str:
         if any(layer.small.get(m) is None or layer.small[m].blocked is None for m in _MATMULS):
             return "a matmul has no blocked weight"
         if any(layer.small[m].packed is not None for m in _MATMULS):
-            return "small batches take packed block codes (PDSERVE_PACKED_BF16)"
+            return "small batches take packed block codes (--kernel-packed-bf16)"
         if layer.input_norm_weight.device.type != "cpu":
             return "not on the CPU"
     return ""

@@ -5,8 +5,8 @@ the KV pool, in one call each on the CPU: the C++ kernels in `engine/kernels/csr
 Through torch each is several dispatched ops, and at decode sizes the dispatches cost more than
 the arithmetic (about a tenth of a small decode step on one core). Other devices, other dtypes and
 layouts the kernels do not take run the torch ops, as does a process where the kernels are off:
-`PDSERVE_LAYER_OPS=0`, or a library that could not be built (engine/kernels/cpu_kernels.py says
-why).
+`--no-kernel-layer-ops` (engine/kernels/switches.py), or a library that could not be built
+(engine/kernels/cpu_kernels.py says why).
 """
 
 from __future__ import annotations
@@ -14,20 +14,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, switches
 
-ENV_SWITCH = "PDSERVE_LAYER_OPS"
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 512  # the rotary kernel's bound (layer_ops.cpp)
-_on: bool | None = None
+_on: bool | None = None  # decided at the first op, again after the switches change
 
 
 def load() -> bool:
-    """Whether the kernels are on in this process (once; never raises)."""
+    """Whether the kernels are on in this process (once per set of switches; never raises)."""
     global _on
     if _on is None:
-        _on = not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+        _on = switches.current().layer_ops and cpu_kernels.load()
     return _on
+
+
+def why_not() -> str:
+    """Why the kernels are off in this process, or "" where they are on."""
+    if load():
+        return ""
+    return switches.why_off("layer_ops") or cpu_kernels.why_not()
+
+
+@switches.on_change
+def _forget() -> None:
+    global _on
+    _on = None
 
 
 def _takes(x: torch.Tensor) -> bool:

@@ -19,24 +19,22 @@ Two grids, those of GGML's Q4_1 and Q8_0:
 - 8-bit: w = q * d, q in [-127, 127]; d = max |w| / 127.
 
 fp32 weights on the CPU, where the kernels load (engine/kernels/cpu_kernels.py); and, opted into
-with `PDSERVE_PACKED_BF16=1`, bf16 weights, packed from the fp32 values they were rounded from
+with `--kernel-packed-bf16`, bf16 weights, packed from the fp32 values they were rounded from
 (`pack_bf16`): the kernel rounds each decoded weight to bf16, the very value of the bf16 weight,
 before its fp32 FMAs. Off by default: a one-request decode step was faster with it, but the
 colocated node served fewer tok/s at concurrency 32 (bench/results/HISTORY.md, "Logits stay in
-bf16"), for reasons not found yet. `PDSERVE_PACKED_WEIGHTS=0` turns both off.
+bf16"), for reasons not found yet. `--no-kernel-packed-weights` turns both off (the switches:
+engine/kernels/switches.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kernels import cpu_kernels
+from pdserve.engine.kernels import cpu_kernels, switches
 
-ENV_SWITCH = "PDSERVE_PACKED_WEIGHTS"
-BF16_SWITCH = "PDSERVE_PACKED_BF16"  # "1": bf16 models pack too (module doc)
 BLOCK = 32
 PANEL = 16  # output rows whose codes the kernel keeps together, column by column
 
@@ -60,17 +58,17 @@ class PackedWeight:
 
 def available() -> bool:
     """Whether packed matmuls can run in this process. Never raises."""
-    return not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+    return switches.current().packed_weights and cpu_kernels.load()
 
 
 def bf16_available() -> bool:
     """Whether bf16 batches multiply against packed codes here: opted into and the kernel
     loads. Never raises."""
-    return os.environ.get(BF16_SWITCH) == "1" and available()
+    return switches.current().packed_bf16 and available()
 
 
 def why_not() -> str:
-    return cpu_kernels.switched_off(ENV_SWITCH) or cpu_kernels.why_not()
+    return switches.why_off("packed_weights") or cpu_kernels.why_not()
 
 
 def _exact(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor) -> bool:

@@ -11,28 +11,26 @@ The gather-then-SDPA path (engine/model/llama.py) copies every decode request's 
 pool for every layer; at 32 requests of ~350 tokens that copy moves about as many bytes per step as
 the weights. The kernel reads each key and value once, where it lies.
 
-`PDSERVE_PAGED_ATTENTION=0` turns both off, `PDSERVE_EXTEND_ATTENTION=0` the extend kernel alone;
-where the kernels cannot be built or loaded the rank serves with the gather path and logs why.
-Other devices keep the gather path (the same torch code runs on CUDA).
+`--no-kernel-paged-attention` turns both off, `--no-kernel-extend-attention` the extend kernel
+alone (engine/kernels/switches.py); where the kernels cannot be built or loaded the rank serves
+with the gather path and logs why. Other devices keep the gather path (the same torch code runs on
+CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kernels import cpu_kernels
-
-ENV_SWITCH = "PDSERVE_PAGED_ATTENTION"
-EXTEND_SWITCH = "PDSERVE_EXTEND_ATTENTION"
+from pdserve.engine.kernels import cpu_kernels, switches
 
 
 def load() -> bool:
     """Whether the kernel is on in this process (`why_not()` says why not). Never raises."""
-    return not cpu_kernels.switched_off(ENV_SWITCH) and cpu_kernels.load()
+    return switches.current().paged_attention and cpu_kernels.load()
 
 
 def why_not() -> str:
-    return cpu_kernels.switched_off(ENV_SWITCH) or cpu_kernels.why_not()
+    return switches.why_off("paged_attention") or cpu_kernels.why_not()
 
 
 def decode_attention(
@@ -54,7 +52,7 @@ def decode_attention(
 
 def extend_why_not(group: int, head_dim: int, page_size: int) -> str:
     """Why the extend kernel is off for these shapes here, or "" where it serves them."""
-    off = cpu_kernels.switched_off(EXTEND_SWITCH) or why_not()
+    off = switches.why_off("extend_attention") or why_not()
     if off or not load():
         return off or "the CPU kernels did not load"
     if not torch.ops.pdserve.extend_attention_supports(group, head_dim, page_size):

@@ -21,16 +21,17 @@ rank takes its block back.
 
 On for ranks with one compute thread on the CPU, in fp32, and in bf16 where the blocked kernel
 serves, where the launcher names spare cores (`EngineConfig.spare_cores`; the nodes name the core
-plan's I/O cores, runtime/serve.py); `PDSERVE_SPARE_CORE=0` turns it off.
+plan's I/O cores, runtime/serve.py); `--no-kernel-spare-core` turns it off
+(engine/kernels/switches.py), and a process whose switches turn it off after it started offers it
+no more products.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kernels import bf16_linear, cpu_kernels
+from pdserve.engine.kernels import bf16_linear, cpu_kernels, switches
 
-ENV_SWITCH = "PDSERVE_SPARE_CORE"
 MIN_ROWS = 512  # smaller products: one MKL call (a split below 2 x 256 rows costs; spare_core.md)
 BLOCK_ROWS = 256  # MKL loses next to nothing to a split into blocks of this many rows
 MAX_BLOCKS = 16
@@ -49,7 +50,7 @@ def start(cores, threads: int, dtype: torch.dtype, *, blocked: int) -> str:
     cores = tuple(sorted(cores))
     if not cores:
         return ""
-    why = cpu_kernels.switched_off(ENV_SWITCH)
+    why = switches.why_off("spare_core")
     if not why and threads != 1:
         why = f"{threads} compute threads"
     if not why and dtype not in (torch.float32, torch.bfloat16):
@@ -67,6 +68,14 @@ def start(cores, threads: int, dtype: torch.dtype, *, blocked: int) -> str:
     _cores = cores
     word = "core" if len(cores) == 1 else "cores"
     return f"prefill matmuls shared with a helper on spare {word} {','.join(map(str, cores))}"
+
+
+@switches.on_change
+def _forget() -> None:
+    """Switched off after it started: the helper thread stays (it cannot be stopped) but idles."""
+    global _cores
+    if not switches.current().spare_core:
+        _cores = ()
 
 
 def active() -> bool:

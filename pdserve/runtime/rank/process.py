@@ -25,7 +25,7 @@ import zmq
 from pdserve.consensus import rank_checker
 from pdserve.engine.config import EngineConfig, apply_threads
 from pdserve.engine.grammar import GrammarSampler
-from pdserve.engine.kernels import cpu_kernels, spare_core
+from pdserve.engine.kernels import cpu_kernels, spare_core, switches
 from pdserve.engine.model.config import split_layers
 from pdserve.engine.model.detokenizer import StopDetokenizer
 from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
@@ -150,6 +150,7 @@ def build_rank(
     the tests run a node's ranks as threads); None: a PP>1 rank joins the torch.distributed
     group."""
     cfg = EngineConfig.from_kwargs(model=spec.model, **spec.engine)
+    switches.use(cfg.kernels)  # before any kernel decision (engine/kernels/switches.py)
     threads = apply_threads(cfg.threads)  # 0: every core this rank is bound to
     path = resolve_model(cfg.model)
     mcfg = load_model_config(path)
