@@ -207,3 +207,19 @@ def test_the_kv_transfer_settings_are_node_flags_and_their_old_variables_set_def
     monkeypatch.setenv("PDSERVE_TRANSFER_PROTOCOL", "udp")
     with pytest.raises(SystemExit, match="PDSERVE_TRANSFER_PROTOCOL='udp'"):
         add_decode_args(argparse.ArgumentParser())
+
+
+def test_every_vllm_spelling_is_listed_in_the_router_doc():
+    """docs/ROUTER.md lists the flags named as vLLM's: every alias a config declares is there."""
+    from pdserve.infra.config_flags import settings_of
+    from pdserve.router.config import RouterConfig
+
+    doc = (ROOT / "docs" / "ROUTER.md").read_text()
+    aliases = {
+        alias
+        for cls in (PDNodeConfig, RouterConfig)
+        for _, entry in settings_of(cls)
+        for alias in entry.spec.aliases
+    }
+    assert {"--max-num-seqs", "--max-model-len", "--pipeline-parallel-size"} <= aliases
+    assert sorted(a for a in aliases if f"`{a}`" not in doc and f"`{a} " not in doc) == []

@@ -32,7 +32,7 @@ def test_bad_engine_flags_stop_it_before_any_rank(tiny6, tmp_path):
         ["--model", str(tiny6), "--node-args", "--chunk-size 1024 --max-batch-tokens 512"],
         tmp_path / "up.log",
     )
-    assert "bad engine flags: chunk_size (1024) must be <= max_batch_tokens (512)" in text
+    assert "error: chunk_size (1024) must be <= max_batch_tokens (512)" in text
     assert "exited with code" in text and "during start-up" in text
     assert "pp_rank 0/1 ready" not in text  # refused by the node, not by its ranks
 
