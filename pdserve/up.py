@@ -39,8 +39,8 @@ from pdserve.infra.request_signing import signed_auth
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
 from pdserve.rolling_restart import rolling_restart
-from pdserve.runtime.placement import bind_cores, plan_placement
 from pdserve.up_args import UpConfig
+from pdserve.up_cores import plan_cluster_cores
 
 log = logging.getLogger("pdserve.up")
 RANK_MODULES = [
@@ -156,56 +156,10 @@ class Cluster:
         """The models to serve, each on its own prefill and decode nodes (None: the default)."""
         return list(self.cfg.model) or [os.environ.get("PDSERVE_MODEL") or None]
 
-    def _num_ranks(self) -> int:
-        a = self.cfg
-        per_model = a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp
-        return per_model * len(self._models())
-
     def _plan_cores(self) -> Callable[[str, int], list[str]]:
-        """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
-        cores, and returns `cpus(role, pp)`: the core flags of the next node of `role` started.
-
-        The prefill ranks come first in the plan (an uneven split gives them the extra core),
-        unless no core is left over for I/O. Then the decode ranks take the first cores: the
-        fronts, the router and a co-located client share the last core (the one the plan keeps for
-        I/O whenever it can, and the one vLLM-CPU reserves), bound there, and a prefill rank there
-        loses only throughput, while a decode rank would add their scheduling delay to each
-        token."""
-        a = self.cfg
-        plan = plan_placement(self._num_ranks(), sorted(os.sched_getaffinity(0)), a.threads)
-        m = len(self._models())
-        ranks = {
-            "prefill": [
-                f"prefill-{i} pp{r}"
-                for i in range(a.prefill_nodes * m)
-                for r in range(a.prefill_pp)
-            ],
-            "decode": [
-                f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
-            ],
-        }
-        order = ("prefill", "decode") if plan.io_cores else ("decode", "prefill")
-        names = ranks[order[0]] + ranks[order[1]]
-        # with no core left over, on the last rank's (a prefill rank's): off the decode ranks'
-        # cores, where their wake-ups would delay tokens
-        fronts = plan.front_cores(last_rank_shares=order[1] == "prefill")
-        say(
-            f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
-            f"node(s) x PP {a.decode_pp} per model, {m} model(s): {self._num_ranks()} rank "
-            f"processes on {len(os.sched_getaffinity(0))} cores; placement: "
-            f"{plan.describe(names, fronts)}"
-        )
-        bind_cores(fronts)  # this launcher and the router it starts
-        io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
-        if fronts and not plan.io_cores:  # the fronts' cores, not I/O cores a helper may use
-            io = ["--front-cpus", ",".join(map(str, fronts))]
-        at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
-
-        def cpus(role: str, pp: int) -> list[str]:
-            at[role] += pp
-            return ["--cpus", plan.flag(at[role] - pp, pp), *io]
-
-        return cpus
+        """Every rank's cores (up_cores.py); binds this launcher and the router it starts to the
+        fronts' cores."""
+        return plan_cluster_cores(self.cfg, len(self._models()), say)
 
     def _start_prefill_nodes(
         self, env: dict[str, str], cpus: Callable[[str, int], list[str]], logs: list[str]

@@ -37,6 +37,7 @@ TOP_LEVEL = {
     "pdserve.cli",
     "pdserve.up",
     "pdserve.up_args",
+    "pdserve.up_cores",
     "pdserve.launch",
     "pdserve.rolling_restart",
     "pdserve.trace_cmd",

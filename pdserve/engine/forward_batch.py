@@ -126,6 +126,41 @@ def build_forward_batch(
         raise ValueError("build_forward_batch needs at least one item")
     if window < 0 or (window and one_token_group):
         raise ValueError(f"a window ({window}) is not for one-token groups")
+    offsets, positions, pages_of_tok, logit_rows, row = _token_layout(items, page_size)
+    pos_t = torch.tensor(positions, dtype=torch.long)
+    out_pages = torch.tensor(pages_of_tok, dtype=torch.long)
+    out_offs = pos_t % page_size
+    groups = _attention_groups(
+        items,
+        offsets,
+        pos_t,
+        page_size,
+        device,
+        row,
+        one_decode_group=one_decode_group,
+        one_extend_group=one_extend_group,
+        one_token_group=one_token_group,
+        window=window,
+    )
+    return ForwardBatch(
+        num_tokens=row,
+        page_size=page_size,
+        positions=pos_t.to(device),
+        out_slots=(out_pages * page_size + out_offs).to(device),
+        out_pages=out_pages.to(device),
+        out_offs=out_offs.to(device),
+        groups=groups,
+        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        max_position=max(it.kv_len for it in items) - 1,
+        window=window,
+    )
+
+
+def _token_layout(
+    items: list[BatchItem], page_size: int
+) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """(row of T of each item's first new token, each token's position, each token's pool page,
+    logit rows, T), items checked on the way."""
     offsets: list[int] = []
     positions: list[int] = []
     pages_of_tok: list[int] = []
@@ -140,11 +175,25 @@ def build_forward_batch(
         row += it.num_new
         if it.need_logits:
             logit_rows.append(row - 1)
-    pos_t = torch.tensor(positions, dtype=torch.long)
-    out_pages = torch.tensor(pages_of_tok, dtype=torch.long)
-    out_offs = pos_t % page_size
+    return offsets, positions, pages_of_tok, logit_rows, row
+
+
+def _attention_groups(
+    items: list[BatchItem],
+    offsets: list[int],
+    positions: torch.Tensor,
+    page_size: int,
+    device,
+    num_tokens: int,
+    *,
+    one_decode_group: bool,
+    one_extend_group: bool,
+    one_token_group: bool,
+    window: int,
+) -> list[AttnGroup]:
+    """The batch's attention groups (`build_forward_batch` says what the flags choose)."""
     if one_token_group:
-        groups = [_build_token_group(items, pos_t, page_size, device)]
+        groups = [_build_token_group(items, positions, page_size, device)]
     else:
         groups = [
             _build_group(
@@ -152,7 +201,7 @@ def build_forward_batch(
                 [offsets[b] for b in g],
                 page_size,
                 device,
-                row,
+                num_tokens,
                 # the decode kernel takes the window itself: no mask built for its group
                 0 if one_decode_group and all(items[b].num_new == 1 for b in g) else window,
             )
@@ -166,18 +215,7 @@ def build_forward_batch(
                     [items[b] for b in extend], [offsets[b] for b in extend], page_size, device
                 )
             )
-    return ForwardBatch(
-        num_tokens=row,
-        page_size=page_size,
-        positions=pos_t.to(device),
-        out_slots=(out_pages * page_size + out_offs).to(device),
-        out_pages=out_pages.to(device),
-        out_offs=out_offs.to(device),
-        groups=groups,
-        logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-        max_position=max(it.kv_len for it in items) - 1,
-        window=window,
-    )
+    return groups
 
 
 def _group_items(

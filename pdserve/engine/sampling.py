@@ -176,18 +176,7 @@ def sample(
     request; steps[i] = tokens it generated so far; histories[i] = (prompt ids, generated ids),
     needed only for penalized requests; `mask` forbids tokens in place after the penalties
     (structured output, engine/grammar.py)."""
-    adjusted = mask is not None or any(p.penalized for p in params)
-    if adjusted:
-        logits = logits.float().clone()  # the forward's output is an inference tensor: a copy
-    for i, p in enumerate(params):
-        if p.penalized:
-            assert histories is not None  # callers pass them whenever a request is penalized
-            apply_penalties(logits[i], p, *histories[i])
-    if mask is not None:
-        mask(logits)
-    if adjusted:
-        # An extreme repetition penalty can overflow a logit; NaN must never reach a choice.
-        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    logits = _adjusted(logits, params, histories, mask)
     vocab = logits.shape[-1]
     # One uniform number per sampled row, in row order, whichever path chooses its token.
     u = [0.0 if p.greedy else _uniform(p, steps[i], generator) for i, p in enumerate(params)]
@@ -225,6 +214,29 @@ def sample(
     if not any(p.logprobs for p in params):
         return SampleOut(token_ids)
     return _with_logprobs(logits, params, tokens, token_ids)
+
+
+def _adjusted(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[tuple[list[int], list[int]]] | None,
+    mask,
+) -> torch.Tensor:
+    """`logits` after the penalties and the mask, as a fp32 copy; `logits` itself where no row
+    is adjusted."""
+    adjusted = mask is not None or any(p.penalized for p in params)
+    if adjusted:
+        logits = logits.float().clone()  # the forward's output is an inference tensor: a copy
+    for i, p in enumerate(params):
+        if p.penalized:
+            assert histories is not None  # callers pass them whenever a request is penalized
+            apply_penalties(logits[i], p, *histories[i])
+    if mask is not None:
+        mask(logits)
+    if adjusted:
+        # An extreme repetition penalty can overflow a logit; NaN must never reach a choice.
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    return logits
 
 
 def _with_logprobs(

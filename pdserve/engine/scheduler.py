@@ -20,62 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.engine.batch import BatchEntry, SampleOut, ScheduledBatch
-from pdserve.engine.config import check_batch_limits
 from pdserve.engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams, Share
 from pdserve.engine.fair_queue import FairQueue
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
+from pdserve.engine.prefill_shares import PrefillShares
 from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.scheduler_config import SchedulerConfig, check_admissible
+from pdserve.engine.stop_reason import stop_reason
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    page_size: int = 16
-    chunk_size: int = 512  # max prompt tokens of one request in one batch
-    max_batch_tokens: int = 2048  # max new tokens in one forward (decodes + prefill chunks)
-    # max prompt tokens in a forward while any request decodes (0: max_batch_tokens): a running
-    # stream's next token then waits for at most this much prefill
-    mixed_prefill_tokens: int = 0
-    # max prompt tokens of one tenant in a forward while another tenant has a request on the node
-    # (0: no cap): a flood's prefill delays the other tenants' next step by at most this much
-    fair_prefill_tokens: int = 0
-    max_running: int = 64  # admitted requests across all slots
-    max_context: int = 2048  # prompt + output tokens of one request
-    enable_prefix_cache: bool = True
-    num_slots: int = 1  # microbatch slots (pp_size + async_depth)
-    window: int = 0  # the model's sliding window: how far back a cached prefix must be whole
-
-    def __post_init__(self):
-        for name in ("page_size", "max_running", "max_context", "num_slots"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_batch_limits(
-            self.chunk_size,
-            self.max_batch_tokens,
-            self.mixed_prefill_tokens,
-            self.fair_prefill_tokens,
-        )
-
-
-class PrefillShares:
-    """The prompt tokens each tenant computes in one forward, against the fair cap (0: none):
-    another tenant's next step then waits for at most `cap` tokens of a tenant's prefill."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.used: dict[str, int] = {}  # tenant -> prompt tokens this forward
-
-    def left(self, req: Req) -> int:
-        if not self.cap:
-            return 1 << 62
-        return self.cap - self.used.get(req.share.tenant, 0)
-
-    def take(self, req: Req, n: int) -> None:
-        if self.cap:
-            self.used[req.share.tenant] = self.used.get(req.share.tenant, 0) + n
+__all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig: imported from here as before
 
 
 def _batch_digest(b: ScheduledBatch) -> list:
@@ -119,21 +75,7 @@ class Scheduler:
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
         """Raises ParamError for a request that could never run
         (too long for the context or the pool)."""
-        if prompt_len < 1:
-            raise ParamError("prompt", "is empty")
-        total = prompt_len + params.max_tokens
-        if total > self.cfg.max_context:
-            raise ParamError(
-                "max_tokens",
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context limit of {self.cfg.max_context} tokens",
-            )
-        if pages_needed(total, self.cfg.page_size) > self.allocator.num_pages:
-            raise ParamError(
-                "max_tokens",
-                f"prompt + max_tokens ({total} tokens) can never fit in the KV pool "
-                f"({self.allocator.num_pages * self.cfg.page_size} tokens)",
-            )
+        check_admissible(self.cfg, self.allocator.num_pages, prompt_len, params)
 
     @rank_consensus(
         "add",
@@ -366,20 +308,7 @@ class Scheduler:
 
     def _stop_reason(self, req: Req) -> FinishReason | None:
         """Why the request's last output token ends it, if it does."""
-        p, tok = req.params, req.output_ids[-1]
-        reason = None
-        if tok in p.stop_token_ids or not p.ignore_eos and tok in self.eos_token_ids:
-            reason = FinishReason("stop", matched=tok)
-        elif p.stop and self.detokenize is not None:
-            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8) :])
-            hit = next((s for s in p.stop if s in tail), None)
-            if hit is not None:
-                reason = FinishReason("stop", matched=hit)
-        if reason is None and (
-            len(req.output_ids) >= p.max_tokens or req.seq_len >= self.cfg.max_context
-        ):
-            reason = FinishReason("length")
-        return reason
+        return stop_reason(req, self.eos_token_ids, self.detokenize, self.cfg.max_context)
 
     @rank_consensus("finish", args=lambda self, req, reason: [req.rid, reason.kind, req.kv_len])
     def _finish(self, req: Req, reason: FinishReason) -> None:

@@ -212,15 +212,47 @@ def build_descriptors(
     dst_pages = [-1] * dst_first_page + list(dst_pages)  # never read below dst_first_page
     lo, hi = layers
     sliding = tuple(x for x in src.sliding if lo <= x < hi) if slide_from else ()
+    args = (src, dst, src_pages, dst_pages, (token_start, token_end), layers, sliding, slide_from)
+    return coalesce(_page_descs(*args) if src.page_size == dst.page_size else _run_descs(*args))
+
+
+def _page_descs(
+    src: PoolDesc,
+    dst: PoolDesc,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    tokens: tuple[int, int],
+    layers: tuple[int, int],
+    sliding: tuple[int, ...],
+    slide_from: int,
+) -> list[Desc]:
+    """Equal page sizes: one descriptor per whole page for the shared layers (its full-attention
+    runs only, for a page wholly before `slide_from`); `build_descriptors` checked the tables."""
+    (token_start, token_end), (lo, hi) = tokens, layers
     every, full_only = [(lo, hi)], layer_runs(lo, hi, sliding)
     out: list[Desc] = []
-    if src.page_size == dst.page_size:
-        ps = src.page_size
-        for i in range(token_start // ps, pages_for(token_end, ps)):
-            for a, b in every if (i + 1) * ps > slide_from else full_only:
-                src_at, dst_at = src.addr(src_pages[i], a), dst.addr(dst_pages[i], a)
-                out.append((src_at, dst_at, (b - a) * src.layer_bytes))
-        return coalesce(out)
+    ps = src.page_size
+    for i in range(token_start // ps, pages_for(token_end, ps)):
+        for a, b in every if (i + 1) * ps > slide_from else full_only:
+            src_at, dst_at = src.addr(src_pages[i], a), dst.addr(dst_pages[i], a)
+            out.append((src_at, dst_at, (b - a) * src.layer_bytes))
+    return out
+
+
+def _run_descs(
+    src: PoolDesc,
+    dst: PoolDesc,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    tokens: tuple[int, int],
+    layers: tuple[int, int],
+    sliding: tuple[int, ...],
+    slide_from: int,
+) -> list[Desc]:
+    """Different page sizes: one descriptor per (layer, k/v, token run inside one page on both
+    sides); `build_descriptors` checked the tables."""
+    (token_start, token_end), (lo, hi) = tokens, layers
+    out: list[Desc] = []
     tb = src.token_bytes
     t = token_start
     while t < token_end:
@@ -239,7 +271,7 @@ def build_descriptors(
                     )
                 )
         t = u
-    return coalesce(out)
+    return out
 
 
 def chunk_descriptors(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -285,27 +286,9 @@ class KVSender(BaseKVSender):
                     self._progress_at = time.monotonic()
 
     def _send(self, chunk: Chunk, peers: list[tuple[int, KVRegister]]) -> None:
-        mgr, cfg = self._mgr, self._mgr.config
+        mgr = self._mgr
         stop = lambda: self._status == KVPoll.Failed  # noqa: E731
-        for _, p in peers:
-            if p.session_id in mgr.failed_sessions:
-                # A peer that already failed another room fails this one at once, instead of
-                # holding a transfer thread (and the healthy peers' rooms queued behind it) in
-                # another write.
-                raise TransferError(f"session {p.session_id} failed before", p.session_id)
-            descs = chunk_descriptors(
-                mgr.pool,
-                p.pool,
-                chunk.page_ids,
-                p.page_ids,
-                (chunk.token_start, chunk.token_end),
-                p.prefix_tokens,
-                chunk.total_tokens,
-            )
-            moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
-            mgr.stats.add_write(len(descs), moved)
-            self.descriptors += len(descs)
-            self.bytes_sent += moved
+        self._write_kv(chunk, peers, stop)
         if not chunk.last:
             return
         aux_bytes = {}
@@ -313,19 +296,7 @@ class KVSender(BaseKVSender):
             aux_bytes[p.dst_rank] = (
                 mgr.write_aux(self.room, chunk.aux, p, stop) if chunk.aux is not None else 0
             )
-        sums = {}
-        if cfg.checksum:
-            for _, p in peers:
-                layers = intersect(mgr.pool.layers, p.pool.layers)
-                assert layers is not None  # on_register accepts only peers overlapping this rank
-                sums[p.dst_rank] = kv_checksum(
-                    mgr.pool,
-                    chunk.page_ids,
-                    layers,
-                    chunk.token_end,
-                    token_start=p.prefix_tokens,
-                    slide_from=window_start(chunk.token_end, p.pool.window, p.pool.page_size),
-                )
+        sums = self._checksums(chunk, peers) if mgr.config.checksum else {}
         with self._lock:
             if self._status == KVPoll.Failed:
                 return
@@ -348,6 +319,47 @@ class KVSender(BaseKVSender):
         assert self._first_chunk_at is not None  # _drain sets it before it sends a chunk
         mgr.stats.add_success(self.room, self.finished_at - self._first_chunk_at, self.bytes_sent)
         mgr.stats.add_room_tokens(*room_tokens(mgr.pool, [p for _, p in peers], chunk.token_end))
+
+    def _write_kv(
+        self, chunk: Chunk, peers: list[tuple[int, KVRegister]], stop: Callable[[], bool]
+    ) -> None:
+        """Writes `chunk`'s KV to each peer in turn, counting what moved."""
+        mgr, cfg = self._mgr, self._mgr.config
+        for _, p in peers:
+            if p.session_id in mgr.failed_sessions:
+                # A peer that already failed another room fails this one at once, instead of
+                # holding a transfer thread (and the healthy peers' rooms queued behind it) in
+                # another write.
+                raise TransferError(f"session {p.session_id} failed before", p.session_id)
+            descs = chunk_descriptors(
+                mgr.pool,
+                p.pool,
+                chunk.page_ids,
+                p.page_ids,
+                (chunk.token_start, chunk.token_end),
+                p.prefix_tokens,
+                chunk.total_tokens,
+            )
+            moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
+            mgr.stats.add_write(len(descs), moved)
+            self.descriptors += len(descs)
+            self.bytes_sent += moved
+
+    def _checksums(self, chunk: Chunk, peers: list[tuple[int, KVRegister]]) -> dict[int, int]:
+        """dst_rank -> the checksum of the KV written to that peer, for its Success message."""
+        mgr, sums = self._mgr, {}
+        for _, p in peers:
+            layers = intersect(mgr.pool.layers, p.pool.layers)
+            assert layers is not None  # on_register accepts only peers overlapping this rank
+            sums[p.dst_rank] = kv_checksum(
+                mgr.pool,
+                chunk.page_ids,
+                layers,
+                chunk.token_end,
+                token_start=p.prefix_tokens,
+                slide_from=window_start(chunk.token_end, p.pool.window, p.pool.page_size),
+            )
+        return sums
 
 
 def _expected_ranks(mine: tuple[int, int], msg: KVRegister) -> frozenset[int]:

@@ -29,9 +29,9 @@ from pdserve.engine.kernels import (
     paged_attention,
 )
 from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.model.attention_masks import group_masks
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.decoder_layer import (
-    EXTEND_IN_PLACE,
     IN_PLACE,
     DecoderLayer,
     empty_parameter,
@@ -281,10 +281,6 @@ class ModelSlice(torch.nn.Module):
             self._extend_in_place = not why
         return self._extend_in_place
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A bool mask (True: may attend) as SDPA's additive one, in the slice's dtype."""
-        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
-
     def _workspace(self, pages: int, pool: KVPool) -> torch.Tensor:
         """Grow-only gather buffer [2, pages, page_size, kv_heads, head_dim], reused across layers
         and forwards: a fresh 10+ MB tensor per layer would cost page faults on every allocation."""
@@ -310,23 +306,9 @@ class ModelSlice(torch.nn.Module):
             and fb.out_offs.is_contiguous()
         )
 
-    @torch.inference_mode()
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
-        previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
-        attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
-        the last slice logits in the model's dtype [len(fb.logit_rows), vocab] for the rows of T
-        listed in fb.logit_rows."""
-        lay = pool.layout
-        if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
-            raise ValueError(
-                f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
-                f"slice is [{self.layer_start}, {self.layer_end})"
-            )
-        if self.window and fb.window != self.window:
-            raise ValueError(
-                f"the batch's window is {fb.window}, the slice's sliding layers' {self.window}"
-            )
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward's hidden states: x's embeddings on the first slice, else a copy of x in
+        the slice's dtype (the layers update it in place)."""
         if self.is_first:
             assert self.embed_weight is not None  # made in __init__ on the first slice
             h = F.embedding(x, self.embed_weight)
@@ -334,46 +316,21 @@ class ModelSlice(torch.nn.Module):
                 h.mul_(torch.tensor(self.cfg.embed_scale).to(self.dtype))
         else:
             h = x.to(self.dtype, copy=True)
-        rope = self.rope.lookup(fb.positions, fb.max_position)
-        in_place = self.choose_decode_attention(pool)
-        # SDPA would turn a bool mask into an additive one on every call: do it once per forward.
-        masks = [
-            EXTEND_IN_PLACE
-            if g.first_rows is not None
-            else IN_PLACE
-            if in_place and g.max_q == 1
-            else None
-            if g.mask is None
-            else self._additive(g.mask)
-            for g in fb.groups
-        ]
-        # the sliding layers' (Gemma 3): where a group's window cuts no key, its plain mask
-        # (a group a kernel serves keeps it: the decode kernel is given the window). A decode
-        # group built for the kernel carries no window mask, so it must not be gathered.
-        if (
-            self.window
-            and not in_place
-            and any(
-                g.window_mask is None and g.max_q == 1 and int(g.seq_lens.max()) > self.window
-                for g in fb.groups
-            )
-        ):
-            raise ValueError("a decode group built for the kernel, which this slice does not use")
-        window_masks = [
-            self._additive(g.window_mask)
-            if g.window_mask is not None and (m is None or torch.is_tensor(m))
-            else m
-            for g, m in zip(fb.groups, masks, strict=True)
-        ]
-        local_rope = (
-            rope
-            if self.rope_local is self.rope
-            else self.rope_local.lookup(fb.positions, fb.max_position)
-        )
-        # sized for the groups that gather (no mask or a mask tensor), not those a kernel serves
-        groups = zip(fb.groups, masks, strict=True)
-        gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
-        ws = self._workspace(max(gathered, default=0), pool)
+        return h
+
+    def _run_layers(
+        self,
+        h: torch.Tensor,
+        fb: ForwardBatch,
+        pool: KVPool,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        local_rope: tuple[torch.Tensor, torch.Tensor],
+        masks: list,
+        window_masks: list,
+        ws: torch.Tensor,
+    ) -> None:
+        """Runs the slice's layers over h in place: in one call where `_one_call` allows, else
+        layer by layer (the sliding layers with their own RoPE and masks)."""
         if self._one_call(h, fb, masks, pool):
             g = fb.groups[0]
             assert self._stack is not None  # `_one_call` checked it
@@ -396,6 +353,38 @@ class ModelSlice(torch.nn.Module):
                     layer(h, i, fb, pool, local_rope, window_masks, ws, self.window)
                 else:
                     layer(h, i, fb, pool, rope, masks, ws)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """x: LongTensor [T] token ids on the first slice, else hidden [T, hidden_size] from the
+        previous slice. Writes this slice's K/V for the T new tokens into `pool` at fb.out_slots and
+        attends over each request's cached + new KV. Returns hidden [T, hidden] (not last), or on
+        the last slice logits in the model's dtype [len(fb.logit_rows), vocab] for the rows of T
+        listed in fb.logit_rows."""
+        lay = pool.layout
+        if (lay.layer_start, lay.layer_end) != (self.layer_start, self.layer_end):
+            raise ValueError(
+                f"KV pool holds layers [{lay.layer_start}, {lay.layer_end}), "
+                f"slice is [{self.layer_start}, {self.layer_end})"
+            )
+        if self.window and fb.window != self.window:
+            raise ValueError(
+                f"the batch's window is {fb.window}, the slice's sliding layers' {self.window}"
+            )
+        h = self._embed(x)
+        rope = self.rope.lookup(fb.positions, fb.max_position)
+        in_place = self.choose_decode_attention(pool)
+        masks, window_masks = group_masks(fb, in_place, self.window, self.dtype)
+        local_rope = (
+            rope
+            if self.rope_local is self.rope
+            else self.rope_local.lookup(fb.positions, fb.max_position)
+        )
+        # sized for the groups that gather (no mask or a mask tensor), not those a kernel serves
+        groups = zip(fb.groups, masks, strict=True)
+        gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
+        ws = self._workspace(max(gathered, default=0), pool)
+        self._run_layers(h, fb, pool, rope, local_rope, masks, window_masks, ws)
         if not self.is_last:
             return h
         # both made in __init__ on the last slice

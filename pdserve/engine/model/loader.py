@@ -40,17 +40,58 @@ def _hf_config(folder: Path) -> ModelConfig:
         c = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {describe_error(e)}") from None
+    arch = _hf_arch(c, folder)
+    extra = _gemma3_fields(c, folder / "config.json") if arch == "gemma3" else {}
+    if c.get("mlp_bias") or (arch != "gemma3" and c.get("hidden_act", "silu") != "silu"):
+        raise ModelLoadError(
+            f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported"
+        )
+    theta, rope_scaling = _hf_rope(c, arch, folder)
+    eos = _hf_eos(c, folder)
+    try:
+        heads = int(c["num_attention_heads"])
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "gemma3")),
+            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=c.get("bos_token_id"),
+            dtype=_hf_dtype(c),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **extra,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{folder / 'config.json'}: missing or bad field ({describe_error(e)})"
+        ) from None
+
+
+def _hf_arch(c: Any, folder: Path) -> str:
+    """The config's architecture, as SUPPORTED_ARCHS names it (`c`: config.json as parsed);
+    refuses one the engine does not run."""
     arch = {"gemma3_text": "gemma3"}.get(c.get("model_type"), c.get("model_type"))
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(
             f"unsupported architecture {c.get('model_type')!r} in {folder / 'config.json'} "
             f"(supported: {', '.join(SUPPORTED_ARCHS)}; Gemma 3 as gemma3_text)"
         )
-    extra = _gemma3_fields(c, folder / "config.json") if arch == "gemma3" else {}
-    if c.get("mlp_bias") or (arch != "gemma3" and c.get("hidden_act", "silu") != "silu"):
-        raise ModelLoadError(
-            f"{folder / 'config.json'}: only SwiGLU MLPs without bias are supported"
-        )
+    return arch
+
+
+def _hf_rope(c: dict, arch: str, folder: Path) -> tuple[float, dict | None]:
+    """(RoPE base, ModelConfig's rope_scaling: None for the default kind) of the full-attention
+    layers; refuses a RoPE kind the engine does not run."""
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     if arch == "gemma3":  # per layer type; the full-attention layers' is the model's own
         rope = dict(rope.get("full_attention") or c.get("rope_scaling") or {})
@@ -65,6 +106,11 @@ def _hf_config(folder: Path) -> ModelConfig:
             f"{folder / 'config.json'}: unsupported rope_type {kind!r} "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES[:3])})"
         )
+    return theta, None if kind == "default" else {**rope, "rope_type": kind}
+
+
+def _hf_eos(c: dict, folder: Path) -> list[int]:
+    """The EOS ids of config.json, then of generation_config.json where the folder has one."""
     eos = _ids(c.get("eos_token_id"))
     gen = folder / "generation_config.json"
     if gen.is_file():
@@ -72,33 +118,7 @@ def _hf_config(folder: Path) -> ModelConfig:
             eos += _ids(json.loads(gen.read_text()).get("eos_token_id"))
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read {gen}: {describe_error(e)}") from None
-    try:
-        heads = int(c["num_attention_heads"])
-        return ModelConfig(
-            arch=arch,
-            vocab_size=int(c["vocab_size"]),
-            hidden_size=int(c["hidden_size"]),
-            intermediate_size=int(c["intermediate_size"]),
-            num_layers=int(c["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "gemma3")),
-            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
-            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=c.get("bos_token_id"),
-            dtype=_hf_dtype(c),
-            qk_norm=arch in ("qwen3", "gemma3"),
-            **extra,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(
-            f"{folder / 'config.json'}: missing or bad field ({describe_error(e)})"
-        ) from None
+    return eos
 
 
 def _gemma3_fields(c: dict, where: Path) -> dict[str, Any]:

@@ -16,8 +16,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import httpx
 
@@ -26,67 +24,11 @@ from pdserve.router.cpu_affinity import FrontCores
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing.circuit import CircuitBreaker
 from pdserve.router.routing.node_clients import NodeClients
+from pdserve.router.routing.worker import Worker
 from pdserve.router.tools.parsers import FORMATS
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 ROLE_POLL_S = 0.2  # how often a role change asks the node whether its ranks flipped
-
-
-@dataclass(eq=False)
-class Worker:
-    url: str
-    role: str
-    breaker: CircuitBreaker
-    bootstrap_port: int | None = None
-    model: str | None = None  # learnt from /server_info
-    max_context: int | None = None  # learnt from /server_info
-    tool_format: str | None = None  # learnt from /server_info: its model's tool-call format
-    prefix_cache: bool = True  # learnt from /server_info: it keeps finished prompts' KV
-    healthy: bool = False
-    draining: bool = False  # its /health says so (runtime/front/drain.py): chosen no more
-    ever_healthy: bool = False
-    good_probes: int = 0  # consecutive
-    bad_probes: int = 0  # consecutive
-    in_flight: int = 0  # requests the router has open on this worker
-    queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
-    bootstrap_host: str = field(init=False)
-    pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
-    push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    elastic: bool = False  # learnt from /server_info: it can change role (POST /workers/role)
-    changing_to: str | None = None  # a role change under way: chosen for neither role meanwhile
-    changed_by_router: bool = False  # this router's change_role runs (the probes leave it be)
-
-    def __post_init__(self) -> None:
-        self.bootstrap_host = urlparse(self.url).hostname or ""
-
-    def eligible(self) -> bool:
-        if self.role == "prefill" and self.bootstrap_port is None:
-            return False
-        return (
-            self.healthy
-            and not self.draining
-            and self.changing_to is None
-            and self.breaker.can_pass()
-        )
-
-    def describe(self) -> dict:
-        return {
-            "url": self.url,
-            "role": self.role,
-            "model": self.model,
-            "healthy": self.healthy,
-            "draining": self.draining,
-            "good_probes": self.good_probes,  # consecutive: how long it has been answering
-            "bad_probes": self.bad_probes,
-            "circuit": self.breaker.state.name.lower(),
-            "in_flight": self.in_flight,
-            "queued_prompt_tokens": self.queued_prompt_tokens,
-            "bootstrap_port": self.bootstrap_port,
-            "max_context": self.max_context,
-            "prefix_cache": self.prefix_cache,
-            "elastic": self.elastic,
-            "changing_to": self.changing_to,
-        }
 
 
 class WorkerRegistry:

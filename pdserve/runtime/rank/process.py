@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -37,7 +38,8 @@ from pdserve.infra.procs import die_with_parent, exit_on_stop_signals, set_proce
 from pdserve.runtime.placement import bind_cores
 from pdserve.runtime.rank.front_link import StatsReporter, ZmqFrontIO
 from pdserve.runtime.rank.pp_comm import PPComm
-from pdserve.runtime.rank.slot_loop import LoopConfig, RankLoop, SlotLoop
+from pdserve.runtime.rank.rank_loop import RankLoop
+from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
 from pdserve.runtime.rank_spec import RankSpec
 
 # What a rank imports lazily and a rank zygote (infra/zygote.py) imports once for all its children:
@@ -168,6 +170,33 @@ def build_rank(
         comm = join_pp_group(spec)
     if comm is not None:
         cfg = agree_capacities(comm, cfg)
+    runner, loaded = _load_runner(spec, cfg, mcfg, path, (start, end), threads)
+    about += loaded
+    plant_divergence_if_asked(spec, runner)
+    loop_cfg = LoopConfig(
+        pp_size=spec.pp_size,
+        async_depth=spec.async_depth,
+        skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
+        waiting_timeout_s=spec.waiting_timeout_s,
+        running_timeout_s=spec.running_timeout_s,
+    )
+    sched = _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish)
+    if comm is not None:
+        if spec.device == "cpu":
+            cpu_kernels.load()  # a first build (minutes on a slow machine) belongs to the load too
+        # No rank sends a PP message before every slice is loaded: a receive waits --pp-timeout
+        # for one message, and a peer dequantising a big file can take longer than that.
+        comm.wait_for_peers("loaded", spec.load_timeout_s)
+    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
+
+
+def _load_runner(
+    spec: RankSpec, cfg: EngineConfig, mcfg: Any, path: Path, layers: tuple[int, int], threads: int
+) -> tuple[ModelRunner, str]:
+    """Loads layers [start, end) and builds their runner, after the capacities were agreed; and
+    what the ready line adds about them (small-batch weights, the spare-core helper)."""
+    start, end = layers
+    about = ""
     model = load_slice(path, start, end, cfg.torch_dtype)
     if cfg.small_batch_weights:
         about += ", " + model.add_small_batch_weights(
@@ -185,22 +214,7 @@ def build_rank(
         tok = lambda: load_tokenizer(path)  # noqa: E731  (loaded at the first guided request)
         runner.grammar = GrammarSampler(tok, mcfg.vocab_size, mcfg.eos_token_ids)
         runner.grammar.warm_up_in_background()
-    plant_divergence_if_asked(spec, runner)
-    loop_cfg = LoopConfig(
-        pp_size=spec.pp_size,
-        async_depth=spec.async_depth,
-        skip_pure_chunk_comm=spec.skip_pure_chunk_comm,
-        waiting_timeout_s=spec.waiting_timeout_s,
-        running_timeout_s=spec.running_timeout_s,
-    )
-    sched = _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish)
-    if comm is not None:
-        if spec.device == "cpu":
-            cpu_kernels.load()  # a first build (minutes on a slow machine) belongs to the load too
-        # No rank sends a PP message before every slice is loaded: a receive waits --pp-timeout
-        # for one message, and a peer dequantising a big file can take longer than that.
-        comm.wait_for_peers("loaded", spec.load_timeout_s)
-    return RankParts(spec, cfg, mcfg, comm, runner, sched, loop_cfg, about=about)
+    return runner, about
 
 
 def _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finish) -> Scheduler:

@@ -22,8 +22,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from pdserve.consensus import rank_checker
 from pdserve.engine.batch import SampleOut, ScheduledBatch
@@ -46,18 +46,13 @@ from pdserve.runtime.messages import (
 )
 from pdserve.runtime.rank.idle_wait import IdleWait
 from pdserve.runtime.rank.pp_comm import Msg, PPLink
+from pdserve.runtime.rank.rank_loop import FrontIO, LoopStats
+from pdserve.runtime.rank.rank_loop import RankLoop as RankLoop  # re-export: front_link.py
 from pdserve.runtime.rank.request_timeouts import RequestTimeouts
 from pdserve.runtime.rank.spans import RankSpans
 from pdserve.runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
-
-
-class FrontIO(Protocol):
-    """PP0's seam to the front (ZMQ in a node, in-memory in tests)."""
-
-    def poll(self, timeout_ms: int) -> list[Any]: ...
-    def report(self, events: list[Event]) -> None: ...
 
 
 @dataclass
@@ -78,13 +73,6 @@ class LoopConfig:
     @property
     def num_slots(self) -> int:
         return self.pp_size + self.async_depth
-
-
-@dataclass
-class LoopStats:
-    iterations: int = 0
-    forwards: int = 0
-    last_progress: float = field(default_factory=time.monotonic)  # watchdog only, never decisions
 
 
 class SlotLoop:
@@ -396,28 +384,6 @@ class SlotLoop:
                 "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where
             )
             raise RankDivergence(f"pp_rank {self.rank} diverged at iteration {t}: {where}")
-
-
-class RankLoop(Protocol):
-    """What a rank's process, its stats push and its watchdog use of its loop: a `SlotLoop`, or
-    an elastic node's loop, which holds one and replaces it at a flip (elastic_node/loop.py)."""
-
-    @property
-    def stats(self) -> LoopStats: ...
-    @property
-    def sched(self) -> Scheduler: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def front(self) -> FrontIO | None: ...
-    @property
-    def spans(self) -> RankSpans: ...
-    def iteration(self, t: int) -> None: ...
-    def queue_sizes(self) -> dict[str, int]: ...
-    def drain_samples(self) -> dict[str, list[float]]: ...
-    def stats_extension(self) -> StatsExtension | None: ...
-    def describe(self) -> str: ...
-    def close(self) -> None: ...
 
 
 class RankDivergence(RuntimeError):

@@ -1,0 +1,58 @@
+"""`pdserve up`'s core plan: every rank of every node on the host's cores, the fronts, the router
+and the launcher on the cores left for I/O (runtime/placement.py plans; this orders the roles)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from pdserve.runtime.placement import bind_cores, plan_placement
+from pdserve.up_args import UpConfig
+
+
+def plan_cluster_cores(
+    cfg: UpConfig, n_models: int, say: Callable[[str], None]
+) -> Callable[[str, int], list[str]]:
+    """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
+    cores, and returns `cpus(role, pp)`: the core flags of the next node of `role` started.
+
+    The prefill ranks come first in the plan (an uneven split gives them the extra core),
+    unless no core is left over for I/O. Then the decode ranks take the first cores: the
+    fronts, the router and a co-located client share the last core (the one the plan keeps for
+    I/O whenever it can, and the one vLLM-CPU reserves), bound there, and a prefill rank there
+    loses only throughput, while a decode rank would add their scheduling delay to each
+    token."""
+    a = cfg
+    n_ranks = (a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp) * n_models
+    plan = plan_placement(n_ranks, sorted(os.sched_getaffinity(0)), a.threads)
+    m = n_models
+    ranks = {
+        "prefill": [
+            f"prefill-{i} pp{r}" for i in range(a.prefill_nodes * m) for r in range(a.prefill_pp)
+        ],
+        "decode": [
+            f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
+        ],
+    }
+    order = ("prefill", "decode") if plan.io_cores else ("decode", "prefill")
+    names = ranks[order[0]] + ranks[order[1]]
+    # with no core left over, on the last rank's (a prefill rank's): off the decode ranks'
+    # cores, where their wake-ups would delay tokens
+    fronts = plan.front_cores(last_rank_shares=order[1] == "prefill")
+    say(
+        f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
+        f"node(s) x PP {a.decode_pp} per model, {m} model(s): {n_ranks} rank "
+        f"processes on {len(os.sched_getaffinity(0))} cores; placement: "
+        f"{plan.describe(names, fronts)}"
+    )
+    bind_cores(fronts)  # this launcher and the router it starts
+    io = ["--io-cpus", ",".join(map(str, plan.io_cores))] if plan.io_cores else []
+    if fronts and not plan.io_cores:  # the fronts' cores, not I/O cores a helper may use
+        io = ["--front-cpus", ",".join(map(str, fronts))]
+    at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
+
+    def cpus(role: str, pp: int) -> list[str]:
+        at[role] += pp
+        return ["--cpus", plan.flag(at[role] - pp, pp), *io]
+
+    return cpus
