@@ -21,7 +21,10 @@ def plan_cluster_cores(
     fronts, the router and a co-located client share the last core (the one the plan keeps for
     I/O whenever it can, and the one vLLM-CPU reserves), bound there, and a prefill rank there
     loses only throughput, while a decode rank would add their scheduling delay to each
-    token."""
+    token. An elastic node also gets its cores in each role (--prefill-cpus, --decode-cpus): as
+    the other role's newest node, so that a prefill node that becomes a decode node leaves the
+    decode ranks' cores (on 2 cores, 2 prefill + 1 decode: prefill-1 shares decode-0's core as a
+    prefill node, and moves to prefill-0's as a decode node)."""
     a = cfg
     n_ranks = (a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp) * n_models
     plan = plan_placement(n_ranks, sorted(os.sched_getaffinity(0)), a.threads)
@@ -53,6 +56,12 @@ def plan_cluster_cores(
 
     def cpus(role: str, pp: int) -> list[str]:
         at[role] += pp
-        return ["--cpus", plan.flag(at[role] - pp, pp), *io]
+        start = at[role] - pp
+        flags = ["--cpus", plan.flag(start, pp), *io]
+        if a.elastic:  # its cores in the other role: as that role's newest node, at its group's end
+            other = "decode" if role == "prefill" else "prefill"
+            alt = len(ranks[order[0]]) if other == order[0] else n_ranks - pp
+            flags += [f"--{role}-cpus", plan.flag(start, pp), f"--{other}-cpus", plan.flag(alt, pp)]
+        return flags
 
     return cpus

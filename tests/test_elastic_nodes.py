@@ -78,6 +78,8 @@ def test_elastic_prefill_node_becomes_decode_and_back_under_load(tiny_model, tmp
                 t.join(timeout=150)
         failed = [x for x in results if x[1] != 200]
         assert not failed, failed[:5]
+        # each flipped rank moved its threads to the cores `pdserve up` planned for its new role
+        assert log.read_text().count("thread(s) moved to cores") >= 4, log.read_text()[-3000:]
         assert flips[0] > 0 and len(results) > flips[1], (flips, len(results))
         answers: dict[str, set[str]] = {}
         for prompt, _, text in results:

@@ -28,12 +28,14 @@ counters covers both, so the node's counters never go back at a flip.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Protocol
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.vote import KINDS, RingVote
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.infra.affinity import move_threads
 from pdserve.pd_common.loop_base import PDLoop, vote_transport
 from pdserve.pd_common.messages import KVRankStats
 from pdserve.runtime.rank.process import RankParts
@@ -98,6 +100,18 @@ class ElasticLoop:
         self.loop, self.quiet = new, 0
         self.flips += 1
         log.info("pp_rank %d: %s -> %s after iteration %d", new.rank, old.role, role, t)
+        self._move_cores(old.role, role)
+
+    def _move_cores(self, old: str, new: str) -> None:
+        """The rank's threads onto the new role's cores, where the node names them
+        (RankSpec.role_cpus; `pdserve up --elastic` plans them so that two decode ranks do not share
+        a core). A local choice, no decision of the loop's: the peers need not agree on it."""
+        cores = self.parts.spec.role_cpus
+        if new not in cores:
+            return
+        was = cores.get(old) or self.parts.spec.cpus or sorted(os.sched_getaffinity(0))
+        n = move_threads(was, cores[new])
+        log.info("pp_rank %d: %d thread(s) moved to cores %s", self.loop.rank, n, cores[new])
 
     # --- what the rank's process, stats reporter and watchdog read --------------------------------
     @property

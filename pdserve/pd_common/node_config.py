@@ -35,8 +35,21 @@ class PDNodeConfig(NodeConfig):
         help="an elastic node: starts in this role and changes role on POST /role (needs "
         "--bootstrap-port)",
     )
+    prefill_cpus: str = setting(
+        "",
+        help="an elastic node's rank cores while it is a prefill node, in --cpus form; its ranks' "
+        "threads move there when it changes role (default: they stay on --cpus)",
+    )
+    decode_cpus: str = setting(
+        "", help="the same while it is a decode node (`pdserve up --elastic` sets both)"
+    )
     # --transfer-*, --kv-*: dests transfer_* (a node has its own `device`)
     transfer: TransferConfig = nested(TransferConfig, "KV transfer", prefix="transfer_")
+
+    @property
+    def role_cpus(self) -> dict[str, str]:
+        cpus = {"prefill": self.prefill_cpus, "decode": self.decode_cpus}
+        return {role: text for role, text in cpus.items() if text}
 
     def __post_init__(self):
         super().__post_init__()

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from pdserve.infra import internal_auth
+from pdserve.infra.affinity import bind_all_threads
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 
@@ -38,16 +39,6 @@ def parse_front_cpus(value: object) -> frozenset[int] | None:
     if not all(type(c) is int and 0 <= c < MAX_CPUS for c in value):
         return None
     return frozenset(value)
-
-
-def bind_all_threads(cores: Iterable[int]) -> None:
-    """Every thread of this process on `cores` (threads started later inherit their creator's)."""
-    cores = set(cores)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, ValueError):  # the thread ended meanwhile
-            continue
 
 
 class FrontCores:

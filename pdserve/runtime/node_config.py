@@ -108,6 +108,11 @@ class NodeConfig:
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT (the host of node-rank 0)")
 
+    @property
+    def role_cpus(self) -> dict[str, str]:
+        """Each role's `--cpus` for a node that may change role (PDNodeConfig); none here."""
+        return {}
+
     def rendezvous_host(self) -> str:
         """The host of node-rank 0 (multi-host), from --dist-init-addr."""
         if not self.dist_init_addr:

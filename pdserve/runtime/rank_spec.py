@@ -36,6 +36,9 @@ class RankSpec:
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer (0 = off)
     comm_stream: bool = False  # PP sends on their own CUDA stream
+    # an elastic node's: this rank's cores in each role it may take, where its threads move when
+    # the node changes role ({}: they stay on `cpus`)
+    role_cpus: dict[str, list[int]] = field(default_factory=dict)
     # whether the ranks bind sockets beyond the front link that other hosts reach (a PD node's KV
     # control): runtime/serve.refuse_unprotected checks the host they advertise
     ranks_listen: ClassVar[bool] = False

@@ -174,6 +174,10 @@ def make_specs(
         raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
     dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
     plan = node_placement(cfg, len(ranks))
+    try:
+        moves = {role: parse_cpus(text, len(ranks)) for role, text in cfg.role_cpus.items()}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
     # the front; each rank binds itself to its own cores
     bind_cores(parse_io_cpus(cfg.front_cpus) if cfg.front_cpus else plan.io_cores)
@@ -200,9 +204,10 @@ def make_specs(
             waiting_timeout_s=cfg.waiting_timeout,
             running_timeout_s=cfg.running_timeout,
             comm_stream=cfg.pp_comm_stream,
+            role_cpus={role: list(cores[i]) for role, cores in moves.items()},
             **(spec_fields or {}),
         )
-        for r, cores in zip(ranks, plan.rank_cores, strict=True)
+        for i, (r, cores) in enumerate(zip(ranks, plan.rank_cores, strict=True))
     ]
 
 
