@@ -27,11 +27,13 @@ lint: setup-test
 # The test suite (what CI runs): lint first, then pytest, its files spread over 2 workers
 # (pytest-xdist; a file's tests stay on one worker, since they share its module fixtures). The
 # suite is mostly CPU (its node processes starting and running): 2 workers keep 2 cores busy, and 4
-# were slower. TEST_WORKERS=0 runs it in one process.
+# were slower. TEST_WORKERS=0 runs it in one process. The 20 slowest tests are listed at the end:
+# the suite keeps under 10 minutes, and a new slow test shows there first.
 TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadfile -m "not hosts and not failover and not models and not elastic" $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadfile --durations=20 \
+		-m "not hosts and not failover and not models and not elastic" $(PYTEST_ARGS)
 
 # Gemma 3 270M, the real file, against transformers in fp32 (tests/test_gemma3_real.py): a minute
 # or more of model loads (transformers' alone dequantizes the whole GGUF), so a CI step of its own.
