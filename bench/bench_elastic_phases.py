@@ -19,6 +19,8 @@ Clusters (each started, measured and stopped in turn):
                router's controller on (targets `--elastic-ttft-ms`, `--elastic-itl-ms`),
                conditional disaggregation
   elastic pd   the same, every request disaggregated
+  elastic pd from 1P+2D
+               the same, from 1 prefill + 2 decode nodes (the wrong split for the first phase)
 
 Goodput of a phase: requests that started in it, were answered 200, and met TTFT <= `--slo-ttft-ms`
 and mean ITL <= `--slo-itl-ms`, per second of the phase. Also each phase's completed requests,
@@ -63,14 +65,16 @@ CLUSTERS = {
     "1P+2D cond": "--prefill-nodes 1 --decode-nodes 2",
     "elastic cond": "--prefill-nodes 2 --decode-nodes 1 --elastic",
     "elastic pd": "--prefill-nodes 2 --decode-nodes 1 --elastic",
+    "elastic pd from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
 }
-ELASTIC = ("elastic cond", "elastic pd")
+ELASTIC = ("elastic cond", "elastic pd", "elastic pd from 1P+2D")
 PHASES = ("prefill", "decode", "prefill")
 
 
-async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
-    """The phases on the cluster at `url`: one record per request (with its phase and start), and
-    the controller's moves (from GET /workers) with their times since the first phase began."""
+async def run_phases(url: str, args) -> tuple[list[dict], list[dict], list[dict]]:
+    """The phases on the cluster at `url`: one record per request (with its phase and start), the
+    controller's moves (from GET /workers) with their times since the first phase began, and its
+    view of the load every 2 s (elastic clusters)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(600, connect=30)
     secret = cluster_secret()
@@ -100,7 +104,22 @@ async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
                 recs.append(rec)
                 await stream_one(client, chat(model, next(serial), words, tokens, args.seed), rec)
 
+        views: list[dict] = []
+
+        async def watch() -> None:  # the controller's view, every 2 s (elastic clusters)
+            while secret:
+                with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+                    got = await client.get("/workers", auth=SignedAuth(secret))
+                    last = (got.json().get("elastic") or {}).get("last")
+                    if last:
+                        views.append({**last, "at": time.perf_counter() - t0})
+                await asyncio.sleep(2.0)
+
+        watcher = asyncio.create_task(watch())
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         moves = []
         if secret:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -108,7 +127,7 @@ async def run_phases(url: str, args) -> tuple[list[dict], list[dict]]:
                 moves = (got.json().get("elastic") or {}).get("moves") or []
         for m in moves:  # seconds since the first phase began
             m["at"] = round(m["at"] - wall0, 1)
-        return recs, moves
+        return recs, moves, views
 
 
 def phase_stats(recs: list[dict], k: int, args) -> dict:
@@ -129,6 +148,21 @@ def phase_stats(recs: list[dict], k: int, args) -> dict:
         "ttft_p99": pct([r["ttft"] for r in done], 0.99),
         "itl_p50": pct(itls, 0.5),
         "itl_p99": pct(itls, 0.99),
+    }
+
+
+def view_stats(views: list[dict], k: int, args) -> dict:
+    """The controller's view during phase k: its predicted prefill wait and decode step (p50),
+    and why it held, counted by the reason's first words."""
+    mine = [v for v in views if int(v["at"] // args.phase_seconds) == k]
+    held: dict[str, int] = {}
+    for v in mine:
+        why = (v.get("held") or "moving").split(" (")[0]
+        held[why] = held.get(why, 0) + 1
+    return {
+        "ttft_p50": pct([v["ttft_s"] for v in mine], 0.5) if mine else 0.0,
+        "itl_p50": pct([v["itl_s"] for v in mine], 0.5) if mine else 0.0,
+        "held": held,
     }
 
 
@@ -171,6 +205,19 @@ def report(results: dict, args, meta: dict) -> str:
         if moves:
             lines += ["", f"The controller's moves ({name}; `at`: seconds into the run):", ""]
             lines += [f"- {json.dumps(m)}" for m in moves]
+        views = results.get(name, {}).get("views") or []
+        if views:
+            lines += [
+                "",
+                f"The controller's view ({name}, sampled every 2 s): per phase its predicted "
+                "prefill wait and decode step (p50), and why it held (samples):",
+                "",
+            ]
+            lines += [
+                f"- phase {k + 1}: ttft {v['ttft_p50']:.3f} s, itl {v['itl_p50'] * 1e3:.1f} ms; "
+                + json.dumps(v["held"])
+                for k, v in enumerate(views)
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -216,13 +263,14 @@ def main() -> int:
         if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
             router = f"--elastic-ttft-target-ms {args.elastic_ttft_ms} "
             router += f"--elastic-itl-target-ms {args.elastic_itl_ms}"
-            router += " " + " ".join(ALWAYS) if name == "elastic pd" else ""
+            router += " " + " ".join(ALWAYS) if name.startswith("elastic pd") else ""
             up_args += f" --router-args '{router}'"
         with cluster(args, "", up_args) as url:
-            recs, moves = asyncio.run(run_phases(url, args))
+            recs, moves, views = asyncio.run(run_phases(url, args))
         results[name] = {
             "phases": [phase_stats(recs, k, args) for k in range(len(PHASES))],
             "moves": moves,
+            "views": [view_stats(views, k, args) for k in range(len(PHASES))] if views else [],
         }
         print(f"[elastic] {name}: {results[name]['phases']}", flush=True)
     text = report(results, args, meta)

@@ -12,6 +12,7 @@ from pdserve.router.routing.elastic import (
     itl_of,
     replicas_needed,
     ttft_of,
+    weigh,
 )
 
 CFG = ElasticConfig(enabled=True)
@@ -30,6 +31,11 @@ def node(url, role, queued=0, streams=0, elastic=True, per_token=1e-3, per_strea
         0.01 + streams * per_stream,
         per_stream,
     )
+
+
+def decode_at(url, streams, step, per_stream):
+    """A decode node whose predicted step at `streams` is `step`."""
+    return NodeLoad(url, "decode", True, 0, streams, 0.0, 1e-3, step, per_stream)
 
 
 def test_a_long_prefill_queue_takes_the_least_busy_decode_node():
@@ -56,21 +62,65 @@ def test_slow_decode_steps_take_the_least_queued_prefill_node():
     assert move is not None and (move.url, move.to, move.reason) == ("p1", "decode", "decode_short")
 
 
-def test_no_move_where_the_other_role_cannot_spare_a_node():
-    # prefill is short, but the decode nodes' streams over one node less pass low x ITL
+def test_no_move_where_it_would_only_move_the_bottleneck():
+    # prefill is short (2x its target), but the decode nodes' streams over one node less would
+    # take the step to 1.7x its target: the pressure falls only to 0.85x of what it is
     nodes = [
         node("p0", "prefill", queued=4000),
-        *(node(f"d{i}", "decode", streams=20) for i in range(2)),
+        *(node(f"d{i}", "decode", streams=40) for i in range(2)),
     ]
-    assert itl_of(nodes) < CFG.high * ITL
-    assert decide(nodes, CFG, TTFT, ITL) is None
-    # decode is short, and the prefill queue moved to the other prefill node would pass low x TTFT
+    move, why = weigh(nodes, CFG, TTFT, ITL)
+    assert move is None and why.startswith("prefill_short: a move gains too little")
+    # decode is short, and the prefill queue moved to the other prefill node would pass it
     nodes = [
-        node("p0", "prefill", queued=900),
-        node("p1", "prefill", queued=900),
+        node("p0", "prefill", queued=1500),
+        node("p1", "prefill", queued=1500),
         node("d0", "decode", streams=60),
     ]
     assert decide(nodes, CFG, TTFT, ITL) is None
+    # with less queued, the same shortage takes a prefill node: both roles end under target
+    nodes[:2] = [node("p0", "prefill", queued=900), node("p1", "prefill", queued=900)]
+    move = decide(nodes, CFG, TTFT, ITL)
+    assert move is not None and (move.to, move.reason) == ("decode", "decode_short")
+
+
+def test_a_decode_step_of_mostly_fixed_cost_gives_no_reason_to_move():
+    """What 2 prefill + 1 decode nodes measured in a decode-heavy phase on a 2-core machine: the
+    step is at half its target, but spreading the streams barely shortens it, while the prefill
+    wait would double: no move."""
+    nodes = [
+        node("p0", "prefill", queued=300, per_token=1.1e-3),
+        node("p1", "prefill", queued=320, per_token=1.1e-3),
+        decode_at("d0", streams=8, step=0.0308, per_stream=6e-4),
+    ]
+    move, why = weigh(nodes, CFG, TTFT, 0.06)
+    assert move is None and why.startswith("decode_busy: a move gains too little"), why
+
+
+def test_the_move_back_comes_when_prefill_is_short_again():
+    """The state that kept an elastic cluster in 1 prefill + 2 decode nodes through a prefill
+    phase (bench/results/elastic_phases.md, 05:58 run): a 3.4 s predicted prefill wait against
+    2 s, a 30 ms step against 60 ms that is mostly fixed cost. The earlier rule held (the decode
+    role, at half its target, could not stay under 0.5 x it with one node less); moving a decode
+    node back to prefill halves the wait and barely lengthens the step."""
+    nodes = [
+        node("p0", "prefill", queued=3100, per_token=1.1e-3),
+        decode_at("d0", streams=4, step=0.0297, per_stream=6e-4),
+        decode_at("d1", streams=4, step=0.0290, per_stream=6e-4),
+    ]
+    move = decide(nodes, CFG, TTFT, 0.06)
+    assert move is not None and (move.url, move.to, move.reason) == (
+        "d0",
+        "prefill",
+        "prefill_short",
+    )
+    # and once it is back, the same load asks for no move to decode
+    after = [
+        node("p0", "prefill", queued=1550, per_token=1.1e-3),
+        node("d0", "prefill", queued=1550, per_token=1.1e-3),
+        decode_at("d1", streams=8, step=0.032, per_stream=6e-4),
+    ]
+    assert decide(after, CFG, TTFT, 0.06) is None
 
 
 def test_the_last_decode_node_and_fixed_nodes_never_move():

@@ -249,10 +249,9 @@ class ElasticConfig:
     itl_target_ms: float = setting(  # else DEFAULT_ITL_TARGET_MS
         0.0, help="the decode step it keeps under (0: --itl-slo-ms, else 100)"
     )
-    high: float = 0.8  # a role is short past high x its target
-    low: float = 0.5  # a role can spare a node if it stays under low x its target without it
-    idle: float = 0.1  # a role under idle x its target, beside one over busy x its own, gives a
-    busy: float = 0.3  # node to it (kept: at least one node of each role)
+    high: float = 0.8  # a role is short past high x its target (it may take the other's last)
+    busy: float = 0.3  # under busy x its target no role asks for a node
+    gain: float = 0.8  # a move must bring the cluster's pressure under gain x what it is now
     sustain_s: float = setting(
         3.0, flag="--elastic-sustain", help="seconds a shortage lasts before a move"
     )
@@ -262,8 +261,8 @@ class ElasticConfig:
     flip_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.low < self.high or not 0 < self.idle < self.busy:
-            raise ValueError("elastic thresholds need 0 < low < high and 0 < idle < busy")
+        if not 0 < self.busy < self.high or not 0 < self.gain < 1:
+            raise ValueError("elastic thresholds need 0 < busy < high and 0 < gain < 1")
         if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
             raise ValueError("elastic intervals must be > 0 s")
         if self.ttft_target_ms < 0 or self.itl_target_ms < 0:

@@ -11,22 +11,25 @@ latency_model.py), per role, over the eligible nodes:
     itl    the decode step time: the largest predicted step of a decode node at the streams it
            has open
 
-A role is short when its number passes `high` x its target, and busy when it passes `busy` x its
-target while the other role's stays under `idle` x its own (the capacity a closed loop of clients
-waits on, under the targets). The controller moves a node to it from the other role only where
-the other role can spare one (a busy role never takes the other's last node): its number,
-predicted again with the work spread over one node less, stays under `low` x its target (low <
-high: the band between them is the hysteresis, so the move it makes does not make the opposite
-move true). A shortage must last
-`sustain_s`, and no move comes within `dwell_s` of the last one. A decode node is never taken from
-the last one of its model's decode nodes; the last prefill node may go, because decode nodes
-prefill the prompts themselves when none is left.
+Each number over its target is that role's pressure, and the larger of the two is the
+cluster's. The role under more pressure asks for a node when its pressure passes `busy` (short
+past `high`), and the controller moves the least loaded elastic node of the other role to it, but
+only if the cluster's pressure, predicted again with each role's work spread over its nodes after
+the move, falls under `gain` x what it is now. That rule is its own hysteresis: the move back
+would raise the pressure it lowered, so it is never asked for on the same load. It also holds
+where a move would only move the bottleneck, or where a role's number barely falls with its work
+(a decode step that is mostly fixed cost). Under a closed loop of clients inside their targets a
+busy role still gains from the other's idle node, but a busy (not short) role never takes the
+other's last node. A wish must last `sustain_s`, and no move comes within `dwell_s` of the last
+one. A decode node is never taken from the last one of its model's decode nodes; the last prefill
+node may go, because decode nodes prefill the prompts themselves when none is left.
 
-The decision is a pure function of a load snapshot (`decide`), so it is tested on numbers; the
-controller only times it, runs the flip (`WorkerRegistry.change_role`), and reports every move with
-its reason in the log, the metrics (`pdserve_router_role_flips_total`) and `GET /workers`. For
-autoscalers, `replicas_needed` (gauge `pdserve_router_role_replicas_needed`) scales each role's
-node count by how far its number is from its target.
+The decision is a pure function of a load snapshot (`decide`; `weigh` says why it holds), so it
+is tested on numbers; the controller only times it, runs the flip (`WorkerRegistry.change_role`),
+and reports every move with its reason in the log, the metrics (`pdserve_router_role_flips_total`)
+and `GET /workers`. For autoscalers, `replicas_needed` (gauge
+`pdserve_router_role_replicas_needed`) scales each role's node count by how far its number is
+from its target.
 """
 
 from __future__ import annotations
@@ -82,52 +85,97 @@ def itl_of(nodes: list[NodeLoad]) -> float:
     return max((n.step_s for n in nodes if n.role == "decode"), default=0.0)
 
 
-def _without(nodes: list[NodeLoad], gone: NodeLoad) -> list[NodeLoad]:
-    """The same load over the role's other nodes: `gone`'s queue or streams spread evenly."""
-    rest = [n for n in nodes if n.role == gone.role and n is not gone]
-    if not rest:
-        return [n for n in nodes if n is not gone]
-    extra_q, extra_s = gone.queued_tokens / len(rest), gone.streams / len(rest)
-    spread = [
+def _moved(nodes: list[NodeLoad], mover: NodeLoad, to: str) -> list[NodeLoad]:
+    """The same load after `mover` serves `to`: its old role's queue or streams spread over that
+    role's other nodes, and the new role's spread over one node more. The mover prefills or steps
+    at the new role's nodes' mean fit (its own where that role has none)."""
+    old = [n for n in nodes if n.role == mover.role and n is not mover]
+    new = [n for n in nodes if n.role == to]
+    rest = [n for n in nodes if n.role not in (mover.role, to)]
+    gave_q, gave_s = mover.queued_tokens / max(len(old), 1), mover.streams / max(len(old), 1)
+    out = [_load(n, n.queued_tokens + gave_q, n.streams + gave_s) for n in old]
+    k = len(new) + 1
+    queue_each = sum(n.queued_tokens for n in new) / k
+    streams_each = sum(n.streams for n in new) / k
+    out += [_load(n, queue_each, streams_each) for n in new]
+    per_token = _mean([n.wait_per_token_s for n in new], mover.wait_per_token_s)
+    per_stream = _mean([n.step_per_stream_s for n in new], mover.step_per_stream_s)
+    base = _mean([n.step_s - n.streams * n.step_per_stream_s for n in new], 0.0)
+    out.append(
         NodeLoad(
-            n.url,
-            n.role,
-            n.elastic,
-            n.queued_tokens,
-            n.streams,
-            n.wait_s + extra_q * n.wait_per_token_s,
-            n.wait_per_token_s,
-            n.step_s + extra_s * n.step_per_stream_s,
-            n.step_per_stream_s,
+            mover.url,
+            to,
+            mover.elastic,
+            round(queue_each),
+            round(streams_each),
+            queue_each * per_token,
+            per_token,
+            base + streams_each * per_stream,
+            per_stream,
         )
-        for n in rest
-    ]
-    return [n for n in nodes if n.role != gone.role] + spread
+    )
+    return rest + out
+
+
+def _load(n: NodeLoad, queued: float, streams: float) -> NodeLoad:
+    """`n` with `queued` tokens and `streams` streams, along its fits' slopes."""
+    wait = max(n.wait_s + (queued - n.queued_tokens) * n.wait_per_token_s, 0.0)
+    step = max(n.step_s + (streams - n.streams) * n.step_per_stream_s, 0.0)
+    return NodeLoad(
+        n.url,
+        n.role,
+        n.elastic,
+        round(queued),
+        round(streams),
+        wait,
+        n.wait_per_token_s,
+        step,
+        n.step_per_stream_s,
+    )
+
+
+def _mean(xs: list[float], default: float) -> float:
+    return sum(xs) / len(xs) if xs else default
+
+
+def pressure(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: float) -> float:
+    """The cluster's worst role: the larger of prefill wait and decode step over their targets."""
+    return max(ttft_of(nodes) / ttft_target_s, itl_of(nodes) / itl_target_s)
 
 
 def decide(nodes: list[NodeLoad], cfg: ElasticConfig, ttft_target_s: float, itl_target_s: float):
     """The move the load asks for now, or None. `nodes`: the eligible nodes of one model."""
+    return weigh(nodes, cfg, ttft_target_s, itl_target_s)[0]
+
+
+def weigh(
+    nodes: list[NodeLoad], cfg: ElasticConfig, ttft_target_s: float, itl_target_s: float
+) -> tuple[Move | None, str]:
+    """`decide`'s move, and in words why there is none (for the status page and the benches).
+
+    The role whose number is further over its target takes a node from the other role, if that
+    lowers the cluster's pressure (`pressure`, predicted again after the move) to under `gain` x
+    what it is now. Below `busy` x its target no role asks for a node; under `high` x its target
+    (busy, not short) it leaves the other role one node at least."""
     ttft, itl = ttft_of(nodes), itl_of(nodes)
     p_pre, p_dec = ttft / ttft_target_s, itl / itl_target_s  # each role's number over its target
-    decodes = [n for n in nodes if n.role == "decode"]
-    prefills = [n for n in nodes if n.role == "prefill"]
-    # a shortage; or an idle role beside a busy one (the capacity a closed loop waits on), which
-    # keeps one node of each role
-    to_prefill = ("prefill_short", 1) if p_pre > cfg.high else None
-    if to_prefill is None and p_dec < cfg.idle and p_pre > cfg.busy:
-        to_prefill = ("prefill_busy", 2)
-    if to_prefill is not None and len(decodes) >= to_prefill[1]:
-        n = _least_loaded(decodes, lambda n: n.streams)
-        if n is not None and itl_of(_without(nodes, n)) < cfg.low * itl_target_s:
-            return Move(n.url, "prefill", to_prefill[0], ttft, itl)
-    to_decode = ("decode_short", 1) if p_dec > cfg.high else None
-    if to_decode is None and p_pre < cfg.idle and p_dec > cfg.busy:
-        to_decode = ("decode_busy", 2)
-    if to_decode is not None and len(prefills) >= to_decode[1]:
-        n = _least_loaded(prefills, lambda n: n.queued_tokens)
-        if n is not None and ttft_of(_without(nodes, n)) < cfg.low * ttft_target_s:
-            return Move(n.url, "decode", to_decode[0], ttft, itl)
-    return None
+    now = max(p_pre, p_dec)
+    if now <= cfg.busy:
+        return None, f"idle (ttft {p_pre:.2f}, itl {p_dec:.2f} of target)"
+    to, p_to = ("prefill", p_pre) if p_pre >= p_dec else ("decode", p_dec)
+    giver = "decode" if to == "prefill" else "prefill"
+    reason = f"{to}_short" if p_to > cfg.high else f"{to}_busy"
+    givers = [n for n in nodes if n.role == giver]
+    if p_to <= cfg.high and len(givers) < 2:
+        return None, f"{reason}: {giver} has one node only"
+    load = (lambda n: n.streams) if giver == "decode" else (lambda n: n.queued_tokens)
+    mover = _least_loaded(givers, load)
+    if mover is None:
+        return None, f"{reason}: no {giver} node to spare"
+    after = pressure(_moved(nodes, mover, to), ttft_target_s, itl_target_s)
+    if after >= cfg.gain * now:
+        return None, f"{reason}: a move gains too little (pressure {now:.2f} -> {after:.2f})"
+    return Move(mover.url, to, reason, ttft, itl), ""
 
 
 def _least_loaded(role_nodes: list[NodeLoad], load) -> NodeLoad | None:
@@ -202,7 +250,8 @@ class ElasticController:
                 "itl_s": round(itl_of(nodes), 4),
                 "replicas_needed": need,
             }
-            move = decide(nodes, self.cfg, self.ttft_target_s, self.itl_target_s)
+            move, held = weigh(nodes, self.cfg, self.ttft_target_s, self.itl_target_s)
+            self.last["held"] = held
             if move is None:
                 continue
             key = (move.url, move.to)
