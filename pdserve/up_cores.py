@@ -4,7 +4,7 @@ and the launcher on the cores left for I/O (runtime/placement.py plans; this ord
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.runtime.placement import bind_cores, plan_placement
 from pdserve.up_args import UpConfig
@@ -53,15 +53,44 @@ def plan_cluster_cores(
     if fronts and not plan.io_cores:  # the fronts' cores, not I/O cores a helper may use
         io = ["--front-cpus", ",".join(map(str, fronts))]
     at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
+    roles = [name.split("-")[0] for name in names]  # each plan index's role
 
     def cpus(role: str, pp: int) -> list[str]:
         at[role] += pp
         start = at[role] - pp
         flags = ["--cpus", plan.flag(start, pp), *io]
-        if a.elastic:  # its cores in the other role: as that role's newest node, at its group's end
+        if a.elastic:
             other = "decode" if role == "prefill" else "prefill"
-            alt = len(ranks[order[0]]) if other == order[0] else n_ranks - pp
-            flags += [f"--{role}-cpus", plan.flag(start, pp), f"--{other}-cpus", plan.flag(alt, pp)]
+            alt = other_role_cores(plan.rank_cores, roles, range(start, start + pp), other)
+            flags += [f"--{role}-cpus", plan.flag(start, pp), f"--{other}-cpus", alt]
         return flags
 
     return cpus
+
+
+def other_role_cores(
+    rank_cores: Sequence[tuple[int, ...]], roles: Sequence[str], mine: range, other: str
+) -> str:
+    """An elastic node's cores in its `other` role (`--cpus` form), for its ranks at plan indexes
+    `mine`: each rank keeps its cores unless a rank of `other` runs there; then it takes the cores
+    where the fewest ranks of `other` run (then the fewest ranks, then the plan's order). So a
+    prefill node turned decode leaves the decode rank it shared a core with, and a decode node
+    turned prefill stays on the core it had to itself. Its own ranks that moved count as `other`."""
+    placed: list[tuple[int, ...]] = []  # this node's ranks already given cores in `other`
+
+    def load(cores: tuple[int, ...], role: str | None) -> int:
+        hits = [
+            j
+            for j, c in enumerate(rank_cores)
+            if j not in mine and set(c) & set(cores) and role in (None, roles[j])
+        ]
+        return len(hits) + sum(bool(set(c) & set(cores)) for c in placed)
+
+    for i in mine:
+        if load(rank_cores[i], other) == 0:
+            placed.append(rank_cores[i])
+            continue
+        candidates = list(dict.fromkeys(rank_cores))
+        best = min(candidates, key=lambda c: (load(c, other), load(c, None), candidates.index(c)))
+        placed.append(best)
+    return ";".join(",".join(map(str, c)) for c in placed)
