@@ -5,12 +5,14 @@ the same prompt, and the node's ranks flip together with the rank consensus chec
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
 from cluster import NODE_ARGS, up
+from metrics_scrape import counter
 
 pytestmark = pytest.mark.elastic  # `make test-elastic`, a CI step of its own
 
@@ -139,3 +141,76 @@ def test_the_controller_moves_a_decode_node_to_prefill_when_prompts_queue(tiny_m
         metrics = httpx.get(f"{url}/metrics").text
         labels = 'outcome="done",reason="prefill_short",to="prefill"'
         assert f"pdserve_router_role_flips_total{{{labels}}} 1.0" in metrics
+
+
+def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str]:
+    """A greedy streamed completion that runs to `max_tokens`: (status, the text streamed)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            return r.status_code, r.read().decode()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 599, json.dumps(event["error"])
+                text.append(event["choices"][0]["text"])
+    return 200, "".join(text)
+
+
+def test_a_decode_node_leaving_its_role_moves_its_streams_on(tiny_model, tmp_path):
+    """1 prefill + 2 decode elastic nodes, the controller off. Long greedy streams run on both
+    decode nodes when one of them is asked to become a prefill node with a grace of 0.5 s: past it,
+    the streams it still holds move to the other decode node mid-stream (the router's migration,
+    cause `node_draining`), so the flip does not wait for them to end, and every stream still ends
+    200 with the text the same prompt gets undisturbed."""
+    log = tmp_path / "up.log"
+    args = ["--elastic", "--decode-nodes", "2", "--router-args", "--elastic false"]
+    args += ["--node-args", " ".join(NODE_ARGS)]
+    prompts = [f"Story {i}: once upon a time" for i in range(6)]
+    with up(tiny_model, log, args, timeout=420) as (url, _proc, auth):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        alone = {p: _stream(url, model, p, 1200) for p in prompts}
+        assert all(status == 200 for status, _ in alone.values()), alone
+        results: dict[str, tuple[int, str]] = {}
+
+        def run(p: str) -> None:
+            results[p] = _stream(url, model, p, 1200)
+
+        threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # both decode nodes hold streams
+                workers = httpx.get(f"{url}/workers", auth=auth).json()["workers"]
+                decodes = [w for w in workers if w["role"] == "decode"]
+                if all(w["in_flight"] for w in decodes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            leaving = max(decodes, key=lambda w: (w["in_flight"], w["url"]))
+            assert leaving["in_flight"], workers
+            r = httpx.post(
+                f"{url}/workers/role",
+                json={"url": leaving["url"], "role": "prefill", "grace_s": 0.5, "timeout_s": 300},
+                auth=auth,
+                timeout=320,
+            )
+            assert r.status_code == 200 and r.json()["worker"]["role"] == "prefill", r.text
+            unfinished = sum(t.is_alive() for t in threads)
+        finally:
+            for t in threads:
+                t.join(timeout=300)
+        assert unfinished, "every stream ended before the flip: nothing was moved"
+        assert {p: got[0] for p, got in results.items()} == dict.fromkeys(prompts, 200), results
+        assert all(results[p][1] == alone[p][1] for p in prompts), "a moved stream's text differs"
+        moved = counter(url, "pdserve_router_migrations_total", cause="node_draining")
+        assert moved >= 1, moved

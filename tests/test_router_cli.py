@@ -33,7 +33,7 @@ FLAGS = {
     *("--disagg-fixed-costs", "--ttft-slo-ms", "--itl-slo-ms", "--tenant-max-concurrent"),
     *("--max-queued-prompt-tokens", "--tenant-keys", "--priority-scheduling", "--elastic"),
     *("--elastic-ttft-target-ms", "--elastic-itl-target-ms", "--elastic-sustain"),
-    *("--elastic-dwell", "--scheduling-policy"),
+    *("--elastic-dwell", "--elastic-flip-grace", "--scheduling-policy"),
 }
 
 

@@ -5,10 +5,15 @@ ranks serve the prefill role, and takes `POST /role` (cluster secret) to change 
 The role it serves is the one every rank reports in its stats (`KVRankStats.role`): a flip is
 the ranks' decision (elastic_node/loop.py), and the front only asks for it. From the ask until
 every rank reports the new role the front refuses new requests with 503 `role_change` (the
-router sends them elsewhere), while the requests it admitted before finish."""
+router sends them elsewhere), while the requests it admitted before finish; or, where the change
+names a `grace_s`, those still there when it has passed move on (aborted with `node_draining`:
+the router continues a stream on another decode node mid-stream, and retries the others)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Any
 
 from fastapi import Request
@@ -23,8 +28,14 @@ from pdserve.runtime.front.answer import Pending
 from pdserve.runtime.front.http_app import read_json
 from pdserve.runtime.front.prompt import RequestError
 from pdserve.runtime.messages import AddRequest
+from pdserve.runtime.reasons import AbortReason
+
+log = logging.getLogger("pdserve.serve")
 
 ROLE_CHANGE = "role_change"
+MAX_GRACE_S = 3600.0
+MOVE_ON_POLL_S = 0.1
+MOVE_ON_MAX_S = 60.0  # after the grace: how long the aborts may take to empty the node
 
 
 class ElasticMetrics(DecodeMetrics):
@@ -43,6 +54,7 @@ class ElasticFront(DecodeFront):
         self._start_role = start_role
         self.asked: str | None = None  # the role asked for by POST /role, until the ranks have it
         self._prefill_rids: set[str] = set()  # admitted as prefill requests: answered as such
+        self._move_on: asyncio.Task | None = None  # the grace of the role change asked last
 
     @property
     def serving(self) -> str:
@@ -73,12 +85,42 @@ class ElasticFront(DecodeFront):
         role = body.get("role")
         if role not in PD_ROLES:
             raise RequestError(400, f"'role' must be one of {list(PD_ROLES)}", "role")
+        grace = body.get("grace_s")
+        if grace is not None and (
+            isinstance(grace, bool)
+            or not isinstance(grace, (int, float))
+            or not 0 <= grace <= MAX_GRACE_S
+        ):
+            raise RequestError(400, f"'grace_s' must be seconds in [0, {MAX_GRACE_S:g}]", "grace_s")
         changing = self.changing_to()
         if role != (changing or self.serving) or (changing is None and self._ranks_leaving()):
             # the ranks act on the last SetRole (back to the role they serve: the drain stops)
             self.asked = role
             self.send(SetRole(role))  # after every request admitted so far: those finish
+            if self._move_on is not None:
+                self._move_on.cancel()
+            self._move_on = None
+            if grace is not None:
+                self._move_on = asyncio.get_running_loop().create_task(
+                    self._move_on_after(role, float(grace)), name="role-change-grace"
+                )
         return self.role_status()
+
+    async def _move_on_after(self, role: str, grace_s: float) -> None:
+        """Past the grace of a change to `role`, what the node still holds moves on: aborted with
+        `node_draining`, the router continues each stream on another decode node mid-stream and
+        retries the other requests (router/routing/migration.py), as after a drain's grace."""
+        await asyncio.sleep(grace_s)
+        aborted: set[str] = set()
+        end = time.monotonic() + MOVE_ON_MAX_S
+        while self.changing_to() == role and self.pending and time.monotonic() < end:
+            fresh = [rid for rid in self.pending if rid not in aborted]  # arrival order
+            if fresh:
+                log.warning("role change to %s: %d request(s) move on", role, len(fresh))
+            for rid in fresh:
+                self.abort(rid, AbortReason.NODE_DRAINING)
+                aborted.add(rid)
+            await asyncio.sleep(MOVE_ON_POLL_S)
 
     def role_status(self) -> dict[str, Any]:
         return {"role": self.serving, "changing_to": self.changing_to(), "elastic": True}
@@ -89,7 +131,8 @@ class ElasticFront(DecodeFront):
         @app.post("/role")
         async def role(request: Request):
             """Become `role` ("prefill" or "decode"): new requests are refused from now until
-            every rank serves it; those admitted before finish first."""
+            every rank serves it; those admitted before finish first, or with `grace_s`, move on
+            once it has passed."""
             check_internal(request)
             return self.set_role(await read_json(request))
 

@@ -54,8 +54,9 @@ ROLE_CHANGE_TIMEOUT_S = 600.0  # default bound of a role change; its drain waits
 
 
 async def change_role(router: Router, request: Request, t0: float) -> Response:
-    """POST /workers/role {"url", "role", "timeout_s"}: an elastic worker changes role (its
-    requests finish first); answered once it serves the new role."""
+    """POST /workers/role {"url", "role", "timeout_s", "grace_s"}: an elastic worker changes role
+    (its requests finish first; with `grace_s`, those left when it has passed move on to other
+    nodes, streams mid-stream); answered once it serves the new role."""
     router.check_internal(request)
     body = await router.read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("url"), str):
@@ -70,6 +71,13 @@ async def change_role(router: Router, request: Request, t0: float) -> Response:
         or not 1 <= timeout_s <= 3600
     ):
         raise ApiError(400, "'timeout_s' must be seconds in [1, 3600]", param="timeout_s")
+    grace_s = body.get("grace_s")
+    if grace_s is not None and (
+        not isinstance(grace_s, (int, float))
+        or isinstance(grace_s, bool)
+        or not 0 <= grace_s <= 3600
+    ):
+        raise ApiError(400, "'grace_s' must be seconds in [0, 3600]", param="grace_s")
     worker = router.registry.get(body["url"])
     if worker is None:
         raise ApiError(404, f"no worker {body['url']} is registered", param="url")
@@ -83,7 +91,8 @@ async def change_role(router: Router, request: Request, t0: float) -> Response:
         # prefill without decode serves nothing; decode alone prefills its own prompts
         raise ApiError(409, f"{worker.url} is the last decode node of its model", param="url")
     try:
-        await router.registry.change_role(worker, role, float(timeout_s))
+        grace = None if grace_s is None else float(grace_s)
+        await router.registry.change_role(worker, role, float(timeout_s), grace)
     except (RuntimeError, TimeoutError) as exc:
         raise ApiError(409 if isinstance(exc, RuntimeError) else 504, str(exc)) from None
     finally:

@@ -259,12 +259,20 @@ class ElasticConfig:
         20.0, flag="--elastic-dwell", help="seconds between two moves, at least"
     )
     flip_timeout_s: float = 600.0
+    flip_grace_s: float = setting(
+        2.0,
+        flag="--elastic-flip-grace",
+        help="seconds a moving node's requests may take to finish; then its streams continue on "
+        "another node of its role (mid-stream migration) and the rest are retried",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.busy < self.high or not 0 < self.gain < 1:
             raise ValueError("elastic thresholds need 0 < busy < high and 0 < gain < 1")
         if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
             raise ValueError("elastic intervals must be > 0 s")
+        if not 0 <= self.flip_grace_s <= 3600:
+            raise ValueError("--elastic-flip-grace must be seconds in [0, 3600]")
         if self.ttft_target_ms < 0 or self.itl_target_ms < 0:
             raise ValueError("elastic targets must be >= 0 ms (0: the SLO or the default)")
 

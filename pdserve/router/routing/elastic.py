@@ -292,7 +292,9 @@ class ElasticController:
         )
         outcome = "done"
         try:
-            await self.registry.change_role(worker, move.to, self.cfg.flip_timeout_s)
+            await self.registry.change_role(
+                worker, move.to, self.cfg.flip_timeout_s, self.cfg.flip_grace_s
+            )
         except (RuntimeError, TimeoutError) as exc:
             outcome = "failed"
             logger.error("elastic: %s did not become %s: %s", move.url, move.to, exc)

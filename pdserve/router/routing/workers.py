@@ -254,13 +254,17 @@ class WorkerRegistry:
             )
 
     # --- role changes of elastic workers (docs/ROUTER.md "Elastic nodes") --------------------
-    async def change_role(self, worker: Worker, role: str, timeout_s: float) -> None:
+    async def change_role(
+        self, worker: Worker, role: str, timeout_s: float, grace_s: float | None = None
+    ) -> None:
         """Makes the elastic `worker` serve `role`: chosen for no request from now, it is asked
         (POST /role), and once every one of its ranks serves `role` (its /server_info says so) it
         takes the role, the decode nodes get the new allowlist, and it is chosen again. The
-        requests it held finish first, on the node. Raises RuntimeError if the node cannot be
-        asked, refuses, or the worker is removed meanwhile; TimeoutError after `timeout_s`. After
-        a failure the probes follow what the node reports (`_follow`)."""
+        requests it held finish first, on the node; with `grace_s`, those left after it move on
+        (the node aborts them with `node_draining`: streams migrate, the others are retried).
+        Raises RuntimeError if the node cannot be asked, refuses, or the worker is removed
+        meanwhile; TimeoutError after `timeout_s`. After a failure the probes follow what the
+        node reports (`_follow`)."""
         if worker.changing_to is not None:
             raise RuntimeError(f"{worker.url} is changing role to {worker.changing_to} already")
         worker.changing_to, worker.changed_by_router = role, True
@@ -269,7 +273,8 @@ class WorkerRegistry:
         timeout = self._cfg.health.timeout_s
         try:
             try:
-                resp = await client.post(f"{worker.url}/role", json={"role": role}, timeout=timeout)
+                ask = {"role": role} if grace_s is None else {"role": role, "grace_s": grace_s}
+                resp = await client.post(f"{worker.url}/role", json=ask, timeout=timeout)
             except httpx.HTTPError as exc:
                 raise RuntimeError(f"{worker.url} could not be asked: {exc!r}") from None
             if resp.status_code != 200:
