@@ -231,3 +231,37 @@ def test_reason_codes_come_from_fixed_snake_case_sets():
     assert found["drop"] and found["drop"] <= set(DROP_REASONS), found["drop"]
     for reason in ("foreign_peer", "bad_pages", "bad_aux", "pool_changed"):  # _check_register's
         assert reason in DROP_REASONS
+
+
+def test_an_elastic_nodes_series_follow_the_role_it_serves():
+    """An elastic node's `role` label is the role it serves when a sample is taken (its front's
+    `metrics_role`): a request finished as a prefill node counts under prefill, one after the flip
+    under decode, and both roles' series exist from the first scrape. Before, every series kept
+    the start role's label for the node's life."""
+    from pdserve.elastic_node.front import ElasticFront
+
+    serving = ["prefill"]
+    m = NodeMetrics(
+        "n:1",
+        "prefill",
+        ElasticFront.finish_reasons,
+        ElasticFront.metrics_extension,
+        role_now=lambda: serving[0],
+        roles=ElasticFront.metrics_roles,
+    )
+    got = samples(m.render(None)[0])
+    for role in ("prefill", "decode"):
+        assert value(got, "pdserve_requests_total", role=role, finish_reason="length") == 0
+        assert value(got, "pdserve_decode_local_prompt_tokens_total", role=role) is not None
+    p = types.SimpleNamespace(
+        t_start=9.0, t_first=10.0, t_last=10.0, prompt_tokens=5, token_ids=[7], resumed=0
+    )
+    m.observe_request(p, "prefill_done")
+    serving[0] = "decode"
+    m.observe_request(p, "length")
+    m.ext.count_local_prompt(5)
+    got = samples(m.render(None)[0])
+    assert value(got, "pdserve_requests_total", role="prefill", finish_reason="prefill_done") == 1
+    assert value(got, "pdserve_requests_total", role="decode", finish_reason="length") == 1
+    assert value(got, "pdserve_requests_total", role="prefill", finish_reason="length") == 0
+    assert value(got, "pdserve_decode_local_prompt_tokens_total", role="decode") == 5

@@ -66,7 +66,7 @@ class DecodeFront(NodeFront):
             # No prefill node named: this node prefills the prompt itself (the same engine and
             # scheduler, chunked and mixed with the running decode batch).
             if self.metrics is not None:
-                self.metrics.ext.local_prompt_tokens.inc(len(ids))
+                self.metrics.ext.count_local_prompt(len(ids))
             return super().add_request(rid, ids, params, body)
         room = check_room(body)
         host, port = body.get("bootstrap_host"), body.get("bootstrap_port")

@@ -47,11 +47,13 @@ class ElasticMetrics(DecodeMetrics):
 class ElasticFront(DecodeFront):
     finish_reasons = ("stop", "length", "abort", "prefill_done")
     metrics_extension = ElasticMetrics
+    metrics_roles = PD_ROLES
 
     def __init__(self, *a, bootstrap_port: int, start_role: str, **kw):
         super().__init__(*a, **kw)
         self.bootstrap_port = bootstrap_port
         self._start_role = start_role
+        self._last_served = start_role
         self.asked: str | None = None  # the role asked for by POST /role, until the ranks have it
         self._prefill_rids: set[str] = set()  # admitted as prefill requests: answered as such
         self._move_on: asyncio.Task | None = None  # the grace of the role change asked last
@@ -68,6 +70,12 @@ class ElasticFront(DecodeFront):
         if not roles:
             return self._start_role
         return roles.pop() if len(roles) == 1 else ""
+
+    def metrics_role(self) -> str:
+        """The role served now, or while the ranks disagree (around a flip) the last one known:
+        what the node did in each role is counted under that role."""
+        self._last_served = self.serving or self._last_served
+        return self._last_served
 
     def _ranks_leaving(self) -> bool:
         return any(

@@ -113,8 +113,13 @@ class DecodeMetrics(KVMetrics):
 
     def __init__(self, metrics: NodeMetrics):
         super().__init__(metrics)
-        self.local_prompt_tokens = metrics.counter(
+        self._local_prompt_tokens = metrics.counter(
             "pdserve_decode_local_prompt_tokens",
             "decode node: prompt tokens of requests it prefills itself (no prefill node)",
             ["node", "role"],
-        ).labels(metrics.node, metrics.role)
+        )
+        for role in metrics.series_roles:  # at 0 from the start
+            self._local_prompt_tokens.labels(metrics.node, role)
+
+    def count_local_prompt(self, tokens: int) -> None:
+        self._local_prompt_tokens.labels(self.metrics.node, self.metrics.role).inc(tokens)

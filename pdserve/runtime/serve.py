@@ -318,7 +318,12 @@ def make_front(cfg: NodeConfig, role: str, cls=None, **kw):
         **kw,
     )
     front.metrics = NodeMetrics(
-        f"{cfg.host}:{cfg.port}", role, front.finish_reasons, cls.metrics_extension
+        f"{cfg.host}:{cfg.port}",
+        role,
+        front.finish_reasons,
+        cls.metrics_extension,
+        role_now=front.metrics_role,
+        roles=front.metrics_roles,
     )
     front.tracing.exporter = make_exporter(cfg.otlp_traces_endpoint, role)
     front.max_pending = cfg.max_pending

@@ -15,6 +15,7 @@ A kind of node adds its own metrics through one `MetricsExtension` that its fron
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,8 +35,16 @@ FRONT_DROPS = {"front-evt": SEAL_DROPS + ("bad_event",), "front-stats": SEAL_DRO
 
 
 class _RankCollector:
-    def __init__(self, node: str, role: str, ext: MetricsExtension):
-        self.node, self.role, self.front, self.ext = node, role, None, ext
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics, self.front, self.ext = metrics, None, metrics.ext
+
+    @property
+    def node(self) -> str:
+        return self.metrics.node
+
+    @property
+    def role(self) -> str:
+        return self.metrics.role
 
     def collect(self):
         fam = _families() | self.ext.families()
@@ -130,15 +139,22 @@ class MetricsExtension:
 
 
 class NodeMetrics:
+    """A node front's metrics. Every series carries the node's `role` label: the role it serves
+    when a sample is taken. That is fixed, except on an elastic node, whose `role_now` follows its
+    flips (a request's samples go to the role that served it); its series exist in every role of
+    `roles` from the first scrape."""
+
     def __init__(
         self,
         node: str,
         role: str,
         finish_reasons: tuple[str, ...] = (),
         extension: type[MetricsExtension] = MetricsExtension,
+        role_now: Callable[[], str] | None = None,
+        roles: tuple[str, ...] = (),
     ):
         self.registry = CollectorRegistry()
-        self.node, self.role = node, role
+        self.node, self._role, self._role_now = node, role, role_now
         lab = ["node", "role"]
         info = build_info()
         Gauge(
@@ -147,10 +163,17 @@ class NodeMetrics:
         self._request_latencies(lab)
         self._request_counters(lab)
         self._stage_latencies(lab)
-        self._create_series(finish_reasons)
+        self.series_roles = tuple(dict.fromkeys((role, *roles)))
+        for r in self.series_roles:
+            self._create_series(r, finish_reasons)
         self.ext = extension(self)
-        self._ranks = _RankCollector(node, role, self.ext)
+        self._ranks = _RankCollector(self)
         self.registry.register(self._ranks)
+
+    @property
+    def role(self) -> str:
+        """The `role` label now (module docstring of the class)."""
+        return (self._role_now() or self._role) if self._role_now is not None else self._role
 
     def hist(self, name: str, doc: str, labels: list[str], buckets=LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
@@ -195,9 +218,9 @@ class NodeMetrics:
             "pdserve_consensus_round_seconds", "vote cast to verdict applied (PP0)", lab + ["kind"]
         )
 
-    def _create_series(self, finish_reasons: tuple[str, ...]) -> None:
+    def _create_series(self, role: str, finish_reasons: tuple[str, ...]) -> None:
         """The series known in advance, at 0 from the first scrape."""
-        lv = (self.node, self.role)
+        lv = (self.node, role)
         for m in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.gen_tokens):
             m.labels(*lv)
         for finish in finish_reasons:

@@ -84,6 +84,7 @@ class NodeFront(RankReports):
     finish_reasons: tuple[str, ...] = ("stop", "length", "abort")
     metrics_extension: type[MetricsExtension] = MetricsExtension
     rank_spec: type[RankSpec] = RankSpec  # what its ranks start with (a PD front: PDRankSpec)
+    metrics_roles: tuple[str, ...] = ()  # roles besides its own whose series exist from the start
 
     def __init__(
         self,
@@ -279,6 +280,10 @@ class NodeFront(RankReports):
 
     def send(self, msg: Any) -> None:
         self.req_sock.send(self._sealer.seal(msgpack.packb(encode(msg), use_bin_type=True)))
+
+    def metrics_role(self) -> str:
+        """The `role` label of its metrics now (an elastic front's follows its flips)."""
+        return self.role
 
     def abort(self, rid: str, why: AbortReason = AbortReason.CLIENT_ABORT) -> bool:
         if rid not in self.pending:
