@@ -43,6 +43,7 @@ def test_chat_non_streaming_parses_and_reaches_both_nodes(pd):
         7,
     )
     p, d = pd.prefill[0].stats.bodies[-1], pd.decode[0].stats.bodies[-1]
+    assert (p.pop("pd_side"), d.pop("pd_side")) == ("prefill", "decode"), "each end is named"
     assert p == d, "prefill and decode get the same request"
     assert p["rid"] and 0 <= p["bootstrap_room"] < 2**63
     assert p["bootstrap_host"] == "127.0.0.1" and p["bootstrap_port"] == 8998

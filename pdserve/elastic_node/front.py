@@ -153,17 +153,31 @@ class ElasticFront(DecodeFront):
             to = f" to {changing}" if changing else ""
             raise RequestError(503, f"node is changing role{to}", code=ROLE_CHANGE)
         if serving == "prefill":
-            port = body.get("bootstrap_port")
-            if body.get("bootstrap_room") is None or (
-                port is not None and port != self.bootstrap_port
-            ):
-                # a decode request (decode-local, or naming another prefill node) sent on a role
-                # this node left: the router retries it on a node of that role
+            if self._decode_end(body):
+                # a decode request sent on a role this node left: the router retries it on a node
+                # of that role
                 raise RequestError(503, "node serves the prefill role now", code=ROLE_CHANGE)
             msg = PDAddRequest(rid, ids, params.to_dict(), check_room(body), "")
             self._prefill_rids.add(rid)
             return msg
+        if body.get("pd_side") == "prefill":  # the prefill end, sent on a role this node left
+            raise RequestError(503, "node serves the decode role now", code=ROLE_CHANGE)
         return super().add_request(rid, ids, params, body)
+
+    def _decode_end(self, body: dict[str, Any]) -> bool:
+        """Whether a /generate body is a decode request: decode-local (no room), or the decode end
+        of a PD pair. The router names the end (`pd_side`). Without it, a request naming another
+        bootstrap port is one; the same port on another host cannot be told apart, since the
+        router's host name for a node need not be the node's own."""
+        if body.get("bootstrap_room") is None:
+            return True
+        side = body.get("pd_side")
+        if side is not None:
+            if side not in PD_ROLES:
+                raise RequestError(400, f"'pd_side' must be one of {list(PD_ROLES)}", "pd_side")
+            return side == "decode"
+        port = body.get("bootstrap_port")
+        return port is not None and port != self.bootstrap_port
 
     def admit(
         self, body: dict[str, Any], ids: list[int] | None = None, traceparent: str | None = None

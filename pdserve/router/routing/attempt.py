@@ -177,7 +177,9 @@ class Attempt:
         try:
             client = self.d.clients.get(worker.url)
             resp = await client.post(
-                f"{worker.url}/generate", json=self.payload, headers=self.headers
+                f"{worker.url}/generate",
+                json={**self.payload, "pd_side": "prefill"},
+                headers=self.headers,
             )
             if resp.status_code != 200:
                 failure = node_failure(worker, resp, resp.content)
@@ -206,8 +208,15 @@ class Attempt:
         worker = self.route.decode
         try:
             client = self.d.clients.get(worker.url)
+            # which end of a PD pair this node is: an elastic node serving prefill refuses the
+            # decode end (elastic_node/front.py), whatever the bootstrap address it names
+            payload = (
+                self.payload
+                if self.route.prefill is None
+                else {**self.payload, "pd_side": "decode"}
+            )
             request = client.build_request(
-                "POST", f"{worker.url}/generate", json=self.payload, headers=self.headers
+                "POST", f"{worker.url}/generate", json=payload, headers=self.headers
             )
             self.response = await client.send(request, stream=True)
             if self.response.status_code != 200:
