@@ -22,6 +22,9 @@ Clusters (each started, measured and stopped in turn):
   elastic pd from 1P+2D
                the same, from 1 prefill + 2 decode nodes (the wrong split for the first phase)
 
+With `--peer-url` (vLLM-CPU started outside, ../shared/peers/start_vllm.sh) the same phases run
+against that server first, and a table gives every cluster's goodput over its.
+
 Goodput of a phase: requests that started in it, were answered 200, and met TTFT <= `--slo-ttft-ms`
 and mean ITL <= `--slo-itl-ms`, per second of the phase. Also each phase's completed requests,
 TTFT and ITL p50/p99, failures, and (elastic) the controller's moves with their times.
@@ -68,6 +71,7 @@ CLUSTERS = {
     "elastic pd from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
 }
 ELASTIC = ("elastic cond", "elastic pd", "elastic pd from 1P+2D")
+PEER = "peer (--peer-url)"
 PHASES = ("prefill", "decode", "prefill")
 
 
@@ -192,7 +196,7 @@ def report(results: dict, args, meta: dict) -> str:
     lines += ["", "| cluster | whole run (req/s) | " + " | ".join(
         f"phase {k + 1} / best static" for k in range(len(PHASES))) + " |"]  # fmt: skip
     lines.append("|---|---:|" + "---:|" * len(PHASES))
-    static = [n for n in results if n not in ELASTIC]
+    static = [n for n in results if n not in ELASTIC and n != PEER]
     for name, res in results.items():
         whole = sum(st["goodput"] for st in res["phases"]) / len(PHASES)
         cells = []
@@ -200,6 +204,8 @@ def report(results: dict, args, meta: dict) -> str:
             best = max((results[n]["phases"][k]["goodput"] for n in static), default=0.0)
             cells.append(f"{st['goodput'] / best:.2f}x" if best > 0 else "n/a")
         lines.append(f"| {name} | {whole:.3f} | " + " | ".join(cells) + " |")
+    if PEER in results:
+        lines += _over_peer(results)
     for name in ELASTIC:
         moves = results.get(name, {}).get("moves") or []
         if moves:
@@ -219,6 +225,27 @@ def report(results: dict, args, meta: dict) -> str:
                 for k, v in enumerate(views)
             ]
     return "\n".join(lines) + "\n"
+
+
+def _over_peer(results: dict) -> list[str]:
+    """Each cluster's goodput over the peer's, per phase and over the whole run."""
+    peer = results[PEER]["phases"]
+    lines = ["", "Goodput over the peer's (the same phases against it, first in the run):", ""]
+    lines.append("| cluster | whole run | " + " | ".join(
+        f"phase {k + 1}" for k in range(len(PHASES))) + " |")  # fmt: skip
+    lines.append("|---|---:|" + "---:|" * len(PHASES))
+    peer_whole = sum(st["goodput"] for st in peer)
+    for name, res in results.items():
+        if name == PEER:
+            continue
+        whole = sum(st["goodput"] for st in res["phases"])
+        cells = [
+            f"{st['goodput'] / p['goodput']:.2f}x" if p["goodput"] > 0 else "n/a"
+            for st, p in zip(res["phases"], peer, strict=True)
+        ]
+        ratio = f"{whole / peer_whole:.2f}x" if peer_whole > 0 else "n/a"
+        lines.append(f"| {name} | {ratio} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def parse_args() -> argparse.Namespace:
@@ -244,6 +271,12 @@ def parse_args() -> argparse.Namespace:
         default=100.0,
         help="the controller's decode-step target (--elastic-itl-target-ms)",
     )
+    ap.add_argument(
+        "--peer-url",
+        default=None,
+        help="a server started outside (vLLM-CPU: ../shared/peers/start_vllm.sh): the same phases "
+        "against it first, and every cluster's goodput over its",
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -258,6 +291,10 @@ def main() -> int:
     os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node()}
     results: dict[str, dict] = {}
+    if args.peer_url:
+        recs, _, _ = asyncio.run(run_phases(args.peer_url, args))
+        results[PEER] = {"phases": [phase_stats(recs, k, args) for k in range(len(PHASES))]}
+        print(f"[elastic] {PEER}: {results[PEER]['phases']}", flush=True)
     for name in args.clusters.split(","):
         up_args = CLUSTERS[name]
         if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
