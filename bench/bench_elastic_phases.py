@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -227,6 +228,25 @@ def report(results: dict, args, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stop_peer(pid_file: Path, timeout_s: float = 60.0) -> None:
+    """SIGTERM to the peer's server process, then up to `timeout_s` for it to exit (SIGKILL
+    after)."""
+    pid = int(pid_file.read_text().strip())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"[elastic] peer {pid} stopped", flush=True)
+            return
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    print(f"[elastic] peer {pid} killed after {timeout_s:g} s", flush=True)
+
+
 def _over_peer(results: dict) -> list[str]:
     """Each cluster's goodput over the peer's, per phase and over the whole run."""
     peer = results[PEER]["phases"]
@@ -277,6 +297,12 @@ def parse_args() -> argparse.Namespace:
         help="a server started outside (vLLM-CPU: ../shared/peers/start_vllm.sh): the same phases "
         "against it first, and every cluster's goodput over its",
     )
+    ap.add_argument(
+        "--peer-pid-file",
+        default=None,
+        help="the peer's PID file (start_vllm.sh writes $PEER_DIR/vllm.pid): stopped (SIGTERM, "
+        "then waited for) after its phases, so that it does not run beside the clusters",
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -295,7 +321,9 @@ def main() -> int:
         recs, _, _ = asyncio.run(run_phases(args.peer_url, args))
         results[PEER] = {"phases": [phase_stats(recs, k, args) for k in range(len(PHASES))]}
         print(f"[elastic] {PEER}: {results[PEER]['phases']}", flush=True)
-    for name in args.clusters.split(","):
+        if args.peer_pid_file:
+            stop_peer(Path(args.peer_pid_file))
+    for name in [n for n in args.clusters.split(",") if n]:
         up_args = CLUSTERS[name]
         if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
             router = f"--elastic-ttft-target-ms {args.elastic_ttft_ms} "
