@@ -94,12 +94,19 @@ def _light_launch():
     return add_launch_args, launch_main, "one process of a deployment, its flags from the values"
 
 
+def _light_register():
+    from pdserve.register_cmd import add_register_args, register_main
+
+    return add_register_args, register_main, "a node joins or leaves the routers' worker lists"
+
+
 # Commands parsed and run without building every subcommand's parser (which imports torch).
 LIGHT = {
     "bench": _light_bench,
     "router": _light_router,
     "trace": _light_trace,
     "launch": _light_launch,
+    "register": _light_register,
 }
 
 
@@ -174,6 +181,9 @@ def _full_parser() -> argparse.ArgumentParser:
 
     add_launch_args(
         sub.add_parser("launch", help="one process of a deployment, its flags from the values")
+    )
+    sub.add_parser(
+        "register", help="a node joins or leaves the routers' worker lists (autoscaling)"
     )
     sub.add_parser("version", help="print the version")
     sub.add_parser("trace", help="one request's stage timeline from the router (pdserve trace ID)")

@@ -41,6 +41,7 @@ TOP_LEVEL = {
     "pdserve.launch",
     "pdserve.rolling_restart",
     "pdserve.trace_cmd",
+    "pdserve.register_cmd",
     "pdserve.bench",
 }
 # Third-party modules the model-and-decisions package must not need.
