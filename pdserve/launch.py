@@ -10,6 +10,12 @@ What each deployment gives on the command line is only where it is: `--host` (th
 `--node-index` (which node of the role) and `--node-rank` (default: the NODE_RANK environment
 variable, which the chart sets from the pod's index). The hosts of each node's node-rank 0 are
 `leaders.<role>[i]` in the values (the chart fills them in with its service names).
+
+With `autoscaling.enabled` an autoscaler sets each role's node count: the router starts with no
+node on its command line (and `--elastic true`, which exports the gauge the autoscaler follows),
+and each node's front registers itself and leaves again: `--register join|leave` runs that
+(`pdserve register`, pdserve/register_cmd.py) for this pod's node instead of the node, with the
+routers at `autoscaling.router` (the chart: a headless Service of the router pods).
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("prefill", "decode", "router")
+REGISTER_ACTIONS = ("join", "leave")
+# `register leave` may take the drain grace and this: the removal from the routers
+# (register_cmd.DEREGISTER_S), the aborts after the grace (runtime/front/drain.py ABORT_WAIT_S)
+# and the node's stop
+LEAVE_MARGIN_S = 60
 
 
 class ValuesError(ValueError):
@@ -118,18 +129,24 @@ def node_argv(values: dict, role: str, index: int, rank: int, host: str) -> list
     return argv + _str_list(values, f"{role}.extraArgs")
 
 
+def autoscaled(values: dict) -> bool:
+    return get(values, "autoscaling.enabled", bool, False)
+
+
 def router_argv(values: dict, host: str) -> list[str]:
-    """`pdserve router ...` over every prefill and decode node of the values."""
+    """`pdserve router ...` over every prefill and decode node of the values (none when they are
+    autoscaled: they register themselves)."""
     argv = ["router", "--host", host, "--port", str(get(values, "router.port", int))]
-    boot = get(values, "prefill.bootstrapPort", int)
-    for i in range(get(values, "prefill.replicas", int)):
-        url = f"http://{leader(values, 'prefill', i)}:{get(values, 'prefill.port', int)}"
-        argv += ["--prefill", url, str(boot)]
-    for i in range(get(values, "decode.replicas", int)):
-        argv += [
-            "--decode",
-            f"http://{leader(values, 'decode', i)}:{get(values, 'decode.port', int)}",
-        ]
+    if autoscaled(values):
+        argv += ["--elastic", "true"]
+    else:
+        boot = get(values, "prefill.bootstrapPort", int)
+        for i in range(get(values, "prefill.replicas", int)):
+            url = f"http://{leader(values, 'prefill', i)}:{get(values, 'prefill.port', int)}"
+            argv += ["--prefill", url, str(boot)]
+        for i in range(get(values, "decode.replicas", int)):
+            url = f"http://{leader(values, 'decode', i)}:{get(values, 'decode.port', int)}"
+            argv += ["--decode", url]
     if policy := get(values, "router.policy", str, ""):
         argv += ["--policy", policy]
     return argv + _str_list(values, "router.extraArgs")
@@ -138,10 +155,36 @@ def router_argv(values: dict, host: str) -> list[str]:
 def argv_for(values: dict, role: str, index: int, rank: int, host: str) -> list[str]:
     if role == "router":
         return router_argv(values, host)
-    replicas = get(values, f"{role}.replicas", int)
-    if not 0 <= index < replicas:
-        raise ValuesError(f"--node-index {index}: the values have {replicas} {role} node(s)")
+    if autoscaled(values):  # the autoscaler counts the nodes; none is named in `leaders`
+        if pods_per_node(values, role) > 1 and not get(values, "lws.enabled", bool, False):
+            raise ValuesError(f"autoscaling {role} nodes of several pods needs `lws.enabled`")
+    else:
+        replicas = get(values, f"{role}.replicas", int)
+        if not 0 <= index < replicas:
+            raise ValuesError(f"--node-index {index}: the values have {replicas} {role} node(s)")
     return node_argv(values, role, index, rank, host)
+
+
+def leave_deadline(values: dict) -> int | float:
+    return get(values, "drain.graceSeconds", (int, float), 30) + LEAVE_MARGIN_S
+
+
+def register_argv(values: dict, role: str, action: str, rank: int, host: str) -> list[str]:
+    """`pdserve register join|leave ...` of this pod's node; `host`: its front's address here."""
+    if role == "router" or not autoscaled(values):
+        raise ValuesError("--register is for prefill and decode nodes with `autoscaling.enabled`")
+    if rank != 0:
+        raise ValuesError(f"node-rank {rank}: only node-rank 0, the node's front, registers")
+    router = f"http://{get(values, 'autoscaling.router', str)}:{get(values, 'router.port', int)}"
+    node = f"http://{host}:{get(values, f'{role}.port', int)}"
+    argv = ["register", action, "--router", router, "--node", node]
+    if action == "leave":
+        return argv + ["--deadline", str(leave_deadline(values))]
+    argv += ["--role", role]
+    if role == "prefill":
+        argv += ["--bootstrap-port", str(get(values, "prefill.bootstrapPort", int))]
+    argv += ["--wait", str(get(values, "autoscaling.waitSeconds", int, 600))]
+    return argv + ["--every", str(get(values, "autoscaling.intervalSeconds", int, 30))]
 
 
 def add_launch_args(ap: argparse.ArgumentParser) -> None:
@@ -161,6 +204,11 @@ def add_launch_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="this host's rank within its node (default: $NODE_RANK, else 0)",
     )
+    ap.add_argument(
+        "--register",
+        choices=REGISTER_ACTIONS,
+        help="instead of the node: its front joins or leaves the routers (autoscaling.enabled)",
+    )
     ap.add_argument("--print", action="store_true", help="print the command and exit")
 
 
@@ -169,7 +217,12 @@ def launch_main(args: argparse.Namespace) -> int:
     try:
         if rank is None:
             rank = int(os.environ.get("NODE_RANK", "0"))
-        argv = argv_for(load_values(args.values), args.role, args.node_index, rank, args.host)
+        values = load_values(args.values)
+        argv = (
+            register_argv(values, args.role, args.register, rank, args.host)
+            if args.register
+            else argv_for(values, args.role, args.node_index, rank, args.host)
+        )
     except (OSError, ValueError) as e:  # ValuesError, a bad NODE_RANK, YAML errors
         print(f"pdserve launch: error: {e}", file=sys.stderr)
         return 2

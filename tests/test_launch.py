@@ -83,3 +83,30 @@ def test_the_command_takes_node_rank_from_the_environment(tmp_path):
     assert (
         out.returncode == 2 and "pdserve launch: error:" in out.stderr and "not YAML" in out.stderr
     )
+
+
+AUTO = {**VALUES, "decode": {**NODE, "replicas": 0, "pp": 2, "ranksPerPod": 2}, "leaders": {}}
+AUTO["autoscaling"] = {"enabled": True, "router": "r-peers", "intervalSeconds": 7}
+
+
+def test_autoscaled_nodes_are_not_on_the_routers_command_line():
+    """They register themselves: the router starts with none, and its elastic controller on (it
+    exports the gauge the autoscaler follows); a node's index is not checked against replicas."""
+    router = launch.argv_for(AUTO, "router", 0, 0, "0.0.0.0")
+    assert router == [
+        "router", "--host", "0.0.0.0", "--port", "8000", "--elastic", "true",
+        "--health-interval", "1",
+    ]  # fmt: skip
+    assert launch.argv_for(AUTO, "decode", 0, 0, "h")[:2] == ["decode", "--pp"]
+    assert launch.register_argv(AUTO, "decode", "join", 0, "127.0.0.1") == [
+        "register", "join", "--router", "http://r-peers:8000", "--node", "http://127.0.0.1:30001",
+        "--role", "decode", "--wait", "600", "--every", "7",
+    ]  # fmt: skip
+    assert launch.register_argv(AUTO, "prefill", "leave", 0, "127.0.0.1")[-2:] == [
+        "--deadline",
+        str(30 + launch.LEAVE_MARGIN_S),
+    ]
+    with pytest.raises(ValuesError, match="prefill and decode nodes"):
+        launch.register_argv(AUTO, "router", "join", 0, "127.0.0.1")
+    with pytest.raises(ValuesError, match="needs `lws.enabled`"):
+        launch.argv_for(AUTO, "prefill", 0, 0, "h")  # pp 4 over 2 pods, no LWS
