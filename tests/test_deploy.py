@@ -9,6 +9,9 @@ No Docker engine, helm binary or cluster is needed: files are parsed and cross-c
 - Compose services and chart pods start with `pdserve launch`, and the command lines it makes from
   their values parse with the real subcommand parsers; the chart's launch values carry every key
   pdserve/launch.py reads.
+- Autoscaling (off by default): the autoscalers follow the router's gauge (a family of
+  deploy/metrics.txt), the example values of docs/DEPLOY.md pass the schema, the registration and
+  preStop commands parse, and the pods outlast the drain that the preStop holds them for.
 - Ports agree between the CLI defaults, the Dockerfile's EXPOSE, compose, Prometheus and the chart.
 - The dashboard uses only metric families listed in deploy/metrics.txt; the metrics the code
   exports today are listed there; docs/METRICS.md documents each one.
@@ -234,19 +237,25 @@ def test_templates_read_only_existing_values():
     values = load_yaml(CHART / "values.yaml")
     missing = []
     for name, text in template_texts().items():
-        # Aliases: `$x := .Values.a.b` and `$g := index $.Values $role` (a node group).
-        aliases: dict[str, list[list[str]]] = {}
+        # Aliases: `$x := .Values.a.b`, `$g := index $.Values $role` (a node group) and
+        # `$b := index $.Values.a $role` (a per-role map), each base with the role it is for.
+        aliases: dict[str, list[tuple[list[str], str | None]]] = {}
         for var, path in re.findall(r"\$(\w+)\s*:?=\s*\$?\w*\.Values((?:\.\w+)+)", text):
-            aliases[var] = [path.strip(".").split(".")]
-        for var in re.findall(r"\$(\w+)\s*:?=\s*index\s+\S*\.Values\s+\S+", text):
+            aliases[var] = [(path.strip(".").split("."), None)]
+        for var, path in re.findall(
+            r"\$(\w+)\s*:?=\s*index\s+\S*\.Values((?:\.\w+)*)\s+\$role\b", text
+        ):
             assert 'list "prefill" "decode"' in "".join(template_texts().values())
-            aliases[var] = [[g] for g in NODE_GROUPS]
+            prefix = path.strip(".").split(".") if path else []
+            aliases[var] = [([*prefix, g], g) for g in NODE_GROUPS]
         refs = [([], m) for m in re.finditer(r"\.Values((?:\.\w+)+)", text)]
         only = role_only_spans(text)
         for var, bases in aliases.items():
             for m in re.finditer(rf"\${var}((?:\.\w+)+)", text):
                 role = next((r for r, a, b in only if a <= m.start() < b), None)
-                refs += [(b, m) for b in bases if role in (None, b[0])]
+                refs += [
+                    (b, m) for b, for_role in bases if role is None or for_role in (None, role)
+                ]
         for base, m in refs:
             path = base + m.group(1).strip(".").split(".")
             if has_path(values, path):
@@ -283,9 +292,15 @@ def parsed(argv: list[str]):
 
     from pdserve.decode_node.serve import add_decode_args
     from pdserve.prefill_node.serve import add_prefill_args
+    from pdserve.register_cmd import add_register_args
     from pdserve.router.cli import add_router_args
 
-    add = {"prefill": add_prefill_args, "decode": add_decode_args, "router": add_router_args}
+    add = {
+        "prefill": add_prefill_args,
+        "decode": add_decode_args,
+        "router": add_router_args,
+        "register": add_register_args,
+    }
     ap = argparse.ArgumentParser(prog=f"pdserve {argv[0]}", exit_on_error=False)
     add[argv[0]](ap)
     try:
@@ -372,6 +387,274 @@ def test_chart_dashboard_is_the_grafana_one():
         "copy deploy/grafana/pdserve.json to deploy/helm/pdserve/dashboards/ (Helm can't read "
         "outside the chart)"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Autoscaling (docs/DEPLOY.md "Autoscaling")
+
+AUTOSCALING_EXAMPLE = "# values-autoscaling.yaml"
+
+
+def deploy_doc_example(marker: str) -> dict:
+    """The ```yaml block of docs/DEPLOY.md that starts with `marker`."""
+    doc = (ROOT / "docs" / "DEPLOY.md").read_text()
+    for block in re.findall(r"```yaml\n(.*?)```", doc, re.S):
+        if block.startswith(marker):
+            return yaml.safe_load(block)
+    raise AssertionError(f"docs/DEPLOY.md has no ```yaml block starting with {marker!r}")
+
+
+def autoscaled_values() -> dict:
+    """The chart's values with docs/DEPLOY.md's autoscaling example over them."""
+    from pdserve import launch
+
+    return launch.merge(load_yaml(CHART / "values.yaml"), deploy_doc_example(AUTOSCALING_EXAMPLE))
+
+
+def chart_autoscaling_launch_values(values: dict) -> dict:
+    """What the chart's launch values hold under `autoscaling` (_helpers.tpl, pdserve.launchValues):
+    the router peers' Service, the interval, and the startup probe's window and 60 s."""
+    block, _ = chart_launch_values()
+    auto = block[block.index("if .Values.autoscaling.enabled") :]
+    assert 'include "pdserve.routerPeers"' in auto and "add $startup 60" in auto
+    assert "mul (int .Values.probes.startup.periodSeconds) (int .Values.probes." in auto
+    startup = values["probes"]["startup"]
+    return {
+        "enabled": True,
+        "router": "pd-pdserve-router-peers",
+        "intervalSeconds": values["autoscaling"]["intervalSeconds"],
+        "waitSeconds": startup["periodSeconds"] * startup["failureThreshold"] + 60,
+    }
+
+
+def test_autoscaling_is_off_by_default_and_its_launch_keys_are_the_charts():
+    assert load_yaml(CHART / "values.yaml")["autoscaling"]["enabled"] is False
+    src = (ROOT / "pdserve" / "launch.py").read_text()
+    read = set(re.findall(r"get\(values, f?[\"']autoscaling\.(\w+)[\"']", src))
+    block, _ = chart_launch_values()
+    auto = block[block.index("if .Values.autoscaling.enabled") :]
+    made = re.search(r"\$auto := dict (.*?)-}}", auto)
+    assert made
+    given = set(re.findall(r'"(\w+)" ', made.group(1))) | set(
+        re.findall(r'set \$auto "(\w+)"', auto)
+    )
+    assert read == given == set(chart_autoscaling_launch_values(autoscaled_values()))
+
+
+def test_schema_accepts_the_autoscaling_example(schema_validator):
+    from pdserve import launch
+
+    values = autoscaled_values()
+    assert values["autoscaling"]["enabled"] is True
+    errors = [e.message for e in schema_validator.iter_errors(values)]
+    assert not errors, errors
+    hpa = {"autoscaling": {"provider": "hpa", "prometheus": {"serverAddress": ""}}}
+    assert not list(schema_validator.iter_errors(launch.merge(values, hpa)))
+
+
+@pytest.mark.parametrize(
+    "dotted,value",
+    [
+        ("autoscaling.prefill.minReplicas", 0),
+        ("autoscaling.decode.minReplicas", -1),
+        ("autoscaling.decode.maxReplicas", 0),
+        ("autoscaling.prefill.maxReplicas", 2.5),
+        ("autoscaling.provider", "cron"),
+        ("autoscaling.prometheus.serverAddress", ""),  # KEDA has nothing to query
+        ("autoscaling.prometheus.serverAddress", "prometheus:9090"),  # no scheme
+        ("autoscaling.scaleDown.periodSeconds", 0),
+        ("autoscaling.scaleDown.stabilizationWindowSeconds", -5),
+        ("autoscaling.intervalSeconds", 0),
+        ("autoscaling.prefill.minReplica", 1),  # a typo of a key
+        ("autoscaling.enabled", "yes"),
+    ],
+)
+def test_schema_rejects_bad_autoscaling_values(schema_validator, dotted, value):
+    values = autoscaled_values()
+    assert not list(schema_validator.iter_errors(values))
+    _set(values, dotted, value)
+    assert list(schema_validator.iter_errors(values)), f"{dotted}={value!r} was accepted"
+
+
+def test_min_over_max_replicas_fails_the_render():
+    """JSON Schema (draft 7) cannot compare two values: the template refuses it, for each role,
+    before it renders an autoscaler."""
+    text = template_texts()["autoscaling.yaml"]
+    guard = re.search(
+        r"{{- if gt \(int \$(\w+)\.minReplicas\) \(int \$\1\.maxReplicas\) }}\n{{- fail ", text
+    )
+    assert guard, "autoscaling.yaml: no guard against minReplicas > maxReplicas"
+    assert re.search(rf"\${guard.group(1)} := index \$\.Values\.autoscaling \$role\b", text)
+    roles = text.index('range $role := list "prefill" "decode"')
+    assert roles < guard.start() < text.index("kind: ScaledObject")
+
+
+def test_autoscalers_follow_the_routers_gauge():
+    texts = template_texts()
+    scaler, helpers = texts["autoscaling.yaml"], texts["_helpers.tpl"]
+    query = _template_args(helpers, 'define "pdserve.replicasQuery"', "{{- end -}}")
+    used = metric_names(query) | metric_names(scaler)
+    assert used == {"pdserve_router_role_replicas_needed"} <= set(metrics_list())
+    # the router exports it, one series per role, the label the query selects
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdserve.router.metrics import RouterMetrics
+
+    families = text_string_to_metric_families(RouterMetrics().render().decode())
+    gauge = next(f for f in families if f.name == "pdserve_router_role_replicas_needed")
+    assert gauge.type == "gauge" and {s.labels["role"] for s in gauge.samples} == set(NODE_GROUPS)
+    assert re.search(r'max\(pdserve_router_role_replicas_needed\{role=\\"%s\\",%s\}\)', query)
+    # by default this release's router Service, as the ServiceMonitor labels its series
+    assert (
+        'service=\\"%s-router\\"' in query and "name: {{ $full }}-router\n" in texts["router.yaml"]
+    )
+    # the replicas wanted are the gauge's value: a target of 1 per node, as an average value
+    keda = re.search(r"metricType: AverageValue\n\s+metadata:\n(.*?)threshold: \"1\"", scaler, re.S)
+    assert keda and 'query: {{ include "pdserve.replicasQuery"' in keda.group(1)
+    assert re.search(r"target:\n\s+type: AverageValue\n\s+averageValue: \"1\"", scaler)
+    assert "name: pdserve_router_role_replicas_needed\n" in scaler
+    # they scale what nodes.yaml renders: the role's StatefulSet, or its LeaderWorkerSet, whose
+    # replicas the chart leaves to them
+    assert 'name: {{ include "pdserve.groupService" (dict "root" $ "role" $role) }}' in scaler
+    nodes = texts["nodes.yaml"]
+    assert '$svc := include "pdserve.groupService" $args' in nodes
+    sts = _template_args(nodes, "{{- else if $.Values.autoscaling.enabled }}", "{{- else }}")
+    assert "kind: StatefulSet\nmetadata:\n  name: {{ $svc }}\n" in sts and "replicas:" not in sts
+    assert "serviceName: {{ $svc }}" in sts  # the headless Service the pods' URLs name
+    lws = nodes[nodes.index("kind: LeaderWorkerSet") :]
+    assert re.search(r"{{- if not \$\.Values\.autoscaling\.enabled }}\n  replicas:", lws)
+
+
+def test_scale_down_is_one_drained_node_at_a_time():
+    from pdserve import launch
+
+    behavior = _template_args(
+        template_texts()["_helpers.tpl"], 'define "pdserve.scaleDownBehavior"', "{{- end -}}"
+    )
+    assert "selectPolicy: Min" in behavior
+    assert re.search(
+        r"- type: Pods\n\s+value: 1\n\s+periodSeconds: {{ \.Values\.autoscaling", behavior
+    )
+    assert template_texts()["autoscaling.yaml"].count('include "pdserve.scaleDownBehavior"') == 2
+    down = load_yaml(CHART / "values.yaml")["autoscaling"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] >= 60
+    # the next node is removed only once the last one can have left (off the routers, drained)
+    assert down["periodSeconds"] >= launch.leave_deadline(load_yaml(CHART / "values.yaml"))
+
+
+@pytest.mark.parametrize("lws", [False, True])
+def test_autoscaled_commands_parse(lws, monkeypatch):
+    """The router, node, registration and preStop command lines `pdserve launch` makes from the
+    autoscaling example parse with the real parsers, and the chart's pods run them."""
+    from pdserve import launch
+    from pdserve.router.cli import router_config_from_args
+
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "t" * 40)  # a router on 0.0.0.0 needs it
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "leader.lws")
+    values = autoscaled_values() | {"lws": {"enabled": lws}}
+    values["autoscaling"] = chart_autoscaling_launch_values(values)
+    cfg = router_config_from_args(parsed(launch.argv_for(values, "router", 0, 0, "0.0.0.0")))
+    assert cfg.workers == () and cfg.elastic.enabled and cfg.elastic.ttft_target_ms == 1500
+    for role in NODE_GROUPS:
+        assert parsed(launch.argv_for(values, role, 0, 0, "0.0.0.0")).pp == values[role]["pp"]
+        join = parsed(launch.register_argv(values, role, "join", 0, "127.0.0.1"))
+        leave = parsed(launch.register_argv(values, role, "leave", 0, "127.0.0.1"))
+        for args in (join, leave):
+            assert args.router == f"http://pd-pdserve-router-peers:{values['router']['port']}"
+            assert args.node == f"http://127.0.0.1:{values[role]['port']}"
+        assert (join.action, join.role, leave.action) == ("join", role, "leave")
+        boot = values["prefill"]["bootstrapPort"] if role == "prefill" else None
+        assert (
+            join.bootstrap_port == boot and join.every == values["autoscaling"]["intervalSeconds"]
+        )
+        assert join.wait == values["autoscaling"]["waitSeconds"]
+        assert leave.deadline == launch.leave_deadline(values)
+        with pytest.raises(launch.ValuesError, match="only node-rank 0"):
+            launch.register_argv(values, role, "join", 1, "127.0.0.1")
+    with pytest.raises(launch.ValuesError, match="autoscaling.enabled"):
+        launch.register_argv(load_yaml(CHART / "values.yaml"), "decode", "join", 0, "127.0.0.1")
+    assert_chart_pods_register()
+
+
+def assert_chart_pods_register():
+    """Node-rank 0 pods, and only they, run `pdserve launch ROLE --register join` (a sidecar) and
+    `--register leave` (the node container's preStop), with the launch values."""
+    import argparse
+
+    from pdserve.launch import add_launch_args
+
+    helpers = template_texts()["_helpers.tpl"]
+    assert '{{- $registers := and $auto (eq .leader "true") -}}' in helpers
+    nodes = template_texts()["nodes.yaml"]
+    sts = _template_args(nodes, "{{- else if $.Values.autoscaling.enabled }}", "{{- else }}")
+    assert '"leader" "true"' in sts  # every pod of the autoscaled StatefulSet is a node-rank 0
+    for action, where in (("leave", "preStop:"), ("join", "- name: register\n")):
+        at = helpers.index(where)
+        assert helpers.rindex("{{- if $registers }}", 0, at) > helpers.rindex("{{- end }}", 0, at)
+        flow = re.search(r"(?:command|args): \[(pdserve, launch, [^\]]*)\]", helpers[at:])
+        assert flow, where
+        argv = [t.strip() for t in flow.group(1).split(",")]
+        ap = argparse.ArgumentParser(exit_on_error=False)
+        add_launch_args(ap)
+        for role in NODE_GROUPS:
+            args = ap.parse_args([role if t == "{{ $role }}" else t for t in argv[2:]])
+            assert (args.role, args.register, args.host) == (role, action, "127.0.0.1")
+            assert args.values == [Path("/etc/pdserve/values.json")]
+
+
+def test_autoscaling_nodes_of_several_pods_need_lws():
+    from pdserve import launch
+
+    values = autoscaled_values()
+    values["decode"] |= {"pp": 4, "ranksPerPod": 2}
+    with pytest.raises(launch.ValuesError, match="needs `lws.enabled`"):
+        launch.argv_for(values, "decode", 0, 0, "0.0.0.0")
+    assert re.search(
+        r"fail \(printf \"autoscaling %s nodes of %d pods needs lws\.enabled",
+        (template_texts()["nodes.yaml"]),
+    )
+
+
+def test_autoscaled_pods_outlast_the_leave_they_hold_for():
+    """terminationGracePeriodSeconds > what `register leave` holds the pod for > the node's own
+    drain (its grace, the aborts after it), so the drain ends before the pod is killed."""
+    from pdserve import launch, register_cmd
+    from pdserve.runtime.front.drain import ABORT_WAIT_S
+
+    helpers = template_texts()["_helpers.tpl"]
+    branches = re.search(r"{{- if \$auto }}\n(.*?){{- else }}\n(.*?){{- end }}", helpers, re.S)
+    assert branches
+
+    def margin(part: str) -> int:
+        m = re.findall(
+            r"terminationGracePeriodSeconds: {{ add \(int \$root\.Values\.drain\.graceSeconds\) "
+            r"(\d+) }}",
+            part,
+        )
+        assert len(m) == 1, part
+        return int(m[0])
+
+    on, off = margin(branches.group(1)), margin(branches.group(2))
+    assert launch.LEAVE_MARGIN_S > register_cmd.DEREGISTER_S + ABORT_WAIT_S
+    for grace in (0, 30, 600):
+        values = autoscaled_values()
+        values["drain"]["graceSeconds"] = grace
+        assert grace + on > launch.leave_deadline(values) > grace + ABORT_WAIT_S
+        assert grace + off > grace
+    # and the node drains with that grace: `pdserve launch` gives it --drain-grace
+    node = launch.argv_for(autoscaled_values(), "decode", 0, 0, "0.0.0.0")
+    assert flag_value(node, "--drain-grace") == str(autoscaled_values()["drain"]["graceSeconds"])
+
+
+def test_autoscaled_nodes_may_reach_the_router():
+    text = template_texts()["networkpolicy.yaml"]
+    router_part = text.split("{{- range $role")[0]
+    rule = router_part[router_part.index("{{- if .Values.autoscaling.enabled }}") :]
+    assert "- port: http" in rule and 'range $peer := list "prefill" "decode"' in rule
+    peers = template_texts()["router.yaml"]
+    headless = peers[peers.index('name: {{ include "pdserve.routerPeers" . }}') :]
+    assert "clusterIP: None" in headless and "publishNotReadyAddresses: true" in headless
+    assert "pdserve.io/front" not in headless  # not scraped twice by the ServiceMonitor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,7 +965,8 @@ def test_chart_security_context_and_service_account():
     assert "deepCopy $root.Values.containerSecurityContext" in helpers
     # the read-only root has emptyDirs where pdserve writes (/tmp, ~/.cache)
     assert "mountPath: /tmp" in helpers and "mountPath: /home/pdserve/.cache" in helpers
-    assert router.count("pdserve.scratch") == 2 and helpers.count('include "pdserve.scratch') == 2
+    # (the node pod's spec has them twice: its node container and, autoscaled, its sidecar)
+    assert router.count("pdserve.scratch") == 2 and helpers.count('include "pdserve.scratch') == 3
     assert (
         'include "pdserve.podCommon"' in router and 'include "pdserve.podCommon" $root' in helpers
     )
@@ -691,12 +975,12 @@ def test_chart_security_context_and_service_account():
         in helpers
     )
     assert "kind: ServiceAccount" in texts["serviceaccount.yaml"]
-    # pods restart when the Secret changes: the StatefulSet template and both LWS templates,
-    # and the router
+    # pods restart when the Secret changes: both StatefulSet templates (per node, and one per
+    # role when autoscaled), both LWS templates, and the router
     assert "checksum/secret:" in helpers and "sha256sum" in helpers
     assert (
         router.count('include "pdserve.podAnnotations"') == 1
-        and nodes.count('include "pdserve.podAnnotations"') == 3
+        and nodes.count('include "pdserve.podAnnotations"') == 4
     )
 
 

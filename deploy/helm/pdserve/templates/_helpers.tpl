@@ -76,7 +76,9 @@ pp / ranksPerPod pods. Pod names and DNS (headless service = "<fullname>-<role>"
 
 {{/*
 The pod template spec of a node group. Arguments: .root, .role, .index (node index, StatefulSet
-mode), .leader: "true" (LWS leader), "false" (LWS worker) or "auto" (StatefulSet: by NODE_RANK).
+mode), .leader: "true" (LWS leader, or an autoscaled StatefulSet's pod: a whole node), "false" (LWS
+worker) or "auto" (StatefulSet: by NODE_RANK). With autoscaling.enabled a leader's front joins the
+routers (the `register` sidecar) and leaves them before it drains (preStop): docs/DEPLOY.md.
 */}}
 {{- define "pdserve.nodePodSpec" -}}
 {{- $root := .root -}}
@@ -84,6 +86,8 @@ mode), .leader: "true" (LWS leader), "false" (LWS worker) or "auto" (StatefulSet
 {{- $g := index $root.Values $role -}}
 {{- $pods := int (include "pdserve.podsPerNode" .) -}}
 {{- $svc := include "pdserve.groupService" . -}}
+{{- $auto := $root.Values.autoscaling.enabled -}}
+{{- $registers := and $auto (eq .leader "true") -}}
 {{- $health := printf "[ \"$NODE_RANK\" != \"0\" ] || python -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:%d/health', timeout=4)\"" (int $g.port) -}}
 {{- if $g.hostNetwork }}
 hostNetwork: true
@@ -94,9 +98,16 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{ include "pdserve.podCommon" $root }}
+{{- if $auto }}
+# preStop (node-rank 0) takes the node off the routers, then drains it: its requests get
+# drain.graceSeconds, the streams left then move to another node; `register leave` holds at most
+# that and 60 s (pdserve/launch.py LEAVE_MARGIN_S), and the pod is given 30 s more
+terminationGracePeriodSeconds: {{ add (int $root.Values.drain.graceSeconds) 90 }}
+{{- else }}
 # SIGTERM drains the node (docs/RELIABILITY.md): its requests get drain.graceSeconds, the streams
 # left then move to another node; the pod is given that and 30 s more before it is killed
 terminationGracePeriodSeconds: {{ add (int $root.Values.drain.graceSeconds) 30 }}
+{{- end }}
 containers:
   - name: {{ $role }}
     image: {{ include "pdserve.image" $root }}
@@ -115,6 +126,9 @@ containers:
       - {{ .index | quote }}
     env:
       - name: NODE_RANK
+        {{- if and $auto (not $root.Values.lws.enabled) }}
+        value: "0"                # each pod of the autoscaled StatefulSet is a whole node
+        {{- else }}
         valueFrom:
           fieldRef:
             {{- if $root.Values.lws.enabled }}
@@ -122,12 +136,16 @@ containers:
             {{- else }}
             fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
             {{- end }}
+        {{- end }}
       - name: POD_IP
         valueFrom:
           fieldRef:
             fieldPath: status.podIP
       - name: PDSERVE_ADVERTISE_HOST
         value: $(POD_IP)
+      {{- if $registers }}
+      {{- include "pdserve.workerUrlEnv" . | nindent 6 }}
+      {{- end }}
       - name: PDSERVE_INTERNAL_TOKEN
         valueFrom:
           secretKeyRef:
@@ -153,6 +171,14 @@ containers:
       {{- end }}
       - name: dist
         containerPort: {{ $g.distPort }}
+    {{- if $registers }}
+    # scale-down: off every router first (nothing new comes), then the drain (the rest finishes or
+    # moves on mid-stream), held until the node has stopped (pdserve/register_cmd.py)
+    lifecycle:
+      preStop:
+        exec:
+          command: [pdserve, launch, {{ $role }}, --values, /etc/pdserve/values.json, --host, 127.0.0.1, --register, leave]
+    {{- end }}
     {{- if or (eq .leader "true") (eq $pods 1) }}
     startupProbe:
       httpGet: {path: /health, port: http}
@@ -203,6 +229,29 @@ containers:
         mountPath: {{ $root.Values.model.mountPath }}
         readOnly: true
       {{- end }}
+  {{- if $registers }}
+  # registers the node's front with every router once it serves, and again wherever it is missing
+  # (a router that restarted) every autoscaling.intervalSeconds
+  - name: register
+    image: {{ include "pdserve.image" $root }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    args: [pdserve, launch, {{ $role }}, --values, /etc/pdserve/values.json, --host, 127.0.0.1, --register, join]
+    env:
+      - name: NODE_RANK
+        value: "0"
+      {{- include "pdserve.workerUrlEnv" . | nindent 6 }}
+      - name: PDSERVE_INTERNAL_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ include "pdserve.internalTokenSecret" $root }}
+            key: {{ $root.Values.internalToken.key }}
+    resources:
+      {{- toYaml $root.Values.autoscaling.registerResources | nindent 6 }}
+    securityContext:
+      {{- toYaml $root.Values.containerSecurityContext | nindent 6 }}
+    volumeMounts:
+      {{- include "pdserve.scratchMounts" $root | nindent 6 }}
+  {{- end }}
 volumes:
   {{- include "pdserve.scratchVolumes" $root | nindent 2 }}
   - name: shm
@@ -236,6 +285,43 @@ affinity:
 {{- end }}
 {{- end -}}
 
+{{/* The URL the routers know an autoscaled node by: its pod's name in the role's headless Service
+(StatefulSet mode) or the LeaderWorkerSet's (`pdserve register`, PDSERVE_WORKER_URL). */}}
+{{- define "pdserve.workerUrlEnv" -}}
+{{- $g := index .root.Values .role -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: PDSERVE_WORKER_URL
+  value: {{ printf "http://$(POD_NAME).%s:%d" (include "pdserve.groupService" .) (int $g.port) | quote }}
+{{- end -}}
+
+{{/* The routers' headless Service (every router pod, ready or not), where nodes register. */}}
+{{- define "pdserve.routerPeers" -}}
+{{- printf "%s-router-peers" (include "pdserve.fullname" .) -}}
+{{- end -}}
+
+{{/* The PromQL query of the nodes `role` needs (.root, .role): the router's gauge, the largest
+over this release's routers (each one sees every node). */}}
+{{- define "pdserve.replicasQuery" -}}
+{{- $mine := printf "namespace=\"%s\",service=\"%s-router\"" .root.Release.Namespace (include "pdserve.fullname" .root) -}}
+{{- $sel := .root.Values.autoscaling.prometheus.selector | default $mine -}}
+{{- printf "max(pdserve_router_role_replicas_needed{role=\"%s\",%s})" .role $sel -}}
+{{- end -}}
+
+{{/* Scale-down of an autoscaled role: the highest wish of the window counts, then one node per
+period at most (each drains first). Scale-up keeps the HPA's defaults. */}}
+{{- define "pdserve.scaleDownBehavior" -}}
+scaleDown:
+  stabilizationWindowSeconds: {{ .Values.autoscaling.scaleDown.stabilizationWindowSeconds }}
+  selectPolicy: Min
+  policies:
+    - type: Pods
+      value: 1
+      periodSeconds: {{ .Values.autoscaling.scaleDown.periodSeconds }}
+{{- end -}}
+
 {{/* The pods' service account. */}}
 {{- define "pdserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
@@ -260,7 +346,7 @@ no secrets, and the host of each node's node-rank 0 as `leaders`. Mounted at /et
 {{- $leaders := dict -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $hosts := list -}}
-{{- range $i := until (int (index $.Values $role).replicas) -}}
+{{- range $i := until (ternary 0 (int (index $.Values $role).replicas) $.Values.autoscaling.enabled) -}}
 {{- $hosts = append $hosts (include "pdserve.leaderHost" (dict "root" $ "role" $role "index" $i)) -}}
 {{- end -}}
 {{- $_ := set $leaders $role $hosts -}}
@@ -272,6 +358,12 @@ no secrets, and the host of each node's node-rank 0 as `leaders`. Mounted at /et
 {{- $_ := set $v $role (pick $g "replicas" "pp" "ranksPerPod" "port" "bootstrapPort" "distPort" "device" "threads" "extraArgs") -}}
 {{- end -}}
 {{- $_ := set $v "leaders" $leaders -}}
+{{- if .Values.autoscaling.enabled -}}
+{{- $startup := mul (int .Values.probes.startup.periodSeconds) (int .Values.probes.startup.failureThreshold) -}}
+{{- $auto := dict "enabled" true "router" (include "pdserve.routerPeers" .) "intervalSeconds" .Values.autoscaling.intervalSeconds -}}
+{{- $_ := set $auto "waitSeconds" (add $startup 60) -}}
+{{- $_ := set $v "autoscaling" $auto -}}
+{{- end -}}
 {{- $v | toJson -}}
 {{- end -}}
 
