@@ -30,6 +30,7 @@ EDGES = {
     "cli.py",
     "launch.py",
     "trace_cmd.py",
+    "register_cmd.py",
     "up_args.py",
     "bench/main.py",
     "router/cli.py",
