@@ -74,6 +74,25 @@ def test_a_failed_trial_opens_the_pair_again_and_forget_drops_it():
     assert h.describe() == [] and h.usable(P1, D1)
 
 
+def test_a_request_that_ends_after_its_worker_left_leaves_no_pair_behind():
+    """Workers come and go (an autoscaler, docs/DEPLOY.md): a request dispatched to a pair whose
+    decode node is removed before it ends settles nothing, and no breaker or series of the pair
+    comes back."""
+    metrics = RouterMetrics()
+    h = PairHealth(BreakerConfig(2, 1, 5.0), metrics, Clock())
+    h.on_dispatch(P1, D1)
+    h.forget(D1)
+    h.record(P1, D1, False)
+    assert h.describe() == []
+    assert _gauge(metrics, P1, D1, "closed") is None
+    assert (
+        metrics.registry.get_sample_value(
+            "pdserve_router_pair_failures_total", {"prefill": P1, "decode": D1}
+        )
+        is None
+    )
+
+
 def _dispatcher() -> Dispatcher:
     cfg = RouterConfig(
         workers=[WorkerSpec(P1, "prefill", 1), WorkerSpec(P2, "prefill", 1)]

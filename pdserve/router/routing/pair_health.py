@@ -59,9 +59,14 @@ class PairHealth:
 
     def record(self, prefill: str, decode: str, ok: bool | None) -> None:
         """Settles one dispatch: True (the pair did its part), False (it failed), None (no
-        verdict on the link: a busy node, a client's error, a client gone)."""
+        verdict on the link: a busy node, a client's error, a client gone). A pair forgotten
+        since its dispatch (a worker removed while the request ran) is not made again: removed
+        workers leave nothing behind."""
         pair = (prefill, decode)
-        self._breaker(pair).record(ok)
+        breaker = self._breakers.get(pair)
+        if breaker is None:
+            return
+        breaker.record(ok)
         if ok is False:
             self._failures[pair] = self._failures.get(pair, 0) + 1
             self._metrics.pair_failures.labels(prefill=prefill, decode=decode).inc()
