@@ -197,6 +197,11 @@ class ElasticFront(DecodeFront):
         finally:
             self._prefill_rids.discard(p.rid)
 
+    async def close(self) -> None:
+        if self._move_on is not None:
+            self._move_on.cancel()
+        await super().close()
+
     def describe(self) -> str:
         return f"elastic, KV bootstrap server on port {self.bootstrap_port}"
 
