@@ -66,5 +66,8 @@ def test_a_node_serving_decode_refuses_the_prefill_end():
     f = front("decode")
     try:
         assert refused(f, body("prefill"))
+        with pytest.raises(RequestError) as bad:  # checked in either role
+            f.add_request("r", [1, 2, 3], SamplingParams(), body("both"))
+        assert bad.value.status == 400 and bad.value.param == "pd_side"
     finally:
         asyncio.run(f.close())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from fastapi import Request
@@ -25,17 +24,15 @@ from pdserve.pd_common.messages import PD_ROLES, KVRankStats, PDAddRequest, SetR
 from pdserve.pd_common.metrics import DecodeMetrics
 from pdserve.prefill_node.front import prefill_answer
 from pdserve.runtime.front.answer import Pending
+from pdserve.runtime.front.drain import move_on
 from pdserve.runtime.front.http_app import read_json
 from pdserve.runtime.front.prompt import RequestError
 from pdserve.runtime.messages import AddRequest
-from pdserve.runtime.reasons import AbortReason
 
 log = logging.getLogger("pdserve.serve")
 
 ROLE_CHANGE = "role_change"
 MAX_GRACE_S = 3600.0
-MOVE_ON_POLL_S = 0.1
-MOVE_ON_MAX_S = 60.0  # after the grace: how long the aborts may take to empty the node
 
 
 class ElasticMetrics(DecodeMetrics):
@@ -115,20 +112,12 @@ class ElasticFront(DecodeFront):
         return self.role_status()
 
     async def _move_on_after(self, role: str, grace_s: float) -> None:
-        """Past the grace of a change to `role`, what the node still holds moves on: aborted with
-        `node_draining`, the router continues each stream on another decode node mid-stream and
-        retries the other requests (router/routing/migration.py), as after a drain's grace."""
+        """Past the grace of a change to `role`, what the node still holds moves on, as after a
+        drain's grace (runtime/front/drain.py `move_on`)."""
         await asyncio.sleep(grace_s)
-        aborted: set[str] = set()
-        end = time.monotonic() + MOVE_ON_MAX_S
-        while self.changing_to() == role and self.pending and time.monotonic() < end:
-            fresh = [rid for rid in self.pending if rid not in aborted]  # arrival order
-            if fresh:
-                log.warning("role change to %s: %d request(s) move on", role, len(fresh))
-            for rid in fresh:
-                self.abort(rid, AbortReason.NODE_DRAINING)
-                aborted.add(rid)
-            await asyncio.sleep(MOVE_ON_POLL_S)
+        if self.changing_to() == role and self.pending:
+            log.warning("role change to %s: %d request(s) move on", role, len(self.pending))
+        await move_on(self, lambda: self.changing_to() == role)
 
     def role_status(self) -> dict[str, Any]:
         return {"role": self.serving, "changing_to": self.changing_to(), "elastic": True}
@@ -152,6 +141,8 @@ class ElasticFront(DecodeFront):
         if changing is not None or not serving:
             to = f" to {changing}" if changing else ""
             raise RequestError(503, f"node is changing role{to}", code=ROLE_CHANGE)
+        if body.get("pd_side", "decode") not in PD_ROLES:
+            raise RequestError(400, f"'pd_side' must be one of {list(PD_ROLES)}", "pd_side")
         if serving == "prefill":
             if self._decode_end(body):
                 # a decode request sent on a role this node left: the router retries it on a node
@@ -173,8 +164,6 @@ class ElasticFront(DecodeFront):
             return True
         side = body.get("pd_side")
         if side is not None:
-            if side not in PD_ROLES:
-                raise RequestError(400, f"'pd_side' must be one of {list(PD_ROLES)}", "pd_side")
             return side == "decode"
         port = body.get("bootstrap_port")
         return port is not None and port != self.bootstrap_port

@@ -65,12 +65,20 @@ class Drain:
         front.refusing = "the node is draining"
         if front.pending:
             log.warning("draining: the grace period ended; %d requests move on", len(front.pending))
-        aborted: set[str] = set()
-        end = time.monotonic() + ABORT_WAIT_S
-        while front.pending and time.monotonic() < end:
-            for rid in [r for r in front.pending if r not in aborted]:  # arrival order
-                front.abort(rid, AbortReason.NODE_DRAINING)
-                aborted.add(rid)
-            await asyncio.sleep(POLL_S)
+        await move_on(front)
         log.warning("drained: the node stops")
         self.stop_server()
+
+
+async def move_on(front: Any, still: Callable[[], bool] = lambda: True) -> None:
+    """Aborts what `front` holds with `node_draining`, each request once and in arrival order
+    (late arrivals too), until nothing is pending, `still()` turns false, or ABORT_WAIT_S: the
+    router moves the streams to another node mid-stream and retries the others. After a drain's
+    grace, and after an elastic node's role-change grace (elastic_node/front.py)."""
+    aborted: set[str] = set()
+    end = time.monotonic() + ABORT_WAIT_S
+    while front.pending and still() and time.monotonic() < end:
+        for rid in [r for r in front.pending if r not in aborted]:  # arrival order
+            front.abort(rid, AbortReason.NODE_DRAINING)
+            aborted.add(rid)
+        await asyncio.sleep(POLL_S)

@@ -173,7 +173,7 @@ class NodeMetrics:
     @property
     def role(self) -> str:
         """The `role` label now (module docstring of the class)."""
-        return (self._role_now() or self._role) if self._role_now is not None else self._role
+        return self._role_now() if self._role_now is not None else self._role
 
     def hist(self, name: str, doc: str, labels: list[str], buckets=LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
