@@ -143,8 +143,11 @@ def test_the_controller_moves_a_decode_node_to_prefill_when_prompts_queue(tiny_m
         assert f"pdserve_router_role_flips_total{{{labels}}} 1.0" in metrics
 
 
-def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str]:
-    """A greedy streamed completion that runs to `max_tokens`: (status, the text streamed)."""
+def _stream(
+    url: str, model: str, prompt: str, max_tokens: int, text: list[str] | None = None
+) -> tuple[int, str]:
+    """A greedy streamed completion that runs to `max_tokens`: (status, the text streamed).
+    `text`, where given, receives each chunk as it arrives."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -153,7 +156,7 @@ def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, st
         "ignore_eos": True,
         "stream": True,
     }
-    text = []
+    text = [] if text is None else text
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         if r.status_code != 200:
             return r.status_code, r.read().decode()
@@ -181,23 +184,27 @@ def test_a_decode_node_leaving_its_role_moves_its_streams_on(tiny_model, tmp_pat
         alone = {p: _stream(url, model, p, 1200) for p in prompts}
         assert all(status == 200 for status, _ in alone.values()), alone
         results: dict[str, tuple[int, str]] = {}
+        streamed: dict[str, list[str]] = {p: [] for p in prompts}
 
         def run(p: str) -> None:
-            results[p] = _stream(url, model, p, 1200)
+            results[p] = _stream(url, model, p, 1200, streamed[p])
 
         threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in prompts]
         for t in threads:
             t.start()
         try:
             deadline = time.monotonic() + 60
-            while True:  # both decode nodes hold streams
+            while True:  # both decode nodes hold streams, and every stream has begun
+                # a stream aborted before its first token is retried from the start, not moved:
+                # only one past it shows the migration
                 workers = httpx.get(f"{url}/workers", auth=auth).json()["workers"]
                 decodes = [w for w in workers if w["role"] == "decode"]
-                if all(w["in_flight"] for w in decodes) or time.monotonic() > deadline:
+                begun = all(len(chunks) >= 8 for chunks in streamed.values())
+                if (begun and all(w["in_flight"] for w in decodes)) or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             leaving = max(decodes, key=lambda w: (w["in_flight"], w["url"]))
-            assert leaving["in_flight"], workers
+            assert leaving["in_flight"] and begun, (workers, {p: len(c) for p, c in streamed.items()})
             r = httpx.post(
                 f"{url}/workers/role",
                 json={"url": leaving["url"], "role": "prefill", "grace_s": 0.5, "timeout_s": 300},
