@@ -204,7 +204,10 @@ def test_a_decode_node_leaving_its_role_moves_its_streams_on(tiny_model, tmp_pat
                     break
                 time.sleep(0.05)
             leaving = max(decodes, key=lambda w: (w["in_flight"], w["url"]))
-            assert leaving["in_flight"] and begun, (workers, {p: len(c) for p, c in streamed.items()})
+            assert leaving["in_flight"] and begun, (
+                workers,
+                {p: len(c) for p, c in streamed.items()},
+            )
             r = httpx.post(
                 f"{url}/workers/role",
                 json={"url": leaving["url"], "role": "prefill", "grace_s": 0.5, "timeout_s": 300},

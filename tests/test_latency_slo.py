@@ -43,6 +43,22 @@ def test_a_fit_starts_at_its_prior_and_follows_what_is_measured():
     assert fit.coefficients()[1] >= 0
 
 
+def test_one_slow_request_scales_the_priors_rate_not_its_fixed_cost():
+    """Measured: a prefill node sharing its core with the benchmark client prefilled 533 tokens in
+    1.277 s (2.4 ms a token against the prior's 0.5). Read as the prior's rate plus a fixed cost,
+    a queue of 1,200 tokens was predicted at 1.85 s; the prior scaled to that speed predicts what
+    the node does."""
+    fit = LinearFit(0.01, 0.0005)
+    fit.observe(533, 1.277)
+    assert fit.predict(533) == pytest.approx(1.277, rel=0.01)
+    assert fit.predict(1200) == pytest.approx(
+        1.277 * (10 + 0.5 * 1200) / (10 + 0.5 * 533), rel=0.01
+    )
+    faster = LinearFit(0.01, 0.0005)
+    faster.observe(400, 0.05)  # 4x faster than the prior: its fixed cost shrinks too
+    assert faster.predict(0) == pytest.approx(0.01 * 0.05 / 0.21, rel=0.01)
+
+
 def test_a_fit_never_predicts_less_time_for_more_work():
     fit = LinearFit(0.01, 0.001)
     for x in range(100):  # noise that slopes down

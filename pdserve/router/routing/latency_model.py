@@ -14,8 +14,9 @@ Per worker, by exponentially weighted least squares (`LinearFit`: recent request
 
 Each fit starts from a prior made of the fixed cost flags (`DisaggConfig`: a decode-side prefill
 token costs `local_prefill_cost` prefill tokens, the handoff `transfer_overhead_tokens`), over a
-base rate. The prior's two pseudo-observations never fade, so a fit with few requests stays near
-it; measured requests outweigh it after a few dozen.
+base rate. The prior's two pseudo-observations never fade; they lie on the prior line scaled by
+the measured times over the prior's (`LinearFit.scale`), so a fit with few requests keeps the
+prior's shape at the measured speed, and measured requests outweigh it after a few dozen.
 
 The fits learn from prefills that ended. A node slower than its fit says so sooner through the
 prefills it has open: a prediction is scaled by the largest age over predicted time among them
@@ -46,6 +47,7 @@ BASE_STEP_PER_STREAM_S = 1e-3
 DECAY = 0.98  # each new observation multiplies the weight of the earlier ones by this
 PRIOR_WEIGHT = 0.1  # of each of the prior's two points
 PRIOR_SPAN = 1024.0  # x of the prior's second point (tokens or streams)
+PRIOR_SCALE_LIMIT = 50.0  # the most the measured times may scale the prior line, either way
 ERRORS_KEPT = 2048  # predicted / actual ratios kept for the quantiles
 BIAS_RATE = 0.1  # how far one measured error moves a path's calibration (in log space)
 BIAS_FORGET = 0.99  # a path not taken drifts back towards no correction, so it is tried again
@@ -53,12 +55,22 @@ BIAS_LIMIT = 3.0  # |log| of the largest correction (20x)
 
 
 class LinearFit:
-    """y = a + b·x by weighted least squares over decaying observations and a fixed prior."""
+    """y = a + b·x by weighted least squares over decaying observations and a prior line.
+
+    The prior's two pseudo-points lie on the prior line scaled by what was measured: k times it,
+    k the measured time over the prior's for the same x (weighted like the observations). A few
+    requests thus tell the fit how much slower or faster the node is at every size, where the
+    plain prior would read one slow request as a large fixed cost at the prior's rate and
+    under-predict every longer queue (a prefill node sharing its core with a busy client: one
+    measured 533-token prefill gave 815 ms + 0.86 ms a token against 2.4 ms a token measured).
+    Once the observations spread over sizes, they outweigh the pseudo-points."""
 
     def __init__(self, intercept: float, slope: float, span: float = PRIOR_SPAN):
+        self._line = (intercept, slope)
         w = PRIOR_WEIGHT
         y0, y1 = intercept, intercept + slope * span
-        self._prior = (2 * w, w * span, w * (y0 + y1), w * span * span, w * span * y1)
+        # the pseudo-points' sums of weight, x, x² and (for k = 1) y, xy
+        self._prior = (2 * w, w * span, w * span * span, w * (y0 + y1), w * span * y1)
         self._data = [0.0] * 5  # sums of weight, x, y, x², xy
         self.observations = 0
 
@@ -73,8 +85,21 @@ class LinearFit:
         d[4] += x * y
         self.observations += 1
 
+    def scale(self) -> float:
+        """k: the measured times over the prior line's at the same sizes (1 before any)."""
+        a0, b0 = self._line
+        sw, sx, sy = self._data[:3]
+        expected = a0 * sw + b0 * sx
+        if sw <= 0 or expected <= 0:
+            return 1.0
+        return min(PRIOR_SCALE_LIMIT, max(1 / PRIOR_SCALE_LIMIT, sy / expected))
+
     def coefficients(self) -> tuple[float, float]:
-        sw, sx, sy, sxx, sxy = (p + d for p, d in zip(self._prior, self._data, strict=True))
+        k = self.scale()
+        pw, px, pxx, py, pxy = self._prior
+        dw, dx, dy, dxx, dxy = self._data
+        sw, sx, sxx = pw + dw, px + dx, pxx + dxx
+        sy, sxy = k * py + dy, k * pxy + dxy
         var = sw * sxx - sx * sx
         slope = (sw * sxy - sx * sy) / var if var > 1e-12 else 0.0
         slope = max(0.0, slope)  # more work never takes less time
