@@ -3,17 +3,23 @@ moves to which role, and when not; the sustain and dwell times; the per-role nod
 
 from __future__ import annotations
 
-from pdserve.router.config import ElasticConfig, SloConfig
+from dataclasses import replace
+
+from pdserve.router.config import BreakerConfig, ElasticConfig, SloConfig
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.routing.circuit import CircuitBreaker
 from pdserve.router.routing.elastic import (
     ElasticController,
     NodeLoad,
     decide,
     itl_of,
     replicas_needed,
+    replicas_to_start,
     ttft_of,
     weigh,
 )
+from pdserve.router.routing.worker import Worker
+from pdserve.router.routing.workers import WorkerRegistry
 
 CFG = ElasticConfig(enabled=True)
 TTFT, ITL = 2.0, 0.1  # targets, seconds
@@ -170,6 +176,27 @@ def test_replicas_needed_scale_with_the_predicted_latency():
     assert replicas_needed([node("d0", "decode")], TTFT, ITL) == {"prefill": 0, "decode": 1}
 
 
+def test_a_flipped_node_counts_for_the_role_it_started_in():
+    """An autoscaler counts pods by the StatefulSet that started them: where the controller has
+    flipped a prefill node to decode and that meets the need, the counts by start role stay what
+    is running (2 prefill pods, 1 decode pod), where counts by role served would shrink prefill
+    to 1 (possibly removing the flipped node) and grow decode to 2."""
+    flipped = replace(node("p1", "decode"), start_role="prefill")
+    nodes = [node("p0", "prefill"), flipped, node("d0", "decode")]
+    need = {"prefill": 1, "decode": 2}
+    assert replicas_to_start(nodes, need) == {"prefill": 2, "decode": 1}
+    assert replicas_to_start(nodes, {"prefill": 0, "decode": 1}) == {"prefill": 1, "decode": 0}
+    plain = [node("p0", "prefill"), node("d0", "decode")]
+    assert replicas_to_start(plain, need) == need  # nothing flipped: the same counts
+    c = _controller(nodes)
+    c.tick(0.0)
+    gauge = c.metrics.role_replicas_needed
+    served = c.last["replicas_needed"]
+    assert c.last["replicas_by_start_role"] == replicas_to_start(nodes, served)
+    for role in ("prefill", "decode"):
+        assert gauge.labels(role=role)._value.get() == c.last["replicas_by_start_role"][role]
+
+
 class FakeRegistry:
     def all(self):
         return []
@@ -224,3 +251,14 @@ def test_an_idle_role_gives_a_node_to_a_busy_one_and_keeps_one():
     ]
     move = decide(nodes, CFG, TTFT, 0.2)  # idle steps: 0.01 s against 0.2 s
     assert move is not None and (move.to, move.reason) == ("prefill", "prefill_busy")
+
+
+def test_the_router_learns_the_role_an_elastic_node_started_in():
+    """From the node's /server_info; only an elastic node's counts, and only a PD role."""
+    w = Worker("http://n:1", "decode", CircuitBreaker(BreakerConfig()))
+    WorkerRegistry._learn(w, {"elastic": True, "role": "decode", "start_role": "prefill"})
+    assert w.start_role == "prefill"
+    WorkerRegistry._learn(w, {"elastic": True, "role": "decode", "start_role": "colocated"})
+    assert w.start_role is None
+    WorkerRegistry._learn(w, {"role": "decode", "start_role": "prefill"})  # not elastic
+    assert w.start_role is None

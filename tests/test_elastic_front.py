@@ -71,3 +71,14 @@ def test_a_node_serving_decode_refuses_the_prefill_end():
         assert bad.value.status == 400 and bad.value.param == "pd_side"
     finally:
         asyncio.run(f.close())
+
+
+def test_server_info_names_the_role_the_node_started_in():
+    """The router counts an elastic node for its autoscaler by the role it started in
+    (router/routing/elastic.py replicas_to_start), whatever it serves now."""
+    f = front("prefill")
+    try:
+        info = f.server_info()
+        assert (info["elastic"], info["role"], info["start_role"]) == (True, "prefill", "prefill")
+    finally:
+        asyncio.run(f.close())

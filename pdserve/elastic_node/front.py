@@ -196,5 +196,7 @@ class ElasticFront(DecodeFront):
 
     def server_info(self) -> dict[str, Any]:
         info = super().server_info()
+        # the role it was started in: an autoscaler counts the node there, whatever it serves now
         info.update(self.role_status(), bootstrap_port=self.bootstrap_port)
+        info["start_role"] = self._start_role
         return info

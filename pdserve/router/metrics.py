@@ -106,8 +106,10 @@ class RouterMetrics:
         self.role_replicas_needed = Gauge(
             "pdserve_router_role_replicas_needed",
             "Nodes each role needs for the elastic targets (TTFT for prefill, ITL for decode): "
-            "its node count scaled by its predicted latency over its target, summed over the "
-            "models; for autoscalers (0 while the controller is off)",
+            "its node count scaled by its predicted latency over its target, counted by the "
+            "role each node was started in (an elastic node serving the other role counts "
+            "for its own), summed over the models; for autoscalers (0 while the controller "
+            "is off)",
             ["role"],
             registry=self.registry,
         )

@@ -27,9 +27,10 @@ node may go, because decode nodes prefill the prompts themselves when none is le
 The decision is a pure function of a load snapshot (`decide`; `weigh` says why it holds), so it
 is tested on numbers; the controller only times it, runs the flip (`WorkerRegistry.change_role`),
 and reports every move with its reason in the log, the metrics (`pdserve_router_role_flips_total`)
-and `GET /workers`. For autoscalers, `replicas_needed` (gauge
-`pdserve_router_role_replicas_needed`) scales each role's node count by how far its number is
-from its target.
+and `GET /workers`. For autoscalers, `replicas_needed` scales each role's node count by how far
+its number is from its target, and the gauge `pdserve_router_role_replicas_needed` gives that per
+role the nodes were started in (`replicas_to_start`), which is what an autoscaler's StatefulSets
+count.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class NodeLoad:
     wait_per_token_s: float  # the fit's slope: the wait one more queued token adds
     step_s: float  # predicted decode step at `streams` (decode nodes)
     step_per_stream_s: float  # the fit's slope: the step one more stream adds
+    start_role: str = ""  # the role it was started in, where not `role` (an elastic node's)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,20 @@ def replicas_needed(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: f
     return {"prefill": pre, "decode": max(dec, 1)}
 
 
+def replicas_to_start(nodes: list[NodeLoad], need: dict[str, int]) -> dict[str, int]:
+    """`need` (nodes per role served) as nodes per role started in, what an autoscaler counts
+    (one StatefulSet per role): a role's nodes that serve the other role now count for it too,
+    the other's that serve it count against it. So where the controller's flips already meet
+    the need, the counts stay as they are, and a node flipped out of its role keeps its pod."""
+    out = dict(need)
+    for n in nodes:
+        start = n.start_role or n.role
+        if start != n.role and start in out and n.role in out:
+            out[start] += 1
+            out[n.role] -= 1
+    return {role: max(0, k) for role, k in out.items()}
+
+
 class ElasticController:
     """Runs `decide` every `interval_s` on the router's event loop and makes the moves."""
 
@@ -231,6 +247,7 @@ class ElasticController:
                     wait_fit.coefficients()[1],
                     step_fit.predict(w.in_flight),
                     step_fit.coefficients()[1],
+                    w.start_role or w.role,
                 )
             )
         return out
@@ -242,13 +259,15 @@ class ElasticController:
         total = {"prefill": 0, "decode": 0}
         for model, nodes in sorted(self.loads().items(), key=lambda kv: str(kv[0])):
             need = replicas_needed(nodes, self.ttft_target_s, self.itl_target_s)
-            for role, n in need.items():
+            by_start = replicas_to_start(nodes, need)
+            for role, n in by_start.items():
                 total[role] += n
             self.last = {
                 "model": model,
                 "ttft_s": round(ttft_of(nodes), 4),
                 "itl_s": round(itl_of(nodes), 4),
                 "replicas_needed": need,
+                "replicas_by_start_role": by_start,
             }
             move, held = weigh(nodes, self.cfg, self.ttft_target_s, self.itl_target_s)
             self.last["held"] = held

@@ -33,6 +33,7 @@ class Worker:
     elastic: bool = False  # learnt from /server_info: it can change role (POST /workers/role)
     changing_to: str | None = None  # a role change under way: chosen for neither role meanwhile
     changed_by_router: bool = False  # this router's change_role runs (the probes leave it be)
+    start_role: str | None = None  # learnt from /server_info: the role an elastic node started in
 
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""

@@ -247,6 +247,8 @@ class WorkerRegistry:
         if worker.bootstrap_port is None and isinstance(port, int):
             worker.bootstrap_port = port  # an elastic decode node's too: for when it is prefill
         worker.elastic = info.get("elastic") is True
+        start = info.get("start_role")
+        worker.start_role = start if worker.elastic and start in ("prefill", "decode") else None
         role = info.get("role")
         if isinstance(role, str) and role != worker.role and not worker.elastic:
             logger.warning(
