@@ -86,6 +86,32 @@ def test_routes_follow_the_measured_rates_not_the_priors():
     assert d.decide(body, "k", p, dec).path == "disaggregated"
 
 
+def test_the_delay_to_open_streams_weighs_against_the_decode_node_alone():
+    """Measured rates where the decode node gives the first token sooner (1 ms a token against
+    the pair's 2 ms): with 8 streams open there, a 300-token prefill delays each by about 0.3 s.
+    Weighed at 0.5 per stream-second that outweighs the 0.3 s the request gains, and the pair
+    takes it (reason `decode_streams`); at weight 0, or with no stream open, the decode node."""
+
+    def decide(weight: float, streams: int):
+        cfg = DisaggConfig(
+            min_prompt_tokens=0, decode_prefix_fraction=2, stream_delay_weight=weight
+        )
+        d = Disaggregation(cfg)
+        for x in range(50, 1000, 10):
+            d.model.observe_prefill("p", "prefill", False, x, 0.002 * x)
+            d.model.observe_prefill("d", "decode", True, x, 0.001 * x)
+            d.model.observe_prefill("d", "decode", False, x, 0.001 * x)
+            d.model.observe_handoff("d", x, 0.005)
+        p, dec = W("p", role="prefill"), W("d", in_flight=streams)
+        got = d.decide({"input_ids": list(range(300))}, "k", p, dec)
+        return got.path, got.reason
+
+    assert decide(0.0, 8) == ("decode_only", "prefill_queue")
+    assert decide(0.5, 8) == ("disaggregated", "decode_streams")
+    assert decide(0.5, 0) == ("decode_only", "prefill_queue")
+    assert decide(0.05, 8) == ("decode_only", "prefill_queue")  # 0.12 s weighed < 0.3 s gained
+
+
 def test_prediction_errors_are_kept_bounded_and_summarised():
     m = LatencyModel(DisaggConfig())
     for i in range(5000):

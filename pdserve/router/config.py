@@ -153,6 +153,13 @@ class DisaggConfig:
         help="PD: the queue rule's cost while the decode node has no request open (no stream to "
         "delay; at most --disagg-local-prefill-cost, which restores the rule as it was)",
     )
+    stream_delay_weight: float = setting(
+        0.0,
+        help="PD: what a second of delay to each stream open on the decode node weighs against a "
+        "second of the request's own TTFT, when choosing between the pair and the decode node "
+        "alone: a prefill there delays every stream's next tokens by its compute time (0: the "
+        "fastest first token wins, as before; docs/ROUTER.md)",
+    )
     transfer_overhead_tokens: int = setting(
         16,
         help="PD: bootstrap + KV transfer cost in prefill-token equivalents, for the queue rule",
@@ -172,6 +179,8 @@ class DisaggConfig:
             raise ValueError("disagg decode prefix fraction must be > 0, local cost >= 0")
         if self.idle_local_prefill_cost < 0:
             raise ValueError("disagg idle local cost must be >= 0")
+        if self.stream_delay_weight < 0:
+            raise ValueError("disagg stream delay weight must be >= 0")
 
 
 # Every request that can use a PD pair uses it (the tests of the transfer path pin this).

@@ -15,7 +15,11 @@ batch). The router sends a request there instead of to the pair, in this order o
                      for its queue and the prompt it does not hold, plus the handoff (KV transfer
                      and first step), against the decode node's time for its local queue and the
                      prompt it does not hold, at its rate with streams open (its prefill shares
-                     their steps) or idle. The rates are learnt from the requests served; the
+                     their steps) or idle; with `stream_delay_weight` > 0, plus that weight times
+                     the delay the prefill adds to the streams open there (each stream's steps
+                     carry its compute time: the prefill fit's per-token slope times the tokens,
+                     times the streams), else the pair takes it (reason `decode_streams`). The
+                     rates are learnt from the requests served; the
                      flags `local_prefill_cost`, `idle_local_prefill_cost` and
                      `transfer_overhead_tokens` are only their priors (a local prefill token
                      costs that many prefill tokens until measured), and `local_prefill_cost` 0
@@ -55,7 +59,12 @@ DECODE_ONLY_REASONS = (
     "pair_down",  # every prefill node's pair with this decode node is down (pair_health.py)
     "migration",  # a stream moving from a failed decode node (router/routing/migration.py)
 )
-DISAGGREGATED_REASONS = ("default", "migration")
+DISAGGREGATED_REASONS = (
+    "default",
+    "decode_streams",  # the decode node alone was predicted sooner, but not by what it would
+    # delay the streams open there (`stream_delay_weight`)
+    "migration",
+)
 
 
 class TokenEstimator:
@@ -115,13 +124,17 @@ class Disaggregation:
         ):
             return self._decision("decode_only", "decode_prefix_hit", n - held, decode)
         pd = self.model.pd_ttft(prefill, decode, n - held_p, n)
+        reason = "default"
         if cfg.local_prefill_cost > 0:
             local = self.model.local_ttft(decode, n - held)
             if local < pd:
-                self.model.taken("decode_only")
-                return Decision("decode_only", "prefill_queue", n - held, local)
+                delay = cfg.stream_delay_weight * self.model.streams_delay_s(decode, n - held)
+                if local + delay < pd:
+                    self.model.taken("decode_only")
+                    return Decision("decode_only", "prefill_queue", n - held, local)
+                reason = "decode_streams"
         self.model.taken("disaggregated")
-        return Decision("disaggregated", "default", n - held_p, pd)
+        return Decision("disaggregated", reason, n - held_p, pd)
 
     def _decision(self, path: str, reason: str, tokens: int, decode: Any) -> Decision:
         self.model.taken(path)

@@ -187,6 +187,12 @@ class LatencyModel:
             return 1.0
         return max(1.0, max((now - t) / p for t, p in open_.values()))
 
+    def streams_delay_s(self, decode, tokens: float) -> float:
+        """The delay a prefill of `tokens` on `decode` adds to the streams open there, summed over
+        them: each one's next steps carry the prefill's compute time (the busy fit's per-token
+        slope, which holds no fixed cost of the request)."""
+        return decode.in_flight * self.prefill_fit(decode).coefficients()[1] * max(0.0, tokens)
+
     def handoff_s(self, decode, prompt_tokens: float) -> float:
         return self._fit("handoff", decode.url).predict(prompt_tokens)
 
