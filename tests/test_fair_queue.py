@@ -209,30 +209,18 @@ def test_one_tenant_alone_is_not_capped():
     assert step(s) == [("a0", 200)]
 
 
-def test_with_another_tenant_on_the_node_the_heavier_prefills_at_most_the_cap():
+def test_with_another_tenant_on_the_node_each_prefills_at_most_the_cap():
     s = capped(mbt=256, chunk=256)
     s.add(req("a0", 200, FLOOD))
     s.add(req("a1", 200, FLOOD))
     s.add(req("b0", 100, VICTIM))
-    # b0's tag is smallest ([0, 100]) and its tenant has the least prompt left on the node: its
-    # prompt takes one forward (before this rule, three of 48); the flood gets 48 tokens a forward
-    assert step(s) == [("b0", 100), ("a0", 48)]
-    assert step(s) == [("b0", 1), ("a0", 48)]  # b0 decodes: the flood stays capped
+    # b0's tag is smallest ([0, 100]); each tenant gets 48 tokens of this forward
+    assert step(s) == [("b0", 48), ("a0", 48)]
+    assert step(s) == [("b0", 48), ("a0", 48)]
+    assert step(s) == [("b0", 4), ("a0", 48)]
     s.abort("b0")
     s.drain_finished()
-    assert step(s) == [("a0", 104), ("a1", 152)]  # the victim gone: the flood has it all
-
-
-def test_the_cap_spares_only_the_tenant_with_the_least_prompt_left():
-    s = capped(mbt=512, chunk=256)
-    s.add(req("a0", 300, FLOOD))
-    s.add(req("b0", 200, VICTIM))
-    s.add(req("c0", 40, Share("third")))
-    # c0's tenant has the least left: whole; the two others 48 each, in tag order
-    assert step(s) == [("c0", 40), ("b0", 48), ("a0", 48)]
-    s.abort("c0")
-    s.drain_finished()
-    assert step(s) == [("b0", 152), ("a0", 48)]  # now b0's tenant has the least left
+    assert step(s) == [("a0", 56), ("a1", 200)]  # the victim gone: the flood has it all
 
 
 def test_requests_a_pd_loop_holds_count_for_the_cap():

@@ -68,8 +68,7 @@ class EngineConfig:
         FAIR_PREFILL_TOKENS,
         help="prompt tokens of one tenant's requests in one forward while another tenant has a "
         "request on the node, so a tenant's flood of prompts delays the others' next step by at "
-        "most this much; the tenant with the least prompt left on the node is spared (0: no "
-        "cap; docs/ROUTER.md, tenants)",
+        "most this much (0: no cap; docs/ROUTER.md, tenants)",
     )
     max_running: int = setting(
         64, aliases=("--max-num-seqs",), help="requests in the running batch at once"

@@ -10,12 +10,12 @@ class PrefillShares:
     """The prompt tokens each tenant computes in one forward, against the fair cap (0: none):
     another tenant's next step then waits for at most `cap` tokens of a tenant's prefill."""
 
-    def __init__(self, cap: int, spared: str | None = None):
-        self.cap, self.spared = cap, spared  # `spared`: the tenant the cap does not hold back
+    def __init__(self, cap: int):
+        self.cap = cap
         self.used: dict[str, int] = {}  # tenant -> prompt tokens this forward
 
     def left(self, req: Req) -> int:
-        if not self.cap or req.share.tenant == self.spared:
+        if not self.cap:
             return 1 << 62
         return self.cap - self.used.get(req.share.tenant, 0)
 

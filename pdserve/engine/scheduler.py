@@ -166,7 +166,7 @@ class Scheduler:
         prefilling = sorted(
             (r for r in members if r.seq_len - r.kv_len > 1), key=lambda r: r.fair_key
         )
-        share = PrefillShares(*self._fair_cap())
+        share = PrefillShares(self._fair_cap())
         blocked, i = False, 0
         while budget > 0:
             nxt = prefilling[i] if i < len(prefilling) else None
@@ -194,24 +194,16 @@ class Scheduler:
                 budget -= n
         return batch
 
-    def _fair_cap(self) -> tuple[int, str | None]:
-        """(`fair_prefill_tokens`, the tenant it spares) while requests of more than one tenant
-        are on the node (here, or in a PD loop's queues: `held_elsewhere`); else (0, None), no
-        cap. The cap holds back the tenants with more prompt left to prefill here; the one with
-        the least (ties: by name) prefills its chunks whole, so a light tenant's short prompt
-        beside a flood takes one forward, not one per `cap` tokens."""
+    def _fair_cap(self) -> int:
+        """`fair_prefill_tokens` while requests of more than one tenant are on the node (here, or
+        in a PD loop's queues: `held_elsewhere`); else 0, no cap."""
         cap = self.cfg.fair_prefill_tokens
-        if not cap:
-            return 0, None
-        left: dict[str, int] = {}
-        for r in self.reqs.values():
-            todo = r.seq_len - r.kv_len  # 1: decoding, its next token's position only
-            left[r.share.tenant] = left.get(r.share.tenant, 0) + (todo if todo > 1 else 0)
-        for sh in self.held_elsewhere():  # not prefilled here: nothing left here
-            left.setdefault(sh.tenant, 0)
-        if len(left) < 2:
-            return 0, None
-        return cap, min(left, key=lambda t: (left[t], t))
+        if cap:
+            tenants = {r.share.tenant for r in self.reqs.values()}
+            tenants.update(sh.tenant for sh in self.held_elsewhere())
+            if len(tenants) < 2:
+                return 0
+        return cap
 
     def _any_decoding(self) -> bool:
         """Whether a request of any slot is past its prompt and not re-prefilling: its next token
