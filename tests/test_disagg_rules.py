@@ -5,7 +5,7 @@ bootstrap fields and every decision is counted by reason."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -19,6 +19,7 @@ from pdserve.router.routing.disagg import Disaggregation, TokenEstimator
 class W:
     url: str
     queued_prompt_tokens: int = 0
+    queued_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache: bool = True
     in_flight: int = 0  # requests the router has open there
     role: str = "decode"  # the latency model has a fit per role
@@ -237,3 +238,4 @@ def test_queued_prompt_tokens_return_to_zero():
             assert generate(cluster, list(range(n))).status_code == 200
         workers = httpx.get(cluster.url + "/workers", timeout=5).json()["workers"]
         assert [w["queued_prompt_tokens"] for w in workers] == [0, 0]
+        assert [w["queued_tenants"] for w in workers] == [0, 0]

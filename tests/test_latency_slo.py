@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -15,7 +15,7 @@ from stub_node import Cluster
 
 from pdserve.router.config import DisaggConfig, FairnessConfig, SloConfig
 from pdserve.router.routing.disagg import Disaggregation
-from pdserve.router.routing.latency_model import LatencyModel, LinearFit
+from pdserve.router.routing.latency_model import LatencyModel, LinearFit, queue_ahead
 from pdserve.router.tenants import Tenants, read_tenant_keys
 
 
@@ -23,6 +23,7 @@ from pdserve.router.tenants import Tenants, read_tenant_keys
 class W:
     url: str
     queued_prompt_tokens: int = 0
+    queued_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache: bool = True
     in_flight: int = 0
     role: str = "decode"
@@ -110,6 +111,38 @@ def test_the_delay_to_open_streams_weighs_against_the_decode_node_alone():
     assert decide(0.5, 8) == ("disaggregated", "decode_streams")
     assert decide(0.5, 0) == ("decode_only", "prefill_queue")
     assert decide(0.05, 8) == ("decode_only", "prefill_queue")  # 0.12 s weighed < 0.3 s gained
+
+
+def test_a_tenant_waits_behind_its_own_queue_and_its_share_of_the_others():
+    """A node prefills tenants in fair turn (engine/fair_queue.py): a light tenant's prompt waits
+    for about its own work from a flood's backlog, not for all of it."""
+    flood = W("d", queued_prompt_tokens=9000, queued_by_tenant={"A": 9000})
+    assert queue_ahead(flood, "B", 200) == 200  # its turn takes 200 of the flood's tokens
+    assert queue_ahead(flood, "A", 200) == 9000  # the flood waits behind itself
+    assert queue_ahead(flood, None, 200) == 9000  # no tenant: first come first served
+    both = W("d", queued_prompt_tokens=9300, queued_by_tenant={"A": 9000, "B": 300})
+    assert queue_ahead(both, "B", 200) == 300 + 500
+    assert queue_ahead(W("d", queued_prompt_tokens=0), "B", 200) == 0
+
+
+def test_a_light_tenant_beside_a_flood_is_routed_by_its_own_wait():
+    """Measured: the prefill node 2 ms a prompt token, the decode node 1 ms. Another tenant's
+    9,000 tokens queued on the decode node: read first come first served, a 200-token prompt
+    would wait 9 s there and go to the pair; in the node's fair order it waits for about 200 of
+    them, and the decode node alone gives it the first token sooner."""
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
+    for x in range(50, 1000, 10):
+        d.model.observe_prefill("p", "prefill", False, x, 0.002 * x)
+        d.model.observe_prefill("d", "decode", True, x, 0.001 * x)
+        d.model.observe_handoff("d", x, 0.005)
+    p = W("p", role="prefill")
+    dec = W("d", queued_prompt_tokens=9000, queued_by_tenant={"A": 9000}, in_flight=4)
+    body = {"input_ids": list(range(200))}
+    assert d.decide(body, "k", p, dec).path == "disaggregated"  # no tenant named
+    got = d.decide(body, "k", p, dec, tenant="B")
+    assert (got.path, got.reason) == ("decode_only", "prefill_queue")
+    assert got.predicted_ttft_s == pytest.approx(0.4, rel=0.15)
+    assert d.decide(body, "k", p, dec, tenant="A").path == "disaggregated"
 
 
 def test_prediction_errors_are_kept_bounded_and_summarised():

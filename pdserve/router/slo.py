@@ -3,8 +3,9 @@
 At admission the router predicts, with its latency model (router/routing/latency_model.py):
   TTFT  the earliest first token any route could give the request now: for each worker that can
         prefill it (a prefill node, plus its handoff; a decode node; a colocated node), its time
-        for its own queue, an equal share of the prompt tokens waiting in the router's queue ahead
-        of the request, and the prompt;
+        for what the request's tenant waits behind in its queue (the nodes' fair order,
+        latency_model.py `queue_ahead`), an equal share of the prompt tokens waiting in the
+        router's queue ahead of the request, and the prompt;
   ITL   the decode step of the least loaded decode (or colocated) node with one more stream.
 A request predicted past an SLO is refused at once: 429 `slo_unattainable`, with `Retry-After` the
 seconds by which it would miss (at least 1). Without an SLO nothing is predicted or refused.
@@ -35,7 +36,12 @@ class Slo:
         return bool(self.cfg.ttft_ms or self.cfg.itl_ms)
 
     def predict_ttft_s(
-        self, model: str | None, tokens: int, waiting_tokens: int, key: str = ""
+        self,
+        model: str | None,
+        tokens: int,
+        waiting_tokens: int,
+        key: str = "",
+        tenant: str | None = None,
     ) -> float | None:
         """None when no worker could prefill it now. A decode node counts as a place to prefill
         where the router would send it there (disagg.py): no prefill node, a short prompt, or the
@@ -53,9 +59,9 @@ class Slo:
             cache = disagg.prefill_cache if w.role == "prefill" else disagg.decode_cache
             todo = share + tokens - disagg.held_tokens(cache, key, w, tokens)
             if w.role != "prefill":
-                t = m.local_ttft(w, todo)
+                t = m.local_ttft(w, todo, tenant)
             elif decodes:
-                t = min(m.pd_ttft(w, d, todo, tokens) for d in decodes)
+                t = min(m.pd_ttft(w, d, todo, tokens, tenant) for d in decodes)
             else:
                 continue
             best = min(best, t)
@@ -67,7 +73,13 @@ class Slo:
         return min((m.step_s(w, w.in_flight + 1) for w in workers), default=None)
 
     def check(
-        self, model: str | None, tokens: int, waiting_tokens: int, key: str = "", running: int = 1
+        self,
+        model: str | None,
+        tokens: int,
+        waiting_tokens: int,
+        key: str = "",
+        running: int = 1,
+        tenant: str | None = None,
     ) -> None:
         """Raises the typed 429 when the request is predicted to miss an SLO. With nothing
         running it is let through whatever the prediction: its measurement is how a model that
@@ -76,7 +88,7 @@ class Slo:
             return
         misses = []
         if self.cfg.ttft_ms:
-            t = self.predict_ttft_s(model, tokens, waiting_tokens, key)
+            t = self.predict_ttft_s(model, tokens, waiting_tokens, key, tenant)
             if t is not None and t * 1e3 > self.cfg.ttft_ms:
                 misses.append(("ttft", t * 1e3, self.cfg.ttft_ms))
         if self.cfg.itl_ms:

@@ -184,7 +184,7 @@ class Router:
         try:
             if self.slo.active and generation:
                 waiting = self.admission.queued_prompt_tokens(priority)
-                self.slo.check(model, prompt, waiting, key, self.admission.running)
+                self.slo.check(model, prompt, waiting, key, self.admission.running, tenant)
             ticket = await self.admission.acquire(demand)
             ADMITTED.set(ticket)  # the dispatch's tasks copy it (router/routing/attempt.py)
             if trace is not None:

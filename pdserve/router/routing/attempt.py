@@ -28,6 +28,7 @@ import httpx
 from pdserve.router.admission import ADMITTED, Ticket
 from pdserve.router.openai_api.responses import NodeAborted, check_event, parse_sse_line
 from pdserve.router.routing.failures import Failure, aborted, node_failure, unreachable
+from pdserve.router.routing.latency_model import queue_ahead
 from pdserve.router.routing.worker import Worker
 from pdserve.router.timeline import CURRENT
 
@@ -62,7 +63,9 @@ class Attempt:
     def __init__(self, dispatcher: Dispatcher, route: Route, body: dict, stream: bool):
         self.d, self.route, self.stream = dispatcher, route, stream
         self.rid = uuid.uuid4().hex
-        self.payload = {**body, "rid": self.rid, "stream": stream, **node_share(ADMITTED.get())}
+        share = node_share(ADMITTED.get())
+        self.tenant: str = share["tenant"]
+        self.payload = {**body, "rid": self.rid, "stream": stream, **share}
         if route.prefill is not None:
             self.payload.update(
                 bootstrap_host=route.prefill.bootstrap_host,
@@ -86,20 +89,26 @@ class Attempt:
     def _prefilled(self) -> None:
         """The prompt left its prefill queue (or the attempt ended): uncharge it, once."""
         if self._charged is not None:
-            self.d.disagg.model.closed(self._charged.url, id(self))
-            self._charged.queued_prompt_tokens -= self.route.prompt_tokens
+            w, n = self._charged, self.route.prompt_tokens
+            self.d.disagg.model.closed(w.url, id(self))
+            w.queued_prompt_tokens -= n
+            left = w.queued_by_tenant.get(self.tenant, 0) - n
+            if left > 0:
+                w.queued_by_tenant[self.tenant] = left
+            else:
+                w.queued_by_tenant.pop(self.tenant, None)
             self._charged = None
             self.d.on_prefilled()
 
     async def start(self) -> None:
         route, cfg = self.route, self.d.cfg
-        self.timing.sent(route)
-        if self._charged is not None:
+        charged, n = self._charged, route.prompt_tokens
+        self.timing.sent(route, queue_ahead(charged, self.tenant, n) if charged else 0)
+        if charged is not None:
             model = self.d.disagg.model
-            predicted = model.fit_prefill_s(self._charged, route.prompt_tokens)
-            model.opened(self._charged.url, id(self), predicted)
-        if self._charged is not None:
-            self._charged.queued_prompt_tokens += route.prompt_tokens
+            model.opened(charged.url, id(self), model.fit_prefill_s(charged, n, self.tenant))
+            charged.queued_prompt_tokens += n
+            charged.queued_by_tenant[self.tenant] = charged.queued_by_tenant.get(self.tenant, 0) + n
         ticket = ADMITTED.get()
         if ticket is not None:
             ticket.charged()
@@ -327,16 +336,17 @@ class Timing:
 
     def __init__(self) -> None:
         self.t_sent = self.t_prefilled = self.t_first = self.t_last = 0.0
-        self.queue_ahead = 0  # prompt tokens queued at the prefilling worker when sent
+        self.queue_ahead = 0.0  # prompt tokens it waited behind at the prefilling worker
         self.busy = False  # the prefilling worker had requests open when sent
         self.streams = 0  # requests open on the decode node at the first token
         self.tokens = 0  # stream events after the first
         self.handoff_learnt = False
 
-    def sent(self, route: Route) -> None:
+    def sent(self, route: Route, queue_ahead: float) -> None:
+        """`queue_ahead`: the prompt tokens it waits behind (latency_model.py `queue_ahead`)."""
         worker = route.prefill or route.decode
         self.t_sent = time.monotonic()
-        self.queue_ahead = worker.queued_prompt_tokens
+        self.queue_ahead = queue_ahead
         self.busy = worker.in_flight > 0
 
     def prefilled(self, d: Dispatcher, route: Route) -> None:

@@ -108,12 +108,16 @@ class Disaggregation:
         self.decode_cache = PrefixTree(cfg.max_tree_chars)
         self.prefill_cache = PrefixTree(cfg.max_tree_chars)
 
-    def decide(self, body: dict[str, Any], key: str, prefill: Any, decode: Any) -> Decision:
+    def decide(
+        self, body: dict[str, Any], key: str, prefill: Any, decode: Any, tenant: str | None = None
+    ) -> Decision:
         """`prefill`, `decode`: the workers the policies chose (each with `url`,
-        `queued_prompt_tokens`, `prefix_cache` and `in_flight`)."""
+        `queued_prompt_tokens`, `queued_by_tenant`, `prefix_cache` and `in_flight`); `tenant`:
+        the request's, which decides what it waits behind on a node (latency_model.py
+        `queue_ahead`)."""
         cfg, n = self.cfg, self.tokens.estimate(body, key)
         if n < cfg.min_prompt_tokens:
-            return self._decision("decode_only", "short_prompt", n, decode)
+            return self._decision("decode_only", "short_prompt", n, decode, tenant)
         # a node started with --no-prefix-cache keeps no prompt, whatever it was sent
         held = self.held_tokens(self.decode_cache, key, decode, n)
         held_p = self.held_tokens(self.prefill_cache, key, prefill, n)
@@ -122,11 +126,11 @@ class Disaggregation:
             and held >= cfg.decode_prefix_fraction * n
             and held > held_p
         ):
-            return self._decision("decode_only", "decode_prefix_hit", n - held, decode)
-        pd = self.model.pd_ttft(prefill, decode, n - held_p, n)
+            return self._decision("decode_only", "decode_prefix_hit", n - held, decode, tenant)
+        pd = self.model.pd_ttft(prefill, decode, n - held_p, n, tenant)
         reason = "default"
         if cfg.local_prefill_cost > 0:
-            local = self.model.local_ttft(decode, n - held)
+            local = self.model.local_ttft(decode, n - held, tenant)
             if local < pd:
                 delay = cfg.stream_delay_weight * self.model.streams_delay_s(decode, n - held)
                 if local + delay < pd:
@@ -136,9 +140,11 @@ class Disaggregation:
         self.model.taken("disaggregated")
         return Decision("disaggregated", reason, n - held_p, pd)
 
-    def _decision(self, path: str, reason: str, tokens: int, decode: Any) -> Decision:
+    def _decision(
+        self, path: str, reason: str, tokens: int, decode: Any, tenant: str | None
+    ) -> Decision:
         self.model.taken(path)
-        return Decision(path, reason, tokens, self.model.local_ttft(decode, tokens))
+        return Decision(path, reason, tokens, self.model.local_ttft(decode, tokens, tenant))
 
     @staticmethod
     def held_tokens(cache: PrefixTree, key: str, worker: Any, n: int) -> int:

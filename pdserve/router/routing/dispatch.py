@@ -20,6 +20,7 @@ from collections.abc import Callable
 import httpx
 
 from pdserve.infra.logs import bind_request
+from pdserve.router.admission import ADMITTED
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ApiError
 from pdserve.router.metrics import RouterMetrics
@@ -85,19 +86,21 @@ class Dispatcher:
         """A PD pair serving `model` (both halves), or its decode node alone when the request is
         better prefilled there (router/routing/disagg.py), no prefill node can serve it or a prefill
         leg of this request failed; else a colocated worker serving it."""
+        ticket = ADMITTED.get()
+        tenant = ticket.tenant if ticket is not None else ""  # as the nodes are told (attempt.py)
         if self.registry.has_role("prefill") or self.registry.has_role("decode"):
             decode, prefill = self._choose_pair(key, exclude, model, prefill_failed)
             if decode:
                 body = body or {}
                 chars = 0 if isinstance(body.get("input_ids"), list) else len(key)
                 if prefill:
-                    d = self.disagg.decide(body, key, prefill, decode)
+                    d = self.disagg.decide(body, key, prefill, decode, tenant)
                     path, reason, tokens = d.path, d.reason, d.prompt_tokens
                     predicted = d.predicted_ttft_s
                     reason = "migration" if migrating else reason
                 else:
                     path, tokens = "decode_only", self.disagg.tokens.estimate(body, key)
-                    predicted = self.disagg.model.local_ttft(decode, tokens)
+                    predicted = self.disagg.model.local_ttft(decode, tokens, tenant)
                     reason = (
                         "migration"
                         if migrating
@@ -115,7 +118,7 @@ class Dispatcher:
         if colocated:
             tokens = self.disagg.tokens.estimate(body or {}, key)
             chars = 0 if isinstance((body or {}).get("input_ids"), list) else len(key)
-            predicted = self.disagg.model.local_ttft(colocated, tokens)
+            predicted = self.disagg.model.local_ttft(colocated, tokens, tenant)
             return Route(None, colocated, tokens, chars, "colocated", predicted)
         counts = ", ".join(
             f"{role}: {len(self.registry.serving(model, role))} of "

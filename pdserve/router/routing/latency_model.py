@@ -4,9 +4,10 @@ Per worker, by exponentially weighted least squares (`LinearFit`: recent request
 
   prefill      seconds from sending a request to the end of its prefill (the prefill node's
                answer, or a decode or colocated node's first token), against the prompt tokens
-               that node computes before then: its queue when the request was sent plus the
-               request's own. A decode node has two fits: with streams open (its prefill shares
-               steps with them, each step slower) and idle.
+               that node computes before then: what it waits behind in the node's queue when
+               sent (`queue_ahead`: the nodes prefill tenants in fair turn) plus the request's
+               own. A decode node has two fits: with streams open (its prefill shares steps with
+               them, each step slower) and idle.
   handoff      per decode node, seconds from the prefill node's answer to the first token: the
                KV pages' transfer and the first decode step, against the prompt's tokens (pages).
   decode step  per decode or colocated node, seconds between two tokens of a stream, against
@@ -155,16 +156,18 @@ class LatencyModel:
         return self._fit("step", url)
 
     # --- predicting -------------------------------------------------------------------------
-    def prefill_s(self, worker, tokens: float) -> float:
-        """Seconds until a prompt of `tokens` (to compute) sent to `worker` now ends its prefill,
-        behind the worker's queue; scaled up by how far its open prefills are past theirs."""
-        raw = self.fit_prefill_s(worker, tokens)
+    def prefill_s(self, worker, tokens: float, tenant: str | None = None) -> float:
+        """Seconds until a prompt of `tokens` (to compute) of `tenant` sent to `worker` now ends
+        its prefill, behind what it waits for there (`queue_ahead`); scaled up by how far the
+        worker's open prefills are past theirs."""
+        raw = self.fit_prefill_s(worker, tokens, tenant)
         return raw * self.overdue(worker.url, time.monotonic())
 
-    def fit_prefill_s(self, worker, tokens: float) -> float:
+    def fit_prefill_s(self, worker, tokens: float, tenant: str | None = None) -> float:
         """The fit's prediction alone."""
         kind = self._prefill_kind(worker.role, worker.in_flight > 0)
-        return self._fit(kind, worker.url).predict(worker.queued_prompt_tokens + tokens)
+        ahead = queue_ahead(worker, tenant, tokens)
+        return self._fit(kind, worker.url).predict(ahead + tokens)
 
     # --- prefills not ended yet -------------------------------------------------------------
     def opened(self, url: str, key: int, predicted_s: float) -> None:
@@ -199,14 +202,23 @@ class LatencyModel:
     def step_s(self, worker, streams: float) -> float:
         return self._fit("step", worker.url).predict(streams)
 
-    def pd_ttft(self, prefill, decode, compute_tokens: float, prompt_tokens: float) -> float:
-        raw = self.prefill_s(prefill, compute_tokens) + self.handoff_s(decode, prompt_tokens)
+    def pd_ttft(
+        self,
+        prefill,
+        decode,
+        compute_tokens: float,
+        prompt_tokens: float,
+        tenant: str | None = None,
+    ) -> float:
+        raw = self.prefill_s(prefill, compute_tokens, tenant) + self.handoff_s(
+            decode, prompt_tokens
+        )
         return self.calibrated("disaggregated", raw)
 
-    def local_ttft(self, worker, tokens: float) -> float:
+    def local_ttft(self, worker, tokens: float, tenant: str | None = None) -> float:
         """A decode-only (or colocated) route's TTFT: the worker prefills the prompt itself."""
         path = "colocated" if worker.role == "colocated" else "decode_only"
-        return self.calibrated(path, self.prefill_s(worker, tokens))
+        return self.calibrated(path, self.prefill_s(worker, tokens, tenant))
 
     def calibrated(self, path: str, seconds: float) -> float:
         return seconds * math.exp(self.bias.get(path, 0.0))
@@ -260,6 +272,21 @@ class LatencyModel:
         errors = {path: quantiles(list(v)) for path, v in sorted(self.errors.items())}
         calibration = {path: round(math.exp(b), 3) for path, b in sorted(self.bias.items())}
         return {"fits": fits, "predicted_over_actual": errors, "calibration": calibration}
+
+
+def queue_ahead(worker, tenant: str | None, tokens: float) -> float:
+    """The prompt tokens queued on `worker` that a new prompt of `tokens` from `tenant` waits
+    behind. A node orders its prefills by weighted fair queuing between tenants
+    (engine/fair_queue.py), so another tenant's backlog delays it by at most about its own work,
+    while both have work (each prefills in turn, `--fair-prefill-tokens` a forward): its own
+    tenant's queue plus, from every other tenant, the smaller of that tenant's queue and its own
+    work. One tenant alone, or no tenant named: the whole queue, first come first served. Equal
+    weights are assumed; a heavier tenant's request waits a little less than predicted."""
+    by = worker.queued_by_tenant
+    if tenant is None or not by or by.keys() <= {tenant}:
+        return worker.queued_prompt_tokens
+    own = by.get(tenant, 0)
+    return own + sum(min(q, own + tokens) for t, q in by.items() if t != tenant)
 
 
 def quantiles(values: list[float]) -> dict:

@@ -27,6 +27,8 @@ class Worker:
     bad_probes: int = 0  # consecutive
     in_flight: int = 0  # requests the router has open on this worker
     queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
+    # the same by tenant (only tenants with some queued): a node prefills tenants in fair turn
+    queued_by_tenant: dict[str, int] = field(default_factory=dict)
     bootstrap_host: str = field(init=False)
     pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -60,6 +62,7 @@ class Worker:
             "circuit": self.breaker.state.name.lower(),
             "in_flight": self.in_flight,
             "queued_prompt_tokens": self.queued_prompt_tokens,
+            "queued_tenants": len(self.queued_by_tenant),
             "bootstrap_port": self.bootstrap_port,
             "max_context": self.max_context,
             "prefix_cache": self.prefix_cache,
