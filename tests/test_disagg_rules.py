@@ -184,6 +184,7 @@ def test_routes_by_prompt_length_and_counts_every_reason_from_the_start():
         start = decisions(cluster)
         assert set(start) == {
             ("disaggregated", "default"),
+            ("disaggregated", "decode_streams"),
             ("disaggregated", "migration"),
             *(
                 ("decode_only", r)

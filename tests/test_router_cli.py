@@ -30,6 +30,7 @@ FLAGS = {
     *("--balance-abs-threshold", "--balance-rel-threshold", "--disagg-min-prompt-tokens"),
     *("--disagg-decode-prefix-fraction", "--disagg-local-prefill-cost"),
     *("--disagg-idle-local-prefill-cost", "--disagg-transfer-overhead-tokens"),
+    "--disagg-stream-delay-weight",
     *("--disagg-fixed-costs", "--ttft-slo-ms", "--itl-slo-ms", "--tenant-max-concurrent"),
     *("--max-queued-prompt-tokens", "--tenant-keys", "--priority-scheduling", "--elastic"),
     *("--elastic-ttft-target-ms", "--elastic-itl-target-ms", "--elastic-sustain"),

@@ -63,8 +63,7 @@ class Attempt:
     def __init__(self, dispatcher: Dispatcher, route: Route, body: dict, stream: bool):
         self.d, self.route, self.stream = dispatcher, route, stream
         self.rid = uuid.uuid4().hex
-        share = node_share(ADMITTED.get())
-        self.tenant: str = share["tenant"]
+        self.tenant: str = (share := node_share(ADMITTED.get()))["tenant"]
         self.payload = {**body, "rid": self.rid, "stream": stream, **share}
         if route.prefill is not None:
             self.payload.update(
@@ -89,26 +88,18 @@ class Attempt:
     def _prefilled(self) -> None:
         """The prompt left its prefill queue (or the attempt ended): uncharge it, once."""
         if self._charged is not None:
-            w, n = self._charged, self.route.prompt_tokens
-            self.d.disagg.model.closed(w.url, id(self))
-            w.queued_prompt_tokens -= n
-            left = w.queued_by_tenant.get(self.tenant, 0) - n
-            if left > 0:
-                w.queued_by_tenant[self.tenant] = left
-            else:
-                w.queued_by_tenant.pop(self.tenant, None)
+            self.d.disagg.model.closed(self._charged.url, id(self))
+            self._charged.queue(self.tenant, -self.route.prompt_tokens)
             self._charged = None
             self.d.on_prefilled()
 
     async def start(self) -> None:
         route, cfg = self.route, self.d.cfg
-        charged, n = self._charged, route.prompt_tokens
-        self.timing.sent(route, queue_ahead(charged, self.tenant, n) if charged else 0)
+        self.timing.sent(route, self.tenant)
+        charged, n, model = self._charged, route.prompt_tokens, self.d.disagg.model
         if charged is not None:
-            model = self.d.disagg.model
             model.opened(charged.url, id(self), model.fit_prefill_s(charged, n, self.tenant))
-            charged.queued_prompt_tokens += n
-            charged.queued_by_tenant[self.tenant] = charged.queued_by_tenant.get(self.tenant, 0) + n
+            charged.queue(self.tenant, n)
         ticket = ADMITTED.get()
         if ticket is not None:
             ticket.charged()
@@ -342,11 +333,10 @@ class Timing:
         self.tokens = 0  # stream events after the first
         self.handoff_learnt = False
 
-    def sent(self, route: Route, queue_ahead: float) -> None:
-        """`queue_ahead`: the prompt tokens it waits behind (latency_model.py `queue_ahead`)."""
+    def sent(self, route: Route, tenant: str) -> None:
         worker = route.prefill or route.decode
         self.t_sent = time.monotonic()
-        self.queue_ahead = queue_ahead
+        self.queue_ahead = queue_ahead(worker, tenant, route.prompt_tokens)
         self.busy = worker.in_flight > 0
 
     def prefilled(self, d: Dispatcher, route: Route) -> None:

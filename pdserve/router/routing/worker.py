@@ -40,6 +40,16 @@ class Worker:
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
 
+    def queue(self, tenant: str, tokens: int) -> None:
+        """Charges `tokens` of `tenant`'s prompts to this worker's prefill queue (negative: they
+        left it); a tenant with none left is dropped, so the map holds only queued tenants."""
+        self.queued_prompt_tokens += tokens
+        left = self.queued_by_tenant.get(tenant, 0) + tokens
+        if left > 0:
+            self.queued_by_tenant[tenant] = left
+        else:
+            self.queued_by_tenant.pop(tenant, None)
+
     def eligible(self) -> bool:
         if self.role == "prefill" and self.bootstrap_port is None:
             return False
