@@ -34,6 +34,7 @@ from reference import hf_greedy, load_hf
 from tiny_model import QWEN25_TEMPLATE, build_tiny_model
 
 from pdserve.engine.model.linear import batch_invariant_why_not
+from pdserve.router.metrics import MIGRATION_CAUSES
 
 pytestmark = pytest.mark.failover
 
@@ -344,7 +345,8 @@ def check_fault(cluster: Cluster, undisturbed: list, fault, causes: tuple[str, .
     for s, want in zip(streams, undisturbed, strict=True):
         assert s.error is None, (s.kind, s.error)
         assert s.answer() == want, s.kind
-    assert after > before, f"no stream moved for {causes}"
+    every = {c: moved(cluster, c) for c in MIGRATION_CAUSES}  # to say what moved them instead
+    assert after > before, f"no stream moved for {causes}; moves so far by cause: {every}"
     path = REPLAY[cluster.dtype][0]
     grown = {p: paths_after[p] - paths[p] for p in paths}
     assert grown[path] >= after - before and sum(grown.values()) == grown[path], grown
@@ -372,7 +374,9 @@ def test_sigkill_of_a_decode_rank(cluster, undisturbed):
         os.kill(cluster.last_rank(hit[0]), signal.SIGKILL)
 
     try:
-        check_fault(cluster, undisturbed, fault, ("node_failure",))
+        # the node reports its dead rank (node_failure), and its /health fails at once: on a
+        # loaded machine the router's probes may see that before the report reaches the stream
+        check_fault(cluster, undisturbed, fault, ("node_failure", "node_unhealthy"))
     finally:  # a failed check leaves the next test a whole cluster
         if hit:
             cluster.restart(hit[0])
