@@ -190,11 +190,13 @@ def test_a_flipped_node_counts_for_the_role_it_started_in():
     assert replicas_to_start(plain, need) == need  # nothing flipped: the same counts
     c = _controller(nodes)
     c.tick(0.0)
-    gauge = c.metrics.role_replicas_needed
     served = c.last["replicas_needed"]
     assert c.last["replicas_by_start_role"] == replicas_to_start(nodes, served)
     for role in ("prefill", "decode"):
-        assert gauge.labels(role=role)._value.get() == c.last["replicas_by_start_role"][role]
+        got = c.metrics.registry.get_sample_value(
+            "pdserve_router_role_replicas_needed", {"role": role}
+        )
+        assert got == c.last["replicas_by_start_role"][role]
 
 
 class FakeRegistry:

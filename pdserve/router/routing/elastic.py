@@ -64,7 +64,7 @@ class NodeLoad:
     wait_per_token_s: float  # the fit's slope: the wait one more queued token adds
     step_s: float  # predicted decode step at `streams` (decode nodes)
     step_per_stream_s: float  # the fit's slope: the step one more stream adds
-    start_role: str = ""  # the role it was started in, where not `role` (an elastic node's)
+    start_role: str = ""  # the role it was started in ("": `role`)
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,8 @@ def replicas_to_start(nodes: list[NodeLoad], need: dict[str, int]) -> dict[str, 
     the need, the counts stay as they are, and a node flipped out of its role keeps its pod."""
     out = dict(need)
     for n in nodes:
-        start = n.start_role or n.role
-        if start != n.role and start in out and n.role in out:
-            out[start] += 1
+        if n.start_role and n.start_role != n.role:
+            out[n.start_role] += 1
             out[n.role] -= 1
     return {role: max(0, k) for role, k in out.items()}
 
@@ -247,7 +246,7 @@ class ElasticController:
                     wait_fit.coefficients()[1],
                     step_fit.predict(w.in_flight),
                     step_fit.coefficients()[1],
-                    w.start_role or w.role,
+                    w.start_role or "",
                 )
             )
         return out

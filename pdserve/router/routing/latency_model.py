@@ -210,9 +210,8 @@ class LatencyModel:
         prompt_tokens: float,
         tenant: str | None = None,
     ) -> float:
-        raw = self.prefill_s(prefill, compute_tokens, tenant) + self.handoff_s(
-            decode, prompt_tokens
-        )
+        raw = self.prefill_s(prefill, compute_tokens, tenant)
+        raw += self.handoff_s(decode, prompt_tokens)
         return self.calibrated("disaggregated", raw)
 
     def local_ttft(self, worker, tokens: float, tenant: str | None = None) -> float:
