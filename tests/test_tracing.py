@@ -26,6 +26,7 @@ PREFILL_RANK |= {"prefill.finish"}
 DECODE_RANK = {"decode.prealloc", "decode.transferred_vote", "decode.first_token"}
 DECODE_RANK |= {"decode.decode", "decode.finish"}
 EXPORTER_THREAD = "OtelBatchSpanRecordProcessor"
+SHORT_PROMPT = 8
 
 
 def _complete(spans: list[dict]) -> bool:
@@ -46,7 +47,9 @@ def traced(tiny6, tmp_path_factory):
     log = tmp_path_factory.mktemp("tracing") / "up.log"
     with OtlpReceiver() as rx:
         args = ["--prefill-pp", "2", "--decode-pp", "3", "--node-args", NODE_ARGS]
-        args += ["--router-args", "--health-interval 1", "--otlp-traces-endpoint", rx.url]
+        # prompts under 8 tokens are prefilled on the decode node (the tests' default: never)
+        router = f"--health-interval 1 --disagg-min-prompt-tokens {SHORT_PROMPT}"
+        args += ["--router-args", router, "--otlp-traces-endpoint", rx.url]
         with up(tiny6, log, args) as (url, proc, auth):
             model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
             body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "stream": True}
@@ -164,3 +167,39 @@ def test_tracing_without_the_extra_says_what_to_install(monkeypatch, missing):
     monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
     with pytest.raises(RuntimeError, match=r"pip install 'pdserve\[tracing\]'"):
         make_exporter("http://127.0.0.1:1", "router")
+
+
+def test_a_decode_local_request_traces_its_wait_and_prompt_chunks(traced):
+    """A prompt short enough to be prefilled on the decode node (`short_prompt`; token ids, so
+    the router's count is exact) shows that
+    prefill too: each decode rank's wait and its prompt chunks, whose tokens add up to the prompt;
+    the router's admission span names the tenant."""
+    url, _, _, _, _, rx = traced
+    trace = "5cf92f3577b34da6a3ce929d0e0e4737"
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {
+        "model": model,
+        "prompt": list(range(11, 11 + SHORT_PROMPT - 3)),
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    headers = {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    stages = {(f"decode.{n}", rank) for n in ("waiting", "chunk", "finish") for rank in range(3)}
+    seen = lambda spans: {(s["name"], s["attrs"].get("pp_rank")) for s in spans}  # noqa: E731
+    spans = rx.wait_for(trace, lambda spans: seen(spans) >= stages)
+    assert seen(spans) >= stages, (
+        f"missing: {sorted(stages - seen(spans))} of {sorted(seen(spans), key=str)}"
+    )
+    assert not [s["name"] for s in spans if s["name"].startswith("prefill.")], "not decode-local"
+    for rank in range(3):
+        chunks = [s for s in spans if s["name"] == "decode.chunk" and s["attrs"]["pp_rank"] == rank]
+        assert sum(s["attrs"]["tokens"] for s in chunks) == prompt_tokens, (rank, chunks)
+        (wait,) = [
+            s for s in spans if s["name"] == "decode.waiting" and s["attrs"]["pp_rank"] == rank
+        ]
+        assert wait["end_ns"] <= min(s["start_ns"] for s in chunks)
+    (admission,) = [s for s in spans if s["name"] == "router.admission_queue"]
+    assert admission["attrs"]["tenant"] == "anonymous"

@@ -36,7 +36,6 @@ from pdserve.kv_transfer.base import BasePrefillKVManager
 from pdserve.pd_common.loop_base import PDLoop, PDReq, pack_aux
 from pdserve.pd_common.messages import PDAddRequest, PrefillDoneEvent
 from pdserve.runtime.rank.process import RankParts
-from pdserve.runtime.rank.spans import now_ns
 from pdserve.runtime.reasons import AbortReason, as_reason
 
 log = logging.getLogger("pdserve.prefill")
@@ -173,19 +172,7 @@ class PrefillLoop(PDLoop):
                 self.spans.end(pd.rid, "bootstrap.wait_decode_alloc")
                 self.spans.start(pd.rid, "bootstrap.handshake", parent="bootstrap")
 
-    # --- chunks and first token -------------------------------------------------------------------
-    def forward(self, batch: ScheduledBatch):
-        if not (self.spans.active and batch.entries):
-            return super().forward(batch)
-        t0 = now_ns()
-        y = super().forward(batch)
-        t1 = now_ns()
-        for e in batch.entries:
-            if self.spans.on(e.req.rid):
-                self.spans.end(e.req.rid, "waiting", t_ns=t0)
-                self.spans.span(e.req.rid, "chunk", t0, t1, start=e.start, tokens=e.num_new)
-        return y
-
+    # --- chunks -----------------------------------------------------------------------------------
     def after_forward(self, batch: ScheduledBatch) -> None:
         for e in batch.entries:
             pd = self.by_rid.get(e.req.rid)

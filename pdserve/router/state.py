@@ -188,11 +188,11 @@ class Router:
             ticket = await self.admission.acquire(demand)
             ADMITTED.set(ticket)  # the dispatch's tasks copy it (router/routing/attempt.py)
             if trace is not None:
-                trace.add("router.admission_queue", t0, now_ns())
+                trace.add("router.admission_queue", t0, now_ns(), tenant=tenant)
             return ticket
         except (Rejected, ApiError) as exc:
             if trace is not None:
-                trace.add("router.admission_queue", t0, now_ns(), rejected=str(exc))
+                trace.add("router.admission_queue", t0, now_ns(), tenant=tenant, rejected=str(exc))
             self.metrics.rejected.inc()
             if isinstance(exc, ApiError):
                 raise

@@ -49,7 +49,7 @@ from pdserve.runtime.rank.pp_comm import Msg, PPLink
 from pdserve.runtime.rank.rank_loop import FrontIO, LoopStats
 from pdserve.runtime.rank.rank_loop import RankLoop as RankLoop  # re-export: front_link.py
 from pdserve.runtime.rank.request_timeouts import RequestTimeouts
-from pdserve.runtime.rank.spans import RankSpans
+from pdserve.runtime.rank.spans import RankSpans, now_ns
 from pdserve.runtime.reasons import AbortReason, finish_message
 
 log = logging.getLogger(__name__)
@@ -221,6 +221,7 @@ class SlotLoop:
             )
             self.sched.add(req)
             self.mark_queued(msg.rid)
+            self.spans.start(msg.rid, "waiting")
             self.prepare_guide(params)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
@@ -281,8 +282,11 @@ class SlotLoop:
                 self.last_outputs[batch.slot] = None
                 self.send_queue.append((batch.slot, None))
             return None
+        t0 = now_ns() if self.spans.active else 0
         hidden_in = self._pp.recv(self._pp.prev, Msg.HIDDEN) if not self.is_first else None
         y = self.runner.forward(batch, hidden_in)
+        if t0:
+            self.spans.prompt_chunks(batch.entries, t0, now_ns())
         self.stats.forwards += 1
         if self.is_last:
             out = self.runner.sample(batch, y) if batch.sampling_entries else None

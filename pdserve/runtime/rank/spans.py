@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.batch import BatchEntry
 from pdserve.runtime.messages import SPANS_PER_PUSH, SpanRecord
 
 MAX_UNSENT = 4 * SPANS_PER_PUSH
@@ -81,6 +82,14 @@ class RankSpans:
         t = self._traced.get(rid)
         if t is not None:
             self._record(rid, t, name, parent, start_ns, end_ns, dict(attrs), [])
+
+    def prompt_chunks(self, entries: list[BatchEntry], start_ns: int, end_ns: int) -> None:
+        """A forward's prompt chunks (not decode steps: a span each would flood the trace), each
+        ending its request's wait for its first forward."""
+        for e in entries:
+            if e.req.rid in self._traced and (e.num_new > 1 or e.start < e.req.prompt_len):
+                self.end(e.req.rid, "waiting", t_ns=start_ns)
+                self.span(e.req.rid, "chunk", start_ns, end_ns, start=e.start, tokens=e.num_new)
 
     def event(self, rid: str, span: str, name: str) -> None:
         """An event on the open span `span` (decode: retracted, resumed)."""
