@@ -209,18 +209,34 @@ def test_one_tenant_alone_is_not_capped():
     assert step(s) == [("a0", 200)]
 
 
-def test_with_another_tenant_on_the_node_each_prefills_at_most_the_cap():
+def test_with_another_tenant_on_the_node_a_forward_prefills_one_tenant_at_most_the_cap():
     s = capped(mbt=256, chunk=256)
     s.add(req("a0", 200, FLOOD))
     s.add(req("a1", 200, FLOOD))
     s.add(req("b0", 100, VICTIM))
-    # b0's tag is smallest ([0, 100]); each tenant gets 48 tokens of this forward
-    assert step(s) == [("b0", 48), ("a0", 48)]
-    assert step(s) == [("b0", 48), ("a0", 48)]
-    assert step(s) == [("b0", 4), ("a0", 48)]
+    # b0's tag is smallest ([0, 100]): its prompt has the forwards to itself, 48 tokens each
+    assert step(s) == [("b0", 48)]
+    assert step(s) == [("b0", 48)]
+    assert step(s) == [("b0", 4)]
+    # b0 decodes: its steps are not prompt tokens, and the flood prefills beside them
+    assert step(s) == [("b0", 1), ("a0", 48)]
     s.abort("b0")
     s.drain_finished()
-    assert step(s) == [("a0", 56), ("a1", 200)]  # the victim gone: the flood has it all
+    assert step(s) == [("a0", 152), ("a1", 104)]  # the victim gone: the flood has it all
+
+
+def test_a_flood_prompt_with_the_earlier_tag_keeps_its_forward():
+    """Fair order decides whose forward it is, not lightness: the flood's prompt admitted before
+    the victim came, and tagged earlier, finishes first."""
+    s = capped(mbt=256, chunk=256)
+    s.add(req("a0", 60, FLOOD))
+    assert step(s) == [("a0", 60)]
+    s.add(req("a1", 100, FLOOD))  # tag [60, 160]
+    s.add(req("b0", 200, VICTIM))  # tag [60, 260]
+    assert step(s)[1:] == [("a1", 48)]  # after a0's decode step
+    assert step(s)[1:] == [("a1", 48)]
+    assert step(s)[1:] == [("a1", 4)]
+    assert step(s) == [("a1", 1), ("b0", 48)]
 
 
 def test_requests_a_pd_loop_holds_count_for_the_cap():

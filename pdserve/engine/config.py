@@ -66,9 +66,10 @@ class EngineConfig:
     )
     fair_prefill_tokens: int = setting(
         FAIR_PREFILL_TOKENS,
-        help="prompt tokens of one tenant's requests in one forward while another tenant has a "
-        "request on the node, so a tenant's flood of prompts delays the others' next step by at "
-        "most this much (0: no cap; docs/ROUTER.md, tenants)",
+        help="prompt tokens in one forward while more than one tenant has a request on the node: "
+        "a forward then prefills one tenant's prompts, the first in fair order, so a tenant's "
+        "flood delays the others' next step by at most this much (0: no cap, and forwards mix "
+        "tenants; docs/ROUTER.md, tenants)",
     )
     max_running: int = setting(
         64, aliases=("--max-num-seqs",), help="requests in the running batch at once"

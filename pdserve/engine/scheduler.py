@@ -162,7 +162,8 @@ class Scheduler:
         #    this slot and the waiting queue's head: a prompt that waits goes before admitted ones
         #    with later tags, so another tenant's flood, once admitted, does not hold the budget
         #    until its prompts end. With one tenant the admitted go first, then admissions: first
-        #    come first served. A head that does not fit blocks the queue behind it.
+        #    come first served. A head that does not fit blocks the queue behind it. With two
+        #    tenants on the node, the forward's prompt tokens are the first one's (PrefillShares).
         prefilling = sorted(
             (r for r in members if r.seq_len - r.kv_len > 1), key=lambda r: r.fair_key
         )
