@@ -102,6 +102,7 @@ def test_one_request_is_one_trace_with_every_stage(traced):
         assert len(chunks) >= 2, f"prefill pp{rank}: {len(chunks)} chunk spans"
     (attempt,) = [s for s in spans if s["name"] == "router.attempt"]
     assert "first_token" in attempt["events"]
+    assert (attempt["attrs"]["path"], attempt["attrs"]["reason"]) == ("disaggregated", "default")
     finishes = [s for s in spans if s["name"] == "decode.finish"]
     assert {s["attrs"]["finish_reason"] for s in finishes} <= {"length", "stop"}
     assert root["attrs"]["finish_reason"] == finishes[0]["attrs"]["finish_reason"]
@@ -203,3 +204,6 @@ def test_a_decode_local_request_traces_its_wait_and_prompt_chunks(traced):
         assert wait["end_ns"] <= min(s["start_ns"] for s in chunks)
     (admission,) = [s for s in spans if s["name"] == "router.admission_queue"]
     assert admission["attrs"]["tenant"] == "anonymous"
+    (attempt,) = [s for s in spans if s["name"] == "router.attempt"]
+    assert (attempt["attrs"]["path"], attempt["attrs"]["reason"]) == ("decode_only", "short_prompt")
+    assert attempt["attrs"]["predicted_ttft_ms"] > 0

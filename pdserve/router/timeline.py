@@ -73,10 +73,16 @@ class RequestTrace:
                  service="router", attrs=attrs)
         )  # fmt: skip
 
-    def attempt_start(self, rid: str, nodes: list[tuple[str, str]]) -> str:
-        """Opens the attempt's span; the traceparent both nodes get."""
+    def attempt_start(self, rid: str, nodes: list[tuple[str, str]], route: Any = None) -> str:
+        """Opens the attempt's span; the traceparent both nodes get. The route's path, the reason
+        for it and its predicted TTFT (router/routing/attempt.py `Route`) go on the span."""
+        attrs: dict[str, Any] = {"rid": rid}
+        if route is not None:
+            attrs.update(path=route.path, reason=route.reason)
+            if route.predicted_ttft_s is not None:
+                attrs["predicted_ttft_ms"] = round(route.predicted_ttft_s * 1e3, 1)
         span = Span("router.attempt", self.trace_id, new_span_id(), self.root.span_id, now_ns(),
-                    service="router", attrs={"rid": rid})  # fmt: skip
+                    service="router", attrs=attrs)  # fmt: skip
         for role, url in nodes:
             span.attrs[f"{role}_node"] = url
             self.nodes.append((role, url, rid))

@@ -49,6 +49,7 @@ class Route:
     key_chars: int = 0  # the prompt key's length, to learn characters per token (0: ids prompt)
     path: str = "colocated"  # "disaggregated" | "decode_only" | "colocated"
     predicted_ttft_s: float | None = None  # the latency model's (latency_model.py)
+    reason: str = ""  # why this path (router/routing/disagg.py), for the trace
 
 
 def node_share(ticket: Ticket | None) -> dict:
@@ -105,7 +106,7 @@ class Attempt:
             ticket.charged()
         if self.trace is not None:
             nodes = [(w.role, w.url) for w in (route.prefill, route.decode) if w is not None]
-            traceparent = self.trace.attempt_start(self.rid, nodes)
+            traceparent = self.trace.attempt_start(self.rid, nodes, route)
             self.headers = {**self.d.node_headers, "traceparent": traceparent}
         for w in (route.prefill, route.decode):
             if w is not None:

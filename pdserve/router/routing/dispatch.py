@@ -113,7 +113,7 @@ class Dispatcher:
                 keep = prefill if path == "disaggregated" else None
                 self.disagg.routed(key, decode.url, keep.url if keep else None)
                 self.metrics.route_decision(path, reason)
-                return Route(keep, decode, tokens, chars, path, predicted)
+                return Route(keep, decode, tokens, chars, path, predicted, reason)
         colocated = self._choose("colocated", key, exclude, model)
         if colocated:
             tokens = self.disagg.tokens.estimate(body or {}, key)
