@@ -20,6 +20,7 @@ class W:
     url: str
     queued_prompt_tokens: int = 0
     queued_by_tenant: dict[str, int] = field(default_factory=dict)
+    queued_requests_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache: bool = True
     in_flight: int = 0  # requests the router has open there
     role: str = "decode"  # the latency model has a fit per role

@@ -24,6 +24,7 @@ class W:
     url: str
     queued_prompt_tokens: int = 0
     queued_by_tenant: dict[str, int] = field(default_factory=dict)
+    queued_requests_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache: bool = True
     in_flight: int = 0
     role: str = "decode"
@@ -113,35 +114,49 @@ def test_the_delay_to_open_streams_weighs_against_the_decode_node_alone():
     assert decide(0.05, 8) == ("decode_only", "prefill_queue")  # 0.12 s weighed < 0.3 s gained
 
 
-def test_a_tenant_waits_behind_its_own_queue_and_its_share_of_the_others():
-    """A node prefills tenants in fair turn (engine/fair_queue.py): a light tenant's prompt waits
-    for about its own work from a flood's backlog, not for all of it."""
-    flood = W("d", queued_prompt_tokens=9000, queued_by_tenant={"A": 9000})
-    assert queue_ahead(flood, "B", 200) == 200  # its turn takes 200 of the flood's tokens
+def queued(**by_tenant: tuple[int, int]) -> W:
+    """A decode node with (tokens, requests) queued for each tenant."""
+    tokens = {t: n for t, (n, _) in by_tenant.items()}
+    requests = {t: r for t, (_, r) in by_tenant.items()}
+    return W("d", sum(tokens.values()), tokens, requests)
+
+
+def test_a_tenant_waits_behind_its_own_queue_and_the_others_prompts_that_end_first():
+    """A node prefills tenants in fair order, one tenant's prompts a forward (engine/
+    fair_queue.py): a prompt waits for its own tenant's queue and for those of another tenant's
+    prompts whose fair tags end before its own."""
+    flood = queued(A=(9000, 9))  # nine prompts of 1000
+    assert queue_ahead(flood, "B", 200) == 0  # each of them ends after B's 200
     assert queue_ahead(flood, "A", 200) == 9000  # the flood waits behind itself
     assert queue_ahead(flood, None, 200) == 9000  # no tenant: first come first served
-    both = W("d", queued_prompt_tokens=9300, queued_by_tenant={"A": 9000, "B": 300})
-    assert queue_ahead(both, "B", 200) == 300 + 500
+    chat = queued(A=(9000, 45))  # 45 prompts of 200
+    assert queue_ahead(chat, "B", 200) == 200  # one of them ends with B's: they take turns
+    assert queue_ahead(chat, "B", 650) == 600
+    both = queued(A=(9000, 9), B=(300, 1))
+    assert queue_ahead(both, "B", 200) == 300  # B's own; B's 500 end before any of A's 1000
+    assert queue_ahead(both, "B", 1800) == 300 + 2000
+    assert queue_ahead(both, "A", 200) == 9000 + 300
     assert queue_ahead(W("d", queued_prompt_tokens=0), "B", 200) == 0
 
 
 def test_a_light_tenant_beside_a_flood_is_routed_by_its_own_wait():
     """Measured: the prefill node 2 ms a prompt token, the decode node 1 ms. Another tenant's
-    9,000 tokens queued on the decode node: read first come first served, a 200-token prompt
-    would wait 9 s there and go to the pair; in the node's fair order it waits for about 200 of
-    them, and the decode node alone gives it the first token sooner."""
+    9,000 tokens queued on the decode node, in prompts of 1,000: read first come first served, a
+    200-token prompt would wait 9 s there and go to the pair; in the node's fair order it waits
+    for none of them, and the decode node alone gives it the first token sooner."""
     d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
     for x in range(50, 1000, 10):
         d.model.observe_prefill("p", "prefill", False, x, 0.002 * x)
         d.model.observe_prefill("d", "decode", True, x, 0.001 * x)
         d.model.observe_handoff("d", x, 0.005)
     p = W("p", role="prefill")
-    dec = W("d", queued_prompt_tokens=9000, queued_by_tenant={"A": 9000}, in_flight=4)
+    dec = queued(A=(9000, 9))
+    dec.in_flight = 4
     body = {"input_ids": list(range(200))}
     assert d.decide(body, "k", p, dec).path == "disaggregated"  # no tenant named
     got = d.decide(body, "k", p, dec, tenant="B")
     assert (got.path, got.reason) == ("decode_only", "prefill_queue")
-    assert got.predicted_ttft_s == pytest.approx(0.4, rel=0.15)
+    assert got.predicted_ttft_s == pytest.approx(0.2, rel=0.15)
     assert d.decide(body, "k", p, dec, tenant="A").path == "disaggregated"
 
 

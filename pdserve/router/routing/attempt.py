@@ -90,7 +90,7 @@ class Attempt:
         """The prompt left its prefill queue (or the attempt ended): uncharge it, once."""
         if self._charged is not None:
             self.d.disagg.model.closed(self._charged.url, id(self))
-            self._charged.queue(self.tenant, -self.route.prompt_tokens)
+            self._charged.queue(self.tenant, -self.route.prompt_tokens, -1)
             self._charged = None
             self.d.on_prefilled()
 
@@ -100,7 +100,7 @@ class Attempt:
         charged, n, model = self._charged, route.prompt_tokens, self.d.disagg.model
         if charged is not None:
             model.opened(charged.url, id(self), model.fit_prefill_s(charged, n, self.tenant))
-            charged.queue(self.tenant, n)
+            charged.queue(self.tenant, n, 1)
         ticket = ADMITTED.get()
         if ticket is not None:
             ticket.charged()

@@ -275,17 +275,24 @@ class LatencyModel:
 
 def queue_ahead(worker, tenant: str | None, tokens: float) -> float:
     """The prompt tokens queued on `worker` that a new prompt of `tokens` from `tenant` waits
-    behind. A node orders its prefills by weighted fair queuing between tenants
-    (engine/fair_queue.py), so another tenant's backlog delays it by at most about its own work,
-    while both have work (each prefills in turn, `--fair-prefill-tokens` a forward): its own
-    tenant's queue plus, from every other tenant, the smaller of that tenant's queue and its own
-    work. One tenant alone, or no tenant named: the whole queue, first come first served. Equal
-    weights are assumed; a heavier tenant's request waits a little less than predicted."""
+    behind. A node prefills by weighted fair queuing between tenants, one tenant's prompts a
+    forward (engine/fair_queue.py, prefill_shares.py): a prompt goes after its own tenant's queue
+    and after those of another tenant's prompts whose fair tags end first. Another tenant's
+    prompts each take their size in tags, so about the first (own + tokens) / size of them do:
+    all of a queue of prompts as short as this one or shorter (up to own + tokens, as when both
+    prefill in turn), none of a flood of longer ones. One tenant alone, or no tenant named: the
+    whole queue, first come first served. Equal weights are assumed; a heavier tenant's request
+    waits a little less than predicted."""
     by = worker.queued_by_tenant
     if tenant is None or not by or by.keys() <= {tenant}:
         return worker.queued_prompt_tokens
     own = by.get(tenant, 0)
-    return own + sum(min(q, own + tokens) for t, q in by.items() if t != tenant)
+    ahead = own
+    for t, q in by.items():
+        if t != tenant:
+            size = q / max(1, worker.queued_requests_by_tenant.get(t, 1))
+            ahead += min(q, size * math.floor((own + tokens) / size)) if size > 0 else 0
+    return ahead
 
 
 def quantiles(values: list[float]) -> dict:

@@ -29,6 +29,7 @@ class Worker:
     queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
     # the same by tenant (only tenants with some queued): a node prefills tenants in fair turn
     queued_by_tenant: dict[str, int] = field(default_factory=dict)
+    queued_requests_by_tenant: dict[str, int] = field(default_factory=dict)  # their number
     bootstrap_host: str = field(init=False)
     pushed_servers: list[str] | None = None  # decode: the allowlist it acknowledged last
     push_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -40,15 +41,18 @@ class Worker:
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
 
-    def queue(self, tenant: str, tokens: int) -> None:
-        """Charges `tokens` of `tenant`'s prompts to this worker's prefill queue (negative: they
-        left it); a tenant with none left is dropped, so the map holds only queued tenants."""
+    def queue(self, tenant: str, tokens: int, requests: int) -> None:
+        """Charges `requests` of `tenant`'s prompts, `tokens` in all, to this worker's prefill
+        queue (negative: they left it); a tenant with none left is dropped, so the maps hold only
+        queued tenants."""
         self.queued_prompt_tokens += tokens
-        left = self.queued_by_tenant.get(tenant, 0) + tokens
+        left = self.queued_requests_by_tenant.get(tenant, 0) + requests
         if left > 0:
-            self.queued_by_tenant[tenant] = left
+            self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + tokens
+            self.queued_requests_by_tenant[tenant] = left
         else:
             self.queued_by_tenant.pop(tenant, None)
+            self.queued_requests_by_tenant.pop(tenant, None)
 
     def eligible(self) -> bool:
         if self.role == "prefill" and self.bootstrap_port is None:
