@@ -345,6 +345,20 @@ def test_a_node_behind_its_fit_says_so_while_its_prefills_wait():
     assert d.decide(body, "k", p, dec).path == "disaggregated"
 
 
+def test_a_tenant_is_not_held_late_by_another_tenants_prefills():
+    """Another tenant's prefill runs late where the node's fair order put this tenant's prompts
+    first: it says nothing of how long this tenant's prompt will take there."""
+    d = Disaggregation(DisaggConfig(min_prompt_tokens=0, decode_prefix_fraction=2))
+    p, dec, body = W("p", role="prefill"), W("d", in_flight=2), {"input_ids": list(range(300))}
+    d.model.opened("p", 1, 0.01, "A")
+    time.sleep(0.05)
+    now = time.monotonic()
+    assert d.model.overdue("p", now, "A") >= 5 and d.model.overdue("p", now) >= 5
+    assert d.model.overdue("p", now, "B") == 1.0
+    assert d.decide(body, "k", p, dec, tenant="A").path == "decode_only"
+    assert d.decide(body, "k", p, dec, tenant="B").path == "disaggregated"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_count_as_goodput_by_their_slowest_choice(stream):
     """With n > 1, one request is one unit of goodput: counted when choice 0's first token and

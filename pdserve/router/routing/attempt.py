@@ -97,10 +97,10 @@ class Attempt:
     async def start(self) -> None:
         route, cfg = self.route, self.d.cfg
         self.timing.sent(route, self.tenant)
-        charged, n, model = self._charged, route.prompt_tokens, self.d.disagg.model
+        charged, n, model, t = self._charged, route.prompt_tokens, self.d.disagg.model, self.tenant
         if charged is not None:
-            model.opened(charged.url, id(self), model.fit_prefill_s(charged, n, self.tenant))
-            charged.queue(self.tenant, n, 1)
+            model.opened(charged.url, id(self), model.fit_prefill_s(charged, n, t), t)
+            charged.queue(t, n, 1)
         ticket = ADMITTED.get()
         if ticket is not None:
             ticket.charged()

@@ -120,7 +120,8 @@ class LatencyModel:
         self._fits: dict[tuple[str, str], LinearFit] = {}
         self.errors: dict[str, collections.deque[float]] = {}
         self.bias: dict[str, float] = {}  # path -> log of its calibration
-        self._open: dict[str, dict[int, tuple[float, float]]] = {}  # url -> (sent, predicted)
+        # url -> attempt -> (sent, predicted, tenant)
+        self._open: dict[str, dict[int, tuple[float, float, str | None]]] = {}
 
     def _fit(self, kind: str, url: str) -> LinearFit:
         fit = self._fits.get((kind, url))
@@ -161,7 +162,7 @@ class LatencyModel:
         its prefill, behind what it waits for there (`queue_ahead`); scaled up by how far the
         worker's open prefills are past theirs."""
         raw = self.fit_prefill_s(worker, tokens, tenant)
-        return raw * self.overdue(worker.url, time.monotonic())
+        return raw * self.overdue(worker.url, time.monotonic(), tenant)
 
     def fit_prefill_s(self, worker, tokens: float, tenant: str | None = None) -> float:
         """The fit's prediction alone."""
@@ -170,9 +171,10 @@ class LatencyModel:
         return self._fit(kind, worker.url).predict(ahead + tokens)
 
     # --- prefills not ended yet -------------------------------------------------------------
-    def opened(self, url: str, key: int, predicted_s: float) -> None:
-        """A prefill sent to `url` now, predicted (by its fit) to end in `predicted_s`."""
-        self._open.setdefault(url, {})[key] = (time.monotonic(), max(predicted_s, 1e-3))
+    def opened(self, url: str, key: int, predicted_s: float, tenant: str | None = None) -> None:
+        """A prefill of `tenant` sent to `url` now, predicted (by its fit) to end in
+        `predicted_s`."""
+        self._open.setdefault(url, {})[key] = (time.monotonic(), max(predicted_s, 1e-3), tenant)
 
     def closed(self, url: str, key: int) -> None:
         open_ = self._open.get(url)
@@ -181,14 +183,18 @@ class LatencyModel:
             if not open_:
                 del self._open[url]
 
-    def overdue(self, url: str, now: float) -> float:
-        """How far behind its fit a worker is now: the largest age over predicted time of the
-        prefills it has open (1 while none is late). It reacts before any of them ends: in a
-        burst, the first requests sent to a node slower than its fit say so while they wait."""
+    def overdue(self, url: str, now: float, tenant: str | None = None) -> float:
+        """How far behind its fit a worker is now for `tenant`: the largest age over predicted
+        time of the prefills of that tenant it has open (1 while none is late; every tenant's
+        with `tenant` None). It reacts before any of them ends: in a burst, the first requests
+        sent to a node slower than its fit say so while they wait. Only the tenant's own count:
+        another tenant's prefill is late where the node's fair order put this tenant's prompts
+        first (engine/fair_queue.py), which does not slow them."""
         open_ = self._open.get(url)
         if not open_:
             return 1.0
-        return max(1.0, max((now - t) / p for t, p in open_.values()))
+        late = [(now - t) / p for t, p, who in open_.values() if tenant is None or who == tenant]
+        return max([1.0, *late])
 
     def streams_delay_s(self, decode, tokens: float) -> float:
         """The delay a prefill of `tokens` on `decode` adds to the streams open there, summed over
