@@ -358,8 +358,8 @@ class Timing:
             work = self.queue_ahead + route.prompt_tokens
             model.observe_prefill(route.decode.url, route.decode.role, self.busy, work, ttft)
         self._handoff(d, route)
-        if route.predicted_ttft_s is not None:
-            ratio = model.record_error(route.path, route.predicted_ttft_s, ttft)
+        if (predicted := route.predicted_ttft_s) is not None:
+            ratio = model.record_error(route.path, predicted, ttft, route.prompt_tokens)
             if ratio is not None:
                 d.metrics.prediction_ratio.labels(path=route.path).observe(ratio)
 

@@ -134,16 +134,16 @@ class Disaggregation:
             if local < pd:
                 delay = cfg.stream_delay_weight * self.model.streams_delay_s(decode, n - held)
                 if local + delay < pd:
-                    self.model.taken("decode_only")
+                    self.model.taken("decode_only", n - held)
                     return Decision("decode_only", "prefill_queue", n - held, local)
                 reason = "decode_streams"
-        self.model.taken("disaggregated")
+        self.model.taken("disaggregated", n - held_p)
         return Decision("disaggregated", reason, n - held_p, pd)
 
     def _decision(
         self, path: str, reason: str, tokens: int, decode: Any, tenant: str | None
     ) -> Decision:
-        self.model.taken(path)
+        self.model.taken(path, tokens)
         return Decision(path, reason, tokens, self.model.local_ttft(decode, tokens, tenant))
 
     @staticmethod

@@ -23,10 +23,11 @@ The fits learn from prefills that ended. A node slower than its fit says so soon
 prefills it has open: a prediction is scaled by the largest age over predicted time among them
 (`overdue`), which reacts inside a burst, before any of its requests has ended. The fits see each
 node alone; what they miss (a node slowing as its load grows, a burst that
-lands before any fit has data) shows in the errors. So each path's predictions are calibrated:
-scaled by exp(b), where b follows the log of measured over predicted (`BIAS_RATE` per attempt),
-and a path the router stops taking drifts back to b = 0 (`BIAS_FORGET` per decision), so a slow
-path that became fast again is tried again.
+lands before any fit has data) shows in the errors. So each path's predictions are calibrated,
+per prompt size class (`size_class`: a line learnt mostly from long prompts can miss a short
+one's fixed costs by a factor): scaled by exp(b), where b follows the log of measured over
+predicted (`BIAS_RATE` per attempt), and a path the router stops taking drifts back to b = 0
+(`BIAS_FORGET` per decision), so a slow path that became fast again is tried again.
 
 The router predicts a route's TTFT (time from dispatch to first token) with it, routes to the
 route predicted first (router/routing/disagg.py), refuses at admission what is predicted to miss
@@ -53,6 +54,17 @@ ERRORS_KEPT = 2048  # predicted / actual ratios kept for the quantiles
 BIAS_RATE = 0.1  # how far one measured error moves a path's calibration (in log space)
 BIAS_FORGET = 0.99  # a path not taken drifts back towards no correction, so it is tried again
 BIAS_LIMIT = 3.0  # |log| of the largest correction (20x)
+SIZE_CLASSES = 9  # prompt sizes calibrated apart: under 64 tokens, then by powers of two
+
+
+def size_class(tokens: float) -> int:
+    """0 below 64 prompt tokens, then one class per power of two; the last from 8192 up."""
+    return min(SIZE_CLASSES - 1, max(0, int(tokens).bit_length() - 6))
+
+
+def size_label(c: int) -> str:
+    lo, hi = 32 << c, 64 << c
+    return "<64" if c == 0 else f">={lo}" if c == SIZE_CLASSES - 1 else f"{lo}-{hi - 1}"
 
 
 class LinearFit:
@@ -119,7 +131,7 @@ class LatencyModel:
         self.cfg = cfg
         self._fits: dict[tuple[str, str], LinearFit] = {}
         self.errors: dict[str, collections.deque[float]] = {}
-        self.bias: dict[str, float] = {}  # path -> log of its calibration
+        self.bias: dict[tuple[str, int], float] = {}  # (path, size class) -> log of calibration
         # url -> attempt -> (sent, predicted, tenant)
         self._open: dict[str, dict[int, tuple[float, float, str | None]]] = {}
 
@@ -218,21 +230,24 @@ class LatencyModel:
     ) -> float:
         raw = self.prefill_s(prefill, compute_tokens, tenant)
         raw += self.handoff_s(decode, prompt_tokens)
-        return self.calibrated("disaggregated", raw)
+        return self.calibrated("disaggregated", raw, compute_tokens)
 
     def local_ttft(self, worker, tokens: float, tenant: str | None = None) -> float:
         """A decode-only (or colocated) route's TTFT: the worker prefills the prompt itself."""
         path = "colocated" if worker.role == "colocated" else "decode_only"
-        return self.calibrated(path, self.prefill_s(worker, tokens, tenant))
+        return self.calibrated(path, self.prefill_s(worker, tokens, tenant), tokens)
 
-    def calibrated(self, path: str, seconds: float) -> float:
-        return seconds * math.exp(self.bias.get(path, 0.0))
+    def calibrated(self, path: str, seconds: float, tokens: float) -> float:
+        """`seconds` scaled by the path's calibration for prompts of `tokens` (to compute)."""
+        return seconds * math.exp(self.bias.get((path, size_class(tokens)), 0.0))
 
-    def taken(self, path: str) -> None:
-        """A route decision: the paths not taken drift back towards no correction."""
-        for other in self.bias:
-            if other != path:
-                self.bias[other] *= BIAS_FORGET
+    def taken(self, path: str, tokens: float) -> None:
+        """A route decision for a prompt of `tokens`: the paths not taken drift back towards no
+        correction at its size."""
+        c = size_class(tokens)
+        for key in self.bias:
+            if key[1] == c and key[0] != path:
+                self.bias[key] *= BIAS_FORGET
 
     # --- learning ---------------------------------------------------------------------------
     def observe_prefill(self, url: str, role: str, busy: bool, tokens: int, seconds: float):
@@ -247,14 +262,18 @@ class LatencyModel:
         if not self.cfg.fixed_costs:
             self._fit("step", url).observe(streams, seconds)
 
-    def record_error(self, path: str, predicted_s: float, actual_s: float) -> float | None:
-        """Keeps predicted / actual TTFT for the status page's quantiles; returns it."""
+    def record_error(
+        self, path: str, predicted_s: float, actual_s: float, tokens: float
+    ) -> float | None:
+        """Keeps predicted / actual TTFT of a prompt of `tokens` (to compute) for the status
+        page's quantiles, and calibrates its path at its size; returns it."""
         if actual_s <= 0 or predicted_s <= 0:
             return None
         ratio = predicted_s / actual_s
         if not self.cfg.fixed_costs:
-            b = self.bias.get(path, 0.0) - BIAS_RATE * math.log(ratio)
-            self.bias[path] = max(-BIAS_LIMIT, min(BIAS_LIMIT, b))
+            key = (path, size_class(tokens))
+            b = self.bias.get(key, 0.0) - BIAS_RATE * math.log(ratio)
+            self.bias[key] = max(-BIAS_LIMIT, min(BIAS_LIMIT, b))
         self.errors.setdefault(path, collections.deque(maxlen=ERRORS_KEPT)).append(ratio)
         return ratio
 
@@ -275,7 +294,9 @@ class LatencyModel:
                 "observations": fit.observations,
             }
         errors = {path: quantiles(list(v)) for path, v in sorted(self.errors.items())}
-        calibration = {path: round(math.exp(b), 3) for path, b in sorted(self.bias.items())}
+        calibration: dict[str, dict[str, float]] = {}
+        for (path, c), b in sorted(self.bias.items()):
+            calibration.setdefault(path, {})[size_label(c)] = round(math.exp(b), 3)
         return {"fits": fits, "predicted_over_actual": errors, "calibration": calibration}
 
 
