@@ -226,13 +226,13 @@ def test_with_another_tenant_on_the_node_a_forward_prefills_one_tenant_at_most_t
 
 
 def test_a_flood_prompt_with_the_earlier_tag_keeps_its_forward():
-    """Fair order decides whose forward it is, not lightness: the flood's prompt admitted before
-    the victim came, and tagged earlier, finishes first."""
+    """Fair order decides whose forward it is, not lightness: the flood's prompt tagged earlier
+    than the victim's finishes first, though the victim's is the flood's second."""
     s = capped(mbt=256, chunk=256)
     s.add(req("a0", 60, FLOOD))
     assert step(s) == [("a0", 60)]
-    s.add(req("a1", 100, FLOOD))  # tag [60, 160]
-    s.add(req("b0", 200, VICTIM))  # tag [60, 260]
+    s.add(req("a1", 100, FLOOD))  # tags [start, finish]: [60, 160] (after a0's [0, 60])
+    s.add(req("b0", 200, VICTIM))  # [0, 200]: the clock is a0's start
     assert step(s)[1:] == [("a1", 48)]  # after a0's decode step
     assert step(s)[1:] == [("a1", 48)]
     assert step(s)[1:] == [("a1", 4)]

@@ -13,9 +13,11 @@ import httpx
 import pytest
 from stub_node import Cluster
 
-from pdserve.router.config import DisaggConfig, FairnessConfig, SloConfig
+from pdserve.router.config import BreakerConfig, DisaggConfig, FairnessConfig, SloConfig
+from pdserve.router.routing.circuit import CircuitBreaker
 from pdserve.router.routing.disagg import Disaggregation
 from pdserve.router.routing.latency_model import LatencyModel, LinearFit, queue_ahead
+from pdserve.router.routing.worker import Worker
 from pdserve.router.tenants import Tenants, read_tenant_keys
 
 
@@ -137,6 +139,27 @@ def test_a_tenant_waits_behind_its_own_queue_and_the_others_prompts_that_end_fir
     assert queue_ahead(both, "B", 1800) == 300 + 2000
     assert queue_ahead(both, "A", 200) == 9000 + 300
     assert queue_ahead(W("d", queued_prompt_tokens=0), "B", 200) == 0
+
+
+def test_a_worker_charges_and_uncharges_prompts_per_tenant():
+    """What `queue_ahead` reads, kept by the real `Worker`: tokens and requests per tenant, the
+    maps empty again once every prompt left the queue."""
+    w = Worker("http://d:1", "decode", CircuitBreaker(BreakerConfig()))
+    for tenant, n in [("A", 1000), ("A", 1200), ("B", 179), ("A", 800)]:
+        w.queue(tenant, n, 1)
+    assert w.queued_prompt_tokens == 3179
+    assert (w.queued_by_tenant, w.queued_requests_by_tenant) == (
+        {"A": 3000, "B": 179},
+        {"A": 3, "B": 1},
+    )
+    assert queue_ahead(w, "B", 179) == 179  # B's own; none of A's (1000 each) ends first
+    for tenant, n in [("A", 1200), ("B", 179), ("A", 1000), ("A", 800)]:
+        w.queue(tenant, -n, -1)
+    assert (w.queued_prompt_tokens, w.queued_by_tenant, w.queued_requests_by_tenant) == (0, {}, {})
+    w.queue("C", 0, 1)  # a prompt the node holds whole in its cache: nothing to compute
+    assert w.queued_requests_by_tenant == {"C": 1} and queue_ahead(w, "B", 179) == 0
+    w.queue("C", 0, -1)
+    assert w.queued_requests_by_tenant == {}
 
 
 def test_a_light_tenant_beside_a_flood_is_routed_by_its_own_wait():
@@ -356,6 +379,18 @@ def test_short_prompts_are_calibrated_apart_from_long_ones():
     assert set(calibration) == {"128-255", "1024-2047"}
     assert d.decide(short, "k", p, dec).path == "decode_only"
     assert d.decide(long_, "k", p, dec).path == "disaggregated"
+
+
+def test_work_queued_in_the_router_does_not_change_a_prompts_size_class():
+    """SLO admission adds its share of the router's queue as work ahead (router/slo.py): the
+    prompt is still calibrated at its own size, where its errors are recorded."""
+    m = LatencyModel(DisaggConfig())
+    dec = W("d", in_flight=2)
+    measured = 2 * m.local_ttft(dec, 179)
+    for _ in range(60):
+        m.record_error("decode_only", m.local_ttft(dec, 179), measured, 179)
+    ahead = m.fit_prefill_s(dec, 179, None, 5000)  # the fit's time, no calibration
+    assert m.local_ttft(dec, 179, None, 5000) == pytest.approx(2 * ahead, rel=0.05)
 
 
 def test_a_node_behind_its_fit_says_so_while_its_prefills_wait():

@@ -189,6 +189,7 @@ def test_a_decode_local_request_traces_its_wait_and_prompt_chunks(traced):
     assert r.status_code == 200, r.text
     prompt_tokens = r.json()["usage"]["prompt_tokens"]
     stages = {(f"decode.{n}", rank) for n in ("waiting", "chunk", "finish") for rank in range(3)}
+    stages |= {("router.admission_queue", None), ("router.attempt", None)}  # exported apart
     seen = lambda spans: {(s["name"], s["attrs"].get("pp_rank")) for s in spans}  # noqa: E731
     spans = rx.wait_for(trace, lambda spans: seen(spans) >= stages)
     assert seen(spans) >= stages, (

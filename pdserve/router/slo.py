@@ -57,11 +57,11 @@ class Slo:
         best = math.inf
         for w in workers:
             cache = disagg.prefill_cache if w.role == "prefill" else disagg.decode_cache
-            todo = share + tokens - disagg.held_tokens(cache, key, w, tokens)
+            todo = tokens - disagg.held_tokens(cache, key, w, tokens)
             if w.role != "prefill":
-                t = m.local_ttft(w, todo, tenant)
+                t = m.local_ttft(w, todo, tenant, share)
             elif decodes:
-                t = min(m.pd_ttft(w, d, todo, tokens, tenant) for d in decodes)
+                t = min(m.pd_ttft(w, d, todo, tokens, tenant, share) for d in decodes)
             else:
                 continue
             best = min(best, t)

@@ -126,7 +126,9 @@ class Disaggregation:
             and held >= cfg.decode_prefix_fraction * n
             and held > held_p
         ):
-            return self._decision("decode_only", "decode_prefix_hit", n - held, decode, tenant)
+            return self._decision(
+                "decode_only", "decode_prefix_hit", n - held, decode, tenant, n - held_p
+            )
         pd = self.model.pd_ttft(prefill, decode, n - held_p, n, tenant)
         reason = "default"
         if cfg.local_prefill_cost > 0:
@@ -134,16 +136,24 @@ class Disaggregation:
             if local < pd:
                 delay = cfg.stream_delay_weight * self.model.streams_delay_s(decode, n - held)
                 if local + delay < pd:
-                    self.model.taken("decode_only", n - held)
+                    self.model.taken("decode_only", n - held_p)
                     return Decision("decode_only", "prefill_queue", n - held, local)
                 reason = "decode_streams"
-        self.model.taken("disaggregated", n - held_p)
+        self.model.taken("disaggregated", n - held)
         return Decision("disaggregated", reason, n - held_p, pd)
 
     def _decision(
-        self, path: str, reason: str, tokens: int, decode: Any, tenant: str | None
+        self,
+        path: str,
+        reason: str,
+        tokens: int,
+        decode: Any,
+        tenant: str | None,
+        pair_tokens: int | None = None,
     ) -> Decision:
-        self.model.taken(path, tokens)
+        """A decode-only decision; `pair_tokens`: what the pair would have computed (default:
+        `tokens`), the size its calibration drifts at."""
+        self.model.taken(path, tokens if pair_tokens is None else pair_tokens)
         return Decision(path, reason, tokens, self.model.local_ttft(decode, tokens, tenant))
 
     @staticmethod

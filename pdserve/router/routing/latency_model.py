@@ -169,17 +169,22 @@ class LatencyModel:
         return self._fit("step", url)
 
     # --- predicting -------------------------------------------------------------------------
-    def prefill_s(self, worker, tokens: float, tenant: str | None = None) -> float:
+    def prefill_s(
+        self, worker, tokens: float, tenant: str | None = None, ahead: float = 0.0
+    ) -> float:
         """Seconds until a prompt of `tokens` (to compute) of `tenant` sent to `worker` now ends
-        its prefill, behind what it waits for there (`queue_ahead`); scaled up by how far the
-        worker's open prefills are past theirs."""
-        raw = self.fit_prefill_s(worker, tokens, tenant)
+        its prefill, behind what it waits for there (`queue_ahead`, plus `ahead` tokens not sent
+        yet: SLO admission's share of the router's queue); scaled up by how far the worker's open
+        prefills are past theirs."""
+        raw = self.fit_prefill_s(worker, tokens, tenant, ahead)
         return raw * self.overdue(worker.url, time.monotonic(), tenant)
 
-    def fit_prefill_s(self, worker, tokens: float, tenant: str | None = None) -> float:
+    def fit_prefill_s(
+        self, worker, tokens: float, tenant: str | None = None, ahead: float = 0.0
+    ) -> float:
         """The fit's prediction alone."""
         kind = self._prefill_kind(worker.role, worker.in_flight > 0)
-        ahead = queue_ahead(worker, tenant, tokens)
+        ahead += queue_ahead(worker, tenant, tokens)
         return self._fit(kind, worker.url).predict(ahead + tokens)
 
     # --- prefills not ended yet -------------------------------------------------------------
@@ -227,23 +232,26 @@ class LatencyModel:
         compute_tokens: float,
         prompt_tokens: float,
         tenant: str | None = None,
+        ahead: float = 0.0,
     ) -> float:
-        raw = self.prefill_s(prefill, compute_tokens, tenant)
+        raw = self.prefill_s(prefill, compute_tokens, tenant, ahead)
         raw += self.handoff_s(decode, prompt_tokens)
         return self.calibrated("disaggregated", raw, compute_tokens)
 
-    def local_ttft(self, worker, tokens: float, tenant: str | None = None) -> float:
+    def local_ttft(
+        self, worker, tokens: float, tenant: str | None = None, ahead: float = 0.0
+    ) -> float:
         """A decode-only (or colocated) route's TTFT: the worker prefills the prompt itself."""
         path = "colocated" if worker.role == "colocated" else "decode_only"
-        return self.calibrated(path, self.prefill_s(worker, tokens, tenant), tokens)
+        return self.calibrated(path, self.prefill_s(worker, tokens, tenant, ahead), tokens)
 
     def calibrated(self, path: str, seconds: float, tokens: float) -> float:
         """`seconds` scaled by the path's calibration for prompts of `tokens` (to compute)."""
         return seconds * math.exp(self.bias.get((path, size_class(tokens)), 0.0))
 
     def taken(self, path: str, tokens: float) -> None:
-        """A route decision for a prompt of `tokens`: the paths not taken drift back towards no
-        correction at its size."""
+        """A route decision: the paths not taken drift back towards no correction, at the size
+        class of `tokens`, what the path not taken would have computed."""
         c = size_class(tokens)
         for key in self.bias:
             if key[1] == c and key[0] != path:
