@@ -271,3 +271,28 @@ def test_the_prefill_cap_counts_the_decodes_of_other_slots():
     s.add(Req("b", list(range(40)), SamplingParams(max_tokens=1, ignore_eos=True)))
     other = s.schedule(1)
     assert [(e.req.rid, e.num_new) for e in other.entries] == [("b", 8)]
+
+
+def test_a_request_held_by_its_guide_computes_all_but_the_token_that_samples():
+    """`guide_pending` (engine/grammar.py): its prompt is prefilled but for the last token, no
+    batch samples it, `has_work` no longer counts it, and the others run; once its guide is
+    reported compiled it samples, and its output is the one it would have had."""
+    s = make(chunk=8, mbt=32)
+    held = Req("g", list(range(1, 12)), SamplingParams(max_tokens=3, ignore_eos=True))
+    held.guide_pending = True
+    s.add(held)
+    s.add(Req("p", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    seen = []
+    for _ in range(20):
+        b = s.schedule(0)
+        assert b.awaits_guides
+        seen += [(e.req.rid, e.num_new, e.need_logits) for e in b.entries if e.req.rid == "g"]
+        toks = [oracle(e.req.all_ids[: e.start + e.num_new]) for e in b.sampling_entries]
+        s.harvest(b, SampleOut(toks) if toks else None)
+    assert seen == [("g", 8, False), ("g", 2, False)]  # 10 of its 11 tokens, no sample
+    assert [r.rid for r in s.drain_finished()] == ["p"]
+    assert held.kv_len == 10 and not held.output_ids and not s.has_work
+    s.guides_compiled(["gone", "g"])  # a request that ended since is skipped
+    assert s.has_work and not s.guides_pending
+    done = run_to_end(s)
+    assert done["g"].output_ids == expected(list(range(1, 12)), 3)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from typing import Any
 
 import jsonschema
 import pytest
-from inproc import PDCluster, running
+from inproc import ColocatedCluster, PDCluster, running
 from test_engine import make
 
 from pdserve.engine.core import ParamError, SamplingParams
+from pdserve.runtime.messages import TokenEvent
 
 SCHEMAS = {
     "enum": {
@@ -111,3 +114,44 @@ def test_pd_guided_outputs_validate_and_match_the_engine(ppp, dpp, tiny6):
         jsonschema.validate(
             json.loads(eng.tokenizer.decode(g.tokens, skip_special_tokens=True)), SCHEMAS[name]
         )
+
+
+def _fronts_and_samplers(c) -> tuple[Any, list]:
+    """The front that answers a stream (the decode node's on PD) and every sampling rank's
+    grammar sampler (a PD pair has two: the prefill side samples the first token)."""
+    nodes = [c.node_] if isinstance(c, ColocatedCluster) else [c.prefill, c.decode]
+    return nodes[-1].front, [n.loops[-1].runner.grammar for n in nodes]
+
+
+@pytest.mark.parametrize("layout", ["colocated1", "colocated2", "pd22"])
+def test_a_guide_still_compiling_holds_back_its_request_only(layout, tiny6):
+    """Every sampling rank's compile thread is held (a job waits on an event, queued ahead of the
+    guide's compile). Unguided requests sent with a guided one all finish while the guided one has
+    no token; once released, its output is the engine's. Before `guide_pending` the first sample
+    waited for the compile, and with it every stream of the node (these waits time out)."""
+    eng = make(tiny6)
+    params = guided("json_schema", json.dumps(SCHEMAS["nested"]))
+    want = eng.generate([PROMPTS[1]], SamplingParams.from_dict(params))[0].token_ids
+    factory = {
+        "colocated1": lambda: ColocatedCluster(tiny6, 1),
+        "colocated2": lambda: ColocatedCluster(tiny6, 2),
+        "pd22": lambda: PDCluster(tiny6, 2, 2),
+    }[layout]
+    with running(factory) as c:
+        front, samplers = _fronts_and_samplers(c)
+        release = threading.Event()
+        for g in samplers:
+            g._pool.submit(release.wait, 60)
+        try:
+            c.submit("g", PROMPTS[1], params["max_tokens"], ignore_eos=False, guide=params["guide"])
+            for i, ids in enumerate(PROMPTS):
+                c.submit(f"p{i}", ids, 8)
+            plain = [c.result(f"p{i}") for i in range(len(PROMPTS))]
+            held = list(front.events.get("g", []))
+        finally:
+            release.set()
+        got = c.result("g")
+        c.wait_settled()
+    assert all(p.ok and len(p.tokens) == 8 for p in plain), plain
+    assert not any(isinstance(e, TokenEvent) or e.terminal for e in held), held
+    assert got.ok and got.tokens == want

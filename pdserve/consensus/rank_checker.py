@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import threading
 from collections import deque
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 ENV = "PDSERVE_RANK_CONSENSUS_CHECK"
+log = logging.getLogger(__name__)
 
 
 def _env_says_on() -> bool:
@@ -146,3 +148,20 @@ def rank_consensus(
         return wrapper
 
     return deco
+
+
+class RankDivergence(RuntimeError):
+    pass
+
+
+def compare_across_ranks(pp: Any, t: int) -> None:
+    """Compares this rank's digest with every other rank of its pipeline `pp` (a PPLink: MIN/MAX
+    all-reduce); on a mismatch, logs the first diverging call and raises RankDivergence."""
+    c = checker()
+    lo, hi = pp.all_min_max([c.digest63()])
+    if lo[0] != hi[0]:
+        where = c.describe_first_divergence(pp.all_gather(c.window()))
+        log.error(
+            "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, pp.rank, where
+        )
+        raise RankDivergence(f"pp_rank {pp.rank} diverged at iteration {t}: {where}")

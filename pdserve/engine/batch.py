@@ -22,6 +22,9 @@ class BatchEntry:
 class ScheduledBatch:
     slot: int
     entries: list[BatchEntry] = field(default_factory=list)
+    # a live request waits for its guide's compile: the last rank's outputs for this batch go
+    # round the ring even if it samples nothing, and say which compiles are done (grammar.py)
+    awaits_guides: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -315,6 +315,9 @@ class Req:
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested
     prefix_node: Any = None  # prefix-cache lock handle
     guide_state: Any = None  # sampling rank only: the grammar matcher (engine/grammar.py)
+    # replicated: its guide's compile on the sampling rank is not yet known to be done, so no
+    # forward samples it (engine/grammar.py); the sampling rank's notice clears it on every rank
+    guide_pending: bool = False
     share: Share = ANONYMOUS_SHARE  # its tenant's place in the waiting queue's fair order
     fair_key: tuple = ()  # (priority, finish tag, arrival): its place in that order (fair_queue.py)
 

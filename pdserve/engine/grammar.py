@@ -13,12 +13,19 @@ retracted request resumes with the same state, and on a PD pair the decode side'
 by feeding the first token the prefill side sampled under the same grammar.
 
 Compiling a grammar against the vocabulary takes from milliseconds up to seconds for a large JSON
-Schema. It never runs in a step: the sampling rank starts it on a
-thread of its own as soon as a guided request arrives (`GrammarSampler.prepare`, called by the
-loops as they apply the request), while the request waits, prefills or takes its KV, and the step
-that first samples it waits only for what is left. The front bounds it before that: a guide must
-compile within `--grammar-compile-timeout` on the front's own compiler, else a 400
-(runtime/front/guide_gate.py). Compiled guides are cached by their (kind, spec) on both.
+Schema (about 0.2 s for the abuse bench's 40 KB schemas here). It never runs in a step, and no
+step waits for it:
+- the sampling rank starts it on a thread of its own, of lower priority, as soon as a guided
+  request arrives (`GrammarSampler.prepare`, called by the loops as they apply the request);
+- every rank marks the request `guide_pending`, and the scheduler computes all of it but the token
+  that samples (engine/guide_hold.py);
+- the sampling rank reports the compiles that are done (`compiled`), and every rank clears the
+  mark at the same point of the lockstep: at once on a lone rank, or with the outputs that go
+  round the ring on a pipeline (runtime/rank/slot_loop.py).
+So a stream of distinct large schemas slows the requests that carry them, not every stream on the
+node, as it did while the first sample waited for the compile. The front bounds the compile before
+that: a guide must compile within `--grammar-compile-timeout` on the front's own compiler, else a
+400 (runtime/front/guide_gate.py). Compiled guides are cached by their (kind, spec) on both.
 
 xgrammar (MLC) was chosen over llguidance and outlines-core: it is the engine vLLM and SGLang use by
 default, it ships CPU wheels with a torch bitmask kernel, and it compiles JSON Schema, EBNF, regex
@@ -33,6 +40,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +49,11 @@ log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
 MAX_COMPILED = 256  # compiled guides a sampling rank keeps (the oldest goes first)
-# The niceness added to the node front's guide-checking threads (runtime/front/guide_gate.py): that
-# compile is work one request asked for, and nothing but that request waits on it, so it must not
-# take the CPU from the forward that every running stream waits on. Linux schedules threads by
-# their own nice value. Not the sampling rank's compile: the rank waits on it at the request's
-# first sample, and with it every stream of the node.
+# The niceness added to the threads that compile guides, the front's check (runtime/front/
+# guide_gate.py) and the sampling rank's: a compile is work one request asked for, and nothing but
+# that request waits on it, so it must not take the CPU from the forward that every running stream
+# waits on. Linux schedules threads by their own nice value, and xgrammar's worker threads inherit
+# it from the thread that builds the compiler, so each builds its compiler on its niced thread.
 COMPILE_NICE = 10
 
 
@@ -141,13 +149,15 @@ class GrammarSampler:
     _compiled: OrderedDict[tuple[str, str], Future] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        default_factory=lambda: ThreadPoolExecutor(
+            1, thread_name_prefix="grammar-compile", initializer=lower_this_threads_priority
+        )
     )
 
     def warm_up_in_background(self) -> None:
-        """Builds the tokenizer info (seconds on a small CPU) off the rank's loop, so the first
-        guided request does not stall every running stream of the rank."""
-        threading.Thread(target=self._compiler_ready, name="grammar-warm-up", daemon=True).start()
+        """Builds the tokenizer info and the compiler (seconds on a small CPU) on the compile
+        thread, off the rank's loop; the first guide's compile queues behind it."""
+        self._pool.submit(self._compiler_ready)
 
     def _compiler_ready(self):
         import xgrammar as xgr
@@ -159,7 +169,8 @@ class GrammarSampler:
                     vocab_size=self.vocab_size,
                     stop_token_ids=list(self.stop_token_ids),
                 )
-                self._compiler = xgr.GrammarCompiler(info)
+                # one worker thread, made now on the calling (niced) thread: see COMPILE_NICE
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
     def prepare(self, guide: tuple[str, str]) -> None:
@@ -173,6 +184,18 @@ class GrammarSampler:
 
     def _build(self, guide: tuple[str, str]):
         return self._compiler_ready().compile_grammar(_grammar(*guide))
+
+    def compiled(self, reqs: Iterable[Any]) -> list[str]:
+        """The rids, in `reqs` order, of the `guide_pending` requests whose guide's compile has
+        ended (a failed one raises at the request's first sample). A guide not prepared here, or
+        gone from the cache since, starts compiling now."""
+        done = []
+        for req in reqs:
+            if req.guide_pending:
+                self.prepare(req.params.guide)
+                if self._compiled[req.params.guide].done():
+                    done.append(req.rid)
+        return done
 
     def _compile(self, guide: tuple[str, str]):
         """The compiled guide: waits for the rest of its compile (the loops prepared it when the
@@ -224,3 +247,20 @@ class GrammarSampler:
             log.warning("%s: grammar stopped constraining the output: %s", req.rid, e)
             state.matcher = None
             return False
+
+
+def hold_for_guide(req: Any, grammar: GrammarSampler | None) -> None:
+    """On every rank, as a request is applied: a guided request samples nothing until the
+    sampling rank reports its guide compiled (`guide_pending`); that rank (the one with a
+    `grammar`) starts the compile now, off its loop's thread."""
+    if req.params.guide is not None:
+        req.guide_pending = True
+        if grammar is not None:
+            grammar.prepare(req.params.guide)
+
+
+def compiled_guides(reqs: dict[str, Any], grammar: GrammarSampler | None) -> list[str]:
+    """The sampling rank's notice: the `guide_pending` requests of `reqs` whose compile ended. A
+    rank without a grammar sampler holds none back (their first sample fails, as it did)."""
+    pending = [r for r in reqs.values() if r.guide_pending]
+    return [r.rid for r in pending] if grammar is None else grammar.compiled(pending)

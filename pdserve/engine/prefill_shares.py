@@ -9,7 +9,23 @@ fairness.md). Decode steps are not prompt tokens: every tenant's streams step in
 
 from __future__ import annotations
 
-from pdserve.engine.core import Req
+from collections.abc import Callable, Iterable
+
+from pdserve.engine.core import Req, Share
+from pdserve.engine.scheduler_config import SchedulerConfig
+
+
+def fair_cap(
+    cfg: SchedulerConfig, reqs: Iterable[Req], held_elsewhere: Callable[[], Iterable[Share]]
+) -> int:
+    """`fair_prefill_tokens` while requests of more than one tenant are on the node (the
+    scheduler's `reqs`, or a PD loop's queues: `held_elsewhere`); else 0, no cap."""
+    if cfg.fair_prefill_tokens:
+        tenants = {r.share.tenant for r in reqs}
+        tenants.update(sh.tenant for sh in held_elsewhere())
+        if len(tenants) < 2:
+            return 0
+    return cfg.fair_prefill_tokens
 
 
 class PrefillShares:

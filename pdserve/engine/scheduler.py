@@ -9,7 +9,8 @@ One request computes tokens `[kv_len, kv_len + num_new)` of `all_ids` per batch 
 that reaches `seq_len`. A fresh prompt is prefilled in chunks; a decode step is the case
 `seq_len - kv_len == 1`; a retracted request re-prefills prompt + outputs, usually from the prefix
 cache. Requests are bound to the microbatch slot that admitted them: `slot` schedules only its
-own running requests (plus admissions), and only after its previous outputs were harvested.
+own running requests (plus admissions), and only after its previous outputs were harvested. A
+guided request samples only once its guide is compiled (engine/guide_hold.py).
 
 Abort: a waiting request is removed at once; an admitted request that is not in flight is torn down
 at once (no rank's forward can still be reading its pages); one in flight gets `to_finish` and ends
@@ -25,8 +26,9 @@ from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.engine.batch import BatchEntry, SampleOut, ScheduledBatch
 from pdserve.engine.core import FinishReason, ParamError, Req, ReqStatus, SamplingParams, Share
 from pdserve.engine.fair_queue import FairQueue
+from pdserve.engine.guide_hold import GuideHold, held
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
-from pdserve.engine.prefill_shares import PrefillShares
+from pdserve.engine.prefill_shares import PrefillShares, fair_cap
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.scheduler_config import SchedulerConfig, check_admissible
 from pdserve.engine.stop_reason import stop_reason
@@ -35,13 +37,15 @@ __all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig: imported from her
 
 
 def _batch_digest(b: ScheduledBatch) -> list:
-    return [
-        b.slot,
-        [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries],
-    ]
+    entries = [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries]
+    return [b.slot, b.awaits_guides, entries]
 
 
-class Scheduler:
+def _prefilled_digest(self, req, pages, slot, cached_len=0, prefix_node=None, partial_pages=0):
+    return [req.rid, list(pages), slot, cached_len, partial_pages]
+
+
+class Scheduler(GuideHold):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -73,8 +77,7 @@ class Scheduler:
 
     # --- inputs -----------------------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raises ParamError for a request that could never run
-        (too long for the context or the pool)."""
+        """ParamError for a request that could never run (too long for the context or pool)."""
         check_admissible(self.cfg, self.allocator.num_pages, prompt_len, params)
 
     @rank_consensus(
@@ -119,7 +122,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.num_running > 0
+        """A request waits, or a running one is not held by its guide's compile (`held`)."""
+        return bool(self.waiting) or any(not held(r) for s in self.slots for r in s)
 
     def free_pages_for(self, n: int) -> bool:
         """Makes `n` pages free if it can, evicting unreferenced prefix-cache pages."""
@@ -135,12 +139,12 @@ class Scheduler:
 
     @rank_consensus("schedule", args=lambda self, slot: slot, result=_batch_digest)
     def schedule(self, slot: int) -> ScheduledBatch:
-        batch = ScheduledBatch(slot)
+        batch = ScheduledBatch(slot, awaits_guides=self.guides_pending > 0)
         members = self.slots[slot]
         assert not any(r.in_flight for r in members), f"slot {slot} scheduled before its harvest"
         budget = self.cfg.max_batch_tokens
         # 1. Running requests of this slot; decodes (1 token) need at most one new page each.
-        decodes = [r for r in members if r.seq_len - r.kv_len == 1]
+        decodes = [r for r in members if r.seq_len - r.kv_len == 1 and not r.guide_pending]
         while decodes:
             need = sum(
                 1
@@ -151,7 +155,7 @@ class Scheduler:
             if self.free_pages_for(need):
                 break
             self._retract(max(decodes, key=lambda r: r.arrival))  # youngest first
-            decodes = [r for r in members if r.seq_len - r.kv_len == 1]
+            decodes = [r for r in members if r.seq_len - r.kv_len == 1 and not r.guide_pending]
         for r in decodes[:budget]:
             self._grow(r, r.kv_len + 1)
             self._place(batch, r, 1)
@@ -164,10 +168,9 @@ class Scheduler:
         #    until its prompts end. With one tenant the admitted go first, then admissions: first
         #    come first served. A head that does not fit blocks the queue behind it. With two
         #    tenants on the node, the forward's prompt tokens are the first one's (PrefillShares).
-        prefilling = sorted(
-            (r for r in members if r.seq_len - r.kv_len > 1), key=lambda r: r.fair_key
-        )
-        share = PrefillShares(self._fair_cap())
+        prefilling = [r for r in members if r.seq_len - r.kv_len > 1]
+        prefilling.sort(key=lambda r: r.fair_key)
+        share = PrefillShares(fair_cap(self.cfg, self.reqs.values(), self.held_elsewhere))
         blocked, i = False, 0
         while budget > 0:
             nxt = prefilling[i] if i < len(prefilling) else None
@@ -188,28 +191,19 @@ class Scheduler:
                 break
             else:
                 i += 1
-            n = min(nxt.seq_len - nxt.kv_len, self.cfg.chunk_size, budget, share.left(nxt))
+            left = nxt.seq_len - nxt.kv_len - nxt.guide_pending  # no sample while it compiles
+            n = min(left, self.cfg.chunk_size, budget, share.left(nxt))
             if n:
                 share.take(nxt, n)
                 self._place(batch, nxt, n)
                 budget -= n
         return batch
 
-    def _fair_cap(self) -> int:
-        """`fair_prefill_tokens` while requests of more than one tenant are on the node (here, or
-        in a PD loop's queues: `held_elsewhere`); else 0, no cap."""
-        cap = self.cfg.fair_prefill_tokens
-        if cap:
-            tenants = {r.share.tenant for r in self.reqs.values()}
-            tenants.update(sh.tenant for sh in self.held_elsewhere())
-            if len(tenants) < 2:
-                return 0
-        return cap
-
     def _any_decoding(self) -> bool:
-        """Whether a request of any slot is past its prompt and not re-prefilling: its next token
-        waits for every forward, including the other slots' (a pipeline runs them in turn)."""
-        return any(r.output_ids and r.seq_len - r.kv_len <= 1 for s in self.slots for r in s)
+        """A request of any slot past its prompt, not re-prefilling nor `held`: its next token
+        waits for every forward, the other slots' too (a pipeline runs them in turn)."""
+        decoding = (r for s in self.slots for r in s if r.output_ids and not held(r))
+        return any(r.seq_len - r.kv_len <= 1 for r in decoding)
 
     def _admit(self, req: Req, reserve: int) -> bool:
         """Locks the cached prefix and allocates pages for every token the request has."""
@@ -345,16 +339,7 @@ class Scheduler:
         """Frees the pages a finished request kept (`hold_kv_on_finish`)."""
         self._release_kv(self.kept_kv.pop(rid))
 
-    @rank_consensus(
-        "add_prefilled",
-        args=lambda self, req, pages, slot, cached_len=0, prefix_node=None, partial_pages=0: [
-            req.rid,
-            list(pages),
-            slot,
-            cached_len,
-            partial_pages,
-        ],
-    )
+    @rank_consensus("add_prefilled", args=_prefilled_digest)
     def add_prefilled(
         self,
         req: Req,
@@ -389,9 +374,8 @@ class Scheduler:
     @property
     def used_tokens(self) -> int:
         """KV tokens held by live requests (0 when idle, whatever the prefix cache holds)."""
-        return sum(r.kv_len for s in self.slots for r in s) + sum(
-            r.kv_len for r in self.kept_kv.values()
-        )
+        kept = sum(r.kv_len for r in self.kept_kv.values())
+        return kept + sum(r.kv_len for s in self.slots for r in s)
 
     def held_pages(self) -> int:
         """Pages live or kept requests hold, prefix-cache pages excluded (0 when nothing runs)."""

@@ -15,6 +15,7 @@ from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
 from pdserve.consensus.vote import RingVote
 from pdserve.engine.core import ParamError, Req, SamplingParams
+from pdserve.engine.grammar import hold_for_guide
 from pdserve.kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
 from pdserve.pd_common.messages import KVRankStats, PDAddRequest, SetRole
 from pdserve.runtime.messages import AddRequest, ErrorEvent
@@ -125,8 +126,8 @@ class PDLoop(SlotLoop):
         params = self._admissible(msg)
         if params is not None:
             self._stage_start(msg.rid, self.first_queue)  # before open_room's child spans
-            self.by_rid[msg.rid] = self.open_room(msg, params)
-            self.prepare_guide(params)
+            self.by_rid[msg.rid] = pd = self.open_room(msg, params)
+            hold_for_guide(pd.req, self.runner.grammar)
         else:
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True

@@ -301,6 +301,17 @@ def out_to_wire(out: Any) -> list | None:  # a SampleOut
     return [out.token_ids, out.logprobs, tops]
 
 
+def ring_to_wire(out: Any, ready: list[str]) -> list:
+    """A ring message: the last rank's SampleOut of a batch, and the requests whose guides it has
+    compiled since (engine/grammar.py `compiled_guides`)."""
+    return [out_to_wire(out), ready]
+
+
+def ring_from_wire(w: list | None) -> tuple[Any, list[str]]:
+    """(SampleOut or None, rids) of a ring message; None (no message): nothing."""
+    return (None, []) if w is None else (out_from_wire(w[0]), [str(r) for r in w[1]])
+
+
 def out_from_wire(w: list | None) -> Any:
     """The SampleOut of a ring message (imported here: the front reads this module, no torch)."""
     from pdserve.engine.batch import SampleOut

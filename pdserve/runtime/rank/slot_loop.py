@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.consensus import rank_checker
+from pdserve.consensus.rank_checker import RankDivergence as RankDivergence  # tests import it here
 from pdserve.engine.batch import SampleOut, ScheduledBatch
 from pdserve.engine.core import ParamError, Req, SamplingParams
+from pdserve.engine.grammar import compiled_guides, hold_for_guide
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.runtime.messages import (
@@ -41,8 +43,8 @@ from pdserve.runtime.messages import (
     TokenEvent,
     decode,
     encode,
-    out_from_wire,
-    out_to_wire,
+    ring_from_wire,
+    ring_to_wire,
 )
 from pdserve.runtime.rank.idle_wait import IdleWait
 from pdserve.runtime.rank.pp_comm import Msg, PPLink
@@ -96,8 +98,9 @@ class SlotLoop:
         self.sched = scheduler
         self.front = front  # PP0 only
         self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots  # not harvested yet
-        self.last_outputs: dict[int, SampleOut | None] = {}  # last rank: slot -> outputs
-        self.send_queue: deque[tuple[int, SampleOut | None]] = deque()  # last rank, async_depth
+        # last rank: slot -> (outputs, rids whose guides compiled) and the ring's send queue
+        self.last_outputs: dict[int, tuple[SampleOut | None, list[str]]] = {}
+        self.send_queue: deque[tuple[int, SampleOut | None, list[str]]] = deque()  # async_depth
         self.stats = LoopStats()
         self.stop = threading.Event()
         self._events: list[Event] = []  # PP0: what to tell the front this iteration
@@ -133,6 +136,8 @@ class SlotLoop:
         meta = self.ingest_meta()
         self.apply_meta(meta)
         self.before_schedule(t, slot)
+        if self.size == 1 and self.sched.guides_pending:  # a lone rank samples: no ring to wait
+            self.sched.guides_compiled(compiled_guides(self.sched.reqs, self.runner.grammar))
         batch = self.sched.schedule(slot)
         self.batches[slot] = batch
         if self._t_queued:
@@ -179,7 +184,12 @@ class SlotLoop:
 
     def _idle_wait_ms(self) -> int:
         busy = self.sched.has_work or any(b is not None and b.entries for b in self.batches)
-        return self._idle.next(busy, None if busy else self.outstanding())
+        outstanding = None if busy else self.outstanding()
+        if (
+            not busy and self.sched.guides_pending
+        ):  # held until their compile: polled as outstanding
+            outstanding = (outstanding, self.sched.guides_pending)
+        return self._idle.next(busy, outstanding)
 
     def ingest_meta(self) -> list[Any]:
         if self.is_first:
@@ -222,17 +232,11 @@ class SlotLoop:
             self.sched.add(req)
             self.mark_queued(msg.rid)
             self.spans.start(msg.rid, "waiting")
-            self.prepare_guide(params)
+            hold_for_guide(req, self.runner.grammar)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
-
-    def prepare_guide(self, params: SamplingParams) -> None:
-        """The sampling rank starts compiling a guided request's grammar now, off its thread, so
-        the step that first samples it need not (engine/grammar.py). Timing only: no decision."""
-        if params.guide is not None and self.runner.grammar is not None:
-            self.runner.grammar.prepare(params.guide)
 
     def observe(self, name: str, seconds: float) -> None:
         """Records a latency sample for the front's histograms (PP0 only, metrics only)."""
@@ -277,25 +281,30 @@ class SlotLoop:
             self._events.append(event)
 
     def forward(self, batch: ScheduledBatch) -> Any:
-        if not batch.entries:
-            if self.is_last:
-                self.last_outputs[batch.slot] = None
-                self.send_queue.append((batch.slot, None))
-            return None
-        t0 = now_ns() if self.spans.active else 0
-        hidden_in = self._pp.recv(self._pp.prev, Msg.HIDDEN) if not self.is_first else None
-        y = self.runner.forward(batch, hidden_in)
-        if t0:
-            self.spans.prompt_chunks(batch.entries, t0, now_ns())
-        self.stats.forwards += 1
-        if self.is_last:
-            out = self.runner.sample(batch, y) if batch.sampling_entries else None
-            self.last_outputs[batch.slot] = out
-            self.send_queue.append((batch.slot, out))
+        y = out = None
+        if batch.entries:
+            t0 = now_ns() if self.spans.active else 0
+            hidden_in = self._pp.recv(self._pp.prev, Msg.HIDDEN) if not self.is_first else None
+            y = self.runner.forward(batch, hidden_in)
+            if t0:
+                self.spans.prompt_chunks(batch.entries, t0, now_ns())
+            self.stats.forwards += 1
+            if self.is_last and batch.sampling_entries:
+                out = self.runner.sample(batch, y)
+        if self.is_last:  # the outputs, and the notice of compiled guides, go round the ring
+            ready = (
+                compiled_guides(self.sched.reqs, self.runner.grammar) if batch.awaits_guides else []
+            )
+            self.last_outputs[batch.slot] = (out, ready)
+            self.send_queue.append((batch.slot, out, ready))
         return y
 
     def _needs_ring(self, batch: ScheduledBatch | None) -> bool:
-        if batch is None or not batch.entries:
+        if batch is None:
+            return False
+        if batch.awaits_guides and self.size > 1:  # the ring carries the compiled guides' notice
+            return True
+        if not batch.entries:
             return False
         return not (batch.is_pure_chunk and self.cfg.skip_pure_chunk_comm)
 
@@ -325,15 +334,19 @@ class SlotLoop:
                 send_hidden()
         if self.is_last and self.size > 1:
             while len(self.send_queue) > self.cfg.async_depth:
-                sent, out = self.send_queue.popleft()
+                sent, out, ready = self.send_queue.popleft()
                 if self._needs_ring(self.batches[sent]):
-                    self._pp.send_obj(0, out_to_wire(out), Msg.OUTPUT, commit_after=self.size)
+                    wire_out = ring_to_wire(out, ready)
+                    self._pp.send_obj(0, wire_out, Msg.OUTPUT, commit_after=self.size)
         elif self.is_last:
             self.send_queue.clear()
         if recv_ring and self.rank + 1 < self.size - 1:
             self._pp.send_obj(self._pp.next, wire, Msg.OUTPUT)
         if harvest_batch is not None:
-            out = self.last_outputs.pop(harvest_slot, None) if self.is_last else out_from_wire(wire)
+            last = self.last_outputs.pop(harvest_slot, (None, [])) if self.is_last else None
+            out, ready = last or ring_from_wire(wire)
+            if ready:
+                self.sched.guides_compiled(ready)
             self.harvest(harvest_batch, out)
             self.batches[harvest_slot] = None
 
@@ -380,18 +393,7 @@ class SlotLoop:
             self.runner.grammar.close()
 
     def check_consensus(self, t: int) -> None:
-        checker = rank_checker.checker()
-        lo, hi = self._pp.all_min_max([checker.digest63()])
-        if lo[0] != hi[0]:
-            where = checker.describe_first_divergence(self._pp.all_gather(checker.window()))
-            log.error(
-                "rank consensus check FAILED at iteration %d on pp_rank %d: %s", t, self.rank, where
-            )
-            raise RankDivergence(f"pp_rank {self.rank} diverged at iteration {t}: {where}")
-
-
-class RankDivergence(RuntimeError):
-    pass
+        rank_checker.compare_across_ranks(self._pp, t)
 
 
 def rank_consensus_enabled() -> bool:
