@@ -27,6 +27,7 @@
 #define K_RELEASE 2
 #define K_FINISH 3
 #define K_ABORTNOW 4
+#define K_GUIDE 5       /* WHAT(r, K_GUIDE, 1): room r's guide hold ends (guides_compiled) */
 #define WHAT(r, kind, v) (((r) << 4) | ((kind) << 1) | (v))
 
 byte q[PP * NREQ];
@@ -44,6 +45,18 @@ bool fin_abort[PP * NREQ];
 byte batch[PP * L];
 bool bvalid[PP * L];
 byte store_rep[PP * NREQ];      /* PPConsensusStore: rank k's entry for the room as PP0 holds it */
+#ifdef GUIDE
+/* Structured output's compile hold (engine/guide_hold.py): every request is guided. */
+bool gp[PP * NREQ];             /* req.guide_pending */
+bool compiled[NREQ];            /* the last rank's compile thread finished the room's guide */
+/* in the scheduler's reqs: waiting or running, not finished */
+#define LIVE(x) ((q[x] == Q_WAITING || q[x] == Q_RUNNING) && !fin[x])
+/* not guide_hold.held: not held at its last chunk, which samples (nothing without GUIDE, so the
+   other checks' model is the code it was) */
+#define AND_NOT_HELD(x) && !(gp[x] && nch[x] == CH - 1)
+#else
+#define AND_NOT_HELD(x)
+#endif
 
 byte snd[PP * NREQ];            /* KVSender._status */
 byte snd_q[PP * NREQ];          /* _chunks queued */
@@ -95,6 +108,10 @@ proctype Rank(byte k) {
     byte sq[L + 1], sqn;
     bool sqneed[L], busy, hneeds, alldone, sampling;
     mtype tag;
+#ifdef GUIDE
+    byte grep, hrep, lrep[L], sqrep[L + 1];     /* reports: this turn's, received, kept, queued */
+    bool awaits;                                /* ScheduledBatch.awaits_guides */
+#endif
 #ifdef FLIP
     byte ctl;
     bool hbusy, dr, heldnow, nrseen;
@@ -126,6 +143,9 @@ proctype Rank(byte k) {
                 q[k * NREQ + r] = Q_BOOT; snd[k * NREQ + r] = BOOTSTRAPPING; nseen++
 #else
             :: addm & (1 << r) -> q[k * NREQ + r] = Q_BOOT; snd[k * NREQ + r] = BOOTSTRAPPING; nseen++
+#ifdef GUIDE
+                ; gp[k * NREQ + r] = 1      /* hold_for_guide */
+#endif
 #endif
             :: else
             fi
@@ -214,6 +234,17 @@ proctype Rank(byte k) {
         /* schedule(mb): waiting requests get their page (first come first served) and join slot
            mb; every request of slot mb not in flight gets its next chunk */
         busy = 0; sampling = 0;
+#ifdef GUIDE
+#ifdef M_GUIDE_LOCAL
+        /* mutant: each rank ends the hold on its own view of the compile, not the ring's report */
+        for (r : 0 .. NREQ - 1) {
+            x = k * NREQ + r;
+            if :: gp[x] && LIVE(x) && compiled[r] -> gp[x] = 0; decide(k, WHAT(r, K_GUIDE, 1)) :: else fi
+        };
+#endif
+        awaits = 0;
+        for (r : 0 .. NREQ - 1) { if :: gp[k * NREQ + r] && LIVE(k * NREQ + r) -> awaits = 1 :: else fi };
+#endif
         for (r : 0 .. NREQ - 1) {
             x = k * NREQ + r;
             if
@@ -228,7 +259,7 @@ proctype Rank(byte k) {
         for (r : 0 .. NREQ - 1) {
             x = k * NREQ + r;
             if
-            :: q[x] == Q_RUNNING && !fin[x] && rslot[x] == mb && !in_flight[x] && !to_finish[x] && nch[x] < CH ->
+            :: q[x] == Q_RUNNING && !fin[x] && rslot[x] == mb && !in_flight[x] && !to_finish[x] && nch[x] < CH AND_NOT_HELD(x) ->
                 nch[x]++; in_flight[x] = 1; batch[k * L + mb] = batch[k * L + mb] | (1 << r); busy = 1;
                 if :: nch[x] == CH -> sampling = 1 :: else fi
             :: else
@@ -237,7 +268,13 @@ proctype Rank(byte k) {
         bvalid[k * L + mb] = 1;
         sqneed[mb] = sampling;      /* skip_pure_chunk_comm: a pure chunk batch has no ring message */
         hb = (mb + 1) % L;
+#if defined(GUIDE) && !defined(M_GUIDE_NO_RING)
+        /* _needs_ring: while a request is held, every batch's message goes round, empty or not */
+        sqneed[mb] = sampling || awaits;
+        hneeds = bvalid[k * L + hb] && sqneed[hb];
+#else
         hneeds = bvalid[k * L + hb] && batch[k * L + hb] != 0 && sqneed[hb];
+#endif
         /* forward; after_forward hands each chunk's pages to the sender */
         if :: busy && k != 0 -> hidden_in[k] ? m; assert(m == mb) :: else fi;
         for (r : 0 .. NREQ - 1) {
@@ -249,6 +286,18 @@ proctype Rank(byte k) {
             :: else
             fi
         };
+#ifdef GUIDE
+        /* the last rank's forward: its report of the held requests whose compile ended */
+        if
+        :: k == LAST && awaits ->
+            for (r : 0 .. NREQ - 1) {
+                x = k * NREQ + r;
+                if :: gp[x] && LIVE(x) && compiled[r] -> grep = grep | (1 << r) :: else fi
+            };
+            lrep[mb] = grep
+        :: else
+        fi;
+#endif
         exchange(k, mb, hb, busy, hneeds);
 
         /* harvest slot hb: the last chunk's first token finishes the request (max_tokens 1) */
@@ -256,6 +305,14 @@ proctype Rank(byte k) {
         :: bvalid[k * L + hb] ->
 #ifdef FLIP
             hbusy = (batch[k * L + hb] != 0);
+#endif
+#ifdef GUIDE
+            /* Scheduler.guides_compiled: the report that came with this slot's outputs */
+            if :: k == LAST -> hrep = lrep[hb]; lrep[hb] = 0 :: else fi;
+            for (r : 0 .. NREQ - 1) {
+                x = k * NREQ + r;
+                if :: (hrep & (1 << r)) && gp[x] && LIVE(x) -> gp[x] = 0; decide(k, WHAT(r, K_GUIDE, 1)) :: else fi
+            };
 #endif
             for (r : 0 .. NREQ - 1) {
                 x = k * NREQ + r;
@@ -327,6 +384,9 @@ proctype Rank(byte k) {
 #endif
         mb = (mb + 1) % L;
         busy = 0; hneeds = 0; hb = 0; sampling = 0; fm = 0; rm = 0;
+#ifdef GUIDE
+        grep = 0; hrep = 0; awaits = 0;
+#endif
         scrub()
     }
     od;
@@ -374,6 +434,14 @@ proctype Sender(byte k; byte r) {
 #endif
 }
 
+#ifdef GUIDE
+/* The last rank's compile thread (GrammarSampler.prepare): it finishes a room's guide at any
+   time after the rank applied the request. */
+proctype Compile(byte r) {
+    atomic { q[LAST * NREQ + r] != Q_NONE -> compiled[r] = 1 }
+}
+#endif
+
 init {
     byte k, r;
     atomic {
@@ -382,6 +450,9 @@ init {
             run Rank(k);
             for (r : 0 .. NREQ - 1) { run Sender(k, r) }
         }
+#ifdef GUIDE
+        ; for (r : 0 .. NREQ - 1) { run Compile(r) }
+#endif
     }
 }
 

@@ -28,6 +28,8 @@
 #define NOPAGE 255
 #ifdef FLIP
 #define NLOG (NREQ * 4 + 3)   /* + SetRole, the flip, the new role's request */
+#elif defined(GUIDE)
+#define NLOG (NREQ * 5)       /* + each request's guide hold ending (K_GUIDE) */
 #else
 #define NLOG (NREQ * 4)
 #endif
@@ -50,7 +52,25 @@ chan meta_in[PP] = [1] of { byte, byte, byte };  /* Msg.META from k-1: add mask,
 chan meta_in[PP] = [1] of { byte, byte };        /* Msg.META from k-1: add mask, abort mask */
 #endif
 chan hidden_in[PP] = [1] of { byte };            /* Msg.HIDDEN from k-1: the slot */
+#ifdef GUIDE
+/* Msg.OUTPUT with the last rank's report of compiled guides (messages.py ring_to_wire): the slot
+   and a mask of rooms. The model's Rank declares hrep (received), sqrep (the send queue's) and
+   grep (this turn's report). */
+chan output_in[PP] = [PP] of { byte, byte };
+#define RING_RECV(c) c ? m, hrep
+#define RING_SEND(c, s, rep) c ! s, rep
+/* each expands to nothing without GUIDE, so the other checks' models are the code they were */
+#define SQ_PUSH(n) ; sqrep[n] = grep
+#define SQ_SHIFT(i) ; sqrep[i - 1] = sqrep[i]
+#define SQ_DROP(n) ; sqrep[n] = 0
+#else
 chan output_in[PP] = [PP] of { byte };           /* Msg.OUTPUT: into 0 from LAST, into k from k-1 */
+#define RING_RECV(c) c ? m
+#define RING_SEND(c, s, rep) c ! s
+#define SQ_PUSH(n)
+#define SQ_SHIFT(i)
+#define SQ_DROP(n)
+#endif
 chan ring_in[PP] = [2 * L + 2] of { mtype, byte, byte, byte, byte, byte, byte, byte };  /* Msg.VOTE */
 
 /* RingVote state */
@@ -315,23 +335,23 @@ inline exchange(k, mb, hb, busy, hneeds) {
     if
     :: k % 2 == 0 ->
         if :: k != LAST && busy -> hidden_in[k + 1] ! mb :: else fi;
-        if :: k != LAST && hneeds -> output_in[k] ? m; assert(m == hb) :: else fi
+        if :: k != LAST && hneeds -> RING_RECV(output_in[k]); assert(m == hb) :: else fi
     :: else ->
-        if :: k != LAST && hneeds -> output_in[k] ? m; assert(m == hb) :: else fi;
+        if :: k != LAST && hneeds -> RING_RECV(output_in[k]); assert(m == hb) :: else fi;
         if :: k != LAST && busy -> hidden_in[k + 1] ! mb :: else fi
     fi;
     if
     :: k == LAST ->
         /* send_queue: the outputs of the slot scheduled ASYNC turns ago leave now */
-        sq[sqn] = mb; sqn++;
+        sq[sqn] = mb SQ_PUSH(sqn); sqn++;
         if
         :: sqn > ASYNC ->
-            if :: sqneed[sq[0]] -> output_in[0] ! sq[0] :: else fi;
-            for (i : 1 .. sqn - 1) { sq[i - 1] = sq[i] };
-            sqn--
+            if :: sqneed[sq[0]] -> RING_SEND(output_in[0], sq[0], sqrep[0]) :: else fi;
+            for (i : 1 .. sqn - 1) { sq[i - 1] = sq[i] SQ_SHIFT(i) };
+            sqn-- SQ_DROP(sqn)
         :: else
         fi
     :: else
     fi;
-    if :: k != LAST && hneeds && k + 1 < LAST -> output_in[k + 1] ! hb :: else fi
+    if :: k != LAST && hneeds && k + 1 < LAST -> RING_SEND(output_in[k + 1], hb, hrep) :: else fi
 }

@@ -50,6 +50,9 @@ SCENARIOS = {
     "flip": dict(NREQ=1, MAXF=1, MAXAB=1, FLIP=1),  # a fault and an abort around the drain
     "flip-fault": dict(NREQ=1, MAXF=1, MAXAB=0, FLIP=1),  # decode: a fault, the quarantine drains
     "flip-abort-async1": dict(NREQ=1, MAXF=0, MAXAB=1, ASYNC=1, FLIP=1),  # L = 3 slots
+    # structured output's compile hold (prefill): two guided rooms, their compiles end at any
+    # time, room 0 aborted at any point (held included)
+    "guide": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1),
 }
 
 
@@ -98,7 +101,29 @@ def properties_checks() -> list[Check]:
         fx = FIXED.get(model, {})
         out += _finding_checks(model) + _pp2_checks(model, fx) + _pp3_checks(model, fx)
         out += _flip_checks(model, fx)
+        out += _guide_checks(model, fx)
     return out
+
+
+def _guide_checks(model: str, fx: dict) -> list[Check]:
+    """The compile hold (-DGUIDE, prefill: the node whose last chunk samples): the safety
+    properties and liveness at PP 2, a partial search at PP 3."""
+    if model != "prefill":
+        return []
+    return [
+        Check(f"{model}-pp2-guide", model, 2, "guide", "safety", bitstate=BITS, extra=fx),
+        Check(
+            f"{model}-pp2-guide-live",
+            model,
+            2,
+            "guide",
+            "liveness",
+            ("liveness",),
+            bitstate=BITS,
+            extra=fx,
+        ),  # fmt: skip
+        Check(f"{model}-pp3-guide", model, 3, "guide", "safety", bitstate=BITS3, extra=fx),
+    ]
 
 
 def _flip_checks(model: str, fx: dict) -> list[Check]:
@@ -203,6 +228,11 @@ def mutant_checks() -> list[Check]:
         ("M_FLIP_EARLY", "decode", "flip-fault", "role-agreement"),
         ("M_FLIP_UNDRAINED", "prefill", "flip", "drained-at-flip"),
         ("M_FLIP_UNDRAINED", "decode", "flip-fault", "drained-at-flip"),
+        # the compile hold: ranks end it on their own view of the compile (they take the decision
+        # in different slots), or the report does not go round with a batch that samples nothing
+        # (the last rank alone ends the hold and waits for hidden states PP0 never sends)
+        ("M_GUIDE_LOCAL", "prefill", "guide", "agreement"),
+        ("M_GUIDE_NO_RING", "prefill", "guide", "deadlock-freedom"),
     ]
     m = [x for x in m if (HERE / f"{x[1]}.pml").exists()]
     out = [_mutant(mac, model, 2, sc, prop) for mac, model, sc, prop in m]

@@ -198,8 +198,9 @@ class GrammarSampler:
         return done
 
     def _compile(self, guide: tuple[str, str]):
-        """The compiled guide: waits for the rest of its compile (the loops prepared it when the
-        request arrived; a guide that left the cache since compiles again)."""
+        """The compiled guide. In a loop it is done by now (`guide_pending` held the request until
+        `compiled` said so); it waits only for a guide that left the cache since then (256 other
+        guides came) and compiles again, or on the offline engine, which holds nothing."""
         self.prepare(guide)
         return self._compiled[guide].result()
 
