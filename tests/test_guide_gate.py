@@ -15,7 +15,8 @@ import threading
 
 import pytest
 
-from pdserve.engine.grammar import GrammarSampler
+from pdserve.engine.core import Req, SamplingParams
+from pdserve.engine.grammar import GrammarSampler, hold_for_guide
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.runtime.front.guide_gate import MAX_QUEUED, GuideGate
 from pdserve.runtime.front.prompt import RequestError
@@ -105,10 +106,12 @@ def test_the_sampling_rank_compiles_off_its_step_and_once(tok):
         return build(g)
 
     sampler._build = recorded
-    g = ("json_schema", SCHEMA)
-    sampler.prepare(g)  # what a loop does as it applies the request
-    first = sampler._compile(g)  # what the step does when it first samples it
-    assert sampler._compile(g) is first
+    params = SamplingParams.from_dict({"guide": ["json_schema", SCHEMA]})
+    a, b = Req("a", [1], params), Req("b", [1], params)
+    hold_for_guide(a, sampler)  # what a loop does as it applies a request
+    hold_for_guide(b, sampler)
+    first = sampler._compile(a)  # what the step does when it first samples it
+    assert sampler._compile(b) is first
     assert len(threads) == 1 and threads[0].startswith("grammar-compile")
     sampler._pool.shutdown()
 

@@ -296,3 +296,24 @@ def test_a_request_held_by_its_guide_computes_all_but_the_token_that_samples():
     assert s.has_work and not s.guides_pending
     done = run_to_end(s)
     assert done["g"].output_ids == expected(list(range(1, 12)), 3)
+
+
+def test_a_held_request_decodes_after_its_report_and_aborts_cleanly():
+    """A PD decode side's request (`add_prefilled`) held by its guide takes no decode step until
+    `guides_compiled`; a held request that is aborted gives its pages back."""
+    s = make()
+    d = Req("d", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), output_ids=[9])
+    d.guide_pending = True
+    s.add_prefilled(d, s.allocator.alloc(1), slot=0)
+    assert not s.schedule(0).entries and not s.has_work
+    s.guides_compiled(["d"])
+    assert [(e.req.rid, e.num_new) for e in s.schedule(0).entries] == [("d", 1)]
+    a = Req("a", list(range(1, 10)), SamplingParams(max_tokens=2, ignore_eos=True))
+    a.guide_pending = True
+    s2 = make()
+    s2.add(a)
+    s2.harvest(s2.schedule(0), None)  # 8 of its 9 tokens
+    assert a.kv_len == 8 and s2.held_pages() > 0 and not s2.has_work
+    s2.abort("a")
+    assert [r.rid for r in s2.drain_finished()] == ["a"]
+    assert s2.held_pages() == 0 and not s2.guides_pending

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from typing import Any
 
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 from inproc import ColocatedCluster, PDCluster, running
 from test_engine import make
 
-from pdserve.engine.core import ParamError, SamplingParams
+from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.runtime.messages import TokenEvent
 
 SCHEMAS = {
@@ -123,18 +124,20 @@ def _fronts_and_samplers(c) -> tuple[Any, list]:
     return nodes[-1].front, [n.loops[-1].runner.grammar for n in nodes]
 
 
-@pytest.mark.parametrize("layout", ["colocated1", "colocated2", "pd22"])
+@pytest.mark.parametrize("layout", ["colocated1", "colocated2", "colocated2-async1", "pd22"])
 def test_a_guide_still_compiling_holds_back_its_request_only(layout, tiny6):
     """Every sampling rank's compile thread is held (a job waits on an event, queued ahead of the
     guide's compile). Unguided requests sent with a guided one all finish while the guided one has
-    no token; once released, its output is the engine's. Before `guide_pending` the first sample
-    waited for the compile, and with it every stream of the node (these waits time out)."""
+    no token, its prompt computed but for the token that samples; once released, its output is
+    the engine's. Before `guide_pending` the first sample waited for the compile, and with it
+    every stream of the node (these waits time out)."""
     eng = make(tiny6)
     params = guided("json_schema", json.dumps(SCHEMAS["nested"]))
     want = eng.generate([PROMPTS[1]], SamplingParams.from_dict(params))[0].token_ids
     factory = {
         "colocated1": lambda: ColocatedCluster(tiny6, 1),
         "colocated2": lambda: ColocatedCluster(tiny6, 2),
+        "colocated2-async1": lambda: ColocatedCluster(tiny6, 2, async_depth=1),
         "pd22": lambda: PDCluster(tiny6, 2, 2),
     }[layout]
     with running(factory) as c:
@@ -148,10 +151,38 @@ def test_a_guide_still_compiling_holds_back_its_request_only(layout, tiny6):
                 c.submit(f"p{i}", ids, 8)
             plain = [c.result(f"p{i}") for i in range(len(PROMPTS))]
             held = list(front.events.get("g", []))
+            with c.paused():  # where the guided request is on the node that samples it first
+                node = c.node_ if isinstance(c, ColocatedCluster) else c.prefill
+                computed = [loop.sched.reqs["g"].kv_len for loop in node.loops]
         finally:
             release.set()
         got = c.result("g")
         c.wait_settled()
     assert all(p.ok and len(p.tokens) == 8 for p in plain), plain
     assert not any(isinstance(e, TokenEvent) or e.terminal for e in held), held
+    assert computed == [len(PROMPTS[1]) - 1] * len(computed)
     assert got.ok and got.tokens == want
+
+
+def test_more_pending_guides_than_the_cache_keeps_all_compile(engine, monkeypatch):
+    """Each held request checks the compile it holds (`Req.guide_compile`). With more distinct
+    guides pending than the sampling rank's cache keeps (MAX_COMPILED), preparing them again on
+    every check evicted one another's compiles for ever, and none was ever reported done."""
+    from pdserve.engine import grammar
+
+    monkeypatch.setattr(grammar, "MAX_COMPILED", 2)
+    cfg = engine.model_config
+    g = grammar.GrammarSampler(lambda: engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    reqs = [
+        Req(f"r{i}", [5, 6], SamplingParams.from_dict(guided("regex", f"a{i}+"))) for i in range(3)
+    ]
+    for r in reqs:
+        grammar.hold_for_guide(r, g)
+    done: list[str] = []
+    deadline = time.monotonic() + 60
+    while len(done) < len(reqs) and time.monotonic() < deadline:
+        done = g.compiled(reqs)
+        time.sleep(0.01)
+    g.close()
+    assert done == ["r0", "r1", "r2"]
+    assert all(r.guide_pending for r in reqs)  # the report is the loops' to apply

@@ -318,6 +318,9 @@ class Req:
     # replicated: its guide's compile on the sampling rank is not yet known to be done, so no
     # forward samples it (engine/grammar.py); the sampling rank's notice clears it on every rank
     guide_pending: bool = False
+    # sampling rank only: its guide's compile (a Future), held from arrival to its first sample,
+    # so the compiled-guide cache may drop it meanwhile (engine/grammar.py)
+    guide_compile: Any = None
     share: Share = ANONYMOUS_SHARE  # its tenant's place in the waiting queue's fair order
     fair_key: tuple = ()  # (priority, finish tag, arrival): its place in that order (fair_queue.py)
 

@@ -173,36 +173,41 @@ class GrammarSampler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def prepare(self, guide: tuple[str, str]) -> None:
-        """Starts compiling `guide` off the rank's thread, unless it is compiled or under way."""
+    def prepare(self, guide: tuple[str, str]) -> Future:
+        """The compile of `guide`, started off the rank's thread unless it is done or under way.
+        The cache keeps the last MAX_COMPILED; a request holds its own (`Req.guide_compile`)."""
         if guide in self._compiled:
             self._compiled.move_to_end(guide)
-            return
-        while len(self._compiled) >= MAX_COMPILED:  # a request whose compile goes redoes it
+            return self._compiled[guide]
+        while len(self._compiled) >= MAX_COMPILED:
             self._compiled.popitem(last=False)
-        self._compiled[guide] = self._pool.submit(self._build, guide)
+        fut = self._compiled[guide] = self._pool.submit(self._build, guide)
+        return fut
 
     def _build(self, guide: tuple[str, str]):
         return self._compiler_ready().compile_grammar(_grammar(*guide))
 
     def compiled(self, reqs: Iterable[Any]) -> list[str]:
         """The rids, in `reqs` order, of the `guide_pending` requests whose guide's compile has
-        ended (a failed one raises at the request's first sample). A guide not prepared here, or
-        gone from the cache since, starts compiling now."""
+        ended (a failed one raises at the request's first sample). Each request checks the
+        compile it holds: more distinct guides pending than the cache keeps must not evict one
+        another's compiles for ever. One that holds none (not prepared here) starts it now."""
         done = []
         for req in reqs:
             if req.guide_pending:
-                self.prepare(req.params.guide)
-                if self._compiled[req.params.guide].done():
+                if req.guide_compile is None:
+                    req.guide_compile = self.prepare(req.params.guide)
+                if req.guide_compile.done():
                     done.append(req.rid)
         return done
 
-    def _compile(self, guide: tuple[str, str]):
-        """The compiled guide. In a loop it is done by now (`guide_pending` held the request until
-        `compiled` said so); it waits only for a guide that left the cache since then (256 other
-        guides came) and compiles again, or on the offline engine, which holds nothing."""
-        self.prepare(guide)
-        return self._compiled[guide].result()
+    def _compile(self, req: Any):
+        """The request's compiled guide, at its first sample. In a loop the compile is done by now
+        (`guide_pending` held the request until `compiled` said so); the offline engine holds
+        nothing and waits here."""
+        fut = req.guide_compile or self.prepare(req.params.guide)
+        req.guide_compile = None  # the matcher holds what it needs from here
+        return fut.result()
 
     def close(self) -> None:
         """Stops the compile thread: a compile under way ends first (xgrammar cannot be
@@ -229,9 +234,7 @@ class GrammarSampler:
 
         state = req.guide_state
         if state is None:
-            state = req.guide_state = GuideState(
-                xgr.GrammarMatcher(self._compile(req.params.guide))
-            )
+            state = req.guide_state = GuideState(xgr.GrammarMatcher(self._compile(req)))
         if state.matcher is None:
             return False
         try:
@@ -254,10 +257,10 @@ def hold_for_guide(req: Any, grammar: GrammarSampler | None) -> None:
     """On every rank, as a request is applied: a guided request samples nothing until the
     sampling rank reports its guide compiled (`guide_pending`); that rank (the one with a
     `grammar`) starts the compile now, off its loop's thread."""
-    if req.params.guide is not None:
+    if req.params.guide is not None and not req.finished:  # ended at add: a resumed stream's end
         req.guide_pending = True
         if grammar is not None:
-            grammar.prepare(req.params.guide)
+            req.guide_compile = grammar.prepare(req.params.guide)
 
 
 def compiled_guides(reqs: dict[str, Any], grammar: GrammarSampler | None) -> list[str]:

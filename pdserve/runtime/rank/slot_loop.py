@@ -12,8 +12,8 @@
                    applies them to its requests, so slot (t+1) % L is up to date before it is reused
 
 A batch with no sampling entries (empty, or pure intermediate prefill chunks when
-`skip_pure_chunk_comm` is on) has no ring message: every rank knows that from its own schedule.
-"""
+`skip_pure_chunk_comm` is on) has no ring message, unless a request waits for its guide's compile
+(the message carries the report, engine/guide_hold.py): every rank knows from its own schedule."""
 
 from __future__ import annotations
 
