@@ -291,10 +291,9 @@ class SlotLoop:
             self.stats.forwards += 1
             if self.is_last and batch.sampling_entries:
                 out = self.runner.sample(batch, y)
-        if self.is_last:  # the outputs, and the notice of compiled guides, go round the ring
-            ready = (
-                compiled_guides(self.sched.reqs, self.runner.grammar) if batch.awaits_guides else []
-            )
+        if self.is_last:  # the outputs, and a pipeline's report of compiled guides, go round
+            report = batch.awaits_guides and self.size > 1  # a lone rank's is taken in `iteration`
+            ready = compiled_guides(self.sched.reqs, self.runner.grammar) if report else []
             self.last_outputs[batch.slot] = (out, ready)
             self.send_queue.append((batch.slot, out, ready))
         return y
