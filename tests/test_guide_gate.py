@@ -17,7 +17,9 @@ import pytest
 
 from pdserve.engine.core import Req, SamplingParams
 from pdserve.engine.grammar import GrammarSampler, hold_for_guide
+from pdserve.engine.kv_cache import PageAllocator
 from pdserve.engine.model.tokenizer import load_tokenizer
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.runtime.front.guide_gate import MAX_QUEUED, GuideGate
 from pdserve.runtime.front.prompt import RequestError
 
@@ -108,8 +110,9 @@ def test_the_sampling_rank_compiles_off_its_step_and_once(tok):
     sampler._build = recorded
     params = SamplingParams.from_dict({"guide": ["json_schema", SCHEMA]})
     a, b = Req("a", [1], params), Req("b", [1], params)
-    hold_for_guide(a, sampler)  # what a loop does as it applies a request
-    hold_for_guide(b, sampler)
+    sched = Scheduler(SchedulerConfig(), PageAllocator(8))
+    hold_for_guide(a, sched, sampler)  # what a loop does as it applies a request
+    hold_for_guide(b, sched, sampler)
     first = sampler._compile(a)  # what the step does when it first samples it
     assert sampler._compile(b) is first
     assert len(threads) == 1 and threads[0].startswith("grammar-compile")

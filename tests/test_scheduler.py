@@ -317,3 +317,27 @@ def test_a_held_request_decodes_after_its_report_and_aborts_cleanly():
     s2.abort("a")
     assert [r.rid for r in s2.drain_finished()] == ["a"]
     assert s2.held_pages() == 0 and not s2.guides_pending
+
+
+def test_guides_reported_compiled_are_known_on_every_rank_and_bounded(monkeypatch):
+    """`guides_compiled` adds the reported requests' guides to `guides_known` (the last
+    KNOWN_GUIDES); a request with a known guide is not held, one with a forgotten guide is."""
+    from pdserve.engine import guide_hold
+
+    monkeypatch.setattr(guide_hold, "KNOWN_GUIDES", 2)
+    s = make()
+
+    def applied(rid: str, spec: str) -> Req:
+        r = Req(
+            rid, [1, 2, 3], SamplingParams.from_dict({"max_tokens": 1, "guide": ["regex", spec]})
+        )
+        s.add(r)
+        s.hold(r)  # as the loops do (engine/grammar.py hold_for_guide)
+        return r
+
+    held = [applied("a", "a+"), applied("b", "b+"), applied("c", "c+")]
+    assert all(r.guide_pending for r in held)
+    s.guides_compiled(["a", "b", "c"])
+    assert list(s.guides_known) == [("regex", "b+"), ("regex", "c+")]  # the oldest forgotten
+    assert not applied("d", "c+").guide_pending
+    assert applied("e", "a+").guide_pending

@@ -177,7 +177,7 @@ def test_more_pending_guides_than_the_cache_keeps_all_compile(engine, monkeypatc
         Req(f"r{i}", [5, 6], SamplingParams.from_dict(guided("regex", f"a{i}+"))) for i in range(3)
     ]
     for r in reqs:
-        grammar.hold_for_guide(r, g)
+        grammar.hold_for_guide(r, engine.scheduler, g)
     done: list[str] = []
     deadline = time.monotonic() + 60
     while len(done) < len(reqs) and time.monotonic() < deadline:
@@ -186,3 +186,32 @@ def test_more_pending_guides_than_the_cache_keeps_all_compile(engine, monkeypatc
     g.close()
     assert done == ["r0", "r1", "r2"]
     assert all(r.guide_pending for r in reqs)  # the report is the loops' to apply
+    # a guide every rank knows compiled stays in the cache, whatever comes after it
+    g = grammar.GrammarSampler(lambda: engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    known = ("regex", "k+")
+    g.pinned = {known: None}
+    for guide in [known, ("regex", "x+"), ("regex", "y+"), ("regex", "z+")]:
+        g.prepare(guide)
+    assert list(g._compiled) == [known, ("regex", "z+")]
+    g.close()
+
+
+def test_a_guide_compiled_before_is_not_held_in_a_pipeline(tiny6):
+    """Once a report named a guide, every rank knows it compiled (`guides_known`): a later request
+    with it is not held, so its whole prompt and first sample go in its first forward, where a
+    pipeline would otherwise wait a turn of its slot for the report to come round."""
+    params = guided("json_schema", json.dumps(SCHEMAS["enum"]), max_tokens=24)
+    with running(lambda: ColocatedCluster(tiny6, 2)) as c:
+        c.submit("first", PROMPTS[0], 24, ignore_eos=False, guide=params["guide"])
+        assert c.result("first").ok
+        loops = c.node_.loops
+        with c.stepping():
+            c.submit("again", PROMPTS[1], 24, ignore_eos=False, guide=params["guide"])
+            c.step_until(lambda: all("again" in loop.sched.reqs for loop in loops))
+            reqs = [loop.sched.reqs["again"] for loop in loops]
+            pending = [r.guide_pending for r in reqs]
+            computed = [r.kv_len for r in reqs]
+        again = c.result("again")
+    assert pending == [False, False]
+    assert computed == [len(PROMPTS[1])] * 2
+    assert again.ok

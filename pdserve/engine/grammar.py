@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +147,8 @@ class GrammarSampler:
     _compiler: Any = None
     # guide -> its compile, done or under way on `_pool`; touched only by the rank's own thread
     _compiled: OrderedDict[tuple[str, str], Future] = field(default_factory=OrderedDict)
+    # the guides every rank knows compiled (engine/guide_hold.py `guides_known`): never evicted
+    pinned: Container = ()
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
@@ -179,8 +181,11 @@ class GrammarSampler:
         if guide in self._compiled:
             self._compiled.move_to_end(guide)
             return self._compiled[guide]
-        while len(self._compiled) >= MAX_COMPILED:
-            self._compiled.popitem(last=False)
+        while len(self._compiled) >= MAX_COMPILED:  # the oldest a known guide is not
+            old = next((g for g in self._compiled if g not in self.pinned), None)
+            if old is None:
+                break
+            del self._compiled[old]
         fut = self._compiled[guide] = self._pool.submit(self._build, guide)
         return fut
 
@@ -199,6 +204,8 @@ class GrammarSampler:
                     req.guide_compile = self.prepare(req.params.guide)
                 if req.guide_compile.done():
                     done.append(req.rid)
+                    # the cache's entry is this done compile, for the guide every rank will know
+                    self._compiled[req.params.guide] = req.guide_compile
         return done
 
     def _compile(self, req: Any):
@@ -253,14 +260,15 @@ class GrammarSampler:
             return False
 
 
-def hold_for_guide(req: Any, grammar: GrammarSampler | None) -> None:
+def hold_for_guide(req: Any, sched: Any, grammar: GrammarSampler | None) -> None:
     """On every rank, as a request is applied: a guided request samples nothing until the
-    sampling rank reports its guide compiled (`guide_pending`); that rank (the one with a
-    `grammar`) starts the compile now, off its loop's thread."""
-    if req.params.guide is not None and not req.finished:  # ended at add: a resumed stream's end
-        req.guide_pending = True
-        if grammar is not None:
-            req.guide_compile = grammar.prepare(req.params.guide)
+    sampling rank reports its guide compiled (`guide_pending`, `sched.hold`: engine/
+    guide_hold.py); that rank (the one with a `grammar`) starts the compile now, off its loop's
+    thread, and keeps the guides every rank knows compiled (`pinned`)."""
+    sched.hold(req)
+    if grammar is not None and req.params.guide is not None and not req.finished:
+        grammar.pinned = sched.guides_known
+        req.guide_compile = grammar.prepare(req.params.guide)
 
 
 def compiled_guides(reqs: dict[str, Any], grammar: GrammarSampler | None) -> list[str]:

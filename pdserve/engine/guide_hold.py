@@ -6,14 +6,22 @@ scheduler computes all of it but the token that samples (`held` once only that t
 and no batch waits for the compile. The sampling rank reports the compiles that ended; every rank
 applies the report (`guides_compiled`) at the same point of the lockstep (runtime/rank/
 slot_loop.py), so the hold ends in the same schedule everywhere.
+
+The guides of the last KNOWN_GUIDES reports are known compiled on every rank alike
+(`guides_known`), so a request with one of them is not held at all: in a pipeline the report takes
+a turn of the request's slot to come round, which a cached guide would otherwise pay. The sampling
+rank's cache keeps every known guide (GrammarSampler.pinned), so its compile is done there.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.engine.core import Req
+
+KNOWN_GUIDES = 128  # fewer than the sampling rank's cache keeps (engine/grammar.py MAX_COMPILED)
 
 
 def held(req: Req) -> bool:
@@ -26,6 +34,17 @@ class GuideHold:
 
     reqs: dict[str, Req]  # the scheduler's live requests
 
+    def __init__(self) -> None:
+        # guides reported compiled, oldest first: the same on every rank (replicated)
+        self.guides_known: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def hold(self, req: Req) -> None:
+        """As a loop applies a request, on every rank: a guided one samples nothing until the
+        sampling rank reports its guide compiled, unless a report named that guide already. A
+        request that ended at add (a resumed stream's end) holds nothing."""
+        if req.params.guide is not None and not req.finished:
+            req.guide_pending = req.params.guide not in self.guides_known
+
     @property
     def guides_pending(self) -> int:
         """Live requests whose guide's compile the sampling rank has not yet reported done."""
@@ -36,5 +55,11 @@ class GuideHold:
         """The sampling rank's report: these requests' guides are compiled, so they may sample
         from the next schedule on. Requests that ended since are skipped."""
         for rid in rids:
-            if (req := self.reqs.get(rid)) is not None:
-                req.guide_pending = False
+            if (req := self.reqs.get(rid)) is None:
+                continue
+            req.guide_pending = False
+            if req.params.guide is not None:
+                self.guides_known[req.params.guide] = None
+                self.guides_known.move_to_end(req.params.guide)
+                if len(self.guides_known) > KNOWN_GUIDES:
+                    self.guides_known.popitem(last=False)

@@ -54,8 +54,8 @@ class Scheduler(GuideHold):
         detokenize: Callable[[list[int]], str] | None = None,
         hold_kv_on_finish: bool = False,
     ):
-        self.cfg = cfg
-        self.allocator = allocator
+        super().__init__()
+        self.cfg, self.allocator = cfg, allocator
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.cache = (

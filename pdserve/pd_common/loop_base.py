@@ -127,7 +127,7 @@ class PDLoop(SlotLoop):
         if params is not None:
             self._stage_start(msg.rid, self.first_queue)  # before open_room's child spans
             self.by_rid[msg.rid] = pd = self.open_room(msg, params)
-            hold_for_guide(pd.req, self.runner.grammar)
+            hold_for_guide(pd.req, self.sched, self.runner.grammar)
         else:
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True

@@ -232,7 +232,7 @@ class SlotLoop:
             self.sched.add(req)
             self.mark_queued(msg.rid)
             self.spans.start(msg.rid, "waiting")
-            hold_for_guide(req, self.runner.grammar)
+            hold_for_guide(req, self.sched, self.runner.grammar)
         except ParamError as e:  # every rank rejects it the same way; PP0 answers
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
