@@ -181,12 +181,15 @@ class GrammarSampler:
         if guide in self._compiled:
             self._compiled.move_to_end(guide)
             return self._compiled[guide]
-        while len(self._compiled) >= MAX_COMPILED:  # the oldest a known guide is not
-            old = next((g for g in self._compiled if g not in self.pinned), None)
-            if old is None:
-                break
-            del self._compiled[old]
-        fut = self._compiled[guide] = self._pool.submit(self._build, guide)
+        return self._keep(guide, self._pool.submit(self._build, guide))
+
+    def _keep(self, guide: tuple[str, str], fut: Future) -> Future:
+        """`fut` as the cache's entry for `guide`, newest; the oldest entries that are not known
+        guides go to make room (known guides are fewer than MAX_COMPILED: engine/guide_hold.py)."""
+        self._compiled.pop(guide, None)
+        while len(self._compiled) >= MAX_COMPILED:
+            del self._compiled[next(g for g in self._compiled if g not in self.pinned)]
+        self._compiled[guide] = fut
         return fut
 
     def _build(self, guide: tuple[str, str]):
@@ -205,7 +208,7 @@ class GrammarSampler:
                 if req.guide_compile.done():
                     done.append(req.rid)
                     # the cache's entry is this done compile, for the guide every rank will know
-                    self._compiled[req.params.guide] = req.guide_compile
+                    self._keep(req.params.guide, req.guide_compile)
         return done
 
     def _compile(self, req: Any):

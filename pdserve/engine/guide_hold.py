@@ -7,10 +7,11 @@ and no batch waits for the compile. The sampling rank reports the compiles that 
 applies the report (`guides_compiled`) at the same point of the lockstep (runtime/rank/
 slot_loop.py), so the hold ends in the same schedule everywhere.
 
-The guides of the last KNOWN_GUIDES reports are known compiled on every rank alike
-(`guides_known`), so a request with one of them is not held at all: in a pipeline the report takes
-a turn of the request's slot to come round, which a cached guide would otherwise pay. The sampling
-rank's cache keeps every known guide (GrammarSampler.pinned), so its compile is done there.
+The KNOWN_GUIDES guides most recently reported, or used by a request that was not held, are
+known compiled on every rank alike (`guides_known`), so a request with one of them is not held:
+in a pipeline the report takes a turn of the request's slot to come round, which a cached guide
+would otherwise pay. The sampling rank's cache keeps every known guide (GrammarSampler.pinned),
+so its compile is done there.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Iterable
 
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.engine.core import Req
+from pdserve.engine.grammar import MAX_COMPILED
 
-KNOWN_GUIDES = 128  # fewer than the sampling rank's cache keeps (engine/grammar.py MAX_COMPILED)
+# fewer than the sampling rank's cache keeps, which must also hold guides not yet known
+KNOWN_GUIDES = MAX_COMPILED // 2
 
 
 def held(req: Req) -> bool:
@@ -44,6 +47,8 @@ class GuideHold:
         request that ended at add (a resumed stream's end) holds nothing."""
         if req.params.guide is not None and not req.finished:
             req.guide_pending = req.params.guide not in self.guides_known
+            if not req.guide_pending:  # in use: it stays known (the same on every rank)
+                self.guides_known.move_to_end(req.params.guide)
 
     @property
     def guides_pending(self) -> int:
