@@ -53,6 +53,7 @@ SCENARIOS = {
     # structured output's compile hold (prefill): two guided rooms, their compiles end at any
     # time, room 0 aborted at any point (held included)
     "guide": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1),
+    "guide-async1": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1, ASYNC=1),  # L = 3
 }
 
 
@@ -107,7 +108,7 @@ def properties_checks() -> list[Check]:
 
 def _guide_checks(model: str, fx: dict) -> list[Check]:
     """The compile hold (-DGUIDE, prefill: the node whose last chunk samples): the safety
-    properties and liveness at PP 2, a partial search at PP 3."""
+    properties and liveness at PP 2, with async_depth 1 too, a partial search at PP 3."""
     if model != "prefill":
         return []
     return [
@@ -123,6 +124,9 @@ def _guide_checks(model: str, fx: dict) -> list[Check]:
             extra=fx,
         ),  # fmt: skip
         Check(f"{model}-pp3-guide", model, 3, "guide", "safety", bitstate=BITS3, extra=fx),
+        Check(
+            f"{model}-pp2-guide-async1", model, 2, "guide-async1", "safety", bitstate=BITS, extra=fx
+        ),  # fmt: skip
     ]
 
 
