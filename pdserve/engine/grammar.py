@@ -13,8 +13,7 @@ retracted request resumes with the same state, and on a PD pair the decode side'
 by feeding the first token the prefill side sampled under the same grammar.
 
 Compiling a grammar against the vocabulary takes from milliseconds up to seconds for a large JSON
-Schema (about 0.2 s for the abuse bench's 40 KB schemas here). It never runs in a step, and no
-step waits for it:
+Schema. It never runs in a step, and no step waits for it:
 - the sampling rank starts it on a thread of its own, of lower priority, as soon as a guided
   request arrives (`GrammarSampler.prepare`, called by the loops as they apply the request);
 - every rank marks the request `guide_pending`, and the scheduler computes all of it but the token
