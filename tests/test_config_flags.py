@@ -19,7 +19,7 @@ from pdserve.infra.config_flags import config_from_args
 from pdserve.pd_common.node_config import PDNodeConfig
 from pdserve.prefill_node.serve import BOOTSTRAP_PORT, add_prefill_args
 from pdserve.runtime.node_config import NodeConfig, add_node_flags, node_config
-from pdserve.runtime.serve import engine_dict
+from pdserve.runtime.node_ranks import engine_dict
 from pdserve.up_args import UpConfig, add_up_args, parse_up_args
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from pdserve.engine.kernels import bf16_linear, cpu_kernels
 from pdserve.engine.kernels import spare_core as sc
 from pdserve.engine.kernels.switches import KernelSwitches
 from pdserve.engine.model import linear as lin
-from pdserve.runtime.serve import spare_cores
+from pdserve.runtime.node_ranks import spare_cores
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ class ModelRunner:
     def __init__(
         self, model: ModelSlice, num_pages: int, page_size: int, dtype: torch.dtype, seed: int = 0
     ):
-        cfg = model.cfg
+        cfg = model.layer_cfg  # a TP rank's pool holds its own KV heads only
         self.model = model
         self.pool = KVPool(
             KVLayout(

@@ -21,6 +21,12 @@ class NodeConfig:
     pp: int = setting(
         1, aliases=("--pipeline-parallel-size",), help="pipeline-parallel size of this node"
     )
+    tp: int = setting(
+        1,
+        aliases=("--tensor-parallel-size",),
+        help="tensor-parallel size of each PP stage: processes per stage, each with its share of "
+        "the heads and the MLP (a colocated node, on one host)",
+    )
     host: str = setting("127.0.0.1", help="HTTP bind address")
     port: int = setting(30000, help="HTTP port")
     insecure: bool = setting(False, help=INSECURE_HELP)
@@ -98,11 +104,13 @@ class NodeConfig:
     )
 
     def __post_init__(self):
-        for name in ("pp", "nnodes"):
+        for name in ("pp", "tp", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pp % self.nnodes:
             raise ValueError(f"pp ({self.pp}) must be a multiple of nnodes ({self.nnodes})")
+        if self.tp > 1 and self.nnodes > 1:
+            raise ValueError("tp > 1 runs each node on one host (nnodes 1)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -36,6 +36,11 @@ class RankSpec:
     waiting_timeout_s: float = 0.0  # PP0 aborts a request queued longer (0 = off)
     running_timeout_s: float = 0.0  # PP0 aborts a request alive longer (0 = off)
     comm_stream: bool = False  # PP sends on their own CUDA stream
+    # tensor parallelism inside the stage (runtime/rank/tp_group.py): this rank's place in its
+    # stage's group, and the node's TP rendezvous (tcp://host:port, served by PP0's TP rank 0)
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_init: str = ""
     # an elastic node's: this rank's cores in each role it may take, where its threads move when
     # the node changes role ({}: they stay on `cpus`)
     role_cpus: dict[str, list[int]] = field(default_factory=dict)

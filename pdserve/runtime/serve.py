@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import threading
 import time
-from dataclasses import asdict, replace
 from typing import Any
 
 import uvicorn
 
-from pdserve.engine.config import EngineConfig
 from pdserve.infra.http_server import run_server, server_config
 from pdserve.infra.internal_auth import refuse_unprotected_bind
 from pdserve.infra.logs import setup_logging, uvicorn_level
@@ -28,46 +25,10 @@ from pdserve.infra.zygote_client import Zygote, ZygoteChild
 from pdserve.runtime.front.drain import Drain
 from pdserve.runtime.front.tokenizer_loading import TokenizerLoading
 from pdserve.runtime.node_config import NodeConfig
-from pdserve.runtime.placement import (
-    Placement,
-    bind_cores,
-    parse_cpus,
-    parse_io_cpus,
-    plan_placement,
-)
+from pdserve.runtime.node_ranks import advertise_host, make_specs
 from pdserve.runtime.rank_spec import RankSpec
 
 log = logging.getLogger("pdserve.serve")
-
-
-def local_ranks(cfg: NodeConfig) -> list[int]:
-    per = cfg.pp // cfg.nnodes  # NodeConfig checked that it divides
-    return list(range(cfg.node_rank * per, (cfg.node_rank + 1) * per))
-
-
-def node_placement(cfg: NodeConfig, n_local: int) -> Placement:
-    """This node's rank cores: `--cpus` as given (from `pdserve up`'s host-wide plan), else planned
-    over the cores this process may use."""
-    try:
-        if cfg.cpus:
-            io = parse_io_cpus(cfg.io_cpus) if cfg.io_cpus else ()
-            return Placement(parse_cpus(cfg.cpus, n_local), io)
-        plan = plan_placement(n_local, sorted(os.sched_getaffinity(0)), cfg.engine.threads)
-        return (
-            plan if cfg.io_cpus is None else Placement(plan.rank_cores, parse_io_cpus(cfg.io_cpus))
-        )
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
-def engine_dict(engine: EngineConfig, threads: int, io_cores=()) -> dict[str, Any]:
-    """The engine settings every rank gets (EngineConfig.from_kwargs on the rank), with the
-    threads and helper cores of this host's plan; the model travels in RankSpec.model."""
-    out = asdict(
-        replace(engine, threads=threads, spare_cores=tuple(spare_cores(io_cores, threads)))
-    )
-    del out["model"]
-    return out
 
 
 class DrainingServer(uvicorn.Server):
@@ -119,12 +80,6 @@ class RankSet:
         self.zygote.close()
 
 
-def advertise_host(cfg: NodeConfig) -> str:
-    """The address other hosts reach this one at (Mooncake, control sockets, stats)."""
-    host = cfg.advertise_host or cfg.host
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
-
-
 def refuse_unprotected(cfg: NodeConfig, role: str, ranks_listen: bool) -> str | None:
     """The cluster secret; stops the process when this host's part of the node would listen beyond
     loopback without one (and no --insecure): its HTTP front (--host) and, when its ranks listen
@@ -148,67 +103,6 @@ def stats_port(cfg: NodeConfig) -> int:
     if cfg.nnodes > 1 and cfg.dist_init_addr:
         return int(cfg.dist_init_addr.rsplit(":", 1)[1]) + 1
     return 0
-
-
-def spare_cores(io_cores, threads: int) -> list[int]:
-    """Where a rank's prefill helper may run (engine/kernels/spare_core.py): the plan's I/O cores,
-    for a rank with one compute thread. Never another rank's core: on a 2-core `pdserve up` host
-    (no I/O core) a helper on the other node's core raised the decode rank's ITL tail
-    (measured: bench/results/HISTORY.md)."""
-    return sorted(io_cores) if threads == 1 else []
-
-
-def make_specs(
-    cfg: NodeConfig,
-    role: str,
-    front_addrs: dict[str, str],
-    spec_cls: type[RankSpec] = RankSpec,
-    spec_fields: dict[str, Any] | None = None,
-    dist_port: int | None = None,
-) -> list[RankSpec]:
-    """The spec of each of this host's ranks; `spec_fields`: what a kind of node's `spec_cls` adds
-    (PDRankSpec: where its transfer listens); `dist_port`: where pp_rank 0 hosts the PP group's
-    rendezvous on a single host (a port the caller holds with reserve_port)."""
-    ranks = local_ranks(cfg)
-    if not cfg.dist_init_addr and dist_port is None:
-        raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
-    dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
-    plan = node_placement(cfg, len(ranks))
-    try:
-        moves = {role: parse_cpus(text, len(ranks)) for role, text in cfg.role_cpus.items()}
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    log.debug("placement: %s", plan.describe([f"{role} pp{r}" for r in ranks]))
-    # the front; each rank binds itself to its own cores
-    bind_cores(parse_io_cpus(cfg.front_cpus) if cfg.front_cpus else plan.io_cores)
-    return [
-        spec_cls(
-            model=cfg.engine.model,
-            engine=engine_dict(cfg.engine, cfg.engine.threads or len(cores), plan.io_cores),
-            pp_size=cfg.pp,
-            pp_rank=r,
-            cpus=list(cores),
-            dist_init=dist,
-            host=advertise_host(cfg) if cfg.nnodes > 1 else "127.0.0.1",
-            req_addr=front_addrs.get("req", ""),
-            evt_addr=front_addrs.get("evt", ""),
-            stats_addr=front_addrs.get("stats", ""),
-            async_depth=cfg.async_depth,
-            skip_pure_chunk_comm=cfg.skip_pure_chunk_comm,
-            watchdog_s=cfg.watchdog,
-            pp_timeout_s=cfg.pp_timeout,
-            load_timeout_s=cfg.load_timeout,
-            role=role,
-            device=cfg.device,
-            backend="nccl" if cfg.device.startswith("cuda") else "gloo",
-            waiting_timeout_s=cfg.waiting_timeout,
-            running_timeout_s=cfg.running_timeout,
-            comm_stream=cfg.pp_comm_stream,
-            role_cpus={role: list(cores[i]) for role, cores in moves.items()},
-            **(spec_fields or {}),
-        )
-        for i, (r, cores) in enumerate(zip(ranks, plan.rank_cores, strict=True))
-    ]
 
 
 def _draining_server(cfg: NodeConfig, front, app) -> DrainingServer:
@@ -241,7 +135,8 @@ def run_node(
     until stopped, then stops every rank."""
     # held for the node's life, so no other process's free_port picks the rendezvous port before
     # pp_rank 0 binds it (its TCPStore binds with SO_REUSEADDR, through the hold)
-    hold = reserve_port()
+    holds = [reserve_port() for _ in range(2 if cfg.tp > 1 else 1)]  # + the TP groups' rendezvous
+    ports = [h.getsockname()[1] for h in holds]
     ranks = None
     try:
         specs = make_specs(
@@ -250,7 +145,8 @@ def run_node(
             {"req": front.req_addr, "evt": front.evt_addr, "stats": front.stats_addr},
             front.rank_spec,
             spec_fields,
-            dist_port=hold.getsockname()[1],
+            dist_port=ports[0],
+            tp_port=ports[-1] if cfg.tp > 1 else None,
         )
         server = _draining_server(cfg, front, app)
         loop_holder: dict[str, asyncio.AbstractEventLoop] = server.loops
@@ -269,14 +165,9 @@ def run_node(
         async def _grab_loop():
             loop_holder["loop"] = asyncio.get_running_loop()
             more = front.describe()
-            log.info(
-                "%s node front on http://%s:%d (pp=%d)%s",
-                role,
-                cfg.host,
-                cfg.port,
-                cfg.pp,
-                f", {more}" if more else "",
-            )
+            tp = f", tp={cfg.tp}" if cfg.tp > 1 else ""
+            where = f"http://{cfg.host}:{cfg.port} (pp={cfg.pp}{tp})"
+            log.info("%s node front on %s%s", role, where, f", {more}" if more else "")
 
         if ready is not None:
             ready()  # a tokenizer that cannot load stops the node now, with its error
@@ -284,12 +175,14 @@ def run_node(
     finally:
         if ranks is not None:
             ranks.stop()
-        hold.close()
+        for h in holds:
+            h.close()
     return 0
 
 
 def make_front(cfg: NodeConfig, role: str, cls=None, **kw):
     """The front of a node of `role`: tokenizer, sockets, metrics, and its FastAPI app."""
+    from pdserve.engine.model.config import tp_refusal
     from pdserve.engine.model.loader import load_model_config, load_sampling_defaults, resolve_model
     from pdserve.runtime.front.http_app import build_app
     from pdserve.runtime.front.metrics import NodeMetrics
@@ -305,6 +198,8 @@ def make_front(cfg: NodeConfig, role: str, cls=None, **kw):
         )
     path = resolve_model(cfg.engine.model)
     mcfg = load_model_config(path)
+    if tp_refusal(mcfg, cfg.tp):
+        raise SystemExit(f"--tp: {tp_refusal(mcfg, cfg.tp)}")
     name = path.name.split(".")[0] if path.suffix == ".gguf" else path.name  # SmolLM2-135M-Instruct
     front = cls(
         TokenizerLoading(path),

@@ -41,6 +41,8 @@ def why_not(slice_) -> str:
         return off
     if slice_.dtype != torch.bfloat16:
         return "not a bf16 slice"
+    if slice_.shard.size > 1:
+        return "a TP rank sums its layers' outputs over its group"
     if slice_.cfg.qk_norm:
         return "the layers have q/k norms"
     if slice_.cfg.sandwich_norms or slice_.cfg.mlp_act != "silu" or slice_.window:

@@ -82,3 +82,47 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
         out.append((start, start + n))
         start += n
     return out
+
+
+def tp_refusal(cfg: ModelConfig, tp: int) -> str:
+    """Why TP size `tp` cannot cut this model, or ""."""
+    if tp < 1:
+        return f"tp must be at least 1, got {tp}"
+    for what, n in (
+        ("query heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("MLP width (intermediate_size)", cfg.intermediate_size),
+    ):
+        if n % tp:
+            return f"tp {tp} does not divide the model's {n} {what}"
+    return ""
+
+
+def slice_weight_names(cfg: ModelConfig, layer_start: int, layer_end: int) -> list[str]:
+    """Hugging Face names of the tensors layers [layer_start, layer_end) need: theirs, the
+    embedding on the first slice, the final norm and LM head on the last."""
+    names = []
+    if layer_start == 0:
+        names.append("model.embed_tokens.weight")
+    for i in range(layer_start, layer_end):
+        p = f"model.layers.{i}."
+        if cfg.sandwich_norms:
+            names += [p + "pre_feedforward_layernorm.weight"]
+            names += [p + "post_feedforward_layernorm.weight"]
+        names += [
+            p + "input_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+            p + "self_attn.o_proj.weight",
+            p + "mlp.gate_proj.weight",
+            p + "mlp.up_proj.weight",
+            p + "mlp.down_proj.weight",
+        ]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if layer_end == cfg.num_layers:
+        names.append("model.norm.weight")
+        names.append("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    return list(dict.fromkeys(names))

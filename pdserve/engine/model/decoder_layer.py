@@ -26,6 +26,7 @@ from pdserve.engine.model.linear import (
     small_batch_weights,
 )
 from pdserve.engine.model.rope import apply_rope
+from pdserve.engine.model.tensor_parallel import TPShard, cols, rows
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,12 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """`cfg`: the layer's own shape, under TP the rank's share of the heads and MLP
+    (engine/model/tensor_parallel.py); `shard`: where that share is, and how the group sums."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None):
         super().__init__()
+        self.shard = shard or TPShard()
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.cfg = cfg
         nd = norm_dtype(cfg, dtype)
@@ -97,8 +102,9 @@ class DecoderLayer(torch.nn.Module):
 
     def load(self, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copies HF-named tensors (`prefix` = "model.layers.{global_index}.") into the fused
-        weights, one at a time (no concatenated temporaries)."""
-        a, m, cfg = prefix + "self_attn.", prefix + "mlp.", self.cfg
+        weights, one at a time (no concatenated temporaries); under TP, this rank's share of each
+        cut weight."""
+        a, m, cfg, shard = prefix + "self_attn.", prefix + "mlp.", self.cfg, self.shard
         parts = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         with torch.no_grad():
             self.input_norm_weight.copy_(norm_weight(w, prefix + "input_layernorm.weight", cfg))
@@ -118,20 +124,20 @@ class DecoderLayer(torch.nn.Module):
                 )
             off = 0
             for p, n in parts:
-                self.qkv_weight[off : off + n].copy_(w[a + f"{p}_proj.weight"])
+                self.qkv_weight[off : off + n].copy_(rows(w[a + f"{p}_proj.weight"], shard))
                 if self.qkv_bias is not None:
-                    self.qkv_bias[off : off + n].copy_(w[a + f"{p}_proj.bias"])
+                    self.qkv_bias[off : off + n].copy_(rows(w[a + f"{p}_proj.bias"], shard))
                 off += n
-            self.o_weight.copy_(w[a + "o_proj.weight"])
+            self.o_weight.copy_(cols(w[a + "o_proj.weight"], shard))
             if cfg.qk_norm:
                 # both made in __init__ when cfg.qk_norm
                 assert self.q_norm_weight is not None and self.k_norm_weight is not None
                 self.q_norm_weight.copy_(norm_weight(w, a + "q_norm.weight", cfg))
                 self.k_norm_weight.copy_(norm_weight(w, a + "k_norm.weight", cfg))
             inter = cfg.intermediate_size
-            self.gate_up_weight[:inter].copy_(w[m + "gate_proj.weight"])
-            self.gate_up_weight[inter:].copy_(w[m + "up_proj.weight"])
-            self.down_weight.copy_(w[m + "down_proj.weight"])
+            self.gate_up_weight[:inter].copy_(rows(w[m + "gate_proj.weight"], shard))
+            self.gate_up_weight[inter:].copy_(rows(w[m + "up_proj.weight"], shard))
+            self.down_weight.copy_(cols(w[m + "down_proj.weight"], shard))
 
     def forward(
         self,
@@ -151,19 +157,23 @@ class DecoderLayer(torch.nn.Module):
         small = self.small
         qkv = linear(x, self.qkv_weight, small.get("qkv"), self.qkv_bias)
         attn = self._attention(qkv, layer, fb, pool, rope, masks, ws, window)
-        if self.attn_out_norm_weight is None:
-            add_linear_(h, attn, self.o_weight, small.get("o"))
-        else:
-            o = linear(attn, self.o_weight, small.get("o"))
-            h.add_(layer_ops.rms_norm(o, self.attn_out_norm_weight, cfg.rms_norm_eps))
+        self._add_output(h, attn, self.o_weight, small.get("o"), self.attn_out_norm_weight)
         x = layer_ops.rms_norm(h, self.post_norm_weight, cfg.rms_norm_eps)
         gate_up = linear(x, self.gate_up_weight, small.get("gate_up"))
         act = layer_ops.silu_mul(gate_up) if cfg.mlp_act == "silu" else gelu_tanh_mul(gate_up)
-        if self.mlp_out_norm_weight is None:
-            add_linear_(h, act, self.down_weight, small.get("down"))
-        else:
-            down = linear(act, self.down_weight, small.get("down"))
-            h.add_(layer_ops.rms_norm(down, self.mlp_out_norm_weight, cfg.rms_norm_eps))
+        self._add_output(h, act, self.down_weight, small.get("down"), self.mlp_out_norm_weight)
+
+    def _add_output(self, h, x, weight, small, out_norm: torch.Tensor | None) -> None:
+        """h += x @ weight.T, through `out_norm` where the layer has one (Gemma 3). Under TP the
+        product is a partial sum, summed over the group first (engine/model/tensor_parallel.py)."""
+        reduce = self.shard.reduce
+        if out_norm is None and reduce is None:
+            add_linear_(h, x, weight, small)
+            return
+        y = linear(x, weight, small)
+        if reduce is not None:
+            reduce(y)
+        h.add_(y if out_norm is None else layer_ops.rms_norm(y, out_norm, self.cfg.rms_norm_eps))
 
     def _rope_store_kv(self, qkv, rope, kv, fb: ForwardBatch) -> torch.Tensor:
         """layer_ops.rope_store_kv_ in torch ops (other devices and dtypes; q/k norms first), into

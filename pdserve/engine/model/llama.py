@@ -30,7 +30,7 @@ from pdserve.engine.kernels import (
 )
 from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.model.attention_masks import group_masks
-from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.config import ModelConfig, slice_weight_names
 from pdserve.engine.model.decoder_layer import (
     IN_PLACE,
     DecoderLayer,
@@ -46,6 +46,7 @@ from pdserve.engine.model.linear import (
     small_batch_weights,
 )
 from pdserve.engine.model.rope import RopeTable
+from pdserve.engine.model.tensor_parallel import TPShard, shard_config
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,17 @@ class ModelSlice(torch.nn.Module):
     """Layers [layer_start, layer_end) of the decoder;
     pool local layer i = global layer layer_start + i."""
 
-    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, dtype=torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_start: int,
+        layer_end: int,
+        dtype=torch.float32,
+        shard: TPShard | None = None,
+    ):
+        """`shard`: this rank's place in its stage's TP group; its layers then hold its share of
+        the heads and the MLP (`layer_cfg`), the rest is whole (engine/model/tensor_parallel.py).
+        """
         super().__init__()
         if not 0 <= layer_start < layer_end <= cfg.num_layers:
             raise ValueError(
@@ -65,13 +76,15 @@ class ModelSlice(torch.nn.Module):
                 f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
             )
         self.cfg, self.dtype = cfg, dtype
+        self.shard = shard or TPShard()
+        self.layer_cfg = shard_config(cfg, self.shard.size)  # raises where tp does not divide
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = layer_start == 0, layer_end == cfg.num_layers
         self.embed_weight = (
             empty_parameter(cfg.vocab_size, cfg.hidden_size, dtype=dtype) if self.is_first else None
         )
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, dtype) for _ in range(layer_start, layer_end)
+            DecoderLayer(self.layer_cfg, dtype, self.shard) for _ in range(layer_start, layer_end)
         )
         self.norm_weight = (
             empty_parameter(cfg.hidden_size, dtype=norm_dtype(cfg, dtype)) if self.is_last else None
@@ -204,33 +217,7 @@ class ModelSlice(torch.nn.Module):
 
     def weight_names(self) -> list[str]:
         """Hugging Face names of the tensors this slice needs (and nothing of the other layers)."""
-        names = []
-        if self.is_first:
-            names.append("model.embed_tokens.weight")
-        for i in range(self.layer_start, self.layer_end):
-            p = f"model.layers.{i}."
-            if self.cfg.sandwich_norms:
-                names += [p + "pre_feedforward_layernorm.weight"]
-                names += [p + "post_feedforward_layernorm.weight"]
-            names += [
-                p + "input_layernorm.weight",
-                p + "post_attention_layernorm.weight",
-                p + "self_attn.o_proj.weight",
-                p + "mlp.gate_proj.weight",
-                p + "mlp.up_proj.weight",
-                p + "mlp.down_proj.weight",
-            ]
-            names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-            if self.cfg.attention_bias:
-                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            if self.cfg.qk_norm:
-                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        if self.is_last:
-            names.append("model.norm.weight")
-            names.append(
-                "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-            )
-        return list(dict.fromkeys(names))
+        return slice_weight_names(self.cfg, self.layer_start, self.layer_end)
 
     def load_weights(self, w: Mapping[str, torch.Tensor]) -> None:
         """Fills the slice from HF-named tensors (as listed by `weight_names`)."""
@@ -343,8 +330,8 @@ class ModelSlice(torch.nn.Module):
                 fb.out_offs,
                 g.kv_pages.view(g.num_seqs, g.pages),
                 g.seq_lens,
-                self.cfg.num_heads,
-                self.cfg.num_kv_heads,
+                self.layer_cfg.num_heads,
+                self.layer_cfg.num_kv_heads,
                 self.cfg.rms_norm_eps,
             )
         else:

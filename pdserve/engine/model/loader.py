@@ -293,10 +293,11 @@ def load_sampling_defaults(path) -> dict:
     return {**out, "unapplied": unapplied} if unapplied else out
 
 
-def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice:
+def load_slice(path, layer_start: int, layer_end: int, dtype=None, shard=None) -> ModelSlice:
     """Builds layers [layer_start, layer_end) and loads only their weights (plus embedding / head);
-    `dtype` defaults to float32. torch is imported here, not with the module: node fronts read
-    configs and tokenizers through this module and never need torch."""
+    `dtype` defaults to float32; `shard` (a TPShard): a TP rank's share of the layers. torch is
+    imported here, not with the module: node fronts read configs and tokenizers through this
+    module and never need torch."""
     import torch
 
     from pdserve.engine.model.llama import ModelSlice
@@ -314,6 +315,6 @@ def load_slice(path, layer_start: int, layer_end: int, dtype=None) -> ModelSlice
                 f"layer slice [{layer_start}, {layer_end}) is outside the model's "
                 f"{cfg.num_layers} layers"
             )
-        model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype or torch.float32)
+        model = ModelSlice(cfg, layer_start, layer_end, dtype=dtype or torch.float32, shard=shard)
         model.load_weights(_SliceWeights(model.weight_names(), fetch, cfg, p))
     return model.eval()

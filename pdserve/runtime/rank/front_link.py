@@ -127,9 +127,13 @@ class StatsReporter:
 
     def maybe_send(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.sock is None or (now < self._next and not force):
+        if now < self._next and not force:
             return
         self._next = now + self.period
+        if self.sock is None:  # a TP follower pushes nothing: what it kept for a push goes
+            self.loop.drain_samples()
+            self.loop.spans.drain()
+            return
         stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
         self._send(stats)
 

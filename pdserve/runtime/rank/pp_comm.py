@@ -104,6 +104,9 @@ class PPLink:
     `_sends`), receives one message (`_recv_one`), and waits until a send was received
     (`_wait_sent`)."""
 
+    # the TP group of this rank's stage (runtime/rank/tp_group.py); None: a stage of one process
+    tp: Any = None
+
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
         self.turn = 0

@@ -30,6 +30,7 @@ from pdserve.engine.kernels import cpu_kernels, spare_core, switches
 from pdserve.engine.model.config import split_layers
 from pdserve.engine.model.detokenizer import StopDetokenizer
 from pdserve.engine.model.loader import load_model_config, load_slice, resolve_model
+from pdserve.engine.model.tensor_parallel import TPShard
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
@@ -40,6 +41,7 @@ from pdserve.runtime.rank.front_link import StatsReporter, ZmqFrontIO
 from pdserve.runtime.rank.pp_comm import PPComm
 from pdserve.runtime.rank.rank_loop import RankLoop
 from pdserve.runtime.rank.slot_loop import LoopConfig, SlotLoop
+from pdserve.runtime.rank.tp_group import FollowerFront, TPFollowLink, TPGroup, TPLeadLink
 from pdserve.runtime.rank_spec import RankSpec
 
 # What a rank imports lazily and a rank zygote (infra/zygote.py) imports once for all its children:
@@ -85,7 +87,7 @@ class RankParts:
     runner: ModelRunner
     sched: Scheduler
     loop_cfg: LoopConfig
-    front: ZmqFrontIO | None = None
+    front: ZmqFrontIO | FollowerFront | None = None
     about: str = ""  # for the ready line: layers, threads, cores, dtype
 
 
@@ -100,6 +102,38 @@ def join_pp_group(spec: RankSpec) -> PPComm:
         comm_stream=spec.comm_stream,
         host=spec.host,
     )
+
+
+def join_tp_group(spec: RankSpec) -> TPGroup:
+    return TPGroup(
+        spec.tp_rank,
+        spec.tp_size,
+        stage=spec.pp_rank,
+        init_method=spec.tp_init,
+        world=spec.pp_size * spec.tp_size,
+        hosts_store=spec.pp_rank == 0 and spec.tp_rank == 0,
+        timeout_s=spec.pp_timeout_s,
+        host=spec.host,
+    )
+
+
+def stage_link(spec: RankSpec, comm: Any) -> Any:
+    """The rank's link to the rest of its node: its PP link (None for a lone rank), or in a TP
+    group its lead's view of it (runtime/rank/tp_group.py)."""
+    tp = join_tp_group(spec) if spec.tp_size > 1 else None
+    if spec.pp_size > 1 and comm is None and (tp is None or tp.is_lead):
+        comm = join_pp_group(spec)
+    if tp is None:
+        return comm
+    if tp.is_lead:
+        return TPLeadLink(comm, tp, spec.pp_rank, spec.pp_size)
+    return TPFollowLink(tp, spec.pp_rank, spec.pp_size)
+
+
+def rank_name(spec: RankSpec) -> str:
+    """How logs and `ps` name the rank: decode-pp1, or colocated-pp0-tp1 in a TP group."""
+    tp = f"-tp{spec.tp_rank}" if spec.tp_size > 1 else ""
+    return f"{spec.role}-pp{spec.pp_rank}{tp}"
 
 
 def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
@@ -130,12 +164,13 @@ def plant_divergence_if_asked(spec: RankSpec, runner: ModelRunner) -> None:
     consensus checker exists for; this rank then hands out different page ids. Only the
     environment the rank was started with can ask for it (no request or message can), and only
     with the checker on, which stops the node at the first diverging call: never wrong output."""
-    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") != str(spec.pp_rank):
+    me = str(spec.pp_rank) if spec.tp_size == 1 else f"{spec.pp_rank}.{spec.tp_rank}"
+    if os.environ.get("PDSERVE_TEST_PLANT_DIVERGENCE") != me:
         return
     if rank_checker.ENABLED:
         log.warning(
-            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on pp_rank %d (test only)",
-            spec.pp_rank,
+            "PDSERVE_TEST_PLANT_DIVERGENCE: planting a divergence on %s (test only)",
+            rank_name(spec),
         )
         runner.pool.allocator.alloc(1)
 
@@ -166,11 +201,11 @@ def build_rank(
         f"dtype {cfg.dtype} ({why})"
     )
     log.debug("pp_rank %d/%d: %s", spec.pp_rank, spec.pp_size, about)
-    if spec.pp_size > 1 and comm is None:
-        comm = join_pp_group(spec)
+    comm = stage_link(spec, comm)
     if comm is not None:
         cfg = agree_capacities(comm, cfg)
-    runner, loaded = _load_runner(spec, cfg, mcfg, path, (start, end), threads)
+    tp = comm.tp if comm is not None else None
+    runner, loaded = _load_runner(spec, cfg, mcfg, path, (start, end), threads, tp)
     about += loaded
     plant_divergence_if_asked(spec, runner)
     loop_cfg = LoopConfig(
@@ -191,16 +226,26 @@ def build_rank(
 
 
 def _load_runner(
-    spec: RankSpec, cfg: EngineConfig, mcfg: Any, path: Path, layers: tuple[int, int], threads: int
+    spec: RankSpec,
+    cfg: EngineConfig,
+    mcfg: Any,
+    path: Path,
+    layers: tuple[int, int],
+    threads: int,
+    tp: TPGroup | None = None,
 ) -> tuple[ModelRunner, str]:
     """Loads layers [start, end) and builds their runner, after the capacities were agreed; and
     what the ready line adds about them (small-batch weights, the spare-core helper)."""
     start, end = layers
     about = ""
-    model = load_slice(path, start, end, cfg.torch_dtype)
+    shard = TPShard()
+    if tp is not None:  # this rank's share of each layer; the group sums the partial outputs
+        shard = TPShard(tp.rank, tp.size, tp.reduce_)
+        about += f", TP rank {tp.rank} of {tp.size}"
+    model = load_slice(path, start, end, cfg.torch_dtype, shard)
     if cfg.small_batch_weights:
         about += ", " + model.add_small_batch_weights(
-            lambda: load_slice(path, start, end),  # fp32
+            lambda: load_slice(path, start, end, None, shard),  # fp32
             batch_invariant=cfg.batch_invariant,
         )
     helper = (
@@ -238,8 +283,8 @@ def colocated_loop(parts: RankParts) -> SlotLoop:
 
 def _become_rank(spec: RankSpec) -> None:
     """The process settings of a rank, before it builds anything."""
-    setup_logging(f"[{spec.role} pp{spec.pp_rank}]")
-    set_process_name(f"{spec.role}-pp{spec.pp_rank}")  # e.g. decode-pp1
+    setup_logging(f"[{rank_name(spec).replace('-', ' ', 1)}]")
+    set_process_name(rank_name(spec))  # e.g. decode-pp1
     rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
     bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
     die_with_parent()
@@ -265,8 +310,9 @@ def run_rank(
     loop = None
     try:
         parts = build_rank(spec, **(build_kwargs or {}))
-        if spec.pp_rank == 0:
-            parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr)
+        if spec.pp_rank == 0:  # only PP0's TP lead talks to the front
+            lead = spec.tp_rank == 0
+            parts.front = ZmqFrontIO(ctx, spec.req_addr, spec.evt_addr) if lead else FollowerFront()
         loop = make_loop(parts)
         stats = StatsReporter(ctx, spec.stats_addr, spec, loop, dtype=parts.cfg.dtype)
         start_watchdog(loop, spec.watchdog_s)

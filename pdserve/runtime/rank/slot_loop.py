@@ -47,6 +47,7 @@ from pdserve.runtime.messages import (
     ring_to_wire,
 )
 from pdserve.runtime.rank.idle_wait import IdleWait
+from pdserve.runtime.rank.loop_samples import LoopSamples
 from pdserve.runtime.rank.pp_comm import Msg, PPLink
 from pdserve.runtime.rank.rank_loop import FrontIO, LoopStats
 from pdserve.runtime.rank.rank_loop import RankLoop as RankLoop  # re-export: front_link.py
@@ -77,7 +78,7 @@ class LoopConfig:
         return self.pp_size + self.async_depth
 
 
-class SlotLoop:
+class SlotLoop(LoopSamples):
     """One rank's loop. A PD loop extends it by subclassing: the hooks below (`apply_message` for
     its own message kinds, the queue steps around the iteration, its own stats) are the one way in.
     """
@@ -90,6 +91,7 @@ class SlotLoop:
         scheduler: Scheduler,
         front: FrontIO | None,
     ):
+        super().__init__()
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.rank if comm else 0
@@ -106,11 +108,9 @@ class SlotLoop:
         self._events: list[Event] = []  # PP0: what to tell the front this iteration
         self._timeouts = RequestTimeouts(cfg.waiting_timeout_s, cfg.running_timeout_s)  # PP0
         self.stream_tokens = True  # the prefill loop answers with its own events
-        # Metrics only (PP0; wall clock never reaches a decision): samples since the last push.
-        self.samples: dict[str, list[float]] = {}
         self.spans = RankSpans()  # traced requests' stages (side data, docs/TRACING.md)
-        self._t_queued: dict[str, float] = {}  # rid -> entered the scheduler's waiting queue
-        self._t_running: dict[str, float] = {}  # rid -> first scheduled
+        # the TP group of this rank's stage (runtime/rank/tp_group.py), where it has one
+        self.tp = comm.tp if comm is not None else None
         self._idle = IdleWait(cfg.idle_wait_ms, cfg.idle_max_wait_ms, cfg.outstanding_max_wait_ms)
 
     @property
@@ -137,11 +137,10 @@ class SlotLoop:
         self.apply_meta(meta)
         self.before_schedule(t, slot)
         if self.size == 1 and self.sched.guides_pending:  # a lone rank samples: no ring to wait
-            self.sched.guides_compiled(compiled_guides(self.sched.reqs, self.runner.grammar))
+            self.sched.guides_compiled(self.compiled_guides())
         batch = self.sched.schedule(slot)
         self.batches[slot] = batch
-        if self._t_queued:
-            self._time_admissions(batch)
+        self.time_admissions(batch)
         hidden_or_logits = self.forward(batch)
         self.after_forward(batch)
         self.exchange_and_harvest(t, slot, batch, hidden_or_logits)
@@ -197,6 +196,8 @@ class SlotLoop:
             if meta:
                 self._idle.woken()
             meta.extend(self.timeout_aborts(meta))
+            if self.tp is not None:  # the TP group's other ranks take PP0 TP0's meta
+                meta = self.tp.same_meta(meta)
         else:
             # PP0 decoded and checked every message; a failure here is a bug, and it stops the rank.
             meta = [decode(m) for m in self._pp.recv(self._pp.prev, Msg.META)]
@@ -238,24 +239,6 @@ class SlotLoop:
             self.spans.finish(msg.rid, AbortReason.INVALID_REQUEST)
         return True
 
-    def observe(self, name: str, seconds: float) -> None:
-        """Records a latency sample for the front's histograms (PP0 only, metrics only)."""
-        if self.is_first:
-            self.samples.setdefault(name, []).append(seconds)
-
-    def mark_queued(self, rid: str) -> None:
-        if self.is_first:
-            self._t_queued[rid] = time.monotonic()
-
-    # sent (empty) with every push: the front's histograms exist from the first scrape
-    sample_names: tuple[str, ...] = ("queue:waiting", "queue:running")
-
-    def drain_samples(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {n: [] for n in self.sample_names}
-        out.update(self.samples)
-        self.samples = {}
-        return out
-
     def stats_extension(self) -> StatsExtension | None:
         """What this kind of loop adds to its rank's stats push (a PD loop: its KV transfer
         counters); called once per push."""
@@ -293,7 +276,7 @@ class SlotLoop:
                 out = self.runner.sample(batch, y)
         if self.is_last:  # the outputs, and a pipeline's report of compiled guides, go round
             report = batch.awaits_guides and self.size > 1  # a lone rank's is taken in `iteration`
-            ready = compiled_guides(self.sched.reqs, self.runner.grammar) if report else []
+            ready = self.compiled_guides() if report else []
             self.last_outputs[batch.slot] = (out, ready)
             self.send_queue.append((batch.slot, out, ready))
         return y
@@ -357,20 +340,15 @@ class SlotLoop:
                 top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
                 self._events.append(TokenEvent(req.rid, req.output_ids[-1], lp, top))
 
-    def _time_admissions(self, batch: ScheduledBatch) -> None:
-        now = time.monotonic()
-        for e in batch.entries:
-            t0 = self._t_queued.pop(e.req.rid, None)
-            if t0 is not None:
-                self.observe("queue:waiting", now - t0)
-                self._t_running[e.req.rid] = now
+    def compiled_guides(self) -> list[str]:
+        """The sampling rank's report of compiled guides (engine/guide_hold.py). In a TP group a
+        guide is compiled once every rank of the group has it: each samples with its own."""
+        ready = compiled_guides(self.sched.reqs, self.runner.grammar)
+        return self.tp.on_every_rank(self.sched.reqs, ready) if self.tp is not None else ready
 
     def report(self) -> None:
         for req in self.sched.drain_finished():
-            self._t_queued.pop(req.rid, None)
-            t0 = self._t_running.pop(req.rid, None)
-            if t0 is not None:
-                self.observe("queue:running", time.monotonic() - t0)
+            self.time_finish(req)
             self.on_finished(req)
             if self.is_first and self.stream_tokens:
                 f = req.finish

@@ -1,0 +1,62 @@
+"""SmolLM2-135M (the default model's GGUF) on a colocated node at TP 3, in fp32, against
+transformers on the same file: its 9 query heads, 3 KV heads and MLP of 1536 split three ways
+(docs/ARCHITECTURE.md section 15), token-identical, with the rank consensus checker on. Minutes
+of model loads on two cores: a CI step of its own (`make test-models`)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from cluster import NODE_ARGS, free_port, start
+from one_thread import one_torch_thread
+from reference import hf_greedy
+
+from pdserve.engine.model.loader import load_model_config, resolve_model
+from pdserve.engine.model.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.models
+
+MAX_NEW = 16
+TEXTS = [
+    "The capital of France is",
+    "Write a haiku about pipelines: tensors flow downstream, each stage holds a slice of heads,",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(prompts, transformers' greedy answers in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(None)
+    cfg = load_model_config(path)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (9, 3, 1536)
+    tok = load_tokenizer(path)
+    prompts = [tok(t).input_ids for t in TEXTS]
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad(), one_torch_thread():
+        answers = hf_greedy(ref, prompts, MAX_NEW)
+    del ref
+    return prompts, answers
+
+
+def test_tp3_serves_smollm2_exactly(smollm2, tmp_path):
+    prompts, answers = smollm2
+    port = free_port()
+    cmd = ["serve", "--tp", "3", "--dtype", "float32", "--port", str(port), *NODE_ARGS]
+    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1"}
+    with start(cmd, port, tmp_path / "node.log", env=env, timeout=420) as (url, _):
+        for prompt, want in zip(prompts, answers, strict=True):
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+            }
+            r = httpx.post(f"{url}/generate", json=body, timeout=180)
+            assert r.status_code == 200, r.text
+            assert r.json()["token_ids"] == want
+        assert httpx.get(f"{url}/health").status_code == 200, "the checker or a rank failed"
+    log = (tmp_path / "node.log").read_text()
+    assert all(f"TP rank {t} of 3" in log for t in range(3))
