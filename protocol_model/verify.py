@@ -10,7 +10,10 @@ The safety properties (agreement, safety, no double free / no leak, deadlock fre
 by one exhaustive run per configuration with all their assertions on; liveness is a separate
 acceptance-cycle run under weak fairness (-a -f) against the model's LTL formula. The role flip
 of an elastic node (-DFLIP) is checked in its own PP 2 configurations, with two more properties:
-every rank has the same role in every iteration, and nothing is held at a flip.
+every rank has the same role in every iteration, and nothing is held at a flip. Tensor
+parallelism (tp.pml: stages of TP 2, a lead and a follower that replays it) adds two: a follower
+takes from the replay what its lead shared, in order, and both ranks of a stage are in the same
+collective.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ SAFETY_PROPS = ("agreement", "safety", "no-double-free-no-leak", "deadlock-freed
 # with the role flip (-DFLIP): every rank's role is PP0's in every iteration; at a flip the rank
 # holds no page and no request
 FLIP_PROPS = (*SAFETY_PROPS, "role-agreement", "drained-at-flip")
+# tensor parallelism (tp.pml): the follower's replay in its lead's order, the stage's two ranks in
+# the same collective
+TP_PROPS = ("agreement", "deadlock-freedom", "replay-order", "collective-order")
 PROP_MACROS = {
     "agreement": "P_AGREEMENT",
     "safety": "P_SAFETY",
@@ -54,6 +60,8 @@ SCENARIOS = {
     # time, room 0 aborted at any point (held included)
     "guide": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1),
     "guide-async1": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1, ASYNC=1),  # L = 3
+    # tensor parallelism: two guided requests, the lead's compiles end at any time
+    "tp": dict(NREQ=2),
 }
 
 
@@ -103,6 +111,14 @@ def properties_checks() -> list[Check]:
         out += _finding_checks(model) + _pp2_checks(model, fx) + _pp3_checks(model, fx)
         out += _flip_checks(model, fx)
         out += _guide_checks(model, fx)
+    return out + _tp_checks()
+
+
+def _tp_checks() -> list[Check]:
+    """Tensor parallelism (tp.pml), exhaustive: the safety properties at PP 1, 2 and 3 (3.4 M
+    states, about 15 s), liveness at PP 1 and 2."""
+    out = [Check(f"tp-pp{pp}", "tp", pp, "tp", "safety", TP_PROPS) for pp in (1, 2, 3)]
+    out += [Check(f"tp-pp{pp}-live", "tp", pp, "tp", "liveness", ("liveness",)) for pp in (1, 2)]
     return out
 
 
@@ -237,12 +253,18 @@ def mutant_checks() -> list[Check]:
         # (the last rank alone ends the hold and waits for hidden states PP0 never sends)
         ("M_GUIDE_LOCAL", "prefill", "guide", "agreement"),
         ("M_GUIDE_NO_RING", "prefill", "guide", "deadlock-freedom"),
+        # tensor parallelism: each rank of the group takes its own compile for the report (the
+        # two schedules part); the lead shares no empty report (its follower waits for it)
+        ("M_TP_LOCAL", "tp", "tp", "agreement"),
+        ("M_TP_SKIP_EMPTY", "tp", "tp", "deadlock-freedom"),
     ]
     m = [x for x in m if (HERE / f"{x[1]}.pml").exists()]
     out = [_mutant(mac, model, 2, sc, prop) for mac, model, sc, prop in m]
     # and the PP 3 partial search finds them too (one per property class it runs)
     out.append(_mutant("M_NO_PASS2", "decode", 3, "faults", "agreement", bitstate=BITS3))
     out.append(_mutant("M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", bitstate=BITS))
+    # a lone stage: the ranks' own reports send one into a forward's all-reduce alone
+    out.append(_mutant("M_TP_LOCAL", "tp", 1, "tp", "collective-order"))
     return out
 
 
@@ -350,6 +372,10 @@ def classify(what: str) -> str:
     """The property a spin error breaks, from the assertion's text (see the model's asserts)."""
     if "invalid end state" in what:
         return "deadlock-freedom"
+    if "gtag==" in what:
+        return "collective-order"  # tp.pml: the stage's two ranks in different collectives
+    if "kind==" in what:
+        return "replay-order"  # tp.pml: a follower took another message than its lead shared
     if "role[k]" in what:
         return "role-agreement"  # a rank's role is not PP0's in this iteration (P_ROLE)
     if "heldnow" in what:

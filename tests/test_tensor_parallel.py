@@ -4,15 +4,19 @@
   of the whole slice, for Llama and Gemma 3 layers (engine/model/tensor_parallel.py).
 - A colocated node of real processes at PP x TP 1x2 and 2x2 over gloo, with the rank consensus
   checker on: greedy output token-identical to transformers in fp32, guided output the offline
-  engine's (each sampling rank compiles its own guide; the group agrees when all have), and
-  nothing held after.
+  engine's, sampled output the same for the same seed (the lead samples and compiles, its
+  follower takes its tokens and its report), and nothing held after.
 - A divergence planted on a TP follower is caught by the checker over the TP group.
+- A TP follower killed mid-stream stops its node, and no rank outlives it.
 - A TP size that does not divide the heads is refused before any rank starts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -21,10 +25,10 @@ import time
 import httpx
 import pytest
 import torch
-from cluster import NODE_ARGS, free_port, start
+from cluster import NODE_ARGS, free_port, group_alive, start
 from one_thread import hf_greedy_one_thread
 from test_engine import make
-from test_pp_node import generate_all, rank_stats
+from test_pp_node import _alive, generate_all, rank_stats
 from test_structured_output import PROMPTS, SCHEMAS
 
 from pdserve.engine.core import SamplingParams
@@ -131,6 +135,7 @@ def test_tp_node_matches_transformers(pp, tp, tiny6, mixed_prompts, reference, t
         for i, (g, want) in enumerate(zip(got, reference, strict=True)):
             assert g == want, f"prompt {i} (len {len(mixed_prompts[i])}) differs from transformers"
         _check_guided(url, tiny6)
+        _check_sampled(url, mixed_prompts)
         stats = rank_stats(url)
         assert [s["pp_rank"] for s in stats] == list(range(pp))  # the leads report
         assert [s["held_pages"] for s in stats] == [0] * pp
@@ -157,6 +162,22 @@ def _check_guided(url: str, model) -> None:
         assert r.json()["token_ids"] == want, name
 
 
+def _check_sampled(url: str, prompts: list[list[int]]) -> None:
+    """Sampled requests (top-p, top-k) on every rank of the group: the lead samples, its followers
+    take its tokens, so the checker (on) finds nothing; the same seed gives the same tokens."""
+
+    def one(ids: list[int], seed: int) -> list[int]:
+        params = {"max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": seed}
+        r = httpx.post(
+            f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=120
+        )
+        r.raise_for_status()
+        return r.json()["token_ids"]
+
+    first = [one(ids, i) for i, ids in enumerate(prompts[:4])]
+    assert [one(ids, i) for i, ids in enumerate(prompts[:4])] == first
+
+
 def test_a_divergence_on_a_tp_follower_is_caught(tiny6, mixed_prompts, tmp_path):
     """The test-only hook plants a rank-local allocation on PP0's TP rank 1: its lead and the
     other stages never see its page ids, only the checker's comparison over the TP group can."""
@@ -175,3 +196,36 @@ def test_a_divergence_on_a_tp_follower_is_caught(tiny6, mixed_prompts, tmp_path)
     assert "planting a divergence on colocated-pp0-tp1" in log
     assert "rank consensus check FAILED" in log
     assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
+
+
+def test_sigkill_of_a_tp_follower_stops_the_node(tiny6, tmp_path):
+    """Followers push no stats: the node watches their processes, as every rank's. A follower
+    killed while its group serves a stream ends that stream with an error, the node turns
+    unhealthy, and every rank exits."""
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny6), "--tp", "2", "--port", str(port), *NODE_ARGS]
+    log_path = tmp_path / "node.log"
+    with start(cmd, port, log_path) as (url, proc):
+        found = re.search(r"\[colocated pp0-tp1\] pid=(\d+)", log_path.read_text())
+        assert found, "the follower's ready line"
+        follower = int(found.group(1))
+        lead = httpx.get(f"{url}/server_info").json()["ranks"][0]["pid"]
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}
+        with httpx.stream(
+            "POST", f"{url}/generate", json={**body, "stream": True}, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            first = next(lines)  # the stream has started
+            assert "token" in first, first
+            os.kill(follower, signal.SIGKILL)
+            rest = "".join(lines)
+        assert "node failure" in rest, rest[-500:]
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30 and httpx.get(f"{url}/health").status_code != 503:
+            time.sleep(0.2)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["dead"] is True, health.text
+        while time.monotonic() - t0 < 30 and _alive(lead):
+            time.sleep(0.2)
+        assert not _alive(lead) and not _alive(follower), "a rank outlived its group"
+    assert group_alive(proc.pid) == []

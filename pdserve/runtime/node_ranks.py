@@ -85,6 +85,8 @@ def make_specs(
         raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
     if cfg.tp > 1 and (role != "colocated" or tp_port is None):
         raise SystemExit(f"--tp {cfg.tp}: only a colocated node (pdserve serve) has TP yet")
+    if cfg.tp > 1 and cfg.device != "cpu":  # the group is gloo, and one GPU would hold every rank
+        raise SystemExit(f"--tp {cfg.tp}: TP runs on the CPU only (--device cpu) for now")
     dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
     plan = node_placement(cfg, len(ranks) * cfg.tp)
     try:

@@ -130,10 +130,13 @@ def stage_link(spec: RankSpec, comm: Any) -> Any:
     return TPFollowLink(tp, spec.pp_rank, spec.pp_size)
 
 
-def rank_name(spec: RankSpec) -> str:
-    """How logs and `ps` name the rank: decode-pp1, or colocated-pp0-tp1 in a TP group."""
-    tp = f"-tp{spec.tp_rank}" if spec.tp_size > 1 else ""
-    return f"{spec.role}-pp{spec.pp_rank}{tp}"
+def rank_name(spec: RankSpec, short: bool = False) -> str:
+    """How logs name the rank: decode-pp1, or colocated-pp0-tp1 in a TP group; `short`: as `ps`
+    shows it, in the 15 bytes a process name keeps (coloc-pp0-tp1)."""
+    if spec.tp_size == 1:
+        return f"{spec.role}-pp{spec.pp_rank}"
+    role = spec.role[:5] if short else spec.role
+    return f"{role}-pp{spec.pp_rank}-tp{spec.tp_rank}"
 
 
 def agree_capacities(comm: PPComm, cfg: EngineConfig) -> EngineConfig:
@@ -255,7 +258,8 @@ def _load_runner(
     )
     about += f", {helper}" if helper else ""
     runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
-    if model.is_last:  # only the sampling rank holds grammar state (engine/grammar.py)
+    # only the sampling rank holds grammar state (engine/grammar.py): a TP group's lead
+    if model.is_last and (tp is None or tp.is_lead):
         tok = lambda: load_tokenizer(path)  # noqa: E731  (loaded at the first guided request)
         runner.grammar = GrammarSampler(tok, mcfg.vocab_size, mcfg.eos_token_ids)
         runner.grammar.warm_up_in_background()
@@ -284,7 +288,7 @@ def colocated_loop(parts: RankParts) -> SlotLoop:
 def _become_rank(spec: RankSpec) -> None:
     """The process settings of a rank, before it builds anything."""
     setup_logging(f"[{rank_name(spec).replace('-', ' ', 1)}]")
-    set_process_name(rank_name(spec))  # e.g. decode-pp1
+    set_process_name(rank_name(spec, short=True))  # e.g. decode-pp1
     rank_checker.configure_from_env()  # forked from a zygote: imported under its environment
     bind_cores(spec.cpus)  # before any thread starts: OpenMP's and the transfer's inherit it
     die_with_parent()

@@ -43,6 +43,8 @@ from pdserve.runtime.messages import (
     TokenEvent,
     decode,
     encode,
+    out_from_wire,
+    out_to_wire,
     ring_from_wire,
     ring_to_wire,
 )
@@ -273,7 +275,7 @@ class SlotLoop(LoopSamples):
                 self.spans.prompt_chunks(batch.entries, t0, now_ns())
             self.stats.forwards += 1
             if self.is_last and batch.sampling_entries:
-                out = self.runner.sample(batch, y)
+                out = self._sample(batch, y)
         if self.is_last:  # the outputs, and a pipeline's report of compiled guides, go round
             report = batch.awaits_guides and self.size > 1  # a lone rank's is taken in `iteration`
             ready = self.compiled_guides() if report else []
@@ -341,10 +343,21 @@ class SlotLoop(LoopSamples):
                 self._events.append(TokenEvent(req.rid, req.output_ids[-1], lp, top))
 
     def compiled_guides(self) -> list[str]:
-        """The sampling rank's report of compiled guides (engine/guide_hold.py). In a TP group a
-        guide is compiled once every rank of the group has it: each samples with its own."""
+        """The sampling rank's report of compiled guides (engine/guide_hold.py); in a TP group
+        its lead's, the one rank that compiles them (it alone samples: `_sample`)."""
         ready = compiled_guides(self.sched.reqs, self.runner.grammar)
-        return self.tp.on_every_rank(self.sched.reqs, ready) if self.tp is not None else ready
+        return self.tp.same(Msg.OUTPUT, ready) if self.tp is not None else ready
+
+    def _sample(self, batch: ScheduledBatch, logits: Any) -> SampleOut:
+        """The last stage's tokens. In a TP group only the lead samples, and its followers take
+        its tokens: a sampling sum over the vocabulary splits by thread count, so two ranks'
+        own samples could differ in a bit, and in a token."""
+        if self.tp is None or self.tp.is_lead:
+            out = self.runner.sample(batch, logits)
+            if self.tp is not None:
+                self.tp.share(Msg.OUTPUT, out_to_wire(out))
+            return out
+        return out_from_wire(self.tp.take(Msg.OUTPUT))
 
     def report(self) -> None:
         for req in self.sched.drain_finished():

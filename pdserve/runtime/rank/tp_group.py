@@ -11,8 +11,9 @@ the same order, and makes the same decisions, as the slot loop's ranks always ha
 What a rank observes locally enters a decision only once the group agrees on it:
 - the capacities: the MIN over the TP group, then over the PP group (its leads), then the lead's
   result to its followers;
-- a guide's compile (engine/guide_hold.py): done once it is done on every rank of the group (MIN
-  of each rank's 0/1), since each samples with its own compiled grammar;
+- the last stage's tokens and its report of compiled guides (engine/guide_hold.py): the lead's,
+  shared over the replay; only the lead samples and compiles (runtime/rank/slot_loop.py
+  `_sample`);
 - the consensus checker's digests: compared over the TP group as well as down the chain.
 
 Two gloo groups per stage, on one rendezvous store for the node (its TCPStore, served by PP0's
@@ -120,6 +121,13 @@ class TPGroup:
             for w in works:
                 w.wait()
 
+    def same(self, kind: Msg, value: Any) -> Any:
+        """The lead's `value` on every rank of the group (what msgpack packs)."""
+        if self.is_lead:
+            self.share(kind, value)
+            return value
+        return self.take(kind)
+
     def same_meta(self, meta: list[Any]) -> list[Any]:
         """PP0's meta of this iteration, the lead's on every rank of the group."""
         if self.is_lead:
@@ -150,16 +158,6 @@ class TPGroup:
         out = [torch.empty_like(t) for _ in range(self.size)]
         self._red.allgather([out], [t]).wait()
         return [o.tolist() for o in out]
-
-    def on_every_rank(self, reqs: dict[str, Any], ready: list[str]) -> list[str]:
-        """Of the `guide_pending` requests (in `reqs` order, the same on every rank), those whose
-        guide every rank of the group reports compiled (`ready`)."""
-        pending = [r.rid for r in reqs.values() if r.guide_pending]
-        if not pending:
-            return []
-        mine = set(ready)
-        lo, _ = self.min_max([int(rid in mine) for rid in pending])
-        return [rid for rid, ok in zip(pending, lo, strict=True) if ok]
 
     def wait_for_peers(self, label: str, timeout_s: float) -> None:
         """Waits, at most `timeout_s`, until every rank of the group reached `label` (on the
