@@ -115,6 +115,7 @@ class ModelSlice(torch.nn.Module):
         # every token of a forward attends as a decode query and every matmul takes the blocked
         # kernel (`add_small_batch_weights(batch_invariant=True)`)
         self.batch_invariant = False
+        self.logits = True  # a TP follower's last slice computes none: its lead samples
 
     def _decoder_layers(self) -> Sequence[DecoderLayer]:
         """`self.layers`, typed: a ModuleList's entries are typed Module, and every one of these is
@@ -372,7 +373,7 @@ class ModelSlice(torch.nn.Module):
         gathered = [g.num_seqs * g.pages for g, m in groups if m is None or torch.is_tensor(m)]
         ws = self._workspace(max(gathered, default=0), pool)
         self._run_layers(h, fb, pool, rope, local_rope, masks, window_masks, ws)
-        if not self.is_last:
+        if not self.is_last or not self.logits:
             return h
         # both made in __init__ on the last slice
         assert self.norm_weight is not None and self.lm_head_weight is not None

@@ -246,6 +246,7 @@ def _load_runner(
         shard = TPShard(tp.rank, tp.size, tp.reduce_)
         about += f", TP rank {tp.rank} of {tp.size}"
     model = load_slice(path, start, end, cfg.torch_dtype, shard)
+    model.logits = tp is None or tp.is_lead  # a follower takes its lead's tokens (slot_loop.py)
     if cfg.small_batch_weights:
         about += ", " + model.add_small_batch_weights(
             lambda: load_slice(path, start, end, None, shard),  # fp32
