@@ -292,7 +292,7 @@ def test_a_request_held_by_its_guide_computes_all_but_the_token_that_samples():
     assert seen == [("g", 8, False), ("g", 2, False)]  # 10 of its 11 tokens, no sample
     assert [r.rid for r in s.drain_finished()] == ["p"]
     assert held.kv_len == 10 and not held.output_ids and not s.has_work
-    s.guides_compiled(["gone", "g"])  # a request that ended since is skipped
+    s.guides_compiled([("gone", 10), ("g", 10)])  # a request that ended since is skipped
     assert s.has_work and not s.guides_pending
     done = run_to_end(s)
     assert done["g"].output_ids == expected(list(range(1, 12)), 3)
@@ -306,7 +306,7 @@ def test_a_held_request_decodes_after_its_report_and_aborts_cleanly():
     d.guide_pending = True
     s.add_prefilled(d, s.allocator.alloc(1), slot=0)
     assert not s.schedule(0).entries and not s.has_work
-    s.guides_compiled(["d"])
+    s.guides_compiled([("d", 10)])
     assert [(e.req.rid, e.num_new) for e in s.schedule(0).entries] == [("d", 1)]
     a = Req("a", list(range(1, 10)), SamplingParams(max_tokens=2, ignore_eos=True))
     a.guide_pending = True
@@ -337,7 +337,30 @@ def test_guides_reported_compiled_are_known_on_every_rank_and_bounded(monkeypatc
 
     held = [applied("a", "a+"), applied("b", "b+"), applied("c", "c+")]
     assert all(r.guide_pending for r in held)
-    s.guides_compiled(["a", "b", "c"])
+    s.guides_compiled([("a", 10), ("b", 10), ("c", 10)])
     assert list(s.guides_known) == [("regex", "b+"), ("regex", "c+")]  # the oldest forgotten
     assert not applied("d", "c+").guide_pending
     assert applied("e", "a+").guide_pending
+
+
+def test_the_known_guides_are_bounded_in_bytes(monkeypatch):
+    """The report carries each compiled guide's bytes, so every rank bounds the known guides'
+    (which the sampling rank never evicts) alike: the oldest go while they hold more than
+    KNOWN_BYTES, and the newest stays whatever its size. Before the report carried them, 128
+    known guides of a 42 KB schema each (6.6 MB compiled) pinned 845 MB on the sampling rank."""
+    from pdserve.engine import guide_hold
+
+    monkeypatch.setattr(guide_hold, "KNOWN_BYTES", 100)
+    s = make()
+    for rid, spec in (("a", "a+"), ("b", "b+"), ("c", "c+"), ("d", "d+")):
+        r = Req(
+            rid, [1, 2, 3], SamplingParams.from_dict({"max_tokens": 1, "guide": ["regex", spec]})
+        )
+        s.add(r)
+        s.hold(r)
+    s.guides_compiled([("a", 40), ("b", 40)])
+    assert list(s.guides_known) == [("regex", "a+"), ("regex", "b+")] and s.known_bytes == 80
+    s.guides_compiled([("c", 40)])  # 120 > 100: the oldest goes
+    assert list(s.guides_known) == [("regex", "b+"), ("regex", "c+")] and s.known_bytes == 80
+    s.guides_compiled([("d", 500)])  # bigger than the bound alone: it stays, the others go
+    assert list(s.guides_known) == [("regex", "d+")] and s.known_bytes == 500

@@ -184,7 +184,8 @@ def test_more_pending_guides_than_the_cache_keeps_all_compile(engine, monkeypatc
         done = g.compiled(reqs)
         time.sleep(0.01)
     g.close()
-    assert done == ["r0", "r1", "r2"]
+    assert [rid for rid, _ in done] == ["r0", "r1", "r2"]
+    assert all(n > 0 for _, n in done)  # each with its compiled grammar's bytes
     assert all(r.guide_pending for r in reqs)  # the report is the loops' to apply
     # a guide every rank knows compiled stays in the cache, whatever comes after it
     g = grammar.GrammarSampler(lambda: engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
@@ -194,6 +195,35 @@ def test_more_pending_guides_than_the_cache_keeps_all_compile(engine, monkeypatc
         g.prepare(guide)
     assert list(g._compiled) == [known, ("regex", "z+")]
     g.close()
+
+
+def test_the_compiled_guide_cache_is_bounded_in_bytes(engine, monkeypatch):
+    """The sampling rank's cache drops its oldest compiles that are not known guides while they
+    hold more than MAX_COMPILED_BYTES (the newest stays); known guides stay whatever their bytes
+    (bounded apart, engine/guide_hold.py). Before, it kept 256 whatever their bytes: a client's
+    256 distinct 42 KB schemas held 1.7 GB there."""
+    from pdserve.engine import grammar
+
+    cfg = engine.model_config
+    g = grammar.GrammarSampler(lambda: engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    guides = [("json_schema", json.dumps(SCHEMAS[n])) for n in SCHEMAS]  # three, distinct
+    sizes = [grammar.compiled_bytes(g.prepare(x)) for x in guides if g.prepare(x).result()]
+    assert all(n > 0 for n in sizes)
+    monkeypatch.setattr(grammar, "MAX_COMPILED_BYTES", sizes[1] + sizes[2])
+    g._compiled.clear()
+    g._sizes.clear()
+    known = ("regex", "k+")
+    g.pinned = {known: 0}
+    for guide in [known, *guides]:
+        g.prepare(guide).result()
+        g.compiled([])  # nothing pending: measuring happens as entries are kept
+    g.prepare(("regex", "z+")).result()  # one more: the others now hold too much
+    kept = list(g._compiled)
+    g.close()
+    assert kept[0] == known and kept[-1] == ("regex", "z+")
+    assert guides[0] not in kept  # the oldest that is not known went
+    total = sum(grammar.compiled_bytes(f) for x, f in g._compiled.items() if x != known)
+    assert total <= sizes[1] + sizes[2] + grammar.compiled_bytes(g._compiled[("regex", "z+")])
 
 
 def test_a_guide_compiled_before_is_not_held_in_a_pipeline(tiny6):

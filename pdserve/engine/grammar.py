@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "structural_tag")
 MAX_SPEC = 64 << 10  # characters of a schema, regex or choice list
 MAX_COMPILED = 256  # compiled guides a sampling rank keeps (the oldest goes first)
+# ... and their bytes (xgrammar's `memory_size_bytes`), beyond the known guides' own bound
+# (engine/guide_hold.py KNOWN_BYTES): a 42 KB JSON schema compiles to 6.6 MB against SmolLM2's
+# vocabulary, so 256 of them would hold 1.7 GB
+MAX_COMPILED_BYTES = 128 << 20
 # The niceness added to the threads that compile guides, the front's check (runtime/front/
 # guide_gate.py) and the sampling rank's: a compile is work one request asked for, and nothing but
 # that request waits on it, so it must not take the CPU from the forward that every running stream
@@ -146,6 +150,7 @@ class GrammarSampler:
     _compiler: Any = None
     # guide -> its compile, done or under way on `_pool`; touched only by the rank's own thread
     _compiled: OrderedDict[tuple[str, str], Future] = field(default_factory=OrderedDict)
+    _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # a done entry's bytes
     # the guides every rank knows compiled (engine/guide_hold.py `guides_known`): never evicted
     pinned: Container = ()
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -184,28 +189,51 @@ class GrammarSampler:
 
     def _keep(self, guide: tuple[str, str], fut: Future) -> Future:
         """`fut` as the cache's entry for `guide`, newest; the oldest entries that are not known
-        guides go to make room (known guides are fewer than MAX_COMPILED: engine/guide_hold.py)."""
-        self._compiled.pop(guide, None)
+        guides go to make room (known guides are fewer than MAX_COMPILED: engine/guide_hold.py),
+        and while those others' compiles hold more than MAX_COMPILED_BYTES."""
+        self._drop(guide)
         while len(self._compiled) >= MAX_COMPILED:
-            del self._compiled[next(g for g in self._compiled if g not in self.pinned)]
+            self._drop(next(g for g in self._compiled if g not in self.pinned))
         self._compiled[guide] = fut
+        others = [g for g in self._compiled if g not in self.pinned and g != guide]
+        total = sum(self._size(g) for g in others)
+        for g in others:  # oldest first
+            if total <= MAX_COMPILED_BYTES:
+                break
+            total -= self._size(g)
+            self._drop(g)
         return fut
+
+    def _size(self, guide: tuple[str, str]) -> int:
+        """The cached compile's bytes, measured once it is done."""
+        n = self._sizes.get(guide)
+        if n is None:
+            fut = self._compiled[guide]
+            n = compiled_bytes(fut)
+            if fut.done():
+                self._sizes[guide] = n
+        return n
+
+    def _drop(self, guide: tuple[str, str]) -> None:
+        self._compiled.pop(guide, None)
+        self._sizes.pop(guide, None)
 
     def _build(self, guide: tuple[str, str]):
         return self._compiler_ready().compile_grammar(_grammar(*guide))
 
-    def compiled(self, reqs: Iterable[Any]) -> list[str]:
-        """The rids, in `reqs` order, of the `guide_pending` requests whose guide's compile has
-        ended (a failed one raises at the request's first sample). Each request checks the
-        compile it holds: more distinct guides pending than the cache keeps must not evict one
-        another's compiles for ever. One that holds none (not prepared here) starts it now."""
+    def compiled(self, reqs: Iterable[Any]) -> list[tuple[str, int]]:
+        """(rid, the compiled guide's bytes), in `reqs` order, of the `guide_pending` requests
+        whose guide's compile has ended (a failed one raises at the request's first sample; its
+        bytes are 0). Each request checks the compile it holds: more distinct guides pending than
+        the cache keeps must not evict one another's compiles for ever. One that holds none (not
+        prepared here) starts it now."""
         done = []
         for req in reqs:
             if req.guide_pending:
                 if req.guide_compile is None:
                     req.guide_compile = self.prepare(req.params.guide)
                 if req.guide_compile.done():
-                    done.append(req.rid)
+                    done.append((req.rid, compiled_bytes(req.guide_compile)))
                     # the cache's entry is this done compile, for the guide every rank will know
                     self._keep(req.params.guide, req.guide_compile)
         return done
@@ -273,8 +301,16 @@ def hold_for_guide(req: Any, sched: Any, grammar: GrammarSampler | None) -> None
         req.guide_compile = grammar.prepare(req.params.guide)
 
 
-def compiled_guides(reqs: dict[str, Any], grammar: GrammarSampler | None) -> list[str]:
-    """The sampling rank's notice: the `guide_pending` requests of `reqs` whose compile ended. A
+def compiled_guides(reqs: dict[str, Any], grammar: GrammarSampler | None) -> list[tuple[str, int]]:
+    """The sampling rank's notice: the `guide_pending` requests of `reqs` whose compile ended,
+    with each compiled guide's bytes (engine/guide_hold.py bounds the known guides' by them). A
     rank without a grammar sampler holds none back (their first sample fails, as it did)."""
     pending = [r for r in reqs.values() if r.guide_pending]
-    return [r.rid for r in pending] if grammar is None else grammar.compiled(pending)
+    return [(r.rid, 0) for r in pending] if grammar is None else grammar.compiled(pending)
+
+
+def compiled_bytes(fut: Future) -> int:
+    """What a compile holds (xgrammar's `memory_size_bytes`); 0 under way or failed."""
+    if not fut.done() or fut.exception() is not None:
+        return 0
+    return int(fut.result().memory_size_bytes)

@@ -8,7 +8,9 @@ applies the report (`guides_compiled`) at the same point of the lockstep (runtim
 slot_loop.py), so the hold ends in the same schedule everywhere.
 
 The KNOWN_GUIDES guides most recently reported, or used by a request that was not held, are
-known compiled on every rank alike (`guides_known`), so a request with one of them is not held:
+known compiled on every rank alike (`guides_known`), at most KNOWN_BYTES of compiled grammar
+between them (the report carries each one's bytes, so every rank bounds them alike), so a request
+with one of them is not held:
 in a pipeline the report takes a turn of the request's slot to come round, which a cached guide
 would otherwise pay. The sampling rank's cache keeps every known guide (GrammarSampler.pinned),
 so its compile is done there.
@@ -25,6 +27,8 @@ from pdserve.engine.grammar import MAX_COMPILED
 
 # fewer than the sampling rank's cache keeps, which must also hold guides not yet known
 KNOWN_GUIDES = MAX_COMPILED // 2
+# the known guides' compiled bytes: the sampling rank keeps every known guide (never evicted)
+KNOWN_BYTES = 128 << 20
 
 
 def held(req: Req) -> bool:
@@ -38,8 +42,10 @@ class GuideHold:
     reqs: dict[str, Req]  # the scheduler's live requests
 
     def __init__(self) -> None:
-        # guides reported compiled, oldest first: the same on every rank (replicated)
-        self.guides_known: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # guides reported compiled, oldest first, with their compiled bytes: the same on every
+        # rank (replicated)
+        self.guides_known: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.known_bytes = 0
 
     def hold(self, req: Req) -> None:
         """As a loop applies a request, on every rank: a guided one samples nothing until the
@@ -55,16 +61,21 @@ class GuideHold:
         """Live requests whose guide's compile the sampling rank has not yet reported done."""
         return sum(r.guide_pending for r in self.reqs.values())
 
-    @rank_consensus("guides_compiled", args=lambda self, rids: list(rids))
-    def guides_compiled(self, rids: Iterable[str]) -> None:
-        """The sampling rank's report: these requests' guides are compiled, so they may sample
-        from the next schedule on. Requests that ended since are skipped."""
-        for rid in rids:
+    @rank_consensus("guides_compiled", args=lambda self, report: [list(x) for x in report])
+    def guides_compiled(self, report: Iterable[tuple[str, int]]) -> None:
+        """The sampling rank's report: these requests' guides are compiled (rid, compiled bytes),
+        so they may sample from the next schedule on. Requests that ended since are skipped. A
+        guide becomes known, and the oldest known go while there are more than KNOWN_GUIDES or
+        they hold more than KNOWN_BYTES (the newest stays, whatever its size)."""
+        for rid, nbytes in report:
             if (req := self.reqs.get(rid)) is None:
                 continue
             req.guide_pending = False
-            if req.params.guide is not None:
-                self.guides_known[req.params.guide] = None
-                self.guides_known.move_to_end(req.params.guide)
-                if len(self.guides_known) > KNOWN_GUIDES:
-                    self.guides_known.popitem(last=False)
+            guide = req.params.guide
+            if guide is not None:
+                self.known_bytes += nbytes - self.guides_known.pop(guide, 0)
+                self.guides_known[guide] = nbytes
+                while len(self.guides_known) > 1 and (
+                    len(self.guides_known) > KNOWN_GUIDES or self.known_bytes > KNOWN_BYTES
+                ):
+                    self.known_bytes -= self.guides_known.popitem(last=False)[1]

@@ -301,15 +301,17 @@ def out_to_wire(out: Any) -> list | None:  # a SampleOut
     return [out.token_ids, out.logprobs, tops]
 
 
-def ring_to_wire(out: Any, ready: list[str]) -> list:
+def ring_to_wire(out: Any, ready: list[tuple[str, int]]) -> list:
     """A ring message: the last rank's SampleOut of a batch, and the requests whose guides it has
-    compiled since (engine/grammar.py `compiled_guides`)."""
-    return [out_to_wire(out), ready]
+    compiled since, with each compiled guide's bytes (engine/grammar.py `compiled_guides`)."""
+    return [out_to_wire(out), [list(x) for x in ready]]
 
 
-def ring_from_wire(w: list | None) -> tuple[Any, list[str]]:
-    """(SampleOut or None, rids) of a ring message; None (no message): nothing."""
-    return (None, []) if w is None else (out_from_wire(w[0]), [str(r) for r in w[1]])
+def ring_from_wire(w: list | None) -> tuple[Any, list[tuple[str, int]]]:
+    """(SampleOut or None, [(rid, bytes)]) of a ring message; None (no message): nothing."""
+    if w is None:
+        return None, []
+    return out_from_wire(w[0]), [(str(r), int(n)) for r, n in w[1]]
 
 
 def out_from_wire(w: list | None) -> Any:

@@ -63,9 +63,8 @@ class ModelSlice(torch.nn.Module):
         dtype=torch.float32,
         shard: TPShard | None = None,
     ):
-        """`shard`: this rank's place in its stage's TP group; its layers then hold its share of
-        the heads and the MLP (`layer_cfg`), the rest is whole (engine/model/tensor_parallel.py).
-        """
+        """`shard`: a TP rank's place in its stage's group; its layers hold its share of the heads
+        and the MLP (`layer_cfg`), the rest is whole (engine/model/tensor_parallel.py)."""
         super().__init__()
         if not 0 <= layer_start < layer_end <= cfg.num_layers:
             raise ValueError(

@@ -102,9 +102,9 @@ class SlotLoop(LoopSamples):
         self.sched = scheduler
         self.front = front  # PP0 only
         self.batches: list[ScheduledBatch | None] = [None] * cfg.num_slots  # not harvested yet
-        # last rank: slot -> (outputs, rids whose guides compiled) and the ring's send queue
-        self.last_outputs: dict[int, tuple[SampleOut | None, list[str]]] = {}
-        self.send_queue: deque[tuple[int, SampleOut | None, list[str]]] = deque()  # async_depth
+        # last rank: slot -> (outputs, [(rid, bytes)] whose guides compiled), the ring's queue
+        self.last_outputs: dict[int, tuple[SampleOut | None, list[tuple[str, int]]]] = {}
+        self.send_queue: deque[tuple[int, SampleOut | None, list[tuple[str, int]]]] = deque()
         self.stats = LoopStats()
         self.stop = threading.Event()
         self._events: list[Event] = []  # PP0: what to tell the front this iteration
@@ -342,7 +342,7 @@ class SlotLoop(LoopSamples):
                 top = req.output_top_logprobs[-1] if req.params.top_logprobs else None
                 self._events.append(TokenEvent(req.rid, req.output_ids[-1], lp, top))
 
-    def compiled_guides(self) -> list[str]:
+    def compiled_guides(self) -> list[tuple[str, int]]:
         """The sampling rank's report of compiled guides (engine/guide_hold.py); in a TP group
         its lead's, the one rank that compiles them (it alone samples: `_sample`)."""
         ready = compiled_guides(self.sched.reqs, self.runner.grammar)
