@@ -8,13 +8,16 @@
   follower takes its tokens and its report), and nothing held after.
 - A divergence planted on a TP follower is caught by the checker over the TP group.
 - A TP follower killed mid-stream stops its node, and no rank outlives it.
+- An abort storm on 2x2 with small pools leaves nothing held and every full answer exact.
 - A TP size that does not divide the heads is refused before any rank starts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -25,7 +28,7 @@ import time
 import httpx
 import pytest
 import torch
-from cluster import NODE_ARGS, free_port, group_alive, start
+from cluster import NODE_ARGS, free_port, group_alive, node_args, start
 from one_thread import hf_greedy_one_thread
 from test_engine import make
 from test_pp_node import _alive, generate_all, rank_stats
@@ -229,3 +232,83 @@ def test_sigkill_of_a_tp_follower_stops_the_node(tiny6, tmp_path):
             time.sleep(0.2)
         assert not _alive(lead) and not _alive(follower), "a rank outlived its group"
     assert group_alive(proc.pid) == []
+
+
+STORM = 160  # streaming requests
+STORM_NEW = 40  # long enough for the decodes to outgrow the small pool
+
+
+@pytest.fixture(scope="module")
+def storm_reference(tiny6, mixed_prompts):
+    return hf_greedy_one_thread(tiny6, mixed_prompts, STORM_NEW)
+
+
+def test_an_abort_storm_on_pp2_tp2_leaves_nothing_held(
+    tiny6, mixed_prompts, reference, storm_reference, tmp_path
+):
+    """160 streams through a 2x2 node with small pools (64 pages of 4 tokens: requests queue
+    and decodes are retracted), the consensus checker on, a seeded mix of fates: run to the end,
+    dropped before the first byte, after the first token, after a few. Every answer that ran to
+    its end is transformers', no stream hangs, and afterwards no lead holds a page, every queue
+    is empty and the node still answers (a follower whose pool or queues had parted from its
+    lead's would have stopped the node through the checker)."""
+    port = free_port()
+    cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--tp", "2", "--port", str(port)]
+    cmd += node_args(max_total_tokens=256, max_running=None)  # 64 pages of 4 tokens
+    env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1"}
+    rng = random.Random(11)
+    plans = [
+        (i % len(mixed_prompts), rng.choice(["end", "end", "before", "first", "some"]))
+        for i in range(STORM)
+    ]
+    with start(cmd, port, tmp_path / "node.log", env=env) as (url, _):
+        outs = asyncio.run(_storm(url, mixed_prompts, plans))
+        assert not [o for o in outs if o[0] == "hang"], "a stream hung"
+        for (i, fate), (end, toks) in zip(plans, outs, strict=True):
+            if fate == "end":
+                assert end == "done" and toks == storm_reference[i], (i, end, toks)
+        ended = sum(o[0] == "done" for o in outs)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = rank_stats(url, settle_s=1.0)
+            queues = [s["waiting"] + s["running"] for s in stats]
+            if [s["held_pages"] for s in stats] == [0, 0] and queues == [0, 0]:
+                break
+        assert [s["held_pages"] for s in stats] == [0, 0], stats
+        assert queues == [0, 0], stats
+        assert all(s["retractions"] > 0 for s in stats), "the pools were never short"
+        assert httpx.get(f"{url}/health").status_code == 200, "the checker or a rank failed"
+        assert generate_all(url, mixed_prompts[:4]) == reference[:4]
+    assert ended >= sum(f == "end" for _, f in plans)
+    assert "consensus check FAILED" not in (tmp_path / "node.log").read_text()
+
+
+async def _storm(url: str, prompts, plans) -> list[tuple[str, list[int]]]:
+    sem = asyncio.Semaphore(24)
+
+    async def one(c: httpx.AsyncClient, i: int, fate: str) -> tuple[str, list[int]]:
+        body = {
+            "input_ids": prompts[i],
+            "stream": True,
+            "sampling_params": {"max_tokens": STORM_NEW, "ignore_eos": True},
+        }
+        cut = {"first": 1, "some": 8}.get(fate)
+        toks: list[int] = []
+        async with sem:
+            try:
+                async with asyncio.timeout(120):
+                    async with c.stream("POST", f"{url}/generate", json=body) as r:
+                        if fate == "before":
+                            return "dropped", toks
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            toks += json.loads(line[6:]).get("token_ids") or []
+                            if cut and len(toks) >= cut:
+                                return "dropped", toks
+            except TimeoutError:
+                return "hang", toks
+        return "done", toks
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as c:
+        return await asyncio.gather(*(one(c, i, f) for i, f in plans))
