@@ -15,6 +15,12 @@ request, on either side. A decode table may start later (`dst_first_page`): a de
 the first pages of the prompt in its prefix cache registers only the pages after them, so no
 descriptor can name a cached page.
 
+KV heads: under tensor parallelism (docs/ARCHITECTURE.md section 15) a pool holds the model's KV
+heads [head_start, head_start + num_heads) only, each token's heads side by side (`head_bytes`
+each). Two pools that hold the same heads move as above; pools of different TP sizes move the
+heads both hold, one descriptor per (layer, k/v, token), so no rank receives a head it does not
+hold. A pool that says nothing of heads (`num_heads` 1) is one unit of the whole token.
+
 Sliding windows (a model with `window` > 0, its `sliding` layers): decode never reads a sliding
 layer's keys more than `window` positions back, so those layers move only the tokens from
 `window_start(prompt tokens, window, decode page size)` on, and a page wholly before it moves only
@@ -44,12 +50,16 @@ class PoolDesc:
     dtype: str
     window: int = 0  # the model's sliding window in positions (0: none)
     sliding: tuple[int, ...] = ()  # this slice's layers that slide (global indices, ascending)
+    head_start: int = 0  # the first of the model's KV heads this pool holds
+    num_heads: int = 1  # KV heads it holds; token_bytes is num_heads * head_bytes
 
     def __post_init__(self):
         if not (0 <= self.layer_start < self.layer_end):
             raise ValueError(f"bad layer slice [{self.layer_start}, {self.layer_end})")
         if self.num_pages < 1 or self.page_size < 1 or self.token_bytes < 1 or self.base_ptr < 0:
             raise ValueError(f"bad pool geometry {self}")
+        if self.head_start < 0 or self.num_heads < 1 or self.token_bytes % self.num_heads:
+            raise ValueError(f"bad heads: {self.num_heads} from {self.head_start} in {self}")
         object.__setattr__(self, "sliding", tuple(self.sliding))
         if self.window < 0 or (self.sliding and not self.window):
             raise ValueError(f"bad window {self.window} for sliding layers {self.sliding}")
@@ -68,6 +78,14 @@ class PoolDesc:
     @property
     def layers(self) -> tuple[int, int]:
         return (self.layer_start, self.layer_end)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (self.head_start, self.head_start + self.num_heads)
+
+    @property
+    def head_bytes(self) -> int:
+        return self.token_bytes // self.num_heads
 
     @property
     def layer_bytes(self) -> int:
@@ -130,10 +148,10 @@ def window_start(num_tokens: int, window: int, page_size: int) -> int:
 
 
 def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
-    if src.token_bytes != dst.token_bytes or src.dtype != dst.dtype:
+    if src.head_bytes != dst.head_bytes or src.dtype != dst.dtype:
         raise ValueError(
-            f"KV formats differ: prefill {src.dtype}/{src.token_bytes} B per token, "
-            f"decode {dst.dtype}/{dst.token_bytes} B per token"
+            f"KV formats differ: prefill {src.dtype}/{src.head_bytes} B per token and head, "
+            f"decode {dst.dtype}/{dst.head_bytes} B per token and head"
         )
     shared = intersect(src.layers, dst.layers)
     if shared is not None and (
@@ -198,7 +216,8 @@ def build_descriptors(
     """
     check_compatible(src, dst)
     layers = intersect(src.layers, dst.layers)
-    if layers is None or token_end <= token_start:
+    heads = intersect(src.heads, dst.heads)
+    if layers is None or heads is None or token_end <= token_start:
         return []
     if token_start < dst_first_page * dst.page_size or dst_first_page < 0:
         raise ValueError(
@@ -213,6 +232,8 @@ def build_descriptors(
     lo, hi = layers
     sliding = tuple(x for x in src.sliding if lo <= x < hi) if slide_from else ()
     args = (src, dst, src_pages, dst_pages, (token_start, token_end), layers, sliding, slide_from)
+    if src.heads != dst.heads:  # TP sizes differ: the heads both hold, token by token
+        return coalesce(_head_descs(*args, heads))
     return coalesce(_page_descs(*args) if src.page_size == dst.page_size else _run_descs(*args))
 
 
@@ -274,6 +295,36 @@ def _run_descs(
     return out
 
 
+def _head_descs(
+    src: PoolDesc,
+    dst: PoolDesc,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    tokens: tuple[int, int],
+    layers: tuple[int, int],
+    sliding: tuple[int, ...],
+    slide_from: int,
+    heads: tuple[int, int],
+) -> list[Desc]:
+    """Pools of different head ranges: one descriptor per (layer, k/v, token) for the heads both
+    hold, where they sit in each side's token (`coalesce` joins what follows on); the sliding
+    layers from `slide_from` on. `build_descriptors` checked the tables."""
+    (token_start, token_end), (lo, hi), (h0, h1) = tokens, layers, heads
+    n = (h1 - h0) * src.head_bytes
+    s_head, d_head = (h0 - src.head_start) * src.head_bytes, (h0 - dst.head_start) * dst.head_bytes
+    out: list[Desc] = []
+    for t in range(token_start, token_end):
+        s_page, s_off = divmod(t, src.page_size)
+        d_page, d_off = divmod(t, dst.page_size)
+        for layer in range(lo, hi):
+            if layer in sliding and t < slide_from:
+                continue
+            for kv in (0, 1):
+                s_at = src.addr(src_pages[s_page], layer, kv, s_off) + s_head
+                out.append((s_at, dst.addr(dst_pages[d_page], layer, kv, d_off) + d_head, n))
+    return out
+
+
 def chunk_descriptors(
     src: PoolDesc,
     dst: PoolDesc,
@@ -310,10 +361,16 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
 
 
 def kv_bytes(
-    pool: PoolDesc, layers: tuple[int, int], token_start: int, num_tokens: int, slide_from: int
+    pool: PoolDesc,
+    layers: tuple[int, int],
+    token_start: int,
+    num_tokens: int,
+    slide_from: int,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """(bytes moved, bytes a sliding window spared) for tokens [token_start, num_tokens) of
-    `layers` of `pool`, counted by token (the whole pages a transfer writes are not)."""
+    `layers` and `heads` (None: all the pool's) of `pool`, counted by token (the whole pages a
+    transfer writes are not)."""
     moved = spared = 0
     for layer in range(*layers):
         start = token_start
@@ -321,4 +378,5 @@ def kv_bytes(
             start = max(token_start, slide_from)
             spared += max(0, min(slide_from, num_tokens) - token_start)
         moved += max(0, num_tokens - start)
-    return moved * 2 * pool.token_bytes, spared * 2 * pool.token_bytes
+    per = pool.token_bytes if heads is None else (heads[1] - heads[0]) * pool.head_bytes
+    return moved * 2 * per, spared * 2 * per
