@@ -226,6 +226,38 @@ def test_the_compiled_guide_cache_is_bounded_in_bytes(engine, monkeypatch):
     assert total <= sizes[1] + sizes[2] + grammar.compiled_bytes(g._compiled[("regex", "z+")])
 
 
+def test_a_reported_guide_stays_cached_until_its_report_is_applied(engine, monkeypatch):
+    """In a pipeline the report takes a turn of its slot to come round and make the guide known
+    (pinned). Meanwhile the byte bound must not drop it: a later request with the guide would not
+    be held, find no compile, and stall the step while it compiles again. Before `guides_awaited`
+    a byte eviction in that window dropped it."""
+    from pdserve.engine import grammar
+
+    cfg = engine.model_config
+    sched = engine.scheduler
+    g = grammar.GrammarSampler(lambda: engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    big = ("json_schema", json.dumps(SCHEMAS["nested"]))
+    a = Req("a", [5, 6], SamplingParams.from_dict({"max_tokens": 2, "guide": list(big)}))
+    sched.add(a)
+    grammar.hold_for_guide(a, sched, g)
+    assert a.guide_pending and a.guide_compile is not None
+    a.guide_compile.result()
+    report = g.compiled([a])  # the sampling rank's report, not applied yet
+    assert [rid for rid, _ in report] == ["a"]
+    monkeypatch.setattr(grammar, "MAX_COMPILED_BYTES", 1)  # every other compile is too much
+    for spec in ("x+", "y+"):
+        g.prepare(("regex", spec)).result()
+    g.prepare(("regex", "z+"))
+    assert big in g._compiled, "the awaited guide was dropped before its report was applied"
+    sched.guides_compiled(report)  # the report comes round: the guide is known now
+    assert big in sched.guides_known and not a.guide_pending
+    g.prepare(("regex", "w+"))
+    assert big in g._compiled
+    sched.abort("a")
+    sched.drain_finished()
+    g.close()
+
+
 def test_a_guide_compiled_before_is_not_held_in_a_pipeline(tiny6):
     """Once a report named a guide, every rank knows it compiled (`guides_known`): a later request
     with it is not held, so its whole prompt and first sample go in its first forward, where a

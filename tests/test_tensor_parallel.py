@@ -235,6 +235,7 @@ def test_sigkill_of_a_tp_follower_stops_the_node(tiny6, tmp_path):
 
 
 STORM = 160  # streaming requests
+GUIDE = ["json_schema", json.dumps(SCHEMAS["enum"])]
 STORM_NEW = 40  # long enough for the decodes to outgrow the small pool
 
 
@@ -248,25 +249,30 @@ def test_an_abort_storm_on_pp2_tp2_leaves_nothing_held(
 ):
     """160 streams through a 2x2 node with small pools (64 pages of 4 tokens: requests queue
     and decodes are retracted), the consensus checker on, a seeded mix of fates: run to the end,
-    dropped before the first byte, after the first token, after a few. Every answer that ran to
-    its end is transformers', no stream hangs, and afterwards no lead holds a page, every queue
-    is empty and the node still answers (a follower whose pool or queues had parted from its
+    dropped before the first byte, after the first token, after a few; guided (JSON schema) to
+    the end or dropped after two tokens. Every answer that ran to its end is transformers' (a
+    guided one the offline engine's), no stream hangs, and afterwards no lead holds a page, every
+    queue is empty and the node still answers (a follower whose pool or queues had parted from its
     lead's would have stopped the node through the checker)."""
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--tp", "2", "--port", str(port)]
     cmd += node_args(max_total_tokens=256, max_running=None)  # 64 pages of 4 tokens
     env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1"}
     rng = random.Random(11)
-    plans = [
-        (i % len(mixed_prompts), rng.choice(["end", "end", "before", "first", "some"]))
-        for i in range(STORM)
-    ]
+    fates = ["end", "end", "before", "first", "some", "guided", "guided-cut"]
+    plans = [(i % len(mixed_prompts), rng.choice(fates)) for i in range(STORM)]
+    eng = make(tiny6)
+    guided = eng.generate(
+        [p for p in mixed_prompts], SamplingParams.from_dict({"max_tokens": 24, "guide": GUIDE})
+    )
     with start(cmd, port, tmp_path / "node.log", env=env) as (url, _):
         outs = asyncio.run(_storm(url, mixed_prompts, plans))
         assert not [o for o in outs if o[0] == "hang"], "a stream hung"
         for (i, fate), (end, toks) in zip(plans, outs, strict=True):
             if fate == "end":
                 assert end == "done" and toks == storm_reference[i], (i, end, toks)
+            if fate == "guided":
+                assert end == "done" and toks == guided[i].token_ids, (i, end, toks)
         ended = sum(o[0] == "done" for o in outs)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -279,7 +285,7 @@ def test_an_abort_storm_on_pp2_tp2_leaves_nothing_held(
         assert all(s["retractions"] > 0 for s in stats), "the pools were never short"
         assert httpx.get(f"{url}/health").status_code == 200, "the checker or a rank failed"
         assert generate_all(url, mixed_prompts[:4]) == reference[:4]
-    assert ended >= sum(f == "end" for _, f in plans)
+    assert ended >= sum(f in ("end", "guided") for _, f in plans)
     assert "consensus check FAILED" not in (tmp_path / "node.log").read_text()
 
 
@@ -287,12 +293,11 @@ async def _storm(url: str, prompts, plans) -> list[tuple[str, list[int]]]:
     sem = asyncio.Semaphore(24)
 
     async def one(c: httpx.AsyncClient, i: int, fate: str) -> tuple[str, list[int]]:
-        body = {
-            "input_ids": prompts[i],
-            "stream": True,
-            "sampling_params": {"max_tokens": STORM_NEW, "ignore_eos": True},
-        }
-        cut = {"first": 1, "some": 8}.get(fate)
+        params: dict = {"max_tokens": STORM_NEW, "ignore_eos": True}
+        if fate.startswith("guided"):
+            params = {"max_tokens": 24, "guide": GUIDE}
+        body = {"input_ids": prompts[i], "stream": True, "sampling_params": params}
+        cut = {"first": 1, "some": 8, "guided-cut": 2}.get(fate)
         toks: list[int] = []
         async with sem:
             try:

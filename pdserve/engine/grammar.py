@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +153,9 @@ class GrammarSampler:
     _sizes: dict[tuple[str, str], int] = field(default_factory=dict)  # a done entry's bytes
     # the guides every rank knows compiled (engine/guide_hold.py `guides_known`): never evicted
     pinned: Container = ()
+    # () -> the guides held requests wait for, whose report may be on its way round to make them
+    # known (engine/guide_hold.py `guides_awaited`): evicted only where nothing else can go
+    awaited: Callable[[], Container] = lambda: ()
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
@@ -188,14 +191,18 @@ class GrammarSampler:
         return self._keep(guide, self._pool.submit(self._build, guide))
 
     def _keep(self, guide: tuple[str, str], fut: Future) -> Future:
-        """`fut` as the cache's entry for `guide`, newest; the oldest entries that are not known
-        guides go to make room (known guides are fewer than MAX_COMPILED: engine/guide_hold.py),
-        and while those others' compiles hold more than MAX_COMPILED_BYTES."""
+        """`fut` as the cache's entry for `guide`, newest; the oldest entries not in use go to make
+        room, and while those others' compiles hold more than MAX_COMPILED_BYTES. A guide in use
+        stays: a known one (a request with it is not held), or one a held request waits for,
+        whose report may be on its way round to make it known."""
         self._drop(guide)
-        while len(self._compiled) >= MAX_COMPILED:
-            self._drop(next(g for g in self._compiled if g not in self.pinned))
+        awaited = self.awaited()
+        while len(self._compiled) >= MAX_COMPILED:  # known guides are fewer than MAX_COMPILED
+            free = [g for g in self._compiled if g not in self.pinned]
+            self._drop(next((g for g in free if g not in awaited), free[0]))
         self._compiled[guide] = fut
-        others = [g for g in self._compiled if g not in self.pinned and g != guide]
+        others = [g for g in self._compiled if g not in self.pinned and g not in awaited]
+        others = [g for g in others if g != guide]
         total = sum(self._size(g) for g in others)
         for g in others:  # oldest first
             if total <= MAX_COMPILED_BYTES:
@@ -294,10 +301,10 @@ def hold_for_guide(req: Any, sched: Any, grammar: GrammarSampler | None) -> None
     """On every rank, as a request is applied: a guided request samples nothing until the
     sampling rank reports its guide compiled (`guide_pending`, `sched.hold`: engine/
     guide_hold.py); that rank (the one with a `grammar`) starts the compile now, off its loop's
-    thread, and keeps the guides every rank knows compiled (`pinned`)."""
+    thread, and keeps the guides every rank knows compiled or held requests wait for."""
     sched.hold(req)
     if grammar is not None and req.params.guide is not None and not req.finished:
-        grammar.pinned = sched.guides_known
+        grammar.pinned, grammar.awaited = sched.guides_known, sched.guides_awaited
         req.guide_compile = grammar.prepare(req.params.guide)
 
 

@@ -13,7 +13,8 @@ between them (the report carries each one's bytes, so every rank bounds them ali
 with one of them is not held:
 in a pipeline the report takes a turn of the request's slot to come round, which a cached guide
 would otherwise pay. The sampling rank's cache keeps every known guide (GrammarSampler.pinned),
-so its compile is done there.
+so its compile is done there, and every guide a held request waits for (`guides_awaited`): its
+report, on its way round a pipeline, will make it known.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class GuideHold:
             req.guide_pending = req.params.guide not in self.guides_known
             if not req.guide_pending:  # in use: it stays known (the same on every rank)
                 self.guides_known.move_to_end(req.params.guide)
+
+    def guides_awaited(self) -> set[tuple[str, str]]:
+        """The guides held requests wait for: their report, once applied, makes them known, so
+        the sampling rank's cache keeps them meanwhile (engine/grammar.py `_keep`)."""
+        return {r.params.guide for r in self.reqs.values() if r.guide_pending and r.params.guide}
 
     @property
     def guides_pending(self) -> int:

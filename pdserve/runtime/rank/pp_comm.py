@@ -44,6 +44,10 @@ class Msg(enum.IntEnum):
     OUTPUT = 3  # sampled tokens of the slot being harvested (the ring)
     VOTE = 4  # consensus traffic
     SYNC = 5  # start-up agreement (capacities, addresses)
+    # a TP group's replay only (runtime/rank/tp_group.py), never on a PP link: the last stage
+    # lead's tokens, and its report of compiled guides
+    SAMPLE = 6
+    GUIDES = 7
 
 
 def interface_of(address: str) -> str | None:

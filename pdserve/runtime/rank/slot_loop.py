@@ -346,7 +346,7 @@ class SlotLoop(LoopSamples):
         """The sampling rank's report of compiled guides (engine/guide_hold.py); in a TP group
         its lead's, the one rank that compiles them (it alone samples: `_sample`)."""
         ready = compiled_guides(self.sched.reqs, self.runner.grammar)
-        return self.tp.same(Msg.OUTPUT, ready) if self.tp is not None else ready
+        return self.tp.same(Msg.GUIDES, ready) if self.tp is not None else ready
 
     def _sample(self, batch: ScheduledBatch, logits: Any) -> SampleOut:
         """The last stage's tokens. In a TP group only the lead samples, and its followers take
@@ -355,9 +355,9 @@ class SlotLoop(LoopSamples):
         if self.tp is None or self.tp.is_lead:
             out = self.runner.sample(batch, logits)
             if self.tp is not None:
-                self.tp.share(Msg.OUTPUT, out_to_wire(out))
+                self.tp.share(Msg.SAMPLE, out_to_wire(out))
             return out
-        return out_from_wire(self.tp.take(Msg.OUTPUT))
+        return out_from_wire(self.tp.take(Msg.SAMPLE))
 
     def report(self) -> None:
         for req in self.sched.drain_finished():
