@@ -12,8 +12,12 @@ For each pair of runs: how many continuations are identical, the share of refere
 before the first difference, and where the first differences fall. After a first difference the
 two continuations follow different texts, so later positions are not compared.
 
+  node:          with `--node-args ARGS`, also `pdserve serve ARGS --dtype D` as a process (a TP
+                 layout: `--node-args "--tp 3"`), the same prompts through POST /generate, 16 at a
+                 time; `--no-engine` leaves the offline engine out.
+
   .venv/bin/python bench/bench_agreement.py [--prompts 64] [--max-tokens 64] [--model NAME]
-      [--corpus FILE] [--out bench/results/agreement.md]
+      [--corpus FILE] [--node-args ARGS] [--no-engine] [--out bench/results/agreement.md]
 """
 
 from __future__ import annotations
@@ -71,6 +75,39 @@ def engine_run(
     return [c.token_ids for c in outs], time.perf_counter() - t
 
 
+def node_run(
+    model: str | None, flags: str, dtype: str, prompts: list[list[int]], max_new: int
+) -> tuple[list[list[int]], float]:
+    """`pdserve serve FLAGS --dtype DTYPE` as a process; the prompts' greedy continuations."""
+    import shlex
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from loadgen import free_port, start
+
+    port = free_port()
+    cmd = ["serve", *shlex.split(flags), "--dtype", dtype, "--port", str(port)]
+    cmd += ["--model", model] if model else []
+    log = Path(tempfile.mkdtemp(prefix="bench_agreement_")) / f"node_{dtype}.log"
+    with start(cmd, port, log, timeout=600) as (url, _):
+        t = time.perf_counter()
+
+        def one(ids: list[int]) -> list[int]:
+            params = {"max_tokens": max_new, "ignore_eos": True, "temperature": 0}
+            r = httpx.post(
+                f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=900
+            )
+            r.raise_for_status()
+            return r.json()["token_ids"]
+
+        with ThreadPoolExecutor(16) as ex:
+            outs = list(ex.map(one, prompts))
+        return outs, time.perf_counter() - t
+
+
 def compare(got: list[list[int]], ref: list[list[int]]) -> dict:
     firsts = []
     matched = 0
@@ -99,6 +136,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--corpus", type=Path, default=CORPUS)
     ap.add_argument("--model", default=None, help="a known name or path (default: SmolLM2)")
+    ap.add_argument("--node-args", default="", help="also a `pdserve serve` node with these flags")
+    ap.add_argument("--no-engine", action="store_true", help="leave the offline engine out")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agreement.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -107,8 +146,13 @@ def main() -> None:
     prompts = make_prompts(tok, args.corpus, args.prompts)
     runs = {}
     for dtype in ("bfloat16", "float32"):
-        runs[f"engine {dtype}"], secs = engine_run(args.model, dtype, prompts, args.max_tokens)
-        print(f"engine {dtype}: {secs:.1f} s", flush=True)
+        if not args.no_engine:
+            runs[f"engine {dtype}"], secs = engine_run(args.model, dtype, prompts, args.max_tokens)
+            print(f"engine {dtype}: {secs:.1f} s", flush=True)
+        if args.node_args:
+            got, secs = node_run(args.model, args.node_args, dtype, prompts, args.max_tokens)
+            runs[f"node {dtype}"] = got
+            print(f"node {dtype}: {secs:.1f} s", flush=True)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -117,18 +161,23 @@ def main() -> None:
     runs["transformers float32"] = hf_greedy(hf, prompts, args.max_tokens)
     runs["transformers bfloat16"] = hf_greedy(hf.to(torch.bfloat16), prompts, args.max_tokens)
     pairs = [
-        ("engine float32", "transformers float32"),
-        ("engine bfloat16", "transformers bfloat16"),
-        ("engine bfloat16", "transformers float32"),
-        ("transformers bfloat16", "transformers float32"),
-    ]
-    rows = [row(f"{a} / {b}", compare(runs[a], runs[b])) for a, b in pairs]
+        (f"{run} {dtype}", f"transformers {ref}")
+        for run in ("engine", "node")
+        for dtype, ref in (
+            ("float32", "float32"),
+            ("bfloat16", "bfloat16"),
+            ("bfloat16", "float32"),
+        )
+    ] + [("transformers bfloat16", "transformers float32")]
+    rows = [row(f"{a} / {b}", compare(runs[a], runs[b])) for a, b in pairs if a in runs]
+    node = f" --node-args '{args.node_args}'" if args.node_args else ""
     lens = [len(p) for p in prompts]
     lines = [
         "# Greedy agreement with transformers",
         "",
         f"`bench/bench_agreement.py --prompts {args.prompts} --max-tokens {args.max_tokens}"
-        f"{' --model ' + args.model if args.model else ''}`, "
+        f"{' --model ' + args.model if args.model else ''}{node}"
+        f"{' --no-engine' if args.no_engine else ''}`, "
         f"{platform.machine()}, torch {torch.__version__}, bf16 units: "
         f"{'yes' if cpu_has_native_bf16() else 'no'}, {path.name} (the GGUF, dequantized), "
         f"{len(prompts)} {'chat ' if tok.chat_template else 'text '}prompts of "
