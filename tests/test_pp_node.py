@@ -231,10 +231,15 @@ PLANTED = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE":
 def test_planted_divergence_is_caught(tiny6, mixed_prompts, tmp_path):
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--pp", "2", "--port", str(port), *NODE_ARGS]
-    log_path = tmp_path / "node.log"
-    with start(cmd, port, log_path, env=PLANTED) as (url, _):
+    divergence_stops_the_node(cmd, port, tmp_path / "node.log", PLANTED, mixed_prompts[:2])
+
+
+def divergence_stops_the_node(cmd, port, log_path, env, prompts) -> str:
+    """Starts the node with a planted divergence (`env`), sends `prompts`: their requests fail,
+    the node turns unhealthy, and its log names the first diverging call. Returns the log."""
+    with start(cmd, port, log_path, env=env) as (url, _):
         with pytest.raises(httpx.HTTPError):
-            generate_all(url, mixed_prompts[:2])
+            generate_all(url, prompts)
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -242,6 +247,7 @@ def test_planted_divergence_is_caught(tiny6, mixed_prompts, tmp_path):
     log = log_path.read_text()  # the rank logs the failure before it stops
     assert "rank consensus check FAILED" in log
     assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
+    return log
 
 
 @pytest.mark.parametrize("checker_on", [False, True])

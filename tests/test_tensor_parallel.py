@@ -31,7 +31,7 @@ import torch
 from cluster import NODE_ARGS, free_port, group_alive, node_args, start
 from one_thread import hf_greedy_one_thread
 from test_engine import make
-from test_pp_node import _alive, generate_all, rank_stats
+from test_pp_node import _alive, divergence_stops_the_node, generate_all, rank_stats
 from test_structured_output import PROMPTS, SCHEMAS
 
 from pdserve.engine.core import SamplingParams
@@ -187,18 +187,8 @@ def test_a_divergence_on_a_tp_follower_is_caught(tiny6, mixed_prompts, tmp_path)
     port = free_port()
     cmd = ["serve", "--model", str(tiny6), "--tp", "2", "--port", str(port), *NODE_ARGS]
     env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1", "PDSERVE_TEST_PLANT_DIVERGENCE": "0.1"}
-    log_path = tmp_path / "node.log"
-    with start(cmd, port, log_path, env=env) as (url, _):
-        with pytest.raises(httpx.HTTPError):
-            generate_all(url, mixed_prompts[:2])
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert httpx.get(f"{url}/health").status_code == 503
-    log = log_path.read_text()
+    log = divergence_stops_the_node(cmd, port, tmp_path / "node.log", env, mixed_prompts[:2])
     assert "planting a divergence on colocated-pp0-tp1" in log
-    assert "rank consensus check FAILED" in log
-    assert "first diverging call" in log and "'schedule'" in log, log[-3000:]
 
 
 def test_sigkill_of_a_tp_follower_stops_the_node(tiny6, tmp_path):
