@@ -5,7 +5,8 @@
   other compiles past the bound gets a retryable 503, and the queue itself is bounded;
 * the sampling rank (engine/grammar.py): `prepare` compiles on the rank's compile thread, and the
   step's `_compile` reuses that compile instead of running its own.
-No timing is asserted: the slow compile is a compile thread held busy by the test."""
+No timing is asserted: the slow compile is a compile thread held busy by the test, or one that
+waits before it compiles (as a niced thread waits for the CPU on a busy node)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,37 @@ def test_a_guide_past_the_bound_is_refused_and_then_a_400_without_compiling_agai
             asyncio.run(g.check(["json_schema", SCHEMA]))
         assert e.value.status == 400 and e.value.param == "guide"
         assert "did not compile within" in str(e.value)
+    assert g.compiles == 1
+    g.close()
+
+
+class Descheduled:
+    """The gate's real compiler on a thread that first waits `wait_s` for the CPU, as a niced
+    compile thread waits on a busy node: wall time passes, the thread's own CPU time does not."""
+
+    def __init__(self, real, wait_s: float):
+        self.real, self.wait_s = real, wait_s
+
+    def compile_grammar(self, grammar):
+        threading.Event().wait(self.wait_s)
+        return self.real.compile_grammar(grammar)
+
+
+def test_a_compile_that_waits_for_the_cpu_is_a_retryable_503_not_a_400_for_good(tok):
+    """The bound is the compile's CPU time. Before, a simple guide whose niced compile thread
+    waited for a busy machine past the bound's wall time was refused with a 400 and remembered:
+    refused for good, though it compiles in milliseconds."""
+    g = gate(tok, 0.3)
+    g._compiler = Descheduled(g._compiler_ready(), wait_s=1.0)
+    with pytest.raises(RequestError) as e:
+        asyncio.run(g.check(["json_schema", SCHEMA]))
+    assert e.value.status == 503 and e.value.code == "node_overloaded", e.value
+    assert "the node is busy" in str(e.value)
+    for _ in range(600):  # the compile goes on, and its outcome is kept
+        if g.compiles:
+            break
+        threading.Event().wait(0.05)
+    asyncio.run(g.check(["json_schema", SCHEMA]))  # admitted now, without compiling again
     assert g.compiles == 1
     g.close()
 

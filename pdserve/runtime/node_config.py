@@ -77,8 +77,9 @@ class NodeConfig:
     )
     grammar_compile_timeout: float = setting(
         10.0,
-        help="seconds a structured-output guide may take to compile on the front; past it the "
-        "request gets a 400 (queued behind other guides past it: a 503); engine/grammar.py",
+        help="CPU seconds a structured-output guide may take to compile on the front; past them "
+        "the request gets a 400 (queued behind other guides, or waiting for the CPU, past them "
+        "in wall time: a retryable 503); engine/grammar.py",
     )
     device: str = setting("cpu", help="cpu or cuda (NCCL between ranks)")
     pp_comm_stream: bool = setting(

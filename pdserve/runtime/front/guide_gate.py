@@ -5,10 +5,17 @@ A guide's spec is bounded in size already (engine/grammar.py MAX_SPEC); what it 
 against the vocabulary is not, and a sampling rank pays it for every distinct guide. So the front
 compiles each guide it has not seen on its own compiler, one at a time on a thread of its own,
 and remembers the outcome by the guide's SHA-256:
-- compiled within `timeout_s`: admitted, and the same guide is admitted at once from then on;
-- its own compile ran past `timeout_s`: 400 naming `guide`, now and whenever it comes again;
-- still queued behind other guides' compiles when `timeout_s` ran out: 503 with Retry-After (a
+- compiled within `timeout_s` of its thread's CPU time: admitted, and the same guide is admitted
+  at once from then on;
+- its own compile used more than `timeout_s` of CPU: 400 naming `guide`, now and whenever it
+  comes again;
+- still queued behind other guides' compiles when `timeout_s` ran out, or compiling but not done
+  within `timeout_s` of wall time while its CPU time is under the bound (the thread is niced and
+  the node busy): 503 with Retry-After, and the compile goes on, so a retry finds its outcome (a
   flood of distinct guides waits here, in the front's one compile thread, not in a rank's step).
+The bound is CPU time, not wall time: a guide refused once is refused for good, and a busy
+machine must not make a simple guide one of those. The compile runs on the calling thread (one
+xgrammar thread), so that thread's CPU clock counts all of it.
 The front's compile is a check only; the sampling rank compiles the guide again on its own thread
 (a large schema's compiled grammar serialises to far more bytes, and takes longer to read back,
 than compiling it again).
@@ -34,6 +41,11 @@ MAX_QUEUED = 32  # guides waiting for the compile thread; past it a new one is r
 BUSY = "node_overloaded"
 
 
+def _cpu_since(thread: int, cpu0: float) -> float:
+    """CPU seconds thread `thread` (an ident) used since its CPU clock read `cpu0`."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread)) - cpu0
+
+
 class GuideGate:
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...] | None, timeout_s: float
@@ -47,7 +59,8 @@ class GuideGate:
             1, thread_name_prefix="guide-gate", initializer=lower_this_threads_priority
         )
         self._compiler: Any = None
-        self._started: dict[bytes, float] = {}  # digest -> when its compile began (pool thread)
+        # digest -> (the pool thread, its CPU clock when the compile began)
+        self._started: dict[bytes, tuple[int, float]] = {}
         self._lock = threading.Lock()  # outcomes and counts: the loop's thread and the pool's
         self.queued = 0  # guides submitted and not yet started
         self.compiles = 0  # guides compiled here (tests)
@@ -76,9 +89,15 @@ class GuideGate:
             return await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
         except TimeoutError:
             began = self._started.get(key)
-            if began is not None and time.monotonic() - began >= self.timeout_s * 0.999:
+            if began is None:
+                raise self._busy(f"did not start this guide within {self.timeout_s:g} s") from None
+            used = _cpu_since(*began)
+            if used >= self.timeout_s * 0.999:
                 return self._remember(key, self._too_slow())
-            raise self._busy(f"did not start this guide within {self.timeout_s:g} s") from None
+            raise self._busy(
+                f"has not finished this guide within {self.timeout_s:g} s (it used {used:.1f} s "
+                "of CPU: the node is busy)"
+            ) from None
 
     def _busy(self, what: str) -> RequestError:
         return RequestError(503, f"the node's grammar compiler {what}: retry later", "guide", BUSY)
@@ -92,11 +111,13 @@ class GuideGate:
             return known
         from pdserve.engine.grammar import GrammarError, _grammar, check_guide
 
-        self._started[key] = t0 = time.monotonic()
         try:
             check_guide(guide)
-            self._compiler_ready().compile_grammar(_grammar(*guide))
-            why = "" if time.monotonic() - t0 < self.timeout_s else self._too_slow()
+            compiler = self._compiler_ready()
+            c0 = time.thread_time()  # the compile's own CPU (the compiler's set-up is not its)
+            self._started[key] = (threading.get_ident(), c0)
+            compiler.compile_grammar(_grammar(*guide))
+            why = "" if time.thread_time() - c0 < self.timeout_s else self._too_slow()
         except GrammarError as e:
             why = str(e)
         except Exception as e:  # xgrammar's own errors: the guide cannot be compiled
