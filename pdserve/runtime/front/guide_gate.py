@@ -42,8 +42,12 @@ BUSY = "node_overloaded"
 
 
 def _cpu_since(thread: int, cpu0: float) -> float:
-    """CPU seconds thread `thread` (an ident) used since its CPU clock read `cpu0`."""
-    return time.clock_gettime(time.pthread_getcpuclockid(thread)) - cpu0
+    """CPU seconds thread `thread` (an ident) used since its CPU clock read `cpu0`; 0 where the
+    thread is gone (the gate closed): the request is then told to retry, not refused for good."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread)) - cpu0
+    except OSError:
+        return 0.0
 
 
 class GuideGate:
