@@ -26,44 +26,74 @@ class Host:
 
         # TransferConfig.protocol, as a rank gets it: auto is pdserve's TCP transport without RDMA
         self.engine = make_engine("127.0.0.1", protocol, None)
-        self.mgrs, self.buffers, self.rooms = {}, {}, {}
+        self.mgrs, self.buffers, self.rooms, self.heads = {}, {}, {}, {}
 
-    def _pool(self, name, num_pages, page_size, layers, token_bytes):
+    def _pool(self, name, num_pages, page_size, layers, token_bytes, heads=(0, 1, 1)):
+        """A pool of `layers` holding KV heads [heads[0], heads[1]) of heads[2] (a token of all of
+        them is `token_bytes`)."""
         from pdserve.kv_transfer.layout import PoolDesc
 
-        nbytes = num_pages * (layers[1] - layers[0]) * 2 * page_size * token_bytes
+        h0, h1, total = heads
+        mine = token_bytes * (h1 - h0) // total
+        nbytes = num_pages * (layers[1] - layers[0]) * 2 * page_size * mine
         buf = (ctypes.c_char * nbytes)()
         ctypes.memset(buf, 0xEE, nbytes)
         self.buffers[name] = buf
+        self.heads[name] = (h0 * token_bytes // total, mine, token_bytes)
         return PoolDesc(
             ctypes.addressof(buf),
             num_pages,
             page_size,
             layers[0],
             layers[1],
-            token_bytes,
+            mine,
             "float32",
+            head_start=h0 if total > 1 else 0,
+            num_heads=h1 - h0,
         )
 
     def prefill(
-        self, name, cfg, pp_rank, pp_size, layers, num_pages, page_size, token_bytes, bootstrap_addr
+        self,
+        name,
+        cfg,
+        pp_rank,
+        pp_size,
+        layers,
+        num_pages,
+        page_size,
+        token_bytes,
+        bootstrap_addr,
+        tp=(0, 1),
+        heads=(0, 1, 1),
     ):
         from pdserve.kv_transfer import PrefillKVManager, TransferConfig
 
-        pool = self._pool(name, num_pages, page_size, layers, token_bytes)
+        pool = self._pool(name, num_pages, page_size, layers, token_bytes, heads)
         self.mgrs[name] = PrefillKVManager(
-            TransferConfig(**cfg), pool, pp_rank, pp_size, bootstrap_addr, self.engine
+            TransferConfig(**cfg), pool, pp_rank, pp_size, bootstrap_addr, self.engine, tp=tp
         )
         return self.mgrs[name].ctrl_port
 
     def decode(
-        self, name, cfg, pp_rank, dst_slices, num_pages, page_size, token_bytes, aux_slots=16
+        self,
+        name,
+        cfg,
+        pp_rank,
+        dst_slices,
+        num_pages,
+        page_size,
+        token_bytes,
+        aux_slots=16,
+        tp=(0, 1),
+        heads=(0, 1, 1),
     ):
         from pdserve.kv_transfer import DecodeKVManager, TransferConfig
 
-        pool = self._pool(name, num_pages, page_size, dst_slices[pp_rank], token_bytes)
+        rank = pp_rank * tp[1] + tp[0]
+        layers = dst_slices[rank][:2]
+        pool = self._pool(name, num_pages, page_size, layers, token_bytes, heads)
         self.mgrs[name] = DecodeKVManager(
-            TransferConfig(**cfg), pool, pp_rank, dst_slices, aux_slots, self.engine
+            TransferConfig(**cfg), pool, pp_rank, dst_slices, aux_slots, self.engine, tp=tp
         )
         return self.mgrs[name].ctrl_port
 
@@ -73,35 +103,34 @@ class Host:
     def close(self, name):
         self.mgrs.pop(name).close()
         self.buffers.pop(name)
+        self.heads.pop(name)
         self.rooms = {k: v for k, v in self.rooms.items() if k[0] != name}
+
+    def _tokens(self, name, room, num_tokens):
+        """(address, reference bytes) of each token's run of this pool's heads, per page run: the
+        reference is a function of (room, layer, k/v) over tokens of all the heads."""
+        pool = self.mgrs[name].pool
+        at, width, whole = self.heads[name]
+        for layer in range(*pool.layers):
+            for kv in (0, 1):
+                data = ref_bytes(room, layer, kv, num_tokens, whole)
+                for t in range(num_tokens):
+                    page, off = divmod(t, pool.page_size)
+                    yield (page, layer, kv, off), data[t * whole + at : t * whole + at + width]
 
     def fill(self, name, room, page_ids, num_tokens):
         pool = self.mgrs[name].pool
-        ps, tb = pool.page_size, pool.token_bytes
-        for layer in range(*pool.layers):
-            for kv in (0, 1):
-                data = ref_bytes(room, layer, kv, num_tokens, tb)
-                for t0 in range(0, num_tokens, ps):
-                    n = min(ps, num_tokens - t0)
-                    ctypes.memmove(
-                        pool.addr(page_ids[t0 // ps], layer, kv, 0),
-                        data[t0 * tb : (t0 + n) * tb],
-                        n * tb,
-                    )
+        for (page, layer, kv, off), data in self._tokens(name, room, num_tokens):
+            ctypes.memmove(pool.addr(page_ids[page], layer, kv, off), data, len(data))
 
     def check(self, name, room, page_ids, num_tokens):
         """Number of (layer, k/v, page) pieces that differ from the reference (0 = byte-exact)."""
         pool = self.mgrs[name].pool
-        ps, tb = pool.page_size, pool.token_bytes
-        bad = 0
-        for layer in range(*pool.layers):
-            for kv in (0, 1):
-                data = ref_bytes(room, layer, kv, num_tokens, tb)
-                for t0 in range(0, num_tokens, ps):
-                    n = min(ps, num_tokens - t0)
-                    got = ctypes.string_at(pool.addr(page_ids[t0 // ps], layer, kv, 0), n * tb)
-                    bad += got != data[t0 * tb : (t0 + n) * tb]
-        return bad
+        bad = set()
+        for (page, layer, kv, off), data in self._tokens(name, room, num_tokens):
+            if ctypes.string_at(pool.addr(page_ids[page], layer, kv, off), len(data)) != data:
+                bad.add((layer, kv, page))
+        return len(bad)
 
     def create_sender(self, name, room):
         self.rooms[(name, room)] = self.mgrs[name].create_sender(room)

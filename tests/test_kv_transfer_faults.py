@@ -323,7 +323,7 @@ def _forged_registers(c, room: int, da_id: str, da_pool: dict, aux_base: int, au
     reg = KVRegister(
         room,
         0,
-        (LAYERS,),
+        ((*LAYERS, *pool.heads),),  # DA's slice: its layers and KV heads
         "127.0.0.1",
         int(port),
         session,

@@ -231,7 +231,7 @@ def _register():
     return KVRegister(
         1 << 62,
         1,
-        ((0, 15), (15, 30)),
+        ((0, 15, 0, 1), (15, 30, 0, 1)),  # (layers, KV heads) of each decode rank
         "127.0.0.1",
         5555,
         "127.0.0.1:1234",
@@ -271,6 +271,8 @@ def test_codec_round_trip_and_strictness():
         msgpack.packb({**good, "extra": 1}),
         msgpack.packb({k: v for k, v in good.items() if k != "aux_ptr"}),
         msgpack.packb({**good, "dst_slices": [[5, 3]]}),
+        msgpack.packb({**good, "dst_slices": [[0, 15]]}),  # no heads
+        msgpack.packb({**good, "dst_slices": [[0, 15, 1, 1]]}),  # no head in the range
         msgpack.packb({**good, "pool": {"base_ptr": 1}}),
         msgpack.packb({**good, "pool": {**sliding_pool, "sliding": [16, 15]}}),  # out of order
         msgpack.packb({**good, "pool": {**sliding_pool, "sliding": [3]}}),  # outside the slice

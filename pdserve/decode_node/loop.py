@@ -119,24 +119,23 @@ class DecodeLoop(PDLoop):
         registered = [pd for pd in self.prealloc if pd.pages]
         if self.is_first and (registered or self.transfer or self.quarantine):
             self._t_cast[slot] = time.monotonic()
+        grace = self.kv_mgr.config.quarantine_s
         self.vote.pass1(
             slot,
             {
-                PREALLOC: Ballot.from_statuses(
+                PREALLOC: self.stage_ballot(
                     PREALLOC,
                     {pd.room: pd.transfer.poll() for pd in registered},
                     [pd.room for pd in registered if pd.aborted],
                 ),
-                TRANSFERRED: Ballot.from_statuses(
+                TRANSFERRED: self.stage_ballot(
                     TRANSFERRED,
                     {r: pd.transfer.poll() for r, pd in self.transfer.items()},
                     [r for r, pd in self.transfer.items() if pd.aborted],
                 ),
                 RELEASE: Ballot(
-                    good=frozenset(
-                        r
-                        for r, pd in self.quarantine.items()
-                        if pd.transfer.quiesced(self.kv_mgr.config.quarantine_s)
+                    good=self.on_every_rank(
+                        {r: pd.transfer.quiesced(grace) for r, pd in self.quarantine.items()}
                     )
                 ),
             },

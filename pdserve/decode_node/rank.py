@@ -34,13 +34,21 @@ def make_loop(parts: RankParts, kv: BaseDecodeKVManager | None = None) -> Decode
             parts.spec.pp_rank,
             dst_slices(parts),
             aux_slots=AUX_SLOTS,
+            tp=(parts.spec.tp_rank, parts.spec.tp_size),
         )
     return DecodeLoop(parts, kv, AUX_SLOTS)
 
 
-def dst_slices(parts: RankParts) -> list[tuple[int, int]]:
-    """The layer slices of every rank of this decode node."""
-    return split_layers(parts.mcfg.num_layers, parts.spec.pp_size)
+def dst_slices(parts: RankParts) -> list[tuple[int, int, int, int]]:
+    """The layers and KV heads of every rank of this decode node, by its place in the node (PP
+    rank x TP size + TP rank, KVManagerBase.rank)."""
+    tp, heads = parts.spec.tp_size, parts.mcfg.num_kv_heads
+    share = heads // tp
+    return [
+        (a, b, t * share, (t + 1) * share)
+        for a, b in split_layers(parts.mcfg.num_layers, parts.spec.pp_size)
+        for t in range(tp)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

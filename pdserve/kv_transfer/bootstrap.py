@@ -1,7 +1,8 @@
 """The bootstrap server of a prefill node (hosted by the prefill front, or standalone in a thread).
 
 Prefill ranks register where they are (PUT /route); a decode rank asks which prefill ranks hold its
-layers (GET /route?layer_start=a&layer_end=b, 503 until every rank of the node registered); every
+layers and KV heads (GET /route?layer_start=a&layer_end=b&head_start=h&head_end=k, the heads
+optional; 503 until every rank of the node registered, PP size x TP size of them); every
 rank heartbeats (POST /heartbeat) and learns which of its peers went silent, which is how peer death
 is detected; GET /health. The cluster secret (a bearer token, compared in constant time) guards
 everything but /health; bodies over MAX_BODY bytes are refused while they stream in.
@@ -42,7 +43,10 @@ MAX_BODY = 64 * 1024  # a registration or a heartbeat is well under 1 KiB (plus 
 
 @dataclass(frozen=True)
 class PrefillRankInfo:
-    """What a prefill rank registers: layer slice, control endpoint, Mooncake session, KV format."""
+    """What a prefill rank registers: layer slice, KV heads, control endpoint, Mooncake session,
+    KV format. Under TP (docs/ARCHITECTURE.md section 15) a stage is `tp_size` ranks, each
+    holding KV heads [head_start, head_end); without it, `head_end` - `head_start` are all the
+    model's KV heads."""
 
     pp_rank: int
     pp_size: int
@@ -55,6 +59,19 @@ class PrefillRankInfo:
     token_bytes: int
     dtype: str
     layout: str = LAYOUT_NAME
+    tp_rank: int = 0
+    tp_size: int = 1
+    head_start: int = 0
+    head_end: int = 1
+
+    @property
+    def rank(self) -> int:
+        """The rank's place in its node, as its control messages name it (KVManagerBase.rank)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (self.head_start, self.head_end)
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -70,10 +87,13 @@ class PrefillRankInfo:
         info = cls(**d)
         if not (
             0 <= info.pp_rank < info.pp_size
+            and 0 <= info.tp_rank < info.tp_size
             and 0 <= info.layer_start < info.layer_end
+            and 0 <= info.head_start < info.head_end
             and 0 < info.ctrl_port < 65536
             and info.page_size > 0
             and info.token_bytes > 0
+            and info.token_bytes % (info.head_end - info.head_start) == 0
         ):
             raise ValueError(f"inconsistent registration {info}")
         if info.layout != LAYOUT_NAME:
@@ -90,42 +110,51 @@ class BootstrapState:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._ranks: dict[int, PrefillRankInfo] = {}
-        self._pp_size: int | None = None
+        self._ranks: dict[int, PrefillRankInfo] = {}  # by PrefillRankInfo.rank
+        self._shape: tuple[int, int] | None = None  # (pp_size, tp_size) of the node
         self._last_seen: dict[str, float] = {}
 
     def register(self, info: PrefillRankInfo) -> None:
+        shape = (info.pp_size, info.tp_size)
         with self._lock:
-            if self._pp_size is not None and info.pp_size != self._pp_size:
-                # a node restarted with another PP size: start over
+            if self._shape is not None and shape != self._shape:
+                # a node restarted with another PP or TP size: start over
                 logger.warning(
-                    "prefill pp_size changed %s -> %s; dropping old registrations",
-                    self._pp_size,
-                    info.pp_size,
+                    "prefill (pp, tp) changed %s -> %s; dropping old registrations",
+                    self._shape,
+                    shape,
                 )
                 self._ranks.clear()
-            self._pp_size = info.pp_size
-            self._ranks[info.pp_rank] = info
+            self._shape = shape
+            self._ranks[info.rank] = info
             self._last_seen[info.session_id] = self._clock()
+
+    def _complete(self) -> bool:
+        return self._shape is not None and len(self._ranks) == self._shape[0] * self._shape[1]
 
     def ready(self) -> bool:
         with self._lock:
-            return self._pp_size is not None and len(self._ranks) == self._pp_size
+            return self._complete()
 
     def route(
-        self, layer_start: int, layer_end: int, session: str | None = None
+        self,
+        layer_start: int,
+        layer_end: int,
+        session: str | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> list[PrefillRankInfo] | None:
-        """Prefill ranks whose layers meet [layer_start, layer_end), by rank; None until all
-        registered."""
+        """Prefill ranks whose layers meet [layer_start, layer_end) and, if given, whose KV heads
+        meet `heads`, by rank; None until all registered."""
         with self._lock:
             if session:
                 self._last_seen[session] = self._clock()
-            if self._pp_size is None or len(self._ranks) != self._pp_size:
+            if not self._complete():
                 return None
             return [
                 r
                 for _, r in sorted(self._ranks.items())
                 if intersect((r.layer_start, r.layer_end), (layer_start, layer_end))
+                and (heads is None or intersect(r.heads, heads))
             ]
 
     def heartbeat(self, session: str, peers: list[str]) -> list[str]:
@@ -146,7 +175,8 @@ class BootstrapState:
 
     def health(self) -> dict:
         with self._lock:
-            return {"status": "ok", "registered": len(self._ranks), "pp_size": self._pp_size}
+            pp, tp = self._shape or (None, None)
+            return {"status": "ok", "registered": len(self._ranks), "pp_size": pp, "tp_size": tp}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -200,9 +230,16 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
         q = request.query_params
         try:
             a, b = int(q["layer_start"]), int(q["layer_end"])
+            heads = None
+            if "head_start" in q or "head_end" in q:
+                heads = (int(q["head_start"]), int(q["head_end"]))
         except (KeyError, ValueError):
-            return _error(400, "layer_start and layer_end (ints) are required")
-        ranks = state.route(a, b, q.get("session"))
+            return _error(
+                400,
+                "layer_start and layer_end (ints) are required; head_start and head_end go "
+                "together",
+            )
+        ranks = state.route(a, b, q.get("session"), heads)
         if ranks is None:
             return _error(503, "not every prefill rank has registered yet")
         return JSONResponse({"ranks": [r.to_wire() for r in ranks]})

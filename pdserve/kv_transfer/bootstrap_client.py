@@ -81,16 +81,23 @@ class BootstrapClient:
             delay = min(delay * 2, 2.0)
 
     def route(
-        self, layer_start: int, layer_end: int, session: str, deadline: float
+        self,
+        layer_start: int,
+        layer_end: int,
+        session: str,
+        deadline: float,
+        heads: tuple[int, int] | None = None,
     ) -> list[PrefillRankInfo]:
-        """Prefill ranks holding layers [layer_start, layer_end); retries 503 and errors until the
-        deadline."""
+        """Prefill ranks holding layers [layer_start, layer_end) (and KV heads `heads`, if given);
+        retries 503 and errors until the deadline."""
         delay = 0.05
         params: dict[str, str | int] = {
             "layer_start": layer_start,
             "layer_end": layer_end,
             "session": session,
         }
+        if heads is not None:
+            params["head_start"], params["head_end"] = heads
         while True:
             try:
                 r = self._http.get("/route", params=params)

@@ -21,7 +21,9 @@ from pdserve.kv_transfer.tcp_transport import TcpTransferEngine
 
 
 class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
-    """The KV manager of one decode rank; `dst_slices` are the layer slices of all decode ranks."""
+    """The KV manager of one decode rank; `dst_slices` are the slices of all decode ranks of its
+    node, by `rank`: (layer_start, layer_end, head_start, head_end), or (layer_start, layer_end)
+    for a node without TP (every rank holds the pool's heads)."""
 
     side = "decode"
 
@@ -33,19 +35,23 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
         dst_slices,
         aux_slots: int = 256,
         engine: MooncakeEngine | TcpTransferEngine | None = None,
+        tp: tuple[int, int] = (0, 1),
     ):
-        super().__init__(config, pool, pp_rank, aux_slots=aux_slots, engine=engine)
-        self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)
-        if self.dst_slices[pp_rank] != pool.layers:
+        super().__init__(config, pool, pp_rank, aux_slots=aux_slots, engine=engine, tp=tp)
+        self.dst_slices = tuple(
+            tuple(int(x) for x in s) if len(s) == 4 else (int(s[0]), int(s[1]), *pool.heads)
+            for s in dst_slices
+        )
+        if self.dst_slices[self.rank] != (*pool.layers, *pool.heads):
             raise ValueError(
-                f"decode rank {pp_rank}: pool layers {pool.layers} differ from "
-                f"{self.dst_slices[pp_rank]}"
+                f"decode rank {self.rank}: pool layers {pool.layers} and heads {pool.heads} "
+                f"differ from {self.dst_slices[self.rank]}"
             )
         self._receivers: dict[int, KVReceiver] = {}
         self._clients: dict[str, BootstrapClient] = {}
         self._routes: dict[str, Future] = {}
         self._misses: dict[str, int] = {}
-        self._lookups = ThreadPoolExecutor(4, thread_name_prefix=f"kv-route{pp_rank}")
+        self._lookups = ThreadPoolExecutor(4, thread_name_prefix=f"kv-route{self.rank}")
         self._start_threads()
 
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
@@ -75,7 +81,7 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
     def _lookup(self, addr: str) -> list[PrefillRankInfo]:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         return self._client(addr).route(
-            self.pool.layer_start, self.pool.layer_end, self.session_id, deadline
+            self.pool.layer_start, self.pool.layer_end, self.session_id, deadline, self.pool.heads
         )
 
     def _on_message(self, msg: Message, sender: str) -> None:

@@ -96,7 +96,7 @@ class InMemoryFabric:
         self,
         pool: PoolDesc,
         pp_rank: int,
-        dst_slices: Sequence[tuple[int, int]],
+        dst_slices: Sequence[tuple[int, ...]],
         aux_slots: int = 256,
         config: TransferConfig | None = None,
     ) -> InMemoryDecodeKVManager:

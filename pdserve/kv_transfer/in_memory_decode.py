@@ -153,12 +153,13 @@ class InMemoryDecodeKVManager(BaseDecodeKVManager):
         fabric: InMemoryFabric,
         pool: PoolDesc,
         pp_rank: int,
-        dst_slices: Sequence[tuple[int, int]],
+        dst_slices: Sequence[tuple[int, ...]],
         aux_slots: int,
         config: TransferConfig,
     ):
         self.fabric, self.pool, self.pp_rank, self.config = fabric, pool, pp_rank, config
-        self.dst_slices = tuple((int(a), int(b)) for a, b in dst_slices)
+        # layers only: the in-memory fabric has no TP (a slice's heads, if given, are all of them)
+        self.dst_slices = tuple((int(sl[0]), int(sl[1])) for sl in dst_slices)
         if self.dst_slices[pp_rank] != pool.layers:
             raise ValueError(f"decode rank {pp_rank}: pool layers {pool.layers} differ")
         self.stats = TransferStats()

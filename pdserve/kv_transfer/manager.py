@@ -61,10 +61,16 @@ class KVManagerBase:
         pp_rank: int,
         aux_slots: int,
         engine: MooncakeEngine | TcpTransferEngine | None = None,
+        tp: tuple[int, int] = (0, 1),
     ):
         self.config, self.pool, self.pp_rank = config, pool, pp_rank
+        # Under TP a stage is several ranks, each with its own pool and manager: the control
+        # messages name a rank by its place in its node, PP rank x TP size + TP rank (`rank`).
+        self.tp_rank, self.tp_size = tp
+        self.rank = pp_rank * self.tp_size + self.tp_rank
         self.stats = TransferStats()
-        self._prefix = f"[pid {os.getpid()} {self.side} pp{pp_rank}]"
+        where = f"pp{pp_rank}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
+        self._prefix = f"[pid {os.getpid()} {self.side} {where}]"
         self.engine = engine or make_engine(config.host, config.protocol, config.device)
         self.engine.register(pool.base_ptr, pool.nbytes)
         self.aux_slots = aux_slots
@@ -90,7 +96,9 @@ class KVManagerBase:
         self._push: dict[tuple[str, int], tuple[zmq.Socket, threading.Lock]] = {}
         self._push_lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=fn, name=f"kv-{self.side}{pp_rank}-{fn.__name__}", daemon=True)
+            threading.Thread(
+                target=fn, name=f"kv-{self.side}{self.rank}-{fn.__name__}", daemon=True
+            )
             for fn in (self._recv_loop, self._reaper_loop, self._heartbeat_loop)
         ]
 

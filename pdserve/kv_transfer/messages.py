@@ -20,6 +20,7 @@ from pdserve.kv_transfer.layout import PoolDesc
 
 MAX_ROOM = 1 << 63
 MAX_STR = 256
+MAX_RANKS = 4096  # decode ranks (PP x TP) a registration may list
 
 
 class MessageError(ValueError):
@@ -29,8 +30,11 @@ class MessageError(ValueError):
 @dataclass(frozen=True)
 class KVRegister:
     room: int
-    dst_rank: int  # decode pp_rank
-    dst_slices: tuple  # ((layer_start, layer_end), ...) of every decode rank, by rank
+    dst_rank: (
+        int  # the decode rank's place in its node (KVManagerBase.rank: its PP rank without TP)
+    )
+    # ((layer_start, layer_end, head_start, head_end), ...) of every decode rank, by rank
+    dst_slices: tuple
     ctrl_host: str  # where the decode rank's control socket listens
     ctrl_port: int
     session_id: str  # Mooncake target "host:rpc_port"
@@ -48,7 +52,7 @@ class KVRegister:
 @dataclass(frozen=True)
 class KVStatus:
     room: int
-    src_rank: int  # prefill pp_rank
+    src_rank: int  # the prefill rank's place in its node (KVManagerBase.rank)
     status: int  # KVPoll.Success or KVPoll.Failed
     reason: str
     num_tokens: int  # tokens sent (Success)
@@ -92,18 +96,18 @@ def _ints(v) -> tuple:
 
 
 def _slices(v) -> tuple:
-    if type(v) is not list or not v:
-        raise MessageError("expected a non-empty list of layer slices")
+    if type(v) is not list or not v or len(v) > MAX_RANKS:
+        raise MessageError(f"expected a list of 1 to {MAX_RANKS} decode slices")
     out = []
     for s in v:
         if (
             type(s) is not list
-            or len(s) != 2
+            or len(s) != 4
             or not all(_is_int(x) for x in s)
-            or not 0 <= s[0] < s[1]
+            or not (0 <= s[0] < s[1] and 0 <= s[2] < s[3])
         ):
-            raise MessageError(f"bad layer slice {s!r}")
-        out.append((s[0], s[1]))
+            raise MessageError(f"bad decode slice {s!r} (layer start, end, head start, end)")
+        out.append((s[0], s[1], s[2], s[3]))
     return tuple(out)
 
 

@@ -43,8 +43,11 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         pp_size: int,
         bootstrap_addr: str,
         engine: MooncakeEngine | TcpTransferEngine | None = None,
+        tp: tuple[int, int] = (0, 1),
     ):
-        super().__init__(config, pool, pp_rank, aux_slots=config.transfer_threads, engine=engine)
+        super().__init__(
+            config, pool, pp_rank, aux_slots=config.transfer_threads, engine=engine, tp=tp
+        )
         self.pp_size = pp_size
         self.failed_sessions: set[str] = set()
         self._senders: dict[int, KVSender] = {}
@@ -63,7 +66,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         for i in range(self.aux_slots):
             self._aux_free.put(i)
         self.pool_executor = ThreadPoolExecutor(
-            config.transfer_threads, thread_name_prefix=f"kv-send{pp_rank}"
+            config.transfer_threads, thread_name_prefix=f"kv-send{self.rank}"
         )
         self.info_record = PrefillRankInfo(
             pp_rank,
@@ -77,6 +80,9 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
             pool.token_bytes,
             pool.dtype,
             LAYOUT_NAME,
+            self.tp_rank,
+            self.tp_size,
+            *pool.heads,
         )
         self._bootstrap = BootstrapClient(
             bootstrap_addr, config.auth_token, config.heartbeat_interval_s
@@ -85,7 +91,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         self._misses = 0  # heartbeats in a row the bootstrap server did not answer
         self._threads.append(
             threading.Thread(
-                target=self._register, name=f"kv-prefill{pp_rank}-register", daemon=True
+                target=self._register, name=f"kv-prefill{self.rank}-register", daemon=True
             )
         )
         self._start_threads()
@@ -95,10 +101,11 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
             self._bootstrap.register(self.info_record, stop=self._stop)
             self.registered.set()
             self.debug(
-                "registered with bootstrap server %s (layers [%d, %d))",
+                "registered with bootstrap server %s (layers [%d, %d), KV heads [%d, %d))",
                 self._bootstrap.addr,
                 self.pool.layer_start,
                 self.pool.layer_end,
+                *self.pool.heads,
             )
         except (BootstrapTimeout, ValueError) as e:
             self.warn("bootstrap registration stopped: %s", e)
@@ -161,7 +168,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
                     self.send(
                         m.ctrl_host,
                         m.ctrl_port,
-                        _status(msg.room, self.pp_rank, KVPoll.Failed, "aborted_by_decode"),
+                        _status(msg.room, self.rank, KVPoll.Failed, "aborted_by_decode"),
                     )
             elif room is None:
                 self.stats.add_dropped("unknown_room")
@@ -232,7 +239,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
                         self.send(
                             m.ctrl_host,
                             m.ctrl_port,
-                            _status(room, self.pp_rank, KVPoll.Failed, "unknown_room"),
+                            _status(room, self.rank, KVPoll.Failed, "unknown_room"),
                         )
             for s in senders:
                 if s.finished_at is not None and now - s.finished_at > ttl:

@@ -2,7 +2,8 @@
 
 Receiver states (KVPoll):
   Bootstrapping    asking the prefill node's bootstrap server which prefill ranks hold this rank's
-                   layers (cached per server), and waiting for `register`    -> bootstrap timeout
+                   layers and KV heads (cached per server), and waiting for `register`
+                                                                              -> bootstrap timeout
   WaitingForInput  registration sent to every overlapping prefill rank; waiting for one Success
                    from each                                                  -> waiting timeout
   Success          every overlapping prefill rank reported Success and the aux slot holds this
@@ -95,13 +96,20 @@ class KVReceiver(BaseKVReceiver):
             return
         mine = self._mgr.pool
         for r in route:
-            if r.token_bytes != mine.token_bytes or r.dtype != mine.dtype:
+            head_bytes = r.token_bytes // (r.head_end - r.head_start)
+            if head_bytes != mine.head_bytes or r.dtype != mine.dtype:
                 self._fail(
-                    "incompatible", detail=f"prefill rank {r.pp_rank} has {r.dtype}/{r.token_bytes}"
+                    "incompatible",
+                    detail=f"prefill rank {r.rank} has {r.dtype}/{head_bytes} B per head",
                 )
                 return
         with self._lock:
-            self._route = [r for r in route if intersect((r.layer_start, r.layer_end), mine.layers)]
+            self._route = [
+                r
+                for r in route
+                if intersect((r.layer_start, r.layer_end), mine.layers)
+                and intersect(r.heads, mine.heads)
+            ]
         self._maybe_send_registration()
 
     def _maybe_send_registration(self) -> None:
@@ -127,7 +135,7 @@ class KVReceiver(BaseKVReceiver):
                 r.ctrl_port,
                 KVRegister(
                     self.room,
-                    mgr.pp_rank,
+                    mgr.rank,
                     mgr.dst_slices,
                     mgr.config.host,
                     mgr.ctrl_port,
@@ -148,8 +156,7 @@ class KVReceiver(BaseKVReceiver):
         with self._lock:
             route = self._route if self._sent else None
         return route is not None and any(
-            r.pp_rank == prefill_rank and sender_id(r.session_id, r.ctrl_port) == sender
-            for r in route
+            r.rank == prefill_rank and sender_id(r.session_id, r.ctrl_port) == sender for r in route
         )
 
     def note_quiet(self, prefill_rank: int) -> None:
@@ -168,7 +175,7 @@ class KVReceiver(BaseKVReceiver):
                 return True
             if self._status != KVPoll.Failed:
                 return False
-            if self._route is not None and {r.pp_rank for r in self._route} <= self._quiet:
+            if self._route is not None and {r.rank for r in self._route} <= self._quiet:
                 return True
             assert self.finished_at is not None  # _fail sets it with the Failed status
             return time.monotonic() - self.finished_at > grace_s
@@ -179,7 +186,7 @@ class KVReceiver(BaseKVReceiver):
             self._fail(f"prefill_failed:{msg.reason}" if msg.reason else "prefill_failed")
             return
         with self._lock:
-            if self._route is None or msg.src_rank not in {r.pp_rank for r in self._route}:
+            if self._route is None or msg.src_rank not in {r.rank for r in self._route}:
                 unexpected = True
             else:
                 unexpected = False
@@ -215,27 +222,26 @@ class KVReceiver(BaseKVReceiver):
         slide_from = window_start(num_tokens, mgr.pool.window, mgr.pool.page_size)
         if mgr.config.checksum:
             for r in route:
-                want = done[r.pp_rank].checksum
-                layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
-                assert layers is not None  # on_route keeps only ranks whose layers overlap
+                want = done[r.rank].checksum
+                layers, heads = self._shared(r)
                 got = kv_checksum(
                     mgr.pool,
                     pages,
                     layers,
-                    done[r.pp_rank].num_tokens,
+                    done[r.rank].num_tokens,
                     token_start=held,
                     first_page=held // mgr.pool.page_size,
                     slide_from=slide_from,
+                    heads=heads,
                 )
                 if want is None or got != want:
-                    return self._fail("checksum_mismatch", detail=f"prefill rank {r.pp_rank}")
+                    return self._fail("checksum_mismatch", detail=f"prefill rank {r.rank}")
         per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
         received = spared = 0
         for r in route:
-            layers = intersect((r.layer_start, r.layer_end), mgr.pool.layers)
-            assert layers is not None  # on_route keeps only ranks whose layers overlap
+            layers, heads = self._shared(r)
             moved, window_bytes = kv_bytes(
-                mgr.pool, layers, held, done[r.pp_rank].num_tokens, slide_from
+                mgr.pool, layers, held, done[r.rank].num_tokens, slide_from, heads
             )
             received, spared = received + moved, spared + window_bytes
         with self._lock:
@@ -247,6 +253,14 @@ class KVReceiver(BaseKVReceiver):
         mgr.stats.add_received(received)
         mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
         mgr.stats.add_room_tokens(max(0, num_tokens - held), held, held * per_token, spared)
+
+    def _shared(self, r: PrefillRankInfo) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The layers and KV heads prefill rank `r` and this rank both hold."""
+        pool = self._mgr.pool
+        layers = intersect((r.layer_start, r.layer_end), pool.layers)
+        heads = intersect(r.heads, pool.heads)
+        assert layers is not None and heads is not None  # on_route keeps only ranks that overlap
+        return layers, heads
 
     def check_timeouts(self, now: float) -> None:
         cfg = self._mgr.config
@@ -279,10 +293,10 @@ class KVReceiver(BaseKVReceiver):
             tell: list[PrefillRankInfo] = []
             if self._sent:
                 assert self._route is not None  # _sent is set only once the route is known
-                tell = [r for r in self._route if r.pp_rank not in self._quiet]
+                tell = [r for r in self._route if r.rank not in self._quiet]
         mgr = self._mgr
         mgr.stats.add_failure(reason.split(":")[0])
         say = mgr.debug if reason.startswith("aborted") else mgr.warn  # aborts are routine
         say("room %d failed: %s %s", self.room, reason, detail)
         for r in tell:
-            mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.pp_rank, reason[:200]))
+            mgr.send(r.host, r.ctrl_port, KVAbort(self.room, "decode", mgr.rank, reason[:200]))

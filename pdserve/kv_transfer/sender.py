@@ -1,7 +1,7 @@
 """Prefill side: one KVSender per room on every prefill rank, owned by a PrefillKVManager.
 
 Sender states (KVPoll):
-  Bootstrapping    waiting for every decode rank that needs this rank's layers to register
+  Bootstrapping    waiting for every decode rank that needs this rank's layers and heads to register
                    (the registrations say which decode slices exist)       -> bootstrap timeout
   WaitingForInput  all registered; waiting for the scheduler's first chunk -> waiting timeout
   Transferring     chunks are written in order by a transfer thread; a chunk in flight longer than
@@ -25,10 +25,10 @@ from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseKVSender
 from pdserve.kv_transfer.checksum import kv_checksum
 from pdserve.kv_transfer.layout import (
+    PoolDesc,
     check_compatible,
     chunk_descriptors,
     intersect,
-    overlapping,
     window_start,
 )
 from pdserve.kv_transfer.manager import sender_id
@@ -125,7 +125,7 @@ class KVSender(BaseKVSender):
                 # Its earlier rooms failed already; a new one fails again if it really is dead.
                 mgr.failed_sessions.discard(msg.session_id)
                 mgr.info("session %s registers again: writing to it again", msg.session_id)
-            expected = _expected_ranks(mgr.pool.layers, msg)
+            expected = _expected_ranks(mgr.pool, msg)
         except ValueError as e:
             mgr.warn(
                 "room %d: bad registration from decode rank %d: %s", self.room, msg.dst_rank, e
@@ -168,9 +168,7 @@ class KVSender(BaseKVSender):
     def _reply_failed(self, msg: KVRegister, reason: str) -> None:
         """Tells the decode rank that sent `msg` this room failed here, for `reason`."""
         mgr = self._mgr
-        mgr.send(
-            msg.ctrl_host, msg.ctrl_port, _status(self.room, mgr.pp_rank, KVPoll.Failed, reason)
-        )
+        mgr.send(msg.ctrl_host, msg.ctrl_port, _status(self.room, mgr.rank, KVPoll.Failed, reason))
 
     def peer_sessions(self) -> list[str]:
         with self._lock:
@@ -213,9 +211,9 @@ class KVSender(BaseKVSender):
         mgr = self._mgr
         for p in peers:
             msg = (
-                KVAbort(self.room, "prefill", mgr.pp_rank, reason)
+                KVAbort(self.room, "prefill", mgr.rank, reason)
                 if abort
-                else _status(self.room, mgr.pp_rank, KVPoll.Failed, reason)
+                else _status(self.room, mgr.rank, KVPoll.Failed, reason)
             )
             mgr.send(p.ctrl_host, p.ctrl_port, msg)
 
@@ -237,7 +235,7 @@ class KVSender(BaseKVSender):
                 peer.ctrl_host,
                 peer.ctrl_port,
                 _status(
-                    self.room, self._mgr.pp_rank, KVPoll.Failed, self.reason or "aborted_by_decode"
+                    self.room, self._mgr.rank, KVPoll.Failed, self.reason or "aborted_by_decode"
                 ),
             )
 
@@ -308,7 +306,7 @@ class KVSender(BaseKVSender):
                 p.ctrl_port,
                 KVStatus(
                     self.room,
-                    mgr.pp_rank,
+                    mgr.rank,
                     int(KVPoll.Success),
                     "",
                     chunk.token_end,
@@ -350,7 +348,8 @@ class KVSender(BaseKVSender):
         mgr, sums = self._mgr, {}
         for _, p in peers:
             layers = intersect(mgr.pool.layers, p.pool.layers)
-            assert layers is not None  # on_register accepts only peers overlapping this rank
+            heads = intersect(mgr.pool.heads, p.pool.heads)
+            assert layers and heads  # on_register accepts only peers overlapping this rank
             sums[p.dst_rank] = kv_checksum(
                 mgr.pool,
                 chunk.page_ids,
@@ -358,23 +357,29 @@ class KVSender(BaseKVSender):
                 chunk.token_end,
                 token_start=p.prefix_tokens,
                 slide_from=window_start(chunk.token_end, p.pool.window, p.pool.page_size),
+                heads=heads,
             )
         return sums
 
 
-def _expected_ranks(mine: tuple[int, int], msg: KVRegister) -> frozenset[int]:
-    """The decode ranks whose layer slices (as `msg` lists them) overlap this rank's layers `mine`.
-    ValueError when `msg` is not a valid registration: its cached prefix is not page-aligned, or its
-    own slice is not its pool's layers or does not overlap `mine`."""
+def _expected_ranks(mine: PoolDesc, msg: KVRegister) -> frozenset[int]:
+    """The decode ranks whose slices (as `msg` lists them) overlap the layers and KV heads of this
+    rank's pool `mine`. ValueError when `msg` is not a valid registration: its cached prefix is
+    not page-aligned, or its own slice is not its pool's layers and heads or does not overlap
+    `mine`."""
     if msg.prefix_tokens % msg.pool.page_size:
         raise ValueError(f"prefix of {msg.prefix_tokens} tokens is not page-aligned")
-    own_slice = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
-    if own_slice != msg.pool.layers or intersect(mine, own_slice) is None:
+
+    def overlaps(s: tuple) -> bool:
+        return bool(intersect(mine.layers, s[:2]) and intersect(mine.heads, s[2:]))
+
+    own = msg.dst_slices[msg.dst_rank] if msg.dst_rank < len(msg.dst_slices) else None
+    if own != (*msg.pool.layers, *msg.pool.heads) or not overlaps(own):
         raise ValueError(
-            f"decode rank {msg.dst_rank} with layers {msg.pool.layers} does not "
-            f"overlap {mine} or its slice list"
+            f"decode rank {msg.dst_rank} with layers {msg.pool.layers} and heads "
+            f"{msg.pool.heads} does not overlap {mine.layers}/{mine.heads} or its slice list"
         )
-    return frozenset(r for r, _, _ in overlapping(mine, dict(enumerate(msg.dst_slices))))
+    return frozenset(r for r, s in enumerate(msg.dst_slices) if overlaps(s))
 
 
 def _prefix_differs(peers: dict, msg) -> bool:

@@ -148,9 +148,10 @@ def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int,
     per_token = spared = 0
     for p in peers:
         layers = intersect(pool.layers, p.pool.layers)
-        assert layers is not None  # a room's decode peers are the ranks whose layers overlap
+        heads = intersect(pool.heads, p.pool.heads)
+        assert layers and heads  # a room's decode peers are the ranks whose layers and heads meet
         lo, hi = layers
-        per_token += (hi - lo) * 2 * pool.token_bytes
+        per_token += (hi - lo) * 2 * (heads[1] - heads[0]) * pool.head_bytes
         slide_from = window_start(num_tokens, p.pool.window, p.pool.page_size)
-        spared += kv_bytes(pool, layers, skipped, num_tokens, slide_from)[1]
+        spared += kv_bytes(pool, layers, skipped, num_tokens, slide_from, heads)[1]
     return num_tokens - skipped, skipped, skipped * per_token, spared

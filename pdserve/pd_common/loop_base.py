@@ -5,15 +5,16 @@ PD request, the end of a request), the consensus ring over the PP group, and the
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from pdserve.consensus.kvpoll import KVPoll
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.transport import InMemoryRing, PPGroupTransport, RingTransport
-from pdserve.consensus.vote import RingVote
+from pdserve.consensus.vote import Ballot, RingVote
 from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.engine.grammar import hold_for_guide
 from pdserve.kv_transfer.base import BaseKVManager, BaseKVReceiver, BaseKVSender
@@ -158,6 +159,48 @@ class PDLoop(SlotLoop):
         except ParamError as e:
             self.emit(ErrorEvent(msg.rid, str(e), e.field, AbortReason.INVALID_REQUEST))
             return None
+
+    # --- what the ranks of a TP group observe, agreed before the votes (tp_group.py) -------------
+    def stage_ballot(
+        self, kind: str, statuses: dict[int, KVPoll], aborted: Iterable[int] = ()
+    ) -> Ballot:
+        """This rank's ballot for `kind`, or in a TP group its stage's: each rank has its own end
+        of every room's transfer, so a room is good where it is good on every rank of the group,
+        and bad where it failed on one once it is final on all (the ring's own rule, vote.py,
+        applied inside the group first). The rooms are the same on every rank of the group (the
+        queues are replicated), so the collectives are too."""
+        mine = Ballot.from_statuses(kind, statuses, aborted)
+        if self.tp is None or not statuses:
+            return mine
+        rooms = sorted(statuses)
+        n = len(rooms)
+        good = [int(r in mine.good) for r in rooms]
+        final = [int(r in mine.good or r in mine.bad) for r in rooms]
+        bad = [int(r in mine.bad) for r in rooms]
+        lo, hi = self.tp.min_max(good + final + bad)
+        return Ballot(
+            frozenset(r for r, g in zip(rooms, lo[:n], strict=True) if g),
+            frozenset(
+                r for r, f, b in zip(rooms, lo[n : 2 * n], hi[2 * n :], strict=True) if f and b
+            ),
+            frozenset(aborted),
+        )
+
+    def on_every_rank(self, flags: dict[int, bool]) -> frozenset[int]:
+        """The rooms whose flag is set on this rank, or in a TP group on every rank of it."""
+        if self.tp is None or not flags:
+            return frozenset(r for r, f in flags.items() if f)
+        rooms = sorted(flags)
+        lo, _ = self.tp.min_max([int(flags[r]) for r in rooms])
+        return frozenset(r for r, f in zip(rooms, lo, strict=True) if f)
+
+    def stage_polls(self, polls: list[KVPoll]) -> list[KVPoll]:
+        """The statuses of this rank's transfer ends, or in a TP group the MIN over it (the
+        slowest rank's progress; one Failed fails the room)."""
+        if self.tp is None or not polls:
+            return polls
+        lo, _ = self.tp.min_max([int(p) for p in polls])
+        return [KVPoll(x) for x in lo]
 
     def waiting_ends(self) -> list[BaseKVSender | BaseKVReceiver]:
         """The transfer ends of this rank's rooms (the decode loop adds its quarantine)."""

@@ -15,6 +15,8 @@ def pool_desc(parts: RankParts) -> PoolDesc:
     pool = parts.runner.pool
     lay = pool.layout
     sliding = tuple(x for x in range(lay.layer_start, lay.layer_end) if parts.mcfg.is_sliding(x))
+    # the KV heads this rank holds: its share under TP (engine/model/tensor_parallel.py), else all
+    heads = parts.mcfg.num_kv_heads // parts.spec.tp_size
     return PoolDesc(
         pool.data_ptr,
         lay.num_pages,
@@ -25,6 +27,8 @@ def pool_desc(parts: RankParts) -> PoolDesc:
         str(lay.dtype).removeprefix("torch."),
         window=parts.mcfg.sliding_window,
         sliding=sliding,
+        head_start=parts.spec.tp_rank * heads,
+        num_heads=heads,
     )
 
 

@@ -29,12 +29,13 @@ from pdserve.consensus.kvpoll import KVPoll, done_for
 from pdserve.consensus.leader_sync import LeaderSync
 from pdserve.consensus.rank_checker import rank_consensus
 from pdserve.consensus.store import PPConsensusStore
-from pdserve.consensus.vote import RELEASE, Ballot, RingVote
+from pdserve.consensus.vote import RELEASE, RingVote
 from pdserve.engine.batch import ScheduledBatch
 from pdserve.engine.core import Req, SamplingParams
 from pdserve.kv_transfer.base import BasePrefillKVManager
 from pdserve.pd_common.loop_base import PDLoop, PDReq, pack_aux
 from pdserve.pd_common.messages import PDAddRequest, PrefillDoneEvent
+from pdserve.runtime.rank.pp_comm import Msg
 from pdserve.runtime.rank.process import RankParts
 from pdserve.runtime.reasons import AbortReason, as_reason
 
@@ -120,23 +121,28 @@ class PrefillLoop(PDLoop):
         aborted = [room for room, pd in self.inflight.items() if pd.aborted]
         if self.inflight and self.is_first:
             self._t_cast[slot] = time.monotonic()
-        self.vote.pass1(slot, {RELEASE: Ballot.from_statuses(RELEASE, statuses, aborted)})
+        self.vote.pass1(slot, {RELEASE: self.stage_ballot(RELEASE, statuses, aborted)})
 
     def _bootstrap_step(self) -> None:
         t0 = time.monotonic()
         local = [pd.transfer.poll() for pd in self.bootstrap]
         if self.spans.active:
             self._trace_registered(local)
-        if self.store is not None:
+        local = self.stage_polls(local)  # a TP group's MIN, before the store
+        if self.sync is None or self.size == 1:
+            self._apply_bootstrap(local)
+            return
+        if self.store is not None:  # a stage's lead (a TP follower has no store)
             for pd, st in zip(self.bootstrap, local, strict=True):
                 self.store.update_status(pd.room, st)
-            polls = (
-                self.store.statuses([pd.room for pd in self.bootstrap]) if self.is_first else None
-            )
-            polls = self.sync.sync_polls(polls)
-            self.observe("consensus:bootstrap_sync", time.monotonic() - t0)
-        else:
-            polls = local
+        polls = None
+        if self.is_first:
+            rooms = [pd.room for pd in self.bootstrap]
+            polls = self.store.statuses(rooms) if self.store is not None else None
+            if self.tp is not None:  # PP0's followers take their lead's reading
+                polls = [KVPoll(p) for p in self.tp.same(Msg.SYNC, polls and list(map(int, polls)))]
+        polls = self.sync.sync_polls(polls)
+        self.observe("consensus:bootstrap_sync", time.monotonic() - t0)
         self._apply_bootstrap(polls)
 
     @rank_consensus(

@@ -19,17 +19,23 @@ __all__ = ["ZYGOTE_PRELOAD", "main"]  # ZYGOTE_PRELOAD: for a rank zygote (infra
 
 
 def consensus_store(parts: RankParts) -> PPConsensusStore | None:
-    """PP0 binds the store's socket and tells every other rank its address over the PP group."""
+    """PP0 binds the store's socket and tells every other rank its address over the PP group.
+    In a TP group only the lead has a store (it writes its group's MIN, prefill_node/loop.py); a
+    follower takes the address from its lead's replay, in order, and keeps no store."""
     comm, spec = parts.comm, parts.spec
-    if comm is None:
+    if comm is None or spec.pp_size == 1:
         return None
+    lead = spec.tp_rank == 0
     if spec.pp_rank == 0:
+        if not lead:
+            return None
         store = PPConsensusStore(0, spec.pp_size, host=spec.transfer_host)
         for r in range(1, spec.pp_size):
             comm.send_obj(r, store.address, Msg.SYNC)
         comm.flush()
         return store
-    return PPConsensusStore(spec.pp_rank, spec.pp_size, address=comm.recv(0, Msg.SYNC))
+    address = comm.recv(0, Msg.SYNC)
+    return PPConsensusStore(spec.pp_rank, spec.pp_size, address=address) if lead else None
 
 
 # A finished request keeps its pages until the release vote: a transfer may still read them.
@@ -47,6 +53,7 @@ def make_loop(parts: RankParts, kv: BasePrefillKVManager | None = None) -> Prefi
             spec.pp_rank,
             spec.pp_size,
             spec.bootstrap_addr,
+            tp=(spec.tp_rank, spec.tp_size),
         )
     return PrefillLoop(parts, kv, consensus_store(parts))
 

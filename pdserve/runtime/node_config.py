@@ -25,7 +25,7 @@ class NodeConfig:
         1,
         aliases=("--tensor-parallel-size",),
         help="tensor-parallel size of each PP stage: processes per stage, each with its share of "
-        "the heads and the MLP (a colocated node, on one host)",
+        "the heads and the MLP (a colocated, prefill or decode node, on one host)",
     )
     host: str = setting("127.0.0.1", help="HTTP bind address")
     port: int = setting(30000, help="HTTP port")

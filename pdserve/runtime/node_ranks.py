@@ -67,6 +67,9 @@ def spare_cores(io_cores, threads: int) -> list[int]:
     return sorted(io_cores) if threads == 1 else []
 
 
+TP_ROLES = ("colocated", "prefill", "decode")  # the nodes that take --tp
+
+
 def make_specs(
     cfg: NodeConfig,
     role: str,
@@ -83,8 +86,8 @@ def make_specs(
     ranks = local_ranks(cfg)
     if not cfg.dist_init_addr and dist_port is None:
         raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
-    if cfg.tp > 1 and (role != "colocated" or tp_port is None):
-        raise SystemExit(f"--tp {cfg.tp}: only a colocated node (pdserve serve) has TP yet")
+    if cfg.tp > 1 and (role not in TP_ROLES or tp_port is None):
+        raise SystemExit(f"--tp {cfg.tp}: an elastic node has no TP yet")
     if cfg.tp > 1 and cfg.device != "cpu":  # the group is gloo, and one GPU would hold every rank
         raise SystemExit(f"--tp {cfg.tp}: TP runs on the CPU only (--device cpu) for now")
     dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
