@@ -50,6 +50,14 @@ class UpConfig:
     # PP 2 + PP 2, which puts four ranks on two cores: bench/results/HISTORY.md)
     prefill_pp: int = setting(1, help="pipeline-parallel size of each prefill node")
     decode_pp: int = setting(1, help="pipeline-parallel size of each decode node")
+    prefill_tp: int = setting(
+        1,
+        help="tensor-parallel size of each prefill node's stages: processes per stage, each with "
+        "its share of the heads (the model's KV heads must divide by it)",
+    )
+    decode_tp: int = setting(
+        1, help="tensor-parallel size of each decode node's stages (as --prefill-tp)"
+    )
     prefill_nodes: int = setting(1, help="prefill nodes per model")
     decode_nodes: int = setting(1, help="decode nodes per model")
     elastic: bool = setting(
@@ -99,6 +107,15 @@ class UpConfig:
         help="export OpenTelemetry traces of the router and every node over OTLP/HTTP to this "
         "collector (docs/TRACING.md)",
     )
+
+    def __post_init__(self):
+        for name in ("prefill_pp", "decode_pp", "prefill_tp", "decode_tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.elastic and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError(
+                "--elastic: an elastic node has no TP yet (--prefill-tp/--decode-tp 1)"
+            )
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:

@@ -14,7 +14,8 @@ def plan_cluster_cores(
     cfg: UpConfig, n_models: int, say: Callable[[str], None]
 ) -> Callable[[str, int], list[str]]:
     """Plans every rank's cores, binds this launcher (and the router it starts) to the I/O
-    cores, and returns `cpus(role, pp)`: the core flags of the next node of `role` started.
+    cores, and returns `cpus(role, n)`: the core flags of the next node of `role` started, of
+    `n` ranks (its PP x TP).
 
     The prefill ranks come first in the plan (an uneven split gives them the extra core),
     unless no core is left over for I/O. Then the decode ranks take the first cores: the
@@ -25,26 +26,22 @@ def plan_cluster_cores(
     the other role's newest node, so that a prefill node that becomes a decode node leaves the
     decode ranks' cores (on 2 cores, 2 prefill + 1 decode: prefill-1 shares decode-0's core as a
     prefill node, and moves to prefill-0's as a decode node)."""
-    a = cfg
-    n_ranks = (a.prefill_nodes * a.prefill_pp + a.decode_nodes * a.decode_pp) * n_models
-    plan = plan_placement(n_ranks, sorted(os.sched_getaffinity(0)), a.threads)
-    m = n_models
+    a, m = cfg, n_models
     ranks = {
-        "prefill": [
-            f"prefill-{i} pp{r}" for i in range(a.prefill_nodes * m) for r in range(a.prefill_pp)
-        ],
-        "decode": [
-            f"decode-{i} pp{r}" for i in range(a.decode_nodes * m) for r in range(a.decode_pp)
-        ],
+        "prefill": _rank_names("prefill", a.prefill_nodes * m, a.prefill_pp, a.prefill_tp),
+        "decode": _rank_names("decode", a.decode_nodes * m, a.decode_pp, a.decode_tp),
     }
+    n_ranks = len(ranks["prefill"]) + len(ranks["decode"])
+    plan = plan_placement(n_ranks, sorted(os.sched_getaffinity(0)), a.threads)
     order = ("prefill", "decode") if plan.io_cores else ("decode", "prefill")
     names = ranks[order[0]] + ranks[order[1]]
     # with no core left over, on the last rank's (a prefill rank's): off the decode ranks'
     # cores, where their wake-ups would delay tokens
     fronts = plan.front_cores(last_rank_shares=order[1] == "prefill")
     say(
-        f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp}, {a.decode_nodes} decode "
-        f"node(s) x PP {a.decode_pp} per model, {m} model(s): {n_ranks} rank "
+        f"{a.prefill_nodes} prefill node(s) x PP {a.prefill_pp} x TP {a.prefill_tp}, "
+        f"{a.decode_nodes} decode node(s) x PP {a.decode_pp} x TP {a.decode_tp} per model, "
+        f"{m} model(s): {n_ranks} rank "
         f"processes on {len(os.sched_getaffinity(0))} cores; placement: "
         f"{plan.describe(names, fronts)}"
     )
@@ -55,17 +52,28 @@ def plan_cluster_cores(
     at = {order[0]: 0, order[1]: len(ranks[order[0]])}  # the plan index of a role's next rank
     roles = [name.split("-")[0] for name in names]  # each plan index's role
 
-    def cpus(role: str, pp: int) -> list[str]:
-        at[role] += pp
-        start = at[role] - pp
-        flags = ["--cpus", plan.flag(start, pp), *io]
+    def cpus(role: str, n: int) -> list[str]:
+        at[role] += n
+        start = at[role] - n
+        flags = ["--cpus", plan.flag(start, n), *io]
         if a.elastic:
             other = "decode" if role == "prefill" else "prefill"
-            alt = other_role_cores(plan.rank_cores, roles, range(start, start + pp), other)
-            flags += [f"--{role}-cpus", plan.flag(start, pp), f"--{other}-cpus", alt]
+            alt = other_role_cores(plan.rank_cores, roles, range(start, start + n), other)
+            flags += [f"--{role}-cpus", plan.flag(start, n), f"--{other}-cpus", alt]
         return flags
 
     return cpus
+
+
+def _rank_names(role: str, nodes: int, pp: int, tp: int) -> list[str]:
+    """The plan's names of a role's ranks, node by node, a stage's TP ranks side by side (the
+    order a node's `--cpus` lists them in: runtime/node_ranks.py make_specs)."""
+    return [
+        f"{role}-{i} pp{r}" + (f" tp{t}" if tp > 1 else "")
+        for i in range(nodes)
+        for r in range(pp)
+        for t in range(tp)
+    ]
 
 
 def other_role_cores(

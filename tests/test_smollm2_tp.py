@@ -1,14 +1,19 @@
-"""SmolLM2-135M (the default model's GGUF) on a colocated node at TP 3, in fp32, against
-transformers on the same file: its 9 query heads, 3 KV heads and MLP of 1536 split three ways
-(docs/ARCHITECTURE.md section 15), token-identical, with the rank consensus checker on. Minutes
-of model loads on two cores: a CI step of its own (`make test-models`)."""
+"""SmolLM2-135M (the default model's GGUF) at TP 3, in fp32, against transformers on the same
+file: its 9 query heads, 3 KV heads and MLP of 1536 split three ways (docs/ARCHITECTURE.md
+section 15), token-identical, with the rank consensus checker on: a colocated node, and `pdserve
+up --prefill-tp 3 --decode-tp 3` with every request disaggregated (each decode rank's KV heads
+from the prefill rank that holds them). Minutes of model loads on two cores: a CI step of its own
+(`make test-models`)."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import httpx
 import pytest
 import torch
-from cluster import NODE_ARGS, free_port, start
+from cluster import NODE_ARGS, free_port, pdserve_up, start
 from one_thread import one_torch_thread
 from reference import hf_greedy
 
@@ -60,3 +65,36 @@ def test_tp3_serves_smollm2_exactly(smollm2, tmp_path):
         assert httpx.get(f"{url}/health").status_code == 200, "the checker or a rank failed"
     log = (tmp_path / "node.log").read_text()
     assert all(f"TP rank {t} of 3" in log for t in range(3))
+
+
+# every request through the pair: no prompt is short enough, cached enough or queued enough for
+# the decode node alone, and the latency model does not route
+ALWAYS_PD = (
+    "--disagg-min-prompt-tokens 0 --disagg-decode-prefix-fraction 2 "
+    "--disagg-local-prefill-cost 0 --disagg-fixed-costs true"
+)
+
+
+def test_up_with_tp3_on_both_sides_serves_smollm2_exactly(smollm2, tmp_path):
+    prompts, answers = smollm2
+    port = free_port()
+    node = " ".join([*NODE_ARGS, "--dtype", "float32"])
+    args = ["--port", str(port), "--prefill-tp", "3", "--decode-tp", "3"]
+    args += ["--node-args", node, "--router-args", ALWAYS_PD]
+    env = {**os.environ, "PDSERVE_RANK_CONSENSUS_CHECK": "1"}
+    log = tmp_path / "up.log"
+    with pdserve_up(args, log, 600, env):
+        url = f"http://127.0.0.1:{port}"
+        for prompt, want in zip(prompts, answers, strict=True):
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+            }
+            r = httpx.post(f"{url}/generate", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["token_ids"] == want
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    text = log.read_text()
+    assert "x TP 3" in text and "diverged" not in text
+    taken = re.findall(r'pdserve_router_route_decisions_total\{path="(\w+)"[^}]*\} (\S+)', metrics)
+    assert taken and {p for p, n in taken if float(n) > 0} == {"disaggregated"}, taken

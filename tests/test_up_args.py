@@ -61,3 +61,27 @@ def test_version():
             [sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, timeout=60
         )
         assert out.returncode == 0 and out.stdout.startswith("pdserve "), out
+
+
+def test_tp_sizes_plan_a_core_per_rank_and_an_elastic_node_refuses_them(monkeypatch, capsys):
+    """--prefill-tp/--decode-tp: the core plan names every rank of every stage, and a node's
+    --cpus lists PP x TP of them (runtime/node_ranks.py reads them in that order)."""
+    import os
+
+    import pdserve.up_cores as up_cores
+    from pdserve.up_args import UpConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(up_cores, "bind_cores", lambda cores: None)
+    said: list[str] = []
+    cfg = UpConfig(prefill_pp=2, prefill_tp=2, decode_tp=3, threads=1)
+    cpus = up_cores.plan_cluster_cores(cfg, 1, say=said.append)
+    assert "x PP 2 x TP 2" in said[0] and "x PP 1 x TP 3" in said[0], said
+    assert "prefill-0 pp1 tp1" in said[0] and "decode-0 pp0 tp2" in said[0], said
+    prefill, decode = cpus("prefill", 4), cpus("decode", 3)
+    p_cores, d_cores = prefill[1].split(";"), decode[1].split(";")
+    assert len(p_cores) == 4 and len(d_cores) == 3, (prefill, decode)
+    assert not set(p_cores) & set(d_cores)  # a core per rank: 7 ranks on 8 cores
+    with pytest.raises(SystemExit) as e:
+        parse_up_args(["--elastic", "--decode-tp", "3"])
+    assert e.value.code == 2 and "an elastic node has no TP" in capsys.readouterr().err
