@@ -7,17 +7,27 @@ node, so the pairs below are the layouts #49 names. With the rank consensus chec
 - greedy output is token-identical to transformers in fp32 on every pair, with the KV checksum
   on (each decode rank checks the heads and layers it got from each prefill rank);
 - nothing is held after, and no rank diverged.
+And an abort storm through `pdserve up` with TP 2 on both sides (prefill 2x2, decode 2x2), every
+request disaggregated, small pools: every answer that ran to its end is transformers', nothing is
+held after, and the cluster still answers.
 tests/test_kv_transfer_tp.py counts the bytes of each (layer, head) overlap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import random
+import time
 
+import httpx
 import pytest
-from cluster import wait_healthy
+from cluster import ClusterAuth, free_port, node_args, pdserve_up, wait_healthy
 from one_thread import hf_greedy_one_thread
-from pd_cluster import decode_node, pd_generate_all, prefill_node, wait_pages_free
+from pd_cluster import FAST_TIMEOUTS, decode_node, pd_generate_all, prefill_node, wait_pages_free
+from test_smollm2_tp import ALWAYS_PD
+from test_tensor_parallel import STORM, STORM_NEW, _storm
 
 MAX_NEW = 8
 PREFILL = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}
@@ -71,3 +81,59 @@ def test_pd_tp_layout_matches_transformers(pname, dname, nodes, tiny6, mixed_pro
     for role, name in (("prefill", pname), ("decode", dname)):
         log = (tmp / f"{role}-{name}.log").read_text()
         assert "diverged" not in log and "checksum_mismatch" not in log, f"{role}-{name}"
+
+
+SECRET = "tp-storm-secret"  # `pdserve up` takes the cluster secret from its environment
+
+
+@pytest.fixture(scope="module")
+def storm_reference(tiny6, mixed_prompts):
+    return hf_greedy_one_thread(tiny6, mixed_prompts, STORM_NEW)
+
+
+def test_an_abort_storm_with_tp2_on_both_sides_leaves_nothing_held(
+    tiny6, mixed_prompts, storm_reference, tmp_path
+):
+    """160 streams through the router to a prefill node and a decode node of PP 2 x TP 2 each,
+    every one disaggregated, with small pools (64 pages of 4 tokens: requests queue on both nodes
+    and decodes are retracted), the consensus checker on, and a seeded mix of fates: run to the
+    end, dropped before the first byte (the router aborts both legs), after the first token (the
+    transfer's end), after a few."""
+    port = free_port()
+    small = " ".join(node_args(max_total_tokens=256, max_running=None))
+    args = ["--model", str(tiny6), "--port", str(port), "--node-args", small]
+    args += ["--prefill-pp", "2", "--prefill-tp", "2", "--decode-pp", "2", "--decode-tp", "2"]
+    args += ["--router-args", f"{ALWAYS_PD} --health-interval 1"]
+    timeouts = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "90", "PDSERVE_KV_WAITING_TIMEOUT_S": "90"}
+    env = {**os.environ, **FAST_TIMEOUTS, **timeouts, "PDSERVE_INTERNAL_TOKEN": SECRET}
+    rng = random.Random(12)
+    fates = ["end", "end", "before", "first", "some"]
+    plans = [(i % len(mixed_prompts), rng.choice(fates)) for i in range(STORM)]
+    auth = ClusterAuth(SECRET)
+    with pdserve_up(args, tmp_path / "up.log", 480, env):
+        url = f"http://127.0.0.1:{port}"
+        outs = asyncio.run(_storm(url, mixed_prompts, plans))
+        assert not [o for o in outs if o[0] == "hang"], "a stream hung"
+        for (i, fate), (end, toks) in zip(plans, outs, strict=True):
+            if fate == "end":
+                assert end == "done" and toks == storm_reference[i], (i, end, toks)
+        workers = httpx.get(f"{url}/workers", auth=auth, timeout=10).json()["workers"]
+        nodes = {w["role"]: w["url"] for w in workers}
+        deadline = time.monotonic() + 60
+        while True:
+            ranks = {
+                role: httpx.get(f"{u}/server_info", auth=auth, timeout=10).json()["ranks"]
+                for role, u in nodes.items()
+            }
+            held = {role: [r["held_pages"] for r in rs] for role, rs in ranks.items()}
+            if not any(sum(h) for h in held.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert not any(sum(h) for h in held.values()), held
+        assert any(r["retractions"] > 0 for r in ranks["decode"]), "the decode pool was never short"
+        for u in nodes.values():
+            assert httpx.get(f"{u}/health", auth=auth, timeout=10).status_code == 200
+        again = asyncio.run(_storm(url, mixed_prompts, [(i, "end") for i in range(4)]))
+        assert [t for _, t in again] == storm_reference[:4]
+    log = (tmp_path / "up.log").read_text()
+    assert "consensus check FAILED" not in log and "diverged" not in log
