@@ -36,7 +36,7 @@ from pdserve.engine.core import Req, SamplingParams
 from pdserve.engine.kv_cache import pages_needed
 from pdserve.kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from pdserve.kv_transfer.layout import window_start
-from pdserve.pd_common.loop_base import PDLoop, PDReq, unpack_aux
+from pdserve.pd_common.loop_base import FAILED_ELSEWHERE, PDLoop, PDReq, unpack_aux
 from pdserve.pd_common.messages import PDAddRequest
 from pdserve.runtime.messages import TokenEvent
 from pdserve.runtime.rank.process import RankParts
@@ -120,26 +120,20 @@ class DecodeLoop(PDLoop):
         if self.is_first and (registered or self.transfer or self.quarantine):
             self._t_cast[slot] = time.monotonic()
         grace = self.kv_mgr.config.quarantine_s
-        self.vote.pass1(
-            slot,
+        ballots, quiet = self.stage_ballots(
             {
-                PREALLOC: self.stage_ballot(
-                    PREALLOC,
+                PREALLOC: (
                     {pd.room: pd.transfer.poll() for pd in registered},
                     [pd.room for pd in registered if pd.aborted],
                 ),
-                TRANSFERRED: self.stage_ballot(
-                    TRANSFERRED,
+                TRANSFERRED: (
                     {r: pd.transfer.poll() for r, pd in self.transfer.items()},
                     [r for r, pd in self.transfer.items() if pd.aborted],
                 ),
-                RELEASE: Ballot(
-                    good=self.on_every_rank(
-                        {r: pd.transfer.quiesced(grace) for r, pd in self.quarantine.items()}
-                    )
-                ),
             },
+            {r: pd.transfer.quiesced(grace) for r, pd in self.quarantine.items()},
         )
+        self.vote.pass1(slot, {**ballots, RELEASE: Ballot(good=quiet)})
 
     @rank_consensus("pd_prealloc", result=lambda placed: placed)
     def _preallocate(self) -> list[tuple[int, int, list[int], int]]:
@@ -293,7 +287,12 @@ class DecodeLoop(PDLoop):
         release_prefix(self.sched, pd.held)
         pd.held = None
         self.quarantine[pd.room] = pd
+        why = pd.transfer.reason or "a decode rank failed"
+        # The room failed on some rank: this rank's own end may still be waiting for its prefill
+        # writers. Ended, it tells them (KVAbort), and their final word clears the quarantine
+        # at once instead of after the grace period.
+        pd.transfer.abort(FAILED_ELSEWHERE)
         if pd.aborted:
             self._end(pd, pd.reason)
         else:
-            self._end(pd, reason, f"{what}: {pd.transfer.reason or 'a decode rank failed'}")
+            self._end(pd, reason, f"{what}: {why}")

@@ -159,6 +159,8 @@ class InMemoryDecodeKVManager(BaseDecodeKVManager):
     ):
         self.fabric, self.pool, self.pp_rank, self.config = fabric, pool, pp_rank, config
         # layers only: the in-memory fabric has no TP (a slice's heads, if given, are all of them)
+        if any(len(sl) == 4 and tuple(sl[2:]) != pool.heads for sl in dst_slices):
+            raise ValueError("the in-memory KV fabric has no TP: every decode rank holds all heads")
         self.dst_slices = tuple((int(sl[0]), int(sl[1])) for sl in dst_slices)
         if self.dst_slices[pp_rank] != pool.layers:
             raise ValueError(f"decode rank {pp_rank}: pool layers {pool.layers} differ")

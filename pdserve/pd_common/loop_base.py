@@ -5,7 +5,7 @@ PD request, the end of a request), the consensus ring over the PP group, and the
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,10 @@ class PDReq:
     aborted: bool = False
     reason: AbortReason | None = None  # set with `aborted`: why
 
+
+# why a rank ends its own transfer end of a room that failed on another rank (an "aborted" reason:
+# logged at debug level, like every abort)
+FAILED_ELSEWHERE = "aborted:failed_elsewhere"
 
 # the span each timed queue is traced as (docs/TRACING.md); a queue not named here is not a span
 QUEUE_SPANS = {
@@ -161,38 +165,41 @@ class PDLoop(SlotLoop):
             return None
 
     # --- what the ranks of a TP group observe, agreed before the votes (tp_group.py) -------------
-    def stage_ballot(
-        self, kind: str, statuses: dict[int, KVPoll], aborted: Iterable[int] = ()
-    ) -> Ballot:
-        """This rank's ballot for `kind`, or in a TP group its stage's: each rank has its own end
-        of every room's transfer, so a room is good where it is good on every rank of the group,
-        and bad where it failed on one once it is final on all (the ring's own rule, vote.py,
-        applied inside the group first). The rooms are the same on every rank of the group (the
-        queues are replicated), so the collectives are too."""
-        mine = Ballot.from_statuses(kind, statuses, aborted)
-        if self.tp is None or not statuses:
-            return mine
-        rooms = sorted(statuses)
-        n = len(rooms)
-        good = [int(r in mine.good) for r in rooms]
-        final = [int(r in mine.good or r in mine.bad) for r in rooms]
-        bad = [int(r in mine.bad) for r in rooms]
-        lo, hi = self.tp.min_max(good + final + bad)
-        return Ballot(
-            frozenset(r for r, g in zip(rooms, lo[:n], strict=True) if g),
-            frozenset(
-                r for r, f, b in zip(rooms, lo[n : 2 * n], hi[2 * n :], strict=True) if f and b
-            ),
-            frozenset(aborted),
-        )
-
-    def on_every_rank(self, flags: dict[int, bool]) -> frozenset[int]:
-        """The rooms whose flag is set on this rank, or in a TP group on every rank of it."""
-        if self.tp is None or not flags:
-            return frozenset(r for r, f in flags.items() if f)
-        rooms = sorted(flags)
-        lo, _ = self.tp.min_max([int(flags[r]) for r in rooms])
-        return frozenset(r for r, f in zip(rooms, lo, strict=True) if f)
+    def stage_ballots(
+        self,
+        observed: dict[str, tuple[dict[int, KVPoll], list[int]]],
+        quiet: dict[int, bool] | None = None,
+    ) -> tuple[dict[str, Ballot], frozenset[int]]:
+        """This rank's ballot of each vote kind (from its transfer ends' statuses and the aborted
+        rooms) and the rooms of `quiet` whose flag is set; in a TP group, its stage's, agreed in
+        one collective. Each rank of a group has its own end of every room's transfer, so a room
+        is good where it is good on every rank of the group, and bad where it failed on one once
+        it is final on all (the ring's own rule, vote.py, applied inside the group first); a
+        `quiet` flag holds where it holds on every rank. The rooms are the same on every rank of
+        the group (the queues are replicated), so whether the collective runs is too."""
+        mine = {k: Ballot.from_statuses(k, st, ab) for k, (st, ab) in observed.items()}
+        quiet = quiet or {}
+        rows = [(k, r) for k, (st, _) in observed.items() for r in sorted(st)]
+        if self.tp is None or not (rows or quiet):
+            return mine, frozenset(r for r, q in quiet.items() if q)
+        good = [int(r in mine[k].good) for k, r in rows]
+        bad = [int(r in mine[k].bad) for k, r in rows]
+        final = [g | b for g, b in zip(good, bad, strict=True)]
+        rooms = sorted(quiet)
+        n = len(rows)
+        lo, hi = self.tp.min_max(good + final + [int(quiet[r]) for r in rooms] + bad)
+        agreed = {k: (set(), set()) for k in observed}
+        for i, (k, r) in enumerate(rows):
+            if lo[i]:
+                agreed[k][0].add(r)
+            elif lo[n + i] and hi[2 * n + len(rooms) + i]:
+                agreed[k][1].add(r)
+        ballots = {
+            k: Ballot(frozenset(g), frozenset(b), frozenset(observed[k][1]))
+            for k, (g, b) in agreed.items()
+        }
+        held = lo[2 * n : 2 * n + len(rooms)]
+        return ballots, frozenset(r for r, q in zip(rooms, held, strict=True) if q)
 
     def stage_polls(self, polls: list[KVPoll]) -> list[KVPoll]:
         """The statuses of this rank's transfer ends, or in a TP group the MIN over it (the

@@ -16,7 +16,7 @@ def pool_desc(parts: RankParts) -> PoolDesc:
     lay = pool.layout
     sliding = tuple(x for x in range(lay.layer_start, lay.layer_end) if parts.mcfg.is_sliding(x))
     # the KV heads this rank holds: its share under TP (engine/model/tensor_parallel.py), else all
-    heads = parts.mcfg.num_kv_heads // parts.spec.tp_size
+    heads = lay.num_kv_heads
     return PoolDesc(
         pool.data_ptr,
         lay.num_pages,

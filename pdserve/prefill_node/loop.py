@@ -33,7 +33,7 @@ from pdserve.consensus.vote import RELEASE, RingVote
 from pdserve.engine.batch import ScheduledBatch
 from pdserve.engine.core import Req, SamplingParams
 from pdserve.kv_transfer.base import BasePrefillKVManager
-from pdserve.pd_common.loop_base import PDLoop, PDReq, pack_aux
+from pdserve.pd_common.loop_base import FAILED_ELSEWHERE, PDLoop, PDReq, pack_aux
 from pdserve.pd_common.messages import PDAddRequest, PrefillDoneEvent
 from pdserve.runtime.rank.pp_comm import Msg
 from pdserve.runtime.rank.process import RankParts
@@ -121,7 +121,8 @@ class PrefillLoop(PDLoop):
         aborted = [room for room, pd in self.inflight.items() if pd.aborted]
         if self.inflight and self.is_first:
             self._t_cast[slot] = time.monotonic()
-        self.vote.pass1(slot, {RELEASE: self.stage_ballot(RELEASE, statuses, aborted)})
+        ballots, _ = self.stage_ballots({RELEASE: (statuses, aborted)})
+        self.vote.pass1(slot, ballots)
 
     def _bootstrap_step(self) -> None:
         t0 = time.monotonic()
@@ -154,10 +155,11 @@ class PrefillLoop(PDLoop):
         for pd, st in zip(self.bootstrap, polls, strict=True):
             if st == KVPoll.Failed:
                 self._bootstrap_done(pd.rid)
+                why = pd.transfer.reason or "decode side never registered"
+                pd.transfer.abort(FAILED_ELSEWHERE)  # this rank's sender may still be waiting
                 if pd.aborted:
                     self._end(pd, pd.reason)
                 else:
-                    why = pd.transfer.reason or "decode side never registered"
                     self._end(pd, AbortReason.BOOTSTRAP_FAILED, f"bootstrap failed: {why}")
             elif st >= KVPoll.WaitingForInput:
                 self._bootstrap_done(pd.rid)

@@ -86,8 +86,10 @@ def make_specs(
     ranks = local_ranks(cfg)
     if not cfg.dist_init_addr and dist_port is None:
         raise ValueError("make_specs: a single-host node needs dist_port (a reserve_port hold)")
-    if cfg.tp > 1 and (role not in TP_ROLES or tp_port is None):
-        raise SystemExit(f"--tp {cfg.tp}: an elastic node has no TP yet")
+    if cfg.tp > 1 and role not in TP_ROLES:
+        raise SystemExit(f"--tp {cfg.tp}: a {role} node has no TP yet")
+    if cfg.tp > 1 and tp_port is None:
+        raise ValueError("make_specs: a TP node needs tp_port (a reserve_port hold)")
     if cfg.tp > 1 and cfg.device != "cpu":  # the group is gloo, and one GPU would hold every rank
         raise SystemExit(f"--tp {cfg.tp}: TP runs on the CPU only (--device cpu) for now")
     dist = f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else f"tcp://127.0.0.1:{dist_port}"
