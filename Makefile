@@ -3,7 +3,7 @@ PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
 # `make constraints`: requirements/constraints.txt again from this venv (after a dependency change).
-.PHONY: constraints setup setup-test serve lint test test-elastic test-hosts test-failover test-models coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
+.PHONY: constraints setup setup-test serve lint test test-elastic test-tp test-hosts test-failover test-models coverage bench soak clean verify-protocol chaos-campaign kernels-strict test-sanitizers
 
 setup:
 	VENV=$(VENV) bash scripts/setup.sh
@@ -33,10 +33,13 @@ TEST_WORKERS ?= 2
 test: setup-test lint
 	PDSERVE_AIPERF=$(abspath $(VENV))/aiperf/bin/aiperf $(VENV)/bin/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --durations=20 \
-		-m "not hosts and not failover and not models and not elastic" $(PYTEST_ARGS)
+		-m "not hosts and not failover and not models and not elastic and not tp" $(PYTEST_ARGS)
 
 # Gemma 3 270M, the real file, against transformers in fp32 (tests/test_gemma3_real.py): a minute
 # or more of model loads (transformers' alone dequantizes the whole GGUF), so a CI step of its own.
+test-tp: setup-test
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m tp $(PYTEST_ARGS)
+
 test-models: setup-test
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m models $(PYTEST_ARGS)
 

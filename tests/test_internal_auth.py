@@ -283,7 +283,7 @@ def _forged_kv_register(room: int) -> bytes:
         KVRegister(
             room,
             0,
-            ((0, 6),),
+            ((0, 6, 0, 1),),
             "127.0.0.1",
             9,
             "127.0.0.1:9",

@@ -29,6 +29,8 @@ from pd_cluster import FAST_TIMEOUTS, decode_node, pd_generate_all, prefill_node
 from test_smollm2_tp import ALWAYS_PD
 from test_tensor_parallel import STORM, STORM_NEW, _storm
 
+pytestmark = pytest.mark.tp  # `make test-tp`, a CI step of its own
+
 MAX_NEW = 8
 PREFILL = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1), "2x2": (2, 2)}
 DECODE = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1)}

@@ -209,6 +209,17 @@ def _heartbeat(body) -> tuple[str, list[str]]:
     return session, peers
 
 
+ROUTE_QUERY = "layer_start and layer_end (ints) are required; head_start and head_end go together"
+
+
+def _route_query(q) -> tuple[int, int, tuple[int, int] | None]:
+    """A route lookup's layers and, if given, KV heads; KeyError or ValueError if not ints."""
+    heads = None
+    if "head_start" in q or "head_end" in q:
+        heads = (int(q["head_start"]), int(q["head_end"]))
+    return int(q["layer_start"]), int(q["layer_end"]), heads
+
+
 def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
     def authorized(request: Request) -> bool:
         return is_signed(request, token)
@@ -229,16 +240,9 @@ def build_app(state: BootstrapState, token: str | None = None) -> Starlette:
             return _error(401, "the request must be signed with the cluster secret")
         q = request.query_params
         try:
-            a, b = int(q["layer_start"]), int(q["layer_end"])
-            heads = None
-            if "head_start" in q or "head_end" in q:
-                heads = (int(q["head_start"]), int(q["head_end"]))
+            a, b, heads = _route_query(q)
         except (KeyError, ValueError):
-            return _error(
-                400,
-                "layer_start and layer_end (ints) are required; head_start and head_end go "
-                "together",
-            )
+            return _error(400, ROUTE_QUERY)
         ranks = state.route(a, b, q.get("session"), heads)
         if ranks is None:
             return _error(503, "not every prefill rank has registered yet")

@@ -1,0 +1,126 @@
+"""Tensor parallelism against pipeline parallelism against neither, on a prefill and a decode node
+(docs/ARCHITECTURE.md sections 6 and 15): `pdserve up` with SmolLM2-135M-Instruct at its own
+dtype, every request disaggregated (the router's conditional disaggregation off), each layout in
+turn, the same requests, all in one run.
+
+Layouts: prefill and decode PP 1 x TP 1 (a process each), PP 3 x TP 1, and PP 1 x TP 3 (three
+processes a node, six in all on this host's cores; SmolLM2's 3 KV heads take TP 3, not 2).
+Requests: seeded random token ids of 100-250 tokens, `--max-tokens` output tokens with
+ignore_eos, through the router's POST /generate with `stream: true`, `--concurrency` levels in
+turn; output tok/s, TTFT p50/p99 and ITL p50/p99, as ratios to the PP 1 x TP 1 layout of the same
+round.
+
+  .venv/bin/python bench/bench_tp_pd.py [--rounds 1] [--requests 32] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen  # noqa: E402
+from bench_tp import gaps, pct  # noqa: E402
+from cluster import pdserve_up  # noqa: E402
+
+LAYOUTS = {
+    "PP 1 x TP 1": ["--prefill-pp", "1", "--decode-pp", "1"],
+    "PP 3 x TP 1": ["--prefill-pp", "3", "--decode-pp", "3"],
+    "PP 1 x TP 3": ["--prefill-tp", "3", "--decode-tp", "3"],
+}
+# every request through the pair (tests/test_smollm2_tp.py ALWAYS_PD)
+ALWAYS_PD = (
+    "--disagg-min-prompt-tokens 0 --disagg-decode-prefix-fraction 2 "
+    "--disagg-local-prefill-cost 0 --disagg-fixed-costs true"
+)
+
+
+def run_layout(flags: list[str], prompts, max_new: int, levels: list[int], log: Path) -> dict:
+    port = loadgen.free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["--port", str(port), *flags, "--router-args", ALWAYS_PD]
+    out = {}
+    with pdserve_up(args, log, 600):
+
+        async def send(c, ids, t0, res):
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
+            }
+            await loadgen.stream_generate(c, url, body, t0, res)
+
+        asyncio.run(loadgen.run_level(loadgen.make_prompts(2, seed=999), 8, 2, send))  # warm-up
+        for c in levels:
+            results, wall = asyncio.run(loadgen.run_level(prompts, max_new, c, send))
+            lvl = loadgen.LevelResult(c, results, wall)
+            g = gaps(lvl)
+            out[c] = {
+                "tok_s": lvl.out_tokens / wall,
+                "ttft50": lvl.stat("ttft", 0.5),
+                "ttft99": lvl.stat("ttft", 0.99),
+                "itl50": pct(g, 0.5),
+                "itl99": pct(g, 0.99),
+                "errors": lvl.errors,
+            }
+            print(flags, c, out[c], flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", default="8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/tp_pd.md"))
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    prompts = loadgen.make_prompts(args.requests, seed=1)
+    logdir = Path(tempfile.mkdtemp(prefix="bench_tp_pd_"))
+    lines = [
+        "# Tensor parallelism vs pipeline parallelism vs neither (a prefill and a decode node)",
+        "",
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}, {platform.processor() or '?'}), "
+        f"Python {platform.python_version()}; load average at start: {loadgen.loadavg()}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}. `pdserve up`, SmolLM2-135M-Instruct at its own dtype "
+        f"(bf16), every request disaggregated; {args.requests} requests of 100-250 random token "
+        f"ids, {args.max_tokens} output tokens, ignore_eos; concurrency {args.concurrency}; "
+        f"{args.rounds} round(s), the layouts in turn in each. Ratios are to PP 1 x TP 1 of the "
+        f"same round and level. Logs: {logdir}.",
+        "",
+        "| round | layout (each node) | concurrency | output tok/s | TTFT p50 | TTFT p99 | ITL p50 "
+        "| ITL p99 | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rnd in range(1, args.rounds + 1):
+        got = {}
+        for i, (name, flags) in enumerate(LAYOUTS.items()):
+            got[name] = run_layout(
+                flags, prompts, args.max_tokens, levels, logdir / f"r{rnd}_{i}.log"
+            )
+        base = got[next(iter(LAYOUTS))]
+        for name in LAYOUTS:
+            for c in levels:
+                m, b = got[name][c], base[c]
+                lines.append(
+                    f"| {rnd} | {name} | {c} | {m['tok_s'] / b['tok_s']:.2f}x | "
+                    f"{m['ttft50'] / b['ttft50']:.2f}x | {m['ttft99'] / b['ttft99']:.2f}x | "
+                    f"{m['itl50'] / b['itl50']:.2f}x | {m['itl99'] / b['itl99']:.2f}x | "
+                    f"{m['errors']} |"
+                )
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
