@@ -45,33 +45,56 @@ def pct(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
 
 
+def measure(url: str, prompts, max_new: int, levels: list[int], label) -> dict:
+    """Warms `url` up, then each concurrency level of streamed /generate requests in turn: output
+    tok/s, TTFT p50/p99, ITL p50/p99 and errors, by level."""
+    out = {}
+
+    async def send(c, ids, t0, res):
+        body = {"input_ids": ids, "sampling_params": {"max_tokens": max_new, "ignore_eos": True}}
+        await loadgen.stream_generate(c, url, body, t0, res)
+
+    asyncio.run(loadgen.run_level(loadgen.make_prompts(2, seed=999), 8, 2, send))  # warm-up
+    for c in levels:
+        results, wall = asyncio.run(loadgen.run_level(prompts, max_new, c, send))
+        lvl = loadgen.LevelResult(c, results, wall)
+        g = gaps(lvl)
+        out[c] = {
+            "tok_s": lvl.out_tokens / wall,
+            "ttft50": lvl.stat("ttft", 0.5),
+            "ttft99": lvl.stat("ttft", 0.99),
+            "itl50": pct(g, 0.5),
+            "itl99": pct(g, 0.99),
+            "errors": lvl.errors,
+        }
+        print(label, c, out[c], flush=True)
+    return out
+
+
+def ratio_rows(rnd: int, got: dict, levels: list[int], with_rate: bool = True) -> list[str]:
+    """Table rows of round `rnd`: each layout's figures as ratios to the first layout's
+    (`with_rate`: the output rate itself too)."""
+    base = next(iter(got.values()))
+    rows = []
+    for name, res in got.items():
+        for c in levels:
+            m, b = res[c], base[c]
+            rate = f"{m['tok_s'] / b['tok_s']:.2f}x"
+            if with_rate:
+                rate = f"{m['tok_s']:.1f} ({rate})"
+            rows.append(
+                f"| {rnd} | {name} | {c} | {rate} | "
+                f"{m['ttft50'] / b['ttft50']:.2f}x | {m['ttft99'] / b['ttft99']:.2f}x | "
+                f"{m['itl50'] / b['itl50']:.2f}x | {m['itl99'] / b['itl99']:.2f}x | "
+                f"{m['errors']} |"
+            )
+    return rows
+
+
 def run_layout(flags: list[str], prompts, max_new: int, levels: list[int], log: Path) -> dict:
     port = loadgen.free_port()
-    out = {}
     with loadgen.start(["serve", *flags, "--port", str(port)], port, log, timeout=420) as (url, _):
-
-        async def send(c, ids, t0, res):
-            body = {
-                "input_ids": ids,
-                "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
-            }
-            await loadgen.stream_generate(c, url, body, t0, res)
-
-        asyncio.run(loadgen.run_level(loadgen.make_prompts(2, seed=999), 8, 2, send))  # warm-up
-        for c in levels:
-            results, wall = asyncio.run(loadgen.run_level(prompts, max_new, c, send))
-            lvl = loadgen.LevelResult(c, results, wall)
-            g = gaps(lvl)
-            out[c] = {
-                "tok_s": lvl.out_tokens / wall,
-                "ttft50": lvl.stat("ttft", 0.5),
-                "ttft99": lvl.stat("ttft", 0.99),
-                "itl50": pct(g, 0.5),
-                "itl99": pct(g, 0.99),
-                "errors": lvl.errors,
-            }
-            print(flags, c, out[c], flush=True)
-    return out
+        return measure(url, prompts, max_new, levels, flags)
 
 
 def main() -> int:
@@ -106,16 +129,7 @@ def main() -> int:
             got[name] = run_layout(
                 flags, prompts, args.max_tokens, levels, logdir / f"r{rnd}_{i}.log"
             )
-        base = got[next(iter(LAYOUTS))]
-        for name in LAYOUTS:
-            for c in levels:
-                m, b = got[name][c], base[c]
-                lines.append(
-                    f"| {rnd} | {name} | {c} | {m['tok_s']:.1f} ({m['tok_s'] / b['tok_s']:.2f}x) | "
-                    f"{m['ttft50'] / b['ttft50']:.2f}x | {m['ttft99'] / b['ttft99']:.2f}x | "
-                    f"{m['itl50'] / b['itl50']:.2f}x | {m['itl99'] / b['itl99']:.2f}x | "
-                    f"{m['errors']} |"
-                )
+        lines += ratio_rows(rnd, got, levels)
         Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

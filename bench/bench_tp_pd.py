@@ -16,7 +16,6 @@ round.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
-from bench_tp import gaps, pct  # noqa: E402
+from bench_tp import measure, ratio_rows  # noqa: E402
 from cluster import pdserve_up  # noqa: E402
 
 LAYOUTS = {
@@ -46,33 +45,8 @@ ALWAYS_PD = (
 
 def run_layout(flags: list[str], prompts, max_new: int, levels: list[int], log: Path) -> dict:
     port = loadgen.free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["--port", str(port), *flags, "--router-args", ALWAYS_PD]
-    out = {}
-    with pdserve_up(args, log, 600):
-
-        async def send(c, ids, t0, res):
-            body = {
-                "input_ids": ids,
-                "sampling_params": {"max_tokens": max_new, "ignore_eos": True},
-            }
-            await loadgen.stream_generate(c, url, body, t0, res)
-
-        asyncio.run(loadgen.run_level(loadgen.make_prompts(2, seed=999), 8, 2, send))  # warm-up
-        for c in levels:
-            results, wall = asyncio.run(loadgen.run_level(prompts, max_new, c, send))
-            lvl = loadgen.LevelResult(c, results, wall)
-            g = gaps(lvl)
-            out[c] = {
-                "tok_s": lvl.out_tokens / wall,
-                "ttft50": lvl.stat("ttft", 0.5),
-                "ttft99": lvl.stat("ttft", 0.99),
-                "itl50": pct(g, 0.5),
-                "itl99": pct(g, 0.99),
-                "errors": lvl.errors,
-            }
-            print(flags, c, out[c], flush=True)
-    return out
+    with pdserve_up(["--port", str(port), *flags, "--router-args", ALWAYS_PD], log, 600):
+        return measure(f"http://127.0.0.1:{port}", prompts, max_new, levels, flags)
 
 
 def main() -> int:
@@ -107,16 +81,7 @@ def main() -> int:
             got[name] = run_layout(
                 flags, prompts, args.max_tokens, levels, logdir / f"r{rnd}_{i}.log"
             )
-        base = got[next(iter(LAYOUTS))]
-        for name in LAYOUTS:
-            for c in levels:
-                m, b = got[name][c], base[c]
-                lines.append(
-                    f"| {rnd} | {name} | {c} | {m['tok_s'] / b['tok_s']:.2f}x | "
-                    f"{m['ttft50'] / b['ttft50']:.2f}x | {m['ttft99'] / b['ttft99']:.2f}x | "
-                    f"{m['itl50'] / b['itl50']:.2f}x | {m['itl99'] / b['itl99']:.2f}x | "
-                    f"{m['errors']} |"
-                )
+        lines += ratio_rows(rnd, got, levels, with_rate=False)
         Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -48,20 +48,25 @@ def smollm2():
     return prompts, answers
 
 
+def assert_greedy(url: str, prompts, answers) -> None:
+    """Each prompt's greedy answer through `url`'s /generate is transformers'."""
+    for prompt, want in zip(prompts, answers, strict=True):
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(f"{url}/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want
+
+
 def test_tp3_serves_smollm2_exactly(smollm2, tmp_path):
     prompts, answers = smollm2
     port = free_port()
     cmd = ["serve", "--tp", "3", "--dtype", "float32", "--port", str(port), *NODE_ARGS]
     env = {"PDSERVE_RANK_CONSENSUS_CHECK": "1"}
     with start(cmd, port, tmp_path / "node.log", env=env, timeout=420) as (url, _):
-        for prompt, want in zip(prompts, answers, strict=True):
-            body = {
-                "input_ids": prompt,
-                "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
-            }
-            r = httpx.post(f"{url}/generate", json=body, timeout=180)
-            assert r.status_code == 200, r.text
-            assert r.json()["token_ids"] == want
+        assert_greedy(url, prompts, answers)
         assert httpx.get(f"{url}/health").status_code == 200, "the checker or a rank failed"
     log = (tmp_path / "node.log").read_text()
     assert all(f"TP rank {t} of 3" in log for t in range(3))
@@ -85,14 +90,7 @@ def test_up_with_tp3_on_both_sides_serves_smollm2_exactly(smollm2, tmp_path):
     log = tmp_path / "up.log"
     with pdserve_up(args, log, 600, env):
         url = f"http://127.0.0.1:{port}"
-        for prompt, want in zip(prompts, answers, strict=True):
-            body = {
-                "input_ids": prompt,
-                "sampling_params": {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
-            }
-            r = httpx.post(f"{url}/generate", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            assert r.json()["token_ids"] == want
+        assert_greedy(url, prompts, answers)
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     text = log.read_text()
     assert "x TP 3" in text and "diverged" not in text
