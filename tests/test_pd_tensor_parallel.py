@@ -139,3 +139,14 @@ def test_an_abort_storm_with_tp2_on_both_sides_leaves_nothing_held(
         assert [t for _, t in again] == storm_reference[:4]
     log = (tmp_path / "up.log").read_text()
     assert "consensus check FAILED" not in log and "diverged" not in log
+
+
+@pytest.mark.parametrize("dname", ["1x2", "2x1"])
+def test_a_tp_decode_node_prefills_alone_exactly(dname, nodes, mixed_prompts, reference):
+    """A request the router sends to the decode node alone (no bootstrap room) is prefilled there,
+    by its TP ranks, among none of the PD rooms' transfers."""
+    from test_pp_node import generate_all
+
+    found, _ = nodes
+    (durl,) = found["decode", dname]
+    assert generate_all(durl, mixed_prompts[:8], MAX_NEW) == reference
