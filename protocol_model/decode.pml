@@ -5,6 +5,14 @@
  * heartbeat thread are the environment process Peer. One page per request and rank (the aux slot
  * shares the page's life: allocated with it at prealloc, freed with it from quarantine).
  * Build: spin -a -DPP=2 [-DP_AGREEMENT|-DP_SAFETY|-DP_NOLEAK] decode.pml (see verify.py).
+ *
+ * -DTP=2: each PP stage is a TP group (pd_common/loop_base.py PDLoop.stage_ballots). The group is
+ * one Rank process: its ranks take the same decisions from the same agreed ballots (tp.pml checks
+ * the replay and the collectives that make them so). But each TP rank t has its own receiver of
+ * every room and its own Peer (the prefill writer of its heads), which fail, stall and die on
+ * their own. The stage's ballots combine them: good where good on every TP rank, bad where Failed
+ * on one and final on all, quiesced where quiesced on all. With TP 1 the TP code expands to the
+ * model as it was, statement for statement (the PP 3 supertrace searches depend on it).
  */
 #include "slotloop.pml"
 
@@ -13,6 +21,32 @@
 #endif
 #ifndef NP
 #define NP 1            /* pages per rank: small, so a freed page is reused at once */
+#endif
+#ifndef TP
+#define TP 1            /* TP ranks per PP stage, each with its own receiver and Peer per room */
+#endif
+#ifndef MAXLATE
+#define MAXLATE 1       /* ROUTE: receivers of a run whose route look-up is answered late */
+#endif
+#define NRX (PP * TP * NREQ)
+#define RX(k, t, r) (((k) * TP + (t)) * NREQ + (r))    /* room r's receiver on TP rank t of stage k */
+
+/* A statement or condition over the TP ranks t of a stage, unrolled (no loop variable, no new
+   statement with TP 1): EACH_T(S) runs S(t) for each, ALL_T(C) / ANY_T(C) are C(t) and / or. */
+#if TP == 1
+#define EACH_T(S) S(0)
+#define ALL_T(C) C(0)
+#define ANY_T(C) C(0)
+#elif TP == 2
+#define EACH_T(S) S(0); S(1)
+#define ALL_T(C) (C(0) && C(1))
+#define ANY_T(C) (C(0) || C(1))
+#elif TP == 3
+#define EACH_T(S) S(0); S(1); S(2)
+#define ALL_T(C) (C(0) && C(1) && C(2))
+#define ANY_T(C) (C(0) || C(1) || C(2))
+#else
+#error "TP 1, 2 or 3"
 #endif
 
 /* DecodeLoop queues of a request on one rank */
@@ -48,17 +82,26 @@ bool to_finish[PP * NREQ];      /* req.to_finish (abort while in flight) */
 byte batch[PP * L];             /* rooms scheduled in slot mb, not harvested yet */
 bool bvalid[PP * L];
 
-byte rcv[PP * NREQ];            /* KVReceiver._status */
-bool rcv_regd[PP * NREQ];       /* _page_ids set (register) */
-bool rcv_route[PP * NREQ];      /* _route known */
-bool rcv_sent[PP * NREQ];       /* _sent: the registration went to the prefill rank */
-bool rcv_quiet[PP * NREQ];      /* _quiet: the prefill rank sent its terminal message */
-bool rcv_peer_dead[PP * NREQ];  /* failed by the heartbeat thread (reason peer_dead) */
-bool grace[PP * NREQ];          /* quarantine_s passed since finished_at */
-bool rcv_abort_sent[PP * NREQ]; /* KVAbort sent to the prefill rank */
-bool peer_fail[PP * NREQ];      /* the prefill sender failed: its terminal message is Failed */
-bool abort_done[PP * NREQ];     /* the prefill sender processed our KVAbort */
-byte peer[PP * NREQ];           /* Peer state */
+/* One receiver and Peer per (stage, TP rank, room), indexed RX(k, t, r) (k * NREQ + r with TP 1).
+   Queues, pages and batches stay per stage: the same on each of its TP ranks (each rank has its
+   own pool of its heads, allocated and freed by the same decisions in the same iteration). */
+byte rcv[NRX];                  /* KVReceiver._status */
+bool rcv_regd[NRX];             /* _page_ids set (register) */
+bool rcv_route[NRX];            /* _route known */
+bool rcv_sent[NRX];             /* _sent: the registration went to the prefill rank */
+bool rcv_quiet[NRX];            /* _quiet: the prefill rank sent its terminal message */
+bool rcv_peer_dead[NRX];        /* failed by the heartbeat thread (reason peer_dead) */
+bool grace[NRX];                /* quarantine_s passed since finished_at */
+bool rcv_abort_sent[NRX];       /* KVAbort sent to the prefill rank */
+bool peer_fail[NRX];            /* the prefill sender failed: its terminal message is Failed */
+bool abort_done[NRX];           /* the prefill sender processed our KVAbort */
+byte peer[NRX];                 /* Peer state */
+#ifdef ROUTE
+byte late;                      /* receivers whose route came late so far */
+#endif
+#if TP > 1
+hidden byte tpsplit;            /* scratch: a stage's TP ranks split a verdict (not in the state) */
+#endif
 
 /* KVReceiver.quiesced: no prefill write can land in the room's pages any more */
 #ifdef M_PEER_DEAD_QUIESCED
@@ -89,6 +132,70 @@ inline rcv_fail(x, notify) {
 #define NOTIFY_OWN 1
 #endif
 
+/* In Rank (room r of stage k, x = k * NREQ + r in scope), the room's receiver on TP rank t: with
+   TP 1 the rank's own, x, as before (spin resets dead variables, so the same variables keep the
+   same states hash for hash). */
+#if TP > 1
+#define RXT(t) RX(k, t, r)
+#else
+#define RXT(t) x
+#endif
+#define RCV(t) rcv[RXT(t)]
+#define FAILED_T(t) (RCV(t) == FAILED)
+#define GOOD_PRE_T(t) (RCV(t) >= WAITING && RCV(t) != NONE)   /* done_for(PREALLOC), not Failed */
+#define GOOD_TR_T(t) (RCV(t) == SUCCESS)                      /* done_for(TRANSFERRED), not Failed */
+#define FINAL_PRE_T(t) (FAILED_T(t) || GOOD_PRE_T(t))
+#define FINAL_TR_T(t) (FAILED_T(t) || GOOD_TR_T(t))
+#define QUIESCED_T(t) QUIESCED(RXT(t))
+
+/* PDLoop.stage_ballots: each TP rank's Ballot.from_statuses on its own receiver (Failed bad, final
+   for the kind and not Failed good), combined: the stage's ballot is good where good on every TP
+   rank, bad where Failed on one and final (for the kind) on every one. RELEASE (`quiet`): the
+   room's receiver quiesced on every TP rank. With TP 1: the rank's own ballot. */
+#define STAGE_GOOD(GOOD_T) ALL_T(GOOD_T)
+#ifndef M_TP_LOCAL_BAD
+#define STAGE_BAD(FINAL_T) (ANY_T(FAILED_T) && ALL_T(FINAL_T))
+#else
+#define STAGE_BAD(FINAL_T) ANY_T(FAILED_T)   /* mutant: Failed on one TP rank, final on all or not */
+#endif
+#ifndef M_TP_LEAD_QUIESCED
+#define STAGE_QUIESCED ALL_T(QUIESCED_T)
+#else
+#define STAGE_QUIESCED QUIESCED_T(0)         /* mutant: the lead's own flag alone */
+#endif
+
+/* Verdict.partition on each TP rank: a rank applies room r where its own receiver is final for the
+   kind. A stage's ranks apply the same verdicts, so where one does, all must (agreement). Nothing
+   with TP 1. */
+#if TP > 1 && defined(P_AGREEMENT)
+#define SAME_SPLIT(FINAL_T) ; tpsplit = !ALL_T(FINAL_T); assert(!tpsplit)
+#else
+#define SAME_SPLIT(FINAL_T)
+#endif
+
+/* A new room's receiver on TP rank t: the route look-up is not modelled (known at once); with
+   ROUTE, MAXLATE receivers of the run (in a room a fault may strike) get it later from their Peer. */
+#ifdef ROUTE
+#define OPEN_T(t) rcv[RX(k, t, r)] = BOOTSTRAPPING; \
+    if :: late < MAXLATE && r < NFAULTY -> late++ :: true -> rcv_route[RX(k, t, r)] = 1 fi
+#else
+#define OPEN_T(t) rcv[RX(k, t, r)] = BOOTSTRAPPING; rcv_route[RX(k, t, r)] = 1
+#endif
+/* KVReceiver.register -> _maybe_send_registration, on TP rank t */
+#define REGISTER_T(t) rcv_regd[RXT(t)] = 1; \
+    if :: rcv_route[RXT(t)] && RCV(t) == BOOTSTRAPPING -> rcv_sent[RXT(t)] = 1; RCV(t) = WAITING :: else fi
+/* KVReceiver.abort on TP rank t (a client abort; DecodeLoop._fail) */
+#define ABORT_T(t) rcv_fail(RXT(t), 1)
+/* DecodeLoop._fail after a verdict failed the room: every TP rank ends its own receiver (abort
+   FAILED_ELSEWHERE); one still waiting sends KVAbort to its writer, whose final word quiesces it
+   before the grace. With TP 1 a verdict fails a room only once every rank's receiver is final (the
+   route is known at once), so there it changes nothing and is left out. */
+#if TP > 1
+#define FAIL_ENDS ; EACH_T(ABORT_T)
+#else
+#define FAIL_ENDS
+#endif
+
 inline free_page(k, x, r) {
     d_step {
 #ifdef P_NOLEAK
@@ -96,6 +203,21 @@ inline free_page(k, x, r) {
 #endif
         owner[k * NP + page[x]] = 0; page[x] = NOPAGE
     }
+}
+
+/* A lone stage (PP 1): PP0 is the last rank, so the verdict it sends PP0 in pass 1 and the outputs
+   it sends round the ring are for itself (RingVote keeps them, pass 2 returns the kept verdict);
+   the slot loop's messages to itself are dropped. Called only with PP 1. */
+inline lone_stage_drop() {
+    do
+    :: nempty(ring_in[0]) -> ring_in[0] ? tag, m, xv[0], xv[1], xv[2], xv[3], xv[4], xv[5]
+    :: empty(ring_in[0]) -> break
+    od;
+    do
+    :: nempty(output_in[0]) -> output_in[0] ? m
+    :: empty(output_in[0]) -> break
+    od;
+    m = 0
 }
 
 #ifdef FLIP
@@ -153,9 +275,9 @@ proctype Rank(byte k) {
                 decide(k, FWHAT(r, K_ADMIT, 0)); q[k * NREQ + r] = Q_GONE; nseen++; emit_end(k, r)
             :: (addm & (1 << r)) && !leaving[k] && !role[k] ->
 #else
-            :: addm & (1 << r) ->       /* the route look-up is not modelled: known at once */
+            :: addm & (1 << r) ->       /* a receiver per TP rank (OPEN_T) */
 #endif
-                q[k * NREQ + r] = Q_PREALLOC; rcv[k * NREQ + r] = BOOTSTRAPPING; rcv_route[k * NREQ + r] = 1; nseen++
+                q[k * NREQ + r] = Q_PREALLOC; EACH_T(OPEN_T); nseen++
             :: else
             fi
         };
@@ -177,7 +299,7 @@ proctype Rank(byte k) {
             :: (abm & (1 << r)) && (q[x] == Q_PREALLOC || q[x] == Q_TRANSFER) && k != LAST ->
 #endif
                 aborted[x] = 1;
-                rcv_fail(x, 1);
+                EACH_T(ABORT_T);        /* every TP rank aborts its own receiver */
 #ifdef M_FREE_AT_ABORT
                 if :: page[x] != NOPAGE -> free_page(k, x, r) :: else fi;   /* mutant: not at the vote */
 #endif
@@ -204,8 +326,7 @@ proctype Rank(byte k) {
                     if :: page[x] == NOPAGE && owner[k * NP + i] == 0 -> page[x] = i; owner[k * NP + i] = r + 1 :: else fi
                 };
                 nfree--;
-                rcv_regd[x] = 1;         /* KVReceiver.register -> _maybe_send_registration */
-                if :: rcv_route[x] && rcv[x] == BOOTSTRAPPING -> rcv_sent[x] = 1; rcv[x] = WAITING :: else fi
+                EACH_T(REGISTER_T)
             :: q[x] == Q_PREALLOC && page[x] == NOPAGE && nfree < 1 + reserve -> break   /* first come first served */
             :: else
             fi
@@ -214,17 +335,17 @@ proctype Rank(byte k) {
             x = k * NREQ + r;
             if
             :: q[x] == Q_PREALLOC && page[x] != NOPAGE ->            /* PREALLOC ballot */
-                if :: rcv[x] == FAILED -> bb[0] = bb[0] | (1 << r)
-                   :: rcv[x] >= WAITING && rcv[x] != NONE -> bg[0] = bg[0] | (1 << r)
+                if :: STAGE_BAD(FINAL_PRE_T) -> bb[0] = bb[0] | (1 << r)
+                   :: STAGE_GOOD(GOOD_PRE_T) -> bg[0] = bg[0] | (1 << r)
                    :: else fi;
                 if :: aborted[x] -> ba[0] = ba[0] | (1 << r) :: else fi
             :: q[x] == Q_TRANSFER ->                                   /* TRANSFERRED ballot */
-                if :: rcv[x] == FAILED -> bb[1] = bb[1] | (1 << r)
-                   :: rcv[x] == SUCCESS -> bg[1] = bg[1] | (1 << r)
+                if :: STAGE_BAD(FINAL_TR_T) -> bb[1] = bb[1] | (1 << r)
+                   :: STAGE_GOOD(GOOD_TR_T) -> bg[1] = bg[1] | (1 << r)
                    :: else fi;
                 if :: aborted[x] -> ba[1] = ba[1] | (1 << r) :: else fi
             :: q[x] == Q_QUAR ->                                       /* RELEASE ballot */
-                if :: QUIESCED(x) -> bg[2] = bg[2] | (1 << r) :: else fi
+                if :: STAGE_QUIESCED -> bg[2] = bg[2] | (1 << r) :: else fi
             :: else
             fi
         };
@@ -249,6 +370,9 @@ proctype Rank(byte k) {
         if :: busy && k != 0 -> hidden_in[k] ? m; assert(m == mb) :: else fi;
         /* exchange (sends, ring receive) */
         exchange(k, mb, hb, busy, hneeds);
+#if PP == 1
+        lone_stage_drop();
+#endif
 
         /* harvest slot hb */
         if
@@ -281,11 +405,11 @@ proctype Rank(byte k) {
         for (r : 0 .. NREQ - 1) {          /* _apply_prealloc */
             x = k * NREQ + r;
             if
-            :: ((vg[0] | vb[0]) & (1 << r)) && q[x] == Q_PREALLOC && page[x] != NOPAGE && rcv[x] != NONE && (rcv[x] == FAILED || rcv[x] >= WAITING) ->
-                decide(k, WHAT(r, K_PREALLOC, (vg[0] >> r) & 1));
+            :: ((vg[0] | vb[0]) & (1 << r)) && q[x] == Q_PREALLOC && page[x] != NOPAGE && ANY_T(FINAL_PRE_T) ->
+                decide(k, WHAT(r, K_PREALLOC, (vg[0] >> r) & 1)) SAME_SPLIT(FINAL_PRE_T);
                 if
                 :: vg[0] & (1 << r) -> q[x] = Q_TRANSFER
-                :: else -> q[x] = Q_QUAR; emit_end(k, r)          /* _fail */
+                :: else -> q[x] = Q_QUAR; emit_end(k, r) FAIL_ENDS      /* _fail */
                 fi
             :: else
             fi
@@ -293,11 +417,11 @@ proctype Rank(byte k) {
         for (r : 0 .. NREQ - 1) {          /* _apply_transferred */
             x = k * NREQ + r;
             if
-            :: ((vg[1] | vb[1]) & (1 << r)) && q[x] == Q_TRANSFER && (rcv[x] == FAILED || rcv[x] == SUCCESS) ->
-                decide(k, WHAT(r, K_TRANSFERRED, (vg[1] >> r) & 1));
+            :: ((vg[1] | vb[1]) & (1 << r)) && q[x] == Q_TRANSFER && ANY_T(FINAL_TR_T) ->
+                decide(k, WHAT(r, K_TRANSFERRED, (vg[1] >> r) & 1)) SAME_SPLIT(FINAL_TR_T);
                 if
                 :: vg[1] & (1 << r) -> q[x] = Q_RUNNING; rslot[x] = hb    /* _start_decoding */
-                :: else -> q[x] = Q_QUAR; emit_end(k, r)
+                :: else -> q[x] = Q_QUAR; emit_end(k, r) FAIL_ENDS      /* _fail */
                 fi
             :: else
             fi
@@ -343,15 +467,26 @@ inline TERMINAL(x) {
     fi
 }
 
-/* A fault may strike this (rank, room): one budget for the run, rooms below NFAULTY only. */
+/* A fault may strike this (rank, room): one budget for the run, rooms below NFAULTY only. With TP,
+   on a stage's last TP rank only: the model is symmetric in the TP ranks of a stage (its ballots
+   are AND / OR over them), so a fault on another is the same run with the ranks renamed. */
+#if TP > 1
+#define FAULT (faults < MAXF && r < NFAULTY && g % TP == TP - 1)
+#define SK (g / TP)                     /* the Peer's stage */
+#define PX (SK * NREQ + r)              /* the room's queue and page on that stage */
+#else
 #define FAULT (faults < MAXF && r < NFAULTY)
+#define SK g
+#define PX x
+#endif
 
-proctype Peer(byte k; byte r) {
-    byte x = k * NREQ + r;
+/* g = stage * TP + t: the Peer of room r on TP rank t of stage g / TP (with TP 1, PP rank g) */
+proctype Peer(byte g; byte r) {
+    byte x = g * NREQ + r;              /* its receiver, RX(g / TP, g % TP, r) */
 #ifdef FLIP
     if
     :: rcv[x] != NONE
-    :: rcv[x] == NONE && (q[x] == Q_GONE || role[k]) -> goto gone   /* refused, or never comes */
+    :: rcv[x] == NONE && (q[PX] == Q_GONE || role[SK]) -> goto gone   /* refused, or never comes */
     fi;
 #else
     rcv[x] != NONE;
@@ -359,6 +494,13 @@ proctype Peer(byte k; byte r) {
     do
     :: atomic { rcv[x] == BOOTSTRAPPING && FAULT -> /* bootstrap timeout (route look-up) */
         faults++; rcv_fail(x, NOTIFY_OWN) }
+#ifdef ROUTE
+    /* KVReceiver.on_route, late: the registration goes out if the pages are registered already
+       (_maybe_send_registration, either order) */
+    :: atomic { rcv[x] == BOOTSTRAPPING && !rcv_route[x] ->
+        rcv_route[x] = 1;
+        if :: rcv_regd[x] -> rcv_sent[x] = 1; rcv[x] = WAITING :: else fi }
+#endif
     :: atomic { rcv[x] == WAITING && FAULT -> faults++; rcv_fail(x, NOTIFY_OWN) }   /* waiting timeout */
     :: atomic { peer[x] == W_IDLE && rcv_sent[x] && !peer_fail[x] -> peer[x] = W_WRITING }  /* a chunk */
     :: atomic { peer[x] == W_IDLE && rcv_sent[x] && !peer_fail[x] && FAULT ->      /* its own failure */
@@ -372,7 +514,7 @@ proctype Peer(byte k; byte r) {
         fi }
     :: atomic { peer[x] == W_WRITING ->       /* the write lands, then the terminal message */
 #ifdef P_SAFETY
-        assert(page[x] != NOPAGE && owner[k * NP + page[x]] == r + 1);
+        assert(page[PX] != NOPAGE && owner[SK * NP + page[PX]] == r + 1);
 #endif
         TERMINAL(x) }
     :: atomic { peer[x] == W_WRITING && FAULT -> faults++; peer[x] = W_STALLED }
@@ -387,20 +529,21 @@ proctype Peer(byte k; byte r) {
     :: atomic { rcv[x] == FAILED && rcv_sent[x] && !grace[x] && (peer[x] == W_DEAD || peer[x] != W_WRITING && peer[x] != W_STALLED && !(rcv_abort_sent[x] && !abort_done[x])) ->
         grace[x] = 1 }
 #endif
-    :: (peer[x] == W_DONE || peer[x] == W_DEAD || !rcv_sent[x] && rcv[x] == FAILED) && q[x] == Q_GONE -> break
+    :: (peer[x] == W_DONE || peer[x] == W_DEAD || !rcv_sent[x] && rcv[x] == FAILED) && q[PX] == Q_GONE -> break
     od
 #ifdef FLIP
     ; gone: skip
 #endif
 }
 
+#define RUN_PEERS_T(t) for (r : 0 .. NREQ - 1) { run Peer(k * TP + t, r) }
 init {
     byte k, r;
     atomic {
-        for (k : 0 .. PP * NREQ - 1) { page[k] = NOPAGE; rcv[k] = NONE };
+        for (k : 0 .. NRX - 1) { page[k % (PP * NREQ)] = NOPAGE; rcv[k] = NONE };
         for (k : 0 .. PP - 1) {
             run Rank(k);
-            for (r : 0 .. NREQ - 1) { run Peer(k, r) }
+            EACH_T(RUN_PEERS_T)
         }
     }
 }

@@ -13,7 +13,10 @@ of an elastic node (-DFLIP) is checked in its own PP 2 configurations, with two 
 every rank has the same role in every iteration, and nothing is held at a flip. Tensor
 parallelism (tp.pml: stages of TP 2, a lead and a follower that replays it) adds two: a follower
 takes from the replay what its lead shared, in order, and both ranks of a stage are in the same
-collective.
+collective. The decode node with TP 2 stages (decode.pml -DTP=2: each TP rank its own receiver and
+prefill writer per room, the group's ballots combined before the vote) is checked at PP 1 and 2
+for the decode properties; there agreement includes that the ranks of a group split each verdict
+alike.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ SCENARIOS = {
     "guide-async1": dict(NREQ=2, MAXF=0, MAXAB=1, NABORTABLE=1, GUIDE=1, ASYNC=1),  # L = 3
     # tensor parallelism: two guided requests, the lead's compiles end at any time
     "tp": dict(NREQ=2),
+    # the decode node with TP 2 stages (decode.pml -DTP=2): each TP rank has its own receiver and
+    # writer per room; one fault (on a stage's last TP rank: the ranks are symmetric) and one
+    # receiver whose route look-up is answered late (ROUTE), both in room 0
+    "tp2-faults": dict(NREQ=1, MAXF=1, MAXAB=1, TP=2, ROUTE=1),  # and an abort at any stage
+    "tp2-faults-noabort": dict(NREQ=1, MAXF=1, MAXAB=0, TP=2, ROUTE=1),  # PP 2: no abort
+    "tp2-reuse": dict(NREQ=2, MAXF=1, MAXAB=0, TP=2, ROUTE=1),  # room 1 reuses room 0's pages
 }
 
 
@@ -111,7 +120,42 @@ def properties_checks() -> list[Check]:
         out += _finding_checks(model) + _pp2_checks(model, fx) + _pp3_checks(model, fx)
         out += _flip_checks(model, fx)
         out += _guide_checks(model, fx)
+        out += _decode_tp_checks(model, fx)
     return out + _tp_checks()
+
+
+def _decode_tp_checks(model: str, fx: dict) -> list[Check]:
+    """The decode node with TP 2 stages (-DTP=2): at PP 1 the safety properties and liveness,
+    exhaustive (a fault, a late route and an abort; two rooms); at PP 2 the safety properties
+    without the abort exhaustive (11 M states, about 30 s), two rooms and liveness partial."""
+    if model != "decode":
+        return []
+    out = []
+    for pp, sc, bits in (
+        (1, "tp2-faults", 0),
+        (1, "tp2-reuse", 0),
+        (2, "tp2-faults-noabort", 0),
+        (2, "tp2-reuse", BITS),
+    ):
+        out.append(Check(f"{model}-pp{pp}-{sc}", model, pp, sc, "safety", bitstate=bits, extra=fx))
+    for pp, sc, bits in (
+        (1, "tp2-faults", 0),
+        (1, "tp2-reuse", 0),
+        (2, "tp2-faults-noabort", BITS),
+    ):
+        out.append(
+            Check(
+                f"{model}-pp{pp}-{sc}-live",
+                model,
+                pp,
+                sc,
+                "liveness",
+                ("liveness",),
+                bitstate=bits,
+                extra=fx,
+            )
+        )
+    return out
 
 
 def _tp_checks() -> list[Check]:
@@ -265,13 +309,24 @@ def mutant_checks() -> list[Check]:
     out.append(_mutant("M_PEER_DEAD_QUIESCED", "decode", 3, "reuse", "safety", bitstate=BITS))
     # a lone stage: the ranks' own reports send one into a forward's all-reduce alone
     out.append(_mutant("M_TP_LOCAL", "tp", 1, "tp", "collective-order"))
+    # the decode node with TP 2 stages: a stage's ballot counts a room bad once one TP rank has it
+    # Failed, final on the others or not (the group's ranks split the verdict); the lead's own
+    # quiesced flag releases the quarantine (a follower's writer lands in a freed page)
+    if (HERE / "decode.pml").exists():
+        for pp, sc in ((1, "tp2-faults"), (2, "tp2-faults-noabort")):
+            out.append(_mutant("M_TP_LOCAL_BAD", "decode", pp, sc, "agreement", tp=2))
+            out.append(_mutant("M_TP_LEAD_QUIESCED", "decode", pp, sc, "safety", tp=2))
+        # and the liveness check sees a dead writer's room stay in quarantine with TP too
+        out.append(_mutant("M_NO_GRACE", "decode", 1, "tp2-reuse", "liveness", tp=2))
     return out
 
 
-def _mutant(mac: str, model: str, pp: int, scenario: str, prop: str, bitstate: int = 0) -> Check:
+def _mutant(
+    mac: str, model: str, pp: int, scenario: str, prop: str, bitstate: int = 0, tp: int = 1
+) -> Check:
     # Mutants go on top of the fixed model, so each counterexample is the mutant's own.
     kind = "liveness" if prop == "liveness" else "safety"
-    name = f"{model}-pp{pp}-{mac}"
+    name = f"{model}-pp{pp}-{mac}" if tp == 1 else f"{model}-pp{pp}-tp{tp}-{mac}"
     fx = FIXED.get(model, {})
     return Check(name, model, pp, scenario, kind, (prop,), bitstate, mutant=mac, extra=fx)
 
@@ -382,13 +437,13 @@ def classify(what: str) -> str:
         return "drained-at-flip"  # a rank flipped while it held something (P_DRAINED)
     if "acceptance cycle" in what:
         return "liveness"
-    if "log_what" in what:
-        return "agreement"
+    if "log_what" in what or "tpsplit" in what:
+        return "agreement"  # tpsplit: the TP ranks of a decode stage split a verdict (-DTP)
     if "page[x]<255" in what or re.search(r"owner\[.*\]==0\)", what):
         return "no-double-free-no-leak"  # free_page's double-free check, the leak check at exit
     if "!(reading[x])" in what:
         return "strict-read"  # finding 2 (P_STRICT_READ only)
-    if "page[x]!=255" in what or "dirty" in what:
+    if re.search(r"page\[[^\]]+\]!=255", what) or "dirty" in what:
         return "safety"  # a transfer write landing in a page not its room's
     return what or "?"
 
