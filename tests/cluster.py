@@ -13,10 +13,19 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.infra.procs import free_port  # noqa: F401  (re-exported for the tests)
+from pdserve.infra.procs import free_port, reserve_port
 from pdserve.infra.request_signing import SignedAuth
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def held_port(holds: contextlib.ExitStack) -> int:
+    """A port for a server that binds it later, held (reserve_port) until `holds` closes. The
+    servers bind with SO_REUSEADDR (uvicorn, the bootstrap), so they still can, while no other
+    process's free_port takes it in the minutes before they do, or between a node's restarts on
+    it (seen: a router's port taken while its three nodes loaded, EADDRINUSE)."""
+    return holds.enter_context(reserve_port()).getsockname()[1]
+
 
 # The node flags the tests use (in this order): a small pool and small batches, so that chunked
 # prefill, queueing and page reuse all happen with a few short prompts.

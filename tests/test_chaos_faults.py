@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -32,7 +33,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import NODE_ARGS, free_port, group_alive, group_members, start, wait_healthy
+from cluster import (
+    NODE_ARGS,
+    free_port,
+    group_alive,
+    group_members,
+    held_port,
+    start,
+    wait_healthy,
+)
 from metrics_scrape import counter
 from one_thread import one_torch_thread
 from pd_cluster import FAST_TIMEOUTS, wait_pages_free
@@ -121,7 +130,7 @@ class Node:
     name: str
     role: str
     pp: int
-    port: int = field(default_factory=free_port)
+    port: int
     bport: int | None = None  # prefill: the bootstrap server's port
     proc: subprocess.Popen | None = None
     starts: int = 0
@@ -135,16 +144,18 @@ class Node:
 class Chaos:
     def __init__(self, model: Path, tmp: Path):
         self.model, self.tmp = model, tmp
+        self.holds = contextlib.ExitStack()  # every port here, until every process has stopped
+        port = functools.partial(held_port, self.holds)
         self.nodes = {
             n.name: n
             for n in (
-                Node("p1", "prefill", 2, bport=free_port()),
-                Node("p2", "prefill", 1, bport=free_port()),
-                Node("d1", "decode", 2),
-                Node("d2", "decode", 1),
+                Node("p1", "prefill", 2, port(), bport=port()),
+                Node("p2", "prefill", 1, port(), bport=port()),
+                Node("d1", "decode", 2, port()),
+                Node("d2", "decode", 1, port()),
             )
         }
-        self.router_port = free_port()
+        self.router_port = port()
         self.router = f"http://127.0.0.1:{self.router_port}"
         self.stack = contextlib.ExitStack()
         self.refs: References | None = None
@@ -217,6 +228,7 @@ class Chaos:
         self.stack.close()  # the router first: no traffic while the nodes stop
         for node in self.nodes.values():
             node.stack.close()
+        self.holds.close()
         if self.refs is not None:
             self.refs.join()
 

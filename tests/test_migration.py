@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cluster import NODE_ARGS, free_port, group_members, start, wait_healthy
+from cluster import NODE_ARGS, group_members, held_port, start, wait_healthy
 from metrics_scrape import counter
 from one_thread import one_torch_thread
 from pd_cluster import FAST_TIMEOUTS, wait_pages_free
@@ -181,8 +181,9 @@ class Unhit(Exception):
 class Cluster:
     def __init__(self, model: Path, tmp: Path, dtype: str):
         self.model, self.tmp, self.dtype = model, tmp, dtype
-        self.ports = {n: free_port() for n in ("p", "d1", "d2", "router")}
-        self.bport = free_port()
+        self.holds = contextlib.ExitStack()  # the ports, until every process here has stopped
+        self.ports = {n: held_port(self.holds) for n in ("p", "d1", "d2", "router")}
+        self.bport = held_port(self.holds)
         self.pp = {"p": 1, "d1": 2, "d2": 1}
         self.procs: dict = {}
         self.stacks = {n: contextlib.ExitStack() for n in self.ports}
@@ -229,6 +230,7 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         for stack in self.stacks.values():  # the router first
             stack.close()
+        self.holds.close()
 
     def workers(self) -> dict[str, dict]:
         got = httpx.get(self.url("router") + "/workers", timeout=10).json()["workers"]
