@@ -178,7 +178,7 @@ template <int G, int D>
 void extend_task(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride, int64_t h,
                  int64_t start, int64_t t0, int64_t bq, const Packed<D>& pk, float sc,
                  int64_t window) {
-  constexpr int RV = D == 64 ? 4 : 2;  // rows per values step: RV * D / 16 = 16 accumulators
+  constexpr int RV = 256 / D;  // rows per values step: RV * D / 16 = 16 accumulators
   const int rows = static_cast<int>(bq) * G;
   alignas(64) float s[kTile * kChunk];
   alignas(64) uint16_t pb[kTile * kChunk];
@@ -352,19 +352,20 @@ void paged_extend_attention_(at::Tensor& out, const at::Tensor& q, const at::Ten
                                window);
   PDSERVE_CASE(1, 64) PDSERVE_CASE(2, 64) PDSERVE_CASE(3, 64) PDSERVE_CASE(4, 64)
   PDSERVE_CASE(1, 128) PDSERVE_CASE(2, 128) PDSERVE_CASE(4, 128)
-  // No head size 256 (Gemma 3): built with one row per values step, it was slower than gathering
-  // pages for SDPA on an AMX CPU (docs/MODELS.md, bench/results/gemma3_decode.md)
+  PDSERVE_CASE(1, 256) PDSERVE_CASE(2, 256) PDSERVE_CASE(4, 256)
 #undef PDSERVE_CASE
 #endif
   TORCH_CHECK(false, "paged_extend_attention_: no kernel for ", G, " query heads per KV head of ",
               D, " dims");
 }
 
-// Whether paged_extend_attention_ has a kernel for these shapes on this CPU.
+// Whether paged_extend_attention_ has a kernel for these shapes on this CPU. Head size 256 has one
+// row per values step; on an AMX CPU the caller prefers SDPA for it (engine/kernels/paged_attention.py).
 bool extend_attention_supports(int64_t group, int64_t head_dim, int64_t page_size) {
   if (!available() || page_size != 16) return false;
   return (head_dim == 64 && group >= 1 && group <= 4) ||
-         (head_dim == 128 && (group == 1 || group == 2 || group == 4));
+         (head_dim == 128 && (group == 1 || group == 2 || group == 4)) ||
+         (head_dim == 256 && (group == 1 || group == 2 || group == 4));
 }
 
 }  // namespace
