@@ -93,12 +93,15 @@ def check_resumes(engine, params: dict, exact_logprobs: bool) -> None:
 
 
 def test_a_bf16_request_gets_the_same_bits_beside_any_batch_when_batch_invariant(bf16_engine):
+    check_same_bits_beside_others(bf16_engine)
+
+
+def check_same_bits_beside_others(engine) -> None:
     """The same request alone, then beside others that arrive at other steps (their prefill chunks
     and decodes share its forwards): the same tokens and bit-identical logprobs."""
     params = SamplingParams.from_dict(CASES["logprobs"])
-    alone = run(bf16_engine, CASES["logprobs"])
+    alone = run(engine, CASES["logprobs"])
     others = [[3 + i, 17, 29 + 2 * i] * (2 + 3 * i) for i in range(5)]
-    engine = bf16_engine
     engine._done = {}
     rid = None
     for step in range(200):

@@ -120,12 +120,12 @@ def build_forward_batch(
     kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel);
     `one_token_group`: every token a decode query, in one group (the decode kernel; it overrides
     the other two). `window` > 0: the gathered groups also carry the sliding-window layers'
-    masks; the decode and extend kernels take the window themselves (one-token groups take
-    none yet)."""
+    masks; the decode and extend kernels take the window themselves (a one-token group too: each
+    of its rows attends to the last `window` of its own keys)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
-    if window < 0 or (window and one_token_group):
-        raise ValueError(f"a window ({window}) is not for one-token groups")
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     offsets, positions, pages_of_tok, logit_rows, row = _token_layout(items, page_size)
     pos_t = torch.tensor(positions, dtype=torch.long)
     out_pages = torch.tensor(pages_of_tok, dtype=torch.long)

@@ -137,14 +137,8 @@ class ModelSlice(torch.nn.Module):
         over its own keys (engine/forward_batch.py, `one_token_group`). Raises ValueError where
         this slice cannot (docs/ARCHITECTURE.md, "Batch-invariant serving")."""
         if batch_invariant:
-            why = (
-                ("one-token groups have no sliding window yet (Gemma 3)" if self.window else "")
-                or batch_invariant_why_not(self.dtype)
-                or (
-                    ""
-                    if paged_attention.load()
-                    else f"decode attention: {paged_attention.why_not()}"
-                )
+            why = batch_invariant_why_not(self.dtype) or (
+                "" if paged_attention.load() else f"decode attention: {paged_attention.why_not()}"
             )
             if why:
                 raise ValueError(f"batch-invariant serving is not possible here: {why}")
