@@ -9,6 +9,7 @@ import re
 import types
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.decode_node.front import DecodeFront
@@ -59,7 +60,9 @@ def kv_stats(**kw) -> KVRankStats:
 
 def test_a_fresh_decode_node_shows_every_known_label_at_zero():
     m = NodeMetrics("n:1", "decode", DecodeFront.finish_reasons, DecodeFront.metrics_extension)
-    front = types.SimpleNamespace(pp_size=2, dropped={}, model_name="tiny", rank_stats={})
+    front = types.SimpleNamespace(
+        pp_size=2, dropped={}, model_name="tiny", rank_stats={}, follower_stats={}
+    )
     names = {"queue:prealloc": [], "kv_alloc_wait": [], "consensus:decode_votes": []}
     for r in (0, 1):
         front.rank_stats[r] = rank_stats(r, names, kv_stats(failures={"peer_dead": 2}))
@@ -265,3 +268,45 @@ def test_an_elastic_nodes_series_follow_the_role_it_serves():
     assert value(got, "pdserve_requests_total", role="decode", finish_reason="length") == 1
     assert value(got, "pdserve_requests_total", role="prefill", finish_reason="length") == 0
     assert value(got, "pdserve_decode_local_prompt_tokens_total", role="decode") == 5
+
+
+def test_a_tp_followers_kv_counters_join_its_stage_and_must_be_sealed_as_it():
+    """A TP follower's stats (tp_rank > 0) are kept apart from the leads' (health, /server_info
+    and the traces read the leads) and only their KV counters count: a stage's bytes and
+    failures are the sum over its ranks, its tokens the lead's. Stats sealed by another sender
+    than the rank they name are refused, a follower's as a lead's and the other way round."""
+    from dataclasses import replace
+
+    from pdserve.infra.channel_auth import Opener, Sealer
+    from pdserve.runtime.front.process import STATS_CHANNEL
+    from pdserve.runtime.front.rank_reports import RankReports
+    from pdserve.runtime.messages import pack
+
+    front = types.SimpleNamespace(
+        pp_size=1, rank_stats={}, follower_stats={}, rank_seen={}, metrics=None,
+        tracing=types.SimpleNamespace(ending=False), dropped={}, model_name="tiny",
+        _stats_opener=Opener(STATS_CHANNEL, secret="s"),
+    )  # fmt: skip
+
+    def push(st: RankStats, sender: str) -> None:
+        RankReports._on_stats(front, Sealer(STATS_CHANNEL, sender, secret="s").seal(pack([st])))
+
+    kv = replace(kv_stats(bytes=100, failures={"peer_dead": 1}), tokens=10)
+    lead = rank_stats(0, {}, kv)
+    follower = replace(lead, tp_rank=1, ext=replace(kv, bytes=60, tokens=10))
+    push(lead, "pp0")
+    push(follower, "pp0.tp1")
+    assert front.rank_stats == {0: lead} and front.follower_stats == {(0, 1): follower}
+    assert list(front.rank_seen) == [0]
+    for st, sender in ((follower, "pp0"), (lead, "pp0.tp1"), (replace(follower, tp_rank=2), "x")):
+        with pytest.raises(ValueError):
+            push(st, sender)
+    with pytest.raises(ValueError):  # past MAX_TP: not a RankStats at all
+        push(replace(follower, tp_rank=64), "pp0.tp64")
+
+    m = NodeMetrics("n:1", "decode", DecodeFront.finish_reasons, DecodeFront.metrics_extension)
+    got = samples(m.render(front)[0])
+    assert value(got, "pdserve_kv_transfer_bytes_total", pp_rank="0") == 160
+    assert value(got, "pdserve_kv_transfer_tokens_total", pp_rank="0") == 10
+    failed = value(got, "pdserve_kv_transfer_failures_total", pp_rank="0", reason="peer_dead")
+    assert failed == 2

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import time
 
 import httpx
 import pytest
+import torch
 from cluster import ClusterAuth, free_port, node_args, pdserve_up, wait_healthy
+from metrics_scrape import scrape, total
 from one_thread import hf_greedy_one_thread
 from pd_cluster import FAST_TIMEOUTS, decode_node, pd_generate_all, prefill_node, wait_pages_free
 from test_smollm2_tp import ALWAYS_PD
@@ -83,6 +86,47 @@ def test_pd_tp_layout_matches_transformers(pname, dname, nodes, tiny6, mixed_pro
     for role, name in (("prefill", pname), ("decode", dname)):
         log = (tmp / f"{role}-{name}.log").read_text()
         assert "diverged" not in log and "checksum_mismatch" not in log, f"{role}-{name}"
+
+
+def test_kv_counters_sum_every_tp_rank(nodes, tiny6):
+    """A stage's KV transfer counters sum its TP ranks' own transfers (each moves the heads it
+    holds): on every node that moved rooms, each stage's bytes per token (moved and skipped
+    together) are its layers' KV of every head, so over the stages the whole model's, whatever
+    the node's TP: exactly on a decode node, which counts by token; at least that on a prefill
+    node, which counts the bytes it wrote (whole pages from a page-aligned cached prefix on). When
+    followers pushed no counters, a TP 2 node's were about half of that."""
+    found, _ = nodes
+    cfg = json.loads((tiny6 / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_elem = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim
+    checked = set()
+    for (role, name), (url, *_) in sorted(found.items()):
+        pp, _ = (PREFILL if role == "prefill" else DECODE)[name]
+        got = scrape(url)
+        (dtype,) = {lab["dtype"] for lab, _ in got["pdserve_model_info"]}
+        per_token = per_elem * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        stage = {}
+        for r in map(str, range(pp)):
+            moved = sum(
+                total(got, f"pdserve_kv_transfer_{kind}_total", pp_rank=r)
+                for kind in ("bytes", "skipped_bytes")
+            )
+            tokens = sum(
+                total(got, f"pdserve_kv_transfer_{kind}_total", pp_rank=r)
+                for kind in ("tokens", "skipped_tokens")
+            )
+            stage[r] = (moved, tokens)
+        if not any(tokens for _, tokens in stage.values()):
+            continue  # a node no pair sent rooms through
+        assert all(tokens for _, tokens in stage.values()), (role, name, stage)
+        per = sum(m / t for m, t in stage.values())
+        if role == "decode":  # counted by token
+            assert per == pytest.approx(per_token), (role, name, stage)
+        else:  # the bytes written: whole pages where a room starts past a cached prefix
+            assert per_token * (1 - 1e-9) <= per < 2 * per_token, (role, name, stage)
+        checked.add((role, name))
+    in_pairs = {("prefill", p) for p, _ in PAIRS} | {("decode", d) for _, d in PAIRS}
+    assert checked == in_pairs, "a node of the pairs moved no rooms"
 
 
 SECRET = "tp-storm-secret"  # `pdserve up` takes the cluster secret from its environment

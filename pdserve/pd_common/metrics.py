@@ -4,6 +4,7 @@ the KV channel, the PD stages (bootstrap, KV pages), and the decode node's own p
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pdserve.kv_transfer.stats import DROP_REASONS, RECEIVER_FAILURES, SENDER_FAILURES
@@ -66,18 +67,28 @@ class KVMetrics(MetricsExtension):
             ),
         }
 
-    def add_rank(self, fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
+    def add_rank(
+        self, fam: dict[str, Any], lv: list[str], st: RankStats, followers: list[RankStats]
+    ) -> None:
+        """A stage's series: each TP rank moves the heads it holds, so the bytes, the failures
+        and the dropped messages are the sum over the stage's ranks; the tokens are its lead's
+        (every rank of a stage moves the same tokens)."""
         kv = st.ext
         if not isinstance(kv, KVRankStats):
             return
-        fam["kv_bytes"].add_metric(lv, kv.bytes)
+        every = [kv, *(f.ext for f in followers if isinstance(f.ext, KVRankStats))]
+        fam["kv_bytes"].add_metric(lv, sum(k.bytes for k in every))
         fam["kv_tokens"].add_metric(lv, kv.tokens)
         fam["kv_skip_tokens"].add_metric(lv, kv.skipped_tokens)
-        fam["kv_skip_bytes"].add_metric(lv, kv.skipped_bytes)
-        fam["kv_window_bytes"].add_metric(lv, kv.window_skipped_bytes)
-        for reason, n in sorted((dict.fromkeys(self.failure_reasons, 0) | kv.failures).items()):
+        fam["kv_skip_bytes"].add_metric(lv, sum(k.skipped_bytes for k in every))
+        fam["kv_window_bytes"].add_metric(lv, sum(k.window_skipped_bytes for k in every))
+        failures, dropped = Counter(dict.fromkeys(self.failure_reasons, 0)), Counter()
+        for k in every:
+            failures.update(k.failures)
+            dropped.update(k.dropped)
+        for reason, n in sorted(failures.items()):
             fam["kv_fail"].add_metric(lv + [reason], n)
-        for reason, n in sorted((dict.fromkeys(DROP_REASONS, 0) | kv.dropped).items()):
+        for reason, n in sorted((dict.fromkeys(DROP_REASONS, 0) | dropped).items()):
             fam["dropped"].add_metric(lv + ["kv-control", reason], n)
 
     def ingest(self, st: RankStats) -> None:

@@ -248,6 +248,14 @@ class StatsExtension:
         return msg
 
 
+MAX_TP = 64  # TP ranks a stage may have, as far as a front takes their stats
+
+
+def stats_sender(pp_rank: int, tp_rank: int) -> str:
+    """The sealed sender name of a rank's stats push, which the front checks against the stats."""
+    return f"pp{pp_rank}" if tp_rank == 0 else f"pp{pp_rank}.tp{tp_rank}"
+
+
 @message("stats")
 @dataclass(frozen=True)
 class RankStats:
@@ -272,10 +280,14 @@ class RankStats:
     ext: StatsExtension | None = None  # the node kind's own counters
     dtype: str = ""  # the dtype the rank computes in (--dtype auto resolved)
     spans: list[SpanRecord] = field(default_factory=list)  # traced requests' stages, since last
+    # > 0: a TP follower's stats; the front reads only their `ext` (its own KV transfer counters)
+    tp_rank: int = 0
 
     def validate(self) -> None:
         if len(self.spans) > SPANS_PER_PUSH:
             raise MessageError(f"RankStats.spans: more than {SPANS_PER_PUSH} records")
+        if not 0 <= self.tp_rank < MAX_TP:
+            raise MessageError(f"RankStats.tp_rank: {self.tp_rank} is not in [0, {MAX_TP})")
 
     def to_json(self) -> dict[str, Any]:
         """The stats as /server_info shows them: the queues inline, as before they were typed."""

@@ -109,7 +109,8 @@ def make_specs(
     for i, r in enumerate(ranks):
         for t in range(cfg.tp):
             cores = plan.rank_cores[i * cfg.tp + t]
-            lead = t == 0  # a TP follower talks to no one outside its group, and times nothing
+            # a TP follower talks to no one outside its group but its stats push, and times nothing
+            lead = t == 0
             specs.append(
                 spec_cls(
                     engine=engine_dict(cfg.engine, cfg.engine.threads or len(cores), plan.io_cores),
@@ -118,7 +119,7 @@ def make_specs(
                     cpus=list(cores),
                     req_addr=front_addrs.get("req", "") if lead else "",
                     evt_addr=front_addrs.get("evt", "") if lead else "",
-                    stats_addr=front_addrs.get("stats", "") if lead else "",
+                    stats_addr=front_addrs.get("stats", ""),  # a follower: its KV counters
                     waiting_timeout_s=cfg.waiting_timeout if lead else 0.0,
                     running_timeout_s=cfg.running_timeout if lead else 0.0,
                     role_cpus={role: list(cores[i]) for role, cores in moves.items()},

@@ -50,6 +50,7 @@ class _RankCollector:
         fam = _families() | self.ext.families()
         front = self.front
         stats = front.rank_stats if front is not None else {}
+        follower_stats = front.follower_stats if front is not None else {}
         dropped = {(ch, r): 0 for ch, reasons in FRONT_DROPS.items() for r in reasons}
         for key, n in getattr(front, "dropped", {}).items():  # the front's readers
             channel, _, reason = key.partition(":")
@@ -62,7 +63,8 @@ class _RankCollector:
             fam["up"].add_metric(lv, 1.0 if st else 0.0)
             if st:
                 _add_rank(fam, lv, st)
-                self.ext.add_rank(fam, lv, st)
+                followers = [f for (pp, _), f in sorted(follower_stats.items()) if pp == r]
+                self.ext.add_rank(fam, lv, st, followers)
         if front is not None:
             dtype = next((st.dtype for st in stats.values() if st.dtype), "")
             fam["model"].add_metric([self.node, self.role, front.model_name, dtype], 1.0)
@@ -131,8 +133,10 @@ class MetricsExtension:
     def families(self) -> dict[str, Any]:
         return {}
 
-    def add_rank(self, fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
-        pass
+    def add_rank(
+        self, fam: dict[str, Any], lv: list[str], st: RankStats, followers: list[RankStats]
+    ) -> None:
+        """`st` a stage's lead's stats, `followers` its TP followers' (their `ext` only)."""
 
     def ingest(self, st: RankStats) -> None:
         pass

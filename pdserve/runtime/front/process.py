@@ -110,6 +110,7 @@ class NodeFront(RankReports):
         # later)
         self.early_aborts: OrderedDict[str, float] = OrderedDict()
         self.rank_stats: dict[int, RankStats] = {}
+        self.follower_stats: dict[tuple[int, int], RankStats] = {}
         self.rank_seen: dict[int, float] = {}
         self.dead: str | None = None  # why the node is unhealthy, once it is
         self.draining = False  # runtime/front/drain.py: the router stops choosing the node

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.infra.channel_auth import AuthError
-from pdserve.runtime.messages import RankStats, unpack
+from pdserve.runtime.messages import RankStats, stats_sender, unpack
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -38,6 +38,7 @@ class RankReports:
     sampling_defaults: dict[str, Any]
     pending: dict[str, Pending]
     rank_stats: dict[int, RankStats]
+    follower_stats: dict[tuple[int, int], RankStats]  # (pp, tp): TP followers', for their `ext`
     rank_seen: dict[int, float]
     dead: str | None
     draining: bool
@@ -76,8 +77,11 @@ class RankReports:
             raise ValueError(f"not one RankStats: {bad[0] if bad else len(good)}")
         st = good[0]
         r = st.pp_rank
-        if not 0 <= r < self.pp_size or sender != f"pp{r}":
-            raise ValueError(f"stats of pp_rank {r!r} from {sender}")
+        if not 0 <= r < self.pp_size or sender != stats_sender(r, st.tp_rank):
+            raise ValueError(f"stats of pp_rank {r!r} tp_rank {st.tp_rank!r} from {sender}")
+        if st.tp_rank:  # a follower: its KV counters join its stage's series (metrics.py)
+            self.follower_stats[r, st.tp_rank] = st
+            return
         self.rank_stats[r] = st
         self.rank_seen[r] = time.monotonic()
         if st.spans:

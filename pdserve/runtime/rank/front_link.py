@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -22,7 +23,7 @@ from pdserve.runtime.front.process import (
     STATS_CHANNEL,
     STATS_MAX_BYTES,
 )
-from pdserve.runtime.messages import RankStats, StatsExtension, decode, pack
+from pdserve.runtime.messages import RankStats, StatsExtension, decode, pack, stats_sender
 from pdserve.runtime.rank.slot_loop import RankLoop
 from pdserve.runtime.rank_spec import RankSpec
 
@@ -121,7 +122,7 @@ class StatsReporter:
             self.sock.setsockopt(zmq.LINGER, 0)
             limit_size(self.sock, STATS_MAX_BYTES)
             self.sock.connect(addr)
-            self._sealer = Sealer(STATS_CHANNEL, f"pp{spec.pp_rank}")
+            self._sealer = Sealer(STATS_CHANNEL, stats_sender(spec.pp_rank, spec.tp_rank))
         self.spec, self.loop, self.period, self.dtype = spec, loop, period_s, dtype
         self._next = 0.0
 
@@ -130,11 +131,15 @@ class StatsReporter:
         if now < self._next and not force:
             return
         self._next = now + self.period
-        if self.sock is None:  # a TP follower pushes nothing: what it kept for a push goes
+        if self.sock is None:  # no front: what it kept for a push goes
             self.loop.drain_samples()
             self.loop.spans.drain()
             return
         stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
+        if self.spec.tp_rank:
+            # a TP follower: the front reads its own KV transfer counters only (its lead times
+            # the requests and traces them)
+            stats = replace(stats, samples={}, spans=[], tp_rank=self.spec.tp_rank)
         self._send(stats)
 
     def _send(self, stats: RankStats) -> None:
