@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import make
-from test_resume import CASES, PROMPT, check_resumes, check_same_bits_beside_others, run
+from test_resume import (
+    CASES,
+    PROMPT,
+    batch_invariant_bf16,
+    check_resumes,
+    check_same_bits_beside_others,
+    run,
+)
 
-from pdserve.engine.model.linear import batch_invariant_why_not
 from tests.test_model import hf_logits
 from tests.tiny_model import GEMMA3_WINDOW, build_tiny_model
 
@@ -25,10 +30,7 @@ def gemma(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(gemma):
-    why = batch_invariant_why_not(torch.bfloat16)
-    if why:
-        pytest.skip(f"no batch-invariant bf16 on this CPU: {why}")
-    return make(gemma, dtype="bfloat16", batch_invariant=True)
+    return batch_invariant_bf16(gemma)
 
 
 def test_the_window_is_applied(engine, gemma):

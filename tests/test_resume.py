@@ -56,12 +56,17 @@ def run(engine, params: dict, resume: list[int] = ()):
     return engine._done.pop(rid)
 
 
-@pytest.fixture(scope="module")
-def bf16_engine(tiny_model):
+def batch_invariant_bf16(model):
+    """A bf16 engine of `model` with batch-invariant serving (skips where this CPU has none)."""
     why = batch_invariant_why_not(torch.bfloat16)
     if why:
         pytest.skip(f"no batch-invariant bf16 on this CPU: {why}")
-    return make(tiny_model, dtype="bfloat16", batch_invariant=True)
+    return make(model, dtype="bfloat16", batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_model):
+    return batch_invariant_bf16(tiny_model)
 
 
 @pytest.mark.parametrize("case", list(CASES))
