@@ -97,27 +97,37 @@ def run_layout(flags: list[str], prompts, max_new: int, levels: list[int], log: 
         return measure(url, prompts, max_new, levels, flags)
 
 
-def main() -> int:
+def compare_layouts(
+    layouts: dict[str, list[str]],
+    run_layout,
+    defaults: dict,
+    title: str,
+    setup: str,
+    with_rate: bool = True,
+) -> int:
+    """Each layout in turn, `--rounds` times, the same requests: the rows (ratios to the first
+    layout of the same round and level) written to `--out` after each round. `setup` says what is
+    served (between the machine line and the requests); `defaults`: rounds, concurrency, out."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=defaults["rounds"])
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--concurrency", default=defaults["concurrency"])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/tp.md"))
+    ap.add_argument("--out", default=defaults["out"])
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     prompts = loadgen.make_prompts(args.requests, seed=1)
-    logdir = Path(tempfile.mkdtemp(prefix="bench_tp_"))
+    logdir = Path(tempfile.mkdtemp(prefix="bench_layouts_"))
+    first = next(iter(layouts))
     lines = [
-        "# Tensor parallelism vs pipeline parallelism vs neither (one colocated node)",
+        f"# {title}",
         "",
         f"Machine: {os.cpu_count()} CPUs ({platform.machine()}, {platform.processor() or '?'}), "
         f"Python {platform.python_version()}; load average at start: {loadgen.loadavg()}; "
-        f"{time.strftime('%Y-%m-%d %H:%M')}. SmolLM2-135M-Instruct at its own dtype (bf16), "
-        f"{args.requests} requests of 100-250 random token ids, {args.max_tokens} output tokens, "
-        f"ignore_eos; concurrency {args.concurrency}; {args.rounds} rounds, the layouts in turn "
-        f"in each. Ratios are to the one-process layout of the same round and level. Node logs: "
-        f"{logdir}.",
+        f"{time.strftime('%Y-%m-%d %H:%M')}. {setup}; {args.requests} requests of 100-250 random "
+        f"token ids, {args.max_tokens} output tokens, ignore_eos; concurrency {args.concurrency}; "
+        f"{args.rounds} round(s), the layouts in turn in each. Ratios are to {first} of the same "
+        f"round and level. Logs: {logdir}.",
         "",
         "| round | layout | concurrency | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
         "| errors |",
@@ -125,14 +135,24 @@ def main() -> int:
     ]
     for rnd in range(1, args.rounds + 1):
         got = {}
-        for i, (name, flags) in enumerate(LAYOUTS.items()):
+        for i, (name, flags) in enumerate(layouts.items()):
             got[name] = run_layout(
                 flags, prompts, args.max_tokens, levels, logdir / f"r{rnd}_{i}.log"
             )
-        lines += ratio_rows(rnd, got, levels)
+        lines += ratio_rows(rnd, got, levels, with_rate=with_rate)
         Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def main() -> int:
+    return compare_layouts(
+        LAYOUTS,
+        run_layout,
+        {"rounds": 2, "concurrency": "8,32", "out": str(ROOT / "bench/results/tp.md")},
+        "Tensor parallelism vs pipeline parallelism vs neither (one colocated node)",
+        "SmolLM2-135M-Instruct at its own dtype (bf16)",
+    )
 
 
 if __name__ == "__main__":

@@ -15,12 +15,7 @@ round.
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
-from bench_tp import measure, ratio_rows  # noqa: E402
+from bench_tp import compare_layouts, measure  # noqa: E402
 from cluster import pdserve_up  # noqa: E402
 
 LAYOUTS = {
@@ -50,41 +45,15 @@ def run_layout(flags: list[str], prompts, max_new: int, levels: list[int], log: 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--concurrency", default="8")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/tp_pd.md"))
-    args = ap.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",")]
-    prompts = loadgen.make_prompts(args.requests, seed=1)
-    logdir = Path(tempfile.mkdtemp(prefix="bench_tp_pd_"))
-    lines = [
-        "# Tensor parallelism vs pipeline parallelism vs neither (a prefill and a decode node)",
-        "",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}, {platform.processor() or '?'}), "
-        f"Python {platform.python_version()}; load average at start: {loadgen.loadavg()}; "
-        f"{time.strftime('%Y-%m-%d %H:%M')}. `pdserve up`, SmolLM2-135M-Instruct at its own dtype "
-        f"(bf16), every request disaggregated; {args.requests} requests of 100-250 random token "
-        f"ids, {args.max_tokens} output tokens, ignore_eos; concurrency {args.concurrency}; "
-        f"{args.rounds} round(s), the layouts in turn in each. Ratios are to PP 1 x TP 1 of the "
-        f"same round and level. Logs: {logdir}.",
-        "",
-        "| round | layout (each node) | concurrency | output tok/s | TTFT p50 | TTFT p99 | ITL p50 "
-        "| ITL p99 | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for rnd in range(1, args.rounds + 1):
-        got = {}
-        for i, (name, flags) in enumerate(LAYOUTS.items()):
-            got[name] = run_layout(
-                flags, prompts, args.max_tokens, levels, logdir / f"r{rnd}_{i}.log"
-            )
-        lines += ratio_rows(rnd, got, levels, with_rate=False)
-        Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return compare_layouts(
+        LAYOUTS,
+        run_layout,
+        {"rounds": 1, "concurrency": "8", "out": str(ROOT / "bench/results/tp_pd.md")},
+        "Tensor parallelism vs pipeline parallelism vs neither (a prefill and a decode node)",
+        "`pdserve up` (a layout is each node's), SmolLM2-135M-Instruct at its own dtype "
+        "(bf16), every request disaggregated",
+        with_rate=False,
+    )
 
 
 if __name__ == "__main__":
