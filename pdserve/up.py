@@ -34,7 +34,7 @@ from pdserve.infra.cluster_secret import FILE_ENV as SECRET_FILE_ENV
 from pdserve.infra.cluster_secret import cluster_secret
 from pdserve.infra.internal_auth import is_loopback
 from pdserve.infra.logs import FORMAT_ENV, setup_logging
-from pdserve.infra.procs import die_with_parent, reserve_port, stop_processes
+from pdserve.infra.procs import die_with_parent, hold_port, reserve_port, stop_processes
 from pdserve.infra.request_signing import signed_auth
 from pdserve.infra.zygote import ENV as ZYGOTE_ENV
 from pdserve.infra.zygote_client import Zygote
@@ -81,6 +81,7 @@ class Cluster:
         # the nodes' ports, held (reserve_port) until every node is up: free_port alone left a
         # window in which another process took a bootstrap port (EADDRINUSE in a test run)
         self._held_ports: list[socket.socket] = []
+        self._router_port: socket.socket | None = None  # --port, held until the router listens
         self.zygote: Zygote | None = None
         self.rank_modules = RANK_MODULES
         self.commands: dict[str, list[str]] = {}  # each process's command, to start it again
@@ -126,6 +127,10 @@ class Cluster:
         """Starts the nodes, waits until every rank has loaded, then starts the router; returns
         the router's URL."""
         a = self.cfg
+        try:
+            self._router_port = hold_port(a.host, a.port)
+        except OSError as e:
+            raise RuntimeError(f"--port {a.port} on {a.host}: {e.strerror or e}") from None
         # every rank of every node is forked from one zygote: one torch import, not one per rank
         self.zygote = Zygote.start(RANK_MODULES)
         env = dict(os.environ, **{SECRET_ENV: self.secret, ZYGOTE_ENV: self.zygote.path})
@@ -236,6 +241,7 @@ class Cluster:
         self._spawn("router", router_cmd + shlex.split(a.router_args), env)
         url = f"http://{a.host}:{a.port}"
         self._wait(url, "router")
+        self._release_router_port()  # it listens now
         self.router_url = url
         return url
 
@@ -253,6 +259,11 @@ class Cluster:
         for held in self._held_ports:
             held.close()
         self._held_ports.clear()
+
+    def _release_router_port(self) -> None:
+        if self._router_port is not None:
+            self._router_port.close()
+            self._router_port = None
 
     def _wait_nodes(self) -> None:
         start = time.monotonic()
@@ -316,6 +327,7 @@ class Cluster:
 
     def stop(self) -> None:
         self._release_ports()
+        self._release_router_port()
         self.http.close()
         routers = [p for n, p in self.procs if n == "router"]
         stop_processes(routers)

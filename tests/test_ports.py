@@ -1,16 +1,20 @@
 """Port picking for servers the launchers start: a port held with reserve_port is skipped by
-free_port in any process, yet the server it was picked for can still bind it."""
+free_port in any process, yet the server it was picked for can still bind it. A port the user
+names (`pdserve up --port`) is held from the start with hold_port: taken by another server, it is
+an error at once; held, the router still binds it."""
 
 from __future__ import annotations
 
 import datetime
 import random
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
-from pdserve.infra.procs import free_port, reserve_port
+from pdserve.infra.procs import free_port, hold_port, reserve_port
 
 
 @pytest.fixture
@@ -72,3 +76,39 @@ def test_the_pp_rendezvous_binds_through_the_hold():
         del client, server
     finally:
         hold.close()
+
+
+def test_a_held_port_is_refused_to_others_but_not_to_its_server(picks_first):
+    hold = hold_port("127.0.0.1", free_port())
+    port = hold.getsockname()[1]
+    try:
+        picks_first(port)
+        assert free_port() != port
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        with socket.socket() as server:  # as uvicorn binds: SO_REUSEADDR, then listen
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            with pytest.raises(OSError):  # a second hold fails while a server listens there
+                hold_port("127.0.0.1", port)
+    finally:
+        hold.close()
+
+
+def test_up_refuses_a_port_in_use_before_it_starts_anything():
+    """Another server listens on --port: `pdserve up` says so within seconds and exits 1, where it
+    used to start every node and fail at the router's bind minutes later."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"--port {port} on 127.0.0.1" in r.stdout + r.stderr
+    assert "in use" in (r.stdout + r.stderr).lower()

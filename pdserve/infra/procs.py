@@ -56,6 +56,24 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return s
 
 
+def hold_port(host: str, port: int) -> socket.socket:
+    """`port` on `host`, named by the user, kept bound (not listening) by the socket returned
+    until the server that will listen there has: OSError at once where another socket listens
+    there (a clear error before minutes of start-up, not after), and no free_port() in any
+    process picks it meanwhile. SO_REUSEADDR from the start, unlike reserve_port: a port that the
+    last run's connections leave in TIME_WAIT is free to take again, as the server's own bind
+    (uvicorn's, with the flag) will take it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def _bound(host: str, reuse: bool) -> socket.socket:
     end = _ephemeral_start()
     rng = random.SystemRandom()
