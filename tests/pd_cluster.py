@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
-from cluster import NODE_ARGS, free_port, start, wait_healthy
+from cluster import NODE_ARGS, held_port, start, wait_healthy
 
 FAST_TIMEOUTS = {
     "PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "8",
@@ -25,14 +25,14 @@ FAST_TIMEOUTS = {
 def pd_and_colocated(tmp: Path, pd_args: list[str], colocated_args: list[str]):
     """A PD pair (`pd_args`: model and engine flags of both), a colocated node and a router in
     front of the three, all processes; yields (router URL, {role: node URL})."""
-    pport, bport, dport, cport, rport = (free_port() for _ in range(5))
-    nodes = {
-        "prefill": (["prefill", "--port", str(pport), "--bootstrap-port", str(bport)], pd_args),
-        "decode": (["decode", "--port", str(dport)], pd_args),
-        "colocated": (["serve", "--port", str(cport)], colocated_args),
-    }
-    ports = {"prefill": pport, "decode": dport, "colocated": cport}
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as holds, contextlib.ExitStack() as stack:
+        pport, bport, dport, cport, rport = (held_port(holds) for _ in range(5))
+        nodes = {
+            "prefill": (["prefill", "--port", str(pport), "--bootstrap-port", str(bport)], pd_args),
+            "decode": (["decode", "--port", str(dport)], pd_args),
+            "colocated": (["serve", "--port", str(cport)], colocated_args),
+        }
+        ports = {"prefill": pport, "decode": dport, "colocated": cport}
         procs = {
             name: stack.enter_context(
                 start(cmd + args, ports[name], tmp / f"{name}.log", env=FAST_TIMEOUTS, wait=False)
@@ -82,21 +82,23 @@ def _decode_cmd(model, pp: int, port: int, extra=()) -> list[str]:
 def prefill_node(model, pp: int, tmp: Path, extra=(), env=None, name="prefill", wait=True):
     """A prefill node; yields (url, bootstrap port, Popen). `wait=False`: yields as soon as the
     process is started (then `wait_healthy(url, proc, ...)` before using it)."""
-    port, bport = free_port(), free_port()
-    cmd = _prefill_cmd(model, pp, port, bport, extra)
-    env = {**FAST_TIMEOUTS, **(env or {})}
-    with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
-        yield url, bport, proc
+    with contextlib.ExitStack() as holds:
+        port, bport = held_port(holds), held_port(holds)
+        cmd = _prefill_cmd(model, pp, port, bport, extra)
+        env = {**FAST_TIMEOUTS, **(env or {})}
+        with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
+            yield url, bport, proc
 
 
 @contextlib.contextmanager
 def decode_node(model, pp: int, tmp: Path, extra=(), env=None, name="decode", wait=True):
     """A decode node; yields (url, Popen). `wait`: as in `prefill_node`."""
-    port = free_port()
-    cmd = _decode_cmd(model, pp, port, extra)
-    env = {**FAST_TIMEOUTS, **(env or {})}
-    with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
-        yield url, proc
+    with contextlib.ExitStack() as holds:
+        port = held_port(holds)
+        cmd = _decode_cmd(model, pp, port, extra)
+        env = {**FAST_TIMEOUTS, **(env or {})}
+        with start(cmd, port, tmp / f"{name}.log", env=env, wait=wait) as (url, proc):
+            yield url, proc
 
 
 @contextlib.contextmanager
