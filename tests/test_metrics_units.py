@@ -272,9 +272,10 @@ def test_an_elastic_nodes_series_follow_the_role_it_serves():
 
 def test_a_tp_followers_kv_counters_join_its_stage_and_must_be_sealed_as_it():
     """A TP follower's stats (tp_rank > 0) are kept apart from the leads' (health, /server_info
-    and the traces read the leads) and only their KV counters count: a stage's bytes and
-    failures are the sum over its ranks, its tokens the lead's. Stats sealed by another sender
-    than the rank they name are refused, a follower's as a lead's and the other way round."""
+    and the traces read the leads) and only their KV counters count: a stage's bytes are the sum
+    over its ranks, its tokens the lead's, its failures per reason the most of any rank's. Stats
+    sealed by another sender than the rank they name are refused, a follower's as a lead's and
+    the other way round."""
     from dataclasses import replace
 
     from pdserve.infra.channel_auth import Opener, Sealer
@@ -293,7 +294,8 @@ def test_a_tp_followers_kv_counters_join_its_stage_and_must_be_sealed_as_it():
 
     kv = replace(kv_stats(bytes=100, failures={"peer_dead": 1}), tokens=10)
     lead = rank_stats(0, {}, kv)
-    follower = replace(lead, tp_rank=1, ext=replace(kv, bytes=60, tokens=10))
+    theirs = {"peer_dead": 1, "waiting_timeout": 1}  # one room failed at both, one at its end
+    follower = replace(lead, tp_rank=1, ext=replace(kv, bytes=60, tokens=10, failures=theirs))
     push(lead, "pp0")
     push(follower, "pp0.tp1")
     assert front.rank_stats == {0: lead} and front.follower_stats == {(0, 1): follower}
@@ -308,5 +310,6 @@ def test_a_tp_followers_kv_counters_join_its_stage_and_must_be_sealed_as_it():
     got = samples(m.render(front)[0])
     assert value(got, "pdserve_kv_transfer_bytes_total", pp_rank="0") == 160
     assert value(got, "pdserve_kv_transfer_tokens_total", pp_rank="0") == 10
-    failed = value(got, "pdserve_kv_transfer_failures_total", pp_rank="0", reason="peer_dead")
-    assert failed == 2
+    for reason in ("peer_dead", "waiting_timeout"):
+        failed = value(got, "pdserve_kv_transfer_failures_total", pp_rank="0", reason=reason)
+        assert failed == 1, reason

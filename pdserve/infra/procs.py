@@ -62,7 +62,10 @@ def hold_port(host: str, port: int) -> socket.socket:
     there (a clear error before minutes of start-up, not after), and no free_port() in any
     process picks it meanwhile. SO_REUSEADDR from the start, unlike reserve_port: a port that the
     last run's connections leave in TIME_WAIT is free to take again, as the server's own bind
-    (uvicorn's, with the flag) will take it."""
+    (uvicorn's, with the flag) will take it. The flag's price: Linux lets two sockets that both set
+    it and neither listens share a port, so a hold does not see another hold (a second `pdserve
+    up` on the same port started in the same minutes) nor a server between its bind and its
+    listen; that one fails at its router's start instead."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -70,9 +70,10 @@ class KVMetrics(MetricsExtension):
     def add_rank(
         self, fam: dict[str, Any], lv: list[str], st: RankStats, followers: list[RankStats]
     ) -> None:
-        """A stage's series: each TP rank moves the heads it holds, so the bytes, the failures
-        and the dropped messages are the sum over the stage's ranks; the tokens are its lead's
-        (every rank of a stage moves the same tokens)."""
+        """A stage's series: each TP rank moves the heads it holds, so the bytes and the dropped
+        control messages are the sum over the stage's ranks; the tokens are its lead's (every
+        rank of a stage moves the same tokens), and the failures per reason the most any of its
+        ranks counted (a room that fails fails at every rank: a sum would count it TP times)."""
         kv = st.ext
         if not isinstance(kv, KVRankStats):
             return
@@ -82,9 +83,10 @@ class KVMetrics(MetricsExtension):
         fam["kv_skip_tokens"].add_metric(lv, kv.skipped_tokens)
         fam["kv_skip_bytes"].add_metric(lv, sum(k.skipped_bytes for k in every))
         fam["kv_window_bytes"].add_metric(lv, sum(k.window_skipped_bytes for k in every))
-        failures, dropped = Counter(dict.fromkeys(self.failure_reasons, 0)), Counter()
+        failures, dropped = dict.fromkeys(self.failure_reasons, 0), Counter()
         for k in every:
-            failures.update(k.failures)
+            for reason, n in k.failures.items():
+                failures[reason] = max(failures.get(reason, 0), n)
             dropped.update(k.dropped)
         for reason, n in sorted(failures.items()):
             fam["kv_fail"].add_metric(lv + [reason], n)

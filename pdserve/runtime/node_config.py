@@ -13,6 +13,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.infra.config_flags import add_flags, config_from_args, nested, setting
 from pdserve.infra.internal_auth import INSECURE_HELP
 from pdserve.infra.logs import FORMAT_ENV, FORMATS, LEVEL_ENV
+from pdserve.runtime.messages import MAX_TP
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class NodeConfig:
             raise ValueError(f"pp ({self.pp}) must be a multiple of nnodes ({self.nnodes})")
         if self.tp > 1 and self.nnodes > 1:
             raise ValueError("tp > 1 runs each node on one host (nnodes 1)")
+        if self.tp > MAX_TP:  # the front takes the stats of no rank past it
+            raise ValueError(f"tp must be at most {MAX_TP}, got {self.tp}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:

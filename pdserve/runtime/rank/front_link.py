@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -106,6 +105,32 @@ def rank_stats(
     )
 
 
+def follower_stats(spec: RankSpec, ext: StatsExtension | None) -> RankStats:
+    """What a TP follower pushes: its own KV transfer counters (`ext`), the one thing the front
+    reads of it (its lead's stats say the rest for the stage, its lead times and traces the
+    requests); no walk over its pool or prefix cache, which would stall its TP group's next
+    collective on every push."""
+    return RankStats(
+        pp_rank=spec.pp_rank,
+        pid=os.getpid(),
+        iterations=0,
+        forwards=0,
+        held_pages=0,
+        used_tokens=0,
+        num_pages=0,
+        free_pages=0,
+        page_size=0,
+        cached_pages=0,
+        locked_cached_pages=0,
+        prefix_hit_tokens=0,
+        retractions=0,
+        queues={},
+        samples={},
+        ext=ext,
+        tp_rank=spec.tp_rank,
+    )
+
+
 class StatsReporter:
     def __init__(
         self,
@@ -135,11 +160,13 @@ class StatsReporter:
             self.loop.drain_samples()
             self.loop.spans.drain()
             return
-        stats = rank_stats(self.loop, self.spec.pp_rank, self.loop.stats_extension(), self.dtype)
-        if self.spec.tp_rank:
-            # a TP follower: the front reads its own KV transfer counters only (its lead times
-            # the requests and traces them)
-            stats = replace(stats, samples={}, spans=[], tp_rank=self.spec.tp_rank)
+        if self.spec.tp_rank:  # a follower: what it kept for a push goes, as above
+            self.loop.drain_samples()
+            self.loop.spans.drain()
+            stats = follower_stats(self.spec, self.loop.stats_extension())
+        else:
+            ext = self.loop.stats_extension()
+            stats = rank_stats(self.loop, self.spec.pp_rank, ext, self.dtype)
         self._send(stats)
 
     def _send(self, stats: RankStats) -> None:
