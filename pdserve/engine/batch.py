@@ -16,6 +16,7 @@ class BatchEntry:
     num_new: int
     need_logits: bool
     pages: list[int]
+    sliding_pages: list[int] | None = None  # a windowed pool's table (engine/window_pages.py)
 
 
 @dataclass

@@ -310,6 +310,10 @@ class Req:
     # the first pages of `pages` that hold no sliding layer's KV: a PD decode request's prompt
     # pages before the window, which the transfer skipped (engine/prefix_cache.py)
     partial_pages: int = 0
+    # on a windowed pool (engine/window_pages.py): the sliding layers' pages, from logical page
+    # `sliding_first` on (the pages before it, out of every later query's window, are freed)
+    sliding_pages: list[int] = field(default_factory=list)
+    sliding_first: int = 0
     finish: FinishReason | None = None
     to_finish: FinishReason | None = None  # set by abort while in flight, applied at harvest
     in_flight: bool = False  # scheduled in a slot whose outputs are not harvested

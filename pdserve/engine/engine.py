@@ -20,6 +20,7 @@ from pdserve.engine.model.loader import load_model_config, load_slice, resolve_m
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.window_pages import windowed_pool_pages
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,25 @@ class Engine:
             config.spare_cores, self.threads, config.torch_dtype, blocked=model.blocked_matmuls()
         )
         matmuls += f", {helper}" if helper else ""
+        max_ctx = min(config.max_context, self.model_config.max_position_embeddings)
+        window = self.model_config.sliding_window
         self.runner = ModelRunner(
-            model, config.num_pages, config.page_size, config.torch_dtype, config.seed
+            model,
+            config.num_pages,
+            config.page_size,
+            config.torch_dtype,
+            config.seed,
+            sliding_pages=windowed_pool_pages(config, window, max_ctx),
         )
         self.runner.grammar = GrammarSampler(
             lambda: self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
-        max_ctx = min(config.max_context, self.model_config.max_position_embeddings)
         self.scheduler = Scheduler(
-            replace(config.scheduler_config(), max_context=max_ctx),
+            replace(config.scheduler_config(), max_context=max_ctx, window=window),
             self.runner.pool.allocator,
             self.model_config.eos_token_ids,
             detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            sliding_allocator=self.runner.pool.sliding_allocator,
         )
         self._ids = itertools.count()
         self._done: dict[str, Req] = {}  # finished requests not yet returned by generate/stream

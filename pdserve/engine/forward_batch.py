@@ -93,6 +93,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [n] rows of T whose logits are returned, in item order
     max_position: int
     window: int = 0  # the sliding layers' window the groups' `window_mask` holds; 0: none
+    # a windowed pool's sliding layers: the same batch over their own pages (engine/window_pages.py)
+    sliding: ForwardBatch | None = None
 
 
 def _check_item(b: int, it: BatchItem, page_size: int) -> None:

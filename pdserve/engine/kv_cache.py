@@ -90,24 +90,60 @@ class KVLayout:
 
 
 class KVPool:
-    """One rank's KV memory (`layout`) plus the allocator of its pages."""
+    """One rank's KV memory (`layout`) plus the allocator of its pages.
 
-    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu"):
+    Windowed (`sliding_pages` > 0, `sliding` naming the slice's sliding-window layers by local
+    index): those layers' KV lives apart, in `sliding_kv`, pages of their own from
+    `sliding_allocator`, so a request holds only the pages its window still reads there
+    (engine/window_pages.py); `kv` then holds the other (full-attention) layers only. `layer_kv(i)`
+    is local layer i's KV, wherever it lives."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: str | torch.device = "cpu",
+        sliding: tuple[int, ...] = (),
+        sliding_pages: int = 0,
+    ):
         self.layout = layout
         self.page_size = layout.page_size
-        self.kv = torch.zeros(
-            (
-                layout.num_pages,
-                layout.num_layers,
-                2,
-                layout.page_size,
-                layout.num_kv_heads,
-                layout.head_dim,
-            ),
-            dtype=layout.dtype,
-            device=device,
-        )
+        split = sliding_pages > 0
+        full = [i for i in range(layout.num_layers) if not (split and i in sliding)]
+        windowed = [i for i in range(layout.num_layers) if split and i in sliding]
+        # local layer -> (in sliding_kv?, its index there or in kv)
+        self._where = {i: (False, j) for j, i in enumerate(full)}
+        self._where.update({i: (True, j) for j, i in enumerate(windowed)})
+        self.kv = self._tensor(layout.num_pages, len(full), device)
         self.allocator = PageAllocator(layout.num_pages)
+        self.sliding_kv: torch.Tensor | None = None
+        self.sliding_allocator: PageAllocator | None = None
+        if split:
+            self.sliding_kv = self._tensor(sliding_pages, len(windowed), device)
+            self.sliding_allocator = PageAllocator(sliding_pages)
+
+    def _tensor(self, pages: int, layers: int, device: str | torch.device) -> torch.Tensor:
+        lay = self.layout
+        shape = (pages, layers, 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        return torch.zeros(shape, dtype=lay.dtype, device=device)
+
+    def is_windowed(self, local_layer: int) -> bool:
+        """Whether local layer `local_layer`'s KV is in `sliding_kv` (pages of its own)."""
+        return self._where[local_layer][0]
+
+    def layer_kv(self, local_layer: int) -> torch.Tensor:
+        """[pages, 2, page_size, kv_heads, head_dim]: the layer's KV, in the pool that holds it."""
+        windowed, j = self._where[local_layer]
+        kv = self.sliding_kv if windowed else self.kv
+        assert kv is not None
+        return kv[:, j]
+
+    @property
+    def held_bytes_per_page(self) -> tuple[int, int]:
+        """Bytes of one page of `kv` and of one page of `sliding_kv` (0 where there is none)."""
+        lay = self.layout
+        one = 2 * lay.page_size * lay.token_bytes  # one layer's K and V of a page
+        sliding = self.sliding_kv.shape[1] if self.sliding_kv is not None else 0
+        return self.kv.shape[1] * one, sliding * one
 
     @property
     def data_ptr(self) -> int:
@@ -123,15 +159,16 @@ class KVPool:
         """Stores K/V ([T, kv_heads, head_dim]) of `local_layer` at flat token `slots` ([T])."""
         pages = torch.div(slots, self.page_size, rounding_mode="floor")
         offs = slots - pages * self.page_size
-        self.kv[pages, local_layer, 0, offs] = k
-        self.kv[pages, local_layer, 1, offs] = v
+        kv = self.layer_kv(local_layer)
+        kv[pages, 0, offs] = k
+        kv[pages, 1, offs] = v
 
     def gather(
         self, local_layer: int, pages: torch.Tensor, offs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at (pages, offs) index tensors of any shape S:
         returns [*S, kv_heads, head_dim] each."""
-        layer = self.kv[:, local_layer]
+        layer = self.layer_kv(local_layer)
         return layer[pages, 0, offs], layer[pages, 1, offs]
 
 

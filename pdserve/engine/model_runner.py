@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.batch import SampleOut, ScheduledBatch
 from pdserve.engine.core import SamplingParams
-from pdserve.engine.forward_batch import BatchItem, build_forward_batch
+from pdserve.engine.forward_batch import BatchItem, ForwardBatch, build_forward_batch
 from pdserve.engine.grammar import GrammarSampler
 from pdserve.engine.kv_cache import KVLayout, KVPool
 from pdserve.engine.model.llama import ModelSlice
@@ -20,10 +20,20 @@ from pdserve.engine.sampling import sample
 
 class ModelRunner:
     def __init__(
-        self, model: ModelSlice, num_pages: int, page_size: int, dtype: torch.dtype, seed: int = 0
+        self,
+        model: ModelSlice,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        seed: int = 0,
+        sliding_pages: int = 0,
     ):
+        """`sliding_pages` > 0: a windowed pool, the slice's sliding layers in that many pages of
+        their own (engine/kv_cache.py)."""
         cfg = model.layer_cfg  # a TP rank's pool holds its own KV heads only
         self.model = model
+        start = model.layer_start
+        sliding = tuple(i - start for i in range(start, model.layer_end) if model.cfg.is_sliding(i))
         self.pool = KVPool(
             KVLayout(
                 num_pages=num_pages,
@@ -33,7 +43,9 @@ class ModelRunner:
                 num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim,
                 dtype=dtype,
-            )
+            ),
+            sliding=sliding,
+            sliding_pages=sliding_pages,
         )
         # Decided (and the in-place kernel loaded, or built) now, not inside the first request.
         model.choose_decode_attention(self.pool)
@@ -59,8 +71,22 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (not last slice) or logits [sampling entries, vocab] (last)."""
         items = [BatchItem(e.pages, e.start, e.num_new, e.need_logits) for e in batch.entries]
+        fb = self._forward_batch(items)
+        if self.pool.sliding_kv is not None:  # the sliding layers' own pages
+            sliding = [
+                BatchItem(e.sliding_pages or [], e.start, e.num_new, e.need_logits)
+                for e in batch.entries
+            ]
+            fb.sliding = self._forward_batch(sliding)
+        x = self.input_ids(batch) if self.is_first else hidden_in
+        assert x is not None and x.shape[0] == batch.num_tokens, (
+            "hidden states do not match the batch"
+        )
+        return self.model(x, fb, self.pool)
+
+    def _forward_batch(self, items: list[BatchItem]) -> ForwardBatch:
         invariant = self.model.batch_invariant
-        fb = build_forward_batch(
+        return build_forward_batch(
             items,
             self.pool.page_size,
             one_decode_group=self.model.choose_decode_attention(self.pool),
@@ -68,11 +94,6 @@ class ModelRunner:
             one_token_group=invariant,
             window=self.model.window,
         )
-        x = self.input_ids(batch) if self.is_first else hidden_in
-        assert x is not None and x.shape[0] == batch.num_tokens, (
-            "hidden states do not match the batch"
-        )
-        return self.model(x, fb, self.pool)
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SampleOut:
         entries = batch.sampling_entries

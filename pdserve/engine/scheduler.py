@@ -32,12 +32,16 @@ from pdserve.engine.prefill_shares import PrefillShares, fair_cap
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.scheduler_config import SchedulerConfig, check_admissible
 from pdserve.engine.stop_reason import stop_reason
+from pdserve.engine.window_pages import WindowPages
 
 __all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig: imported from here as before
 
 
 def _batch_digest(b: ScheduledBatch) -> list:
-    entries = [(e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:]) for e in b.entries]
+    entries = [
+        (e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:], (e.sliding_pages or [])[-1:])
+        for e in b.entries
+    ]
     return [b.slot, b.awaits_guides, entries]
 
 
@@ -53,9 +57,12 @@ class Scheduler(GuideHold):
         eos_token_ids: tuple[int, ...] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         hold_kv_on_finish: bool = False,
+        sliding_allocator: PageAllocator | None = None,
     ):
         super().__init__()
         self.cfg, self.allocator = cfg, allocator
+        # a windowed pool's sliding layers: pages of their own, freed behind the window
+        self.window_pages = WindowPages.make(sliding_allocator, cfg, hold_kv_on_finish)
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.cache = (
@@ -231,7 +238,11 @@ class Scheduler(GuideHold):
         start = req.kv_len
         req.kv_len += n
         req.in_flight = True
-        batch.entries.append(BatchEntry(req, start, n, req.kv_len == req.seq_len, list(req.pages)))
+        entry = BatchEntry(req, start, n, req.kv_len == req.seq_len, list(req.pages))
+        if self.window_pages is not None:
+            self.window_pages.place(req, start, n)
+            entry.sliding_pages = self.window_pages.page_table(req)
+        batch.entries.append(entry)
 
     def _retract(self, req: Req) -> None:
         """Preempts a running request that is not in flight: its KV goes back
@@ -333,6 +344,8 @@ class Scheduler(GuideHold):
             free = req.pages
         self.allocator.free(free)
         req.pages = []
+        if self.window_pages is not None:
+            self.window_pages.release(req)
 
     @rank_consensus("release", args=lambda self, rid: rid)
     def release(self, rid: str) -> None:
@@ -356,6 +369,7 @@ class Scheduler(GuideHold):
         is the one the prefill node sampled; the request joins `slot` as a running decode (it may
         finish at once). The request owns the lock from here: it is unlocked at finish or
         retraction."""
+        assert self.window_pages is None, "a windowed pool takes no transferred KV"
         self._arrivals += 1
         req.arrival = self._arrivals
         req.pages, req.kv_len, req.cached_len = list(pages), req.seq_len - 1, cached_len

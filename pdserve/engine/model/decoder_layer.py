@@ -200,7 +200,10 @@ class DecoderLayer(torch.nn.Module):
     def _attention(self, qkv, layer, fb, pool, rope, masks, ws, window: int) -> torch.Tensor:
         cfg = self.cfg
         t, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kv = pool.kv[:, layer]  # [pages, 2, page_size, kv_heads, d]
+        kv = pool.layer_kv(layer)  # [pages, 2, page_size, kv_heads, d]
+        if pool.is_windowed(layer):  # its own pages, and the batch's table of them
+            assert fb.sliding is not None, "a windowed pool's batch without its sliding pages"
+            fb = fb.sliding
         if not cfg.qk_norm and layer_ops.rope_store_kv_(
             qkv, rope, kv, fb.out_pages, fb.out_offs, nh, nkv
         ):

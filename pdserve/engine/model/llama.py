@@ -282,6 +282,7 @@ class ModelSlice(torch.nn.Module):
             and masks[0] is IN_PLACE
             and fb.groups[0].rows_are_t
             and pool.kv.dtype == torch.bfloat16
+            and pool.sliding_kv is None  # one pool
             and h.is_contiguous()
             and fb.out_pages.is_contiguous()
             and fb.out_offs.is_contiguous()

@@ -34,6 +34,7 @@ from pdserve.engine.model.tensor_parallel import TPShard
 from pdserve.engine.model.tokenizer import load_tokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.window_pages import windowed_pool_pages
 from pdserve.infra.logs import setup_logging
 from pdserve.infra.procs import die_with_parent, exit_on_stop_signals, set_process_name
 from pdserve.runtime.placement import bind_cores
@@ -258,7 +259,9 @@ def _load_runner(
         else ""
     )
     about += f", {helper}" if helper else ""
-    runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed)
+    max_ctx = min(cfg.max_context, mcfg.max_position_embeddings)
+    sliding = windowed_pool_pages(cfg, mcfg.sliding_window, max_ctx)
+    runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed, sliding)
     # only the sampling rank holds grammar state (engine/grammar.py): a TP group's lead
     if model.is_last and (tp is None or tp.is_lead):
         tok = lambda: load_tokenizer(path)  # noqa: E731  (loaded at the first guided request)
@@ -279,6 +282,7 @@ def _scheduler(cfg, mcfg, path, runner, loop_cfg, prefix_cache, hold_kv_on_finis
         mcfg.eos_token_ids,
         detokenize=StopDetokenizer(path),
         hold_kv_on_finish=hold_kv_on_finish,
+        sliding_allocator=runner.pool.sliding_allocator,
     )
 
 
