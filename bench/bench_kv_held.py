@@ -28,6 +28,7 @@ from bench_agreement import CORPUS  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.core import SamplingParams  # noqa: E402
 from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.window_pages import windowed_pool_pages  # noqa: E402
 
 MIB = 1 << 20
 OUTPUT = 16
@@ -55,6 +56,18 @@ def held(eng: Engine, n: int) -> tuple[int, int, list[int], float]:
             last = len(req.pages) * full_page + len(req.sliding_pages) * sliding_page
             most = max(most, last)
     return most, last, eng._done.pop(rid).output_ids, time.perf_counter() - t0
+
+
+def pool_bytes(eng: Engine) -> int:
+    pool = eng.runner.pool
+    sliding = pool.sliding_kv
+    return pool.nbytes + (sliding.numel() * sliding.element_size() if sliding is not None else 0)
+
+
+def default_pools(mcfg) -> str:
+    cfg = EngineConfig(windowed_kv=True, enable_prefix_cache=False)
+    full, sliding = windowed_pool_pages(cfg, mcfg, cfg.max_context)
+    return f"{full} full pages and {sliding} sliding ones, for {cfg.num_pages} without the window"
 
 
 def main() -> None:
@@ -96,6 +109,18 @@ def main() -> None:
         "| request time without / with (s) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    plain = engines[False].runner.pool
+    lines.insert(
+        2,
+        f"The pools (max_total_tokens {base['max_total_tokens']}, max_running "
+        f"{base['max_running']}): without the window, {plain.allocator.num_pages} pages of every "
+        f"layer, {plain.nbytes / MIB:.0f} MiB; windowed, {eng.runner.pool.allocator.num_pages} "
+        f"full pages and {eng.runner.pool.sliding_allocator.num_pages} sliding ones, "
+        f"{pool_bytes(eng) / MIB:.0f} MiB: a context of up to "
+        f"{eng.runner.pool.allocator.num_pages * eng.config.page_size} tokens in the memory "
+        f"of {plain.allocator.num_pages * eng.config.page_size}. At the defaults (32,768 tokens, "
+        f"64 running) the sliding pool takes its whole share: {default_pools(mcfg)}.\n",
+    )
     for n, (b0, d0, _, t0), (b1, d1, _, t1) in rows:
         lines.append(
             f"| {n} | {b0 / MIB:.2f} | {b1 / MIB:.2f} | {b1 / b0:.2f}x | {d0 / MIB:.2f} "

@@ -13,11 +13,11 @@ from inproc import ColocatedCluster, running, settled
 from reference import hf_greedy, load_hf
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.core import Req, SamplingParams
+from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import paged_attention
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
-from pdserve.engine.window_pages import WindowPages, pages_per_request
+from pdserve.engine.window_pages import WindowPages, full_pool_pages, pages_per_request
 from pdserve.pd_common.node_config import PDNodeConfig
 from tests.tiny_model import build_tiny_model
 
@@ -158,3 +158,33 @@ def test_the_windowed_pool_is_refused_where_it_cannot_serve(tiny6):
         PDNodeConfig(engine=EngineConfig(**WINDOWED))
     with pytest.raises(ValueError, match="no sliding-window layers"):
         make(tiny6, **WINDOWED)
+
+
+def test_the_same_memory_holds_a_longer_context(gemma6):
+    """The pool's memory stays what `max_total_tokens` of every layer takes; the sliding pool
+    needs less than its share (4 running requests of a window and a chunk), and the rest goes to
+    the full pool. So a context of 1,000 tokens, refused by a pool of 512 tokens, runs in the same
+    memory windowed, token for token as transformers."""
+    small = dict(max_total_tokens=512, max_running=4, max_context=1100)
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 200) for _ in range(960)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = make(gemma6, **small)
+    with pytest.raises(ParamError, match="can never fit in the KV pool"):
+        plain.add_request(prompt, params)
+    eng = make(gemma6, **small, **WINDOWED)
+    pool, before = eng.runner.pool, plain.runner.pool
+    assert pool.nbytes + pool.sliding_kv.numel() * pool.sliding_kv.element_size() <= before.nbytes
+    assert pool.allocator.num_pages * 4 > 1000
+    [done] = eng.generate([prompt], params)
+    assert done.token_ids == hf_greedy(load_hf(gemma6), [prompt], 40)[0]
+
+
+def test_full_pool_pages_spend_what_the_sliding_pool_leaves():
+    """Gemma 3 270M's counts (18 layers, 15 sliding): a sliding pool of a quarter of the pages
+    leaves the full pool 18 - 15/4 = 14.25 pages' worth of full layers per page of the budget,
+    4.75x the pages; a sliding pool as large as the budget leaves it the same."""
+    assert full_pool_pages(2048, 512, 18, 15) == (2048 * 18 - 512 * 15) // 3 == 9728
+    assert full_pool_pages(2048, 2048, 18, 15) == 2048
+    assert full_pool_pages(2048, 0, 18, 15) == 2048
+    assert full_pool_pages(2048, 100, 6, 6) == 2048  # every layer slides: no full pool to grow

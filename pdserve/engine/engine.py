@@ -70,13 +70,14 @@ class Engine:
         matmuls += f", {helper}" if helper else ""
         max_ctx = min(config.max_context, self.model_config.max_position_embeddings)
         window = self.model_config.sliding_window
+        pages, sliding_pages = windowed_pool_pages(config, self.model_config, max_ctx)
         self.runner = ModelRunner(
             model,
-            config.num_pages,
+            pages,
             config.page_size,
             config.torch_dtype,
             config.seed,
-            sliding_pages=windowed_pool_pages(config, window, max_ctx),
+            sliding_pages=sliding_pages,
         )
         self.runner.grammar = GrammarSampler(
             lambda: self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import Req
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
+from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.scheduler_config import SchedulerConfig
 
 
@@ -34,15 +35,33 @@ def sliding_pool_pages(
     return min(num_pages, max_running * pages_per_request(window, chunk_size, page_size))
 
 
-def windowed_pool_pages(cfg: EngineConfig, window: int, max_context: int) -> int:
-    """The sliding pool's pages for `cfg` (EngineConfig.windowed_kv) on a model whose sliding
-    layers' window is `window`; 0: no windowed pool."""
+def full_pool_pages(num_pages: int, sliding_pages: int, layers: int, sliding: int) -> int:
+    """The full pool's pages beside a sliding pool of `sliding_pages`: the memory of `num_pages`
+    pages of all `layers` (what the pool takes without a window) less the sliding pool's, in pages
+    of the `layers - sliding` full-attention layers. From the model's counts, not a slice's, so
+    every rank gets the same and hands out the same ids. At least `num_pages`."""
+    full = layers - sliding
+    if not sliding_pages or not full:
+        return num_pages
+    return (num_pages * layers - sliding_pages * sliding) // full
+
+
+def windowed_pool_pages(cfg: EngineConfig, mcfg: ModelConfig, max_context: int) -> tuple[int, int]:
+    """(full pool pages, sliding pool pages) for `cfg` on the model `mcfg`: (num_pages, 0) without
+    `windowed_kv`. With it, the sliding pool can hold every running request at its most, or as
+    many pages as `num_pages` if that is fewer, and the memory left of what `num_pages` pages of
+    every layer take goes to the full pool: the same memory, and more context where the sliding
+    pool needs less than its share."""
     if not cfg.windowed_kv:
-        return 0
-    if window < 1:
+        return cfg.num_pages, 0
+    if not mcfg.sliding_window or not mcfg.sliding_layers:
         raise ValueError("windowed_kv: this model has no sliding-window layers")
     chunk = min(cfg.chunk_size, max_context)
-    return sliding_pool_pages(cfg.num_pages, window, chunk, cfg.page_size, cfg.max_running)
+    sliding = sliding_pool_pages(
+        cfg.num_pages, mcfg.sliding_window, chunk, cfg.page_size, cfg.max_running
+    )
+    full = full_pool_pages(cfg.num_pages, sliding, mcfg.num_layers, len(mcfg.sliding_layers))
+    return full, sliding
 
 
 class WindowPages:

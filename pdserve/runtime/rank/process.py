@@ -260,8 +260,10 @@ def _load_runner(
     )
     about += f", {helper}" if helper else ""
     max_ctx = min(cfg.max_context, mcfg.max_position_embeddings)
-    sliding = windowed_pool_pages(cfg, mcfg.sliding_window, max_ctx)
-    runner = ModelRunner(model, cfg.num_pages, cfg.page_size, cfg.torch_dtype, cfg.seed, sliding)
+    pages, sliding = windowed_pool_pages(cfg, mcfg, max_ctx)
+    runner = ModelRunner(model, pages, cfg.page_size, cfg.torch_dtype, cfg.seed, sliding)
+    if sliding:
+        about += f", windowed KV pool: {pages} full and {sliding} sliding pages"
     # only the sampling rank holds grammar state (engine/grammar.py): a TP group's lead
     if model.is_last and (tp is None or tp.is_lead):
         tok = lambda: load_tokenizer(path)  # noqa: E731  (loaded at the first guided request)
@@ -331,7 +333,7 @@ def run_rank(
             spec.pp_rank,
             spec.pp_size,
             parts.about,
-            parts.cfg.num_pages,
+            parts.sched.allocator.num_pages,
             parts.cfg.page_size,
             f", {more}" if more else "",
         )
