@@ -5,10 +5,13 @@ PP layout, in fp32 (against transformers) and in bf16 (through the extend and de
 
 from __future__ import annotations
 
+import contextlib
 import random
 
+import httpx
 import pytest
 import torch
+from cluster import NODE_ARGS, held_port, start
 from inproc import ColocatedCluster, running, settled
 from reference import hf_greedy, load_hf
 
@@ -188,3 +191,22 @@ def test_full_pool_pages_spend_what_the_sliding_pool_leaves():
     assert full_pool_pages(2048, 2048, 18, 15) == 2048
     assert full_pool_pages(2048, 0, 18, 15) == 2048
     assert full_pool_pages(2048, 100, 6, 6) == 2048  # every layer slides: no full pool to grow
+
+
+def test_a_real_pp2_node_serves_windowed(gemma6, gemma6_greedy, tmp_path):
+    """`pdserve serve --pp 2 --windowed-kv --no-prefix-cache` as real processes: its ranks build
+    the windowed pool (their ready line says so) and answer every prompt as transformers does."""
+    prompts, reference = gemma6_greedy
+    with contextlib.ExitStack() as holds:
+        port = held_port(holds)
+        cmd = ["serve", "--model", str(gemma6), "--pp", "2", "--port", str(port), *NODE_ARGS]
+        cmd += ["--windowed-kv", "--no-prefix-cache"]
+        log = tmp_path / "node.log"
+        with start(cmd, port, log) as (url, _):
+            for prompt, want in zip(prompts, reference, strict=True):
+                body = {"input_ids": prompt, "sampling_params": {"max_tokens": len(want)}}
+                body["sampling_params"]["ignore_eos"] = True
+                r = httpx.post(f"{url}/generate", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                assert r.json()["token_ids"] == want
+        assert log.read_text().count("windowed KV pool") == 2
