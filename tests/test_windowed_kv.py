@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 
 import httpx
 import pytest
@@ -20,6 +21,8 @@ from pdserve.engine.core import ParamError, Req, SamplingParams
 from pdserve.engine.engine import Engine
 from pdserve.engine.kernels import paged_attention
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
+from pdserve.engine.model.config import split_layers
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.window_pages import WindowPages, full_pool_pages, pages_per_request
 from pdserve.pd_common.node_config import PDNodeConfig
 from tests.tiny_model import build_tiny_model
@@ -49,26 +52,32 @@ def _restore_torch_threads():
     torch.set_num_threads(n)
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("pp,depth", [(1, 0), (2, 1), (3, 0)])
-def test_every_colocated_layout_matches_transformers(pp, depth, gemma6, gemma6_greedy):
+def test_every_colocated_layout_matches_transformers(pp, depth, cache, gemma6, gemma6_greedy):
     """A colocated node with the windowed pool, its ranks as threads: token-identical to
-    transformers on prompts of up to 70 tokens (windows of 7, pages of 4), chunked and batched;
-    afterwards no page of either pool is held on any rank."""
+    transformers on prompts of up to 70 tokens (windows of 7, pages of 4), chunked and batched,
+    twice (with the prefix cache, the second round continues from the tree's pages and its
+    windows); afterwards no request holds a page of either pool on any rank."""
     prompts, reference = gemma6_greedy
-    engine = {**WINDOWED}
+    engine = {**WINDOWED, "enable_prefix_cache": cache}
     with running(lambda: ColocatedCluster(gemma6, pp, engine=engine, async_depth=depth)) as c:
         for loop in c.node_.loops:
             assert loop.runner.pool.sliding_kv is not None, "the pool is not windowed"
-        got = c.generate_all(prompts, len(reference[0]))
-        for i, (g, w) in enumerate(zip(got, reference, strict=True)):
-            assert g == w, f"prompt {i} (len {len(prompts[i])}) differs from transformers"
+        for _ in range(2):
+            got = c.generate_all(prompts, len(reference[0]))
+            for i, (g, w) in enumerate(zip(got, reference, strict=True)):
+                assert g == w, f"prompt {i} (len {len(prompts[i])}) differs from transformers"
         for s in c.wait_settled()["colocated"]:
             assert settled(s), s
         with c.paused():
             for loop in c.node_.loops:
-                pool = loop.runner.pool
-                assert pool.allocator.num_used == 0
-                assert pool.sliding_allocator.num_used == 0
+                pool, tree = loop.runner.pool, loop.sched.cache
+                cached = tree.num_cached_pages if cache else 0
+                assert pool.allocator.num_used == cached
+                assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if cache else 0)
+                if cache:
+                    assert tree.hit_tokens_total > 0
 
 
 def test_a_long_request_holds_its_window(gemma6):
@@ -153,10 +162,8 @@ def test_freeing_keeps_every_key_a_query_reads():
 
 
 def test_the_windowed_pool_is_refused_where_it_cannot_serve(tiny6):
-    """Named errors: with the prefix cache on (it keeps what the pool frees), on a PD node (its
-    transfer moves one pool's pages), and for a model without sliding windows."""
-    with pytest.raises(ValueError, match="prefix cache"):
-        EngineConfig(windowed_kv=True)
+    """Named errors: on a PD node (its transfer moves one pool's pages), and for a model without
+    sliding windows."""
     with pytest.raises(ValueError, match="colocated"):
         PDNodeConfig(engine=EngineConfig(**WINDOWED))
     with pytest.raises(ValueError, match="no sliding-window layers"):
@@ -184,29 +191,112 @@ def test_the_same_memory_holds_a_longer_context(gemma6):
 
 
 def test_full_pool_pages_spend_what_the_sliding_pool_leaves():
-    """Gemma 3 270M's counts (18 layers, 15 sliding): a sliding pool of a quarter of the pages
-    leaves the full pool 18 - 15/4 = 14.25 pages' worth of full layers per page of the budget,
-    4.75x the pages; a sliding pool as large as the budget leaves it the same."""
-    assert full_pool_pages(2048, 512, 18, 15) == (2048 * 18 - 512 * 15) // 3 == 9728
-    assert full_pool_pages(2048, 2048, 18, 15) == 2048
-    assert full_pool_pages(2048, 0, 18, 15) == 2048
-    assert full_pool_pages(2048, 100, 6, 6) == 2048  # every layer slides: no full pool to grow
+    """Gemma 3 270M's layout (18 layers, every sixth full: 5, 11, 17). At PP 1 a sliding pool of a
+    quarter of the pages (and its zero page) leaves the full pool about (18 - 15/4) / 3 = 4.75x
+    the pages. At PP 2 the second slice holds two full layers of nine and bounds it: about
+    (9 - 7/4) / 2 = 3.625x; no rank takes more memory than without the window (checked on every
+    slice at PP 1 to 6)."""
+    sliding = lambda x: x % 6 != 5  # noqa: E731
+    assert full_pool_pages(2048, 512, split_layers(18, 1), sliding) == (2048 * 18 - 513 * 15) // 3
+    assert full_pool_pages(2048, 512, split_layers(18, 2), sliding) == (2048 * 9 - 513 * 7) // 2
+    assert full_pool_pages(2048, 2047, split_layers(18, 1), sliding) == 2048
+    assert full_pool_pages(2048, 0, split_layers(18, 1), sliding) == 2048
+    assert full_pool_pages(2048, 100, [(0, 6)], lambda x: True) == 2048  # no full layer to grow
+    for pp in range(1, 7):
+        for s_pages in (1, 260, 1024, 2047):
+            f = full_pool_pages(2048, s_pages, split_layers(18, pp), sliding)
+            for a, b in split_layers(18, pp):
+                n_sliding = sum(1 for x in range(a, b) if sliding(x))
+                windowed = f * (b - a - n_sliding) + (s_pages + 1) * n_sliding
+                assert windowed <= 2048 * (b - a), (pp, s_pages, a, b)
 
 
 def test_a_real_pp2_node_serves_windowed(gemma6, gemma6_greedy, tmp_path):
-    """`pdserve serve --pp 2 --windowed-kv --no-prefix-cache` as real processes: its ranks build
-    the windowed pool (their ready line says so) and answer every prompt as transformers does."""
+    """`pdserve serve --pp 2 --windowed-kv` (prefix cache on, the default) as real processes: its
+    ranks build the windowed pool (their ready line says so) and answer every prompt as
+    transformers does, twice: the second time from the tree's pages."""
     prompts, reference = gemma6_greedy
     with contextlib.ExitStack() as holds:
         port = held_port(holds)
         cmd = ["serve", "--model", str(gemma6), "--pp", "2", "--port", str(port), *NODE_ARGS]
-        cmd += ["--windowed-kv", "--no-prefix-cache"]
+        cmd += ["--windowed-kv"]
         log = tmp_path / "node.log"
         with start(cmd, port, log) as (url, _):
-            for prompt, want in zip(prompts, reference, strict=True):
-                body = {"input_ids": prompt, "sampling_params": {"max_tokens": len(want)}}
-                body["sampling_params"]["ignore_eos"] = True
+            for prompt, want in [*zip(prompts, reference, strict=True)] * 2:
+                params = {"max_tokens": len(want), "ignore_eos": True}
+                body = {"input_ids": prompt, "sampling_params": params}
                 r = httpx.post(f"{url}/generate", json=body, timeout=120)
                 assert r.status_code == 200, r.text
                 assert r.json()["token_ids"] == want
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert log.read_text().count("windowed KV pool") == 2
+        # each rank's sliding pool: a chunk (16) and a window (7) in pages of 4, 32 running, and
+        # in use now only what the prefix cache keeps of its prompts' windows
+        caps = re.findall(r'pdserve_kv_sliding_pool_capacity_tokens\{[^}]*\} (\S+)', metrics)
+        used = re.findall(r'pdserve_kv_sliding_pool_used_tokens\{[^}]*\} (\S+)', metrics)
+        assert [float(c) for c in caps] == [4 * 32 * pages_per_request(7, 16, 4)] * 2
+        assert len(used) == 2 and all(0 < float(u) < float(caps[0]) for u in used)
+
+
+def test_prefix_hits_read_their_window_from_the_tree(gemma6):
+    """With the prefix cache, a prompt's pages go to the tree with the sliding pages of the window
+    at its end (and none behind it). A prompt that extends it continues from the tree, reading
+    that window; one that shares only its beginning finds no sliding pages there and is cut back.
+    A small sliding pool (2 running requests) makes the tree give up sliding pages no window
+    reads. Every answer is transformers' own; afterwards only the tree holds pages."""
+    eng = make(gemma6, windowed_kv=True, enable_prefix_cache=True, max_running=2)
+    tree, pool = eng.scheduler.cache, eng.runner.pool
+    assert pool.sliding_allocator.num_pages == 2 * pages_per_request(7, 16, 4)
+    rng = random.Random(4)
+    base = [rng.randrange(3, 200) for _ in range(61)]
+    prompts = [base, base + [rng.randrange(3, 200) for _ in range(23)], base[:30] + [5, 6, 7]]
+    prompts += [[rng.randrange(3, 200) for _ in range(40 + 9 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    hf = load_hf(gemma6)
+    hits, evicted = [], []
+    real = tree.evict_sliding
+    tree.evict_sliding = lambda n, in_use: evicted.append(real(n, in_use)) or evicted[-1]
+    for prompt in prompts:
+        before = tree.hit_tokens_total
+        [done] = eng.generate([prompt], params)
+        assert done.token_ids == hf_greedy(hf, [prompt], 12)[0], f"prompt of {len(prompt)}"
+        hits.append(tree.hit_tokens_total - before)
+    # the extension shares base's 15 whole pages; it reads pages 13 and 14 through its window,
+    # which base's last chunk held when its prompt went to the tree
+    assert hits[0] == 0 and hits[1] == 60
+    # base's first pages lost their sliding pages behind its window: the match is cut back
+    assert hits[2] == 0
+    assert pool.allocator.num_used == tree.num_cached_pages
+    assert pool.sliding_allocator.num_used == len(tree._sliding_of) <= 14
+    assert sum(1 for n in tree._iter_nodes() if n.partial) > 0
+    assert sum(evicted) > 0, "the sliding pool never ran short"
+
+
+def test_the_tree_keeps_the_sliding_pages_a_window_reads():
+    """PrefixCache with a sliding pool: a finished request's own sliding pages go to its new
+    nodes; a twin's copy of a chunk whose node has one goes back (no page lost); a match reads
+    the window before its end from the nodes; under pressure the tree gives up only pages no
+    live window reads, and their nodes turn partial, so later matches are cut back before them."""
+    full, sliding = PageAllocator(64), PageAllocator(64)
+    tree = PrefixCache(full, 4, window=7, sliding_allocator=sliding)
+    tokens = list(range(100, 124))  # 6 pages
+    pages = full.alloc(6)
+    own = dict(zip(range(3, 6), sliding.alloc(3), strict=True))  # pages 0-2: behind the window
+    assert tree.insert(tokens, pages, 24, 0, 0, own) == []
+    assert sliding.num_used == 3 and all(tree.owns_sliding(p) for p in own.values())
+    twin_pages = full.alloc(6)
+    twin_own = dict(zip(range(2, 6), sliding.alloc(4), strict=True))
+    freed = tree.insert(tokens, twin_pages, 24, 0, 0, twin_own)
+    assert freed == twin_pages  # every chunk was there first
+    full.free(freed)
+    assert sliding.num_used == 4 and tree.owns_sliding(twin_own[2])  # page 2 had none: taken
+    got, handle = tree.match(tokens + [1], 25)
+    assert got == pages
+    assert tree.window_of(handle, 6) == (4, [own[4], own[5]])  # tokens 17-23 of the window
+    tree.lock(handle)
+    assert tree.evict_sliding(10, in_use={own[4], own[5]}) == 2  # pages 2 and 3: no window reads
+    assert sliding.num_used == 2 and not tree.owns_sliding(own[3])
+    tree.unlock(handle)
+    assert tree.match(tokens[:16] + [1], 17)[0] == []  # page 3 (in 16's window) turned partial
+    tree.evict(6)
+    assert full.num_used == 0 and sliding.num_used == 0

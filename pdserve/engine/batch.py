@@ -27,6 +27,21 @@ class ScheduledBatch:
     # round the ring even if it samples nothing, and say which compiles are done (grammar.py)
     awaits_guides: bool = False
 
+    def digest(self) -> list:
+        """What the rank consensus checker compares of a batch (consensus/rank_checker.py)."""
+        entries = [
+            (
+                e.req.rid,
+                e.start,
+                e.num_new,
+                e.need_logits,
+                e.pages[-1:],
+                (e.sliding_pages or [])[-1:],
+            )
+            for e in self.entries
+        ]
+        return [self.slot, self.awaits_guides, entries]
+
     @property
     def num_tokens(self) -> int:
         return sum(e.num_new for e in self.entries)

@@ -89,8 +89,8 @@ class EngineConfig:
         False,
         help="a sliding-window model's (Gemma 3's) sliding layers keep their KV in pages of their "
         "own, freed once behind the window, so a long request holds its window there, not its "
-        "whole context (needs --no-prefix-cache; the colocated node and the offline engine; "
-        "docs/ARCHITECTURE.md section 6)",
+        "whole context (the colocated node and the offline engine; docs/ARCHITECTURE.md "
+        "section 11)",
     )
     small_batch_weights: bool = setting(
         True,
@@ -127,10 +127,6 @@ class EngineConfig:
             )
         if self.batch_invariant and not self.small_batch_weights:
             raise ValueError("batch_invariant needs the small-batch weights (its blocked copies)")
-        if self.windowed_kv and self.enable_prefix_cache:
-            raise ValueError(
-                "windowed_kv frees the KV a prefix cache would keep: turn the prefix cache off"
-            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         check_batch_limits(

@@ -117,13 +117,15 @@ def build_forward_batch(
     one_extend_group: bool = False,
     one_token_group: bool = False,
     window: int = 0,
+    masks: bool = True,
 ) -> ForwardBatch:
     """`one_decode_group`: the decode items in one group, in item order (the in-place decode
     kernel); `one_extend_group`: the extend items likewise (the in-place extend kernel);
     `one_token_group`: every token a decode query, in one group (the decode kernel; it overrides
     the other two). `window` > 0: the gathered groups also carry the sliding-window layers'
     masks; the decode and extend kernels take the window themselves (a one-token group too: each
-    of its rows attends to the last `window` of its own keys)."""
+    of its rows attends to the last `window` of its own keys). `masks` False: the gathered groups
+    carry none (a windowed pool's sliding batch, which attends with its full batch's masks)."""
     if not items:
         raise ValueError("build_forward_batch needs at least one item")
     if window < 0:
@@ -143,6 +145,7 @@ def build_forward_batch(
         one_extend_group=one_extend_group,
         one_token_group=one_token_group,
         window=window,
+        masks=masks,
     )
     return ForwardBatch(
         num_tokens=row,
@@ -192,6 +195,7 @@ def _attention_groups(
     one_extend_group: bool,
     one_token_group: bool,
     window: int,
+    masks: bool,
 ) -> list[AttnGroup]:
     """The batch's attention groups (`build_forward_batch` says what the flags choose)."""
     if one_token_group:
@@ -206,6 +210,7 @@ def _attention_groups(
                 num_tokens,
                 # the decode kernel takes the window itself: no mask built for its group
                 0 if one_decode_group and all(items[b].num_new == 1 for b in g) else window,
+                masks,
             )
             for g in _group_items(items, one_decode_group, one_extend_group)
         ]
@@ -327,6 +332,7 @@ def _build_group(
     device,
     num_tokens: int,
     window: int = 0,
+    masks: bool = True,
 ) -> AttnGroup:
     bg = len(items)
     max_q = max(it.num_new for it in items)
@@ -348,7 +354,7 @@ def _build_group(
     key = torch.arange(kv_len)
     pos = start[:, None] + q_idx[None, :]  # [Bg, max_q] each query row's position
     mask = None
-    if not causal:
+    if not causal and masks:
         mask = key[None, None, :] <= pos[:, :, None]  # [Bg, max_q, kv_len]
         if not all_real:
             mask = torch.where(real[:, :, None], mask, key[None, None, :] == 0)
@@ -356,7 +362,7 @@ def _build_group(
     window_mask = None
     # a window cuts keys only for positions at or past it (key > position - window for all keys
     # from 0 up otherwise)
-    if window and max(it.kv_len for it in items) > window:
+    if masks and window and max(it.kv_len for it in items) > window:
         seen = (key[None, None, :] <= pos[:, :, None]) & (
             key[None, None, :] > pos[:, :, None] - window
         )

@@ -117,8 +117,8 @@ class KVPool:
         self.allocator = PageAllocator(layout.num_pages)
         self.sliding_kv: torch.Tensor | None = None
         self.sliding_allocator: PageAllocator | None = None
-        if split:
-            self.sliding_kv = self._tensor(sliding_pages, len(windowed), device)
+        if split:  # one page more: the zero page a freed logical page reads (window_pages.py)
+            self.sliding_kv = self._tensor(sliding_pages + 1, len(windowed), device)
             self.sliding_allocator = PageAllocator(sliding_pages)
 
     def _tensor(self, pages: int, layers: int, device: str | torch.device) -> torch.Tensor:

@@ -77,14 +77,14 @@ class ModelRunner:
                 BatchItem(e.sliding_pages or [], e.start, e.num_new, e.need_logits)
                 for e in batch.entries
             ]
-            fb.sliding = self._forward_batch(sliding)
+            fb.sliding = self._forward_batch(sliding, masks=False)  # it attends with fb's
         x = self.input_ids(batch) if self.is_first else hidden_in
         assert x is not None and x.shape[0] == batch.num_tokens, (
             "hidden states do not match the batch"
         )
         return self.model(x, fb, self.pool)
 
-    def _forward_batch(self, items: list[BatchItem]) -> ForwardBatch:
+    def _forward_batch(self, items: list[BatchItem], masks: bool = True) -> ForwardBatch:
         invariant = self.model.batch_invariant
         return build_forward_batch(
             items,
@@ -93,6 +93,7 @@ class ModelRunner:
             one_extend_group=not invariant and self.model.choose_extend_attention(self.pool),
             one_token_group=invariant,
             window=self.model.window,
+            masks=masks,
         )
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> SampleOut:

@@ -29,11 +29,20 @@ cached prefix of M tokens reads sliding keys back to M - window, so a match is c
 longest prefix with no partial page within `window` tokens before the end (`_usable`); the pages
 past the cut are computed (or received) again.
 A node keeps the flag of the page it was made with: a twin's whole copy goes back to the pool.
+
+A windowed pool (engine/window_pages.py, `sliding_allocator`): the sliding layers' KV of a node is a
+page of the sliding pool, `sliding`, or none (-1: freed behind a request's window; the node is then
+`partial`, as above). The tree owns the sliding pages of its nodes (`owns_sliding`): a request
+that reads one through its window never frees it, and the tree frees it with its node, or alone
+(`evict_sliding`, the node turning partial) when the sliding pool runs short. A request that
+matches k pages reads the sliding pages of the window before token k * page_size from the tree
+(`window_of`).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache import PageAllocator
@@ -48,15 +57,24 @@ class _Node:
     refs: int = 0
     last_use: int = 0
     partial: bool = False  # the page holds no sliding layer's KV (module docstring)
+    sliding: int = -1  # a windowed pool's sliding page of these tokens (-1: none)
 
 
 class PrefixCache:
     """Shares page-aligned prompt prefixes. All state changes go through the methods below."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, window: int = 0):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        window: int = 0,
+        sliding_allocator: PageAllocator | None = None,
+    ):
         self.allocator = allocator
         self.page_size = page_size
         self.window = window  # the model's sliding window (0: none)
+        self.sliding_allocator = sliding_allocator  # a windowed pool's (module docstring)
+        self._sliding_of: dict[int, _Node] = {}  # sliding page -> the node that owns it
         self.root = _Node(key=(), page=-1, parent=None, refs=1)
         self._clock = 0
         self.num_cached_pages = 0  # pages owned by the tree
@@ -128,13 +146,17 @@ class PrefixCache:
         num_tokens: int,
         cached_pages: int,
         partial_pages: int = 0,
+        sliding: dict[int, int] | None = None,
     ) -> list[int]:
         """Gives a finished request's pages to the tree; returns the pages to free to the pool.
 
         `tokens[:num_tokens]` have KV in `pages`; the first `cached_pages` pages came from `match`
         (tree-owned, skipped); the first `partial_pages` hold no sliding layer's KV. Full pages
-        with a new chunk become tree nodes; the rest are returned.
+        with a new chunk become tree nodes; the rest are returned. A windowed pool's `sliding`
+        (logical page -> the request's own sliding page) goes to the new nodes, or to old ones
+        that have none; the tree frees the rest.
         """
+        sliding = dict(sliding or {})
         now = self._tick()
         full = num_tokens // self.page_size
         node, to_free = self.root, []
@@ -145,15 +167,36 @@ class PrefixCache:
                     "cached prefix changed under a lock"
                 )
             elif child is None:
-                child = _Node(key=key, page=pages[i], parent=node, partial=i < partial_pages)
-                node.children[key] = child
-                self.num_cached_pages += 1
+                child = self._new_node(key, pages[i], node, i < partial_pages, sliding.pop(i, -1))
             elif child.page != pages[i]:
                 to_free.append(pages[i])  # a twin request inserted this chunk first
+                if self._adopt_sliding(child, sliding.get(i, -1)):
+                    del sliding[i]
             child.last_use = now
             node = child
         to_free.extend(pages[max(full, cached_pages) :])
+        self._free_sliding(sliding.values())
         return to_free
+
+    def _new_node(self, key, page: int, parent: _Node, partial: bool, sliding: int) -> _Node:
+        windowed = self.sliding_allocator is not None
+        child = _Node(key, page, parent, partial=partial or (windowed and sliding < 0))
+        parent.children[key] = child
+        self.num_cached_pages += 1
+        self._adopt_sliding(child, sliding)
+        return child
+
+    def _adopt_sliding(self, node: _Node, sliding: int) -> bool:
+        """Gives `node` a request's own sliding page where it has none; False: not taken."""
+        if sliding < 0 or node.sliding >= 0:
+            return False
+        node.sliding, node.partial = sliding, False
+        self._sliding_of[sliding] = node
+        return True
+
+    def _free_sliding(self, pages) -> None:
+        if self.sliding_allocator is not None:
+            self.sliding_allocator.free(list(pages))
 
     def cache_prefix(
         self,
@@ -162,21 +205,25 @@ class PrefixCache:
         num_pages: int,
         handle: _Node,
         partial_pages: int = 0,
+        sliding: dict[int, int] | None = None,
     ) -> _Node:
         """Puts the first `num_pages` full pages of a running request into the tree (SGLang's
         "cache unfinished request"); returns its new lock handle, locked (`handle` is unlocked).
 
         A chunk the tree already holds under another page (a twin inserted it first) is walked
-        through, not replaced: the request's own copy goes back to the pool at `insert`.
+        through, not replaced: the request's own copy goes back to the pool at `insert`. A
+        windowed pool's `sliding` pages (as `insert`'s) go to the new nodes, and the request keeps
+        reading them, now the tree's.
         """
+        sliding = sliding or {}
         now = self._tick()
         node = self.root
         for i, key in enumerate(self._chunks(tokens, num_pages)):
             child = node.children.get(key)
             if child is None:
-                child = _Node(key=key, page=pages[i], parent=node, partial=i < partial_pages)
-                node.children[key] = child
-                self.num_cached_pages += 1
+                child = self._new_node(key, pages[i], node, i < partial_pages, sliding.get(i, -1))
+            elif child.page != pages[i]:  # a twin's: it may still lack what the window needs
+                self._adopt_sliding(child, sliding.get(i, -1))
             child.last_use = now
             node = child
         self.lock(node)
@@ -210,11 +257,48 @@ class PrefixCache:
             parent = n.parent
             del parent.children[n.key]
             freed.append(n.page)
+            if n.sliding >= 0:
+                self._free_sliding([self._drop_sliding(n)])
             if parent is not self.root and parent.refs == 0 and not parent.children:
                 heapq.heappush(heap, (parent.last_use, parent.page, parent))
         self.allocator.free(freed)
         self.num_cached_pages -= len(freed)
         return len(freed)
+
+    # --- a windowed pool's sliding pages ---------------------------------------------------------
+    def owns_sliding(self, page: int) -> bool:
+        return page in self._sliding_of
+
+    def window_of(self, handle: _Node, num_pages: int) -> tuple[int, list[int]]:
+        """(first logical page, sliding pages from it to `num_pages`) that a request continuing
+        from the match `handle` of `num_pages` pages reads through its window: `_usable` made sure
+        each has one."""
+        first = max(0, num_pages * self.page_size - self.window) // self.page_size
+        path: list[_Node] = []
+        node: _Node | None = handle
+        while node is not None and node is not self.root and len(path) < num_pages - first:
+            path.append(node)
+            node = node.parent
+        out = [n.sliding for n in reversed(path)]
+        assert all(p >= 0 for p in out), "a usable match without its window's sliding pages"
+        return first, out
+
+    def evict_sliding(self, num_pages: int, in_use: Collection[int]) -> int:
+        """Frees up to `num_pages` sliding pages that no request's window reads (`in_use`: the
+        pages in the live requests' sliding tables), least recently used first; their nodes stay,
+        partial. A lock does not keep them: it keeps the full pages a request reads whole, while
+        a request never reads a sliding page again once it is behind its window. Returns the
+        count."""
+        nodes = [n for n in self._sliding_of.values() if n.sliding not in in_use]
+        nodes.sort(key=lambda n: (n.last_use, n.sliding))
+        freed = [self._drop_sliding(n) for n in nodes[: max(0, num_pages)]]
+        self._free_sliding(freed)
+        return len(freed)
+
+    def _drop_sliding(self, node: _Node) -> int:
+        page, node.sliding, node.partial = node.sliding, -1, True
+        del self._sliding_of[page]
+        return page
 
     def check_integrity(self) -> None:
         n = sum(1 for _ in self._iter_nodes())

@@ -37,14 +37,6 @@ from pdserve.engine.window_pages import WindowPages
 __all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig: imported from here as before
 
 
-def _batch_digest(b: ScheduledBatch) -> list:
-    entries = [
-        (e.req.rid, e.start, e.num_new, e.need_logits, e.pages[-1:], (e.sliding_pages or [])[-1:])
-        for e in b.entries
-    ]
-    return [b.slot, b.awaits_guides, entries]
-
-
 def _prefilled_digest(self, req, pages, slot, cached_len=0, prefix_node=None, partial_pages=0):
     return [req.rid, list(pages), slot, cached_len, partial_pages]
 
@@ -61,12 +53,15 @@ class Scheduler(GuideHold):
     ):
         super().__init__()
         self.cfg, self.allocator = cfg, allocator
-        # a windowed pool's sliding layers: pages of their own, freed behind the window
-        self.window_pages = WindowPages.make(sliding_allocator, cfg, hold_kv_on_finish)
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
-        self.cache = (
-            PrefixCache(allocator, cfg.page_size, cfg.window) if cfg.enable_prefix_cache else None
+        self.cache = None
+        if cfg.enable_prefix_cache:
+            self.cache = PrefixCache(allocator, cfg.page_size, cfg.window, sliding_allocator)
+        # a windowed pool's sliding layers: pages of their own, freed behind the window
+        in_use = lambda: [p for s in self.slots for r in s for p in r.sliding_pages]  # noqa: E731
+        self.window_pages = WindowPages.make(
+            sliding_allocator, cfg, hold_kv_on_finish, self.cache, in_use
         )
         self.waiting = FairQueue()  # in fair order between tenants (engine/fair_queue.py)
         self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
@@ -144,7 +139,7 @@ class Scheduler(GuideHold):
         if need > 0:
             req.pages.extend(self.allocator.alloc(need))
 
-    @rank_consensus("schedule", args=lambda self, slot: slot, result=_batch_digest)
+    @rank_consensus("schedule", args=lambda self, slot: slot, result=ScheduledBatch.digest)
     def schedule(self, slot: int) -> ScheduledBatch:
         batch = ScheduledBatch(slot, awaits_guides=self.guides_pending > 0)
         members = self.slots[slot]
@@ -226,6 +221,8 @@ class Scheduler(GuideHold):
                 self.cache.unlock(handle)
             return False
         req.pages = pages + self.allocator.alloc(need)
+        if self.window_pages is not None:
+            self.window_pages.adopt(req, handle, len(pages))
         req.prefix_node = handle
         req.cached_len = len(pages) * self.cfg.page_size
         req.kv_len = req.cached_len
@@ -303,8 +300,9 @@ class Scheduler(GuideHold):
             or full <= req.cached_len // self.cfg.page_size
         ):
             return
+        own = self.window_pages.own_pages(req) if self.window_pages is not None else None
         req.prefix_node = self.cache.cache_prefix(
-            req.input_ids, req.pages, full, req.prefix_node, req.partial_pages
+            req.input_ids, req.pages, full, req.prefix_node, req.partial_pages, own
         )
 
     def _check_stop(self, req: Req) -> None:
@@ -330,6 +328,7 @@ class Scheduler(GuideHold):
         self.just_finished.append(req)
 
     def _release_kv(self, req: Req) -> None:
+        wp = self.window_pages
         if self.cache is not None:
             free = self.cache.insert(
                 req.all_ids,
@@ -337,6 +336,7 @@ class Scheduler(GuideHold):
                 req.kv_len,
                 req.cached_len // self.cfg.page_size,
                 req.partial_pages,
+                wp.own_pages(req) if wp is not None else None,
             )
             self.cache.unlock(req.prefix_node)
             req.prefix_node = None
@@ -344,8 +344,8 @@ class Scheduler(GuideHold):
             free = req.pages
         self.allocator.free(free)
         req.pages = []
-        if self.window_pages is not None:
-            self.window_pages.release(req)
+        if wp is not None:
+            wp.release(req, given_to_cache=self.cache is not None)
 
     @rank_consensus("release", args=lambda self, rid: rid)
     def release(self, rid: str) -> None:

@@ -8,101 +8,162 @@ forward (`start` to `start + n`) get their pages first, as they write their keys
 other's. So a request holds at most (window + n) / page_size + 2 of these pages, n at most a
 chunk: `sliding_pool_pages` sizes the pool so that every running request can.
 
-The logical page table keeps its length: the freed pages read as page 0, which the window masks
-(the gather path) or skips (the kernels). Allocation and freeing happen at `Scheduler._place`,
-which every rank runs alike, so the page ids agree across the ranks like the other pool's.
+The logical page table keeps its length: the freed pages read as the pool's zero page, which the
+window masks (the gather path and the extend kernel) or skips (the decode kernels). Allocation and
+freeing happen at `Scheduler._place`, which every rank runs alike, so the page ids agree across
+the ranks like the other pool's.
+
+With the prefix cache, the tree owns some sliding pages (engine/prefix_cache.py): those of the
+window at the end of a cached prompt, which a request continuing from it reads (`adopt`), and the
+ones a request gave it. A request lets go of those without freeing them; it gives its own to the
+tree at finish (`own_pages`). Where the pool is short, the tree frees sliding pages that no live
+request's table holds. Every live table holds at most the bound above, so that always suffices.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import Req
 from pdserve.engine.kv_cache import PageAllocator, pages_needed
-from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.config import ModelConfig, split_layers
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.scheduler_config import SchedulerConfig
 
 
-def pages_per_request(window: int, chunk_size: int, page_size: int) -> int:
-    """The most sliding pages one request holds: its window and one chunk, each page-aligned."""
-    return pages_needed(window + chunk_size, page_size) + 1
+def pages_per_request(window: int, chunk_size: int, page_size: int, max_context: int = 0) -> int:
+    """The most sliding pages one request holds: its window and one chunk, each page-aligned,
+    and never more than its whole context's (`max_context` > 0)."""
+    most = pages_needed(window + chunk_size, page_size) + 1
+    return min(most, pages_needed(max_context, page_size)) if max_context > 0 else most
 
 
 def sliding_pool_pages(
-    num_pages: int, window: int, chunk_size: int, page_size: int, max_running: int
+    num_pages: int,
+    window: int,
+    chunk_size: int,
+    page_size: int,
+    max_running: int,
+    max_context: int = 0,
 ) -> int:
     """The sliding pool's pages: enough for `max_running` requests each at its most, and never
-    more than the full pool's (a request holds no more pages there than here)."""
-    return min(num_pages, max_running * pages_per_request(window, chunk_size, page_size))
+    more than the full pool's (a request holds no more pages there than here), less the zero page
+    (KVPool) that it takes besides."""
+    each = pages_per_request(window, chunk_size, page_size, max_context)
+    return max(1, min(num_pages - 1, max_running * each))  # -1: room for the zero page
 
 
-def full_pool_pages(num_pages: int, sliding_pages: int, layers: int, sliding: int) -> int:
-    """The full pool's pages beside a sliding pool of `sliding_pages`: the memory of `num_pages`
-    pages of all `layers` (what the pool takes without a window) less the sliding pool's, in pages
-    of the `layers - sliding` full-attention layers. From the model's counts, not a slice's, so
-    every rank gets the same and hands out the same ids. At least `num_pages`."""
-    full = layers - sliding
-    if not sliding_pages or not full:
-        return num_pages
-    return (num_pages * layers - sliding_pages * sliding) // full
+def full_pool_pages(
+    num_pages: int, sliding_pages: int, slices: list[tuple[int, int]], is_sliding
+) -> int:
+    """The full pool's pages beside a sliding pool of `sliding_pages`: on each PP slice (its
+    layers [a, b), `is_sliding(layer)`), the memory of `num_pages` pages of all its layers (what
+    the slice's pool takes without a window) less its sliding pool's, in pages of its
+    full-attention layers; the least over the slices, so that no rank takes more memory than it
+    would without the window, and every rank computes the same count (the ids must agree). The
+    sliding pool's zero page counts too. At least `num_pages`."""
+    most = []
+    for a, b in slices:
+        sliding = sum(1 for x in range(a, b) if is_sliding(x))
+        if sliding_pages and b - a > sliding:  # a slice of sliding layers only bounds nothing
+            most.append((num_pages * (b - a) - (sliding_pages + 1) * sliding) // (b - a - sliding))
+    return max(num_pages, min(most, default=num_pages))
 
 
-def windowed_pool_pages(cfg: EngineConfig, mcfg: ModelConfig, max_context: int) -> tuple[int, int]:
-    """(full pool pages, sliding pool pages) for `cfg` on the model `mcfg`: (num_pages, 0) without
-    `windowed_kv`. With it, the sliding pool can hold every running request at its most, or as
-    many pages as `num_pages` if that is fewer, and the memory left of what `num_pages` pages of
-    every layer take goes to the full pool: the same memory, and more context where the sliding
-    pool needs less than its share."""
+def windowed_pool_pages(
+    cfg: EngineConfig, mcfg: ModelConfig, max_context: int, pp_size: int = 1
+) -> tuple[int, int]:
+    """(full pool pages, sliding pool pages) for `cfg` on the model `mcfg` split over `pp_size`
+    ranks: (num_pages, 0) without `windowed_kv`. With it, the sliding pool can hold every running
+    request at its most, or as many pages as `num_pages` if that is fewer, and the memory left of
+    what `num_pages` pages of every layer take goes to the full pool: on no rank more memory, and
+    more context where the sliding pool needs less than its share."""
     if not cfg.windowed_kv:
         return cfg.num_pages, 0
     if not mcfg.sliding_window or not mcfg.sliding_layers:
         raise ValueError("windowed_kv: this model has no sliding-window layers")
     chunk = min(cfg.chunk_size, max_context)
     sliding = sliding_pool_pages(
-        cfg.num_pages, mcfg.sliding_window, chunk, cfg.page_size, cfg.max_running
+        cfg.num_pages, mcfg.sliding_window, chunk, cfg.page_size, cfg.max_running, max_context
     )
-    full = full_pool_pages(cfg.num_pages, sliding, mcfg.num_layers, len(mcfg.sliding_layers))
-    return full, sliding
+    slices = split_layers(mcfg.num_layers, pp_size)
+    return full_pool_pages(cfg.num_pages, sliding, slices, mcfg.is_sliding), sliding
 
 
 class WindowPages:
-    def __init__(self, allocator: PageAllocator, page_size: int, window: int):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        window: int,
+        cache: PrefixCache | None = None,
+        in_use: Callable[[], Collection[int]] = tuple,
+    ):
         if window < 1:
             raise ValueError(f"a windowed pool needs the model's window, got {window}")
         self.allocator, self.page_size, self.window = allocator, page_size, window
+        self.cache = cache  # it owns the sliding pages of its nodes (engine/prefix_cache.py)
+        self.in_use = in_use  # the sliding pages the live requests' tables hold
 
     @classmethod
     def make(
-        cls, allocator: PageAllocator | None, cfg: SchedulerConfig, hold_kv_on_finish: bool
+        cls,
+        allocator: PageAllocator | None,
+        cfg: SchedulerConfig,
+        hold_kv_on_finish: bool,
+        cache: PrefixCache | None,
+        in_use: Callable[[], Collection[int]],
     ) -> WindowPages | None:
         """The scheduler's, where its pool is windowed (a sliding pool's `allocator`)."""
         if allocator is None:
             return None
-        # The prefix cache keeps pages for later requests, and a PD prefill node keeps them for
-        # the transfer: both need the whole context's pages, which this frees.
-        if cfg.enable_prefix_cache or hold_kv_on_finish:
-            raise ValueError("a windowed KV pool takes no prefix cache and no PD hand-off")
-        return cls(allocator, cfg.page_size, cfg.window)
+        if hold_kv_on_finish:  # a PD prefill node keeps the whole context's pages to send them
+            raise ValueError("a windowed KV pool takes no PD hand-off")
+        return cls(allocator, cfg.page_size, cfg.window, cache, in_use)
+
+    def _own(self, page: int) -> bool:
+        return self.cache is None or not self.cache.owns_sliding(page)
+
+    def adopt(self, req: Req, handle, num_pages: int) -> None:
+        """A request admitted with a cached prefix of `num_pages` pages (its `handle`, locked):
+        it reads the window before the prefix's end from the tree's sliding pages."""
+        if num_pages and self.cache is not None:
+            req.sliding_first, req.sliding_pages = self.cache.window_of(handle, num_pages)
 
     def place(self, req: Req, start: int, n: int) -> None:
-        """Before `req` computes tokens [start, start + n): frees what no query from `start` on
-        reads, and allocates pages up to start + n."""
+        """Before `req` computes tokens [start, start + n): lets go of what no query from `start`
+        on reads (its own pages back to the pool; the tree keeps its own), and allocates pages up
+        to start + n, taking sliding pages from the tree's unused nodes if the pool is short."""
         dead = max(0, start - self.window + 1) // self.page_size  # pages wholly behind the window
         if dead > req.sliding_first:
-            drop = dead - req.sliding_first
-            self.allocator.free(req.sliding_pages[:drop])
-            del req.sliding_pages[:drop]
+            drop = req.sliding_pages[: dead - req.sliding_first]
+            self.allocator.free([p for p in drop if self._own(p)])
+            del req.sliding_pages[: len(drop)]
             req.sliding_first = dead
         have = req.sliding_first + len(req.sliding_pages)
         need = pages_needed(start + n, self.page_size) - have
         if need > 0:
+            short = need - self.allocator.num_free
+            if short > 0 and self.cache is not None:
+                self.cache.evict_sliding(short, set(self.in_use()))
             req.sliding_pages.extend(self.allocator.alloc(need))
 
-    def release(self, req: Req) -> None:
-        self.allocator.free(req.sliding_pages)
+    def own_pages(self, req: Req) -> dict[int, int]:
+        """Logical page -> sliding page, for the pages the request owns (not the tree)."""
+        first = req.sliding_first
+        return {first + i: p for i, p in enumerate(req.sliding_pages) if self._own(p)}
+
+    def release(self, req: Req, given_to_cache: bool = False) -> None:
+        """The request's sliding pages go: back to the pool, or (`given_to_cache`) already
+        handed to the tree's `insert`, which kept or freed each."""
+        if not given_to_cache:
+            self.allocator.free(list(self.own_pages(req).values()))
         req.sliding_pages = []
         req.sliding_first = 0
 
-    @staticmethod
-    def page_table(req: Req) -> list[int]:
-        """Logical page i -> sliding pool page; 0 for the pages already freed."""
-        return [0] * req.sliding_first + req.sliding_pages
+    def page_table(self, req: Req) -> list[int]:
+        """Logical page i -> sliding pool page; for the pages already freed, the pool's zero page
+        (KVPool: one past the allocator's, never written), which the window masks or skips, so
+        that a masked read never touches another request's keys."""
+        return [self.allocator.num_pages] * req.sliding_first + req.sliding_pages

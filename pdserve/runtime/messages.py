@@ -282,6 +282,8 @@ class RankStats:
     spans: list[SpanRecord] = field(default_factory=list)  # traced requests' stages, since last
     # > 0: a TP follower's stats; the front reads only their `ext` (its own KV transfer counters)
     tp_rank: int = 0
+    sliding_pages: int = 0  # a windowed pool's sliding pages (engine/window_pages.py); 0: none
+    sliding_free_pages: int = 0
 
     def validate(self) -> None:
         if len(self.spans) > SPANS_PER_PUSH:

@@ -87,6 +87,13 @@ def _families() -> dict[str, Any]:
     return {
         "used": rank_gauge("pdserve_kv_pool_used_tokens", "KV tokens held by live requests"),
         "cap": rank_gauge("pdserve_kv_pool_capacity_tokens", "KV pool capacity in tokens"),
+        "s_used": rank_gauge(
+            "pdserve_kv_sliding_pool_used_tokens",
+            "a windowed pool's sliding-layer tokens in use (requests' windows, the prefix cache)",
+        ),
+        "s_cap": rank_gauge(
+            "pdserve_kv_sliding_pool_capacity_tokens", "a windowed pool's sliding-layer capacity"
+        ),
         "evict": rank_gauge(
             "pdserve_kv_cache_evictable_tokens", "prefix-cache tokens that can be evicted"
         ),
@@ -112,6 +119,9 @@ def _add_rank(fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
     ps = st.page_size
     fam["used"].add_metric(lv, st.held_pages * ps)
     fam["cap"].add_metric(lv, st.num_pages * ps)
+    if st.sliding_pages:  # --windowed-kv
+        fam["s_used"].add_metric(lv, (st.sliding_pages - st.sliding_free_pages) * ps)
+        fam["s_cap"].add_metric(lv, st.sliding_pages * ps)
     fam["evict"].add_metric(lv, st.cached_pages * ps)
     fam["hits"].add_metric(lv, st.prefix_hit_tokens)
     for q, n in sorted(st.queues.items()):  # the loop's queues: a PD loop adds its own

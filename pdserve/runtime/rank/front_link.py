@@ -82,6 +82,7 @@ def rank_stats(
     """What one rank reports to the front (and the in-process tests read directly)."""
     s, alloc = loop.sched, loop.sched.allocator
     cache = s.cache
+    sliding = s.window_pages.allocator if s.window_pages is not None else None
     return RankStats(
         pp_rank=pp_rank,
         pid=os.getpid(),
@@ -102,6 +103,8 @@ def rank_stats(
         ext=ext,
         dtype=dtype,
         spans=loop.spans.drain(),
+        sliding_pages=sliding.num_pages if sliding else 0,
+        sliding_free_pages=sliding.num_free if sliding else 0,
     )
 
 

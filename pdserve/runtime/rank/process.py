@@ -260,7 +260,7 @@ def _load_runner(
     )
     about += f", {helper}" if helper else ""
     max_ctx = min(cfg.max_context, mcfg.max_position_embeddings)
-    pages, sliding = windowed_pool_pages(cfg, mcfg, max_ctx)
+    pages, sliding = windowed_pool_pages(cfg, mcfg, max_ctx, spec.pp_size)
     runner = ModelRunner(model, pages, cfg.page_size, cfg.torch_dtype, cfg.seed, sliding)
     if sliding:
         about += f", windowed KV pool: {pages} full and {sliding} sliding pages"
