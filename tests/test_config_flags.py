@@ -224,3 +224,16 @@ def test_every_vllm_spelling_is_listed_in_the_router_doc():
     }
     assert {"--max-num-seqs", "--max-model-len", "--pipeline-parallel-size"} <= aliases
     assert sorted(a for a in aliases if f"`{a}`" not in doc and f"`{a} " not in doc) == []
+
+
+def test_tp_is_bounded_by_what_a_front_takes_stats_from():
+    """--tp at most MAX_TP (64): the front takes no rank's stats past it (runtime/messages.py),
+    so a node of more would report stages it cannot read; the flag says so at once."""
+    from pdserve.runtime.messages import MAX_TP
+
+    assert NodeConfig(tp=MAX_TP).tp == 64
+    with pytest.raises(ValueError, match="tp must be at most 64, got 65"):
+        node_config(
+            NodeConfig,
+            add_node_flags(argparse.ArgumentParser(), NodeConfig).parse_args(["--tp", "65"]),
+        )

@@ -54,20 +54,31 @@ def _restore_torch_threads():
 
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("pp,depth", [(1, 0), (2, 1), (3, 0)])
-def test_every_colocated_layout_matches_transformers(pp, depth, cache, gemma6, gemma6_greedy):
+def test_every_colocated_layout_matches_transformers(
+    pp, depth, cache, gemma6, gemma6_greedy, monkeypatch
+):
     """A colocated node with the windowed pool, its ranks as threads: token-identical to
     transformers on prompts of up to 70 tokens (windows of 7, pages of 4), chunked and batched,
-    twice (with the prefix cache, the second round continues from the tree's pages and its
-    windows); afterwards no request holds a page of either pool on any rank."""
+    twice, the second time each prompt twice at once (with the prefix cache, they continue from
+    the tree's pages and its windows, and twins meet in the tree). 4 running requests: the
+    sliding pool (28 pages) runs short while other slots' batches are in flight, and the tree
+    gives up pages. Afterwards no request holds a page of either pool on any rank."""
     prompts, reference = gemma6_greedy
-    engine = {**WINDOWED, "enable_prefix_cache": cache}
+    engine = {**WINDOWED, "enable_prefix_cache": cache, "max_running": 4}
+    evicted = []
+    real = PrefixCache.evict_sliding
+    monkeypatch.setattr(
+        PrefixCache, "evict_sliding", lambda *a: evicted.append(real(*a)) or evicted[-1]
+    )
     with running(lambda: ColocatedCluster(gemma6, pp, engine=engine, async_depth=depth)) as c:
         for loop in c.node_.loops:
             assert loop.runner.pool.sliding_kv is not None, "the pool is not windowed"
-        for _ in range(2):
-            got = c.generate_all(prompts, len(reference[0]))
-            for i, (g, w) in enumerate(zip(got, reference, strict=True)):
-                assert g == w, f"prompt {i} (len {len(prompts[i])}) differs from transformers"
+        for twice in (1, 2):
+            got = c.generate_all(prompts * twice, len(reference[0]))
+            for i, (g, w) in enumerate(zip(got, reference * twice, strict=True)):
+                n = len(prompts[i % len(prompts)])
+                assert g == w, f"prompt {i} (len {n}) differs from transformers"
+        assert (sum(evicted) > 0) == cache
         for s in c.wait_settled()["colocated"]:
             assert settled(s), s
         with c.paused():
@@ -232,8 +243,8 @@ def test_a_real_pp2_node_serves_windowed(gemma6, gemma6_greedy, tmp_path):
         assert log.read_text().count("windowed KV pool") == 2
         # each rank's sliding pool: a chunk (16) and a window (7) in pages of 4, 32 running, and
         # in use now only what the prefix cache keeps of its prompts' windows
-        caps = re.findall(r'pdserve_kv_sliding_pool_capacity_tokens\{[^}]*\} (\S+)', metrics)
-        used = re.findall(r'pdserve_kv_sliding_pool_used_tokens\{[^}]*\} (\S+)', metrics)
+        caps = re.findall(r"pdserve_kv_sliding_pool_capacity_tokens\{[^}]*\} (\S+)", metrics)
+        used = re.findall(r"pdserve_kv_sliding_pool_used_tokens\{[^}]*\} (\S+)", metrics)
         assert [float(c) for c in caps] == [4 * 32 * pages_per_request(7, 16, 4)] * 2
         assert len(used) == 2 and all(0 < float(u) < float(caps[0]) for u in used)
 
@@ -300,3 +311,29 @@ def test_the_tree_keeps_the_sliding_pages_a_window_reads():
     assert tree.match(tokens[:16] + [1], 17)[0] == []  # page 3 (in 16's window) turned partial
     tree.evict(6)
     assert full.num_used == 0 and sliding.num_used == 0
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+def test_a_sliding_pool_of_every_page_never_runs_short(gemma6, cache):
+    """Where max_running requests at their most need more sliding pages than the budget (here
+    64 x 7 against 16 pages, as 64 x 65 against 2,048 at the defaults), the sliding pool gets the
+    budget (less its zero page) and the full pool no more: short requests, whose window covers
+    their whole context, hold as many sliding pages as full ones. Many at once fill both pools
+    and answer as transformers does. (With 16 full pages beside 15 sliding ones, the sixteenth
+    full page's request found no sliding page: MemoryError.)"""
+    eng = make(
+        gemma6, windowed_kv=True, enable_prefix_cache=cache, max_total_tokens=64, max_running=64
+    )
+    pool, sched = eng.runner.pool, eng.scheduler
+    assert pool.sliding_allocator.num_pages == pool.allocator.num_pages == 15
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 200) for _ in range(4)] for _ in range(12)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    rids = [eng.add_request(p, params) for p in prompts]
+    most = 0
+    while sched.has_work:
+        eng.step()
+        most = max(most, pool.sliding_allocator.num_used)
+    assert most >= 14  # the pools fill: the decodes take the pages admission kept back
+    got = [eng._done[r].output_ids for r in rids]
+    assert got == hf_greedy(load_hf(gemma6), prompts, 4)

@@ -16,8 +16,9 @@ the ranks like the other pool's.
 With the prefix cache, the tree owns some sliding pages (engine/prefix_cache.py): those of the
 window at the end of a cached prompt, which a request continuing from it reads (`adopt`), and the
 ones a request gave it. A request lets go of those without freeing them; it gives its own to the
-tree at finish (`own_pages`). Where the pool is short, the tree frees sliding pages that no live
-request's table holds. Every live table holds at most the bound above, so that always suffices.
+tree when its prompt is complete and at finish (`own_pages`). Where the pool is short, the tree
+frees sliding pages that no live request's table holds. Every live table holds at most the bound
+above, so that always suffices.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def sliding_pool_pages(
     max_running: int,
     max_context: int = 0,
 ) -> int:
-    """The sliding pool's pages: enough for `max_running` requests each at its most, and never
-    more than the full pool's (a request holds no more pages there than here), less the zero page
-    (KVPool) that it takes besides."""
+    """The sliding pool's pages (besides its zero page, KVPool): enough for `max_running` requests
+    each at its most, or `num_pages` less the zero page if that is fewer. In that case the full
+    pool gets no more pages than this (`windowed_pool_pages`): a request holds no more sliding
+    pages than full ones, nor a prefix-cache node more than one of each, so the sliding pool
+    cannot run short either."""
     each = pages_per_request(window, chunk_size, page_size, max_context)
-    return max(1, min(num_pages - 1, max_running * each))  # -1: room for the zero page
+    return max(1, min(num_pages - 1, max_running * each))  # -1: the zero page's memory
 
 
 def full_pool_pages(
@@ -62,13 +65,13 @@ def full_pool_pages(
     the slice's pool takes without a window) less its sliding pool's, in pages of its
     full-attention layers; the least over the slices, so that no rank takes more memory than it
     would without the window, and every rank computes the same count (the ids must agree). The
-    sliding pool's zero page counts too. At least `num_pages`."""
+    sliding pool's zero page counts too."""
     most = []
     for a, b in slices:
         sliding = sum(1 for x in range(a, b) if is_sliding(x))
         if sliding_pages and b - a > sliding:  # a slice of sliding layers only bounds nothing
             most.append((num_pages * (b - a) - (sliding_pages + 1) * sliding) // (b - a - sliding))
-    return max(num_pages, min(most, default=num_pages))
+    return max(1, min(most, default=num_pages))  # at least num_pages where S + 1 <= num_pages
 
 
 def windowed_pool_pages(
@@ -88,7 +91,11 @@ def windowed_pool_pages(
         cfg.num_pages, mcfg.sliding_window, chunk, cfg.page_size, cfg.max_running, max_context
     )
     slices = split_layers(mcfg.num_layers, pp_size)
-    return full_pool_pages(cfg.num_pages, sliding, slices, mcfg.is_sliding), sliding
+    full = full_pool_pages(cfg.num_pages, sliding, slices, mcfg.is_sliding)
+    each = pages_per_request(mcfg.sliding_window, chunk, cfg.page_size, max_context)
+    if sliding < cfg.max_running * each:  # the requests' bound does not hold the pool: the
+        full = min(full, sliding)  # full pool's size does (sliding_pool_pages)
+    return full, sliding
 
 
 class WindowPages:
