@@ -119,9 +119,9 @@ def _add_rank(fam: dict[str, Any], lv: list[str], st: RankStats) -> None:
     ps = st.page_size
     fam["used"].add_metric(lv, st.held_pages * ps)
     fam["cap"].add_metric(lv, st.num_pages * ps)
-    if st.sliding_pages:  # --windowed-kv
-        fam["s_used"].add_metric(lv, (st.sliding_pages - st.sliding_free_pages) * ps)
-        fam["s_cap"].add_metric(lv, st.sliding_pages * ps)
+    # --windowed-kv's sliding pool; 0 without it (every series exists from the start)
+    fam["s_used"].add_metric(lv, (st.sliding_pages - st.sliding_free_pages) * ps)
+    fam["s_cap"].add_metric(lv, st.sliding_pages * ps)
     fam["evict"].add_metric(lv, st.cached_pages * ps)
     fam["hits"].add_metric(lv, st.prefix_hit_tokens)
     for q, n in sorted(st.queues.items()):  # the loop's queues: a PD loop adds its own
