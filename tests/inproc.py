@@ -32,7 +32,7 @@ from pdserve.decode_node import rank as decode_rank
 from pdserve.kv_transfer.in_memory import InMemoryFabric
 from pdserve.kv_transfer.manager import TransferConfig
 from pdserve.pd_common.messages import PDAddRequest, PDRankSpec, PrefillDoneEvent
-from pdserve.pd_common.rank_setup import pool_desc
+from pdserve.pd_common.rank_setup import pool_desc, sliding_pool_desc
 from pdserve.prefill_node import rank as prefill_rank
 from pdserve.runtime.messages import (
     AbortRequest,
@@ -478,6 +478,7 @@ class PDCluster(Cluster):
                 decode_rank.dst_slices(parts),
                 decode_rank.AUX_SLOTS,
                 self.transfer,
+                sliding_pool_desc(parts),
             )
             return decode_rank.make_loop(parts, kv)
 

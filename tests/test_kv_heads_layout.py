@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from pdserve.engine.model.config import split_layers
-from pdserve.kv_transfer.layout import PoolDesc, build_descriptors, intersect, kv_bytes
+from pdserve.kv_transfer.layout import PoolDesc, build_descriptors, intersect
+from pdserve.kv_transfer.stats import kv_bytes
 
 LAYERS, HEADS, HEAD_BYTES = 6, 4, 3
 TOKENS = 29  # not a multiple of either page size

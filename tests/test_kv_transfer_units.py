@@ -33,7 +33,6 @@ from pdserve.kv_transfer.layout import (
     chunk_descriptors,
     coalesce,
     intersect,
-    kv_bytes,
     overlapping,
     pages_for,
     window_start,
@@ -48,6 +47,7 @@ from pdserve.kv_transfer.messages import (
     encode_message,
 )
 from pdserve.kv_transfer.mooncake import resolve_protocol
+from pdserve.kv_transfer.stats import kv_bytes
 
 TB = 8
 

@@ -13,7 +13,9 @@ import httpx
 import pytest
 import torch
 from cluster import NODE_ARGS, held_port, start
-from inproc import ColocatedCluster, running, settled
+from inproc import ColocatedCluster, PDCluster, running, settled
+from one_thread import hf_greedy_one_thread
+from pd_cluster import decode_node, pd_generate_all, prefill_node, wait_pages_free
 from reference import hf_greedy, load_hf
 
 from pdserve.engine.config import EngineConfig
@@ -25,9 +27,12 @@ from pdserve.engine.model.config import split_layers
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.window_pages import WindowPages, full_pool_pages, pages_per_request
 from pdserve.pd_common.node_config import PDNodeConfig
+from pdserve.prefill_node.serve import prefill_main
 from tests.tiny_model import build_tiny_model
 
 WINDOWED = {"windowed_kv": True, "enable_prefix_cache": False}
+# prompts sent at once queue behind each other on a loaded machine (tests/test_pd_nodes.py)
+QUEUE_TIMEOUTS = {"PDSERVE_KV_BOOTSTRAP_TIMEOUT_S": "60", "PDSERVE_KV_WAITING_TIMEOUT_S": "60"}
 
 
 def make(model, **kw) -> Engine:
@@ -173,10 +178,13 @@ def test_freeing_keeps_every_key_a_query_reads():
 
 
 def test_the_windowed_pool_is_refused_where_it_cannot_serve(tiny6):
-    """Named errors: on a PD node (its transfer moves one pool's pages), and for a model without
-    sliding windows."""
-    with pytest.raises(ValueError, match="colocated"):
-        PDNodeConfig(engine=EngineConfig(**WINDOWED))
+    """Named errors: on a prefill node and an elastic node (a prefill node keeps and sends a
+    prompt's whole pages), and for a model without sliding windows. A decode node takes it."""
+    PDNodeConfig(engine=EngineConfig(**WINDOWED))
+    with pytest.raises(ValueError, match="not elastic"):
+        PDNodeConfig(engine=EngineConfig(**WINDOWED), elastic=True, bootstrap_port=9)
+    with pytest.raises(SystemExit, match="colocated and decode nodes"):
+        prefill_main(PDNodeConfig(engine=EngineConfig(**WINDOWED), bootstrap_port=9))
     with pytest.raises(ValueError, match="no sliding-window layers"):
         make(tiny6, **WINDOWED)
 
@@ -337,3 +345,81 @@ def test_a_sliding_pool_of_every_page_never_runs_short(gemma6, cache):
     assert most >= 14  # the pools fill: the decodes take the pages admission kept back
     got = [eng._done[r].output_ids for r in rids]
     assert got == hf_greedy(load_hf(gemma6), prompts, 4)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2)])
+def test_a_windowed_decode_node_matches_transformers(
+    ppp, dpp, cache, gemma6, gemma6_greedy, gemma6_continued, monkeypatch
+):
+    """A PD decode node with the windowed pool (its ranks as threads, the in-memory transfer):
+    its sliding layers' KV lands in pages of their own, the window of each prompt's end only,
+    and every answer is transformers'. Then each conversation continues, twice at once: with the
+    decode prefix cache, those rooms hold the first answers' pages and read the window before
+    their end from the tree, and twins meet in it. 2 running requests on a sliding pool of
+    2 x 7 pages: the tree gives pages up. Afterwards no request holds a page of either pool on
+    any decode rank."""
+    prompts, reference = gemma6_greedy
+    continued, more = gemma6_continued
+    engine = {**WINDOWED, "enable_prefix_cache": cache, "max_running": 2}
+    evicted = []
+    real = PrefixCache.evict_sliding
+    monkeypatch.setattr(
+        PrefixCache, "evict_sliding", lambda *a: evicted.append(real(*a)) or evicted[-1]
+    )
+    with running(lambda: PDCluster(gemma6, ppp, dpp, decode_engine=engine)) as c:
+        for loop in c.decode.loops:
+            assert loop.kv_mgr.sliding_pool is not None, "the decode pool is not windowed"
+        for asked, want in [(prompts, reference), (continued * 2, more * 2)]:
+            got = c.generate_all(asked, len(want[0]))
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert g == w, f"prompt {i} (len {len(asked[i])}) differs from transformers"
+        for node in c.wait_settled().values():
+            for s in node:
+                assert settled(s), s
+        with c.paused():
+            for loop in c.decode.loops:
+                pool, tree = loop.runner.pool, loop.sched.cache
+                cached = tree.num_cached_pages if cache else 0
+                assert pool.allocator.num_used == cached
+                assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if cache else 0)
+                assert cache == bool(tree and tree.hit_tokens_total > 0)
+                assert loop.kv_mgr.stats.snapshot()["window_skipped_bytes"] > 0
+        assert (sum(evicted) > 0) == cache
+
+
+@pytest.fixture(scope="module")
+def gemma6_continued(gemma6, gemma6_greedy):
+    """Each conversation of gemma6_greedy continued: prompt and answer, then transformers' next
+    4 tokens."""
+    prompts, reference = gemma6_greedy
+    continued = [p + r for p, r in zip(prompts, reference, strict=True)]
+    return continued, hf_greedy_one_thread(gemma6, continued, 4)
+
+
+def test_a_real_windowed_decode_node_matches_transformers(
+    gemma6, gemma6_greedy, gemma6_continued, tmp_path
+):
+    """`pdserve prefill --pp 2` and `pdserve decode --pp 3 --windowed-kv` as real processes, the
+    KV over the TCP data plane into both of each decode rank's buffers (its last rank holds
+    sliding layers only: its full buffer has no bytes), with the debug checksum on both sides:
+    every answer is transformers', then every conversation continued (from the decode prefix
+    cache). Afterwards no rank holds a page, and each decode rank's sliding pool shows."""
+    prompts, reference = gemma6_greedy
+    continued, more = gemma6_continued
+    env = {**QUEUE_TIMEOUTS, "PDSERVE_KV_CHECKSUM": "1"}
+    with contextlib.ExitStack() as stack:
+        purl, bport, _ = stack.enter_context(prefill_node(gemma6, 2, tmp_path, env=env))
+        durl, _ = stack.enter_context(decode_node(gemma6, 3, tmp_path, ["--windowed-kv"], env))
+        for asked, want in [(prompts, reference), (continued, more)]:
+            got = pd_generate_all(purl, durl, bport, asked, len(want[0]))
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert g == w, f"prompt {i} (len {len(asked[i])}) differs from transformers"
+        left = wait_pages_free(purl, durl)
+        assert not any(left[purl]) and not any(left[durl]), left
+        metrics = httpx.get(f"{durl}/metrics", timeout=30).text
+    caps = re.findall(r"pdserve_kv_sliding_pool_capacity_tokens\{[^}]*\} (\S+)", metrics)
+    assert len(caps) == 3 and all(float(c) > 0 for c in caps), caps
+    hits = re.findall(r"pdserve_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)", metrics)
+    assert hits and float(hits[0]) > 0, hits
+    assert "windowed KV pool" in (tmp_path / "decode.log").read_text()

@@ -72,6 +72,12 @@ class DecodeLoop(PDLoop):
         # failed rooms whose pages a late write could still hit
         self.quarantine: dict[int, PDReq] = {}
         self.aux_free = list(range(aux_slots))  # a heap: lowest free slot first, like the pages
+        if self.sched.window_pages is not None:  # rooms waiting for KV read the tree's pages too
+            self.sched.window_pages.watch(self._rooms_holding_window)
+
+    def _rooms_holding_window(self) -> list[tuple[Req, bool]]:
+        """The rooms holding sliding pages: they will decode (WindowPages.watch)."""
+        return [(pd.req, True) for pd in [*self.prealloc, *self.transfer.values()] if pd.pages]
 
     def drained(self) -> bool:
         return super().drained() and not self.quarantine
@@ -136,7 +142,7 @@ class DecodeLoop(PDLoop):
         self.vote.pass1(slot, {**ballots, RELEASE: Ballot(good=quiet)})
 
     @rank_consensus("pd_prealloc", result=lambda placed: placed)
-    def _preallocate(self) -> list[tuple[int, int, list[int], int]]:
+    def _preallocate(self) -> list[tuple[int, int, list[int], int, list[int]]]:
         alloc, ps = self.sched.allocator, self.sched.cfg.page_size
         reserve = self.sched.num_running  # one page of decode headroom per running request
         # Retracted requests (the scheduler's waiting queue) come back before new rooms take pages:
@@ -151,18 +157,24 @@ class DecodeLoop(PDLoop):
                 break  # first come first served
             held = self._hold_prefix(pd)  # locked first: the eviction below cannot take it
             need = pages_needed(pd.req.seq_len, ps) - len(held.pages)  # prompt + resumed tokens
-            if not self.sched.free_pages_for(need + reserve):
+            fits, sliding = self.sched.free_pages_for(need + reserve), None
+            wp = self.sched.window_pages
+            if fits and wp is not None:  # and the sliding layers' window (window_pages.py)
+                sliding = wp.for_transfer(pd.req, pd.req.seq_len, held.handle, len(held.pages))
+                fits = sliding is not None
+            if not fits:
                 release_prefix(self.sched, held)
                 break
             pd.held, pd.pages = held, alloc.alloc(need)
+            pd.sliding = sliding[1] if sliding is not None else []
             pd.aux_slot = heapq.heappop(self.aux_free)
             if self.sched.cache is not None:
                 self.sched.cache.hit_tokens_total += held.tokens
             if pd.rid in self._t_stage:  # metrics only: how long it waited for KV memory
                 self.observe("kv_alloc_wait", time.monotonic() - self._t_stage[pd.rid])
-            pd.transfer.register(pd.pages, pd.aux_slot, held.tokens)
+            pd.transfer.register(pd.pages, pd.aux_slot, held.tokens, sliding)
             self.spans.event(pd.rid, "prealloc", "allocated")
-            placed.append((pd.room, held.tokens, pd.pages, pd.aux_slot))
+            placed.append((pd.room, held.tokens, pd.pages, pd.aux_slot, pd.sliding))
         return placed
 
     @rank_consensus("pd_decode_prefix", args=lambda self, pd: pd.room, result=lambda h: h.tokens)
@@ -211,7 +223,9 @@ class DecodeLoop(PDLoop):
         for room in sorted(good):
             pd = self.quarantine.pop(room)
             self.sched.allocator.free(pd.pages)
-            pd.pages = []
+            if self.sched.window_pages is not None:
+                self.sched.window_pages.allocator.free(pd.sliding)
+            pd.pages, pd.sliding = [], []
             heapq.heappush(self.aux_free, pd.aux_slot)
 
     @rank_consensus(

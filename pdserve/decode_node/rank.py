@@ -11,7 +11,7 @@ from pdserve.engine.model.config import split_layers
 from pdserve.kv_transfer.base import BaseDecodeKVManager
 from pdserve.kv_transfer.decode_manager import DecodeKVManager
 from pdserve.pd_common.messages import PDRankSpec
-from pdserve.pd_common.rank_setup import pool_desc, transfer_config
+from pdserve.pd_common.rank_setup import pool_desc, sliding_pool_desc, transfer_config
 from pdserve.runtime.rank.process import ZYGOTE_PRELOAD, RankParts, run_rank
 
 __all__ = ["ZYGOTE_PRELOAD", "main"]  # ZYGOTE_PRELOAD: for a rank zygote (infra/zygote.py)
@@ -35,6 +35,7 @@ def make_loop(parts: RankParts, kv: BaseDecodeKVManager | None = None) -> Decode
             dst_slices(parts),
             aux_slots=AUX_SLOTS,
             tp=(parts.spec.tp_rank, parts.spec.tp_size),
+            sliding_pool=sliding_pool_desc(parts),
         )
     return DecodeLoop(parts, kv, AUX_SLOTS)
 

@@ -38,7 +38,7 @@ __all__ = ["Scheduler", "SchedulerConfig"]  # SchedulerConfig: imported from her
 
 
 def _prefilled_digest(self, req, pages, slot, cached_len=0, prefix_node=None, partial_pages=0):
-    return [req.rid, list(pages), slot, cached_len, partial_pages]
+    return [req.rid, list(pages), slot, cached_len, partial_pages, req.sliding_pages]
 
 
 class Scheduler(GuideHold):
@@ -59,9 +59,9 @@ class Scheduler(GuideHold):
         if cfg.enable_prefix_cache:
             self.cache = PrefixCache(allocator, cfg.page_size, cfg.window, sliding_allocator)
         # a windowed pool's sliding layers: pages of their own, freed behind the window
-        in_use = lambda: [p for s in self.slots for r in s for p in r.sliding_pages]  # noqa: E731
+        live = lambda: [(r, r.seq_len - r.kv_len <= 1) for s in self.slots for r in s]  # noqa: E731
         self.window_pages = WindowPages.make(
-            sliding_allocator, cfg, hold_kv_on_finish, self.cache, in_use
+            sliding_allocator, cfg, hold_kv_on_finish, self.cache, live
         )
         self.waiting = FairQueue()  # in fair order between tenants (engine/fair_queue.py)
         self.slots: list[list[Req]] = [[] for _ in range(cfg.num_slots)]
@@ -215,14 +215,15 @@ class Scheduler(GuideHold):
             pages, handle = self.cache.match(req.all_ids, req.seq_len - 1)
             self.cache.lock(handle)
         need = pages_needed(req.seq_len, self.cfg.page_size) - len(pages)
-        if not self.free_pages_for(need + reserve):
+        wp = self.window_pages
+        if not self.free_pages_for(need + reserve) or (wp is not None and not wp.admits()):
             if handle is not None:
                 assert self.cache is not None  # a handle comes only from the cache
                 self.cache.unlock(handle)
             return False
         req.pages = pages + self.allocator.alloc(need)
-        if self.window_pages is not None:
-            self.window_pages.adopt(req, handle, len(pages))
+        if wp is not None:
+            wp.adopt(req, handle, len(pages))
         req.prefix_node = handle
         req.cached_len = len(pages) * self.cfg.page_size
         req.kv_len = req.cached_len
@@ -368,8 +369,7 @@ class Scheduler(GuideHold):
         `partial_pages` without their sliding layers' KV), and the last output token
         is the one the prefill node sampled; the request joins `slot` as a running decode (it may
         finish at once). The request owns the lock from here: it is unlocked at finish or
-        retraction."""
-        assert self.window_pages is None, "a windowed pool takes no transferred KV"
+        retraction. A windowed pool's sliding table is set already (WindowPages.for_transfer)."""
         self._arrivals += 1
         req.arrival = self._arrivals
         req.pages, req.kv_len, req.cached_len = list(pages), req.seq_len - 1, cached_len

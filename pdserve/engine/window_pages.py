@@ -23,7 +23,7 @@ above, so that always suffices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import Req
@@ -98,6 +98,9 @@ def windowed_pool_pages(
     return full, sliding
 
 
+Holder = tuple[Req, bool]  # a request holding sliding pages, and whether it only decodes now
+
+
 class WindowPages:
     def __init__(
         self,
@@ -105,13 +108,53 @@ class WindowPages:
         page_size: int,
         window: int,
         cache: PrefixCache | None = None,
-        in_use: Callable[[], Collection[int]] = tuple,
+        live: Callable[[], Iterable[Holder]] = tuple,
+        chunk_size: int = 1,
     ):
         if window < 1:
             raise ValueError(f"a windowed pool needs the model's window, got {window}")
         self.allocator, self.page_size, self.window = allocator, page_size, window
         self.cache = cache  # it owns the sliding pages of its nodes (engine/prefix_cache.py)
-        self.in_use = in_use  # the sliding pages the live requests' tables hold
+        self.chunk_size = chunk_size
+        self._holders = [live]  # the scheduler's running requests, and `watch`'s
+        # A colocated node admits at most max_running requests, which its pool holds at their most
+        # (sliding_pool_pages). A PD decode node also holds rooms that no such bound counts: there
+        # every admission keeps what each holder may still take (`_fits`).
+        self.strict = False
+
+    def watch(self, holders: Callable[[], Iterable[Holder]]) -> None:
+        """Requests outside the scheduler's slots that hold sliding pages (a PD decode node's rooms
+        waiting for their KV): the tree's eviction spares their pages, and from now on every
+        admission leaves room for what each holder may still take."""
+        self._holders.append(holders)
+        self.strict = True
+
+    def _live(self) -> list[Holder]:
+        return [h for holders in self._holders for h in holders()]
+
+    def in_use(self) -> set[int]:
+        return {p for req, _ in self._live() for p in req.sliding_pages}
+
+    def _most(self, decoding: bool) -> int:
+        """The most pages a request holds: its window and a token, or a chunk while it computes
+        its prompt."""
+        return pages_per_request(self.window, 1 if decoding else self.chunk_size, self.page_size)
+
+    def _fits(self, own: int, keep: int, spare: Collection[int] = ()) -> bool:
+        """Whether `own` pages can be taken now while `keep` more and what every live holder may
+        still take stay free (the tree gives its unused pages up for that; `spare`: pages of the
+        tree about to be read)."""
+        more = sum(max(0, self._most(d) - len(r.sliding_pages)) for r, d in self._live())
+        want = own + keep + more
+        short = want - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict_sliding(short, self.in_use() | set(spare))
+        return self.allocator.num_free >= want
+
+    def admits(self) -> bool:
+        """Whether a request the scheduler admits now can hold its pages at their most (always
+        on a colocated node: `strict`)."""
+        return not self.strict or self._fits(0, self._most(decoding=False))
 
     @classmethod
     def make(
@@ -120,14 +163,14 @@ class WindowPages:
         cfg: SchedulerConfig,
         hold_kv_on_finish: bool,
         cache: PrefixCache | None,
-        in_use: Callable[[], Collection[int]],
+        live: Callable[[], Iterable[Holder]],
     ) -> WindowPages | None:
         """The scheduler's, where its pool is windowed (a sliding pool's `allocator`)."""
         if allocator is None:
             return None
         if hold_kv_on_finish:  # a PD prefill node keeps the whole context's pages to send them
             raise ValueError("a windowed KV pool takes no PD hand-off")
-        return cls(allocator, cfg.page_size, cfg.window, cache, in_use)
+        return cls(allocator, cfg.page_size, cfg.window, cache, live, cfg.chunk_size)
 
     def _own(self, page: int) -> bool:
         return self.cache is None or not self.cache.owns_sliding(page)
@@ -153,8 +196,29 @@ class WindowPages:
         if need > 0:
             short = need - self.allocator.num_free
             if short > 0 and self.cache is not None:
-                self.cache.evict_sliding(short, set(self.in_use()))
+                self.cache.evict_sliding(short, self.in_use())
             req.sliding_pages.extend(self.allocator.alloc(need))
+
+    def for_transfer(
+        self, req: Req, num_tokens: int, handle, cached_pages: int
+    ) -> tuple[int, list[int]] | None:
+        """A PD decode room of `num_tokens` tokens whose first `cached_pages` pages it holds from
+        the tree (`handle`, locked): gives `req` the sliding table its first decode step reads,
+        from the page of the window's start (kv_transfer/layout.py `window_start`): the tree's
+        pages up to the prefix's end, then its own. Returns the logical page of the first own one
+        and the own ones, which the transfer writes (kv_transfer/targets.py). None, with nothing
+        taken, where the pool cannot hold them besides what every live holder may still take."""
+        start = max(0, num_tokens - self.window) // self.page_size
+        tree: list[int] = []
+        if cached_pages > start and self.cache is not None:
+            first, window = self.cache.window_of(handle, cached_pages)
+            tree = window[start - first :]
+        need = pages_needed(num_tokens, self.page_size) - max(start, cached_pages)
+        if not self._fits(need, max(0, self._most(True) - len(tree) - need), tree):
+            return None
+        own = self.allocator.alloc(need)
+        req.sliding_first, req.sliding_pages = start, tree + own
+        return start + len(tree), own
 
     def own_pages(self, req: Req) -> dict[int, int]:
         """Logical page -> sliding page, for the pages the request owns (not the tree)."""

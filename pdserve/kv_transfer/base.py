@@ -82,14 +82,20 @@ class BaseKVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def register(
-        self, page_ids: Sequence[int], aux_slot: int | None = None, prefix_tokens: int = 0
+        self,
+        page_ids: Sequence[int],
+        aux_slot: int | None = None,
+        prefix_tokens: int = 0,
+        sliding: tuple[int, Sequence[int]] | None = None,
     ) -> None:
         """This rank's page table for the prompt and the aux slot the first token lands in; sent to
         the overlapping prefill ranks. Once per room. `prefix_tokens` (a multiple of the page size)
         are held here already (the decode prefix cache): the table starts at their end (page i
         holds tokens [prefix + i*ps, prefix + (i+1)*ps)), and no prefill rank sends or can address
         anything before it. Every decode rank of a room must name the same prefix, else the
-        prefill ranks fail the room (`prefix_mismatch`)."""
+        prefill ranks fail the room (`prefix_mismatch`). On a windowed pool (`sliding_pool`),
+        `page_ids` are its full-attention layers' and `sliding` is (first page, table) of its
+        sliding layers' (kv_transfer/targets.py)."""
 
     @abc.abstractmethod
     def read_aux(self) -> bytes | None:
@@ -112,6 +118,7 @@ class BaseKVManager(abc.ABC):
     config: TransferConfig
     stats: TransferStats  # `snapshot()` feeds the rank's stats and metrics
     pool: PoolDesc  # this rank's KV pool
+    sliding_pool: PoolDesc | None = None  # a windowed decode pool's sliding layers (targets.py)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -36,8 +36,17 @@ class DecodeKVManager(KVManagerBase, BaseDecodeKVManager):
         aux_slots: int = 256,
         engine: MooncakeEngine | TcpTransferEngine | None = None,
         tp: tuple[int, int] = (0, 1),
+        sliding_pool: PoolDesc | None = None,
     ):
-        super().__init__(config, pool, pp_rank, aux_slots=aux_slots, engine=engine, tp=tp)
+        super().__init__(
+            config,
+            pool,
+            pp_rank,
+            aux_slots=aux_slots,
+            engine=engine,
+            tp=tp,
+            sliding_pool=sliding_pool,
+        )
         self.dst_slices = tuple(
             tuple(int(x) for x in s) if len(s) == 4 else (int(s[0]), int(s[1]), *pool.heads)
             for s in dst_slices

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.layout import Desc, PoolDesc, intersect, overlapping
+from pdserve.kv_transfer.layout import Desc, PoolDesc, overlapping, shared_layers
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.in_memory_decode import InMemoryDecodeKVManager, InMemoryKVReceiver
@@ -60,6 +60,9 @@ class Registration:
     aux_slot: int | None
     receiver: InMemoryKVReceiver
     prefix_tokens: int = 0  # held by the decode rank: `page_ids` start at its end
+    sliding_pool: PoolDesc | None = None  # a windowed pool's sliding layers (targets.py)
+    sliding_page_ids: tuple[int, ...] = ()
+    sliding_first_page: int = 0
 
 
 @dataclass
@@ -99,11 +102,12 @@ class InMemoryFabric:
         dst_slices: Sequence[tuple[int, ...]],
         aux_slots: int = 256,
         config: TransferConfig | None = None,
+        sliding_pool: PoolDesc | None = None,
     ) -> InMemoryDecodeKVManager:
         from pdserve.kv_transfer.in_memory_decode import InMemoryDecodeKVManager
 
         return InMemoryDecodeKVManager(
-            self, pool, pp_rank, dst_slices, aux_slots, config or TransferConfig()
+            self, pool, pp_rank, dst_slices, aux_slots, config or TransferConfig(), sliding_pool
         )
 
     def fail_writes(
@@ -145,9 +149,8 @@ class InMemoryFabric:
         """memmove of each descriptor, once every one was checked to read only the room's pages
         of the prefill pool and to write only the room's pages of the decode pool, in the layers
         both pools hold (a wrong descriptor fails the room here instead of corrupting memory)."""
-        layers = intersect(src.layers, dst.layers)
+        layers = set(shared_layers(src, dst))
         for s, d, n in descs:
-            assert layers is not None  # build_descriptors makes none for pools with no common layer
             _check_inside(src, set(src_pages), layers, s, n, "reads")
             _check_inside(dst, set(dst_pages), layers, d, n, "writes")
         for s, d, n in descs:
@@ -157,18 +160,17 @@ class InMemoryFabric:
 
 
 def _check_inside(
-    pool: PoolDesc, pages: set[int], layers: tuple[int, int], addr: int, n: int, what: str
+    pool: PoolDesc, pages: set[int], layers: set[int], addr: int, n: int, what: str
 ) -> None:
     """ValueError unless [addr, addr + n) lies in `pages` of `pool`, within `layers` of each."""
-    lo = (layers[0] - pool.layer_start) * pool.layer_bytes
-    hi = (layers[1] - pool.layer_start) * pool.layer_bytes
     at, end = addr - pool.base_ptr, addr - pool.base_ptr + n
     if at < 0 or end > pool.nbytes:
         raise ValueError(f"a descriptor {what} [{addr}, {addr + n}) outside the pool")
     while at < end:
         page, off = divmod(at, pool.page_bytes)
         upto = min(end - page * pool.page_bytes, pool.page_bytes)
-        if page not in pages or off < lo or upto > hi:
+        spans = pool.holds[off // pool.layer_bytes : -(-upto // pool.layer_bytes)]
+        if page not in pages or not set(spans) <= layers:
             raise ValueError(
                 f"a descriptor {what} page {page} bytes [{off}, {upto}), outside the room's "
                 f"pages or layers {layers}"

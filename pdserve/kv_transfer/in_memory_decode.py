@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseDecodeKVManager, BaseKVReceiver
 from pdserve.kv_transfer.in_memory import Registration
-from pdserve.kv_transfer.layout import PoolDesc, kv_bytes, window_start
+from pdserve.kv_transfer.layout import PoolDesc, window_start
 from pdserve.kv_transfer.manager import AUX_HEADER, TransferConfig, read_aux, write_aux
-from pdserve.kv_transfer.stats import TransferStats
+from pdserve.kv_transfer.stats import TransferStats, kv_bytes
+from pdserve.kv_transfer.targets import check_split
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.in_memory import InMemoryFabric
@@ -46,10 +47,15 @@ class InMemoryKVReceiver(BaseKVReceiver):
     def poll(self) -> KVPoll:
         return self._status
 
-    def register(self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0) -> None:
+    def register(
+        self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0, sliding=None
+    ) -> None:
         mgr = self.mgr
         if prefix_tokens < 0 or prefix_tokens % mgr.pool.page_size:
             raise ValueError(f"room {self.room}: prefix of {prefix_tokens} tokens not page-aligned")
+        if (sliding is None) != (mgr.sliding_pool is None):
+            raise ValueError(f"room {self.room}: a sliding table is for a windowed pool only")
+        first, table = sliding if sliding is not None else (0, ())
         with mgr.fabric.lock:
             if aux_slot is not None:
                 ctypes.memset(mgr.aux_ptr(aux_slot), 0, AUX_HEADER.size)  # validates the slot
@@ -70,6 +76,9 @@ class InMemoryKVReceiver(BaseKVReceiver):
                 aux_slot,
                 self,
                 prefix_tokens,
+                mgr.sliding_pool,
+                tuple(int(p) for p in table),
+                int(first),
             )
             for k in self._route:
                 mgr.fabric.prefill[k].on_register(reg)
@@ -156,8 +165,12 @@ class InMemoryDecodeKVManager(BaseDecodeKVManager):
         dst_slices: Sequence[tuple[int, ...]],
         aux_slots: int,
         config: TransferConfig,
+        sliding_pool: PoolDesc | None = None,
     ):
         self.fabric, self.pool, self.pp_rank, self.config = fabric, pool, pp_rank, config
+        if sliding_pool is not None:
+            check_split(pool, sliding_pool)
+        self.sliding_pool = sliding_pool
         # layers only: the in-memory fabric has no TP (a slice's heads, if given, are all of them)
         if any(len(sl) == 4 and tuple(sl[2:]) != pool.heads for sl in dst_slices):
             raise ValueError("the in-memory KV fabric has no TP: every decode rank holds all heads")

@@ -12,9 +12,10 @@ from pdserve.consensus.kvpoll import KVPoll
 from pdserve.kv_transfer.base import BaseKVSender, BasePrefillKVManager
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.in_memory import Registration
-from pdserve.kv_transfer.layout import PoolDesc, check_compatible, chunk_descriptors, overlapping
+from pdserve.kv_transfer.layout import PoolDesc, check_compatible, overlapping
 from pdserve.kv_transfer.mooncake import TransferError
 from pdserve.kv_transfer.stats import TransferStats, room_tokens
+from pdserve.kv_transfer.targets import target_descriptors, targets
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.in_memory import InMemoryFabric
@@ -134,18 +135,16 @@ class InMemoryKVSender(BaseKVSender):
             raise TransferError(f"injected write failure (room {self.room})")
         peers = sorted(self._peers.items())
         for rank, p in peers:
-            descs = chunk_descriptors(
-                mgr.pool,
-                p.pool,
-                chunk.page_ids,
-                p.page_ids,
-                (chunk.token_start, chunk.token_end),
-                p.prefix_tokens,
-                chunk.total_tokens,
-            )
-            moved = fabric.copy(mgr.pool, p.pool, descs, chunk.page_ids, p.page_ids)
+            moved = 0
+            for t in targets(p, chunk.total_tokens):
+                chunk_range = (chunk.token_start, chunk.token_end)
+                descs = target_descriptors(
+                    mgr.pool, t, chunk.page_ids, chunk_range, chunk.total_tokens
+                )
+                n = fabric.copy(mgr.pool, t.pool, descs, chunk.page_ids, t.page_ids)
+                mgr.stats.add_write(len(descs), n)
+                moved += n
             self._moved[rank] = self._moved.get(rank, 0) + moved
-            mgr.stats.add_write(len(descs), moved)
         if not chunk.last:
             return
         aux_bytes = {}

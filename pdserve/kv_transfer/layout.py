@@ -25,12 +25,18 @@ Sliding windows (a model with `window` > 0, its `sliding` layers): decode never 
 layer's keys more than `window` positions back, so those layers move only the tokens from
 `window_start(prompt tokens, window, decode page size)` on, and a page wholly before it moves only
 its full-attention layers. Both sides compute the same `window_start`.
+
+A buffer may hold only some layers of its slice (`held`, in order; `layer_bytes` apart): a
+windowed decode pool is two buffers, its full-attention layers' and its sliding layers', each with
+its own page table (kv_transfer/targets.py); a slice of sliding layers only has a full buffer of
+no bytes. Descriptors move the layers both sides hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 Desc = tuple[int, int, int]  # (source address, destination address, length in bytes)
 
@@ -52,6 +58,7 @@ class PoolDesc:
     sliding: tuple[int, ...] = ()  # this slice's layers that slide (global indices, ascending)
     head_start: int = 0  # the first of the model's KV heads this pool holds
     num_heads: int = 1  # KV heads it holds; token_bytes is num_heads * head_bytes
+    held: tuple[int, ...] | None = None  # the slice's layers this buffer holds (None: all)
 
     def __post_init__(self):
         if not (0 <= self.layer_start < self.layer_end):
@@ -70,6 +77,22 @@ class PoolDesc:
                 f"sliding layers {self.sliding} not in [{self.layer_start}, "
                 f"{self.layer_end}) in order"
             )
+        held = self.holds
+        if list(held) != sorted(set(held)) or not all(
+            self.layers[0] <= x < self.layers[1] for x in held
+        ):
+            raise ValueError(f"held layers {self.held} not in {self.layers} in order")
+
+    @cached_property
+    def holds(self) -> tuple[int, ...]:
+        """The global layers this buffer holds, in its order."""
+        if self.held is None:
+            return tuple(range(self.layer_start, self.layer_end))
+        return tuple(self.held)
+
+    @cached_property
+    def _index(self) -> dict[int, int]:
+        return {layer: i for i, layer in enumerate(self.holds)}
 
     @property
     def num_layers(self) -> int:
@@ -93,7 +116,7 @@ class PoolDesc:
 
     @property
     def page_bytes(self) -> int:
-        return self.num_layers * self.layer_bytes
+        return len(self.holds) * self.layer_bytes
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +126,7 @@ class PoolDesc:
         return (
             self.base_ptr
             + page * self.page_bytes
-            + (layer - self.layer_start) * self.layer_bytes
+            + self._index[layer] * self.layer_bytes
             + kv * self.page_size * self.token_bytes
             + token * self.token_bytes
         )
@@ -165,10 +188,19 @@ def check_compatible(src: PoolDesc, dst: PoolDesc) -> None:
         )
 
 
-def layer_runs(lo: int, hi: int, skip: tuple[int, ...] = ()) -> list[tuple[int, int]]:
-    """The runs of consecutive layers of [lo, hi) that are not in `skip`."""
+def shared_layers(src: PoolDesc, dst: PoolDesc) -> list[int]:
+    """The layers both buffers hold, ascending."""
+    both = intersect(src.layers, dst.layers)
+    if both is None:
+        return []
+    return [x for x in range(*both) if x in src._index and x in dst._index]
+
+
+def layer_runs(layers: Sequence[int], skip: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """The runs [a, b) of consecutive layers of `layers` (ascending) that are not in `skip`: each
+    is one byte range of a page on both sides, as both hold every layer of it, in order."""
     runs: list[tuple[int, int]] = []
-    for layer in range(lo, hi):
+    for layer in layers:
         if layer in skip:
             continue
         if runs and runs[-1][1] == layer:
@@ -215,9 +247,9 @@ def build_descriptors(
     sizes: one descriptor per (layer, k/v, token run inside one page on both sides).
     """
     check_compatible(src, dst)
-    layers = intersect(src.layers, dst.layers)
+    layers = shared_layers(src, dst)
     heads = intersect(src.heads, dst.heads)
-    if layers is None or heads is None or token_end <= token_start:
+    if not layers or heads is None or token_end <= token_start:
         return []
     if token_start < dst_first_page * dst.page_size or dst_first_page < 0:
         raise ValueError(
@@ -229,8 +261,7 @@ def build_descriptors(
     if slide_from % dst.page_size or slide_from < 0:
         raise ValueError(f"sliding layers from token {slide_from}: not a decode page boundary")
     dst_pages = [-1] * dst_first_page + list(dst_pages)  # never read below dst_first_page
-    lo, hi = layers
-    sliding = tuple(x for x in src.sliding if lo <= x < hi) if slide_from else ()
+    sliding = tuple(x for x in src.sliding if x in layers) if slide_from else ()
     args = (src, dst, src_pages, dst_pages, (token_start, token_end), layers, sliding, slide_from)
     if src.heads != dst.heads:  # TP sizes differ: the heads both hold, token by token
         return coalesce(_head_descs(*args, heads))
@@ -243,14 +274,14 @@ def _page_descs(
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     tokens: tuple[int, int],
-    layers: tuple[int, int],
+    layers: list[int],
     sliding: tuple[int, ...],
     slide_from: int,
 ) -> list[Desc]:
     """Equal page sizes: one descriptor per whole page for the shared layers (its full-attention
     runs only, for a page wholly before `slide_from`); `build_descriptors` checked the tables."""
-    (token_start, token_end), (lo, hi) = tokens, layers
-    every, full_only = [(lo, hi)], layer_runs(lo, hi, sliding)
+    token_start, token_end = tokens
+    every, full_only = layer_runs(layers), layer_runs(layers, sliding)
     out: list[Desc] = []
     ps = src.page_size
     for i in range(token_start // ps, pages_for(token_end, ps)):
@@ -266,13 +297,13 @@ def _run_descs(
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     tokens: tuple[int, int],
-    layers: tuple[int, int],
+    layers: list[int],
     sliding: tuple[int, ...],
     slide_from: int,
 ) -> list[Desc]:
     """Different page sizes: one descriptor per (layer, k/v, token run inside one page on both
     sides); `build_descriptors` checked the tables."""
-    (token_start, token_end), (lo, hi) = tokens, layers
+    token_start, token_end = tokens
     out: list[Desc] = []
     tb = src.token_bytes
     t = token_start
@@ -280,7 +311,7 @@ def _run_descs(
         s_page, s_off = divmod(t, src.page_size)
         d_page, d_off = divmod(t, dst.page_size)
         u = min(token_end, t + src.page_size - s_off, t + dst.page_size - d_off)
-        for layer in range(lo, hi):
+        for layer in layers:
             if layer in sliding and u <= slide_from:  # a run never straddles it (a decode page)
                 continue
             for kv in (0, 1):
@@ -301,7 +332,7 @@ def _head_descs(
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     tokens: tuple[int, int],
-    layers: tuple[int, int],
+    layers: list[int],
     sliding: tuple[int, ...],
     slide_from: int,
     heads: tuple[int, int],
@@ -309,14 +340,14 @@ def _head_descs(
     """Pools of different head ranges: one descriptor per (layer, k/v, token) for the heads both
     hold, where they sit in each side's token (`coalesce` joins what follows on); the sliding
     layers from `slide_from` on. `build_descriptors` checked the tables."""
-    (token_start, token_end), (lo, hi), (h0, h1) = tokens, layers, heads
+    (token_start, token_end), (h0, h1) = tokens, heads
     n = (h1 - h0) * src.head_bytes
     s_head, d_head = (h0 - src.head_start) * src.head_bytes, (h0 - dst.head_start) * dst.head_bytes
     out: list[Desc] = []
     for t in range(token_start, token_end):
         s_page, s_off = divmod(t, src.page_size)
         d_page, d_off = divmod(t, dst.page_size)
-        for layer in range(lo, hi):
+        for layer in layers:
             if layer in sliding and t < slide_from:
                 continue
             for kv in (0, 1):
@@ -358,25 +389,3 @@ def coalesce(descs: Iterable[Desc]) -> list[Desc]:
         else:
             out.append((s, d, n))
     return out
-
-
-def kv_bytes(
-    pool: PoolDesc,
-    layers: tuple[int, int],
-    token_start: int,
-    num_tokens: int,
-    slide_from: int,
-    heads: tuple[int, int] | None = None,
-) -> tuple[int, int]:
-    """(bytes moved, bytes a sliding window spared) for tokens [token_start, num_tokens) of
-    `layers` and `heads` (None: all the pool's) of `pool`, counted by token (the whole pages a
-    transfer writes are not)."""
-    moved = spared = 0
-    for layer in range(*layers):
-        start = token_start
-        if layer in pool.sliding:
-            start = max(token_start, slide_from)
-            spared += max(0, min(slide_from, num_tokens) - token_start)
-        moved += max(0, num_tokens - start)
-    per = pool.token_bytes if heads is None else (heads[1] - heads[0]) * pool.head_bytes
-    return moved * 2 * per, spared * 2 * per

@@ -27,6 +27,7 @@ from pdserve.kv_transfer.layout import PoolDesc
 from pdserve.kv_transfer.messages import Message, MessageError, decode_message, encode_message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
 from pdserve.kv_transfer.stats import TransferStats
+from pdserve.kv_transfer.targets import check_split
 from pdserve.kv_transfer.tcp_transport import TcpTransferEngine, make_engine
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,12 @@ class KVManagerBase:
         aux_slots: int,
         engine: MooncakeEngine | TcpTransferEngine | None = None,
         tp: tuple[int, int] = (0, 1),
+        sliding_pool: PoolDesc | None = None,
     ):
         self.config, self.pool, self.pp_rank = config, pool, pp_rank
+        if sliding_pool is not None:
+            check_split(pool, sliding_pool)
+        self.sliding_pool = sliding_pool
         # Under TP a stage is several ranks, each with its own pool and manager: the control
         # messages name a rank by its place in its node, PP rank x TP size + TP rank (`rank`).
         self.tp_rank, self.tp_size = tp
@@ -72,7 +77,10 @@ class KVManagerBase:
         where = f"pp{pp_rank}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
         self._prefix = f"[pid {os.getpid()} {self.side} {where}]"
         self.engine = engine or make_engine(config.host, config.protocol, config.device)
-        self.engine.register(pool.base_ptr, pool.nbytes)
+        if pool.nbytes:  # a windowed pool's slice of sliding layers only has no other bytes
+            self.engine.register(pool.base_ptr, pool.nbytes)
+        if sliding_pool is not None:  # its allocator's pages: the zero page after them is not
+            self.engine.register(sliding_pool.base_ptr, sliding_pool.nbytes)
         self.aux_slots = aux_slots
         self._aux = (ctypes.c_char * (aux_slots * config.aux_slot_bytes))()
         self.aux_base = ctypes.addressof(self._aux)
@@ -217,7 +225,10 @@ class KVManagerBase:
         self._pull.close(0)
         self._zmq.term()
         self.engine.unregister(self.aux_base)
-        self.engine.unregister(self.pool.base_ptr)
+        if self.pool.nbytes:
+            self.engine.unregister(self.pool.base_ptr)
+        if self.sliding_pool is not None:
+            self.engine.unregister(self.sliding_pool.base_ptr)
 
 
 def sender_id(session_id: str, ctrl_port: int) -> str:

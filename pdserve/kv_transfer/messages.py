@@ -47,6 +47,11 @@ class KVRegister:
     # Prompt tokens the decode rank already holds (its prefix cache), a multiple of its page size:
     # `page_ids[0]` is then the page of token `prefix_tokens`, and nothing before it is sent.
     prefix_tokens: int = 0
+    # A windowed pool's sliding layers (kv_transfer/targets.py): their own buffer and table, from
+    # page `sliding_first_page` on; `pool` then holds the other layers. None: `pool` holds all.
+    sliding_pool: PoolDesc | None = None
+    sliding_page_ids: tuple = ()
+    sliding_first_page: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,10 +120,12 @@ def _pool(v) -> PoolDesc:
     names = set(PoolDesc.__dataclass_fields__)
     if type(v) is not dict or set(v) != names:
         raise MessageError("bad pool description")
-    for k in names - {"dtype", "sliding"}:
+    for k in names - {"dtype", "sliding", "held"}:
         _int(v[k])
     _str(v["dtype"])
     v = {**v, "sliding": _ints(v["sliding"])}
+    if v["held"] is not None:
+        v["held"] = _ints(v["held"])
     try:
         return PoolDesc.from_wire(v)
     except ValueError as e:
@@ -157,6 +164,9 @@ _CHECK = {
     "aux_base": _int,
     "aux_size": _int,
     "prefix_tokens": lambda v: _int(v, 0, 1 << 32),
+    "sliding_pool": lambda v: None if v is None else _pool(v),
+    "sliding_page_ids": _ints,
+    "sliding_first_page": lambda v: _int(v, 0, 1 << 32),
     "status": _status,
     "reason": _str,
     "num_tokens": _int,

@@ -25,6 +25,7 @@ from pdserve.kv_transfer.manager import (
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, Message
 from pdserve.kv_transfer.mooncake import MooncakeEngine
 from pdserve.kv_transfer.sender import KVSender, _status
+from pdserve.kv_transfer.targets import check_split
 from pdserve.kv_transfer.tcp_transport import TcpTransferEngine
 
 KNOWN_PEERS_KEPT = 4096  # decode managers whose registered pool a prefill rank remembers
@@ -208,15 +209,28 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         first registered, and with page ids and an aux slot inside them."""
         if sender != sender_id(msg.session_id, msg.ctrl_port):
             return "foreign_peer"
-        if len(msg.page_ids) > msg.pool.num_pages or any(
-            p >= msg.pool.num_pages for p in msg.page_ids
-        ):
+        if _bad_pages(msg.pool, msg.page_ids):
             return "bad_pages"
+        if msg.sliding_pool is not None:
+            try:
+                check_split(msg.pool, msg.sliding_pool)
+            except ValueError:
+                return "bad_pages"
+            if _bad_pages(msg.sliding_pool, msg.sliding_page_ids):
+                return "bad_pages"
         if (msg.aux_ptr, msg.aux_len) != (0, 0) and not (
             msg.aux_base <= msg.aux_ptr and msg.aux_ptr + msg.aux_len <= msg.aux_base + msg.aux_size
         ):
             return "bad_aux"
-        place = (msg.pool, msg.dst_rank, msg.dst_slices, msg.ctrl_host, msg.aux_base, msg.aux_size)
+        place = (
+            msg.pool,
+            msg.sliding_pool,
+            msg.dst_rank,
+            msg.dst_slices,
+            msg.ctrl_host,
+            msg.aux_base,
+            msg.aux_size,
+        )
         with self._lock:
             known = self._known_peers.setdefault(sender, place)
             self._known_peers.move_to_end(sender)
@@ -291,3 +305,7 @@ class PrefillKVManager(KVManagerBase, BasePrefillKVManager):
         super().close()
         self.pool_executor.shutdown(wait=False, cancel_futures=True)
         self._bootstrap.close()
+
+
+def _bad_pages(pool: PoolDesc, page_ids) -> bool:
+    return len(page_ids) > pool.num_pages or any(p >= pool.num_pages for p in page_ids)

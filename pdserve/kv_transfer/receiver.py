@@ -26,9 +26,10 @@ from pdserve.kv_transfer.base import BaseKVReceiver
 from pdserve.kv_transfer.bootstrap import PrefillRankInfo
 from pdserve.kv_transfer.bootstrap_client import BootstrapTimeout
 from pdserve.kv_transfer.checksum import kv_checksum
-from pdserve.kv_transfer.layout import intersect, kv_bytes, window_start
+from pdserve.kv_transfer.layout import intersect, window_start
 from pdserve.kv_transfer.manager import read_aux, sender_id
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus
+from pdserve.kv_transfer.stats import kv_bytes
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.decode_manager import DecodeKVManager
@@ -45,6 +46,7 @@ class KVReceiver(BaseKVReceiver):
         self._page_ids: tuple | None = None
         self._aux_slot: int | None = None
         self._prefix = 0  # prompt tokens this rank holds already (its prefix cache): not sent
+        self._sliding: tuple[int, tuple[int, ...]] = (0, ())  # a windowed pool's (first, table)
         self._sent = False
         self._done: dict[int, KVStatus] = {}
         self.created_at = time.monotonic()
@@ -56,12 +58,17 @@ class KVReceiver(BaseKVReceiver):
     def poll(self) -> KVPoll:
         return self._status
 
-    def register(self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0) -> None:
+    def register(
+        self, page_ids, aux_slot: int | None = None, prefix_tokens: int = 0, sliding=None
+    ) -> None:
         """This rank's page table for the prompt after the `prefix_tokens` it holds (page i = tokens
         [prefix + i*ps, prefix + (i+1)*ps)) and the aux slot the first token lands in; sent to the
-        prefill ranks as soon as the route is known."""
+        prefill ranks as soon as the route is known. `sliding`: a windowed pool's (first page,
+        sliding table) (kv_transfer/targets.py)."""
         if prefix_tokens < 0 or prefix_tokens % self._mgr.pool.page_size:
             raise ValueError(f"room {self.room}: prefix of {prefix_tokens} tokens not page-aligned")
+        if (sliding is None) != (self._mgr.sliding_pool is None):
+            raise ValueError(f"room {self.room}: a sliding table is for a windowed pool only")
         if aux_slot is not None:
             self._mgr.clear_aux(self._mgr.aux_ptr(aux_slot))  # aux_ptr validates the slot
         with self._lock:
@@ -70,6 +77,8 @@ class KVReceiver(BaseKVReceiver):
             self._page_ids = tuple(int(p) for p in page_ids)
             self._aux_slot = aux_slot
             self._prefix = prefix_tokens
+            if sliding is not None:
+                self._sliding = (int(sliding[0]), tuple(int(p) for p in sliding[1]))
         self._maybe_send_registration()
 
     def read_aux(self) -> bytes | None:
@@ -147,6 +156,9 @@ class KVReceiver(BaseKVReceiver):
                     mgr.aux_base,
                     mgr.aux_slots * mgr.config.aux_slot_bytes,
                     self._prefix,
+                    mgr.sliding_pool,
+                    self._sliding[1],
+                    self._sliding[0],
                 ),
             )
 
@@ -221,21 +233,9 @@ class KVReceiver(BaseKVReceiver):
         num_tokens = max(s.num_tokens for s in done.values())
         slide_from = window_start(num_tokens, mgr.pool.window, mgr.pool.page_size)
         if mgr.config.checksum:
-            for r in route:
-                want = done[r.rank].checksum
-                layers, heads = self._shared(r)
-                got = kv_checksum(
-                    mgr.pool,
-                    pages,
-                    layers,
-                    done[r.rank].num_tokens,
-                    token_start=held,
-                    first_page=held // mgr.pool.page_size,
-                    slide_from=slide_from,
-                    heads=heads,
-                )
-                if want is None or got != want:
-                    return self._fail("checksum_mismatch", detail=f"prefill rank {r.rank}")
+            bad = self._checksum_mismatch(route, done, pages, slide_from)
+            if bad is not None:
+                return self._fail("checksum_mismatch", detail=f"prefill rank {bad}")
         per_token = mgr.pool.num_layers * 2 * mgr.pool.token_bytes
         received = spared = 0
         for r in route:
@@ -253,6 +253,29 @@ class KVReceiver(BaseKVReceiver):
         mgr.stats.add_received(received)
         mgr.stats.add_success(self.room, self.finished_at - self.registered_at, received)
         mgr.stats.add_room_tokens(max(0, num_tokens - held), held, held * per_token, spared)
+
+    def _checksum_mismatch(self, route, done, pages, slide_from: int) -> int | None:
+        """The first prefill rank of `route` whose checksum differs from the KV that landed."""
+        mgr, held = self._mgr, self._prefix
+        split = None
+        if mgr.sliding_pool is not None:
+            split = (mgr.sliding_pool, self._sliding[1], self._sliding[0])
+        for r in route:
+            layers, heads = self._shared(r)
+            got = kv_checksum(
+                mgr.pool,
+                pages,
+                layers,
+                done[r.rank].num_tokens,
+                token_start=held,
+                first_page=held // mgr.pool.page_size,
+                slide_from=slide_from,
+                heads=heads,
+                sliding=split,
+            )
+            if done[r.rank].checksum is None or got != done[r.rank].checksum:
+                return r.rank
+        return None
 
     def _shared(self, r: PrefillRankInfo) -> tuple[tuple[int, int], tuple[int, int]]:
         """The layers and KV heads prefill rank `r` and this rank both hold."""

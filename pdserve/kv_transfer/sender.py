@@ -27,7 +27,6 @@ from pdserve.kv_transfer.checksum import kv_checksum
 from pdserve.kv_transfer.layout import (
     PoolDesc,
     check_compatible,
-    chunk_descriptors,
     intersect,
     window_start,
 )
@@ -35,6 +34,7 @@ from pdserve.kv_transfer.manager import sender_id
 from pdserve.kv_transfer.messages import KVAbort, KVRegister, KVStatus
 from pdserve.kv_transfer.mooncake import TransferError
 from pdserve.kv_transfer.stats import room_tokens
+from pdserve.kv_transfer.targets import target_descriptors, targets
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.prefill_manager import PrefillKVManager
@@ -119,6 +119,8 @@ class KVSender(BaseKVSender):
         mgr = self._mgr
         try:
             check_compatible(mgr.pool, msg.pool)
+            if msg.sliding_pool is not None:
+                check_compatible(mgr.pool, msg.sliding_pool)
             if msg.session_id in mgr.failed_sessions:
                 # A registration is proof of life: a session declared dead (a stalled process, a
                 # starved CPU) or that failed a write is used again, or PD would stay down for good.
@@ -329,15 +331,17 @@ class KVSender(BaseKVSender):
                 # holding a transfer thread (and the healthy peers' rooms queued behind it) in
                 # another write.
                 raise TransferError(f"session {p.session_id} failed before", p.session_id)
-            descs = chunk_descriptors(
-                mgr.pool,
-                p.pool,
-                chunk.page_ids,
-                p.page_ids,
-                (chunk.token_start, chunk.token_end),
-                p.prefix_tokens,
-                chunk.total_tokens,
-            )
+            descs = [
+                d
+                for t in targets(p, chunk.total_tokens)
+                for d in target_descriptors(
+                    mgr.pool,
+                    t,
+                    chunk.page_ids,
+                    (chunk.token_start, chunk.token_end),
+                    chunk.total_tokens,
+                )
+            ]
             moved = mgr.engine.write(p.session_id, descs, cfg.max_inflight_descriptors, stop)
             mgr.stats.add_write(len(descs), moved)
             self.descriptors += len(descs)

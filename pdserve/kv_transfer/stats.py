@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 
-from pdserve.kv_transfer.layout import PoolDesc, intersect, kv_bytes, window_start
+from pdserve.kv_transfer.layout import PoolDesc, intersect, window_start
 
 # Why a room ended Failed on one rank: the fixed, snake_case set `add_failure` counts (a detail
 # after ":" is dropped) and the `reason` label of pdserve_kv_transfer_failures_total. A prefill
@@ -50,7 +50,7 @@ DROP_REASONS = (
     "unknown_room",  # a room this rank does not (or no longer) know
     "foreign_peer",  # a sender that is not a peer of the room
     "duplicate_register",  # a decode rank registered twice
-    "bad_pages",  # a registration naming pages outside the decode pool
+    "bad_pages",  # a registration naming pages outside the decode pool (or not its split)
     "bad_aux",  # a registration naming an aux slot outside the aux buffer
     "pool_changed",  # a decode manager whose pool moved since its first registration
 )
@@ -155,3 +155,25 @@ def room_tokens(pool: PoolDesc, peers: list, num_tokens: int) -> tuple[int, int,
         slide_from = window_start(num_tokens, p.pool.window, p.pool.page_size)
         spared += kv_bytes(pool, layers, skipped, num_tokens, slide_from, heads)[1]
     return num_tokens - skipped, skipped, skipped * per_token, spared
+
+
+def kv_bytes(
+    pool: PoolDesc,
+    layers: tuple[int, int],
+    token_start: int,
+    num_tokens: int,
+    slide_from: int,
+    heads: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """(bytes moved, bytes a sliding window spared) for tokens [token_start, num_tokens) of
+    `layers` and `heads` (None: all the pool's) of `pool`, counted by token (the whole pages a
+    transfer writes are not)."""
+    moved = spared = 0
+    for layer in range(*layers):
+        start = token_start
+        if layer in pool.sliding:
+            start = max(token_start, slide_from)
+            spared += max(0, min(slide_from, num_tokens) - token_start)
+        moved += max(0, num_tokens - start)
+    per = pool.token_bytes if heads is None else (heads[1] - heads[0]) * pool.head_bytes
+    return moved * 2 * per, spared * 2 * per

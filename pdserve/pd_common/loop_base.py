@@ -63,6 +63,8 @@ class PDReq:
     transfer: BaseKVSender | BaseKVReceiver  # this rank's end of the room's transfer
     sent_upto: int = 0  # prefill: tokens whose KV was handed to the sender
     pages: list[int] = field(default_factory=list)  # decode: preallocated pages
+    # decode, on a windowed pool: the sliding pages the transfer writes (engine/window_pages.py)
+    sliding: list[int] = field(default_factory=list)
     aux_slot: int | None = None  # decode: where the first token lands
     held: Any = None  # decode: the cached prompt prefix it holds (decode_node/prefix.py)
     aborted: bool = False

@@ -53,8 +53,8 @@ class PDNodeConfig(NodeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.engine.windowed_kv:  # a transfer moves the whole context's pages of one pool
-            raise ValueError("windowed_kv is for colocated nodes; a PD node moves its KV")
+        if self.engine.windowed_kv and self.elastic:  # a prefill node sends whole pages
+            raise ValueError("windowed_kv is for colocated and decode nodes, not elastic ones")
         if self.elastic and self.bootstrap_port is None:
             raise ValueError("an elastic node needs bootstrap_port (--bootstrap-port)")
 

@@ -17,6 +17,9 @@ def add_prefill_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def prefill_main(cfg: PDNodeConfig) -> int:
     from pdserve.prefill_node.front import PrefillFront
 
+    if cfg.engine.windowed_kv:  # it keeps a prompt's whole pages until they are sent
+        raise SystemExit("pdserve prefill: --windowed-kv is for colocated and decode nodes")
+
     return serve_with_bootstrap(cfg, "prefill", "pdserve.prefill_node.rank", PrefillFront)
 
 
