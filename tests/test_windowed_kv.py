@@ -423,3 +423,55 @@ def test_a_real_windowed_decode_node_matches_transformers(
     hits = re.findall(r"pdserve_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)", metrics)
     assert hits and float(hits[0]) > 0, hits
     assert "windowed KV pool" in (tmp_path / "decode.log").read_text()
+
+
+def test_an_admission_on_a_decode_node_spares_the_window_it_matched():
+    """A decode node's admission may make the tree give sliding pages up (WindowPages.admits):
+    never the ones of the window its own match reads, which the lock does not keep. (Before, it
+    gave up the least recently used pages, here one the match reads, and `adopt` found the
+    match's window with a page missing.)"""
+    full, sliding = PageAllocator(64), PageAllocator(10)
+    tree = PrefixCache(full, 4, window=7, sliding_allocator=sliding)
+    window, behind = sliding.alloc(2), sliding.alloc(2)  # the window's pages have the lowest ids
+    tokens = list(range(100, 124))
+    own = {4: window[0], 5: window[1], 2: behind[0], 3: behind[1]}
+    assert tree.insert(tokens, full.alloc(6), 24, 0, 0, own) == []
+    wp = WindowPages(sliding, 4, 7, tree, chunk_size=16)
+    wp.watch(tuple)  # a decode node's: every admission keeps room for what holders may take
+    assert sliding.num_free == 6 and wp.chunk_pages == 7
+    pages, handle = tree.match(tokens + [1], 24)
+    tree.lock(handle)
+    assert wp.admits(handle, len(pages))
+    req = Req("r", tokens + [1], SamplingParams(max_tokens=4))
+    wp.adopt(req, handle, len(pages))
+    assert (req.sliding_first, req.sliding_pages) == (4, window)
+
+
+def test_rooms_that_share_a_cached_window_never_run_the_sliding_pool_short():
+    """Decode rooms of one cached prompt read the same 4 window pages from the tree. Admitting a
+    room counts those once, and each room at its bound (a window and a page), so the rooms
+    admitted then decode 32 tokens without the pool running short. (Before, each room counted the
+    shared pages as its own: 5 rooms were admitted into 14 pages, and `place` raised MemoryError
+    at token 177.)"""
+    full, sliding = PageAllocator(64), PageAllocator(14)
+    tree = PrefixCache(full, 16, window=64, sliding_allocator=sliding)
+    prompt = list(range(1000, 1160))  # 10 pages; the window before its end: pages 6 to 9
+    own = dict(zip(range(6, 10), sliding.alloc(4), strict=True))
+    assert tree.insert(prompt, full.alloc(10), 160, 0, 0, own) == []
+    rooms: list[Req] = []
+    wp = WindowPages(sliding, 16, 64, tree, chunk_size=16)
+    wp.watch(lambda: [(r, True) for r in rooms])
+    while True:
+        req = Req(f"r{len(rooms)}", prompt + [7], SamplingParams(max_tokens=32))
+        pages, handle = tree.match(req.input_ids, 160)
+        tree.lock(handle)
+        got = wp.for_transfer(req, 161, handle, len(pages))
+        if got is None:
+            break
+        assert got[0] == 10 and len(got[1]) == 1  # the tree's 4 pages, then one of its own
+        rooms.append(req)
+    assert len(rooms) == 2
+    for t in range(161, 193):
+        for req in rooms:
+            wp.place(req, t, 1)
+            assert len(req.sliding_pages) <= pages_per_request(64, 1, 16)

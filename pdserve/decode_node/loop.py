@@ -160,7 +160,10 @@ class DecodeLoop(PDLoop):
             fits, sliding = self.sched.free_pages_for(need + reserve), None
             wp = self.sched.window_pages
             if fits and wp is not None:  # and the sliding layers' window (window_pages.py)
-                sliding = wp.for_transfer(pd.req, pd.req.seq_len, held.handle, len(held.pages))
+                waiting = len(self.sched.waiting) * wp.chunk_pages  # as `reserve` does above
+                sliding = wp.for_transfer(
+                    pd.req, pd.req.seq_len, held.handle, len(held.pages), waiting
+                )
                 fits = sliding is not None
             if not fits:
                 release_prefix(self.sched, held)
@@ -172,7 +175,9 @@ class DecodeLoop(PDLoop):
                 self.sched.cache.hit_tokens_total += held.tokens
             if pd.rid in self._t_stage:  # metrics only: how long it waited for KV memory
                 self.observe("kv_alloc_wait", time.monotonic() - self._t_stage[pd.rid])
-            pd.transfer.register(pd.pages, pd.aux_slot, held.tokens, sliding)
+            # a slice of full layers only allocates the same sliding pages but moves none there
+            to = sliding if self.kv_mgr.sliding_pool is not None else None
+            pd.transfer.register(pd.pages, pd.aux_slot, held.tokens, to)
             self.spans.event(pd.rid, "prealloc", "allocated")
             placed.append((pd.room, held.tokens, pd.pages, pd.aux_slot, pd.sliding))
         return placed

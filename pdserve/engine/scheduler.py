@@ -216,7 +216,7 @@ class Scheduler(GuideHold):
             self.cache.lock(handle)
         need = pages_needed(req.seq_len, self.cfg.page_size) - len(pages)
         wp = self.window_pages
-        if not self.free_pages_for(need + reserve) or (wp is not None and not wp.admits()):
+        if not self.free_pages_for(need + reserve) or (wp and not wp.admits(handle, len(pages))):
             if handle is not None:
                 assert self.cache is not None  # a handle comes only from the cache
                 self.cache.unlock(handle)

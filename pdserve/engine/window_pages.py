@@ -140,21 +140,37 @@ class WindowPages:
         its prompt."""
         return pages_per_request(self.window, 1 if decoding else self.chunk_size, self.page_size)
 
-    def _fits(self, own: int, keep: int, spare: Collection[int] = ()) -> bool:
-        """Whether `own` pages can be taken now while `keep` more and what every live holder may
-        still take stay free (the tree gives its unused pages up for that; `spare`: pages of the
-        tree about to be read)."""
-        more = sum(max(0, self._most(d) - len(r.sliding_pages)) for r, d in self._live())
-        want = own + keep + more
+    @property
+    def chunk_pages(self) -> int:
+        """The most pages a request computing its prompt holds."""
+        return self._most(decoding=False)
+
+    def _fits(self, most: int, spare: Collection[int] = (), keep: int = 0) -> bool:
+        """Whether a new holder of at most `most` pages fits beside the live ones, each of which
+        may grow to its bound, and `keep` more pages. The pool must hold the union of their
+        tables, each at its bound (or more, until its next `place`), so the free pages, with what
+        the tree gives up, must cover the sum of the bounds less the pages the tables hold already
+        (`spare`: the tree's pages the new holder reads, counted as held; a page in several
+        tables counts once there and more than once in the sum, which errs on the safe side)."""
+        live = self._live()
+        held = {p for r, _ in live for p in r.sliding_pages} | set(spare)
+        bounds = sum(max(self._most(d), len(r.sliding_pages)) for r, d in live)
+        want = most + bounds + keep - len(held)
         short = want - self.allocator.num_free
         if short > 0 and self.cache is not None:
-            self.cache.evict_sliding(short, self.in_use() | set(spare))
+            self.cache.evict_sliding(short, held)
         return self.allocator.num_free >= want
 
-    def admits(self) -> bool:
-        """Whether a request the scheduler admits now can hold its pages at their most (always
-        on a colocated node: `strict`)."""
-        return not self.strict or self._fits(0, self._most(decoding=False))
+    def admits(self, handle, cached_pages: int) -> bool:
+        """Whether a request the scheduler admits now, continuing from `cached_pages` cached pages
+        (`handle`, locked), can hold its pages at their most; always on a colocated node, whose
+        sizing sees to it (`strict`)."""
+        if not self.strict:
+            return True
+        spare: list[int] = []
+        if cached_pages and self.cache is not None:
+            spare = self.cache.window_of(handle, cached_pages)[1]
+        return self._fits(self.chunk_pages, spare)
 
     @classmethod
     def make(
@@ -200,21 +216,22 @@ class WindowPages:
             req.sliding_pages.extend(self.allocator.alloc(need))
 
     def for_transfer(
-        self, req: Req, num_tokens: int, handle, cached_pages: int
+        self, req: Req, num_tokens: int, handle, cached_pages: int, keep: int = 0
     ) -> tuple[int, list[int]] | None:
         """A PD decode room of `num_tokens` tokens whose first `cached_pages` pages it holds from
         the tree (`handle`, locked): gives `req` the sliding table its first decode step reads,
         from the page of the window's start (kv_transfer/layout.py `window_start`): the tree's
         pages up to the prefix's end, then its own. Returns the logical page of the first own one
         and the own ones, which the transfer writes (kv_transfer/targets.py). None, with nothing
-        taken, where the pool cannot hold them besides what every live holder may still take."""
+        taken, where the pool cannot hold them beside what every live holder may still take and
+        `keep` pages more (requests waiting to be admitted again)."""
         start = max(0, num_tokens - self.window) // self.page_size
         tree: list[int] = []
         if cached_pages > start and self.cache is not None:
             first, window = self.cache.window_of(handle, cached_pages)
             tree = window[start - first :]
         need = pages_needed(num_tokens, self.page_size) - max(start, cached_pages)
-        if not self._fits(need, max(0, self._most(True) - len(tree) - need), tree):
+        if not self._fits(max(self._most(True), len(tree) + need), tree, keep):
             return None
         own = self.allocator.alloc(need)
         req.sliding_first, req.sliding_pages = start, tree + own

@@ -74,6 +74,8 @@ class InMemoryKVSender(BaseKVSender):
         mgr = self._mgr
         try:
             check_compatible(mgr.pool, reg.pool)
+            if reg.sliding_pool is not None:
+                check_compatible(mgr.pool, reg.sliding_pool)
             own = reg.dst_slices[reg.dst_rank] if reg.dst_rank < len(reg.dst_slices) else None
             expected = frozenset(
                 r for r, _, _ in overlapping(mgr.pool.layers, dict(enumerate(reg.dst_slices)))

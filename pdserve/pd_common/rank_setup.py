@@ -23,10 +23,10 @@ def pool_desc(parts: RankParts) -> PoolDesc:
 
 def sliding_pool_desc(parts: RankParts) -> PoolDesc | None:
     """A windowed pool's sliding layers' buffer, its allocator's pages (the zero page after them
-    takes no write); None for a pool without one."""
+    takes no write); None for a pool without one, or without sliding layers."""
     pool = parts.runner.pool
-    if pool.sliding_kv is None or pool.sliding_allocator is None:
-        return None
+    if pool.sliding_kv is None or pool.sliding_allocator is None or not _sliding_layers(parts):
+        return None  # (a slice of full-attention layers only: its sliding buffer has no bytes)
     n = pool.sliding_allocator.num_pages
     return _desc(parts, pool.sliding_kv.data_ptr(), n, _sliding_layers(parts))
 
