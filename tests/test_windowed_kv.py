@@ -348,7 +348,8 @@ def test_a_sliding_pool_of_every_page_never_runs_short(gemma6, cache):
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
-@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2)])
+# (2, 6): decode ranks 1 and 5 hold a full-attention layer only, and register no sliding buffer
+@pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2), (2, 6)])
 def test_a_windowed_decode_node_matches_transformers(
     ppp, dpp, cache, gemma6, gemma6_greedy, gemma6_continued, monkeypatch
 ):
@@ -369,7 +370,10 @@ def test_a_windowed_decode_node_matches_transformers(
     )
     with running(lambda: PDCluster(gemma6, ppp, dpp, decode_engine=engine)) as c:
         for loop in c.decode.loops:
-            assert loop.kv_mgr.sliding_pool is not None, "the decode pool is not windowed"
+            assert loop.runner.pool.sliding_kv is not None, "the decode pool is not windowed"
+            layers = range(*loop.kv_mgr.pool.layers)
+            has_sliding = any(layer in loop.kv_mgr.pool.sliding for layer in layers)
+            assert (loop.kv_mgr.sliding_pool is not None) == has_sliding
         for asked, want in [(prompts, reference), (continued * 2, more * 2)]:
             got = c.generate_all(asked, len(want[0]))
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -384,7 +388,8 @@ def test_a_windowed_decode_node_matches_transformers(
                 assert pool.allocator.num_used == cached
                 assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if cache else 0)
                 assert cache == bool(tree and tree.hit_tokens_total > 0)
-                assert loop.kv_mgr.stats.snapshot()["window_skipped_bytes"] > 0
+                spared = loop.kv_mgr.stats.snapshot()["window_skipped_bytes"]
+                assert (spared > 0) == (loop.kv_mgr.sliding_pool is not None)
         assert (sum(evicted) > 0) == cache
 
 
