@@ -51,7 +51,8 @@ for S in $SYSTEMS; do
       PORT=8011; PGID=$(cat "$PEER_DIR/vllm.pid"); MODEL="${PEER_MODEL:-$PEER_DIR/smollm2-135m-hf}" ;;
     pd|pd11|pd22|pd_fp32|pd_args|pd_router)
       # pd: `pdserve up` with its defaults; pd11 / pd22: PP 1+1 / PP 2+2 named explicitly;
-      # pd_args: pd with the node flags in PD_NODE_ARGS (env), e.g. "--max-batch-tokens 512";
+      # pd_args: pd with the node flags in PD_NODE_ARGS (env), e.g. "--max-batch-tokens 512",
+      # and the decode nodes' in PD_DECODE_ARGS, e.g. "--windowed-kv";
       # pd_router: pd with the router flags in PD_ROUTER_ARGS (env), e.g. "--disagg-local-prefill-cost 0".
       # No prefix cache (but in pd_cache): the levels resend the same prompts, and vLLM runs with
       # its cache off too.
@@ -60,6 +61,7 @@ for S in $SYSTEMS; do
       na="$cache"; [ "$S" = pd_fp32 ] && na="$na --dtype float32"
       [ "$S" = pd_args ] && na="$na ${PD_NODE_ARGS:-}"
       [ -n "${na// }" ] && extra+=("--node-args=$na")
+      [ "$S" = pd_args ] && [ -n "${PD_DECODE_ARGS:-}" ] && extra+=("--decode-args=$PD_DECODE_ARGS")
       [ "$S" = pd_router ] && extra+=("--router-args=${PD_ROUTER_ARGS:-}")
       setsid "$PDS" up --port 8100 "${extra[@]}" > "$OUT/$S-server.log" 2>&1 & PGID=$!
       PORT=8100
