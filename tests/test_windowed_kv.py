@@ -480,3 +480,29 @@ def test_rooms_that_share_a_cached_window_never_run_the_sliding_pool_short():
         for req in rooms:
             wp.place(req, t, 1)
             assert len(req.sliding_pages) <= pages_per_request(64, 1, 16)
+
+
+def test_decode_local_requests_among_pd_rooms_on_a_windowed_decode_node(gemma6, gemma6_greedy):
+    """Prompts prefilled on the windowed decode node itself (no bootstrap fields: the scheduler
+    admits them, a window and a chunk each at most) among PD rooms of the same prompts (a window
+    and a page), 2 running on a sliding pool of 2 x 7 pages, with the prefix cache: every answer
+    is transformers', nothing runs the pool short, and afterwards only the tree holds pages."""
+    prompts, reference = gemma6_greedy
+    engine = {**WINDOWED, "enable_prefix_cache": True, "max_running": 2}
+    with running(lambda: PDCluster(gemma6, 2, 3, decode_engine=engine)) as c:
+        for i, ids in enumerate(prompts):
+            c.submit_local(f"local{i}", ids, len(reference[i]))
+            c.submit(f"pd{i}", ids, len(reference[i]))
+        for i in range(len(prompts)):
+            r = c.result(f"local{i}", sides=("decode",))
+            assert r.ok and r.tokens == reference[i], f"decode-local prompt {i}: {r}"
+            r = c.result(f"pd{i}")
+            assert r.ok and r.tokens == reference[i], f"PD prompt {i}: {r}"
+        for node in c.wait_settled().values():
+            for s in node:
+                assert settled(s), s
+        with c.paused():
+            for loop in c.decode.loops:
+                pool, tree = loop.runner.pool, loop.sched.cache
+                assert pool.allocator.num_used == tree.num_cached_pages
+                assert pool.sliding_allocator.num_used == len(tree._sliding_of)
