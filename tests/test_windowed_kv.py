@@ -84,16 +84,8 @@ def test_every_colocated_layout_matches_transformers(
                 n = len(prompts[i % len(prompts)])
                 assert g == w, f"prompt {i} (len {n}) differs from transformers"
         assert (sum(evicted) > 0) == cache
-        for s in c.wait_settled()["colocated"]:
-            assert settled(s), s
-        with c.paused():
-            for loop in c.node_.loops:
-                pool, tree = loop.runner.pool, loop.sched.cache
-                cached = tree.num_cached_pages if cache else 0
-                assert pool.allocator.num_used == cached
-                assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if cache else 0)
-                if cache:
-                    assert tree.hit_tokens_total > 0
+        for loop in _only_the_tree_holds(c, c.node_.loops):
+            assert cache == bool(loop.sched.cache and loop.sched.cache.hit_tokens_total > 0)
 
 
 def test_a_long_request_holds_its_window(gemma6):
@@ -378,18 +370,10 @@ def test_a_windowed_decode_node_matches_transformers(
             got = c.generate_all(asked, len(want[0]))
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 assert g == w, f"prompt {i} (len {len(asked[i])}) differs from transformers"
-        for node in c.wait_settled().values():
-            for s in node:
-                assert settled(s), s
-        with c.paused():
-            for loop in c.decode.loops:
-                pool, tree = loop.runner.pool, loop.sched.cache
-                cached = tree.num_cached_pages if cache else 0
-                assert pool.allocator.num_used == cached
-                assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if cache else 0)
-                assert cache == bool(tree and tree.hit_tokens_total > 0)
-                spared = loop.kv_mgr.stats.snapshot()["window_skipped_bytes"]
-                assert (spared > 0) == (loop.kv_mgr.sliding_pool is not None)
+        for loop in _only_the_tree_holds(c, c.decode.loops):
+            assert cache == bool(loop.sched.cache and loop.sched.cache.hit_tokens_total > 0)
+            spared = loop.kv_mgr.stats.snapshot()["window_skipped_bytes"]
+            assert (spared > 0) == (loop.kv_mgr.sliding_pool is not None)
         assert (sum(evicted) > 0) == cache
 
 
@@ -498,11 +482,18 @@ def test_decode_local_requests_among_pd_rooms_on_a_windowed_decode_node(gemma6, 
             assert r.ok and r.tokens == reference[i], f"decode-local prompt {i}: {r}"
             r = c.result(f"pd{i}")
             assert r.ok and r.tokens == reference[i], f"PD prompt {i}: {r}"
-        for node in c.wait_settled().values():
-            for s in node:
-                assert settled(s), s
-        with c.paused():
-            for loop in c.decode.loops:
-                pool, tree = loop.runner.pool, loop.sched.cache
-                assert pool.allocator.num_used == tree.num_cached_pages
-                assert pool.sliding_allocator.num_used == len(tree._sliding_of)
+        _only_the_tree_holds(c, c.decode.loops)
+
+
+def _only_the_tree_holds(cluster, loops) -> list:
+    """Waits until every rank of `cluster` settled; then, paused, on each of `loops` only the
+    prefix cache (if any) holds pages of either pool. Returns `loops`."""
+    for node in cluster.wait_settled().values():
+        for s in node:
+            assert settled(s), s
+    with cluster.paused():
+        for loop in loops:
+            pool, tree = loop.runner.pool, loop.sched.cache
+            assert pool.allocator.num_used == (tree.num_cached_pages if tree else 0)
+            assert pool.sliding_allocator.num_used == (len(tree._sliding_of) if tree else 0)
+    return loops
