@@ -19,6 +19,11 @@ ones a request gave it. A request lets go of those without freeing them; it give
 tree when its prompt is complete and at finish (`own_pages`). Where the pool is short, the tree
 frees sliding pages that no live request's table holds. Every live table holds at most the bound
 above, so that always suffices.
+
+A PD decode node's rooms get their table before their KV arrives (`for_transfer`: the window of
+their tokens' end, which the transfer writes). No max_running bounds those rooms, so there the
+sizing above proves nothing: every admission checks instead that the pool holds every live
+holder at its bound (`watch`, `_fits`).
 """
 
 from __future__ import annotations
