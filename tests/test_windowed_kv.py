@@ -57,10 +57,21 @@ def _restore_torch_threads():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def evicted(monkeypatch) -> list[int]:
+    """The count of sliding pages each `PrefixCache.evict_sliding` call (any tree's) gave up."""
+    counts: list[int] = []
+    real = PrefixCache.evict_sliding
+    monkeypatch.setattr(
+        PrefixCache, "evict_sliding", lambda *a: counts.append(real(*a)) or counts[-1]
+    )
+    return counts
+
+
 @pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("pp,depth", [(1, 0), (2, 1), (3, 0)])
 def test_every_colocated_layout_matches_transformers(
-    pp, depth, cache, gemma6, gemma6_greedy, monkeypatch
+    pp, depth, cache, gemma6, gemma6_greedy, evicted
 ):
     """A colocated node with the windowed pool, its ranks as threads: token-identical to
     transformers on prompts of up to 70 tokens (windows of 7, pages of 4), chunked and batched,
@@ -70,11 +81,6 @@ def test_every_colocated_layout_matches_transformers(
     gives up pages. Afterwards no request holds a page of either pool on any rank."""
     prompts, reference = gemma6_greedy
     engine = {**WINDOWED, "enable_prefix_cache": cache, "max_running": 4}
-    evicted = []
-    real = PrefixCache.evict_sliding
-    monkeypatch.setattr(
-        PrefixCache, "evict_sliding", lambda *a: evicted.append(real(*a)) or evicted[-1]
-    )
     with running(lambda: ColocatedCluster(gemma6, pp, engine=engine, async_depth=depth)) as c:
         for loop in c.node_.loops:
             assert loop.runner.pool.sliding_kv is not None, "the pool is not windowed"
@@ -343,7 +349,7 @@ def test_a_sliding_pool_of_every_page_never_runs_short(gemma6, cache):
 # (2, 6): decode ranks 1 and 5 hold a full-attention layer only, and register no sliding buffer
 @pytest.mark.parametrize("ppp,dpp", [(1, 1), (2, 3), (3, 2), (2, 6)])
 def test_a_windowed_decode_node_matches_transformers(
-    ppp, dpp, cache, gemma6, gemma6_greedy, gemma6_continued, monkeypatch
+    ppp, dpp, cache, gemma6, gemma6_greedy, gemma6_continued, evicted
 ):
     """A PD decode node with the windowed pool (its ranks as threads, the in-memory transfer):
     its sliding layers' KV lands in pages of their own, the window of each prompt's end only,
@@ -355,11 +361,6 @@ def test_a_windowed_decode_node_matches_transformers(
     prompts, reference = gemma6_greedy
     continued, more = gemma6_continued
     engine = {**WINDOWED, "enable_prefix_cache": cache, "max_running": 2}
-    evicted = []
-    real = PrefixCache.evict_sliding
-    monkeypatch.setattr(
-        PrefixCache, "evict_sliding", lambda *a: evicted.append(real(*a)) or evicted[-1]
-    )
     with running(lambda: PDCluster(gemma6, ppp, dpp, decode_engine=engine)) as c:
         for loop in c.decode.loops:
             assert loop.runner.pool.sliding_kv is not None, "the decode pool is not windowed"
@@ -454,7 +455,7 @@ def test_rooms_that_share_a_cached_window_never_run_the_sliding_pool_short():
         req = Req(f"r{len(rooms)}", prompt + [7], SamplingParams(max_tokens=32))
         pages, handle = tree.match(req.input_ids, 160)
         tree.lock(handle)
-        got = wp.for_transfer(req, 161, handle, len(pages))
+        got = wp.for_transfer(req, 161, (161 - 64) // 16, handle, len(pages))
         if got is None:
             break
         assert got[0] == 10 and len(got[1]) == 1  # the tree's 4 pages, then one of its own

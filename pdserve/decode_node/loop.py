@@ -161,8 +161,9 @@ class DecodeLoop(PDLoop):
             wp = self.sched.window_pages
             if fits and wp is not None:  # and the sliding layers' window (window_pages.py)
                 waiting = len(self.sched.waiting) * wp.chunk_pages  # as `reserve` does above
+                first = self._window_start(pd.req.seq_len) // ps  # where the transfer starts it
                 sliding = wp.for_transfer(
-                    pd.req, pd.req.seq_len, held.handle, len(held.pages), waiting
+                    pd.req, pd.req.seq_len, first, held.handle, len(held.pages), waiting
                 )
                 fits = sliding is not None
             if not fits:
@@ -279,10 +280,9 @@ class DecodeLoop(PDLoop):
         )
         held, pd.held = pd.held or HeldPrefix(), None  # the scheduler's request owns the lock now
         # the prompt's pages before the window came without their sliding layers' KV
-        pool = self.kv_mgr.pool
-        moved_from = window_start(req.seq_len - 1, pool.window, pool.page_size)
+        moved_from = self._window_start(req.seq_len - 1) // self.kv_mgr.pool.page_size
         self.sched.add_prefilled(
-            req, held.pages + pd.pages, slot, held.tokens, held.handle, moved_from // pool.page_size
+            req, held.pages + pd.pages, slot, held.tokens, held.handle, moved_from
         )
         if self.spans.on(pd.rid):
             self.spans.end(pd.rid, "first_token", token=tok)
@@ -290,6 +290,11 @@ class DecodeLoop(PDLoop):
             self._traced_status[pd.rid] = "running"
         if self.is_first and req.rid in self.sched.reqs:
             self._t_running[req.rid] = time.monotonic()
+
+    def _window_start(self, num_tokens: int) -> int:
+        """The first token whose sliding layers' KV a room of `num_tokens` receives."""
+        pool = self.kv_mgr.pool
+        return window_start(num_tokens, pool.window, pool.page_size)
 
     def on_finished(self, req: Req) -> None:
         if self.spans.on(req.rid):

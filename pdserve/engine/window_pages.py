@@ -221,16 +221,16 @@ class WindowPages:
             req.sliding_pages.extend(self.allocator.alloc(need))
 
     def for_transfer(
-        self, req: Req, num_tokens: int, handle, cached_pages: int, keep: int = 0
+        self, req: Req, num_tokens: int, start: int, handle, cached_pages: int, keep: int = 0
     ) -> tuple[int, list[int]] | None:
         """A PD decode room of `num_tokens` tokens whose first `cached_pages` pages it holds from
         the tree (`handle`, locked): gives `req` the sliding table its first decode step reads,
-        from the page of the window's start (kv_transfer/layout.py `window_start`): the tree's
-        pages up to the prefix's end, then its own. Returns the logical page of the first own one
-        and the own ones, which the transfer writes (kv_transfer/targets.py). None, with nothing
-        taken, where the pool cannot hold them beside what every live holder may still take and
-        `keep` pages more (requests waiting to be admitted again)."""
-        start = max(0, num_tokens - self.window) // self.page_size
+        from page `start` on (where the transfer starts the sliding layers' KV, its
+        `window_start`): the tree's pages up to the prefix's end, then its own. Returns the
+        logical page of the first own one and the own ones, which the transfer writes
+        (kv_transfer/targets.py). None, with nothing taken, where the pool cannot hold them beside
+        what every live holder may still take and `keep` pages more (requests waiting to be
+        admitted again)."""
         tree: list[int] = []
         if cached_pages > start and self.cache is not None:
             first, window = self.cache.window_of(handle, cached_pages)
