@@ -21,6 +21,10 @@ Clusters (each started, measured and stopped in turn):
   elastic pd   the same, every request disaggregated
   elastic pd from 1P+2D
                the same, from 1 prefill + 2 decode nodes (the wrong split for the first phase)
+  2P+1D short, 1P+2D short, elastic short, elastic short from 1P+2D
+               the same with prompts under `--disagg-min-prompt-tokens` (64) prefilled on the
+               decode node and every longer one disaggregated (`--disagg-local-prefill-cost 0`:
+               no queue rule)
 
 With `--peer-url` (vLLM-CPU started outside, ../shared/peers/start_vllm.sh) the same phases run
 against that server first, and a table gives every cluster's goodput over its.
@@ -62,6 +66,7 @@ from pdserve.infra.cluster_secret import ENV as SECRET_ENV  # noqa: E402
 from pdserve.infra.cluster_secret import cluster_secret  # noqa: E402
 from pdserve.infra.request_signing import SignedAuth  # noqa: E402
 
+SHORT = ["--disagg-local-prefill-cost", "0"]  # only short prompts prefilled on the decode node
 CLUSTERS = {
     "2P+1D pd": f"--prefill-nodes 2 --decode-nodes 1 --router-args '{' '.join(ALWAYS)}'",
     "1P+2D pd": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(ALWAYS)}'",
@@ -70,8 +75,18 @@ CLUSTERS = {
     "elastic cond": "--prefill-nodes 2 --decode-nodes 1 --elastic",
     "elastic pd": "--prefill-nodes 2 --decode-nodes 1 --elastic",
     "elastic pd from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
+    "2P+1D short": f"--prefill-nodes 2 --decode-nodes 1 --router-args '{' '.join(SHORT)}'",
+    "1P+2D short": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(SHORT)}'",
+    "elastic short": "--prefill-nodes 2 --decode-nodes 1 --elastic",
+    "elastic short from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
 }
-ELASTIC = ("elastic cond", "elastic pd", "elastic pd from 1P+2D")
+ELASTIC = (
+    "elastic cond",
+    "elastic pd",
+    "elastic pd from 1P+2D",
+    "elastic short",
+    "elastic short from 1P+2D",
+)
 PEER = "peer (--peer-url)"
 PHASES = ("prefill", "decode", "prefill")
 
@@ -328,7 +343,10 @@ def main() -> int:
         if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
             router = f"--elastic-ttft-target-ms {args.elastic_ttft_ms} "
             router += f"--elastic-itl-target-ms {args.elastic_itl_ms}"
-            router += " " + " ".join(ALWAYS) if name.startswith("elastic pd") else ""
+            if name.startswith("elastic pd"):
+                router += " " + " ".join(ALWAYS)
+            elif name.startswith("elastic short"):
+                router += " " + " ".join(SHORT)
             up_args += f" --router-args '{router}'"
         with cluster(args, "", up_args) as url:
             recs, moves, views = asyncio.run(run_phases(url, args))

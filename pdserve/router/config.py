@@ -261,6 +261,8 @@ class ElasticConfig:
     high: float = 0.8  # a role is short past high x its target (it may take the other's last)
     busy: float = 0.3  # under busy x its target no role asks for a node
     gain: float = 0.8  # a move must bring the cluster's pressure under gain x what it is now
+    # ... or under spare_gain x it, where the giving role stays idle (under busy) after the move
+    spare_gain: float = 0.95
     sustain_s: float = setting(
         3.0, flag="--elastic-sustain", help="seconds a shortage lasts before a move"
     )
@@ -276,8 +278,10 @@ class ElasticConfig:
     )
 
     def __post_init__(self) -> None:
-        if not 0 < self.busy < self.high or not 0 < self.gain < 1:
-            raise ValueError("elastic thresholds need 0 < busy < high and 0 < gain < 1")
+        if not 0 < self.busy < self.high or not 0 < self.gain <= self.spare_gain < 1:
+            raise ValueError(
+                "elastic thresholds need 0 < busy < high and 0 < gain <= spare_gain < 1"
+            )
         if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
             raise ValueError("elastic intervals must be > 0 s")
         if not 0 <= self.flip_grace_s <= 3600:

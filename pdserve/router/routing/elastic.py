@@ -18,7 +18,10 @@ only if the cluster's pressure, predicted again with each role's work spread ove
 the move, falls under `gain` x what it is now. That rule is its own hysteresis: the move back
 would raise the pressure it lowered, so it is never asked for on the same load. It also holds
 where a move would only move the bottleneck, or where a role's number barely falls with its work
-(a decode step that is mostly fixed cost). Under a closed loop of clients inside their targets a
+(a decode step that is mostly fixed cost) while the giving role has work of its own. A role that
+stays idle without the node (under `busy` after the move) gives it for less: the pressure need
+only fall under `spare_gain` x what it is now. It loses nothing by the move, and stays too idle
+to ask for the node back on the same load. Under a closed loop of clients inside their targets a
 busy role still gains from the other's idle node, but a busy (not short) role never takes the
 other's last node. A wish must last `sustain_s`, and no move comes within `dwell_s` of the last
 one. A decode node is never taken from the last one of its model's decode nodes; the last prefill
@@ -140,9 +143,16 @@ def _mean(xs: list[float], default: float) -> float:
     return sum(xs) / len(xs) if xs else default
 
 
+def role_pressure(nodes: list[NodeLoad], role: str, ttft_target_s: float, itl_target_s: float):
+    """One role's number over its target: the prefill wait, or the decode step."""
+    if role == "prefill":
+        return ttft_of(nodes) / ttft_target_s
+    return itl_of(nodes) / itl_target_s
+
+
 def pressure(nodes: list[NodeLoad], ttft_target_s: float, itl_target_s: float) -> float:
     """The cluster's worst role: the larger of prefill wait and decode step over their targets."""
-    return max(ttft_of(nodes) / ttft_target_s, itl_of(nodes) / itl_target_s)
+    return max(role_pressure(nodes, r, ttft_target_s, itl_target_s) for r in ("prefill", "decode"))
 
 
 def decide(nodes: list[NodeLoad], cfg: ElasticConfig, ttft_target_s: float, itl_target_s: float):
@@ -174,8 +184,12 @@ def weigh(
     mover = _least_loaded(givers, load)
     if mover is None:
         return None, f"{reason}: no {giver} node to spare"
-    after = pressure(_moved(nodes, mover, to), ttft_target_s, itl_target_s)
-    if after >= cfg.gain * now:
+    moved = _moved(nodes, mover, to)
+    after = pressure(moved, ttft_target_s, itl_target_s)
+    # a role that stays idle without the node gives it for any real gain: it loses nothing, and
+    # stays too idle to ask for it back on the same load
+    spare = role_pressure(moved, giver, ttft_target_s, itl_target_s) <= cfg.busy
+    if after >= (cfg.spare_gain if spare else cfg.gain) * now:
         return None, f"{reason}: a move gains too little (pressure {now:.2f} -> {after:.2f})"
     return Move(mover.url, to, reason, ttft, itl), ""
 
