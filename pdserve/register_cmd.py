@@ -4,7 +4,9 @@ runs it through `pdserve launch ROLE --register join|leave`, pdserve/launch.py).
 
 join: waits until the node's front answers `GET /health` with 200, not draining (at most --wait
 s), then registers it at every router that lacks it (`POST /workers {"url", "role",
-"bootstrap_port"}`, after `GET /workers` says it is missing). With --every S it looks again every
+"bootstrap_port", "replica"}`, after `GET /workers` says it is missing; `replica`: its pod's
+ordinal, so the router's replicas gauge never asks a scale-down to stop a node it moved to the
+other role). With --every S it looks again every
 S seconds while the node serves, so a router that restarted, or a router replica added later,
 gets it back.
 
@@ -40,6 +42,7 @@ from typing import Any
 import httpx
 
 URL_ENV = "PDSERVE_WORKER_URL"  # the URL the routers know this node by (the chart: its pod's name)
+REPLICA_ENV = "PDSERVE_REPLICA"  # its index in its role's StatefulSet (the chart: the ordinal)
 ATTEMPTS = 3  # tries of one request to one router or node
 BACKOFF_S = 1.0  # before the second try; doubled before each later one
 POLL_S = 1.0  # between health looks while a node starts or stops
@@ -77,6 +80,12 @@ def add_register_args(ap: argparse.ArgumentParser) -> None:
     join.add_argument("--role", required=True, choices=("prefill", "decode"))
     join.add_argument("--bootstrap-port", type=int, help="a prefill node's bootstrap port")
     join.add_argument(
+        "--replica",
+        default=os.environ.get(REPLICA_ENV),
+        help=f"the node's index in its role's StatefulSet, which a scale-down stops from the "
+        f"top (default: ${REPLICA_ENV}; none: not sent)",
+    )
+    join.add_argument(
         "--wait", type=float, default=600.0, help="seconds the node may take to serve first"
     )
     join.add_argument(
@@ -93,6 +102,10 @@ def register_main(args: argparse.Namespace) -> int:
 
     if not args.url or not args.url.startswith(("http://", "https://")) or args.url[-1] == "/":
         say(f"error: give --url or ${URL_ENV} as http://HOST:PORT, not {args.url!r}")
+        return 2
+    replica = getattr(args, "replica", None)
+    if replica not in (None, "") and not (str(replica).isdigit() and int(replica) < 100_000):
+        say(f"error: give --replica or ${REPLICA_ENV} as an index in [0, 100000), not {replica!r}")
         return 2
     auth = signed_auth(cluster_secret())  # the secret signs each request; it is never sent
     with httpx.Client(auth=auth, timeout=args.timeout, trust_env=False) as client:
@@ -122,6 +135,8 @@ def join(client: httpx.Client, args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"url": args.url, "role": args.role}
     if args.bootstrap_port is not None:
         body["bootstrap_port"] = args.bootstrap_port
+    if args.replica not in (None, ""):
+        body["replica"] = int(args.replica)
     failed = register_everywhere(client, args.router, body)
     while args.every > 0:  # a sidecar's life: each look is bounded, the pod's end stops it
         time.sleep(min(args.every, RETRY_S) if failed else args.every)

@@ -225,6 +225,21 @@ def test_a_flipped_node_counts_for_the_role_it_started_in():
         assert got == c.last["replicas_by_start_role"][role]
 
 
+def test_a_scale_down_never_reaches_a_flipped_node():
+    """A StatefulSet shrinks from its highest ordinal. Prefill pod 1, flipped to decode, serves
+    the second decode node; when prefill needs no node, counting it for prefill alone would ask
+    for 1 prefill pod, and the scale-down would stop pod 1, a decode node, not idle pod 0. Its
+    ordinal keeps the count at 2 until the controller moves it back; an unflipped pod, or one
+    whose ordinal is unknown, does not."""
+    flipped = replace(node("p1", "decode"), start_role="prefill", replica=1)
+    nodes = [replace(node("p0", "prefill"), replica=0), flipped, node("d0", "decode")]
+    assert replicas_to_start(nodes, {"prefill": 0, "decode": 1}) == {"prefill": 2, "decode": 0}
+    low = [replace(node("p0", "decode"), start_role="prefill", replica=0), node("p1", "prefill")]
+    assert replicas_to_start(low, {"prefill": 0, "decode": 1}) == {"prefill": 1, "decode": 0}
+    unknown = [replace(flipped, replica=None), node("d0", "decode")]
+    assert replicas_to_start(unknown, {"prefill": 0, "decode": 1}) == {"prefill": 1, "decode": 0}
+
+
 class FakeRegistry:
     def all(self):
         return []

@@ -132,6 +132,18 @@ def test_autoscalers_scale_the_rendered_nodes(name, tmp_path):
             else ("minReplicas", "maxReplicas")
         )
         assert (spec[lo], spec[hi]) == (want["minReplicas"], want["maxReplicas"])
+        # the register sidecar sends the pod's ordinal, which a scale-down stops from the top
+        (nodes,) = [
+            d
+            for d in docs
+            if d["kind"] == "StatefulSet"
+            and d["metadata"]["name"] == spec["scaleTargetRef"]["name"]
+        ]
+        pod = nodes["spec"]["template"]["spec"]
+        (register,) = [c for c in pod["containers"] if c["name"] == "register"]
+        env = {e["name"]: e for e in register["env"]}
+        ordinal = env["PDSERVE_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert ordinal == "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 def test_min_over_max_replicas_fails_the_render(tmp_path):

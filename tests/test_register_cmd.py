@@ -111,6 +111,7 @@ def fake(monkeypatch):
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", SECRET)
     monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN_FILE", raising=False)
     monkeypatch.setenv(register_cmd.URL_ENV, WORKER)
+    monkeypatch.delenv(register_cmd.REPLICA_ENV, raising=False)
     monkeypatch.setattr(register_cmd, "BACKOFF_S", 0.01)
     monkeypatch.setattr(register_cmd, "POLL_S", 0.05)
     f = Fake()
@@ -130,6 +131,24 @@ def test_join_registers_the_node_once_it_serves(fake):
     fake.calls.clear()
     assert join(fake) == 0  # already on the list: looked at, not posted again
     assert fake.calls == [("GET", "/health"), ("GET", "/workers")]
+
+
+def test_join_sends_the_nodes_ordinal_and_refuses_a_bad_one(fake, monkeypatch, capsys):
+    """The chart sets $PDSERVE_REPLICA to the pod's ordinal; the router keeps a flipped node's
+    ordinal inside its role's replica count (test_elastic_controller.py)."""
+    monkeypatch.setenv(register_cmd.REPLICA_ENV, "2")
+    assert join(fake) == 0
+    assert fake.workers[WORKER] == {
+        "url": WORKER,
+        "role": "prefill",
+        "bootstrap_port": 8998,
+        "replica": 2,
+    }
+    fake.workers.clear()
+    fake.calls.clear()
+    monkeypatch.setenv(register_cmd.REPLICA_ENV, "-1")
+    assert join(fake) == 2 and "PDSERVE_REPLICA" in capsys.readouterr().err
+    assert fake.calls == [] and not fake.workers
 
 
 def test_join_retries_a_router_that_is_not_up_yet(fake):

@@ -216,12 +216,16 @@ def test_api_key_required(pd):
 def test_workers_endpoint_needs_internal_token_and_adds_removes(pd):
     extra = StubNode(role="decode", model="stub-model")
     try:
-        body = {"url": extra.url, "role": "decode"}
+        body = {"url": extra.url, "role": "decode", "replica": 3}
         assert post(pd, "/workers", key="sk-test", json=body).status_code == 401
         r = post(pd, "/workers", key="tok", json=body)
         assert r.status_code == 200 and r.json()["worker"]["healthy"] is True
+        assert r.json()["worker"]["replica"] == 3
         assert post(pd, "/workers", key="tok", json=body).status_code == 409
         assert post(pd, "/workers", key="tok", json={"url": "nope"}).status_code == 400
+        for bad in ("3", -1, True, 10**6):
+            r = post(pd, "/workers", key="tok", json={**body, "replica": bad})
+            assert r.status_code == 400 and "replica" in r.json()["error"]["message"], r.text
         assert httpx.get(pd.url + "/workers", timeout=5).status_code == 401
         assert (
             httpx.get(

@@ -18,7 +18,8 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("url"), str):
         raise ApiError(
             400,
-            'send {"url": ..., "role": prefill|decode|colocated, "bootstrap_port": optional int}',
+            'send {"url": ..., "role": prefill|decode|colocated, "bootstrap_port": optional int, '
+            '"replica": optional int}',
             param="url",
         )
     try:
@@ -26,6 +27,7 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
             url=body["url"],
             role=body.get("role", "decode"),
             bootstrap_port=body.get("bootstrap_port"),
+            replica=body.get("replica"),
         )
         worker = router.registry.add(spec)
         router.dispatcher.pairs.track(router.registry.all())

@@ -27,6 +27,9 @@ def _priority_scheduling(raw: str) -> bool:
     return word == "priority" if word in ("priority", "fcfs") else parse_bool(raw)
 
 
+MAX_REPLICA = 100_000  # a node's index in its autoscaled set (WorkerSpec.replica)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One node the router sends to. `bootstrap_port` is only meaningful for prefill nodes; when it
@@ -35,6 +38,8 @@ class WorkerSpec:
     url: str
     role: str
     bootstrap_port: int | None = None
+    # its index in the set an autoscaler shrinks from the top (a StatefulSet's pod ordinal)
+    replica: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -46,6 +51,12 @@ class WorkerSpec:
             raise ValueError(f"worker URL {self.url!r} must not end with '/'")
         if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
+        if self.replica is not None and (
+            not isinstance(self.replica, int)
+            or isinstance(self.replica, bool)
+            or not 0 <= self.replica < MAX_REPLICA
+        ):
+            raise ValueError(f"replica {self.replica!r} is not an index in [0, {MAX_REPLICA})")
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class NodeLoad:
     step_s: float  # predicted decode step at `streams` (decode nodes)
     step_per_stream_s: float  # the fit's slope: the step one more stream adds
     start_role: str = ""  # the role it was started in ("": `role`)
+    replica: int | None = None  # its index in its role's autoscaled StatefulSet, if known
 
 
 @dataclass(frozen=True)
@@ -218,13 +219,20 @@ def replicas_to_start(nodes: list[NodeLoad], need: dict[str, int]) -> dict[str, 
     """`need` (nodes per role served) as nodes per role started in, what an autoscaler counts
     (one StatefulSet per role): a role's nodes that serve the other role now count for it too,
     the other's that serve it count against it. So where the controller's flips already meet
-    the need, the counts stay as they are, and a node flipped out of its role keeps its pod."""
+    the need, the counts stay as they are, and a node flipped out of its role keeps its pod.
+
+    A StatefulSet shrinks from its highest pod ordinal, so a role's count never falls to or below
+    the `replica` index of one of its nodes that serves the other role now: a scale-down would
+    stop that node, the other role's, not one of its own idle ones."""
     out = dict(need)
+    keep = {role: 0 for role in out}
     for n in nodes:
         if n.start_role and n.start_role != n.role:
             out[n.start_role] += 1
             out[n.role] -= 1
-    return {role: max(0, k) for role, k in out.items()}
+            if n.replica is not None:
+                keep[n.start_role] = max(keep[n.start_role], n.replica + 1)
+    return {role: max(0, k, keep[role]) for role, k in out.items()}
 
 
 class ElasticController:
@@ -261,6 +269,7 @@ class ElasticController:
                     step_fit.predict(w.in_flight),
                     step_fit.coefficients()[1],
                     w.start_role or "",
+                    w.replica,
                 )
             )
         return out

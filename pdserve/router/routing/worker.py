@@ -37,6 +37,7 @@ class Worker:
     changing_to: str | None = None  # a role change under way: chosen for neither role meanwhile
     changed_by_router: bool = False  # this router's change_role runs (the probes leave it be)
     start_role: str | None = None  # learnt from /server_info: the role an elastic node started in
+    replica: int | None = None  # its index in its autoscaled StatefulSet (POST /workers)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = urlparse(self.url).hostname or ""
@@ -82,4 +83,5 @@ class Worker:
             "prefix_cache": self.prefix_cache,
             "elastic": self.elastic,
             "changing_to": self.changing_to,
+            "replica": self.replica,
         }

@@ -53,6 +53,7 @@ class WorkerRegistry:
             role=spec.role,
             bootstrap_port=spec.bootstrap_port,
             breaker=CircuitBreaker(self._cfg.breaker),
+            replica=spec.replica,
         )
         self._workers[spec.url] = worker
         self._report(worker)

@@ -295,6 +295,16 @@ affinity:
       fieldPath: metadata.name
 - name: PDSERVE_WORKER_URL
   value: {{ printf "http://$(POD_NAME).%s:%d" (include "pdserve.groupService" .) (int $g.port) | quote }}
+# the node's index in its role's set, which a scale-down stops from the top: the router's
+# replicas gauge keeps a flipped node's index inside the count (router/routing/elastic.py)
+- name: PDSERVE_REPLICA
+  valueFrom:
+    fieldRef:
+      {{- if .root.Values.lws.enabled }}
+      fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/group-index']
+      {{- else }}
+      fieldPath: metadata.labels['apps.kubernetes.io/pod-index']
+      {{- end }}
 {{- end -}}
 
 {{/* The routers' headless Service (every router pod, ready or not), where nodes register. */}}
