@@ -11,20 +11,20 @@ without a pause, each `--phase-seconds` long:
 
 Clusters (each started, measured and stopped in turn):
 
-  2P+1D pd     2 prefill + 1 decode nodes, every request disaggregated
-  1P+2D pd     1 prefill + 2 decode nodes, every request disaggregated
-  2P+1D cond   the same split with conditional disaggregation (the router's default)
-  1P+2D cond
-  elastic cond `pdserve up --elastic`: 2 prefill + 1 decode elastic nodes to start with, the
-               router's controller on (targets `--elastic-ttft-ms`, `--elastic-itl-ms`),
-               conditional disaggregation
-  elastic pd   the same, every request disaggregated
-  elastic pd from 1P+2D
-               the same, from 1 prefill + 2 decode nodes (the wrong split for the first phase)
-  2P+1D short, 1P+2D short, elastic short, elastic short from 1P+2D
-               the same with prompts under `--disagg-min-prompt-tokens` (64) prefilled on the
-               decode node and every longer one disaggregated (`--disagg-local-prefill-cost 0`:
-               no queue rule)
+  2P+1D R      2 prefill + 1 decode nodes, routed by R (below)
+  1P+2D R      1 prefill + 2 decode nodes
+  elastic R    `pdserve up --elastic`: 2 prefill + 1 decode elastic nodes to start with, the
+               router's controller on (targets `--elastic-ttft-ms`, `--elastic-itl-ms`)
+  elastic R from 1P+2D
+               the same, from 1 prefill + 2 decode nodes
+
+where the routing R is one of
+  pd           every request disaggregated
+  cond         conditional disaggregation, the router's default
+  short        only prompts under `--disagg-min-prompt-tokens` (64) prefilled on the decode
+               node, every longer one disaggregated (`--disagg-local-prefill-cost 0`)
+  w1           the decode node alone only where it gains more TTFT than it delays the streams
+               open there (`--disagg-stream-delay-weight 1`, `--disagg-min-prompt-tokens 0`)
 
 With `--peer-url` (vLLM-CPU started outside, ../shared/peers/start_vllm.sh) the same phases run
 against that server first, and a table gives every cluster's goodput over its.
@@ -66,27 +66,24 @@ from pdserve.infra.cluster_secret import ENV as SECRET_ENV  # noqa: E402
 from pdserve.infra.cluster_secret import cluster_secret  # noqa: E402
 from pdserve.infra.request_signing import SignedAuth  # noqa: E402
 
-SHORT = ["--disagg-local-prefill-cost", "0"]  # only short prompts prefilled on the decode node
-CLUSTERS = {
-    "2P+1D pd": f"--prefill-nodes 2 --decode-nodes 1 --router-args '{' '.join(ALWAYS)}'",
-    "1P+2D pd": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(ALWAYS)}'",
-    "2P+1D cond": "--prefill-nodes 2 --decode-nodes 1",
-    "1P+2D cond": "--prefill-nodes 1 --decode-nodes 2",
-    "elastic cond": "--prefill-nodes 2 --decode-nodes 1 --elastic",
-    "elastic pd": "--prefill-nodes 2 --decode-nodes 1 --elastic",
-    "elastic pd from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
-    "2P+1D short": f"--prefill-nodes 2 --decode-nodes 1 --router-args '{' '.join(SHORT)}'",
-    "1P+2D short": f"--prefill-nodes 1 --decode-nodes 2 --router-args '{' '.join(SHORT)}'",
-    "elastic short": "--prefill-nodes 2 --decode-nodes 1 --elastic",
-    "elastic short from 1P+2D": "--prefill-nodes 1 --decode-nodes 2 --elastic",
+# how the router routes, by the name's last word (the router's flags)
+ROUTINGS = {
+    "pd": ALWAYS,  # every request disaggregated
+    "cond": [],  # the router's default: conditional disaggregation
+    "short": ["--disagg-local-prefill-cost", "0"],  # only prompts under 64 tokens stay local
+    # the pair unless the decode node alone gains more TTFT than it delays its streams
+    "w1": ["--disagg-min-prompt-tokens", "0", "--disagg-stream-delay-weight", "1"],
 }
-ELASTIC = (
-    "elastic cond",
-    "elastic pd",
-    "elastic pd from 1P+2D",
-    "elastic short",
-    "elastic short from 1P+2D",
-)
+SPLITS = {
+    "2P+1D": "--prefill-nodes 2 --decode-nodes 1",
+    "1P+2D": "--prefill-nodes 1 --decode-nodes 2",
+}
+CLUSTERS = {
+    **{f"{split} {r}": (nodes, False, r) for split, nodes in SPLITS.items() for r in ROUTINGS},
+    **{f"elastic {r}": (SPLITS["2P+1D"], True, r) for r in ROUTINGS},
+    **{f"elastic {r} from 1P+2D": (SPLITS["1P+2D"], True, r) for r in ROUTINGS},
+}
+ELASTIC = tuple(name for name, (_, elastic, _) in CLUSTERS.items() if elastic)
 PEER = "peer (--peer-url)"
 PHASES = ("prefill", "decode", "prefill")
 
@@ -285,7 +282,11 @@ def _over_peer(results: dict) -> list[str]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--clusters", default=",".join(CLUSTERS), help="names, comma-separated")
+    ap.add_argument(
+        "--clusters",
+        default="2P+1D pd,1P+2D pd,2P+1D cond,1P+2D cond,elastic pd,elastic pd from 1P+2D",
+        help=f"names, comma-separated, of: {', '.join(CLUSTERS)}",
+    )
     ap.add_argument("--phase-seconds", type=float, default=90.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--long-words", type=int, default=600)
@@ -339,15 +340,13 @@ def main() -> int:
         if args.peer_pid_file:
             stop_peer(Path(args.peer_pid_file))
     for name in [n for n in args.clusters.split(",") if n]:
-        up_args = CLUSTERS[name]
-        if name in ELASTIC:  # the controller's targets; pd: every request disaggregated
-            router = f"--elastic-ttft-target-ms {args.elastic_ttft_ms} "
-            router += f"--elastic-itl-target-ms {args.elastic_itl_ms}"
-            if name.startswith("elastic pd"):
-                router += " " + " ".join(ALWAYS)
-            elif name.startswith("elastic short"):
-                router += " " + " ".join(SHORT)
-            up_args += f" --router-args '{router}'"
+        nodes, elastic, routing = CLUSTERS[name]
+        router = list(ROUTINGS[routing])
+        if elastic:  # the controller's targets
+            router += ["--elastic-ttft-target-ms", str(args.elastic_ttft_ms)]
+            router += ["--elastic-itl-target-ms", str(args.elastic_itl_ms)]
+        up_args = nodes + (" --elastic" if elastic else "")
+        up_args += f" --router-args '{' '.join(router)}'" if router else ""
         with cluster(args, "", up_args) as url:
             recs, moves, views = asyncio.run(run_phases(url, args))
         results[name] = {
