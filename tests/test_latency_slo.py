@@ -444,3 +444,48 @@ def test_n_choices_count_as_goodput_by_their_slowest_choice(stream):
                 texts = [ch.message.content for ch in out.choices]
             assert all(texts), texts
             assert slo_rejections(c)["pdserve_router_goodput_requests_total"] == counted, slo_ms
+
+
+def test_the_decode_step_fit_learns_only_streams_the_node_prefilled_nothing_beside():
+    """Measured (bench/results/elastic_phases.md, 2026-12-07): under a routing that prefills on
+    decode nodes, their streams' steps carried those prefills (ITL p50 97-136 ms against a 17 ms
+    step alone), and the elastic controller, reading them as decode load, moved the last prefill
+    node to decode. The felt step keeps every stream (the ITL SLO admits by it); the decode-only
+    fit keeps a stream only if the node had no prompt of its own queued at its first token, its
+    own aside, and none joined before its end."""
+    from types import SimpleNamespace
+
+    from pdserve.router.routing.attempt import Route
+    from pdserve.router.routing.timing import Timing
+
+    model = LatencyModel(DisaggConfig())
+    d = SimpleNamespace(disagg=SimpleNamespace(model=model))
+    decode = Worker(url="http://d", role="decode", breaker=CircuitBreaker(BreakerConfig()))
+    prefill = Worker(url="http://p", role="prefill", breaker=CircuitBreaker(BreakerConfig()))
+
+    def stream(route: Route, gap: float, local_prefill_meanwhile: bool) -> None:
+        t = Timing()
+        charged = route.prefill or route.decode
+        charged.queue("", route.prompt_tokens, 1)  # as Attempt.start charges it
+        t.sent(route, "")
+        t.first_token(d, route)
+        charged.queue("", -route.prompt_tokens, -1)  # its prefill ended
+        if local_prefill_meanwhile:
+            decode.queue("", 200, 1)  # another request prefills on the decode node
+            decode.queue("", -200, -1)
+        t.t_first -= 10 * gap  # ten tokens, `gap` apart
+        for _ in range(10):
+            t.token()
+        t.ended(d, route)
+
+    local = Route(None, decode, prompt_tokens=50, path="decode_only")
+    pair = Route(prefill, decode, prompt_tokens=400, path="disaggregated")
+    for _ in range(20):
+        stream(pair, 0.02, local_prefill_meanwhile=False)
+        stream(local, 0.02, local_prefill_meanwhile=False)  # its own prefill: before its tokens
+        stream(pair, 0.12, local_prefill_meanwhile=True)
+    assert model.decode_step_fit("http://d").predict(0) == pytest.approx(0.02, rel=0.1)
+    assert model.step_fit("http://d").predict(0) > 0.04  # the felt step: the slow ones too
+    decode.queue("", 300, 1)  # a prompt queued on the node at the next stream's first token
+    stream(pair, 0.5, local_prefill_meanwhile=False)
+    assert model.decode_step_fit("http://d").predict(0) == pytest.approx(0.02, rel=0.1)

@@ -27,9 +27,6 @@ def _priority_scheduling(raw: str) -> bool:
     return word == "priority" if word in ("priority", "fcfs") else parse_bool(raw)
 
 
-MAX_REPLICA = 100_000  # a node's index in its autoscaled set (WorkerSpec.replica)
-
-
 @dataclass(frozen=True)
 class WorkerSpec:
     """One node the router sends to. `bootstrap_port` is only meaningful for prefill nodes; when it
@@ -51,12 +48,8 @@ class WorkerSpec:
             raise ValueError(f"worker URL {self.url!r} must not end with '/'")
         if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
-        if self.replica is not None and (
-            not isinstance(self.replica, int)
-            or isinstance(self.replica, bool)
-            or not 0 <= self.replica < MAX_REPLICA
-        ):
-            raise ValueError(f"replica {self.replica!r} is not an index in [0, {MAX_REPLICA})")
+        if (r := self.replica) is not None and (type(r) is not int or not 0 <= r < 100_000):
+            raise ValueError(f"replica {r!r} is not an index in [0, 100000)")
 
 
 @dataclass(frozen=True)
@@ -272,8 +265,7 @@ class ElasticConfig:
     high: float = 0.8  # a role is short past high x its target (it may take the other's last)
     busy: float = 0.3  # under busy x its target no role asks for a node
     gain: float = 0.8  # a move must bring the cluster's pressure under gain x what it is now
-    # ... or under spare_gain x it, where the giving role stays idle (under busy) after the move
-    spare_gain: float = 0.95
+    spare_gain: float = 0.95  # ... or under this, where the giving role stays idle after it
     sustain_s: float = setting(
         3.0, flag="--elastic-sustain", help="seconds a shortage lasts before a move"
     )
@@ -290,9 +282,7 @@ class ElasticConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.busy < self.high or not 0 < self.gain <= self.spare_gain < 1:
-            raise ValueError(
-                "elastic thresholds need 0 < busy < high and 0 < gain <= spare_gain < 1"
-            )
+            raise ValueError("elastic thresholds need 0 < busy < high, 0 < gain <= spare_gain < 1")
         if min(self.interval_s, self.sustain_s, self.dwell_s, self.flip_timeout_s) <= 0:
             raise ValueError("elastic intervals must be > 0 s")
         if not 0 <= self.flip_grace_s <= 3600:

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import httpx
 from pdserve.router.admission import ADMITTED, Ticket
 from pdserve.router.openai_api.responses import NodeAborted, check_event, parse_sse_line
 from pdserve.router.routing.failures import Failure, aborted, node_failure, unreachable
-from pdserve.router.routing.latency_model import queue_ahead
+from pdserve.router.routing.timing import Timing
 from pdserve.router.routing.worker import Worker
 from pdserve.router.timeline import CURRENT
 
@@ -319,65 +318,6 @@ class Attempt:
         meta = self.last_meta or (self.result or {}).get("meta_info") or {}
         reason = meta.get("finish_reason") if isinstance(meta, dict) else None
         return reason.get("type") if isinstance(reason, dict) else None
-
-
-class Timing:
-    """An attempt's times (monotonic seconds), and what the latency model learns from them: the
-    prefill's duration against the tokens its node computed before it ended, the handoff, the
-    seconds between tokens against the decode node's open streams."""
-
-    def __init__(self) -> None:
-        self.t_sent = self.t_prefilled = self.t_first = self.t_last = 0.0
-        self.queue_ahead = 0.0  # prompt tokens it waited behind at the prefilling worker
-        self.busy = False  # the prefilling worker had requests open when sent
-        self.streams = 0  # requests open on the decode node at the first token
-        self.tokens = 0  # stream events after the first
-        self.handoff_learnt = False
-
-    def sent(self, route: Route, tenant: str) -> None:
-        worker = route.prefill or route.decode
-        self.t_sent = time.monotonic()
-        self.queue_ahead = queue_ahead(worker, tenant, route.prompt_tokens)
-        self.busy = worker.in_flight > 0
-
-    def prefilled(self, d: Dispatcher, route: Route) -> None:
-        self.t_prefilled = time.monotonic()
-        assert route.prefill is not None
-        work = self.queue_ahead + route.prompt_tokens
-        d.disagg.model.observe_prefill(
-            route.prefill.url, "prefill", False, work, self.t_prefilled - self.t_sent
-        )
-        self._handoff(d, route)
-
-    def first_token(self, d: Dispatcher, route: Route) -> None:
-        self.t_first = self.t_last = time.monotonic()
-        self.streams = route.decode.in_flight
-        ttft = self.t_first - self.t_sent
-        model = d.disagg.model
-        if route.prefill is None:
-            work = self.queue_ahead + route.prompt_tokens
-            model.observe_prefill(route.decode.url, route.decode.role, self.busy, work, ttft)
-        self._handoff(d, route)
-        if (predicted := route.predicted_ttft_s) is not None:
-            ratio = model.record_error(route.path, predicted, ttft, route.prompt_tokens)
-            if ratio is not None:
-                d.metrics.prediction_ratio.labels(path=route.path).observe(ratio)
-
-    def _handoff(self, d: Dispatcher, route: Route) -> None:
-        """Once both the prefill's answer and the first token came (in either order)."""
-        if self.t_prefilled and self.t_first and not self.handoff_learnt:
-            self.handoff_learnt = True
-            gap = self.t_first - self.t_prefilled
-            d.disagg.model.observe_handoff(route.decode.url, route.prompt_tokens, gap)
-
-    def token(self) -> None:
-        self.t_last = time.monotonic()
-        self.tokens += 1
-
-    def ended(self, d: Dispatcher, route: Route) -> None:
-        if self.tokens >= 2:
-            step = (self.t_last - self.t_first) / self.tokens
-            d.disagg.model.observe_step(route.decode.url, self.streams, step)
 
 
 async def _reap_prefill(d: Dispatcher, worker: Worker, task: asyncio.Task, rid: str) -> None:

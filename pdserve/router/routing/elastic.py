@@ -256,7 +256,9 @@ class ElasticController:
         for w in self.registry.all():
             if w.role not in ("prefill", "decode") or not w.eligible():
                 continue
-            wait_fit, step_fit = self.model.prefill_fit(w), self.model.step_fit(w.url)
+            # the streams' own step: one that carries the node's prefills is slow whatever the
+            # decode role's size, and would ask for decode nodes that only prefill more
+            wait_fit, step_fit = self.model.prefill_fit(w), self.model.decode_step_fit(w.url)
             out.setdefault(w.model, []).append(
                 NodeLoad(
                     w.url,

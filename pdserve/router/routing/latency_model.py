@@ -143,7 +143,7 @@ class LatencyModel:
 
     def _prior(self, kind: str) -> LinearFit:
         cfg, rate = self.cfg, BASE_S_PER_TOKEN
-        if kind == "step":
+        if kind in ("step", "decode_step"):
             return LinearFit(BASE_STEP_S, BASE_STEP_PER_STREAM_S, span=64.0)
         if kind == "handoff":
             # the prefill fits hold the fixed cost already
@@ -165,8 +165,15 @@ class LatencyModel:
         return self._fit(self._prefill_kind(worker.role, True), worker.url)
 
     def step_fit(self, url: str) -> LinearFit:
-        """The fit of a decode node's step time against its open streams."""
+        """The fit of a decode node's step time against its open streams: the seconds between a
+        stream's tokens, prompts it prefilled meanwhile included (what the ITL SLO admits by)."""
         return self._fit("step", url)
+
+    def decode_step_fit(self, url: str) -> LinearFit:
+        """The same fit of the streams alone: only streams during whose life the node prefilled
+        no prompt of its own. A step that carries prefills is slower whatever the decode role's
+        size, so the elastic controller reads this one (router/routing/elastic.py)."""
+        return self._fit("decode_step", url)
 
     # --- predicting -------------------------------------------------------------------------
     def prefill_s(
@@ -266,9 +273,13 @@ class LatencyModel:
         if not self.cfg.fixed_costs:
             self._fit("handoff", url).observe(prompt_tokens, max(0.0, seconds))
 
-    def observe_step(self, url: str, streams: int, seconds: float) -> None:
+    def observe_step(self, url: str, streams: int, seconds: float, prefills: bool = False) -> None:
+        """A finished stream's seconds between tokens; `prefills`: the node prefilled a prompt of
+        its own during the stream's life (then the decode-only fit does not learn it)."""
         if not self.cfg.fixed_costs:
             self._fit("step", url).observe(streams, seconds)
+            if not prefills:
+                self._fit("decode_step", url).observe(streams, seconds)
 
     def record_error(
         self, path: str, predicted_s: float, actual_s: float, tokens: float

@@ -27,6 +27,7 @@ class Worker:
     bad_probes: int = 0  # consecutive
     in_flight: int = 0  # requests the router has open on this worker
     queued_prompt_tokens: int = 0  # estimated prompt tokens sent here and not yet prefilled
+    prompts_queued: int = 0  # how many prompts ever joined that queue (a stream's clean check)
     # the same by tenant (only tenants with some queued): a node prefills tenants in fair turn
     queued_by_tenant: dict[str, int] = field(default_factory=dict)
     queued_requests_by_tenant: dict[str, int] = field(default_factory=dict)  # their number
@@ -47,6 +48,7 @@ class Worker:
         queue (negative: they left it); a tenant with none left is dropped, so the maps hold only
         queued tenants."""
         self.queued_prompt_tokens += tokens
+        self.prompts_queued += max(0, requests)
         left = self.queued_requests_by_tenant.get(tenant, 0) + requests
         if left > 0:
             self.queued_by_tenant[tenant] = self.queued_by_tenant.get(tenant, 0) + tokens
