@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import signal
 import socket
 import sys
@@ -104,7 +105,7 @@ def register_main(args: argparse.Namespace) -> int:
         say(f"error: give --url or ${URL_ENV} as http://HOST:PORT, not {args.url!r}")
         return 2
     replica = getattr(args, "replica", None)
-    if replica not in (None, "") and not (str(replica).isdigit() and int(replica) < 100_000):
+    if replica not in (None, "") and not re.fullmatch(r"[0-9]{1,5}", str(replica)):
         say(f"error: give --replica or ${REPLICA_ENV} as an index in [0, 100000), not {replica!r}")
         return 2
     auth = signed_auth(cluster_secret())  # the secret signs each request; it is never sent

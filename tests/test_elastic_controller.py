@@ -108,8 +108,8 @@ def test_an_idle_prefill_role_gives_a_node_for_a_small_gain():
     prompt queued, the step 25.4 ms at 8 streams against a 60 ms target, mostly fixed cost.
     Spread over two decode nodes it falls to 0.91x, short of `gain` (0.8x), and the old rule held
     the move for 28 s of the phase, while 1 prefill + 2 decode nodes served it at 0.83-0.87x the
-    step. The prefill role stays idle without the node, so the move is taken; after it, nothing
-    asks for the node back on the same load."""
+    step. The prefill role stays idle without the node, so the move is taken; after it, the idle
+    prefill role asks for nothing, and decode may not take its last node."""
     nodes = [
         node("p0", "prefill"),
         node("p1", "prefill"),
@@ -122,11 +122,27 @@ def test_an_idle_prefill_role_gives_a_node_for_a_small_gain():
         decode_at("d0", streams=4, step=0.0230, per_stream=6e-4),
         decode_at("p0", streams=4, step=0.0230, per_stream=6e-4),
     ]
-    assert weigh(after, CFG, TTFT, 0.06)[0] is None
-    # the same gain from a prefill role that would be busy without the node is not enough
-    busy = [node("p0", "prefill", queued=300), node("p1", "prefill", queued=300), nodes[2]]
-    move, why = weigh(busy, CFG, 1.0, 0.06)
+    move, why = weigh(after, CFG, TTFT, 0.06)
+    assert move is None and why.startswith("decode_busy: prefill has one node only"), why
+    # a prefill role that would be busy without the node (0.35 of its target after the move,
+    # over busy): the same move, which the smaller gain would take (pressure 0.42 -> 0.38), holds
+    busy = [node("p0", "prefill", queued=350), node("p1", "prefill", queued=350), nodes[2]]
+    move, why = weigh(busy, CFG, TTFT, 0.06)
     assert move is None and why.startswith("decode_busy: a move gains too little"), why
+
+
+def test_the_last_prefill_node_is_never_spare():
+    """Its queue would land on the decode nodes (whose step alone the controller reads), so it
+    goes only for the full gain: 1,200 tokens queued (0.6 of 2 s), two decode nodes at 0.85 of a
+    60 ms step. One node more would bring the step to 0.80 (0.94x), which is no reason to prefill
+    every prompt between the streams' steps."""
+    nodes = [
+        node("p0", "prefill", queued=1200, per_token=1e-3),
+        decode_at("d0", streams=16, step=0.051, per_stream=6e-4),
+        decode_at("d1", streams=16, step=0.051, per_stream=6e-4),
+    ]
+    move, why = weigh(nodes, CFG, TTFT, 0.06)
+    assert move is None and why.startswith("decode_short: a move gains too little"), why
 
 
 def test_the_move_back_comes_when_prefill_is_short_again():

@@ -489,3 +489,11 @@ def test_the_decode_step_fit_learns_only_streams_the_node_prefilled_nothing_besi
     decode.queue("", 300, 1)  # a prompt queued on the node at the next stream's first token
     stream(pair, 0.5, local_prefill_meanwhile=False)
     assert model.decode_step_fit("http://d").predict(0) == pytest.approx(0.02, rel=0.1)
+    decode.queue("", -300, -1)
+    # a stream prefilled on the decode node itself: its own prompt, still charged at its first
+    # token, is no prefill beside it (the fit leaves its 20 ms prior for the measured 60 ms)
+    model = LatencyModel(DisaggConfig())
+    d.disagg.model = model
+    for _ in range(20):
+        stream(local, 0.06, local_prefill_meanwhile=False)
+    assert model.decode_step_fit("http://d").predict(0) == pytest.approx(0.06, rel=0.1)

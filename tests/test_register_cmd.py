@@ -146,8 +146,9 @@ def test_join_sends_the_nodes_ordinal_and_refuses_a_bad_one(fake, monkeypatch, c
     }
     fake.workers.clear()
     fake.calls.clear()
-    monkeypatch.setenv(register_cmd.REPLICA_ENV, "-1")
-    assert join(fake) == 2 and "PDSERVE_REPLICA" in capsys.readouterr().err
+    for bad in ("-1", "²", "100000"):
+        monkeypatch.setenv(register_cmd.REPLICA_ENV, bad)
+        assert join(fake) == 2 and "PDSERVE_REPLICA" in capsys.readouterr().err
     assert fake.calls == [] and not fake.workers
 
 

@@ -223,9 +223,11 @@ def test_workers_endpoint_needs_internal_token_and_adds_removes(pd):
         assert r.json()["worker"]["replica"] == 3
         assert post(pd, "/workers", key="tok", json=body).status_code == 409
         assert post(pd, "/workers", key="tok", json={"url": "nope"}).status_code == 400
-        for bad in ("3", -1, True, 10**6):
-            r = post(pd, "/workers", key="tok", json={**body, "replica": bad})
-            assert r.status_code == 400 and "replica" in r.json()["error"]["message"], r.text
+        for field, bad in [("replica", b) for b in ("3", -1, True, 10**6)] + [
+            ("bootstrap_port", b) for b in ("8998", True, 8998.5, 0)
+        ]:
+            r = post(pd, "/workers", key="tok", json={**body, field: bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert httpx.get(pd.url + "/workers", timeout=5).status_code == 401
         assert (
             httpx.get(

@@ -33,7 +33,9 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
         router.dispatcher.pairs.track(router.registry.all())
     except (ValueError, TypeError) as exc:
         status = 409 if "already registered" in str(exc) else 400
-        raise ApiError(status, str(exc), param="url") from None
+        field = str(exc).split(" ", 1)[0]  # WorkerSpec's messages start with the field's name
+        param = field if field in ("role", "bootstrap_port", "replica") else "url"
+        raise ApiError(status, str(exc), param=param) from None
     await router.registry.probe(worker)
     return JSONResponse({"worker": worker.describe()})
 

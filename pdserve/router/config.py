@@ -40,14 +40,14 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"worker role {self.role!r} is not one of {', '.join(ROLES)}")
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
         parsed = urlparse(self.url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"worker URL {self.url!r} must look like http://HOST:PORT")
         if self.url.endswith("/"):
             raise ValueError(f"worker URL {self.url!r} must not end with '/'")
-        if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
-            raise ValueError(f"bootstrap port {self.bootstrap_port} is not a TCP port")
+        if (p := self.bootstrap_port) is not None and (type(p) is not int or not 0 < p < 65536):
+            raise ValueError(f"bootstrap_port {p!r} is not a TCP port")
         if (r := self.replica) is not None and (type(r) is not int or not 0 <= r < 100_000):
             raise ValueError(f"replica {r!r} is not an index in [0, 100000)")
 

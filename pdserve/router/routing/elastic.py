@@ -19,13 +19,14 @@ the move, falls under `gain` x what it is now. That rule is its own hysteresis: 
 would raise the pressure it lowered, so it is never asked for on the same load. It also holds
 where a move would only move the bottleneck, or where a role's number barely falls with its work
 (a decode step that is mostly fixed cost) while the giving role has work of its own. A role that
-stays idle without the node (under `busy` after the move) gives it for less: the pressure need
-only fall under `spare_gain` x what it is now. It loses nothing by the move, and stays too idle
-to ask for the node back on the same load. Under a closed loop of clients inside their targets a
-busy role still gains from the other's idle node, but a busy (not short) role never takes the
-other's last node. A wish must last `sustain_s`, and no move comes within `dwell_s` of the last
-one. A decode node is never taken from the last one of its model's decode nodes; the last prefill
-node may go, because decode nodes prefill the prompts themselves when none is left.
+stays idle without the node (under `busy` after the move), and keeps another, gives it for less:
+the pressure need only fall under `spare_gain` x what it is now. It loses nothing by the move,
+and stays too idle to ask for the node back on the same load. Under a closed loop of clients
+inside their targets a busy role still gains from the other's idle node, but a busy (not short)
+role never takes the other's last node. A wish must last `sustain_s`, and no move comes within
+`dwell_s` of the last one. A decode node is never taken from the last one of its model's decode
+nodes; the last prefill node may go (short only), because decode nodes prefill the prompts
+themselves when none is left.
 
 The decision is a pure function of a load snapshot (`decide`; `weigh` says why it holds), so it
 is tested on numbers; the controller only times it, runs the flip (`WorkerRegistry.change_role`),
@@ -101,7 +102,9 @@ def _moved(nodes: list[NodeLoad], mover: NodeLoad, to: str) -> list[NodeLoad]:
     gave_q, gave_s = mover.queued_tokens / max(len(old), 1), mover.streams / max(len(old), 1)
     out = [_load(n, n.queued_tokens + gave_q, n.streams + gave_s) for n in old]
     k = len(new) + 1
-    queue_each = sum(n.queued_tokens for n in new) / k
+    # the last prefill node's queue is prefilled by the decode nodes once it has gone
+    carried = 0 if old else mover.queued_tokens
+    queue_each = (sum(n.queued_tokens for n in new) + carried) / k
     streams_each = sum(n.streams for n in new) / k
     out += [_load(n, queue_each, streams_each) for n in new]
     per_token = _mean([n.wait_per_token_s for n in new], mover.wait_per_token_s)
@@ -189,7 +192,8 @@ def weigh(
     after = pressure(moved, ttft_target_s, itl_target_s)
     # a role that stays idle without the node gives it for any real gain: it loses nothing, and
     # stays too idle to ask for it back on the same load
-    spare = role_pressure(moved, giver, ttft_target_s, itl_target_s) <= cfg.busy
+    # (never the role's last node: with none left, its work lands on the other role)
+    spare = len(givers) > 1 and role_pressure(moved, giver, ttft_target_s, itl_target_s) <= cfg.busy
     if after >= (cfg.spare_gain if spare else cfg.gain) * now:
         return None, f"{reason}: a move gains too little (pressure {now:.2f} -> {after:.2f})"
     return Move(mover.url, to, reason, ttft, itl), ""
