@@ -6,9 +6,8 @@ join: waits until the node's front answers `GET /health` with 200, not draining 
 s), then registers it at every router that lacks it (`POST /workers {"url", "role",
 "bootstrap_port", "replica"}`, after `GET /workers` says it is missing; `replica`: its pod's
 ordinal, so the router's replicas gauge never asks a scale-down to stop a node it moved to the
-other role). With --every S it looks again every
-S seconds while the node serves, so a router that restarted, or a router replica added later,
-gets it back.
+other role). With --every S it looks again every S seconds while the node serves, so a router
+that restarted, or a router replica added later, gets it back.
 
 leave: removes the node from every router (`DELETE /workers?url=`), then asks the node to drain
 (`POST /drain`), then holds until its front has stopped (at most --deadline s in all). The removal

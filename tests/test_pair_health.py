@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import random
 
-from pdserve.router.config import BreakerConfig, DisaggConfig, RouterConfig, WorkerSpec
+from pdserve.router.config import BreakerConfig, DisaggConfig, RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing.dispatch import Dispatcher
 from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.routing.pair_health import PairHealth
 from pdserve.router.routing.policies import Random
 from pdserve.router.routing.workers import WorkerRegistry
+from pdserve.router.worker_spec import WorkerSpec
 
 P1, P2, D1, D2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
 BODY = {"input_ids": list(range(1, 200))}

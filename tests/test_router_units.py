@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.router.cli import add_router_args, router_config_from_args
-from pdserve.router.config import BreakerConfig, CacheAwareConfig, RouterConfig, WorkerSpec
+from pdserve.router.config import BreakerConfig, CacheAwareConfig, RouterConfig
 from pdserve.router.routing.circuit import CircuitBreaker, CircuitState
 from pdserve.router.routing.policies import (
     CacheAware,
@@ -24,6 +24,7 @@ from pdserve.router.routing.policies import (
     make_policy,
 )
 from pdserve.router.routing.prefix_tree import PrefixTree
+from pdserve.router.worker_spec import WorkerSpec
 
 
 @dataclass(eq=False)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.router.config import WorkerSpec
 from pdserve.router.errors import ApiError
 from pdserve.router.openai_api.openapi import openapi_document
 from pdserve.router.state import Router
+from pdserve.router.worker_spec import WorkerSpec, WorkerSpecError
 
 
 async def add_worker(router: Router, request: Request, t0: float) -> Response:
@@ -31,11 +31,11 @@ async def add_worker(router: Router, request: Request, t0: float) -> Response:
         )
         worker = router.registry.add(spec)
         router.dispatcher.pairs.track(router.registry.all())
+    except WorkerSpecError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
     except (ValueError, TypeError) as exc:
         status = 409 if "already registered" in str(exc) else 400
-        field = str(exc).split(" ", 1)[0]  # WorkerSpec's messages start with the field's name
-        param = field if field in ("role", "bootstrap_port", "replica") else "url"
-        raise ApiError(status, str(exc), param=param) from None
+        raise ApiError(status, str(exc), param="url") from None
     await router.registry.probe(worker)
     return JSONResponse({"worker": worker.describe()})
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pdserve.infra.cluster_secret import cluster_secret
 from pdserve.infra.config_flags import add_flags, config_from_args, setting
 from pdserve.infra.internal_auth import INSECURE_HELP, refuse_unprotected_bind
-from pdserve.router.config import POLICY_NAMES, RouterConfig, WorkerSpec
+from pdserve.router.config import POLICY_NAMES, RouterConfig
+from pdserve.router.worker_spec import WorkerSpec
 
 ENV_PREFIX = "PDSERVE_ROUTER_"
 

@@ -7,11 +7,10 @@ PDSERVE_ROUTER_<FLAG> first (infra/config_flags.py, router/cli.py): the numbers 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from pdserve.infra.config_flags import nested, parse_bool, setting
+from pdserve.router.worker_spec import WorkerSpec
 
-ROLES = ("prefill", "decode", "colocated")
 # router/routing/policies.py POLICIES, which imports this module (tests/test_router_cli.py)
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "least_load", "cache_aware")
 
@@ -25,31 +24,6 @@ def _priority_scheduling(raw: str) -> bool:
     """true/false, or vLLM's --scheduling-policy words: priority (true), fcfs (false)."""
     word = raw.strip().lower()
     return word == "priority" if word in ("priority", "fcfs") else parse_bool(raw)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One node the router sends to. `bootstrap_port` is only meaningful for prefill nodes; when it
-    is None the router learns it from the node's `GET /server_info`."""
-
-    url: str
-    role: str
-    bootstrap_port: int | None = None
-    # its index in the set an autoscaler shrinks from the top (a StatefulSet's pod ordinal)
-    replica: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
-        parsed = urlparse(self.url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"worker URL {self.url!r} must look like http://HOST:PORT")
-        if self.url.endswith("/"):
-            raise ValueError(f"worker URL {self.url!r} must not end with '/'")
-        if (p := self.bootstrap_port) is not None and (type(p) is not int or not 0 < p < 65536):
-            raise ValueError(f"bootstrap_port {p!r} is not a TCP port")
-        if (r := self.replica) is not None and (type(r) is not int or not 0 <= r < 100_000):
-            raise ValueError(f"replica {r!r} is not an index in [0, 100000)")
 
 
 @dataclass(frozen=True)

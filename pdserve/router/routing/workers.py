@@ -19,13 +19,14 @@ import time
 
 import httpx
 
-from pdserve.router.config import RouterConfig, WorkerSpec
+from pdserve.router.config import RouterConfig
 from pdserve.router.cpu_affinity import FrontCores
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.routing.circuit import CircuitBreaker
 from pdserve.router.routing.node_clients import NodeClients
 from pdserve.router.routing.worker import Worker
 from pdserve.router.tools.parsers import FORMATS
+from pdserve.router.worker_spec import WorkerSpec
 
 logger = logging.getLogger(f"pdserve.router[{os.getpid()}]")
 ROLE_POLL_S = 0.2  # how often a role change asks the node whether its ranks flipped
